@@ -1,0 +1,65 @@
+"""The ``fxpipe`` command line (DESIGN.md Contract 4).
+
+One module per sub-command (``fxpipe/cli/<name>_cmd.py``), each exposing
+``register(subparsers)`` that adds its parser and sets ``func`` to a ``run(args) -> int``.
+Every command takes ``--json``. Errors a user can cause (:class:`~fxpipe.errors.FxpipeError`)
+print one line on stderr and exit with code 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from fxpipe.errors import FxpipeError
+
+COMMANDS = ("partition", "bounds", "schedule", "plan", "report")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # argparse exits 2 already; keep its format
+        self.print_usage(sys.stderr)
+        self.exit(2, f"fxpipe: error: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The top-level parser with every available sub-command registered."""
+    parser = _Parser(prog="fxpipe", description="Automatic, certified pipeline parallelism for PyTorch.")
+    parser.add_argument("--version", action="store_true", help="print the version and exit")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    for name in COMMANDS:
+        try:
+            mod = importlib.import_module(f"fxpipe.cli.{name}_cmd")
+        except ModuleNotFoundError as exc:
+            if exc.name == f"fxpipe.cli.{name}_cmd":
+                continue  # command not built yet
+            raise
+        mod.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``fxpipe`` console script; returns the exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.version:
+        from fxpipe import __version__
+
+        print(__version__)
+        return 0
+    if not getattr(args, "func", None):
+        parser.print_help(sys.stderr)
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except FxpipeError as exc:
+        print(f"fxpipe {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"fxpipe {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

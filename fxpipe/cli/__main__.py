@@ -1,0 +1,5 @@
+import sys
+
+from fxpipe.cli import main
+
+sys.exit(main())

@@ -1,0 +1,27 @@
+"""Exceptions raised by fxpipe.
+
+Every error a user can cause derives from :class:`FxpipeError`; its message says what is
+wrong and what to do. The CLI turns these into a one-line message on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+
+class FxpipeError(Exception):
+    """Base class of every user-facing fxpipe error."""
+
+
+class InputError(FxpipeError, ValueError):
+    """Bad input: a malformed graph or problem file, an out-of-range argument, a cycle."""
+
+
+class InfeasibleError(FxpipeError):
+    """No solution exists under the given constraints (memory capacity, device count)."""
+
+
+class CaptureError(FxpipeError):
+    """The model could not be captured with torch.export (the message names the node)."""
+
+
+class SolverError(FxpipeError):
+    """A MILP/MIP solver failed in a way that is not a time-out (time-outs return results)."""
