@@ -1,0 +1,20 @@
+"""All numba flags of the partitioner in one place (house style, as in stumpy's config).
+
+``NJIT`` is used for every kernel. ``cache=True`` writes compiled machine code next to the
+sources (``__pycache__``) so a fresh process does not recompile; ``nogil=True`` lets Python
+threads run kernels concurrently (the BRKGA population is decoded by a thread pool, see
+:mod:`fxpipe.partition.brkga`; numba's ``prange`` was slower on a loaded machine because
+OpenMP threads spin at barriers).
+
+Kernels are compiled for writable C-contiguous arrays only (wrappers pass fresh copies), so
+each kernel has a single cached signature.
+
+Set the environment variable ``NUMBA_DISABLE_JIT=1`` to run every kernel as plain Python
+(slow, but debuggable; the test-suite supports it).
+"""
+
+from __future__ import annotations
+
+from numba import njit  # noqa: F401  (re-exported)
+
+NJIT = dict(cache=True, nogil=True)

@@ -1,0 +1,194 @@
+"""Partition search (orders, BRKGA) and the ``fxpipe partition`` CLI."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from fxpipe.cli import main
+from fxpipe.errors import InputError
+from fxpipe.ir import OpGraph
+from fxpipe.partition import brkga as brkga_mod
+from fxpipe.partition.brkga import BRKGAParams, PopulationDecoder, run_brkga
+from fxpipe.partition.objective import Partition, block_costs, validate_partition
+from fxpipe.partition.orders import structured_orders
+from fxpipe.partition.search import partition
+from fxpipe.partition.slicegraph import slice_order
+
+from naive import brute_force_partition
+from naive_partition import random_dag
+
+COMBOS = [(o, c) for o in ("inference", "training") for c in ("dag", "relay")]
+
+
+@pytest.mark.parametrize("method", ["orders", "brkga"])
+@pytest.mark.parametrize("objective,comm", COMBOS)
+def test_partition_is_valid_and_no_worse_than_structured_orders(method, objective, comm):
+    g = random_dag(11, 40, 0.08, ops=True)
+    p = partition(g, 4, objective=objective, comm=comm, method=method, evaluations=400, time_limit_s=60)
+    validate_partition(g, p)
+    np.testing.assert_allclose(p.block_costs, block_costs(g, p.assignment, 4, objective, comm), rtol=1e-12)
+    for o in structured_orders(g).values():
+        assert p.bottleneck <= slice_order(g, o, 4, objective, comm).bottleneck * (1 + 1e-12)
+    for key in ("method", "evaluations", "seconds", "seed", "order", "interrupted"):
+        assert key in p.meta
+    assert p.meta["method"] == method and p.meta["evaluations"] <= 400 and not p.meta["interrupted"]
+    order = np.asarray(p.meta["order"])
+    ph = [i for i, op in enumerate(g.ops) if op == "placeholder"]
+    out = [i for i, op in enumerate(g.ops) if op == "output"]
+    assert set(order[: len(ph)].tolist()) == set(ph) and set(order[g.n - len(out):].tolist()) == set(out)
+    assert p.assignment[ph].max() == 0 and p.assignment[out].min() == p.assignment.max()
+
+
+@pytest.mark.parametrize("objective,comm", COMBOS)
+def test_brkga_finds_the_brute_force_optimum_on_tiny_graphs(objective, comm):
+    for seed in range(3):
+        g = random_dag(seed, 7, 0.3)
+        want, _ = brute_force_partition(g, 3, objective, comm)
+        p = partition(g, 3, objective=objective, comm=comm, method="brkga", evaluations=600, time_limit_s=60, seed=seed)
+        assert p.bottleneck >= want * (1 - 1e-9)
+        assert p.bottleneck <= want * (1 + 1e-9)
+
+
+def test_brkga_is_reproducible_for_a_seed():
+    g = random_dag(5, 60, 0.06)
+    a = partition(g, 5, method="brkga", evaluations=500, time_limit_s=120, seed=3, objective="training")
+    b = partition(g, 5, method="brkga", evaluations=500, time_limit_s=120, seed=3, objective="training")
+    assert a.bottleneck == b.bottleneck and a.assignment.tolist() == b.assignment.tolist()
+    assert a.meta["order"] == b.meta["order"] and a.meta["evaluations"] == b.meta["evaluations"] == 500
+    dec = PopulationDecoder(g, 5, "training", "dag")
+    params = BRKGAParams(population=20, max_generations=5)
+    r1 = run_brkga(dec, params, seed=9)
+    r2 = run_brkga(dec, params, seed=9)
+    assert r1.best_fitness == r2.best_fitness and r1.evaluations == r2.evaluations == 20 + 5 * 16
+    assert r1.history[-1][3] == r1.best_fitness
+
+
+def test_brkga_incumbent_pruning_does_not_change_the_run():
+    g = random_dag(12, 40, 0.08)
+
+    class NoPruning(PopulationDecoder):
+        def __call__(self, keys, bound=math.inf):
+            return super().__call__(keys, math.inf)
+
+    params = BRKGAParams(population=24, max_generations=15)
+    for objective, comm in COMBOS:
+        a = run_brkga(PopulationDecoder(g, 4, objective, comm), params, seed=4)
+        b = run_brkga(NoPruning(g, 4, objective, comm), params, seed=4)
+        assert [(h[0], h[1], h[3]) for h in a.history] == [(h[0], h[1], h[3]) for h in b.history]
+        assert a.best_keys.tolist() == b.best_keys.tolist()
+
+
+def test_orders_method_with_zero_time_uses_structured_orders_only():
+    g = random_dag(2, 30, 0.1)
+    p = partition(g, 3, method="orders", time_limit_s=0)
+    assert p.meta["evaluations"] == len(structured_orders(g))
+    assert p.meta["rule"] in structured_orders(g)
+
+
+def test_warm_start_is_decoded():
+    g = random_dag(4, 25, 0.1)
+    ref = partition(g, 4, method="orders", time_limit_s=60, evaluations=300, seed=1)
+    p = partition(g, 4, method="orders", time_limit_s=0, warm_start=ref)
+    assert p.bottleneck <= ref.bottleneck * (1 + 1e-12)
+    # a Partition without an order: blocks then ids give a topological order
+    bare = Partition.from_assignment(g, ref.assignment, 4)
+    p2 = partition(g, 4, method="orders", time_limit_s=0, warm_start=bare)
+    assert p2.bottleneck <= ref.bottleneck * (1 + 1e-12)
+
+
+def test_ctrl_c_returns_best_so_far(monkeypatch):
+    g = random_dag(6, 30, 0.1)
+    calls = {"n": 0}
+    real = PopulationDecoder.__call__
+
+    def flaky(self, keys, bound=math.inf):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        return real(self, keys, bound)
+
+    monkeypatch.setattr(brkga_mod.PopulationDecoder, "__call__", flaky)
+    p = partition(g, 3, method="brkga", time_limit_s=60)
+    assert p.meta["interrupted"] is True
+    validate_partition(g, p)
+
+
+def test_k_larger_than_n_and_bad_arguments():
+    g = random_dag(1, 3, 0.5)
+    p = partition(g, 6, method="orders", time_limit_s=0)
+    validate_partition(g, p)
+    assert p.k == 6
+    for kwargs in (dict(k=0), dict(k=-1), dict(k=2.0), dict(k=2, method="anneal"), dict(k=2, time_limit_s=-1),
+                   dict(k=2, evaluations=0), dict(k=2, objective="x"), dict(k=2, comm="x"), dict(k=2, seed="a"),
+                   dict(k=2, memory=-5), dict(k=2, memory="lots")):
+        with pytest.raises(InputError):
+            partition(g, **kwargs)
+    with pytest.raises(InputError, match="OpGraph"):
+        partition({"nodes": []}, 2)
+    with pytest.raises(InputError):
+        BRKGAParams(population=1)
+    with pytest.raises(InputError):
+        BRKGAParams(elite_fraction=0.8, mutant_fraction=0.5)
+
+
+# ---------------------------------------------------------------- CLI
+
+
+@pytest.fixture
+def graph_file(tmp_path):
+    g = random_dag(8, 20, 0.15, ops=True)
+    path = tmp_path / "g.json"
+    g.save(path)
+    return g, path
+
+
+def test_cli_json_is_contract_4(graph_file, capsys):
+    g, path = graph_file
+    rc = main(["partition", str(path), "-k", "3", "--objective", "training", "--comm", "relay", "--time-limit", "5",
+               "--seed", "2", "--method", "orders", "--evaluations", "50", "--json"])
+    assert rc == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["k"] == 3 and len(doc["assignment"]) == g.n and len(doc["block_costs"]) == 3
+    assert doc["bottleneck"] == max(doc["block_costs"])
+    costs = block_costs(g, np.array(doc["assignment"]), 3, "training", "relay")
+    np.testing.assert_allclose(costs, doc["block_costs"], rtol=1e-12)
+    assert all(doc["assignment"][u] <= doc["assignment"][v] for u, v in g.edges.tolist())
+
+
+def test_cli_table_and_memory(graph_file, capsys):
+    g, path = graph_file
+    rc = main(["partition", str(path), "-k", "2", "--time-limit", "0", "--method", "orders", "--memory-capacity", "1TiB"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "bottleneck" in out and "stage" in out and "memory_GiB" in out
+
+
+@pytest.mark.parametrize(
+    "content,msg",
+    [
+        (None, "does not exist"),
+        ("{not json", "not valid JSON"),
+        ('{"nodes": [{"id": 0, "t_fwd_s": 1, "size_out_bytes": 1}, {"id": 1, "t_fwd_s": 1, "size_out_bytes": 1}], "edges": [[0, 1], [1, 0]]}', "cycle"),
+        ('{"nodes": [{"id": 0, "t_fwd_s": NaN, "size_out_bytes": 1}], "edges": []}', "finite"),
+        ('{"nodes": [], "edges": []}', "non-empty"),
+    ],
+)
+def test_cli_bad_graph_files_exit_2(tmp_path, capsys, content, msg):
+    path = tmp_path / "bad.json"
+    if content is not None:
+        path.write_text(content)
+    rc = main(["partition", str(path), "-k", "2", "--json"])
+    err = capsys.readouterr().err
+    assert rc == 2 and msg in err and "Traceback" not in err
+
+
+def test_cli_bad_arguments_exit_2(graph_file, capsys):
+    _, path = graph_file
+    assert main(["partition", str(path), "-k", "0"]) == 2
+    assert "k" in capsys.readouterr().err
+    assert main(["partition", str(path), "-k", "2", "--memory-capacity", "lots"]) == 2
+    assert "memory capacity" in capsys.readouterr().err
+    assert main(["partition", str(path), "-k", "2", "--memory-capacity", "1", "--time-limit", "0"]) == 2
+    assert "fits in" in capsys.readouterr().err
