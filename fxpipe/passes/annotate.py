@@ -1,0 +1,549 @@
+"""Cost annotation pass: one :class:`~fxpipe.cost.roofline.OpCost` per fx node.
+
+:class:`AnnotateCosts` is an fx analysis pass in the style of ``torch.fx.passes`` (STYLE.md):
+``requires`` checks that every node carries ``meta["val"]`` (as produced by
+:func:`fxpipe.passes.capture.capture`), ``call`` writes ``node.meta["fxpipe_cost"]`` on
+every node, ``ensures`` checks that every cost is finite and non-negative and that each
+parameter is owned once. The graph itself is not modified (``PassResult.modified`` is False).
+
+Everything is computed from the fake tensors in ``node.meta["val"]``: nothing is allocated,
+so a model captured on the ``meta`` device is costed without its weights.
+
+Costs are for ONE micro-batch: the example inputs given to ``capture`` are that micro-batch.
+
+FLOPs
+    ``torch.utils.flop_counter.flop_registry`` formulas (mm, addmm, bmm, baddbmm, convolution,
+    attention kernels) applied to the fake tensors; every attention op (including
+    ``scaled_dot_product_attention`` and the CPU kernels the registry lacks) with
+    ``sdpa_flop_count`` (4 B H Sq Sk D, no causal discount); ``aten.linear``/``aten.matmul`` with the
+    same ``2*M*N*K`` formula; other composite ops (einsum, conv2d, sdpa, ...) run on the fake
+    tensors under ``FlopCounterMode``; grouped matmuls (MoE experts) ``2 * tokens * K * N``.
+Bytes moved
+    Distinct tensor inputs (activations and parameters read) + outputs.
+Shape-only ops
+    views, reshape, permute, expand, slicing, ``getitem``, sym-size, ``_assert_*``, detach,
+    no-op ``to``/``contiguous``, eval-mode dropout: zero time, zero bytes, zero activation.
+Parameters
+    Each parameter (deduplicated by identity, so tied weights count once) is owned by its
+    first consumer in program order: ``size_param_bytes``. Buffers are not parameters and
+    are not counted.
+Activation memory (``act_bytes``), an approximation of what autograd saves
+    Only for nodes whose output requires grad. matmul with a weight saves its non-weight
+    input; matmul without weights saves both inputs; attention saves q, k, v and the output;
+    embedding saves its indices; mul/div save an operand iff the other one needs a gradient
+    (nothing for a Python-scalar factor); index/gather/where/masked_fill save their index or
+    mask; unary
+    nonlinearities save their input (gelu, silu, pow, ...) or output (tanh, sigmoid, exp,
+    relu, rsqrt, softmax); normalisations save their input; dropout saves a 1-byte mask;
+    add/sub/cat/copies/reductions save nothing; unknown ops save their tensor inputs.
+    Saved views keep their base alive: a saved tensor is resolved through shape-only ops
+    to its base, and each base is counted once, on the first node that saves it.
+    Parameters are never counted (they are resident).
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from typing import Any, Iterable
+
+import torch
+import torch.fx
+from torch.fx.passes.infra.pass_base import PassBase, PassResult
+from torch.utils import _pytree as pytree
+from torch.utils.flop_counter import FlopCounterMode, flop_registry, sdpa_flop_count
+
+from fxpipe.cost.hardware import HardwareSpec, get_hardware
+from fxpipe.cost.roofline import OpCost, backward_times, roofline_s
+from fxpipe.errors import InputError
+from fxpipe.passes.capture import getattr_path
+
+#: The single namespaced ``node.meta`` key this pass writes.
+COST_KEY = "fxpipe_cost"
+
+aten = torch.ops.aten
+
+
+def _packets(*names: str) -> frozenset:
+    out = set()
+    for n in names:
+        if hasattr(aten, n):
+            out.add(getattr(aten, n))
+    return frozenset(out)
+
+
+SHAPE_OPS = _packets(
+    "view", "_unsafe_view", "reshape", "permute", "transpose", "t", "expand", "expand_as",
+    "unsqueeze", "squeeze", "slice", "select", "split", "split_with_sizes", "chunk", "unbind",
+    "narrow", "as_strided", "alias", "detach", "view_as", "flatten", "unflatten", "movedim",
+    "_assert_tensor_metadata", "_assert_scalar", "_assert_async", "sym_size", "sym_numel",
+    "sym_stride", "sym_storage_offset", "sym_constrain_range", "sym_constrain_range_for_size",
+    "_reshape_alias", "lift_fresh", "numpy_T", "mT", "adjoint", "swapaxes", "transpose_",
+    "unsqueeze_", "squeeze_", "t_", "resolve_conj", "resolve_neg", "_functional_assert_async",
+    "_assert_tensor_metadata", "tensor_split", "diagonal", "real",
+)
+#: Ops that are a no-op when the dtype/device/layout does not change.
+MAYBE_NOOP = _packets("to", "_to_copy", "contiguous", "type_as")
+DROPOUT = _packets("dropout", "native_dropout", "feature_dropout", "alpha_dropout")
+MATMUL_COMPOSITE = _packets("linear", "matmul")
+FLOP_COMPOSITE = _packets(
+    "einsum", "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d",
+    "conv_transpose3d", "scaled_dot_product_attention", "bilinear", "tensordot", "chain_matmul",
+    "addbmm", "addmv", "mv", "dot", "vdot", "outer", "inner", "bilinear",
+)
+ATTENTION = _packets(
+    "scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_flash_attention_for_cpu", "_flash_attention_forward",
+    "_efficient_attention_forward",
+)
+EMBEDDING = _packets("embedding", "_embedding_bag", "embedding_bag")
+NORM_OR_SOFTMAX = _packets(
+    "softmax", "_softmax", "log_softmax", "_log_softmax", "layer_norm", "native_layer_norm",
+    "group_norm", "native_group_norm", "batch_norm", "native_batch_norm", "_native_batch_norm_legit",
+    "_native_batch_norm_legit_no_training", "rms_norm", "_fused_rms_norm", "instance_norm",
+    "cross_entropy_loss", "nll_loss", "nll_loss_nd", "nll_loss_forward",
+)
+SAVES_NOTHING = _packets(
+    "add", "sub", "neg", "cat", "stack", "to", "_to_copy", "clone", "contiguous", "pad",
+    "constant_pad_nd", "sum", "mean", "copy", "copy_", "add_", "sub_", "zeros_like", "ones_like",
+    "full_like", "empty_like", "new_zeros", "new_ones", "new_empty", "new_full", "repeat",
+    "fill", "fill_", "type_as", "roll", "flip", "tril", "triu", "rsub",
+)
+SAVES_OUTPUT = _packets("tanh", "sigmoid", "exp", "relu", "softmax", "_softmax", "log_softmax",
+                        "_log_softmax", "rsqrt", "sqrt", "elu", "hardtanh")
+SAVES_INPUT = _packets(
+    "gelu", "silu", "pow", "log", "sin", "cos", "erf", "abs", "mish", "softplus", "leaky_relu",
+    "hardswish", "hardsigmoid", "layer_norm", "native_layer_norm", "group_norm", "native_group_norm",
+    "batch_norm", "native_batch_norm", "rms_norm", "_fused_rms_norm", "log1p", "expm1", "reciprocal",
+    "clamp", "clamp_min", "clamp_max", "max", "min", "amax", "amin", "norm", "linalg_vector_norm",
+    "var", "std", "var_mean", "gelu_", "silu_", "relu_", "tan", "atan", "asin", "acos", "sinh", "cosh",
+)
+
+PRODUCT = _packets("mul", "div", "mul_", "div_")
+DIVISION = _packets("div", "div_")
+#: ops whose backward needs only an index/mask argument: packet -> argument position
+INDEX_SAVES = {pkt: pos for names, pos in (
+    (("index",), 1), (("gather", "index_select", "take_along_dim"), 2), (("where",), 0),
+    (("masked_fill",), 1),
+) for name in names for pkt in _packets(name)}
+
+_DTYPE_NAMES = {
+    torch.float32: "fp32", torch.float64: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
+}
+for _name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"):
+    if hasattr(torch, _name):
+        _DTYPE_NAMES[getattr(torch, _name)] = "fp8"
+
+
+def _to_int(x: Any) -> int:
+    if isinstance(x, int):
+        return x
+    if isinstance(x, torch.SymInt):
+        hint = getattr(x.node, "hint", None)
+        if hint is not None:
+            return int(hint)
+        try:
+            return int(x.node.shape_env.size_hint(x.node.expr))
+        except Exception:  # unbacked symbol without a hint: assume 1
+            return 1
+    return int(x)
+
+
+def _numel(t: torch.Tensor) -> int:
+    n = 1
+    for s in t.shape:
+        n *= _to_int(s)
+    return n
+
+
+def _tensors(val: Any) -> list[torch.Tensor]:
+    return [x for x in pytree.tree_leaves(val) if isinstance(x, torch.Tensor)]
+
+
+def _packet(target: Any) -> Any:
+    return getattr(target, "overloadpacket", None)
+
+
+class AnnotateCosts(PassBase):
+    """Annotate every node of a captured ``GraphModule`` with an :class:`OpCost`.
+
+    Parameters
+    ----------
+    hardware : str or HardwareSpec
+        Device the costs are for (``"h100-sxm"``, ``"a100-80gb"``, ``"h200"``, ``"cpu"``).
+    dtype : torch.dtype, optional
+        Cost floating-point tensors as this dtype (bytes and peak FLOP/s), e.g. capture a
+        float32 model on ``meta`` and cost it as ``torch.bfloat16``. Parameter bytes are
+        scaled too. Default: each tensor's own dtype.
+    allow_tf32 : bool
+        Cost float32 matmuls at the TF32 tensor-core peak instead of the FP32 peak.
+
+    Notes
+    -----
+    After the pass, ``node.meta["fxpipe_cost"]`` holds an :class:`OpCost` for every node
+    (placeholders, get_attr and output get zero-time records). ``gm.meta["fxpipe_param_owner"]``
+    maps each get_attr target of a parameter to the name of its owning node.
+
+    Raises
+    ------
+    InputError
+        From ``requires`` if a node lacks ``meta["val"]`` (capture the model with
+        :func:`fxpipe.passes.capture.capture`), or for an unknown hardware.
+
+    References
+    ----------
+    Roofline: Williams et al., CACM 2009. F/B/W split: Qi et al., Zero Bubble Pipeline
+    Parallelism, ICLR 2024, Section 2.
+    """
+
+    def __init__(self, hardware: str | HardwareSpec = "h100-sxm", dtype: torch.dtype | None = None,
+                 *, allow_tf32: bool = False):
+        super().__init__()
+        self.hw = get_hardware(hardware)
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise InputError(f"dtype must be a floating-point torch.dtype or None, got {dtype!r}")
+        self.dtype = dtype
+        self.allow_tf32 = bool(allow_tf32)
+
+    # ------------------------------------------------------------------ helpers
+    def _bytes(self, t: torch.Tensor) -> float:
+        dt = t.dtype
+        if self.dtype is not None and dt.is_floating_point:
+            dt = self.dtype
+        return float(_numel(t) * dt.itemsize)
+
+    def _dtype_name(self, tensors: Iterable[torch.Tensor]) -> str:
+        for t in tensors:
+            dt = t.dtype
+            if dt.is_floating_point:
+                if self.dtype is not None:
+                    dt = self.dtype
+                name = _DTYPE_NAMES.get(dt, "fp32")
+                if name == "fp32" and self.allow_tf32:
+                    return "tf32"
+                return name
+        return ""
+
+    # ------------------------------------------------------------------ pass protocol
+    def requires(self, gm: torch.fx.GraphModule) -> None:
+        for node in gm.graph.nodes:
+            if node.op == "placeholder" and "val" not in node.meta:
+                raise InputError(
+                    f"node {node.name!r} has no meta['val']: capture the model with "
+                    "fxpipe.passes.capture.capture (torch.export) before costing it"
+                )
+            if node.op in ("call_function", "call_method") and "val" not in node.meta:
+                if _packet(node.target) in SHAPE_OPS or node.target is operator.getitem:
+                    continue
+                if node.users:
+                    raise InputError(
+                        f"node {node.name!r} ({node.target}) has no meta['val'] but is used: "
+                        "capture the model with fxpipe.passes.capture.capture"
+                    )
+
+    def ensures(self, gm: torch.fx.GraphModule) -> None:
+        for node in gm.graph.nodes:
+            cost = node.meta.get(COST_KEY)
+            if not isinstance(cost, OpCost):
+                raise AssertionError(f"AnnotateCosts left node {node.name!r} without a cost")
+            for key in ("flops", "bytes", "t_fwd_s", "t_bwd_input_s", "t_bwd_weight_s",
+                        "size_out_bytes", "size_param_bytes", "act_bytes"):
+                v = getattr(cost, key)
+                if not (math.isfinite(v) and v >= 0):
+                    raise AssertionError(f"node {node.name!r}: {key}={v} is not finite and >= 0")
+        # every parameter read by the graph is owned exactly once: the owned bytes add up
+        params = {id(p): p for p in gm.parameters()}
+        read: dict[int, torch.Tensor] = {}
+        for node in gm.graph.nodes:
+            if node.op == "get_attr":
+                obj = getattr_path(gm, node.target)
+                if isinstance(obj, torch.Tensor) and id(obj) in params and node.users:
+                    read[id(obj)] = obj
+        want = sum(self._bytes(p) for p in read.values())
+        got = sum(n.meta[COST_KEY].size_param_bytes for n in gm.graph.nodes)
+        if abs(want - got) > 1e-9 * max(want, 1.0):
+            raise AssertionError(f"parameter bytes owned by nodes ({got}) != bytes of parameters read ({want})")
+        if len(gm.meta.get("fxpipe_param_owner", {})) != len(read):
+            raise AssertionError("some parameter has no owner or more than one")
+        gm.graph.lint()
+
+    def call(self, gm: torch.fx.GraphModule) -> PassResult:
+        hw = self.hw
+        lo = hw.launch_overhead_s
+        params = {id(p) for p in gm.parameters()}
+        # -------- pass 1: parameters, their first consumer, requires-grad, view bases
+        param_of: dict[torch.fx.Node, Any] = {}  # get_attr node (or a view of one) -> parameter
+        seen_param: set[int] = set()
+        owner_bytes: dict[torch.fx.Node, float] = {}
+        param_owner: dict[str, str] = {}
+        rg: dict[torch.fx.Node, bool] = {}
+        base: dict[torch.fx.Node, torch.fx.Node] = {}
+        shape_only: dict[torch.fx.Node, bool] = {}
+        fallback: dict[int, tuple] = {}
+        for node in gm.graph.nodes:
+            shape_only[node] = self._is_shape_only(node)
+            if node.op == "get_attr":
+                obj = getattr_path(gm, node.target)
+                if isinstance(obj, torch.Tensor) and id(obj) in params:
+                    param_of[node] = obj
+                    rg[node] = bool(obj.requires_grad)
+                else:
+                    rg[node] = False
+                base[node] = node
+                continue
+            if node.op == "placeholder":
+                rg[node] = False
+                base[node] = node
+                continue
+            ins = node.all_input_nodes
+            # parameter ownership: first consumer in program order
+            # (a shape-only view of a parameter passes ownership on to ITS first consumer)
+            carries = shape_only[node] and bool(ins) and ins[0] in param_of
+            if carries:
+                param_of[node] = param_of[ins[0]]
+            for inp in ins:
+                p = param_of.get(inp)
+                if p is None or id(p) in seen_param:
+                    continue
+                if carries and inp is ins[0]:
+                    fallback.setdefault(id(p), (node, p, inp))
+                    continue
+                seen_param.add(id(p))
+                owner_bytes[node] = owner_bytes.get(node, 0.0) + self._bytes(p)
+                param_owner[_param_target(inp, param_of)] = node.name
+            out_ts = _tensors(node.meta.get("val"))
+            floating_out = any(t.dtype.is_floating_point or t.dtype.is_complex for t in out_ts)
+            if node.op == "call_function" and "wrap_with_set_grad_enabled" in str(node.target) and node.args \
+                    and node.args[0] is False:
+                rg[node] = False
+            else:
+                rg[node] = floating_out and any(rg.get(i, False) for i in ins)
+            if shape_only[node] and ins and not (node.target is operator.getitem and not shape_only.get(ins[0], False)):
+                base[node] = base.get(ins[0], ins[0])
+            else:
+                base[node] = node
+        for pid, (node, p, inp) in fallback.items():  # only ever viewed, never computed on
+            if pid not in seen_param:
+                seen_param.add(pid)
+                owner_bytes[node] = owner_bytes.get(node, 0.0) + self._bytes(p)
+                param_owner[_param_target(inp, param_of)] = node.name
+        gm.meta["fxpipe_param_owner"] = param_owner
+
+        # -------- pass 2: costs
+        saved_bases: set[torch.fx.Node] = set()
+        for node in gm.graph.nodes:
+            val = node.meta.get("val")
+            out_ts = _tensors(val)
+            size_out = float(sum(self._bytes(t) for t in out_ts))
+            p_bytes = owner_bytes.get(node, 0.0)
+            if node.op in ("placeholder", "get_attr", "output"):
+                kind = "input" if node.op != "output" else "output"
+                node.meta[COST_KEY] = OpCost(size_out_bytes=size_out if node.op != "output" else 0.0,
+                                             size_param_bytes=p_bytes, kind=kind)
+                continue
+            ins = node.all_input_nodes
+            in_vals = [(i, t) for i in ins for t in _tensors(i.meta.get("val"))]
+            if shape_only[node]:
+                node.meta[COST_KEY] = OpCost(size_out_bytes=size_out, size_param_bytes=p_bytes, kind="shape",
+                                             requires_grad=rg[node])
+                continue
+            # distinct input tensors (a tensor used twice is read once)
+            uniq: dict[int, tuple[torch.fx.Node, torch.Tensor]] = {}
+            for i, t in in_vals:
+                uniq.setdefault(id(t), (i, t))
+            in_bytes = sum(self._bytes(t) for _, t in uniq.values())
+            bytes_moved = in_bytes + size_out
+            flops = float(self._flops(node, out_ts))
+            all_ts = [t for _, t in uniq.values()] + out_ts
+            dname = self._dtype_name(all_ts)
+            peak = hw.peak(dname or "fp32")
+            core = roofline_s(flops, bytes_moved, peak, hw.hbm_bytes_per_s)
+            t_fwd = core + lo
+            pkt = _packet(node.target)
+            param_in = [i for i in ins if i in param_of]
+            act_in = [i for i in ins if i not in param_of]
+            grad_inputs = sum(1 for i in act_in if rg.get(i, False))
+            has_w = any(rg.get(i, False) for i in param_in)
+            factor = 2.0 if pkt in NORM_OR_SOFTMAX else 1.0
+            weight_grad = None
+            if pkt in ATTENTION:
+                kind = "attention"
+            elif pkt in EMBEDDING and has_w:
+                kind = "embedding"
+                w_bytes = sum(self._bytes(param_of[i]) for i in param_in)
+                weight_grad = roofline_s(0.0, 2 * size_out + w_bytes, peak, hw.hbm_bytes_per_s)
+            elif flops > 0 and has_w:
+                kind = "matmul_param"
+            elif flops > 0:
+                kind = "matmul"
+            elif has_w:
+                kind = "param_other"
+            else:
+                kind = "elementwise"
+            if rg[node]:
+                t_b, t_w = backward_times(kind, core, lo, input_grads=grad_inputs, factor=factor,
+                                          weight_grad_s=weight_grad)
+                if not has_w:
+                    t_w = 0.0
+                act = self._act_bytes(node, kind, pkt, act_in, base, saved_bases, param_of, rg)
+            else:
+                t_b = t_w = 0.0
+                act = 0.0
+            node.meta[COST_KEY] = OpCost(
+                flops=flops, bytes=float(bytes_moved), t_fwd_s=t_fwd, t_bwd_input_s=t_b, t_bwd_weight_s=t_w,
+                size_out_bytes=size_out, size_param_bytes=p_bytes, act_bytes=act, kind=kind, dtype=dname,
+                requires_grad=rg[node],
+            )
+        return PassResult(gm, False)
+
+    # ------------------------------------------------------------------ pieces
+    def _is_shape_only(self, node: torch.fx.Node) -> bool:
+        if node.op == "call_module":
+            return node.target == "_guards_fn"
+        if node.op not in ("call_function", "call_method"):
+            return False
+        tgt = node.target
+        if tgt is operator.getitem:
+            return True
+        if not isinstance(tgt, torch._ops.OpOverload):
+            # python operators on SymInts (operator.mul, sym_sum, ...) and other non-aten callables
+            vals = _tensors(node.meta.get("val"))
+            return not vals and getattr(tgt, "__module__", "") in ("_operator", "operator", "torch", "math",
+                                                                     "torch.fx.experimental.sym_node")
+        pkt = tgt.overloadpacket
+        if pkt in SHAPE_OPS:
+            return True
+        if pkt in DROPOUT:
+            train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train", True)
+            p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
+            return train is False or p == 0
+        if pkt in MAYBE_NOOP:
+            out = node.meta.get("val")
+            src = node.args[0].meta.get("val") if node.args and isinstance(node.args[0], torch.fx.Node) else None
+            if isinstance(out, torch.Tensor) and isinstance(src, torch.Tensor):
+                same = out.dtype == src.dtype and out.device == src.device
+                if pkt in (aten.contiguous,):
+                    return src.is_contiguous()
+                copy = node.kwargs.get("copy", False)
+                return same and not copy and src.is_contiguous() == out.is_contiguous()
+        return False
+
+    def _flops(self, node: torch.fx.Node, out_ts: list[torch.Tensor]) -> float:
+        tgt = node.target
+        if isinstance(tgt, torch._ops.HigherOrderOperator):
+            # wrap_with_set_grad_enabled, cond, ...: FLOPs of the body graph(s)
+            total = 0.0
+            root = node.graph.owning_module
+            for arg in node.args:
+                if isinstance(arg, torch.fx.Node) and arg.op == "get_attr" and root is not None:
+                    sub = getattr_path(root, arg.target)
+                    if isinstance(sub, torch.fx.GraphModule):
+                        total += sum(self._flops(n, _tensors(n.meta.get("val"))) for n in sub.graph.nodes
+                                     if n.op == "call_function")
+            return total
+        if not isinstance(tgt, torch._ops.OpOverload):
+            return 0.0
+        pkt = tgt.overloadpacket
+        args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
+        name = str(tgt)
+        if "grouped_mm" in name:
+            x, w = args[0], args[1]
+            if isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor) and x.dim() == 2 and w.dim() == 3:
+                return 2.0 * _to_int(x.shape[0]) * _to_int(w.shape[-2]) * _to_int(w.shape[-1])
+            return 0.0
+        if pkt in ATTENTION and len(args) >= 3 and all(isinstance(t, torch.Tensor) for t in args[:3]):
+            # same formula as torch.utils.flop_counter.sdpa_flop_count (QK^T and PV, no causal
+            # discount), also for the CPU kernels the registry does not list
+            q, k, v = args[:3]
+            shape = lambda t: tuple(_to_int(d) for d in t.shape)  # noqa: E731
+            return float(sdpa_flop_count(shape(q), shape(k), shape(v)))
+        if pkt in MATMUL_COMPOSITE:
+            x, w = args[0], args[1]
+            if not (isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor) and out_ts):
+                return 0.0
+            k = _to_int(x.shape[-1]) if x.dim() >= 1 else 1
+            return 2.0 * _numel(out_ts[0]) * k
+        if pkt in flop_registry:
+            out = node.meta.get("val")
+            try:
+                return float(flop_registry[pkt](*args, **kwargs, out_val=out))
+            except Exception:
+                return self._run_counted(tgt, args, kwargs)
+        if pkt in FLOP_COMPOSITE:
+            return self._run_counted(tgt, args, kwargs)
+        return 0.0
+
+    @staticmethod
+    def _run_counted(tgt, args, kwargs) -> float:
+        from torch._guards import detect_fake_mode
+
+        fake_mode = detect_fake_mode(pytree.tree_leaves((args, kwargs)))
+        counter = FlopCounterMode(display=False)
+        try:
+            if fake_mode is not None:
+                with fake_mode, counter:
+                    tgt(*args, **kwargs)
+            else:
+                with counter:
+                    tgt(*args, **kwargs)
+        except Exception:
+            return 0.0
+        return float(counter.get_total_flops())
+
+    def _act_bytes(self, node, kind, pkt, act_in, base, saved_bases, param_of, rg) -> float:
+        def save(nodes: Iterable[torch.fx.Node]) -> float:
+            total = 0.0
+            for i in nodes:
+                b = base.get(i, i)
+                if b in saved_bases or i in param_of or b in param_of:
+                    continue
+                saved_bases.add(b)
+                total += float(sum(self._bytes(t) for t in _tensors(b.meta.get("val"))))
+            return total
+
+        if kind in ("matmul_param", "matmul", "embedding"):
+            return save(act_in)
+        if pkt in PRODUCT and len(node.args) >= 2:
+            # d(a*b)/da needs b and d(a*b)/db needs a: save an operand iff the other needs grad;
+            # a Python scalar operand needs nothing saved (x * 0.5 saves nothing)
+            a, b = node.args[0], node.args[1]
+            a_n, b_n = isinstance(a, torch.fx.Node), isinstance(b, torch.fx.Node)
+            keep = []
+            if a_n and b_n and rg.get(b, False):
+                keep.append(a)
+            if b_n and (rg.get(a, False) if a_n else False):
+                keep.append(b)
+            if pkt in DIVISION and b_n and rg.get(b, False):
+                keep.append(b)
+            return save(k for k in keep if k not in param_of)
+        if pkt in INDEX_SAVES:
+            pos = INDEX_SAVES[pkt]
+            if len(node.args) <= pos:
+                return 0.0
+            return save(x for x in pytree.tree_leaves(node.args[pos]) if isinstance(x, torch.fx.Node))
+        if kind == "attention":
+            return save(act_in) + save([node])
+        if pkt in DROPOUT:
+            return float(sum(_numel(t) for t in _tensors(node.meta.get("val"))[:1]))  # bool mask
+        if pkt in SAVES_NOTHING:
+            return 0.0
+        if pkt in SAVES_OUTPUT:
+            return save([node])
+        if pkt in SAVES_INPUT:
+            return save(act_in[:1])
+        return save(act_in)
+
+
+def _param_target(node: torch.fx.Node, param_of) -> str:
+    """The get_attr target behind a parameter node or a view chain of one."""
+    while node.op != "get_attr":
+        node = node.all_input_nodes[0]
+    return str(node.target)
+
+
+def annotate_costs(gm: torch.fx.GraphModule, hardware: str | HardwareSpec = "h100-sxm",
+                   dtype: torch.dtype | None = None, **kwargs) -> torch.fx.GraphModule:
+    """Functional form of :class:`AnnotateCosts`: annotate ``gm`` in place and return it."""
+    AnnotateCosts(hardware, dtype, **kwargs)(gm)
+    return gm

@@ -1,0 +1,232 @@
+"""Capture an ``nn.Module`` as an fx graph with ``torch.export`` (non-strict).
+
+:func:`capture` is the first step of fxpipe's data flow (DESIGN.md): it runs
+``torch.export.export(model, args, kwargs, strict=False)`` and keeps two views of the result:
+
+* ``Captured.exported``: the :class:`torch.export.ExportedProgram` (lifted parameters,
+  input/output specs, range constraints), and
+* ``Captured.gm``: the *unlifted* :class:`torch.fx.GraphModule` from
+  ``exported.module(check_guards=False)``: parameters and buffers are real attributes read
+  by ``get_attr`` nodes, every node carries ``node.meta["val"]`` (a FakeTensor with the
+  node's shape/dtype) and ``node.meta["nn_module_stack"]``; it runs and trains like the
+  original model (autograd flows to ``gm``'s parameters, which for a CPU model are the
+  original model's parameter tensors). Its node names are stable: later passes only add
+  ``node.meta`` entries, never rename or reorder nodes.
+
+Preconditions: the example inputs are ONE micro-batch (the cost model costs exactly these
+shapes). A model on the ``meta`` device is captured without allocating weight memory.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from fxpipe.errors import CaptureError
+
+#: ``gm.meta`` key holding the module-path prefix added by a wrapper (e.g. ``"model."`` for
+#: :class:`fxpipe.models.LogitsOnly`); :func:`fxpipe.passes.to_opgraph.to_opgraph` strips it.
+MODULE_PREFIX_KEY = "fxpipe_module_prefix"
+
+
+@dataclass
+class Captured:
+    """A captured model.
+
+    Attributes
+    ----------
+    exported : torch.export.ExportedProgram
+        The exported program (parameters lifted to inputs).
+    gm : torch.fx.GraphModule
+        The unlifted, trainable module (``exported.module(check_guards=False)``); every
+        node has ``meta["val"]``; parameters and buffers are ``get_attr`` nodes.
+    example_args : tuple
+        Positional example inputs (one micro-batch).
+    example_kwargs : dict
+        Keyword example inputs.
+    capture_s : float
+        Wall time of the export, seconds.
+    module_prefix : str
+        Module-path prefix of a thin wrapper (a root with one child and no parameters of
+        its own, e.g. ``"model."`` for ``fxpipe.models.LogitsOnly``), else ``""``;
+        :func:`~fxpipe.passes.to_opgraph.to_opgraph` strips it from module paths.
+    """
+
+    exported: Any
+    gm: torch.fx.GraphModule
+    example_args: tuple = ()
+    example_kwargs: dict = field(default_factory=dict)
+    capture_s: float = 0.0
+    module_prefix: str = ""
+
+    @property
+    def graph(self) -> torch.fx.Graph:
+        """``gm.graph``."""
+        return self.gm.graph
+
+
+def _is_wrapper(model: torch.nn.Module) -> str:
+    """Module-path prefix of a thin wrapper: a root module with exactly one child and no
+    parameters or buffers of its own (``fxpipe.models.LogitsOnly`` -> ``"model."``)."""
+    children = list(model.named_children())
+    own = list(model.named_parameters(recurse=False)) + list(model.named_buffers(recurse=False))
+    if len(children) == 1 and not own:
+        return children[0][0] + "."
+    return ""
+
+
+def _user_frame(text: str) -> str:
+    m = re.search(r"The following call raised this error:\s*\n(.*?)(?:\n\s*\n|\Z)", text, re.S)
+    if m:
+        return " ".join(line.strip() for line in m.group(1).strip().splitlines())
+    return ""
+
+
+def _frame_from_traceback(exc: BaseException) -> str:
+    import traceback
+
+    frames = traceback.extract_tb(exc.__traceback__)
+    for fr in reversed(frames):
+        fn = fr.filename.replace("\\", "/")
+        if "/torch/" in fn or "/fxpipe/passes/" in fn or "/site-packages/torch" in fn:
+            continue
+        return f'File "{fr.filename}", line {fr.lineno}, in {fr.name}: {(fr.line or "").strip()}'
+    return ""
+
+
+def _explain(exc: BaseException, model: torch.nn.Module) -> str:
+    """Turn a torch.export failure into 'what / where / what to try'."""
+    text = str(exc)
+    first = next((ln.strip() for ln in text.splitlines() if ln.strip()), type(exc).__name__)
+    where = _user_frame(text) or _frame_from_traceback(exc)
+    kind = type(exc).__name__
+    tries: list[str]
+    low = text.lower()
+    if "data-dependent" in low or "guardondatadependent" in kind.lower() or "datadependent" in kind.lower():
+        what = "data-dependent control flow or shape (a Python branch/int on a tensor value)"
+        tries = [
+            "replace `if tensor_cond:` with torch.cond / torch.where, or compute the branch from shapes",
+            "pass concrete example inputs that take the branch you want and hoist the decision out of forward()",
+            "use torch._check / torch._check_is_size to tell export about the value's range",
+        ]
+    elif "unsupported" in low or "not supported" in low or "no fake impl" in low or "fake" in kind.lower():
+        what = "an operator that export cannot trace (no fake/meta kernel or unsupported Python construct)"
+        tries = [
+            "register a fake kernel (torch.library.register_fake) for the custom op",
+            "wrap the offending submodule in a module that calls a traceable equivalent",
+        ]
+    elif "constraint" in low or "dynamic" in low or "specializ" in low:
+        what = "a dynamic-shape constraint violation"
+        tries = [
+            "capture with dynamic=False (static shapes of one micro-batch)",
+            "mark only the dims that really vary as dynamic (torch.export.Dim)",
+        ]
+    else:
+        what = f"torch.export raised {kind}"
+        tries = ["check that forward() runs eagerly on these example inputs"]
+    tries += [
+        "run torch._dynamo.explain(model)(*args) or torch.export.draft_export(...) to list every graph break",
+        "(fxpipe already uses strict=False; wrapping the model so forward returns tensors also helps)",
+    ]
+    msg = f"cannot capture {type(model).__name__} with torch.export: {what}. torch says: {first}"
+    if where:
+        msg += f" | raised at: {where}"
+    msg += " | what to try: " + "; ".join(tries)
+    return msg
+
+
+def capture(
+    model: torch.nn.Module,
+    args: Sequence[Any] = (),
+    kwargs: Mapping[str, Any] | None = None,
+    *,
+    dynamic: bool = False,
+) -> Captured:
+    """Capture ``model`` with ``torch.export.export(..., strict=False)``.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        The model (any device, including ``meta``). It is not modified.
+    args, kwargs : tuple, dict
+        Example inputs of ONE micro-batch.
+    dynamic : bool
+        If True, every dimension of every tensor input is exported as dynamic (``Dim.AUTO``),
+        so the graph is valid for other shapes; costs are still computed from the example
+        (hinted) sizes.
+
+    Returns
+    -------
+    Captured
+        ``.exported`` (ExportedProgram) and ``.gm`` (unlifted, trainable GraphModule whose
+        nodes carry ``meta["val"]``).
+
+    Raises
+    ------
+    CaptureError
+        If torch.export fails; the message says why, where (the user source line torch
+        reports) and what to try.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise CaptureError(f"capture expects a torch.nn.Module, got {type(model).__name__}")
+    args = tuple(args) if isinstance(args, (list, tuple)) else (args,)
+    kwargs = dict(kwargs or {})
+    dynamic_shapes = None
+    if dynamic:
+        from torch.export import Dim
+
+        def spec(x):
+            if isinstance(x, torch.Tensor):
+                return {i: Dim.AUTO for i in range(x.dim())}
+            return None
+
+        import inspect
+
+        try:
+            bound = inspect.signature(model.forward).bind(*args, **kwargs)
+        except (TypeError, ValueError) as exc:
+            raise CaptureError(f"the example inputs do not match {type(model).__name__}.forward: {exc}") from None
+        dynamic_shapes = {}
+        for pname, val in bound.arguments.items():
+            if isinstance(val, tuple):
+                dynamic_shapes[pname] = tuple(spec(v) for v in val)
+            elif isinstance(val, dict):
+                dynamic_shapes[pname] = {k: spec(v) for k, v in val.items()}
+            else:
+                dynamic_shapes[pname] = spec(val)
+    t0 = time.perf_counter()
+    try:
+        exported = torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=dynamic_shapes)
+    except CaptureError:
+        raise
+    except Exception as exc:  # torch raises many unrelated types here
+        raise CaptureError(_explain(exc, model)) from exc
+    try:
+        gm = exported.module(check_guards=False)
+    except TypeError:  # older torch without check_guards
+        gm = exported.module()
+    capture_s = time.perf_counter() - t0
+    prefix = _is_wrapper(model)
+    gm.meta[MODULE_PREFIX_KEY] = prefix
+    missing = [n.name for n in gm.graph.nodes if n.op == "placeholder" and "val" not in n.meta]
+    if missing:
+        raise CaptureError(
+            f"torch.export produced nodes without shape metadata (meta['val']): {missing[:5]}; "
+            "this torch version is not supported by fxpipe's cost model"
+        )
+    return Captured(exported=exported, gm=gm, example_args=args, example_kwargs=kwargs,
+                    capture_s=capture_s, module_prefix=prefix)
+
+
+def getattr_path(root: torch.nn.Module, target: str) -> Any:
+    """Resolve a dotted ``get_attr`` target on ``root`` (returns None if missing)."""
+    obj: Any = root
+    for part in str(target).split("."):
+        if not hasattr(obj, part):
+            return None
+        obj = getattr(obj, part)
+    return obj
