@@ -95,8 +95,11 @@ class LogitsOnly(torch.nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, *args, **kwargs):
-        out = self.model(*args, use_cache=False, return_dict=True, **kwargs)
+    def forward(self, input_ids, decoder_input_ids=None):
+        # positional inputs only: a pipeline feeds stage 0 a tuple of tensors, and T5's
+        # own second positional argument is attention_mask, not decoder_input_ids
+        kwargs = {} if decoder_input_ids is None else {"decoder_input_ids": decoder_input_ids}
+        out = self.model(input_ids, use_cache=False, return_dict=True, **kwargs)
         return out.logits
 
 
@@ -140,9 +143,11 @@ def build_hf_model(
         :class:`LogitsOnly` wrapper in eval mode (dropout off); forward returns logits of
         shape ``(batch, seq, vocab)``.
     example_args : tuple
-        ``(input_ids,)``, int64 of shape ``(batch_size, seq_len)``.
+        ``(input_ids,)``, int64 of shape ``(batch_size, seq_len)``; for T5
+        ``(input_ids, decoder_input_ids)`` (positional, so a pipeline's stage 0 and the
+        eager model take the same tuple).
     example_kwargs : dict
-        ``{}`` or, for T5, ``{"decoder_input_ids": ...}``.
+        ``{}`` (kept for the ``(model, args, kwargs)`` calling convention).
 
     Raises
     ------
@@ -212,11 +217,10 @@ def build_hf_model(
         raise InputError(f"batch_size and seq_len must be >= 1, got {bs}, {sl}")
     gen = torch.Generator().manual_seed(seed)
     input_ids = torch.randint(0, vocab, (bs, sl), generator=gen)
-    kwargs: dict[str, Any] = {}
+    args: tuple = (input_ids,)
     if base == "t5":
         dsl = int(inputs["decoder_seq_len"] or sl)
-        kwargs["decoder_input_ids"] = torch.randint(0, vocab, (bs, dsl), generator=gen)
+        args = (input_ids, torch.randint(0, vocab, (bs, dsl), generator=gen))
     if device == "meta":
-        input_ids = input_ids.to("meta")
-        kwargs = {k: v.to("meta") for k, v in kwargs.items()}
-    return model, (input_ids,), kwargs
+        args = tuple(a.to("meta") for a in args)
+    return model, args, {}
