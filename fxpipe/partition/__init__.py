@@ -1,0 +1,37 @@
+"""Partitioning an OpGraph into acyclic pipeline stages (no torch here).
+
+- :mod:`~fxpipe.partition.objective`: the Contract-2 objective, :class:`Partition`, validator.
+- :mod:`~fxpipe.partition.slicegraph`: optimal slicing of one topological order (numba DP,
+  Archer et al. 2024 Algorithm 1).
+- :mod:`~fxpipe.partition.orders`: Kahn's algorithm with priorities and structured orders.
+- :mod:`~fxpipe.partition.brkga`: biased random-key genetic search over orders.
+- :mod:`~fxpipe.partition.search`: :func:`partition`, the entry point.
+- :mod:`~fxpipe.partition.memory`: per-device memory capacity model.
+- :mod:`~fxpipe.partition.baselines`: equal-layer, parameter-balanced, time-balanced, random-T.
+- :mod:`~fxpipe.partition.loaders`: graphs of other projects (dnn-partitioning, PipeDream).
+- :mod:`~fxpipe.partition.bounds`: MIP lower bounds (SCIP) and certificates.
+"""
+
+from fxpipe.partition.objective import Partition, block_costs, validate_partition
+
+__all__ = ["Partition", "block_costs", "validate_partition", "partition", "slice_order", "MemoryModel", "BRKGAParams"]
+
+
+def __getattr__(name):  # lazy: importing numba kernels costs time
+    if name == "partition":
+        from fxpipe.partition.search import partition
+
+        return partition
+    if name == "slice_order":
+        from fxpipe.partition.slicegraph import slice_order
+
+        return slice_order
+    if name == "MemoryModel":
+        from fxpipe.partition.memory import MemoryModel
+
+        return MemoryModel
+    if name == "BRKGAParams":
+        from fxpipe.partition.brkga import BRKGAParams
+
+        return BRKGAParams
+    raise AttributeError(f"module 'fxpipe.partition' has no attribute {name!r}")
