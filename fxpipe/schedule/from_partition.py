@@ -1,0 +1,140 @@
+"""Build a schedule problem (Contract 3) from a costed OpGraph and a partition (Contract 2).
+
+Stage s of the pipeline is block s of the partition (blocks are numbered in pipeline order).
+Per stage:
+
+* ``t_f[s] = sum t_fwd_s``, ``t_b[s] = sum t_bwd_input_s``, ``t_w[s] = sum t_bwd_weight_s`` over
+  its nodes (seconds, one micro-batch);
+* ``t_comm[s]`` = relay bytes crossing boundary s (tensors produced at a stage ``<= s`` and
+  consumed at a stage ``> s``, each counted once; Contract 2 ``comm="relay"``, i.e. the
+  ``out`` bytes of :func:`fxpipe.partition.objective.io_bytes`) divided by the graph's
+  bandwidth. The same time is used for activations forward and gradients backward;
+* ``mem_f[s] = sum act_bytes`` of its nodes. A stage whose nodes keep nothing (or an empty
+  stage) gets ``mem_f = 1`` byte, because Contract 3 needs ``mem_f > 0``; one byte is
+  negligible next to any real limit;
+* ``mem_b[s] = -mem_f[s] * t_b / (t_b + t_w)`` and ``mem_w[s] = -mem_f[s] - mem_b[s]``: B frees
+  the share of the stash proportional to its share of the backward time (half each when
+  both times are 0). This is the simplest documented split; Zero Bubble's transformer
+  accounting (Qi et al. 2024 Table 1) frees most activations at B and keeps the inputs of
+  linear layers for W;
+* ``offload_bytes[s] = mem_f[s]`` and ``t_offload[s] = mem_f[s] / host_bandwidth`` (or the
+  given ``t_offload_s``). Without either, offload is disabled: ``offload_bytes = 0``, so an
+  offload frees nothing.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import numpy as np
+
+from fxpipe.errors import InputError
+from fxpipe.ir import OpGraph, ScheduleProblem
+from fxpipe.partition.objective import Partition, io_bytes
+
+__all__ = ["problem_from_partition"]
+
+#: mem_f of a stage that keeps no activations (bytes); Contract 3 needs mem_f > 0.
+MIN_STASH_BYTES = 1.0
+
+
+def problem_from_partition(
+    graph: OpGraph,
+    partition: Partition | Sequence[int] | np.ndarray,
+    *,
+    num_microbatches: int,
+    mem_limit_bytes: float | Sequence[float] = math.inf,
+    t_offload_s: float | Sequence[float] | None = None,
+    host_bandwidth_bytes_per_s: float | None = None,
+    objective: str = "stage_span",
+    pcie_groups: Sequence[Sequence[int]] = (),
+    name: str | None = None,
+) -> ScheduleProblem:
+    """The scheduling problem of running ``graph`` split by ``partition`` as a pipeline.
+
+    Parameters
+    ----------
+    graph : OpGraph
+        Costed op graph (Contract 1); times are per micro-batch.
+    partition : Partition or int array (n,)
+        Block of every node, blocks in pipeline order (every edge goes to the same or a later
+        block). A bare assignment uses ``k = max + 1`` stages.
+    num_microbatches : int
+        m >= 1.
+    mem_limit_bytes : float or float array (k,)
+        Activation memory per stage (``inf``: unlimited).
+    t_offload_s : float or float array (k,), optional
+        One-way offload time of one micro-batch's stash; overrides the bandwidth.
+    host_bandwidth_bytes_per_s : float, optional
+        Device-host bandwidth; ``t_offload = mem_f / bandwidth``.
+    objective : {"stage_span", "makespan"}
+    pcie_groups : sequence of sequence of int
+        Stages whose host transfers must not overlap.
+    name : str, optional
+        Problem name (default: the graph's).
+
+    Returns
+    -------
+    ScheduleProblem
+
+    Raises
+    ------
+    InputError
+        On a malformed assignment, an edge to an earlier block, or bad parameters.
+
+    References
+    ----------
+    DESIGN.md Contracts 2 and 3; OptPipe Section 3 (per-stage F/B/W/O/R parameters).
+    """
+    if isinstance(partition, Partition):
+        a = np.asarray(partition.assignment, dtype=np.int64)
+        k = int(partition.k)
+    else:
+        a = np.asarray(partition)
+        if a.shape != (graph.n,) or a.dtype.kind not in "iu":
+            raise InputError(f"partition must be a Partition or an integer array of {graph.n} block ids")
+        a = a.astype(np.int64)
+        if a.size and a.min() < 0:
+            raise InputError("block ids must be >= 0")
+        k = int(a.max()) + 1 if a.size else 1
+    _, out_b = io_bytes(graph, a, k, "relay")  # raises InputError on a backward edge
+    t_f = np.bincount(a, weights=graph.t_fwd_s, minlength=k)
+    t_b = np.bincount(a, weights=graph.t_bwd_input_s, minlength=k)
+    t_w = np.bincount(a, weights=graph.t_bwd_weight_s, minlength=k)
+    mem_f = np.bincount(a, weights=graph.act_bytes, minlength=k)
+    mem_f = np.where(mem_f > 0, mem_f, MIN_STASH_BYTES)
+    tot = t_b + t_w
+    share = np.where(tot > 0, t_b / np.where(tot > 0, tot, 1.0), 0.5)
+    mem_b = -mem_f * share
+    mem_w = -mem_f - mem_b
+    t_comm = out_b[: k - 1] / graph.bandwidth_bytes_per_s
+    if t_offload_s is not None:
+        t_off = np.broadcast_to(np.asarray(t_offload_s, dtype=float), (k,)).copy()
+        off_bytes = mem_f.copy()
+    elif host_bandwidth_bytes_per_s is not None:
+        bw = float(host_bandwidth_bytes_per_s)
+        if not math.isfinite(bw) or bw <= 0:
+            raise InputError(f"host_bandwidth_bytes_per_s must be a positive number, got {host_bandwidth_bytes_per_s!r}")
+        t_off = mem_f / bw
+        off_bytes = mem_f.copy()
+    else:
+        t_off = np.zeros(k)
+        off_bytes = np.zeros(k)
+    return ScheduleProblem.create(
+        num_stages=k,
+        num_microbatches=num_microbatches,
+        t_f=t_f,
+        t_b=t_b,
+        t_w=t_w,
+        t_comm=t_comm,
+        t_offload=t_off,
+        mem_f=mem_f,
+        mem_b=mem_b,
+        mem_w=mem_w,
+        offload_bytes=off_bytes,
+        mem_limit=mem_limit_bytes,
+        pcie_groups=pcie_groups,
+        objective=objective,
+        name=graph.name if name is None else name,
+    )

@@ -1,0 +1,389 @@
+"""Independent validator of timed pipeline schedules (DESIGN.md Contract 3).
+
+Every schedule fxpipe produces (heuristics, the MILP, cached files) is checked here before
+it is used or written. The checker knows nothing about how a schedule was made: it reads
+the problem and the list of timed ops and re-derives every rule of Contract 3 from scratch.
+
+Rules (numbers as in Contract 3):
+
+1. each (stage s, micro-batch j) has exactly one F, B and W; O and R come together or not at
+   all; ``end - start`` equals the op's duration;
+2. ``F(s,j).start >= F(s-1,j).end + t_comm[s-1]``; ``B(s,j).start >= B(s+1,j).end + t_comm[s]``;
+   ``B(S-1,j).start >= F(S-1,j).end``; ``W(s,j).start >= B(s,j).end``;
+3. F/B/W ops of one stage never overlap; O/R ops of one stage never overlap; O/R ops of stages
+   in one pcie group never overlap;
+4. ``O(s,j).start >= F(s,j).end`` and ``R(s,j).end <= B(s,j).start``;
+5. memory of stage s at time t is the sum of the deltas of its F/B/W ops that have started by
+   t, minus ``offload_bytes[s]`` for every (s, j) with ``O.end <= t < R.start``; it never
+   exceeds ``mem_limit[s]`` (checked at every op start, which is where it can rise).
+
+Tolerances: times are compared with an absolute tolerance ``tol * max(1, T)`` where ``T`` is
+the largest absolute time in the schedule (so the check is scale-free for times in seconds or
+in abstract units), memory with ``tol * max(1, M)`` where ``M`` is the largest of the stage's
+limit (when finite) and its per-micro-batch stash.
+
+References
+----------
+.. [1] OptPipe (Li et al. 2025), "OptPipe: memory- and scheduling-optimized pipeline
+   parallelism for LLM training", Section 3 (constraints (1)-(13), objectives Eq. 3/4).
+.. [2] Qi et al. 2024, "Zero Bubble Pipeline Parallelism", Section 2-3 (F/B/W split).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from fxpipe.ir import OP_TYPES, Schedule, ScheduledOp, ScheduleProblem
+
+__all__ = [
+    "InvalidScheduleError",
+    "check_schedule",
+    "validate_schedule",
+    "objective_values",
+    "memory_profile",
+    "peak_memory",
+]
+
+_MAX_REPORTED = 50
+
+
+class InvalidScheduleError(AssertionError):
+    """A schedule violates Contract 3; ``violations`` lists every broken rule.
+
+    Subclass of :class:`AssertionError` (a broken schedule from one of our own generators is
+    a bug, not a user error).
+    """
+
+    def __init__(self, violations: Sequence[str], method: str = ""):
+        self.violations = list(violations)
+        head = f"invalid schedule{f' from {method!r}' if method else ''}: {len(self.violations)} violation(s)"
+        shown = self.violations[:_MAX_REPORTED]
+        more = len(self.violations) - len(shown)
+        body = "\n  ".join(shown) + (f"\n  ... and {more} more" if more > 0 else "")
+        super().__init__(f"{head}\n  {body}")
+
+
+def _ops_of(schedule_or_ops: Schedule | Iterable[ScheduledOp]) -> list[ScheduledOp]:
+    if isinstance(schedule_or_ops, Schedule):
+        return list(schedule_or_ops.ops)
+    return list(schedule_or_ops)
+
+
+def _label(op: ScheduledOp) -> str:
+    return f"{op.type}(stage {op.stage}, mb {op.microbatch}) [{op.start_s:.9g}, {op.end_s:.9g}]"
+
+
+def _time_tol(ops: Sequence[ScheduledOp], tol: float) -> float:
+    scale = 1.0
+    for o in ops:
+        for x in (o.start_s, o.end_s):
+            if math.isfinite(x):
+                scale = max(scale, abs(x))
+    return tol * scale
+
+
+def _mem_tol(problem: ScheduleProblem, s: int, tol: float) -> float:
+    scale = max(1.0, float(problem.mem_f[s]))
+    lim = float(problem.mem_limit[s])
+    if math.isfinite(lim):
+        scale = max(scale, abs(lim))
+    return tol * scale
+
+
+def check_schedule(
+    problem: ScheduleProblem,
+    schedule_or_ops: Schedule | Iterable[ScheduledOp],
+    *,
+    tol: float = 1e-9,
+) -> list[str]:
+    """Every rule of Contract 3 that a schedule breaks, as human-readable messages.
+
+    Parameters
+    ----------
+    problem : ScheduleProblem
+        The problem the schedule claims to solve.
+    schedule_or_ops : Schedule or iterable of ScheduledOp
+        The timed ops (start/end in the problem's time unit).
+    tol : float, optional
+        Relative tolerance (see the module docstring), default 1e-9.
+
+    Returns
+    -------
+    list of str
+        One message per violation, naming the rule, stage, micro-batch and op; empty if the
+        schedule is valid.
+
+    References
+    ----------
+    DESIGN.md Contract 3; OptPipe Section 3 constraints.
+    """
+    ops = _ops_of(schedule_or_ops)
+    S, M = problem.num_stages, problem.num_microbatches
+    errs: list[str] = []
+    ttol = _time_tol(ops, tol)
+
+    # ---------------------------------------------------------------- rule 0/1: well-formed
+    table: dict[tuple[int, int, str], ScheduledOp] = {}
+    good: list[ScheduledOp] = []
+    for o in ops:
+        if o.type not in OP_TYPES:
+            errs.append(f"rule 1: op {_label(o)} has unknown type {o.type!r} (expected one of {OP_TYPES})")
+            continue
+        if not (isinstance(o.stage, (int, np.integer)) and 0 <= o.stage < S):
+            errs.append(f"rule 1: op {_label(o)} names stage {o.stage!r} outside 0..{S - 1}")
+            continue
+        if not (isinstance(o.microbatch, (int, np.integer)) and 0 <= o.microbatch < M):
+            errs.append(f"rule 1: op {_label(o)} names micro-batch {o.microbatch!r} outside 0..{M - 1}")
+            continue
+        if not (math.isfinite(o.start_s) and math.isfinite(o.end_s)):
+            errs.append(f"rule 1: op {_label(o)} has a non-finite start or end")
+            continue
+        key = (int(o.stage), int(o.microbatch), o.type)
+        if key in table:
+            errs.append(f"rule 1: {o.type}(stage {o.stage}, mb {o.microbatch}) appears more than once")
+            continue
+        table[key] = o
+        good.append(o)
+        dur = problem.duration(int(o.stage), o.type)
+        if abs((o.end_s - o.start_s) - dur) > ttol:
+            errs.append(
+                f"rule 1: {_label(o)} lasts {o.end_s - o.start_s:.9g}, expected duration {dur:.9g}"
+            )
+    for s in range(S):
+        for j in range(M):
+            for t in ("F", "B", "W"):
+                if (s, j, t) not in table:
+                    errs.append(f"rule 1: {t}(stage {s}, mb {j}) is missing")
+            has_o, has_r = (s, j, "O") in table, (s, j, "R") in table
+            if has_o != has_r:
+                what = "O without R" if has_o else "R without O"
+                errs.append(f"rule 1: stage {s}, mb {j} has {what} (offload and reload come together)")
+
+    def get(s: int, j: int, t: str) -> ScheduledOp | None:
+        return table.get((s, j, t))
+
+    # ---------------------------------------------------------------- rule 2: dependencies
+    for j in range(M):
+        for s in range(S):
+            f, b, w = get(s, j, "F"), get(s, j, "B"), get(s, j, "W")
+            if s > 0 and f is not None:
+                fp = get(s - 1, j, "F")
+                if fp is not None and f.start_s < fp.end_s + problem.comm(s - 1) - ttol:
+                    errs.append(
+                        f"rule 2: {_label(f)} starts before F(stage {s - 1}, mb {j}) ends at "
+                        f"{fp.end_s:.9g} + comm {problem.comm(s - 1):.9g}"
+                    )
+            if s < S - 1 and b is not None:
+                bn = get(s + 1, j, "B")
+                if bn is not None and b.start_s < bn.end_s + problem.comm(s) - ttol:
+                    errs.append(
+                        f"rule 2: {_label(b)} starts before B(stage {s + 1}, mb {j}) ends at "
+                        f"{bn.end_s:.9g} + comm {problem.comm(s):.9g}"
+                    )
+            if s == S - 1 and b is not None and f is not None and b.start_s < f.end_s - ttol:
+                errs.append(f"rule 2: {_label(b)} starts before F(stage {s}, mb {j}) ends at {f.end_s:.9g}")
+            if w is not None and b is not None and w.start_s < b.end_s - ttol:
+                errs.append(f"rule 2: {_label(w)} starts before B(stage {s}, mb {j}) ends at {b.end_s:.9g}")
+
+    # ---------------------------------------------------------------- rule 3: no overlap
+    def overlaps(group: list[ScheduledOp], what: str) -> None:
+        # zero-length ops never overlap anything
+        busy = sorted((o for o in group if o.end_s - o.start_s > ttol), key=lambda o: (o.start_s, o.end_s))
+        last: ScheduledOp | None = None
+        for o in busy:
+            if last is not None and o.start_s < last.end_s - ttol:
+                errs.append(f"rule 3: {what}: {_label(o)} overlaps {_label(last)}")
+            if last is None or o.end_s > last.end_s:
+                last = o
+
+    by_stage: dict[int, list[ScheduledOp]] = defaultdict(list)
+    for o in good:
+        by_stage[int(o.stage)].append(o)
+    for s in range(S):
+        overlaps([o for o in by_stage[s] if o.type in ("F", "B", "W")], f"compute stream of stage {s}")
+        overlaps([o for o in by_stage[s] if o.type in ("O", "R")], f"copy stream of stage {s}")
+    for g in problem.pcie_groups:
+        members = sorted(set(g))
+        if len(members) < 2:
+            continue
+        overlaps(
+            [o for s in members for o in by_stage[s] if o.type in ("O", "R")],
+            f"pcie group {members}",
+        )
+
+    # ---------------------------------------------------------------- rule 4: O/R placement
+    for (s, j, t), o in table.items():
+        if t == "O":
+            f = get(s, j, "F")
+            if f is not None and o.start_s < f.end_s - ttol:
+                errs.append(f"rule 4: {_label(o)} starts before F(stage {s}, mb {j}) ends at {f.end_s:.9g}")
+            r = get(s, j, "R")
+            if r is not None and r.start_s < o.end_s - ttol:
+                errs.append(f"rule 4: {_label(r)} starts before its offload {_label(o)} ends")
+        elif t == "R":
+            b = get(s, j, "B")
+            if b is not None and o.end_s > b.start_s + ttol:
+                errs.append(f"rule 4: {_label(o)} ends after B(stage {s}, mb {j}) starts at {b.start_s:.9g}")
+
+    # ---------------------------------------------------------------- rule 5: memory
+    for s in range(S):
+        lim = float(problem.mem_limit[s])
+        if not math.isfinite(lim):
+            continue
+        times, mem = memory_profile(problem, by_stage[s], s, _tol=ttol)
+        if len(mem) == 0:
+            continue
+        mtol = _mem_tol(problem, s, tol)
+        over = np.flatnonzero(mem > lim + mtol)
+        if over.size:
+            i = int(over[np.argmax(mem[over])])
+            errs.append(
+                f"rule 5: stage {s} holds {mem[i]:.9g} bytes of activations at t={times[i]:.9g}, "
+                f"over its limit {lim:.9g} ({over.size} event time(s) over the limit)"
+            )
+    return errs
+
+
+def validate_schedule(
+    problem: ScheduleProblem,
+    schedule_or_ops: Schedule | Iterable[ScheduledOp],
+    *,
+    tol: float = 1e-9,
+) -> None:
+    """Raise :class:`InvalidScheduleError` listing every violation of Contract 3.
+
+    Parameters
+    ----------
+    problem : ScheduleProblem
+    schedule_or_ops : Schedule or iterable of ScheduledOp
+    tol : float, optional
+        Relative tolerance, see :func:`check_schedule`.
+
+    Raises
+    ------
+    InvalidScheduleError
+        If :func:`check_schedule` finds at least one violation.
+    """
+    errs = check_schedule(problem, schedule_or_ops, tol=tol)
+    if errs:
+        method = schedule_or_ops.method if isinstance(schedule_or_ops, Schedule) else ""
+        raise InvalidScheduleError(errs, method)
+
+
+def objective_values(problem: ScheduleProblem, ops: Schedule | Iterable[ScheduledOp]) -> tuple[float, float]:
+    """Both objectives of Contract 3 for a list of timed ops.
+
+    Parameters
+    ----------
+    problem : ScheduleProblem
+    ops : Schedule or iterable of ScheduledOp
+
+    Returns
+    -------
+    (makespan, stage_span) : tuple of float
+        ``makespan`` = latest end minus earliest start over all ops (OptPipe Eq. 4);
+        ``stage_span`` = max over stages of (end of its last W minus start of its first F)
+        (OptPipe Eq. 3). A stage without F or W ops contributes 0.
+    """
+    ops = _ops_of(ops)
+    if not ops:
+        return 0.0, 0.0
+    makespan = max(o.end_s for o in ops) - min(o.start_s for o in ops)
+    first_f = [math.inf] * problem.num_stages
+    last_w = [-math.inf] * problem.num_stages
+    for o in ops:
+        if not 0 <= o.stage < problem.num_stages:
+            continue
+        if o.type == "F":
+            first_f[o.stage] = min(first_f[o.stage], o.start_s)
+        elif o.type == "W":
+            last_w[o.stage] = max(last_w[o.stage], o.end_s)
+    spans = [w - f for f, w in zip(first_f, last_w) if math.isfinite(f) and math.isfinite(w)]
+    return float(makespan), float(max(spans, default=0.0))
+
+
+def memory_profile(
+    problem: ScheduleProblem,
+    ops: Schedule | Iterable[ScheduledOp],
+    stage: int,
+    *,
+    _tol: float = 0.0,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Activation memory of one stage over time, as a right-continuous step curve.
+
+    Events (Contract 3 rule 5): F start ``+mem_f``, B start ``+mem_b``, W start ``+mem_w``,
+    and for every micro-batch that has both O and R: O end ``-offload_bytes``, R start
+    ``+offload_bytes``. All events at one instant apply together.
+
+    Parameters
+    ----------
+    problem : ScheduleProblem
+    ops : Schedule or iterable of ScheduledOp
+        Ops of any stages; only those of ``stage`` are used.
+    stage : int
+
+    Returns
+    -------
+    times : float64 array (k,)
+        Sorted distinct event times.
+    mem : float64 array (k,)
+        ``mem[i]`` is the memory held on ``[times[i], times[i+1])`` (bytes); the curve is 0
+        before ``times[0]``.
+    """
+    ops = [o for o in _ops_of(ops) if o.stage == stage]
+    pairs: dict[int, dict[str, ScheduledOp]] = defaultdict(dict)
+    for o in ops:
+        if o.type in ("O", "R"):
+            pairs[o.microbatch][o.type] = o
+    events: list[tuple[float, float]] = []
+    for o in ops:
+        if o.type == "F":
+            events.append((o.start_s, float(problem.mem_f[stage])))
+        elif o.type == "B":
+            events.append((o.start_s, float(problem.mem_b[stage])))
+        elif o.type == "W":
+            events.append((o.start_s, float(problem.mem_w[stage])))
+    off = float(problem.offload_bytes[stage])
+    for j, pr in pairs.items():
+        if "O" in pr and "R" in pr and pr["O"].end_s < pr["R"].start_s:
+            events.append((pr["O"].end_s, -off))
+            events.append((pr["R"].start_s, off))
+    if not events:
+        return np.zeros(0), np.zeros(0)
+    events.sort()
+    times: list[float] = []
+    mem: list[float] = []
+    cur = 0.0
+    for t, d in events:
+        cur += d
+        if times and t - times[-1] <= _tol:
+            mem[-1] = cur
+        else:
+            times.append(t)
+            mem.append(cur)
+    return np.asarray(times, dtype=np.float64), np.asarray(mem, dtype=np.float64)
+
+
+def peak_memory(problem: ScheduleProblem, ops: Schedule | Iterable[ScheduledOp]) -> np.ndarray:
+    """Peak activation memory of every stage.
+
+    Parameters
+    ----------
+    problem : ScheduleProblem
+    ops : Schedule or iterable of ScheduledOp
+
+    Returns
+    -------
+    float64 array (S,)
+        Bytes; the maximum of :func:`memory_profile` of each stage (0 for a stage without ops).
+    """
+    ops = _ops_of(ops)
+    out = np.zeros(problem.num_stages)
+    for s in range(problem.num_stages):
+        _, mem = memory_profile(problem, ops, s)
+        out[s] = float(mem.max()) if mem.size else 0.0
+    return out
