@@ -1,3 +1,26 @@
-"""fxpipe: automatic, certified pipeline parallelism for PyTorch models."""
+"""fxpipe: automatic, certified pipeline parallelism for PyTorch models.
+
+``fxpipe.compile(model, args, devices=4, microbatches=8)`` captures the model with
+torch.export, costs every op, partitions the op DAG into pipeline stages (SliceGraph + BRKGA,
+Archer et al. 2024), schedules F / B / W per micro-batch and returns a :class:`Plan` that
+builds a ``torch.distributed.pipelining`` program. Importing fxpipe does not import torch;
+the partitioner and scheduler never do.
+"""
+
+from __future__ import annotations
 
 __version__ = "0.1.0"
+
+__all__ = ["compile", "load_plan", "Plan", "OpGraph", "ScheduleProblem", "Schedule", "__version__"]
+
+
+def __getattr__(name):  # lazy: keep `import fxpipe` light
+    if name in ("compile", "load_plan", "Plan"):
+        from fxpipe import api
+
+        return getattr(api, name)
+    if name in ("OpGraph", "ScheduleProblem", "Schedule"):
+        from fxpipe import ir
+
+        return getattr(ir, name)
+    raise AttributeError(f"module 'fxpipe' has no attribute {name!r}")

@@ -1,0 +1,632 @@
+"""The public entry point: ``fxpipe.compile(model, ...) -> Plan``.
+
+The pass runs the whole data flow of DESIGN.md once:
+
+1. capture with ``torch.export`` and cost every op (:mod:`fxpipe.passes`, :mod:`fxpipe.cost`);
+2. partition the op DAG into ``devices`` acyclic pipeline stages minimising the bottleneck
+   stage (:func:`fxpipe.partition.search.partition`, SliceGraph + BRKGA, Archer et al. 2024);
+3. build the per-stage scheduling problem and schedule F / B / W for every micro-batch
+   (:mod:`fxpipe.schedule`);
+4. keep everything needed to emit the ``torch.distributed.pipelining`` program
+   (:meth:`Plan.build`) and to train it on local ranks (:meth:`Plan.train_local`).
+
+A :class:`Plan` is plain data and saves to JSON (``fxpipe.plan/1``); the fx graph is not
+saved, so :meth:`Plan.build` on a loaded plan re-captures the model and checks that the
+graph is the one the plan was made for.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+
+from fxpipe.errors import InputError
+from fxpipe.ir import OpGraph, Schedule, ScheduleProblem, read_json, write_json_atomic
+from fxpipe.partition.objective import Partition
+
+PLAN_FORMAT = "fxpipe.plan/1"
+SCHEDULES = ("gpipe", "1f1b", "zb-h1", "zb-h2", "greedy", "pipeoffload", "adaoffload", "milp")
+
+#: bytes per parameter byte held by a training stage besides the parameters themselves:
+#: gradients (1x) and Adam's two moments (2x), all in the parameters' dtype. Used only for
+#: the per-stage memory column of the plan; the memory-aware partitioner has its own model.
+_TRAINING_STATE_FACTOR = 4.0
+
+
+@dataclass
+class StageStats:
+    """Per-stage figures of a plan (times in seconds, sizes in bytes)."""
+
+    stage: int
+    num_ops: int
+    param_bytes: float
+    t_fwd_s: float
+    t_bwd_input_s: float
+    t_bwd_weight_s: float
+    cost_s: float
+    activation_peak_bytes: float
+    memory_bytes: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class Plan:
+    """A pipeline plan: the partition of every op into stages and the schedule.
+
+    Attributes
+    ----------
+    name : str
+        Model name.
+    devices : int
+        Number of pipeline stages (one per device).
+    microbatches : int
+        Micro-batches per training step.
+    hardware : str
+        Hardware profile the costs are for (see :mod:`fxpipe.cost.hardware`).
+    objective, comm : str
+        Contract-2 objective the partition minimises; comm is ``"relay"`` because the
+        ``torch.distributed.pipelining`` runtime only talks to adjacent stages.
+    graph : OpGraph
+        The costed op graph.
+    partition : Partition
+        Stage of every OpGraph node and per-stage costs.
+    stage_of : dict[str, int]
+        Stage of every fx node (by node name) that is an OpGraph node.
+    problem : ScheduleProblem
+        The per-stage scheduling problem built from the partition.
+    schedule : Schedule
+        The timed F / B / W (/ O / R) schedule.
+    stages : list[StageStats]
+        Per-stage figures.
+    timings_s : dict[str, float]
+        Wall time of each phase (capture, cost, partition, schedule).
+    graph_signature : str
+        Hash of the op graph's structure, checked when a loaded plan is rebuilt.
+    """
+
+    name: str
+    devices: int
+    microbatches: int
+    hardware: str
+    objective: str
+    comm: str
+    graph: OpGraph
+    partition: Partition
+    stage_of: dict[str, int]
+    problem: ScheduleProblem
+    schedule: Schedule
+    stages: list[StageStats]
+    timings_s: dict[str, float] = field(default_factory=dict)
+    graph_signature: str = ""
+    options: dict[str, Any] = field(default_factory=dict)
+    _captured: Any = field(default=None, repr=False, compare=False)
+
+    # ------------------------------------------------------------------ figures
+    @property
+    def bottleneck_s(self) -> float:
+        """Cost of the bottleneck stage under the plan's objective (seconds)."""
+        return float(self.partition.bottleneck)
+
+    @property
+    def makespan_s(self) -> float:
+        """Simulated makespan of one training step's schedule (seconds)."""
+        return float(self.schedule.makespan)
+
+    @property
+    def bubble_ratio(self) -> float:
+        """Idle fraction of the pipeline: ``1 - busy / (devices * makespan)``."""
+        busy = self.microbatches * float(np.sum(self.problem.t_f + self.problem.t_b + self.problem.t_w))
+        span = self.makespan_s
+        return 0.0 if span <= 0 else max(0.0, 1.0 - busy / (self.devices * span))
+
+    def summary(self) -> str:
+        """A readable stage table with the bottleneck, makespan and bubble ratio."""
+        lines = [
+            f"fxpipe plan for {self.name!r}: {self.devices} stages, {self.microbatches} micro-batches, "
+            f"hardware {self.hardware}, objective {self.objective}, schedule {self.schedule.method}",
+            f"{'stage':>5} {'ops':>6} {'params':>10} {'F ms':>9} {'B ms':>9} {'W ms':>9} {'cost ms':>9} {'memory':>10}",
+        ]
+        worst = int(np.argmax([s.cost_s for s in self.stages])) if self.stages else -1
+        for s in self.stages:
+            mark = " <- bottleneck" if s.stage == worst else ""
+            lines.append(
+                f"{s.stage:>5} {s.num_ops:>6} {_fmt_bytes(s.param_bytes):>10} {s.t_fwd_s * 1e3:>9.3f} "
+                f"{s.t_bwd_input_s * 1e3:>9.3f} {s.t_bwd_weight_s * 1e3:>9.3f} {s.cost_s * 1e3:>9.3f} "
+                f"{_fmt_bytes(s.memory_bytes):>10}{mark}"
+            )
+        lines.append(
+            f"bottleneck {self.bottleneck_s * 1e3:.3f} ms | makespan {self.makespan_s * 1e3:.3f} ms | "
+            f"bubble ratio {self.bubble_ratio:.1%} | schedule lower bound {self.schedule.lower_bound_s * 1e3:.3f} ms "
+            f"({self.schedule.status})"
+        )
+        if self.timings_s:
+            lines.append("time: " + ", ".join(f"{k} {v:.2f} s" for k, v in self.timings_s.items()))
+        return "\n".join(lines)
+
+    # ------------------------------------------------------------------ JSON
+    def to_dict(self) -> dict[str, Any]:
+        """The ``fxpipe.plan/1`` document."""
+        return {
+            "format": PLAN_FORMAT,
+            "name": self.name,
+            "devices": self.devices,
+            "microbatches": self.microbatches,
+            "hardware": self.hardware,
+            "objective": self.objective,
+            "comm": self.comm,
+            "graph_signature": self.graph_signature,
+            "options": self.options,
+            "bottleneck_s": self.bottleneck_s,
+            "makespan_s": self.makespan_s,
+            "bubble_ratio": self.bubble_ratio,
+            "timings_s": self.timings_s,
+            "stages": [s.to_dict() for s in self.stages],
+            "stage_of": self.stage_of,
+            "partition": self.partition.to_dict(),
+            "problem": self.problem.to_dict(),
+            "schedule": self.schedule.to_dict(),
+            "graph": self.graph.to_dict(),
+        }
+
+    def save(self, path: str | Path) -> Path:
+        """Write the plan as JSON (atomically)."""
+        return write_json_atomic(path, self.to_dict(), indent=None)
+
+    @classmethod
+    def from_dict(cls, doc: Mapping[str, Any], *, source: str = "plan") -> "Plan":
+        """Rebuild a plan from its ``fxpipe.plan/1`` document (re-validating every part).
+
+        Raises
+        ------
+        InputError
+            If the document is not a plan or its parts are inconsistent.
+        """
+        if not isinstance(doc, Mapping) or doc.get("format") != PLAN_FORMAT:
+            raise InputError(f"{source}: not an {PLAN_FORMAT} document")
+        try:
+            graph = OpGraph.from_dict(doc["graph"], source=f"{source}: graph")
+            p = doc["partition"]
+            partition = Partition.from_assignment(
+                graph, np.asarray(p["assignment"], dtype=np.int64), int(p["k"]), p["objective"], p["comm"], meta=p.get("meta", {})
+            )
+            problem = ScheduleProblem.from_dict(doc["problem"], source=f"{source}: problem")
+            schedule = Schedule.from_dict(doc["schedule"], source=f"{source}: schedule")
+            stages = [StageStats(**s) for s in doc["stages"]]
+            plan = cls(
+                name=doc["name"],
+                devices=int(doc["devices"]),
+                microbatches=int(doc["microbatches"]),
+                hardware=doc["hardware"],
+                objective=doc["objective"],
+                comm=doc["comm"],
+                graph=graph,
+                partition=partition,
+                stage_of={str(k): int(v) for k, v in doc["stage_of"].items()},
+                problem=problem,
+                schedule=schedule,
+                stages=stages,
+                timings_s=dict(doc.get("timings_s", {})),
+                graph_signature=str(doc.get("graph_signature", "")),
+                options=dict(doc.get("options", {})),
+            )
+        except (KeyError, TypeError) as exc:
+            raise InputError(f"{source}: malformed plan ({exc!r}); regenerate it with fxpipe.compile") from None
+        if plan.graph_signature != graph_signature(graph):
+            raise InputError(f"{source}: the graph signature does not match the graph: the file was edited or corrupted")
+        return plan
+
+    # ------------------------------------------------------------------ runtime
+    def orders(self) -> dict[int, list[tuple[str, int]]]:
+        """Per-stage compute order ``{stage: [(type, microbatch), ...]}`` (F, B, W) of the schedule."""
+        out: dict[int, list[tuple[str, int]]] = {s: [] for s in range(self.devices)}
+        for s in range(self.devices):
+            for op in self.schedule.ops_of_stage(s):
+                if op.type in ("F", "B", "W"):
+                    out[s].append((op.type, op.microbatch))
+        return out
+
+    def captured(self, model=None, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None):
+        """The captured fx program; re-captures ``model`` for a loaded plan and checks it matches."""
+        if self._captured is not None:
+            return self._captured
+        if model is None:
+            raise InputError("this plan was loaded from a file: pass the model and its example args to rebuild it")
+        from fxpipe.passes import trace_model
+
+        traced = trace_model(model, tuple(args), dict(kwargs or {}), hardware=self.hardware, name=self.name)
+        if graph_signature(traced.graph) != self.graph_signature:
+            raise InputError(
+                "the model's captured graph differs from the one this plan was made for "
+                "(different model, config or example input shapes): run fxpipe.compile again"
+            )
+        self._captured = traced
+        return traced
+
+    def build(self, rank: int, *, model=None, args=(), kwargs=None, loss_fn: Callable | None = None, group=None, device="cpu"):
+        """This rank's ``PipelineStage`` and schedule runtime, inside an initialised process group.
+
+        Call from every worker of ``torchrun`` / ``torch.multiprocessing`` after
+        ``torch.distributed.init_process_group`` with ``world_size == plan.devices``.
+
+        Parameters
+        ----------
+        rank : int
+            Pipeline rank = stage index, 0..devices-1.
+        model : nn.Module, optional
+            Needed only for a plan loaded from a file (it is re-captured and checked).
+        args, kwargs :
+            One micro-batch of example inputs (only for re-capture).
+        loss_fn : callable(output, target) -> scalar tensor
+            Applied on the last stage to every micro-batch.
+
+        Returns
+        -------
+        (stage, schedule)
+            ``torch.distributed.pipelining.PipelineStage`` and the schedule object whose
+            ``step(*inputs, target=..., losses=[])`` runs one training step.
+
+        Raises
+        ------
+        InputError
+            On a rank outside 0..devices-1 or a model that does not match the plan.
+        """
+        if not 0 <= int(rank) < self.devices:
+            raise InputError(f"rank must lie in 0..{self.devices - 1}, got {rank}")
+        from fxpipe.codegen import build_pipeline_rank
+
+        traced = self.captured(model, args, kwargs)
+        return build_pipeline_rank(
+            traced.gm,
+            self.stage_of,
+            self.devices,
+            rank,
+            self.orders(),
+            num_microbatches=self.microbatches,
+            loss_fn=loss_fn,
+            group=group,
+            device=device,
+        )
+
+    def train_local(
+        self,
+        make_model: Callable,
+        make_batch: Callable,
+        *,
+        steps: int = 2,
+        lr: float = 0.01,
+        loss: str | Callable = "cross_entropy",
+        seed: int = 0,
+        reference: bool = True,
+        timeout_s: float = 600.0,
+    ) -> dict[str, Any]:
+        """Train this plan for a few steps on ``devices`` local gloo processes (CPU).
+
+        Every worker builds the model with ``make_model()`` under the same seed, captures
+        its first micro-batch, checks the graph against this plan, and runs the plan's
+        schedule through ``torch.distributed.pipelining``; with ``reference=True`` the same
+        steps run in this process without pipelining for comparison.
+
+        Parameters
+        ----------
+        make_model : picklable callable() -> (model, full_batch_inputs)
+        make_batch : picklable callable(step) -> (inputs tuple, target)
+            The full batch (``microbatches`` micro-batches along dim 0) of each step.
+        steps, lr, loss, seed :
+            SGD steps and learning rate, loss (``"cross_entropy"`` or a picklable callable),
+            weight/data seed.
+
+        Returns
+        -------
+        dict
+            ``pipeline_losses``, ``reference_losses`` (if requested), ``max_grad_abs_diff``,
+            ``max_grad_rel_diff`` (largest over parameters of ``|g_pipe - g_ref|`` and of
+            that divided by ``max|g_ref|``), ``num_params``, ``pipeline_wall_s``, and the
+            :class:`~fxpipe.codegen.launch.TrainResult` objects under ``"results"`` (not JSON).
+        """
+        from fxpipe.codegen.launch import reference_train, spawn_train
+
+        t0 = time.perf_counter()
+        res = spawn_train(
+            make_model,
+            _PlanStageOf(self.stage_of),
+            self.orders(),
+            world_size=self.devices,
+            num_microbatches=self.microbatches,
+            make_batch=make_batch,
+            steps=steps,
+            lr=lr,
+            loss=loss,
+            seed=seed,
+            timeout_s=timeout_s,
+        )
+        out: dict[str, Any] = {"pipeline_losses": list(res.losses), "pipeline_wall_s": time.perf_counter() - t0}
+        if reference:
+            ref = reference_train(make_model, make_batch, num_microbatches=self.microbatches, steps=steps, lr=lr, loss=loss, seed=seed)
+            out["reference_losses"] = list(ref.losses)
+            abs_diff = rel_diff = 0.0
+            for name, g in ref.grads.items():
+                if name not in res.grads:
+                    raise InputError(f"parameter {name!r} has no gradient in the pipeline run")
+                d = float((res.grads[name] - g).abs().max())
+                scale = float(g.abs().max())
+                abs_diff = max(abs_diff, d)
+                rel_diff = max(rel_diff, d / scale if scale > 0 else d)
+            out.update(max_grad_abs_diff=abs_diff, max_grad_rel_diff=rel_diff, num_params=len(ref.grads))
+            out["results"] = (res, ref)
+        else:
+            out["results"] = (res,)
+        return out
+
+
+@dataclass(frozen=True)
+class _PlanStageOf:
+    """Picklable ``gm -> stage_of`` for workers: checks the worker's capture matches the plan."""
+
+    stage_of: dict
+
+    def __call__(self, gm) -> dict:
+        names = {n.name for n in gm.graph.nodes if n.op != "get_attr"}
+        missing = sorted(set(self.stage_of) - names)
+        extra = sorted(names - set(self.stage_of))
+        if missing or extra:
+            raise InputError(
+                "the worker's captured graph differs from the plan's "
+                f"(plan nodes missing: {missing[:5]}, unplanned nodes: {extra[:5]}): "
+                "make_model must build the model the plan was compiled for, with the same micro-batch shapes"
+            )
+        return self.stage_of
+
+
+def graph_signature(graph: OpGraph) -> str:
+    """A short hash of the graph's structure (names, kinds, edges); costs are not included."""
+    h = hashlib.sha256()
+    h.update("\x00".join(graph.names).encode())
+    h.update("\x00".join(graph.ops).encode())
+    h.update(np.ascontiguousarray(graph.edges, dtype=np.int64).tobytes())
+    return h.hexdigest()[:16]
+
+
+def load_plan(path: str | Path) -> Plan:
+    """Read a plan saved with :meth:`Plan.save`.
+
+    Raises
+    ------
+    InputError
+        If the file is missing, not JSON, or not a valid plan.
+    """
+    return Plan.from_dict(read_json(path, "plan file"), source=str(path))
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _check_count(value: Any, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise InputError(f"{what} must be an integer, got {value!r}")
+    if value < 1:
+        raise InputError(f"{what} must be >= 1, got {value}")
+    return int(value)
+
+
+def stage_stats(graph: OpGraph, partition: Partition, problem: ScheduleProblem, schedule: Schedule, objective: str) -> list[StageStats]:
+    """Per-stage figures: ops, parameter bytes, F/B/W times, cost, activation peak, total memory."""
+    from fxpipe.schedule.validate import memory_profile
+
+    a = partition.assignment
+    k = partition.k
+    out = []
+    for s in range(k):
+        mask = a == s
+        _, mem = memory_profile(problem, schedule.ops, s)
+        act_peak = float(np.max(mem)) if len(mem) else 0.0
+        params = float(graph.size_param_bytes[mask].sum())
+        state = params * (1.0 + _TRAINING_STATE_FACTOR) if objective == "training" else params
+        out.append(
+            StageStats(
+                stage=s,
+                num_ops=int(mask.sum()),
+                param_bytes=params,
+                t_fwd_s=float(graph.t_fwd_s[mask].sum()),
+                t_bwd_input_s=float(graph.t_bwd_input_s[mask].sum()),
+                t_bwd_weight_s=float(graph.t_bwd_weight_s[mask].sum()),
+                cost_s=float(partition.block_costs[s]),
+                activation_peak_bytes=act_peak,
+                memory_bytes=state + act_peak,
+            )
+        )
+    return out
+
+
+def plan_graph(
+    graph: OpGraph,
+    *,
+    devices: int,
+    microbatches: int,
+    objective: str = "training",
+    schedule: str = "zb-h1",
+    time_limit_s: float = 10.0,
+    schedule_time_limit_s: float = 60.0,
+    seed: int = 0,
+    mem_limit_bytes: float | None = None,
+    host_bandwidth_bytes_per_s: float | None = None,
+    progress: bool = False,
+) -> tuple[Partition, ScheduleProblem, Schedule, dict[str, float]]:
+    """Partition and schedule an OpGraph (the torch-free half of :func:`compile`).
+
+    Returns
+    -------
+    (partition, problem, schedule, timings_s)
+
+    Raises
+    ------
+    InputError
+        On bad counts, an unknown schedule, or more devices than ops.
+    InfeasibleError
+        When the schedule cannot fit the memory limit.
+    """
+    devices = _check_count(devices, "devices")
+    microbatches = _check_count(microbatches, "microbatches")
+    if schedule not in SCHEDULES:
+        raise InputError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    if devices > graph.n:
+        raise InputError(
+            f"devices={devices} is more than the {graph.n} ops of the graph: every stage needs at least one op; "
+            "use fewer devices"
+        )
+    from fxpipe.partition.search import partition as run_partition
+    from fxpipe.schedule.from_partition import problem_from_partition
+
+    timings: dict[str, float] = {}
+    t0 = time.perf_counter()
+    part = run_partition(graph, devices, objective=objective, comm="relay", time_limit_s=time_limit_s, seed=seed, progress=progress)
+    timings["partition"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    problem = problem_from_partition(
+        graph,
+        part,
+        num_microbatches=microbatches,
+        mem_limit_bytes=math.inf if mem_limit_bytes is None else mem_limit_bytes,
+        host_bandwidth_bytes_per_s=host_bandwidth_bytes_per_s,
+    )
+    sched = make_schedule(problem, schedule, time_limit_s=schedule_time_limit_s, progress=progress)
+    timings["schedule"] = time.perf_counter() - t0
+    return part, problem, sched, timings
+
+
+def make_schedule(problem: ScheduleProblem, method: str, *, time_limit_s: float = 60.0, progress: bool = False) -> Schedule:
+    """Schedule a problem with a named method; the MILP is warm-started by the best heuristic.
+
+    Every schedule is checked by the Contract-3 validator before it is returned.
+    """
+    from fxpipe.schedule.heuristics import generate
+    from fxpipe.schedule.validate import validate_schedule
+
+    if method == "milp":
+        from fxpipe.schedule.milp import solve
+
+        sched = solve(problem, time_limit_s=time_limit_s, progress=progress)
+    else:
+        sched = generate(problem, method)
+    validate_schedule(problem, sched)
+    return sched
+
+
+def compile(  # noqa: A001 - the public name mirrors torch.compile
+    model,
+    args: Sequence[Any] = (),
+    kwargs: Mapping[str, Any] | None = None,
+    *,
+    devices: int = 4,
+    microbatches: int = 8,
+    hardware: str = "h100-sxm",
+    objective: str = "training",
+    schedule: str = "zb-h1",
+    dtype=None,
+    time_limit_s: float = 10.0,
+    schedule_time_limit_s: float = 60.0,
+    seed: int = 0,
+    mem_limit_bytes: float | None = None,
+    name: str | None = None,
+    progress: bool = False,
+) -> Plan:
+    """Plan pipeline parallelism for ``model``: capture, cost, partition, schedule.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        The model; may live on the ``meta`` device (nothing is allocated).
+    args, kwargs :
+        Example inputs of ONE micro-batch (costs are per micro-batch).
+    devices : int
+        Pipeline stages (one per device), >= 1 and <= number of ops.
+    microbatches : int
+        Micro-batches per step, >= 1.
+    hardware : str
+        Hardware profile name (``"a100-80gb"``, ``"h100-sxm"``, ``"h200"``, ``"cpu"``).
+    objective : {"training", "inference"}
+        Contract-2 objective the partition minimises.
+    schedule : str
+        One of ``gpipe``, ``1f1b``, ``zb-h1`` (default), ``zb-h2``, ``greedy``,
+        ``pipeoffload``, ``adaoffload``, ``milp``.
+    dtype : torch.dtype, optional
+        Compute dtype the costs assume (default: the model's parameter dtype).
+    time_limit_s : float
+        Partition search budget (seconds).
+    schedule_time_limit_s : float
+        MILP budget when ``schedule="milp"``.
+    seed : int
+        Seed of the partition search.
+    mem_limit_bytes : float, optional
+        Per-device memory available for activations (schedule constraint).
+    name : str, optional
+        Model name for reports (default: the class name).
+
+    Returns
+    -------
+    Plan
+
+    Raises
+    ------
+    InputError
+        devices < 1, microbatches < 1, more devices than ops, unknown hardware/schedule.
+    CaptureError
+        The model cannot be exported (the message says which node and what to try).
+    InfeasibleError
+        The schedule cannot fit the memory limit.
+    """
+    devices = _check_count(devices, "devices")
+    microbatches = _check_count(microbatches, "microbatches")
+    if objective not in ("training", "inference"):
+        raise InputError(f"objective must be 'training' or 'inference', got {objective!r}")
+    if schedule not in SCHEDULES:
+        raise InputError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    from fxpipe.passes import trace_model
+
+    traced = trace_model(model, tuple(args), dict(kwargs or {}), hardware=hardware, dtype=dtype, name=name)
+    graph = traced.graph
+    part, problem, sched, timings = plan_graph(
+        graph,
+        devices=devices,
+        microbatches=microbatches,
+        objective=objective,
+        schedule=schedule,
+        time_limit_s=time_limit_s,
+        schedule_time_limit_s=schedule_time_limit_s,
+        seed=seed,
+        mem_limit_bytes=mem_limit_bytes,
+        progress=progress,
+    )
+    stage_of = {graph.names[i]: int(part.assignment[i]) for i in range(graph.n)}
+    plan = Plan(
+        name=graph.name,
+        devices=devices,
+        microbatches=microbatches,
+        hardware=hardware,
+        objective=objective,
+        comm="relay",
+        graph=graph,
+        partition=part,
+        stage_of=stage_of,
+        problem=problem,
+        schedule=sched,
+        stages=stage_stats(graph, part, problem, sched, objective),
+        timings_s={"capture": traced.capture_s, "cost": traced.cost_s, **timings},
+        graph_signature=graph_signature(graph),
+        options={"seed": seed, "time_limit_s": time_limit_s, "schedule": schedule, "dtype": str(dtype) if dtype else None},
+        _captured=traced,
+    )
+    return plan
