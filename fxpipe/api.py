@@ -608,6 +608,7 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
         schedule_time_limit_s=schedule_time_limit_s,
         seed=seed,
         mem_limit_bytes=mem_limit_bytes,
+        host_bandwidth_bytes_per_s=traced.hardware.host_bytes_per_s,
         progress=progress,
     )
     stage_of = {graph.names[i]: int(part.assignment[i]) for i in range(graph.n)}
