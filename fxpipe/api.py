@@ -17,6 +17,7 @@ graph is the one the plan was made for.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 import time
@@ -512,6 +513,7 @@ def make_schedule(problem: ScheduleProblem, method: str, *, time_limit_s: float 
 
     Every schedule is checked by the Contract-3 validator before it is returned.
     """
+    from fxpipe.schedule.bounds import combinatorial_lower_bound
     from fxpipe.schedule.heuristics import generate
     from fxpipe.schedule.validate import validate_schedule
 
@@ -522,6 +524,9 @@ def make_schedule(problem: ScheduleProblem, method: str, *, time_limit_s: float 
     else:
         sched = generate(problem, method)
     validate_schedule(problem, sched)
+    bound = combinatorial_lower_bound(problem)
+    if bound > sched.lower_bound_s:
+        sched = dataclasses.replace(sched, lower_bound_s=bound)
     return sched
 
 
