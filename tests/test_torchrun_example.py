@@ -1,0 +1,49 @@
+"""The torchrun path: a plan saved by the CLI, loaded by every rank, built with Plan.build."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from fxpipe.cli.plan_cmd import HFFactory, _BatchFn  # noqa: E402
+from fxpipe.codegen.launch import reference_train  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ["n_layer=4", "n_embd=32", "n_head=2", "vocab_size=64", "n_positions=32"]
+
+
+@pytest.mark.slow
+def test_torchrun_trains_saved_plan_like_single_process(tmp_path):
+    plan_file = tmp_path / "gpt2.plan.json"
+    common = ["--hf", "gpt2", "--config", *CONFIG, "--seq-len", "8"]
+    out = subprocess.run(
+        [sys.executable, "-m", "fxpipe.cli", "plan", *common, "--devices", "2", "--microbatches", "4", "--schedule", "1f1b",
+         "--time-limit", "0.5", "--out", str(plan_file)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(ROOT / "examples" / "train_torchrun.py"), "--plan", str(plan_file), *common, "--steps", "2", "--lr", "0.05"],
+        capture_output=True, text=True, timeout=400,
+    )
+    assert run.returncode == 0, run.stderr[-4000:]
+    lines = [json.loads(x) for x in run.stdout.splitlines() if x.startswith("{")]
+    assert len(lines) == 1
+    factory = HFFactory("gpt2", {k: int(v) for k, v in (c.split("=") for c in CONFIG)}, microbatches=4, microbatch_size=1, seq_len=8)
+    ref = reference_train(factory, _BatchFn(factory), num_microbatches=4, steps=2, lr=0.05)
+    torch.testing.assert_close(torch.tensor(lines[0]["losses"]), torch.tensor(ref.losses), rtol=1e-4, atol=1e-6)
+
+    # a plan for 2 stages refuses a launch with another world size, with a clear message
+    bad = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+         str(ROOT / "examples" / "train_torchrun.py"), "--plan", str(plan_file), *common],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert bad.returncode != 0 and "launch 2 processes" in bad.stderr
