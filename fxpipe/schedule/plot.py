@@ -1,0 +1,184 @@
+"""Pictures of pipeline schedules: a Gantt chart with memory curves, and a Chrome trace.
+
+* :func:`gantt` draws one row per stage for its compute stream (F/B/W) and one for its copy
+  stream (O/R), and underneath the activation memory of every stage over time (Contract 3
+  rule 5, from :func:`fxpipe.schedule.validate.memory_profile`) with its limit. PNG or SVG,
+  chosen by the file suffix; matplotlib's Agg backend (no display needed).
+* :func:`chrome_trace` writes the Trace Event Format JSON that ``chrome://tracing`` and
+  Perfetto (ui.perfetto.dev) open: one process per stage, thread 0 = compute stream,
+  thread 1 = copy stream, complete events (``ph: "X"``) with real durations in microseconds.
+
+References
+----------
+Zero Bubble (Qi et al. 2024) and OptPipe Figure 4 draw schedules the same way.
+Trace Event Format: https://docs.google.com/document/d/1CvAClvFfyA5R-PhYUmn5OOQtYMH4h6I0nSsKchNAySU
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+from fxpipe.errors import InputError
+from fxpipe.ir import Schedule, ScheduleProblem, write_json_atomic
+
+__all__ = ["COLORS", "gantt", "chrome_trace"]
+
+#: Colour of each op type (F blue, B green, W orange, O purple, R pink).
+COLORS = {"F": "#4C72B0", "B": "#55A868", "W": "#DD8452", "O": "#8172B3", "R": "#DA8BC3"}
+
+
+def gantt(problem: ScheduleProblem, schedule: Schedule, path: str | os.PathLike, *, title: str | None = None,
+          label_ops: bool | None = None) -> Path:
+    """Draw ``schedule`` as a Gantt chart with per-stage memory curves underneath.
+
+    Parameters
+    ----------
+    problem : ScheduleProblem
+        The problem (for memory deltas and limits).
+    schedule : Schedule
+        Timed ops (seconds).
+    path : str or PathLike
+        Output file; ``.png`` or ``.svg`` (``.pdf`` also works).
+    title : str, optional
+        Defaults to method, objective value and bound.
+    label_ops : bool, optional
+        Write the micro-batch number in each box (default: when there are <= 400 ops).
+
+    Returns
+    -------
+    Path
+        The file written (atomically: drawn to a temp file, then renamed).
+
+    Raises
+    ------
+    InputError
+        On an unsupported suffix or a schedule whose stages do not match the problem.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    from fxpipe.schedule.validate import memory_profile
+
+    path = Path(path)
+    fmt = path.suffix.lower().lstrip(".")
+    if fmt not in ("png", "svg", "pdf"):
+        raise InputError(f"gantt: unsupported file type {path.suffix!r}; use .png or .svg")
+    if not isinstance(schedule, Schedule):
+        raise InputError(f"gantt: expected a Schedule, got {type(schedule).__name__}")
+    S = problem.num_stages
+    if any(not 0 <= o.stage < S for o in schedule.ops):
+        raise InputError(f"gantt: the schedule names stages outside 0..{S - 1} of the problem")
+    if label_ops is None:
+        label_ops = len(schedule.ops) <= 400
+
+    t_end = max((o.end_s for o in schedule.ops), default=1.0)
+    t_beg = min((o.start_s for o in schedule.ops), default=0.0)
+    height = 1.2 + 0.5 * 2 * S + 2.5
+    fig, (ax, axm) = plt.subplots(2, 1, figsize=(12, height), sharex=True,
+                                  gridspec_kw={"height_ratios": [max(2 * S, 2), 5]})
+    rows = {}
+    labels = []
+    for s in range(S):
+        rows[(s, "compute")] = 2 * s
+        rows[(s, "copy")] = 2 * s + 1
+        labels += [f"stage {s}", f"stage {s} copy"]
+    for o in schedule.ops:
+        lane = "copy" if o.type in ("O", "R") else "compute"
+        y = rows[(o.stage, lane)]
+        h = 0.8 if lane == "compute" else 0.5
+        ax.broken_barh([(o.start_s, max(o.end_s - o.start_s, 0.0))], (y - h / 2, h),
+                       facecolors=COLORS.get(o.type, "grey"), edgecolors="black", linewidth=0.3)
+        if label_ops and o.end_s > o.start_s:
+            ax.text((o.start_s + o.end_s) / 2, y, str(o.microbatch), ha="center", va="center", fontsize=6, color="white")
+    ax.set_yticks(range(2 * S))
+    ax.set_yticklabels(labels, fontsize=7)
+    ax.invert_yaxis()
+    ax.legend(handles=[Patch(color=c, label=t) for t, c in COLORS.items()], ncol=5, fontsize=7, loc="upper right")
+    if title is None:
+        title = (f"{problem.name}: {schedule.method or 'schedule'}  {problem.objective} = {schedule.value:.6g}"
+                 + (f"  (bound {schedule.lower_bound_s:.6g})" if schedule.lower_bound_s else ""))
+    ax.set_title(title, fontsize=9)
+
+    cmap = plt.get_cmap("tab10")
+    any_limit = False
+    for s in range(S):
+        times, mem = memory_profile(problem, schedule.ops, s)
+        if len(times) == 0:
+            continue
+        xs = [t_beg] + list(times) + [t_end]
+        ys = [0.0] + list(mem) + [mem[-1]]
+        axm.step(xs, ys, where="post", color=cmap(s % 10), linewidth=1, label=f"stage {s}")
+        lim = float(problem.mem_limit[s])
+        if math.isfinite(lim):
+            any_limit = True
+            axm.axhline(lim, color=cmap(s % 10), linestyle="--", linewidth=0.6)
+    axm.set_ylabel("activation memory" + (" (dashed: limit)" if any_limit else ""), fontsize=8)
+    axm.set_xlabel("time (s)", fontsize=8)
+    if S <= 16:
+        axm.legend(fontsize=6, ncol=min(S, 8), loc="upper right")
+    fig.tight_layout()
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        fig.savefig(tmp, format=fmt, dpi=120)
+        os.replace(tmp, path)
+    finally:
+        plt.close(fig)
+        if tmp.exists():
+            tmp.unlink()
+    return path
+
+
+def chrome_trace(schedule: Schedule, path: str | os.PathLike) -> Path:
+    """Write ``schedule`` as a Chrome/Perfetto trace (JSON, written atomically).
+
+    Every op becomes a complete event ``{"name": "F3", "ph": "X", "ts": start_us,
+    "dur": duration_us, "pid": stage, "tid": 0 (compute) or 1 (copy)}``; metadata events
+    name the processes ("stage s") and threads ("compute", "copy").
+
+    Parameters
+    ----------
+    schedule : Schedule
+        Timed ops in seconds.
+    path : str or PathLike
+        Output ``.json`` file.
+
+    Returns
+    -------
+    Path
+        The file written.
+    """
+    if not isinstance(schedule, Schedule):
+        raise InputError(f"chrome_trace: expected a Schedule, got {type(schedule).__name__}")
+    events = []
+    stages = sorted({o.stage for o in schedule.ops})
+    for s in stages:
+        events.append({"name": "process_name", "ph": "M", "pid": s, "tid": 0, "args": {"name": f"stage {s}"}})
+        events.append({"name": "process_sort_index", "ph": "M", "pid": s, "tid": 0, "args": {"sort_index": s}})
+        events.append({"name": "thread_name", "ph": "M", "pid": s, "tid": 0, "args": {"name": "compute"}})
+        events.append({"name": "thread_name", "ph": "M", "pid": s, "tid": 1, "args": {"name": "copy"}})
+    names = {"F": "forward", "B": "backward-input", "W": "backward-weight", "O": "offload", "R": "reload"}
+    for o in schedule.ops:
+        events.append({
+            "name": f"{o.type}{o.microbatch}",
+            "cat": names.get(o.type, o.type),
+            "ph": "X",
+            "ts": o.start_s * 1e6,
+            "dur": max(o.end_s - o.start_s, 0.0) * 1e6,
+            "pid": o.stage,
+            "tid": 1 if o.type in ("O", "R") else 0,
+            "args": {"stage": o.stage, "microbatch": o.microbatch, "type": o.type},
+        })
+    doc = {
+        "traceEvents": events,
+        "displayTimeUnit": "ms",
+        "otherData": {"format": "fxpipe.schedule/1 trace", "method": schedule.method, "objective": schedule.objective,
+                      "value_s": schedule.value, "lower_bound_s": schedule.lower_bound_s, "status": schedule.status},
+    }
+    return write_json_atomic(path, doc)
