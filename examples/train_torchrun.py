@@ -52,7 +52,7 @@ def main() -> None:
     opt = torch.optim.SGD(list(stage.submod.parameters()), lr=args.lr)
     losses_per_step = []
     for step in range(args.steps):
-        inputs, target = factory.batch(step, model)
+        inputs, target = factory.batch(step)
         opt.zero_grad()
         losses: list[torch.Tensor] = []
         if stage.is_first and stage.is_last:

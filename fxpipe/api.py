@@ -32,12 +32,12 @@ from fxpipe.ir import OpGraph, Schedule, ScheduleProblem, read_json, write_json_
 from fxpipe.partition.objective import Partition
 
 PLAN_FORMAT = "fxpipe.plan/1"
-SCHEDULES = ("gpipe", "1f1b", "zb-h1", "zb-h2", "greedy", "pipeoffload", "adaoffload", "milp")
+SCHEDULES = ("gpipe", "1f1b", "zb-h1", "zb-h2", "greedy", "pipeoffload", "adaoffload", "milp")  # = schedule.dispatch.METHODS
 
 #: bytes per parameter byte held by a training stage besides the parameters themselves:
 #: gradients (1x) and Adam's two moments (2x), all in the parameters' dtype. Used only for
 #: the per-stage memory column of the plan; the memory-aware partitioner has its own model.
-_TRAINING_STATE_FACTOR = 4.0
+_TRAINING_STATE_FACTOR = 3.0
 
 
 @dataclass
@@ -148,6 +148,12 @@ class Plan:
             f"bubble ratio {self.bubble_ratio:.1%} | schedule lower bound {self.schedule.lower_bound_s * 1e3:.3f} ms "
             f"({self.schedule.status})"
         )
+        empty = self.partition.meta.get("empty_stages") or []
+        if empty:
+            lines.append(
+                f"note: stages {empty} hold no ops and only relay tensors: the best partition found uses "
+                f"{self.devices - len(empty)} stages; fewer devices would do as well"
+            )
         if self.timings_s:
             lines.append("time: " + ", ".join(f"{k} {v:.2f} s" for k, v in self.timings_s.items()))
         return "\n".join(lines)
@@ -195,8 +201,14 @@ class Plan:
         try:
             graph = OpGraph.from_dict(doc["graph"], source=f"{source}: graph")
             p = doc["partition"]
-            partition = Partition.from_assignment(
-                graph, np.asarray(p["assignment"], dtype=np.int64), int(p["k"]), p["objective"], p["comm"], meta=p.get("meta", {})
+            partition = Partition(
+                k=int(p["k"]),
+                assignment=np.asarray(p["assignment"], dtype=np.int64),
+                block_costs=np.asarray(p["block_costs"], dtype=np.float64),
+                bottleneck=float(p["bottleneck"]),
+                objective=str(p["objective"]),
+                comm=str(p["comm"]),
+                meta=dict(p.get("meta", {})),
             )
             problem = ScheduleProblem.from_dict(doc["problem"], source=f"{source}: problem")
             schedule = Schedule.from_dict(doc["schedule"], source=f"{source}: schedule")
@@ -218,11 +230,33 @@ class Plan:
                 graph_signature=str(doc.get("graph_signature", "")),
                 options=dict(doc.get("options", {})),
             )
-        except (KeyError, TypeError) as exc:
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise InputError(f"{source}: malformed plan ({exc!r}); regenerate it with fxpipe.compile") from None
-        if plan.graph_signature != graph_signature(graph):
-            raise InputError(f"{source}: the graph signature does not match the graph: the file was edited or corrupted")
+        plan._check_consistent(source)
         return plan
+
+    def _check_consistent(self, source: str) -> None:
+        """Every part of a loaded plan agrees with the others (raises InputError otherwise)."""
+        from fxpipe.partition.objective import validate_partition
+        from fxpipe.schedule.validate import check_schedule
+
+        if self.graph_signature != graph_signature(self.graph):
+            raise InputError(f"{source}: the graph signature does not match the graph: the file was edited or corrupted")
+        if not self.devices == self.partition.k == self.problem.num_stages == len(self.stages):
+            raise InputError(
+                f"{source}: devices ({self.devices}), partition blocks ({self.partition.k}), schedule stages "
+                f"({self.problem.num_stages}) and stage table ({len(self.stages)}) disagree"
+            )
+        try:
+            validate_partition(self.graph, self.partition, rtol=1e-6)
+        except AssertionError as exc:
+            raise InputError(f"{source}: the partition is invalid: {exc}") from None
+        expected = {self.graph.names[i]: int(self.partition.assignment[i]) for i in range(self.graph.n)}
+        if self.stage_of != expected:
+            raise InputError(f"{source}: stage_of disagrees with the partition's assignment")
+        violations = check_schedule(self.problem, self.schedule.ops)
+        if violations:
+            raise InputError(f"{source}: the schedule breaks Contract 3: {violations[0]} ({len(violations)} violations)")
 
     # ------------------------------------------------------------------ runtime
     def orders(self) -> dict[int, list[tuple[str, int]]]:
@@ -451,6 +485,44 @@ def stage_stats(graph: OpGraph, partition: Partition, problem: ScheduleProblem, 
     return out
 
 
+def fill_empty_stages(graph: OpGraph, partition: Partition) -> Partition:
+    """Make a partition runnable on exactly ``k`` ranks when the optimum leaves stages empty.
+
+    The partitioner minimises the bottleneck over *at most* k blocks and leaves unused blocks
+    at the end; but the runtime needs model inputs on stage 0 and the output on stage k-1.
+    The last used block is renumbered k-1 (or, if only one block is used, just the output
+    node moves there), so the empty stages in between relay tensors. Costs are recomputed
+    (relayed tensors count in the empty stages' io) and ``meta["empty_stages"]`` lists them.
+    """
+    a = np.asarray(partition.assignment)
+    k = partition.k
+    used = np.unique(a)
+    if used.max() == k - 1:  # the last stage holds ops: the pipeline already spans k ranks
+        return partition
+    a2 = a.copy()
+    last = int(used.max())
+    if used.size >= 2:
+        a2[a == last] = k - 1
+    else:
+        for i, op in enumerate(graph.ops):
+            if op == "output":
+                a2[i] = k - 1
+    from fxpipe.partition.objective import block_costs
+
+    costs = block_costs(graph, a2, k, partition.objective, partition.comm)
+    empty = sorted(set(range(k)) - set(np.unique(a2).tolist()))
+    return Partition(
+        k=k,
+        assignment=a2,
+        block_costs=costs,
+        bottleneck=float(costs.max()),
+        objective=partition.objective,
+        comm=partition.comm,
+        order=partition.order,
+        meta={**partition.meta, "empty_stages": empty, "bottleneck_before_filling_s": partition.bottleneck},
+    )
+
+
 def plan_graph(
     graph: OpGraph,
     *,
@@ -488,11 +560,13 @@ def plan_graph(
             "use fewer devices"
         )
     from fxpipe.partition.search import partition as run_partition
+    from fxpipe.schedule.dispatch import make_schedule
     from fxpipe.schedule.from_partition import problem_from_partition
 
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
     part = run_partition(graph, devices, objective=objective, comm="relay", time_limit_s=time_limit_s, seed=seed, progress=progress)
+    part = fill_empty_stages(graph, part)
     timings["partition"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
@@ -506,28 +580,6 @@ def plan_graph(
     sched = make_schedule(problem, schedule, time_limit_s=schedule_time_limit_s, progress=progress)
     timings["schedule"] = time.perf_counter() - t0
     return part, problem, sched, timings
-
-
-def make_schedule(problem: ScheduleProblem, method: str, *, time_limit_s: float = 60.0, progress: bool = False) -> Schedule:
-    """Schedule a problem with a named method; the MILP is warm-started by the best heuristic.
-
-    Every schedule is checked by the Contract-3 validator before it is returned.
-    """
-    from fxpipe.schedule.bounds import combinatorial_lower_bound
-    from fxpipe.schedule.heuristics import generate
-    from fxpipe.schedule.validate import validate_schedule
-
-    if method == "milp":
-        from fxpipe.schedule.milp import solve
-
-        sched = solve(problem, time_limit_s=time_limit_s, progress=progress)
-    else:
-        sched = generate(problem, method)
-    validate_schedule(problem, sched)
-    bound = combinatorial_lower_bound(problem)
-    if bound > sched.lower_bound_s:
-        sched = dataclasses.replace(sched, lower_bound_s=bound)
-    return sched
 
 
 def compile(  # noqa: A001 - the public name mirrors torch.compile

@@ -75,6 +75,9 @@ def write_json_atomic(path: str | os.PathLike, data: Any, *, indent: int | None 
             fh.write("\n")
             fh.flush()
             os.fsync(fh.fileno())
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; give the file normal permissions
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -148,6 +151,21 @@ def _check_finite_nonneg(arr: np.ndarray, name: str, labels: Sequence[str] | Non
         i = int(np.flatnonzero(neg)[0])
         where = f" ({labels[i]!r})" if labels is not None else ""
         raise InputError(f"{name}[{i}]{where} is {arr[i]}: costs must be >= 0")
+
+
+def _as_count(value: Any, name: str) -> int:
+    """An integer from JSON (``3`` or ``3.0``), else :class:`InputError`."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise InputError(f"{name} must be an integer, got {value!r}")
+    if not float(value).is_integer():
+        raise InputError(f"{name} must be an integer, got {value!r}")
+    return int(value)
+
+
+def _as_index(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) or not float(value).is_integer():
+        raise ValueError(value)
+    return int(value)
 
 
 def _freeze(arr: np.ndarray) -> np.ndarray:
@@ -278,7 +296,7 @@ class OpGraph:
         edge_arr = _edge_array(edges, n)
         succ_ptr, succ_idx = _csr(edge_arr[:, 0], edge_arr[:, 1], n)
         pred_ptr, pred_idx = _csr(edge_arr[:, 1], edge_arr[:, 0], n)
-        cycle = _find_cycle(n, succ_ptr, succ_idx, pred_ptr)
+        cycle = _find_cycle(n, succ_ptr, succ_idx, pred_ptr, pred_idx)
         if cycle is not None:
             path = " -> ".join(f"{v} ({labels[v]})" for v in cycle[:8])
             raise InputError(
@@ -499,7 +517,9 @@ def _csr(src: np.ndarray, dst: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarr
     return ptr, dst[order].astype(np.int64)
 
 
-def _find_cycle(n: int, succ_ptr: np.ndarray, succ_idx: np.ndarray, pred_ptr: np.ndarray) -> list[int] | None:
+def _find_cycle(
+    n: int, succ_ptr: np.ndarray, succ_idx: np.ndarray, pred_ptr: np.ndarray, pred_idx: np.ndarray
+) -> list[int] | None:
     """Kahn's algorithm; if some nodes remain, walk back along remaining edges to a cycle."""
     indeg = np.diff(pred_ptr).copy()
     stack = list(np.flatnonzero(indeg == 0))
@@ -514,16 +534,16 @@ def _find_cycle(n: int, succ_ptr: np.ndarray, succ_idx: np.ndarray, pred_ptr: np
     if seen == n:
         return None
     remaining = set(np.flatnonzero(indeg > 0).tolist())
-    # follow successors inside the remaining set until a node repeats
+    # every leftover node has a leftover predecessor (its in-degree never reached 0):
+    # walk predecessors until a node repeats, then reverse to get the cycle in edge order
     v = min(remaining)
     path: list[int] = []
     pos: dict[int, int] = {}
     while v not in pos:
         pos[v] = len(path)
         path.append(v)
-        nxt = [int(w) for w in succ_idx[succ_ptr[v] : succ_ptr[v + 1]] if int(w) in remaining]
-        v = nxt[0]
-    cyc = path[pos[v] :]
+        v = next(int(u) for u in pred_idx[pred_ptr[v] : pred_ptr[v + 1]] if int(u) in remaining)
+    cyc = path[pos[v] :][::-1]
     return cyc + [cyc[0]]
 
 
@@ -617,11 +637,8 @@ class ScheduleProblem:
             deltas that do not sum to zero, ``offload_bytes`` outside ``[0, mem_f]``, a
             non-positive limit, a bad pcie group or an unknown objective.
         """
-        try:
-            S = int(num_stages)
-            M = int(num_microbatches)
-        except (TypeError, ValueError):
-            raise InputError("num_stages and num_microbatches must be integers") from None
+        S = _as_count(num_stages, "num_stages")
+        M = _as_count(num_microbatches, "num_microbatches")
         if S < 1:
             raise InputError(f"num_stages must be >= 1, got {S}")
         if M < 1:
@@ -629,7 +646,7 @@ class ScheduleProblem:
 
         def vec(val, key, length=S):
             if val is None:
-                return None
+                raise InputError(f"{key} is null: give a number or a list of {length} numbers")
             if np.ndim(val) == 0:
                 try:
                     return np.full(length, float(val))
@@ -641,6 +658,9 @@ class ScheduleProblem:
         t_comm_a = vec(t_comm, "t_comm", max(S - 1, 0))
         t_off_a = vec(t_offload, "t_offload")
         mem_f_a = vec(mem_f, "mem_f")
+        for key, arr in (("t_f", t_f_a), ("t_b", t_b_a), ("t_w", t_w_a), ("mem_f", mem_f_a)):
+            if np.any(np.isnan(arr)):
+                raise InputError(f"{key} contains NaN: give finite numbers")
         mem_b_a = vec(mem_b, "mem_b") if mem_b is not None else -mem_f_a / 2.0
         mem_w_a = vec(mem_w, "mem_w") if mem_w is not None else -mem_f_a - mem_b_a
         off_a = vec(offload_bytes, "offload_bytes") if offload_bytes is not None else mem_f_a.copy()
@@ -666,8 +686,13 @@ class ScheduleProblem:
         if np.any(np.isnan(lim_a)) or np.any(lim_a <= 0):
             raise InputError(f"mem_limit must be > 0 on every stage, got {lim_a.tolist()}")
         groups = []
+        if pcie_groups is None or isinstance(pcie_groups, (str, bytes)):
+            raise InputError("pcie_groups must be a list of lists of stage indices")
         for g in pcie_groups:
-            grp = tuple(int(s) for s in g)
+            try:
+                grp = tuple(_as_index(s) for s in g)
+            except (TypeError, ValueError):
+                raise InputError(f"pcie group {g!r} must be a list of integer stage indices") from None
             if any(not 0 <= s < S for s in grp):
                 raise InputError(f"pcie group {list(grp)} names a stage outside 0..{S - 1}")
             groups.append(grp)
@@ -851,7 +876,9 @@ class Schedule:
 
     def ops_of_stage(self, stage: int) -> list[ScheduledOp]:
         """Ops of one stage in start-time order."""
-        return sorted((o for o in self.ops if o.stage == stage), key=lambda o: (o.start_s, o.type))
+        return sorted(
+            (o for o in self.ops if o.stage == stage), key=lambda o: (o.start_s, _TYPE_RANK.get(o.type, 9), o.microbatch)
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """The ``fxpipe.schedule/1`` document."""
@@ -879,6 +906,8 @@ class Schedule:
         """
         if not isinstance(doc, Mapping) or "ops" not in doc:
             raise InputError(f"{source}: expected a JSON object with 'ops'")
+        if not isinstance(doc["ops"], list):
+            raise InputError(f"{source}: 'ops' must be a list of ops")
         ops = []
         for i, o in enumerate(doc["ops"]):
             try:
@@ -888,13 +917,19 @@ class Schedule:
             if op.type not in OP_TYPES:
                 raise InputError(f"{source}: ops[{i}] has type {op.type!r}; expected one of {OP_TYPES}")
             ops.append(op)
+        if not isinstance(doc.get("meta", {}), Mapping):
+            raise InputError(f"{source}: 'meta' must be an object")
+        try:
+            figures = {k: float(doc.get(k) or 0.0) for k in ("makespan", "stage_span", "lower_bound_s", "solver_time_s")}
+        except (TypeError, ValueError):
+            raise InputError(f"{source}: makespan, stage_span, lower_bound_s and solver_time_s must be numbers") from None
         return cls(
             ops=tuple(sort_ops(ops)),
-            makespan=float(doc.get("makespan", 0.0)),
-            stage_span=float(doc.get("stage_span", 0.0)),
-            lower_bound_s=float(doc.get("lower_bound_s", 0.0)),
+            makespan=figures["makespan"],
+            stage_span=figures["stage_span"],
+            lower_bound_s=figures["lower_bound_s"],
             status=str(doc.get("status", "")),
-            solver_time_s=float(doc.get("solver_time_s", 0.0)),
+            solver_time_s=figures["solver_time_s"],
             method=str(doc.get("method", "")),
             objective=str(doc.get("objective", "stage_span")),
             meta=dict(doc.get("meta", {})),

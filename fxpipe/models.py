@@ -180,8 +180,9 @@ def build_hf_model(
         "llama": transformers.LlamaForCausalLM,
         "mixtral": transformers.MixtralForCausalLM,
     }[base]
-    known = set(cfg_cls().to_dict())
-    unknown = [k for k in cfg_kwargs if k not in known and not hasattr(cfg_cls(), k)]
+    default_cfg = cfg_cls()
+    known = set(default_cfg.to_dict())
+    unknown = [k for k in cfg_kwargs if k not in known and not hasattr(default_cfg, k)]
     if unknown:
         raise InputError(
             f"unknown {base} config field(s) {unknown}; known fields include "
@@ -193,7 +194,21 @@ def build_hf_model(
         # GPT-2's special tokens are id 50256: keep them inside a smaller test vocabulary
         for tok in ("bos_token_id", "eos_token_id"):
             cfg_kwargs.setdefault(tok, min(50256, int(vocab_given) - 1))
-    config = cfg_cls(**cfg_kwargs)
+    try:
+        config = cfg_cls(**cfg_kwargs)
+    except Exception as exc:  # noqa: BLE001 - transformers' own validation errors have many types
+        msg = " ".join(str(exc).split())
+        raise InputError(f"invalid {base} config {cfg_kwargs}: {msg[:300]}") from None
+    try:
+        bs, sl = int(inputs["batch_size"]), int(inputs["seq_len"])
+        dsl = int(inputs["decoder_seq_len"] or sl)
+    except (TypeError, ValueError):
+        raise InputError(f"batch_size, seq_len and decoder_seq_len must be integers, got {inputs}") from None
+    if bs < 1 or sl < 1 or dsl < 1:
+        raise InputError(f"batch_size and seq_len must be >= 1, got {bs}, {sl}")
+    max_pos = getattr(config, "n_positions", None) if base == "gpt2" else getattr(config, "max_position_embeddings", None)
+    if max_pos is not None and base != "t5" and sl > int(max_pos):
+        raise InputError(f"seq_len {sl} exceeds the model's {int(max_pos)} positions: raise n_positions / max_position_embeddings or shorten seq_len")
     # default eager attention: explicit matmul/softmax ops, same on every backend, exportable;
     # "sdpa" gives one fused scaled_dot_product_attention op per layer (FlashAttention-like costs)
     if inputs["attn_implementation"] not in ("eager", "sdpa"):
@@ -202,24 +217,23 @@ def build_hf_model(
     dtype = dtype or torch.float32
     with torch.random.fork_rng(devices=[]):  # leave the caller's RNG state alone
         torch.manual_seed(seed)
-        if device == "meta":
-            with torch.device("meta"):
+        try:
+            if device == "meta":
+                with torch.device("meta"):
+                    hf = model_cls(config)
+            else:
                 hf = model_cls(config)
-        else:
-            hf = model_cls(config)
+        except (TypeError, ValueError, RuntimeError) as exc:  # e.g. hidden size not divisible by heads
+            raise InputError(f"cannot build {base} from config {cfg_kwargs}: {str(exc).splitlines()[0]}") from None
     hf = hf.to(dtype=dtype)
     hf.eval()
     model = logits_only(hf).eval()
 
     vocab = int(config.vocab_size)
-    bs, sl = int(inputs["batch_size"]), int(inputs["seq_len"])
-    if bs < 1 or sl < 1:
-        raise InputError(f"batch_size and seq_len must be >= 1, got {bs}, {sl}")
     gen = torch.Generator().manual_seed(seed)
     input_ids = torch.randint(0, vocab, (bs, sl), generator=gen)
     args: tuple = (input_ids,)
     if base == "t5":
-        dsl = int(inputs["decoder_seq_len"] or sl)
         args = (input_ids, torch.randint(0, vocab, (bs, dsl), generator=gen))
     if device == "meta":
         args = tuple(a.to("meta") for a in args)

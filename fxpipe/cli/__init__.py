@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from fxpipe.errors import FxpipeError
@@ -52,9 +53,17 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return 2
     try:
-        return int(args.func(args) or 0)
+        code = int(args.func(args) or 0)
+        sys.stdout.flush()
+        return code
     except FxpipeError as exc:
         print(f"fxpipe {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:  # output piped into `head` and closed: not an error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    except OSError as exc:  # unreadable input / unwritable output path
+        print(f"fxpipe {args.command}: error: {exc.strerror or exc}: {exc.filename or ''} (check the path and its permissions)", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"fxpipe {args.command}: interrupted", file=sys.stderr)

@@ -8,7 +8,7 @@ import sys
 from typing import Any
 
 from fxpipe.errors import InputError
-from fxpipe.ir import OpGraph, read_json
+from fxpipe.ir import OpGraph, _json_default, read_json
 
 GRAPH_FORMATS = ("auto", "fxpipe", "dnn-partitioning", "pipedream")
 
@@ -36,7 +36,7 @@ def load_graph(path: str, fmt: str = "auto") -> OpGraph:
         If the file is missing or malformed.
     """
     if fmt == "auto":
-        if path.endswith(".txt"):
+        if path.lower().endswith(".txt"):
             fmt = "pipedream"
         else:
             doc = read_json(path, "graph file")
@@ -59,19 +59,7 @@ def load_graph(path: str, fmt: str = "auto") -> OpGraph:
 def emit(args: argparse.Namespace, doc: dict[str, Any], text: str) -> None:
     """Print ``doc`` as JSON when ``--json`` was given, else the human-readable ``text``."""
     if getattr(args, "json", False):
-        json.dump(doc, sys.stdout, indent=1, allow_nan=False, default=_default)
+        json.dump(doc, sys.stdout, indent=1, allow_nan=False, default=_json_default)
         sys.stdout.write("\n")
     else:
         sys.stdout.write(text.rstrip("\n") + "\n")
-
-
-def _default(obj: Any) -> Any:
-    import numpy as np
-
-    if isinstance(obj, np.ndarray):
-        return obj.tolist()
-    if isinstance(obj, (np.integer,)):
-        return int(obj)
-    if isinstance(obj, (np.floating,)):
-        return float(obj)
-    raise TypeError(f"not JSON serialisable: {type(obj).__name__}")

@@ -13,14 +13,16 @@ difference.
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from fxpipe.api import SCHEDULES
 from fxpipe.cli.common import emit
+from fxpipe.cost.hardware import list_hardware
 from fxpipe.errors import InputError
 
-ARCHS = ("gpt2", "t5", "llama", "mixtral", "llama-2-7b")
 
 
 def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -30,15 +32,17 @@ def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--hf", required=True, choices=ARCHS, help="architecture (built from its config)")
+    p.add_argument(
+        "--hf", required=True, metavar="ARCH", help="architecture built from its config: gpt2, t5, llama, mixtral or llama-2-7b"
+    )
     p.add_argument("--config", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides, e.g. n_layer=8 n_embd=256")
     p.add_argument("--devices", type=int, default=4, help="pipeline stages / devices (default 4)")
     p.add_argument("--microbatches", type=int, default=8, help="micro-batches per step (default 8)")
     p.add_argument("--microbatch-size", type=int, default=1, help="sequences per micro-batch (default 1)")
     p.add_argument("--seq-len", type=int, default=128, help="sequence length (default 128)")
-    p.add_argument("--hardware", default="h100-sxm", help="hardware profile (a100-80gb, h100-sxm, h200, cpu)")
+    p.add_argument("--hardware", default="h100-sxm", choices=list_hardware(), help="hardware profile the costs are for (default h100-sxm)")
     p.add_argument("--objective", choices=("training", "inference"), default="training")
-    p.add_argument("--schedule", default="zb-h1", help="gpipe, 1f1b, zb-h1, zb-h2, greedy, pipeoffload, adaoffload, milp")
+    p.add_argument("--schedule", default="zb-h1", choices=SCHEDULES, help="schedule method (default zb-h1)")
     p.add_argument("--time-limit", type=float, default=10.0, help="partition search budget in seconds (default 10)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--meta", action="store_true", help="build the model on the meta device (no weights; cannot --run)")
@@ -73,27 +77,41 @@ class HFFactory:
         over = {**self.overrides, "batch_size": self.microbatch_size, "seq_len": self.seq_len}
         return build_hf_model(self.arch, over, device=device, seed=self.seed)
 
-    def vocab_size(self, model) -> int:
-        return int(model.model.config.vocab_size) if hasattr(model, "model") else int(model.config.vocab_size)
+    def __post_init__(self):
+        clash = sorted({"batch_size", "seq_len"} & set(self.overrides))
+        if clash:
+            raise InputError(f"set {clash} with --microbatch-size / --seq-len, not --config")
+
+    def vocab_size(self) -> int:
+        return _vocab_size(self.arch, tuple(sorted(self.overrides.items())))
 
     def __call__(self):
         model, _, _ = self.one_microbatch()
-        inputs, _ = self.batch(0, model)
+        inputs, _ = self.batch(0)
         return model, inputs
 
     def batch(self, step: int, model=None):
+        """Step ``step``'s full batch: ``(inputs, target)``, next-token targets (``model`` is unused)."""
         import torch
 
-        if model is None:
-            model, _, _ = self.one_microbatch()
-        vocab = self.vocab_size(model)
+        vocab = self.vocab_size()
         g = torch.Generator().manual_seed(self.seed * 1000 + step)
         b = self.microbatches * self.microbatch_size
         ids = torch.randint(0, vocab, (b, self.seq_len + 1), generator=g)
         if self.arch == "t5":
-            dec = torch.randint(0, vocab, (b, self.seq_len + 1), generator=g)
+            dec_len = int(self.overrides.get("decoder_seq_len") or self.seq_len)
+            dec = torch.randint(0, vocab, (b, dec_len + 1), generator=g)
             return (ids[:, :-1], dec[:, :-1]), dec[:, 1:]
         return (ids[:, :-1],), ids[:, 1:]
+
+
+@functools.lru_cache(maxsize=8)
+def _vocab_size(arch: str, overrides: tuple) -> int:
+    """Vocabulary size of an architecture's config (built once per process, on meta)."""
+    from fxpipe.models import build_hf_model
+
+    model, _, _ = build_hf_model(arch, dict(overrides), device="meta")
+    return int(model.model.config.vocab_size)
 
 
 @dataclass(frozen=True)

@@ -10,88 +10,28 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 
 from fxpipe.cli.common import emit
-from fxpipe.errors import InfeasibleError, SolverError
+from fxpipe.errors import InputError
 from fxpipe.ir import Schedule, ScheduleProblem, write_json_atomic
-
-METHOD_CHOICES = ("1f1b", "zb-h1", "zb-h2", "gpipe", "greedy", "pipeoffload", "adaoffload", "milp")
-
-#: Heuristics tried, in order, for the MILP warm start (the best valid one is used).
-WARM_START_METHODS = ("zb-h2", "greedy", "zb-h1", "1f1b", "adaoffload", "pipeoffload", "gpipe")
-
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the ``schedule`` sub-command."""
+    from fxpipe.schedule.dispatch import METHODS
+
     p = subparsers.add_parser(
         "schedule",
         help="schedule F/B/W/offload/reload ops of a pipeline problem",
         description="Build a pipeline schedule for a fxpipe.schedproblem/1 file and validate it (Contract 3).",
     )
     p.add_argument("problem", metavar="PROBLEM", help="schedule problem (fxpipe.schedproblem/1 JSON)")
-    p.add_argument("--method", choices=METHOD_CHOICES, default="zb-h1", help="schedule generator (default: zb-h1)")
+    p.add_argument("--method", choices=METHODS, default="zb-h1", help="schedule generator (default: zb-h1)")
     p.add_argument("--time-limit", type=float, default=60.0, metavar="S", help="MILP time limit in seconds (default 60)")
     p.add_argument("--out", metavar="SCHEDULE", help="also write the schedule to this JSON file (atomically)")
+    p.add_argument("--gantt", metavar="PNG|SVG", help="write a Gantt chart with per-stage memory curves")
+    p.add_argument("--trace", metavar="TRACE.json", help="write a chrome trace (open in Perfetto)")
     p.add_argument("--json", action="store_true", help="print the fxpipe.schedule/1 document on stdout")
     p.set_defaults(func=run)
-
-
-def _warm_start(problem: ScheduleProblem) -> Schedule | None:
-    from fxpipe.schedule.heuristics import generate
-
-    best = None
-    for m in WARM_START_METHODS:
-        try:
-            s = generate(problem, m)
-        except InfeasibleError:
-            continue
-        if best is None or s.value < best.value:
-            best = s
-    return best
-
-
-def solve(problem: ScheduleProblem, method: str, time_limit_s: float = 60.0) -> Schedule:
-    """The validated schedule of ``problem`` by ``method`` with its best lower bound.
-
-    Raises
-    ------
-    InfeasibleError
-        If the method cannot fit the memory limit.
-    SolverError
-        If the MILP is unavailable or returns an invalid schedule.
-    """
-    from fxpipe.schedule.bounds import combinatorial_lower_bound
-    from fxpipe.schedule.heuristics import generate
-    from fxpipe.schedule.validate import InvalidScheduleError, validate_schedule
-
-    t0 = time.perf_counter()
-    if method == "milp":
-        try:
-            from fxpipe.schedule import milp  # noqa: PLC0415 (optional part, needs SCIP)
-        except ImportError as exc:
-            raise SolverError(f"the MILP scheduler is not available ({exc}); use a heuristic --method") from None
-        warm = _warm_start(problem)
-        sched = milp.solve(problem, time_limit_s=time_limit_s, warm_start=warm, progress=sys.stderr.isatty())
-        try:
-            validate_schedule(problem, sched)
-        except InvalidScheduleError as exc:
-            raise SolverError(f"the MILP returned a schedule that breaks Contract 3: {exc}") from None
-    else:
-        sched = generate(problem, method)
-        validate_schedule(problem, sched)
-    lb = max(float(sched.lower_bound_s), combinatorial_lower_bound(problem))
-    return Schedule(
-        ops=sched.ops,
-        makespan=sched.makespan,
-        stage_span=sched.stage_span,
-        lower_bound_s=lb,
-        status=sched.status,
-        solver_time_s=sched.solver_time_s if method == "milp" else time.perf_counter() - t0,
-        method=sched.method or method,
-        objective=problem.objective,
-        meta=sched.meta,
-    )
 
 
 def _text(problem: ScheduleProblem, sched: Schedule) -> str:
@@ -110,10 +50,21 @@ def _text(problem: ScheduleProblem, sched: Schedule) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``fxpipe schedule``."""
+    from fxpipe.schedule.dispatch import make_schedule
+
+    if args.time_limit <= 0:
+        raise InputError(f"--time-limit must be > 0 seconds, got {args.time_limit}")
     problem = ScheduleProblem.load(args.problem)
-    sched = solve(problem, args.method, args.time_limit)
+    sched = make_schedule(problem, args.method, time_limit_s=args.time_limit, progress=sys.stderr.isatty())
     doc = sched.to_dict()
     if args.out:
         write_json_atomic(args.out, doc)
+    if args.gantt or args.trace:
+        from fxpipe.schedule.plot import chrome_trace, gantt
+
+        if args.gantt:
+            gantt(problem, sched, args.gantt)
+        if args.trace:
+            chrome_trace(sched, args.trace)
     emit(args, doc, _text(problem, sched))
     return 0

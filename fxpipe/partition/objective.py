@@ -221,7 +221,7 @@ class Partition:
             k=k,
             assignment=a2,
             block_costs=costs,
-            bottleneck=float(costs.max()) if k else 0.0,
+            bottleneck=float(costs.max()),
             objective=objective,
             comm=comm,
             order=None if order is None else np.asarray(order, dtype=np.int64),
@@ -259,13 +259,18 @@ def validate_partition(
         With a message naming the violated rule (a bug, not bad user input).
     """
     a = np.asarray(partition.assignment)
-    assert a.shape == (graph.n,), f"assignment has shape {a.shape}, expected ({graph.n},)"
-    assert a.min() >= 0 and a.max() < partition.k, "block id outside 0..k-1"
+    if not (a.shape == (graph.n,)):
+        raise AssertionError(f"assignment has shape {a.shape}, expected ({graph.n},)")
+    if not (a.min() >= 0 and a.max() < partition.k):
+        raise AssertionError("block id outside 0..k-1")
     if graph.m:
         bu, bv = a[graph.edges[:, 0]], a[graph.edges[:, 1]]
         bad = np.flatnonzero(bu > bv)
-        assert bad.size == 0, f"edge {graph.edges[bad[0]].tolist()} goes from block {bu[bad[0]]} back to {bv[bad[0]]}"
-    assert quotient_order(graph, a, partition.k) is not None, "quotient graph is cyclic"
+        if not (bad.size == 0):
+            raise AssertionError(f"edge {graph.edges[bad[0]].tolist()} goes from block {bu[bad[0]]} back to {bv[bad[0]]}")
+    if not (quotient_order(graph, a, partition.k) is not None):
+        raise AssertionError("quotient graph is cyclic")
     costs = block_costs(graph, a, partition.k, partition.objective, partition.comm)
     np.testing.assert_allclose(partition.block_costs, costs, rtol=rtol, atol=1e-15, err_msg="stored block costs differ from recomputation")
-    assert abs(partition.bottleneck - costs.max()) <= rtol * max(1.0, abs(costs.max())) + 1e-15, "bottleneck != max block cost"
+    if not (abs(partition.bottleneck - costs.max()) <= rtol * max(1.0, abs(costs.max())) + 1e-15):
+        raise AssertionError("bottleneck != max block cost")

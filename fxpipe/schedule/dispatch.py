@@ -1,0 +1,85 @@
+"""One entry point for every schedule method: ``make_schedule(problem, method)``.
+
+Used by ``fxpipe.compile`` and by ``fxpipe schedule``. Heuristics come from
+:mod:`fxpipe.schedule.heuristics`; ``"milp"`` is the OptPipe MILP of
+:mod:`fxpipe.schedule.milp`, warm-started from the best heuristic that fits. Every schedule
+is checked by the Contract-3 validator, and ``lower_bound_s`` is the best proven bound: the
+MILP's dual bound or the combinatorial bound of :mod:`fxpipe.schedule.bounds`, whichever is
+larger.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable
+
+from fxpipe.errors import InputError, SolverError
+from fxpipe.ir import Schedule, ScheduleProblem
+from fxpipe.schedule.heuristics import METHODS as HEURISTICS
+
+METHODS = (*HEURISTICS, "milp")
+
+
+def make_schedule(
+    problem: ScheduleProblem,
+    method: str = "zb-h1",
+    *,
+    time_limit_s: float = 60.0,
+    progress: bool = False,
+    on_incumbent: Callable | None = None,
+) -> Schedule:
+    """The validated schedule of ``problem`` by ``method``, with its best lower bound.
+
+    Parameters
+    ----------
+    problem : ScheduleProblem
+    method : str
+        One of :data:`METHODS`.
+    time_limit_s : float
+        MILP budget in seconds (ignored by the heuristics).
+    progress : bool
+        Show the MILP's incumbent / gap progress bar.
+    on_incumbent : callable, optional
+        Called by the MILP with every new incumbent (OptPipe Section 4.3).
+
+    Returns
+    -------
+    Schedule
+        ``solver_time_s`` includes the warm start.
+
+    Raises
+    ------
+    InputError
+        For an unknown method.
+    InfeasibleError
+        If the method cannot fit the memory limit.
+    SolverError
+        If the MILP returns a schedule that breaks Contract 3.
+    """
+    from fxpipe.schedule.bounds import combinatorial_lower_bound
+    from fxpipe.schedule.heuristics import generate
+    from fxpipe.schedule.validate import InvalidScheduleError, validate_schedule
+
+    if method not in METHODS:
+        raise InputError(f"schedule method must be one of {METHODS}, got {method!r}")
+    t0 = time.perf_counter()
+    if method == "milp":
+        from fxpipe.schedule.milp import solve, warm_start_schedule
+
+        sched = solve(problem, time_limit_s=time_limit_s, warm_start=warm_start_schedule(problem), progress=progress, on_incumbent=on_incumbent)
+        try:
+            validate_schedule(problem, sched)
+        except InvalidScheduleError as exc:
+            raise SolverError(f"the MILP returned a schedule that breaks Contract 3: {exc}") from None
+    else:
+        sched = generate(problem, method)
+        validate_schedule(problem, sched)
+    bound = max(float(sched.lower_bound_s), combinatorial_lower_bound(problem))
+    return dataclasses.replace(
+        sched,
+        lower_bound_s=bound,
+        solver_time_s=time.perf_counter() - t0,
+        method=sched.method or method,
+        objective=problem.objective,
+    )
