@@ -1,0 +1,754 @@
+"""Lower-bound certificates for pipeline partitions: the MIP hierarchy of Archer et al.
+
+Methods, weakest and cheapest first:
+
+``simple``
+    Lemma 3.3, closed form (:mod:`fxpipe.partition.bounds.simple`).
+``lp``
+    LP relaxation of the exact MIP (plus ``bottleneck >= simple``): a fast tier.
+``bottleneck``
+    The three-superblock MIP of Section 3.2 with constraint (14).
+``guess``
+    Guess-the-bottleneck-block, Section 3.3: k three-superblock MIPs ``LB_j`` solved in
+    parallel worker processes; the bound is ``min_j LB_j`` (each ``LB_j`` being the dual
+    bound its solve reached).
+``exact``
+    The MIP of Figure 3 (x eliminated through Eq. 11, c continuous), with relay
+    pass-through terms in relay mode, warm-started with the best known partition, and
+    started from the best bound the methods before it proved (so exact >= every bound
+    run before it, even when it runs out of time). Likewise each guess sub-MIP starts from
+    the simple/lp/bottleneck bound, so guess >= bottleneck on time-outs too.
+
+Every method supports ``objective`` in {inference, training}, ``comm`` in {dag, relay}
+(Contract 2 of DESIGN.md) and an optional per-device memory capacity, in which case every
+bound holds for the partitions that fit the capacity. :func:`compute_bounds` runs a set of
+methods and returns a :class:`BoundsReport`.
+
+Memory capacity model
+---------------------
+The capacity model is the partitioner's (:mod:`fxpipe.partition.memory`): the stage at
+pipeline position s holds ``size_param_bytes * state_factor + inflight[s] * act_bytes`` of
+its nodes (training 1F1B: ``inflight[s] = k - s``, state factor 8; inference: 1 and 1).
+``memory_capacity_bytes`` is a number of bytes or a
+:class:`~fxpipe.partition.memory.MemoryModel`.
+
+References
+----------
+Archer, Fahrbach, Liu, Prabhu. "Practical Performance Guarantees for Pipelined DNN
+Inference", ICML 2024, Section 3 and Appendix A.
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing as mp
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+
+from fxpipe.errors import InfeasibleError, InputError
+from fxpipe.ir import OpGraph
+from fxpipe.partition.bounds.certificate import (
+    CERTIFICATE_FORMAT,
+    Certificate,
+    graph_fingerprint,
+    read_certificate,
+    write_certificate,
+)
+from fxpipe.partition.bounds.models import (
+    MipData,
+    assignment_from_y,
+    build_bottleneck,
+    build_exact,
+    build_guess,
+    warm_start_values,
+)
+from fxpipe.partition.bounds.simple import simple_bound, simple_work_bound
+from fxpipe.partition.bounds.solve import SolveResult, scip_version, solve_model
+from fxpipe.partition.memory import MemoryModel, as_memory_model, memory_inputs, stage_memory_bytes
+from fxpipe.partition.objective import Partition, check_objective
+
+__all__ = [
+    "METHODS",
+    "DEFAULT_METHODS",
+    "BoundsReport",
+    "Certificate",
+    "compute_bounds",
+    "bound",
+    "make_mip_data",
+    "initial_partition",
+    "MemoryModel",
+    "write_certificate",
+    "read_certificate",
+    "simple_bound",
+    "simple_work_bound",
+]
+
+METHODS = ("simple", "lp", "bottleneck", "guess", "exact")
+#: Position in the hierarchy: a method starts from the best bound of the lower-ranked
+#: methods run before it (guess from bottleneck, exact from everything).
+_RANK = {m: i for i, m in enumerate(METHODS)}
+DEFAULT_METHODS = ("simple", "bottleneck", "guess", "exact")
+#: SCIP primal heuristics for a warm-started exact MIP (chosen by measurement, see
+#: ``benchmarks/bench_bounds.py --settings``).
+WARM_HEURISTICS = "default"
+#: SCIP cutting-plane setting per method (chosen by measurement, see
+#: ``benchmarks/bench_bounds.py --settings``).
+SEPARATING = {"lp": "default", "bottleneck": "fast", "guess": "fast", "exact": "default"}
+#: Worker processes for the ``guess`` sub-MIPs.
+GUESS_WORKERS = 2
+
+
+# --------------------------------------------------------------------------------------
+# plain data
+# --------------------------------------------------------------------------------------
+
+
+def _check_capacity(data: MipData, graph: OpGraph) -> None:
+    """Clear errors for capacities no partition can meet (before any solver runs)."""
+    fl = np.ones(data.k) if data.inflight is None else data.inflight
+    least = float(fl.min())
+    mem = data.mem_bytes + (0.0 if data.act_bytes is None else least * data.act_bytes)
+    cap = float(data.capacity_bytes)
+    if mem.size and mem.max() > cap:
+        v = int(np.argmax(mem))
+        raise InfeasibleError(
+            f"node {v} ({graph.names[v]!r}) needs {mem[v]:.6g} bytes but a device holds {cap:.6g}: "
+            "no partition fits; raise the memory capacity or split the op"
+        )
+    total = float(mem.sum())
+    if total > data.k * cap * (1 + 1e-12):
+        raise InfeasibleError(
+            f"the model needs at least {total:.6g} bytes but {data.k} devices hold {data.k * cap:.6g}: no partition into "
+            f"{data.k} stages fits; raise the memory capacity or use more devices"
+        )
+
+
+def make_mip_data(
+    graph: OpGraph,
+    k: int,
+    objective: str = "inference",
+    comm: str = "dag",
+    *,
+    memory_capacity_bytes: "float | MemoryModel | None" = None,
+) -> MipData:
+    """Convert an OpGraph to the scaled plain data the MIP builders read.
+
+    ``memory_capacity_bytes`` is a capacity in bytes or a
+    :class:`~fxpipe.partition.memory.MemoryModel`. The scale is the Lemma 3.3 bound in seconds (or the largest cost if that is 0), so the
+    model's numbers are of order 1.
+
+    Raises
+    ------
+    InputError
+        On a bad objective, comm, k or capacity.
+    InfeasibleError
+        If the capacity cannot hold one node, or the whole model in k devices.
+    """
+    check_objective(objective, comm)
+    if not isinstance(k, (int, np.integer)) or k < 1:
+        raise InputError(f"k must be a positive integer, got {k!r}")
+    work = np.asarray(graph.work_s(objective), dtype=np.float64)
+    alpha = 2.0 if objective == "training" else 1.0
+    comm_cost = alpha * np.asarray(graph.size_out_bytes, dtype=np.float64) / float(graph.bandwidth_bytes_per_s)
+    L = simple_work_bound(work, int(k))
+    scale = L if L > 0 else float(max(comm_cost.max(initial=0.0), 1e-300))
+    if not scale > 0:
+        scale = 1.0
+    mem = act = inflight = None
+    cap = None
+    model = as_memory_model(memory_capacity_bytes)
+    if model is not None:
+        mem, act, inflight, cap = memory_inputs(graph, int(k), objective, model)
+    data = MipData(
+        n=graph.n,
+        edges=np.asarray(graph.edges, dtype=np.int64).reshape(-1, 2),
+        work=work / scale,
+        comm_cost=comm_cost / scale,
+        comm=comm,
+        k=int(k),
+        simple_work=L / scale,
+        mem_bytes=mem,
+        capacity_bytes=cap,
+        scale=scale,
+        act_bytes=act,
+        inflight=inflight,
+    )
+    if model is not None:
+        _check_capacity(data, graph)
+    return data
+
+
+# --------------------------------------------------------------------------------------
+# warm start
+# --------------------------------------------------------------------------------------
+
+
+def _fits(graph: OpGraph, assignment: np.ndarray, k: int, objective: str, memory) -> bool:
+    """Whether a pipeline-order assignment meets the capacity (always True without one)."""
+    model = as_memory_model(memory)
+    if model is None:
+        return True
+    per = stage_memory_bytes(graph, assignment, k, objective, model)
+    return bool(per.max() <= model.capacity_bytes * (1 + 1e-12))
+
+
+def _contiguous_split(graph: OpGraph, k: int, objective: str, comm: str) -> Partition:
+    """Cut a topological order into k contiguous pieces of about equal work (fallback)."""
+    import networkx as nx
+
+    order = np.array(list(nx.lexicographical_topological_sort(graph.to_networkx())), dtype=np.int64)
+    w = np.asarray(graph.work_s(objective), dtype=np.float64)[order]
+    cum = np.cumsum(w)
+    total = cum[-1] if cum.size else 0.0
+    best = None
+    for shift in (0.0, 0.25, 0.5, 0.75):
+        if total > 0:
+            blk = np.minimum(((cum - w * shift) / total * k).astype(np.int64), k - 1)
+        else:
+            blk = np.minimum(np.arange(order.size) * k // max(order.size, 1), k - 1)
+        blk = np.maximum.accumulate(blk)
+        a = np.empty(graph.n, dtype=np.int64)
+        a[order] = blk
+        p = Partition.from_assignment(graph, a, k, objective, comm, order=order, meta={"method": "contiguous-split"})
+        if best is None or p.bottleneck < best.bottleneck:
+            best = p
+    return best
+
+
+def initial_partition(
+    graph: OpGraph,
+    k: int,
+    objective: str,
+    comm: str,
+    *,
+    time_limit_s: float = 10.0,
+    seed: int = 0,
+    memory=None,
+) -> Partition | None:
+    """The best partition the searcher finds, used to warm-start the exact MIP.
+
+    Uses ``fxpipe.partition.search.partition(..., method="brkga")`` (memory-aware when
+    ``memory`` is given) when it is installed, else a contiguous split of a topological
+    order. Returns None if the searcher finds no partition meeting the capacity.
+    """
+    try:
+        from fxpipe.partition.search import partition as _search  # noqa: PLC0415
+    except ImportError:
+        _search = None
+    if _search is not None and graph.n > 0:
+        kwargs = {} if memory is None else {"memory": memory}
+        try:
+            return _search(graph, k, objective=objective, comm=comm, method="brkga", time_limit_s=time_limit_s, seed=seed, **kwargs)
+        except InfeasibleError:
+            return None
+    part = _contiguous_split(graph, k, objective, comm)
+    return part if _fits(graph, part.assignment, k, objective, memory) else None
+
+
+# --------------------------------------------------------------------------------------
+# one method
+# --------------------------------------------------------------------------------------
+
+
+def _model_size(model) -> dict[str, int]:
+    return {"variables": int(model.getNVars()), "constraints": int(model.getNConss())}
+
+
+def _lb_from(res: SolveResult, data: MipData) -> float:
+    """Lower bound in seconds from a solve (never below Lemma 3.3, which the model implies)."""
+    if res.status == "infeasible":
+        return math.inf
+    dual = res.dual if math.isfinite(res.dual) else -math.inf
+    return max(dual, data.simple_work) * data.scale
+
+
+def _status(statuses: Iterable[str]) -> str:
+    st = list(statuses)
+    for s in ("userinterrupt", "timelimit"):
+        if s in st:
+            return s
+    if all(s in ("optimal", "infeasible") for s in st):
+        return "optimal"
+    return st[0] if st else "optimal"
+
+
+def _infeasible(data: MipData, which: str) -> InfeasibleError:
+    cap = "the memory capacity" if data.capacity_bytes is None else f"a memory capacity of {data.capacity_bytes:.6g} bytes"
+    return InfeasibleError(
+        f"no partition into {data.k} stages fits {cap} per device ({which} is infeasible); "
+        "raise the capacity or the number of stages"
+    )
+
+
+def _solve_guess_j(args: tuple) -> tuple[int, dict]:
+    data, j, deadline, workers, params, heuristics, emphasis, separating, known = args
+    # fair share of the time left: the sub-MIPs still to start (about k - j + 1 of them)
+    # share the workers; time left over by easy guesses goes to the later ones
+    left = deadline - time.time()
+    limit = max(0.5, min(left, left * workers / (data.k - j + 1)))
+    model, mv = build_guess(data, j, known_lower_bound=known)
+    size = _model_size(model)
+    res = solve_model(model, time_limit_s=limit, params=params, heuristics=heuristics, emphasis=emphasis, separating=separating)
+    return j, {
+        "status": res.status, "dual": res.dual, "nodes": res.nodes, "wall_s": res.wall_s, "time_limit_s": limit, "params": res.params, **size,
+    }
+
+
+def bound(
+    method: str,
+    data: MipData,
+    *,
+    time_limit_s: float = 60.0,
+    warm_start: np.ndarray | None = None,
+    params: dict | None = None,
+    workers: int = GUESS_WORKERS,
+    heuristics: str | None = None,
+    emphasis: str | None = None,
+    separating: str | None = None,
+    known_lower_bound_s: float = 0.0,
+) -> tuple[Certificate, np.ndarray | None]:
+    """Run one MIP-based method on prepared data.
+
+    Parameters
+    ----------
+    method : {"lp", "bottleneck", "guess", "exact"}
+    data : MipData
+        From :func:`make_mip_data`.
+    time_limit_s : float
+        Budget of the method, seconds (``guess`` shares it among its k sub-MIPs so that
+        the wall time with ``workers`` processes is about the budget: each sub-MIP gets
+        its fair share of the time left when it starts).
+    warm_start : int array (n,), optional
+        A 0-based pipeline-order assignment given to the exact MIP as a MIP start.
+    params : dict, optional
+        Extra SCIP parameters.
+    workers : int
+        Processes for the ``guess`` sub-MIPs (1: solve in this process).
+    heuristics, emphasis, separating : str, optional
+        SCIP settings (see :func:`~fxpipe.partition.bounds.solve.solve_model`); the
+        heuristics default is :data:`WARM_HEURISTICS` for a warm-started exact MIP and
+        SCIP's default otherwise; separating defaults to :data:`SEPARATING`.
+    known_lower_bound_s : float
+        A bound already proven for the same problem (seconds); the exact MIP and every
+        guess sub-MIP start from it (the certificate records it as
+        ``details["start_lower_bound_s"]``).
+
+    Returns
+    -------
+    certificate : Certificate
+        ``lower_bound`` in seconds; ``primal_value`` not yet set.
+    assignment : int array (n,) or None
+        The exact MIP's incumbent (0-based blocks in pipeline order), if any.
+
+    Raises
+    ------
+    InfeasibleError
+        If the model has no solution (memory capacity too small).
+    """
+    version = scip_version()
+    t0 = time.perf_counter()
+    incumbent = None
+    if method in ("exact", "lp"):
+        relax = method == "lp"
+        start_lb = max(0.0, float(known_lower_bound_s)) if not relax else 0.0
+        model, mv = build_exact(data, relax=relax, known_lower_bound=start_lb / data.scale)
+        size = _model_size(model)
+        ws = None
+        if warm_start is not None and not relax and data.k > 1:
+            ws = warm_start_values(data, data.k, warm_start)
+        res = solve_model(
+            model,
+            time_limit_s=time_limit_s,
+            params=params,
+            warm_start=ws,
+            read_vars=mv.y if not relax else None,
+            heuristics=heuristics or (WARM_HEURISTICS if ws is not None else "default"),
+            emphasis=emphasis,
+            separating=separating or SEPARATING[method],
+        )
+        if res.status == "infeasible":
+            raise _infeasible(data, "the exact MIP")
+        if res.values:
+            incumbent = assignment_from_y(res.values, data.n, data.k)
+        elif not relax and data.k == 1 and res.status != "infeasible":
+            incumbent = np.zeros(data.n, dtype=np.int64)
+        cert = Certificate(
+            method=method,
+            lower_bound=_lb_from(res, data),
+            status=res.status,
+            nodes=res.nodes,
+            wall_time_s=time.perf_counter() - t0,
+            solver=version,
+            params=res.params,
+            details={
+                **size,
+                "warm_started": ws is not None,
+                "start_lower_bound_s": start_lb,
+                "mip_primal_s": res.primal * data.scale if math.isfinite(res.primal) else None,
+            },
+        )
+        return cert, incumbent
+    if method == "bottleneck":
+        model, mv = build_bottleneck(data)
+        size = _model_size(model)
+        res = solve_model(
+            model, time_limit_s=time_limit_s, params=params, heuristics=heuristics or "default", emphasis=emphasis,
+            separating=separating or SEPARATING[method],
+        )
+        if res.status == "infeasible":
+            raise _infeasible(data, "the three-superblock MIP")
+        return (
+            Certificate(
+                method=method,
+                lower_bound=_lb_from(res, data),
+                status=res.status,
+                nodes=res.nodes,
+                wall_time_s=time.perf_counter() - t0,
+                solver=version,
+                params=res.params,
+                details=size,
+            ),
+            None,
+        )
+    if method == "guess":
+        k = data.k
+        workers = max(1, min(workers, k))
+        start_lb = max(0.0, float(known_lower_bound_s))
+        deadline = time.time() + time_limit_s
+        jobs = [
+            (data, j, deadline, workers, params, heuristics or "default", emphasis, separating or SEPARATING[method], start_lb / data.scale)
+            for j in range(1, k + 1)
+        ]
+        results: dict[int, dict] = {}
+        if workers > 1:
+            ctx = mp.get_context("fork" if sys.platform.startswith("linux") else "spawn")
+            with ctx.Pool(workers) as pool:
+                for j, r in pool.imap_unordered(_solve_guess_j, jobs):
+                    results[j] = r
+        else:
+            for job in jobs:
+                j, r = _solve_guess_j(job)
+                results[j] = r
+        lbs = {j: (math.inf if r["status"] == "infeasible" else max(r["dual"], data.simple_work) * data.scale) for j, r in results.items()}
+        lb = min(lbs.values())
+        if not math.isfinite(lb):
+            raise _infeasible(data, "every guess-the-bottleneck MIP")
+        details = {
+            "per_guess": {
+                str(j): {
+                    "lower_bound": lbs[j], "status": results[j]["status"], "nodes": results[j]["nodes"],
+                    "wall_s": results[j]["wall_s"], "time_limit_s": results[j]["time_limit_s"],
+                }
+                for j in sorted(results)
+            },
+            "workers": workers,
+            "start_lower_bound_s": start_lb,
+            "variables": results[1]["variables"],
+            "constraints": results[1]["constraints"],
+        }
+        return (
+            Certificate(
+                method=method,
+                lower_bound=lb,
+                status=_status(r["status"] for r in results.values()),
+                nodes=sum(r["nodes"] for r in results.values()),
+                wall_time_s=time.perf_counter() - t0,
+                solver=version,
+                params=results[1]["params"],
+                details=details,
+            ),
+            None,
+        )
+    raise InputError(f"unknown bound method {method!r}; choose from {METHODS}")
+
+
+# --------------------------------------------------------------------------------------
+# the report
+# --------------------------------------------------------------------------------------
+
+
+@dataclass
+class BoundsReport:
+    """Lower bounds of every method run and the best partition known.
+
+    Attributes
+    ----------
+    k : int
+    objective, comm : str
+    partition : Partition or None
+        Best partition known (warm start or the exact MIP's incumbent); None if no
+        partition meeting the memory capacity is known.
+    certificates : dict[str, Certificate]
+        By method, in the order run.
+    memory_capacity_bytes : float or None
+    capacity_model : dict
+        How node memory is counted.
+    graph_summary : dict
+        Name, n, m, total work and bytes of the graph.
+    interrupted : bool
+        True if Ctrl-C stopped the run; the certificates are those finished before it.
+    """
+
+    k: int
+    objective: str
+    comm: str
+    partition: Partition | None
+    certificates: dict
+    memory_capacity_bytes: float | None = None
+    capacity_model: dict = field(default_factory=dict)
+    graph_summary: dict = field(default_factory=dict)
+    interrupted: bool = False
+
+    @property
+    def best_lower_bound(self) -> float:
+        """The largest bound over the methods run, seconds."""
+        return max((c.lower_bound for c in self.certificates.values()), default=0.0)
+
+    @property
+    def ratio(self) -> float | None:
+        """``best_lower_bound / bottleneck`` of the best partition (1.0 = proven optimal)."""
+        if self.partition is None:
+            return None
+        bn = self.partition.bottleneck
+        return 1.0 if bn == 0 else self.best_lower_bound / bn
+
+    def to_dict(self) -> dict[str, Any]:
+        """Contract 4 shape of ``fxpipe bounds --json``."""
+        p = self.partition
+        versions = sorted({c.solver for c in self.certificates.values() if c.solver})
+        return {
+            "k": self.k,
+            "objective": self.objective,
+            "comm": self.comm,
+            "solution": None if p is None else {"bottleneck": p.bottleneck, "assignment": p.assignment.tolist(), "block_costs": p.block_costs.tolist(), "meta": p.meta},
+            "lower_bounds": {m: c.lower_bound for m, c in self.certificates.items()},
+            "best_lower_bound": self.best_lower_bound,
+            "ratio": self.ratio,
+            "solver": {
+                "version": versions[0] if versions else scip_version(),
+                "memory_capacity_bytes": self.memory_capacity_bytes,
+                "capacity_model": self.capacity_model,
+                "interrupted": self.interrupted,
+                "certificates": {m: c.to_dict() for m, c in self.certificates.items()},
+            },
+        }
+
+    def to_certificate_dict(self, graph: OpGraph | None = None) -> dict[str, Any]:
+        """The ``fxpipe.certificate/1`` document (see :func:`write_certificate`)."""
+        g = dict(self.graph_summary)
+        if graph is not None:
+            g["sha256"] = graph_fingerprint(graph)
+        p = self.partition
+        return {
+            "format": CERTIFICATE_FORMAT,
+            "graph": g,
+            "k": self.k,
+            "objective": self.objective,
+            "comm": self.comm,
+            "memory_capacity_bytes": self.memory_capacity_bytes,
+            "capacity_model": self.capacity_model,
+            "partition": None if p is None else p.to_dict(),
+            "best_lower_bound": self.best_lower_bound,
+            "ratio": self.ratio,
+            "certificates": {m: c.to_dict() for m, c in self.certificates.items()},
+            "how_to_check": (
+                "Re-score partition.assignment with fxpipe.partition.objective.block_costs (Contract 2) to check "
+                "partition.bottleneck; every lower_bound is a SCIP dual bound (or Lemma 3.3) for the same objective, "
+                "comm mode and memory capacity, reproducible with the listed SCIP version and parameters."
+            ),
+        }
+
+    def table_rows(self) -> list[dict[str, Any]]:
+        """One row per method: method, bound (s), ratio to the best partition, status, time."""
+        bn = None if self.partition is None else self.partition.bottleneck
+        rows = []
+        for m, c in self.certificates.items():
+            rows.append(
+                {
+                    "method": m,
+                    "lower_bound_s": c.lower_bound,
+                    "ratio": (c.lower_bound / bn) if bn else None,
+                    "status": c.status,
+                    "wall_time_s": c.wall_time_s,
+                    "nodes": c.nodes,
+                }
+            )
+        return rows
+
+    def format_table(self) -> str:
+        """Plain-text table of :meth:`table_rows`."""
+        lines = [f"{'method':<11} {'bound (s)':>13} {'ratio':>8} {'status':<13} {'time (s)':>9}"]
+        for r in self.table_rows():
+            ratio = "-" if r["ratio"] is None else f"{r['ratio']:.4f}"
+            lines.append(f"{r['method']:<11} {r['lower_bound_s']:>13.6g} {ratio:>8} {r['status']:<13} {r['wall_time_s']:>9.2f}")
+        if self.partition is not None:
+            lines.append(f"best partition bottleneck: {self.partition.bottleneck:.6g} s ({self.partition.meta.get('method', '?')})")
+        return "\n".join(lines)
+
+
+def _graph_summary(graph: OpGraph, objective: str) -> dict[str, Any]:
+    return {
+        "name": graph.name,
+        "n": graph.n,
+        "m": graph.m,
+        "total_work_s": float(np.sum(graph.work_s(objective))),
+        "total_size_out_bytes": float(np.sum(graph.size_out_bytes)),
+        "total_param_bytes": float(np.sum(graph.size_param_bytes)),
+        "bandwidth_bytes_per_s": float(graph.bandwidth_bytes_per_s),
+    }
+
+
+def compute_bounds(
+    graph: OpGraph,
+    k: int,
+    *,
+    objective: str = "inference",
+    comm: str = "dag",
+    methods: Sequence[str] = DEFAULT_METHODS,
+    time_limit_s: float = 60.0,
+    memory_capacity_bytes: "float | MemoryModel | None" = None,
+    warm_start: Partition | np.ndarray | Sequence[int] | None = None,
+    search_time_limit_s: float | None = None,
+    workers: int = GUESS_WORKERS,
+    params: dict | None = None,
+    heuristics: str | None = None,
+    emphasis: str | None = None,
+    separating: str | None = None,
+    progress: bool | None = None,
+) -> BoundsReport:
+    """Lower bounds on the optimal bottleneck of ``graph`` split into ``k`` pipeline stages.
+
+    Parameters
+    ----------
+    graph : OpGraph
+    k : int
+        Number of stages (blocks), >= 1.
+    objective : {"inference", "training"}
+    comm : {"dag", "relay"}
+        Contract 2 of DESIGN.md.
+    methods : sequence of str
+        Subset of :data:`METHODS`, run in the given order.
+    time_limit_s : float
+        Budget of each MIP method, seconds; a method that runs out returns the best dual
+        bound it reached with status ``"timelimit"``.
+    memory_capacity_bytes : float or MemoryModel, optional
+        Per-device capacity in bytes (or a full
+        :class:`~fxpipe.partition.memory.MemoryModel`); every bound then holds for the
+        partitions whose stages all fit (stage memory of :mod:`fxpipe.partition.memory`).
+    warm_start : Partition or int array (n,), optional
+        Best known partition (used as the incumbent and as the exact MIP's start). If
+        omitted, :func:`initial_partition` computes one.
+    search_time_limit_s : float, optional
+        Time for the warm-start search (default ``min(10, time_limit_s)``).
+    workers : int
+        Processes for the ``guess`` sub-MIPs.
+    params : dict, optional
+        Extra SCIP parameters for every solve.
+    heuristics, emphasis, separating : str, optional
+        SCIP settings for every solve (see :func:`bound`).
+    progress : bool, optional
+        Show a tqdm bar over methods (default: when stderr is a terminal).
+
+    Returns
+    -------
+    BoundsReport
+
+    Raises
+    ------
+    InputError
+        On an unknown method, objective or comm, a bad k, capacity or warm start.
+    InfeasibleError
+        If no partition fits the memory capacity.
+
+    References
+    ----------
+    Archer et al. 2024, Section 3 (Lemma 3.3, Eq. 14, Section 3.3, Figure 3).
+    """
+    check_objective(objective, comm)
+    methods = list(dict.fromkeys(methods))
+    bad = [m for m in methods if m not in METHODS]
+    if bad:
+        raise InputError(f"unknown bound method(s) {bad}; choose from {', '.join(METHODS)}")
+    if not (time_limit_s > 0):
+        raise InputError(f"time limit must be > 0 seconds, got {time_limit_s}")
+    data = make_mip_data(graph, k, objective, comm, memory_capacity_bytes=memory_capacity_bytes)
+    mem_model = as_memory_model(memory_capacity_bytes)
+    capacity_model = {}
+    if mem_model is not None:
+        capacity_model = {
+            "kind": "fxpipe.partition.memory",
+            "capacity_bytes": float(mem_model.capacity_bytes),
+            "state_bytes_per_param_byte": mem_model.factor(objective),
+            "schedule": mem_model.schedule,
+            "microbatches": mem_model.microbatches,
+            "inflight": mem_model.inflight(int(k), objective).tolist(),
+        }
+    # ---- best known partition
+    if warm_start is None:
+        best = initial_partition(
+            graph, k, objective, comm, time_limit_s=min(10.0, time_limit_s) if search_time_limit_s is None else search_time_limit_s, memory=mem_model
+        )
+    elif isinstance(warm_start, Partition):
+        if warm_start.k != k or warm_start.objective != objective or warm_start.comm != comm:
+            best = Partition.from_assignment(graph, warm_start.assignment, k, objective, comm, meta=dict(warm_start.meta))
+        else:
+            best = warm_start
+    else:
+        best = Partition.from_assignment(graph, np.asarray(warm_start), k, objective, comm, meta={"method": "warm_start"})
+    if best is not None and not _fits(graph, best.assignment, k, objective, mem_model):
+        best = None  # not a feasible partition under the capacity
+    certs: dict[str, Certificate] = {}
+    if progress is None:
+        progress = sys.stderr.isatty()
+    from tqdm import tqdm  # noqa: PLC0415
+
+    bar = tqdm(methods, desc="bounds", disable=not progress, leave=False)
+    interrupted = False
+    for m in bar:
+        bar.set_postfix_str(m)
+        if m == "simple":
+            certs[m] = simple_bound(graph, k, objective, comm)
+            continue
+        try:
+            cert, inc = bound(
+                m,
+                data,
+                time_limit_s=time_limit_s,
+                warm_start=None if best is None else best.assignment,
+                params=params,
+                workers=workers,
+                heuristics=heuristics,
+                emphasis=emphasis,
+                separating=separating,
+                known_lower_bound_s=max((c.lower_bound for mm, c in certs.items() if _RANK[mm] < _RANK[m]), default=0.0),
+            )
+        except KeyboardInterrupt:
+            # Ctrl-C outside SCIP (SCIP itself stops with status "userinterrupt" and a
+            # valid bound): keep the methods finished so far
+            interrupted = True
+            break
+        if inc is not None:
+            cand = Partition.from_assignment(graph, inc, k, objective, comm, meta={"method": f"scip-{m}"})
+            if _fits(graph, cand.assignment, k, objective, mem_model) and (
+                best is None or cand.bottleneck < best.bottleneck * (1 - 1e-12)
+            ):
+                best = cand
+        certs[m] = cert
+    primal = None if best is None else best.bottleneck
+    certs = {m: c.with_primal(primal) for m, c in certs.items()}
+    bar.close()
+    return BoundsReport(
+        k=int(k),
+        objective=objective,
+        comm=comm,
+        partition=best,
+        certificates=certs,
+        memory_capacity_bytes=None if mem_model is None else float(mem_model.capacity_bytes),
+        capacity_model=capacity_model,
+        graph_summary=_graph_summary(graph, objective),
+        interrupted=interrupted,
+    )
