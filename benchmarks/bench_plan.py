@@ -8,7 +8,8 @@ schedule wall times, and the bottleneck stage time of fxpipe's partition next to
     torchtitan's equal chunks), and
 (b) a parameter-balanced contiguous split (DeepSpeed's ``partition_method="parameters"``),
 
-all scored by the same cost model and the same Contract-2 objective (training, relay).
+all scored by the same cost model and the same Contract-2 objective (training, relay), with
+costs for bf16 compute on an H100 SXM by default.
 Capture and costing run once per model; the device counts reuse the OpGraph.
 
 Usage::
@@ -48,6 +49,7 @@ def main(argv=None) -> int:
     ap.add_argument("--microbatches", type=int, default=8)
     ap.add_argument("--hardware", default="h100-sxm")
     ap.add_argument("--time-limit", type=float, default=10.0, help="partition search budget per instance (s)")
+    ap.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="compute dtype the costs assume (default bf16)")
     ap.add_argument("--quick", action="store_true", help="small configs")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
@@ -64,7 +66,10 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         model, margs, mkwargs = build_hf_model(arch, over, device=device)
         build_s = time.perf_counter() - t0
-        traced = trace_model(model, margs, mkwargs, hardware=args.hardware, name=name)
+        import torch
+
+        dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+        traced = trace_model(model, margs, mkwargs, hardware=args.hardware, dtype=dtype, name=name)
         graph = traced.graph
         del model
         for k in args.devices:
