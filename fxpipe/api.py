@@ -17,7 +17,6 @@ graph is the one the plan was made for.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import math
 import time

@@ -49,35 +49,28 @@ _KNOWN_NODE_KEYS = frozenset(("id", "name", "op", *NODE_FLOAT_FIELDS))
 # --------------------------------------------------------------------------------------
 
 
-def write_json_atomic(path: str | os.PathLike, data: Any, *, indent: int | None = 1) -> Path:
-    """Write ``data`` as JSON to ``path`` atomically (temp file in the same folder + rename).
+def write_text_atomic(path: str | os.PathLike, data: str | bytes) -> Path:
+    """Write text (UTF-8) or bytes to ``path`` atomically: temp file in the same folder, fsync, rename.
 
-    A reader never sees a half-written file, and a crash leaves the old file intact.
+    A reader never sees a half-written file and a crash leaves the old file intact. The
+    file gets the usual permissions (``0666`` less the umask), not ``mkstemp``'s ``0600``.
 
-    Parameters
-    ----------
-    path : str or PathLike
-        Destination file. Its parent folder is created if missing.
-    data : JSON-serialisable object
-        numpy scalars and arrays are converted to Python numbers and lists.
-
-    Returns
-    -------
-    Path
-        The path written.
+    Raises
+    ------
+    OSError
+        If the folder cannot be created or written (the CLI reports it without a traceback).
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            json.dump(data, fh, indent=indent, default=_json_default, allow_nan=False)
-            fh.write("\n")
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data.encode("utf-8") if isinstance(data, str) else data)
             fh.flush()
             os.fsync(fh.fileno())
         umask = os.umask(0)
         os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; give the file normal permissions
+        os.chmod(tmp, 0o666 & ~umask)
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -86,6 +79,26 @@ def write_json_atomic(path: str | os.PathLike, data: Any, *, indent: int | None 
             pass
         raise
     return path
+
+
+def write_json_atomic(path: str | os.PathLike, data: Any, *, indent: int | None = 1) -> Path:
+    """Write ``data`` as JSON to ``path`` atomically (see :func:`write_text_atomic`).
+
+    Parameters
+    ----------
+    path : str or PathLike
+        Destination file. Its parent folder is created if missing.
+    data : JSON-serialisable object
+        numpy scalars and arrays are converted to Python numbers and lists; NaN and
+        infinity are refused (``ValueError``) since they are not JSON.
+
+    Returns
+    -------
+    Path
+        The path written.
+    """
+    text = json.dumps(data, indent=indent, default=_json_default, allow_nan=False)
+    return write_text_atomic(path, text + "\n")
 
 
 def _json_default(obj: Any) -> Any:

@@ -21,7 +21,6 @@ import datetime as _dt
 import html
 import io
 import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -29,7 +28,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from fxpipe.errors import InputError
-from fxpipe.ir import OpGraph
+from fxpipe.ir import OpGraph, write_text_atomic
 from fxpipe.partition.objective import Partition, block_costs, io_bytes
 
 __all__ = ["ReportSection", "write_report", "stage_table", "render_html", "render_markdown"]
@@ -339,23 +338,6 @@ def render_markdown(content: dict) -> str:
     return "\n".join(parts)
 
 
-def _write_text_atomic(path: str | os.PathLike, text: str) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    return path
-
-
 def write_report(
     graph: OpGraph,
     partition: Partition | None,
@@ -404,7 +386,7 @@ def write_report(
     content = _content(graph, partition, bounds_report, command, extra_sections, title, charts)
     written: dict[str, Path] = {}
     if out_html is not None:
-        written["html"] = _write_text_atomic(out_html, render_html(content))
+        written["html"] = write_text_atomic(out_html, render_html(content))
     if out_md is not None:
-        written["markdown"] = _write_text_atomic(out_md, render_markdown(content))
+        written["markdown"] = write_text_atomic(out_md, render_markdown(content))
     return written

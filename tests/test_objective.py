@@ -1,6 +1,5 @@
 """Contract 2 reference objective: hand-computed examples and invariants."""
 
-import numpy as np
 import pytest
 
 from fxpipe.errors import InputError

@@ -8,7 +8,6 @@ import pytest
 
 from fxpipe.cli import main
 from fxpipe.errors import InputError
-from fxpipe.ir import OpGraph
 from fxpipe.partition import brkga as brkga_mod
 from fxpipe.partition.brkga import BRKGAParams, PopulationDecoder, run_brkga
 from fxpipe.partition.objective import Partition, block_costs, validate_partition

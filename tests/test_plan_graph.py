@@ -1,6 +1,5 @@
 """plan_graph: the torch-free half of fxpipe.compile (partition + schedule of an OpGraph)."""
 
-import numpy as np
 import pytest
 
 from fxpipe.api import fill_empty_stages, plan_graph

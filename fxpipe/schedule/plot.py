@@ -16,12 +16,13 @@ Trace Event Format: https://docs.google.com/document/d/1CvAClvFfyA5R-PhYUmn5OOQt
 
 from __future__ import annotations
 
+import io
 import math
 import os
 from pathlib import Path
 
 from fxpipe.errors import InputError
-from fxpipe.ir import Schedule, ScheduleProblem, write_json_atomic
+from fxpipe.ir import Schedule, ScheduleProblem, write_json_atomic, write_text_atomic
 
 __all__ = ["COLORS", "gantt", "chrome_trace"]
 
@@ -123,16 +124,12 @@ def gantt(problem: ScheduleProblem, schedule: Schedule, path: str | os.PathLike,
         axm.legend(fontsize=6, ncol=min(S, 8), loc="upper right")
     fig.tight_layout()
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
+    buf = io.BytesIO()
     try:
-        fig.savefig(tmp, format=fmt, dpi=120)
-        os.replace(tmp, path)
+        fig.savefig(buf, format=fmt, dpi=120)
     finally:
         plt.close(fig)
-        if tmp.exists():
-            tmp.unlink()
-    return path
+    return write_text_atomic(path, buf.getvalue())
 
 
 def chrome_trace(schedule: Schedule, path: str | os.PathLike) -> Path:
