@@ -153,3 +153,20 @@ print(json.dumps({"wall_s": time.perf_counter() - t0, "rss_gib": resource.getrus
     assert all(b > 0 for b in res["stage_param_bytes"])
     assert res["rss_gib"] < 4.0, res
     assert res["wall_s"] < 120.0, res
+
+
+def test_cli_plan_report_has_certificates_and_gantt(tmp_path):
+    out_html = tmp_path / "r.html"
+    cmd = [
+        sys.executable, "-m", "fxpipe.cli", "plan", "--hf", "gpt2", "--config", "n_layer=2", "n_embd=32", "n_head=2",
+        "vocab_size=64", "n_positions=32", "--seq-len", "8", "--devices", "2", "--microbatches", "4", "--time-limit", "0.5",
+        "--report", str(out_html), "--bounds-time-limit", "20", "--json",
+    ]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    bounds = doc["report"]["bounds"]
+    assert 0 < bounds["best_lower_bound"] <= doc["plan"]["bottleneck_s"] * (1 + 1e-9)
+    page = out_html.read_text()
+    assert "Lower-bound certificates" in page and "Gantt chart" in page and "data:image/png;base64" in page
+    assert (tmp_path / "r.md").exists()

@@ -47,6 +47,8 @@ def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--meta", action="store_true", help="build the model on the meta device (no weights; cannot --run)")
     p.add_argument("--out", metavar="PLAN.json", help="save the plan as JSON")
+    p.add_argument("--report", metavar="REPORT.html", help="write an HTML report (and REPORT.md): stages, lower-bound certificates, Gantt chart")
+    p.add_argument("--bounds-time-limit", type=float, default=60.0, metavar="S", help="time limit per lower-bound MIP for --report (default 60)")
     p.add_argument("--run", action="store_true", help="train a few steps on local gloo ranks next to a single-process reference")
     p.add_argument("--steps", type=int, default=2, help="training steps with --run (default 2)")
     p.add_argument("--lr", type=float, default=0.01, help="SGD learning rate with --run")
@@ -160,6 +162,9 @@ def run(args: argparse.Namespace) -> int:
         plan.save(args.out)
         doc["plan_file"] = args.out
         text.append(f"plan written to {args.out}")
+    if args.report:
+        doc["report"] = _write_report(plan, args)
+        text.append(f"report written to {doc['report']['html']} (bounds: {doc['report']['bounds']})")
     if args.run:
         result = plan.train_local(factory, _BatchFn(factory), steps=args.steps, lr=args.lr, reference=True)
         doc["run"] = {k: v for k, v in result.items() if k != "results"}
@@ -171,3 +176,58 @@ def run(args: argparse.Namespace) -> int:
         )
     emit(args, doc, "\n".join(text))
     return 0
+
+
+def _write_report(plan, args: argparse.Namespace) -> dict[str, Any]:
+    """HTML + Markdown report of a plan: certificates for its partition and its schedule's Gantt chart."""
+    import html
+    import shlex
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    from fxpipe.partition.bounds import compute_bounds
+    from fxpipe.report import ReportSection, write_report
+    from fxpipe.schedule.plot import gantt
+
+    if args.bounds_time_limit <= 0:
+        raise InputError(f"--bounds-time-limit must be > 0 seconds, got {args.bounds_time_limit}")
+    bounds = compute_bounds(
+        plan.graph,
+        plan.devices,
+        objective=plan.objective,
+        comm=plan.comm,
+        methods=("simple", "bottleneck", "exact"),
+        time_limit_s=args.bounds_time_limit,
+        warm_start=plan.partition,
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        png = gantt(plan.problem, plan.schedule, Path(tmp) / "gantt.png", title=f"{plan.name}: {plan.schedule.method} schedule").read_bytes()
+    sched = plan.schedule
+    sections = [
+        ReportSection("Plan", markdown=f"```\n{plan.summary()}\n```", html=f"<pre>{html.escape(plan.summary())}</pre>"),
+        ReportSection(
+            "Schedule",
+            markdown=(
+                f"{sched.method}, {plan.microbatches} micro-batches: makespan {sched.makespan * 1e3:.3f} ms, "
+                f"stage span {sched.stage_span * 1e3:.3f} ms, lower bound {sched.lower_bound_s * 1e3:.3f} ms ({sched.status})"
+            ),
+            figures=[("Gantt chart (compute and copy streams) with per-stage activation memory", png)],
+        ),
+    ]
+    html_path = Path(args.report)
+    written = write_report(
+        plan.graph,
+        plan.partition,
+        bounds,
+        out_html=html_path,
+        out_md=html_path.with_suffix(".md"),
+        command="fxpipe " + shlex.join(sys.argv[1:]) if sys.argv and sys.argv[0].endswith("fxpipe") else None,
+        extra_sections=sections,
+        title=f"fxpipe plan: {plan.name} on {plan.devices} x {plan.hardware}",
+    )
+    return {
+        "html": str(written["html"]),
+        "markdown": str(written["markdown"]),
+        "bounds": {k: v for k, v in bounds.to_dict().items() if k in ("best_lower_bound", "ratio", "lower_bounds")},
+    }
