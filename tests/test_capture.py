@@ -257,3 +257,72 @@ def test_fbw_flops_match_flop_counter(traced, arch):
     assert (g.t_bwd_input_s + g.t_bwd_weight_s).sum() - 2 * unseen == pytest.approx(f_bwd.get_total_flops(), rel=1e-9)
     if arch == "mixtral":
         assert unseen > 0
+
+
+def test_trace_model_names_graph_after_the_wrapped_module():
+    """A thin wrapper is named after its single child, whatever the child's attribute is called."""
+
+    class Inner(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.fc(x).relu()
+
+    class Wrap(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = Inner()
+
+        def forward(self, x):
+            return self.net(x)
+
+    tm = trace_model(Wrap(), (torch.randn(2, 4),), hardware="cpu")
+    assert tm.captured.module_prefix == "net."
+    assert tm.graph.name == "Inner"
+    two = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())  # two children: no wrapper
+    assert trace_model(two, (torch.randn(2, 4),), hardware="cpu").graph.name == "Sequential"
+
+
+def _private_torch_uses(path) -> list[str]:
+    """Private torch modules/attributes referenced by the code (not strings) of one file."""
+    import ast
+
+    tree = ast.parse(path.read_text())
+    found = []
+
+    def private(dotted: str) -> bool:
+        parts = dotted.split(".")
+        return parts[0] == "torch" and any(p.startswith("_") and not p.startswith("__") for p in parts[1:])
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and private(node.module):
+            found.append(node.module)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("torch"):
+            found += [f"{node.module}.{a.name}" for a in node.names if private(f"{node.module}.{a.name}")]
+        elif isinstance(node, ast.Import):
+            found += [a.name for a in node.names if private(a.name)]
+        elif isinstance(node, ast.Attribute):
+            parts, cur = [], node
+            while isinstance(cur, ast.Attribute):
+                parts.append(cur.attr)
+                cur = cur.value
+            if isinstance(cur, ast.Name):
+                dotted = ".".join([cur.id] + parts[::-1])
+                if private(dotted):
+                    found.append(dotted)
+    return found
+
+
+def test_private_torch_apis_only_in_codegen_runtime():
+    """House rule: private torch APIs live in fxpipe/codegen/runtime.py only."""
+    from pathlib import Path
+
+    import fxpipe
+
+    root = Path(fxpipe.__file__).parent
+    files = [p for p in root.rglob("*.py") if p != root / "codegen" / "runtime.py"]
+    bad = {str(p.relative_to(root)): uses for p in files if (uses := _private_torch_uses(p))}
+    assert not bad, bad
+    assert _private_torch_uses(root / "codegen" / "runtime.py")  # the check can fail

@@ -170,3 +170,35 @@ def test_worker_error_is_reported():
             make_mlp, {"x": 1}, "1f1b", world_size=2, num_microbatches=MICROBATCHES,
             make_batch=make_batch_mlp, steps=1, loss="mse", timeout_s=200,
         )
+
+
+def test_taken_port_is_retried_and_environment_untouched(monkeypatch):
+    """The rendezvous address travels in the worker config, and a port taken between
+    free_port() and the workers' bind is retried once with a fresh one."""
+    import os
+    import socket
+
+    from fxpipe.codegen import launch
+
+    busy = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    real = launch.free_port
+    given: list[int] = []
+
+    def first_busy() -> int:
+        given.append(busy.getsockname()[1] if not given else real())
+        return given[-1]
+
+    monkeypatch.setattr(launch, "free_port", first_busy)
+    env = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT")}
+    stage_of = functools.partial(stage_of_by_fraction, num_stages=2)
+    try:
+        res = spawn_train(make_mlp, stage_of, "1f1b", world_size=2, num_microbatches=MICROBATCHES,
+                          make_batch=make_batch_mlp, steps=1, loss="mse", timeout_s=200)
+    finally:
+        busy.close()
+    assert len(given) == 2 and given[0] != given[1]
+    assert {k: os.environ.get(k) for k in env} == env
+    ref = reference_train(make_mlp, make_batch_mlp, num_microbatches=MICROBATCHES, steps=1, loss="mse")
+    assert res.losses == pytest.approx(ref.losses, rel=RTOL)

@@ -316,6 +316,40 @@ def test_order_errors_name_stage_and_microbatch():
         actions_from_orders({0: [("X", 0)], 1: o[1]}, 2)
 
 
+def test_bad_microbatch_and_action_strings_are_input_errors():
+    with pytest.raises(InputError, match="stage 0: micro-batch index must be an integer >= 0, got 'a'"):
+        actions_from_orders({0: [("F", "a"), ("B", "a")]}, 1)
+    with pytest.raises(InputError, match="micro-batch index"):
+        actions_from_orders({0: [("F", 0.5), ("B", 0.5)]}, 1)
+    with pytest.raises(InputError, match="rank 1, step 2: bad action string '1X0'"):
+        fuse_backward({0: ["0F0"], 1: ["1F0", "1I0", "1X0"]})
+    with pytest.raises(InputError, match="rank 0, step 0: action None is not a string"):
+        fuse_backward({0: [None]})
+    assert fuse_backward({0: ["0F0", "", "0I0", "0W0"]}) == {0: ["0F0", "0B0"]}  # "" = idle step
+
+
+def test_generate_orders_come_from_the_schedule_package():
+    from fxpipe.codegen.launch import generate_orders
+    from fxpipe.ir import ScheduleProblem
+    from fxpipe.schedule.heuristics import generate, orders_1f1b as sched_1f1b
+    from fxpipe.schedule.simulate import orders_from_schedule as sched_orders
+
+    S, m = 3, 4
+    assert generate_orders("1F1B", S, m) == sched_1f1b(S, m) == orders_1f1b(S, m)
+    prob = ScheduleProblem.create(num_stages=S, num_microbatches=m, t_f=1.0, t_b=1.0, t_w=1.0)
+    zb = generate_orders("zb-h1", S, m)
+    assert zb == sched_orders(generate(prob, "zb-h1"), S)
+    check_orders(zb, S, m)
+    assert any(zb[s].index(("W", 0)) > zb[s].index(("B", 1)) for s in range(S))  # some W deferred
+    # GPipe: every forward before any backward; lowered to full backwards
+    gp = generate_orders("gpipe", 2, 2)
+    assert actions_from_orders(gp, 2)[0] == ["0F0", "0F1", "0B0", "0B1"]
+    with pytest.raises(InputError, match="unknown schedule 'nope'"):
+        generate_orders("nope", S, m)
+    with pytest.raises(InputError):
+        generate_orders("1f1b", 0, m)
+
+
 def test_orders_from_schedule_sorts_by_start():
     ops = [
         {"stage": 0, "microbatch": 1, "type": "F", "start_s": 1.0},

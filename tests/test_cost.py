@@ -40,6 +40,9 @@ def test_hardware_specs():
     assert get_hardware("H100-SXM") is HARDWARE["h100-sxm"]
     assert get_hardware("h100-sxm").peak("fp8") == pytest.approx(2 * get_hardware("h100-sxm").peak("bf16"))
     assert get_hardware("h200").memory_bytes > get_hardware("h100-sxm").memory_bytes
+    # capacities in the datasheets' decimal GB (1 GB = 1e9 bytes), like the bandwidths
+    assert get_hardware("a100-80gb").memory_bytes == get_hardware("h100-sxm").memory_bytes == 80e9
+    assert get_hardware("h200").memory_bytes == 141e9
     with pytest.raises(InputError) as info:
         get_hardware("tpu-v9")
     assert "h100-sxm" in str(info.value) and "a100-80gb" in str(info.value)

@@ -112,7 +112,7 @@ def _vocab_size(arch: str, overrides: tuple) -> int:
     """Vocabulary size of an architecture's config (built once per process, on meta)."""
     from fxpipe.models import build_hf_model
 
-    model, _, _ = build_hf_model(arch, dict(overrides), device="meta")
+    model, _, _ = build_hf_model(arch, {**dict(overrides), "seq_len": 1}, device="meta")
     return int(model.model.config.vocab_size)
 
 

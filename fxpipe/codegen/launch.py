@@ -79,44 +79,58 @@ def _loss_fn(loss: str | Callable) -> Callable:
 
 
 def free_port() -> int:
-    """A free TCP port on 127.0.0.1 (bind to port 0)."""
+    """A TCP port on 127.0.0.1 that was free a moment ago (bind to port 0, then release it).
+
+    Another process may take the port before the workers bind it; :func:`spawn_train_many`
+    retries once with a new port when rank 0 reports ``EADDRINUSE``.
+    """
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
 
 def generate_orders(name: str, num_stages: int, num_microbatches: int) -> dict[int, list[tuple[str, int]]]:
-    """Rule-based per-stage orders: ``"1f1b"``, ``"zb-h1"`` (W deferred by ``S-1-s``), ``"gpipe"``.
+    """Per-stage F/B/W orders of a named heuristic schedule (``"1f1b"``, ``"zb-h1"``, ``"gpipe"``, ...).
+
+    The orders come from :func:`fxpipe.schedule.heuristics.generate` on a
+    :class:`~fxpipe.ir.ScheduleProblem` with unit times (``t_f = t_b = t_w = 1``, no
+    communication, no memory limit), read per stage in start-time order by
+    :func:`fxpipe.schedule.simulate.orders_from_schedule`; the schedule package is the one
+    place the scheduling rules live.
+
+    Parameters
+    ----------
+    name : str
+        One of :data:`fxpipe.schedule.heuristics.METHODS` (case-insensitive).
+    num_stages, num_microbatches : int
+        Pipeline stages S and micro-batches m per step.
+
+    Returns
+    -------
+    dict[int, list[tuple[str, int]]]
+        ``{stage: [(type, microbatch), ...]}`` with types ``F``, ``B``, ``W`` (offload/reload
+        ops, if the method makes any, are dropped).
+
+    Raises
+    ------
+    InputError
+        On an unknown schedule name or a bad count.
 
     References
     ----------
-    Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024, Sec. 3 (ZB-H1).
+    Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024, Sec. 2-3 (ZB-H1);
+    Narayanan et al. 2021 (1F1B); Huang et al. 2019 (GPipe).
     """
-    S, m = num_stages, num_microbatches
-    out: dict[int, list[tuple[str, int]]] = {}
-    key = name.lower()
-    if key not in ("1f1b", "zb-h1", "gpipe"):
-        raise InputError(f"unknown schedule {name!r}: use '1f1b', 'zb-h1', 'gpipe', or pass orders")
-    for s in range(S):
-        if key == "gpipe":
-            out[s] = [("F", j) for j in range(m)] + [("B", j) for j in range(m)]
-            continue
-        delay = 0 if key == "1f1b" else S - 1 - s
-        warm = min(S - 1 - s, m)
-        ops: list[tuple[str, int]] = [("F", j) for j in range(warm)]
-        f, b, w = warm, 0, 0
-        while b < m:
-            if f < m:
-                ops.append(("F", f))
-                f += 1
-            ops.append(("B", b))
-            b += 1
-            if b - w > delay:
-                ops.append(("W", w))
-                w += 1
-        ops += [("W", j) for j in range(w, m)]
-        out[s] = ops
-    return out
+    from fxpipe.ir import ScheduleProblem
+    from fxpipe.schedule.heuristics import METHODS, generate
+    from fxpipe.schedule.simulate import orders_from_schedule
+
+    key = str(name).lower()
+    if key not in METHODS:
+        raise InputError(f"unknown schedule {name!r}: use one of {', '.join(METHODS)}, or pass orders")
+    problem = ScheduleProblem.create(num_stages=num_stages, num_microbatches=num_microbatches,
+                                     t_f=1.0, t_b=1.0, t_w=1.0, name=f"unit-{key}")
+    return orders_from_schedule(generate(problem, key), problem.num_stages)
 
 
 def _split_mb(t: torch.Tensor, m: int) -> list[torch.Tensor]:
@@ -284,7 +298,8 @@ def _worker(rank: int, cfg: dict) -> None:
     world = cfg["world_size"]
     try:
         dist.init_process_group(
-            "gloo", rank=rank, world_size=world, timeout=timedelta(seconds=cfg["timeout_s"])
+            "gloo", init_method=cfg["init_method"], rank=rank, world_size=world,
+            timeout=timedelta(seconds=cfg["timeout_s"]),
         )
         torch.use_deterministic_algorithms(True)
         for idx, run in enumerate(cfg["runs"]):
@@ -396,37 +411,61 @@ def spawn_train_many(runs: Sequence[Mapping[str, Any]], *, world_size: int, time
         if missing:
             raise InputError(f"run {i} lacks {missing}")
         run = {**defaults, **dict(r)}
-        if not isinstance(run["orders"], (str, Mapping)):  # an fxpipe.ir.Schedule
+        if isinstance(run["orders"], str):  # a schedule name: fail here, before any worker starts
+            run["orders"] = generate_orders(run["orders"], world_size, run["num_microbatches"])
+        elif not isinstance(run["orders"], Mapping):  # an fxpipe.ir.Schedule
             from fxpipe.codegen.runtime import orders_from_schedule
 
             run["orders"] = orders_from_schedule(run["orders"], world_size)
         norm_runs.append(run)
     with tempfile.TemporaryDirectory(prefix="fxpipe-spawn-") as out_dir:
-        cfg = dict(out_dir=out_dir, world_size=world_size, runs=norm_runs, timeout_s=timeout_s)
-        os.environ["MASTER_ADDR"] = "127.0.0.1"
-        os.environ["MASTER_PORT"] = str(free_port())
-        t0 = time.perf_counter()
-        ctx = mp.start_processes(_worker, args=(cfg,), nprocs=world_size, join=False, start_method="spawn")
         deadline = time.monotonic() + timeout_s
-        try:
-            while not ctx.join(timeout=0.5):
-                if time.monotonic() > deadline:
-                    raise TimeoutError(
-                        f"pipeline run with {world_size} ranks did not finish within {timeout_s:.0f} s"
-                        + _errors(out_dir)
-                    )
-        except mp.ProcessRaisedException as exc:
-            raise RuntimeError(f"a pipeline worker failed:{_errors(out_dir)}\n{exc}") from None
-        except mp.ProcessExitedException as exc:
-            raise RuntimeError(f"a pipeline worker exited abnormally: {exc}{_errors(out_dir)}") from None
-        finally:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.terminate()
-            for p in ctx.processes:
-                p.join(5)
+        t0 = time.perf_counter()
+        for attempt in range(2):
+            # the rendezvous address travels in the worker config (no MASTER_ADDR/MASTER_PORT
+            # written to this process's environment)
+            cfg = dict(out_dir=out_dir, world_size=world_size, runs=norm_runs, timeout_s=timeout_s,
+                       init_method=f"tcp://127.0.0.1:{free_port()}")
+            try:
+                _start_and_join(mp, cfg, world_size, timeout_s, deadline)
+                break
+            except _PortTaken:
+                if attempt:
+                    raise RuntimeError(f"a pipeline worker failed twice to bind its port:{_errors(out_dir)}") from None
+                for name in os.listdir(out_dir):  # forget the failed attempt
+                    os.remove(os.path.join(out_dir, name))
         wall = time.perf_counter() - t0
         return [_gather(out_dir, world_size, i, wall) for i in range(len(norm_runs))]
+
+
+class _PortTaken(Exception):
+    """Rank 0 could not bind the rendezvous port (taken between free_port() and the bind)."""
+
+
+def _start_and_join(mp, cfg: dict, world_size: int, timeout_s: float, deadline: float) -> None:
+    """Start the workers and wait for them; raise on failure, timeout or a taken port."""
+    out_dir = cfg["out_dir"]
+    ctx = mp.start_processes(_worker, args=(cfg,), nprocs=world_size, join=False, start_method="spawn")
+    try:
+        while not ctx.join(timeout=0.5):
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"pipeline run with {world_size} ranks did not finish within {timeout_s:.0f} s"
+                    + _errors(out_dir)
+                )
+    except mp.ProcessRaisedException as exc:
+        errs = _errors(out_dir)
+        if "EADDRINUSE" in errs or "EADDRINUSE" in str(exc):
+            raise _PortTaken() from None
+        raise RuntimeError(f"a pipeline worker failed:{errs}\n{exc}") from None
+    except mp.ProcessExitedException as exc:
+        raise RuntimeError(f"a pipeline worker exited abnormally: {exc}{_errors(out_dir)}") from None
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.terminate()
+        for p in ctx.processes:
+            p.join(5)
 
 
 def _errors(out_dir: str) -> str:

@@ -1,7 +1,10 @@
 """Lower fxpipe per-stage F/B/W orders to a ``torch.distributed.pipelining`` runtime.
 
-This is the only module of fxpipe that imports private ``torch.distributed.pipelining`` APIs
-(``_PipelineScheduleRuntime``, ``_Action``); everything torch-version specific lives here.
+This is the only module of fxpipe that uses private torch APIs (house rule, checked by
+``tests/test_capture.py::test_private_torch_apis_only_in_codegen_runtime``):
+``torch.distributed.pipelining`` internals (``_PipelineScheduleRuntime``, ``_Action``,
+``_backward``) and ``torch._subclasses.fake_tensor.FakeTensorMode`` for static shape
+inference; everything torch-version specific lives here.
 
 Vocabulary. fxpipe schedules (Contract 3) use ``F`` (forward), ``B`` (backward-input) and ``W``
 (backward-weight). torch's actions are ``F``, ``I`` (backward-input), ``W`` (backward-weight)
@@ -77,7 +80,11 @@ def _norm_orders(orders: Mapping[int, Sequence[tuple[str, int]]], num_stages: in
                 continue
             if t not in _TYPES_IN:
                 raise InputError(f"stage {s}: unknown op type {t!r} (expected F, B, W; O/R are ignored)")
-            if isinstance(j, bool) or int(j) != j or int(j) < 0:
+            try:
+                ok = not isinstance(j, (bool, str, bytes)) and int(j) == j and int(j) >= 0
+            except (TypeError, ValueError, OverflowError):
+                ok = False
+            if not ok:
                 raise InputError(f"stage {s}: micro-batch index must be an integer >= 0, got {j!r}")
             ops.append((_TYPES_IN[t], int(j)))
         out[s] = ops
@@ -122,6 +129,11 @@ def check_orders(orders: Mapping[int, Sequence[tuple[str, int]]], num_stages: in
         deadlock (naming the blocked stage, op and micro-batch).
     """
     norm, _ = _norm_orders(orders, num_stages, num_microbatches)
+    _check_deadlock(norm, num_stages)
+
+
+def _check_deadlock(norm: Mapping[int, Sequence[tuple[str, int]]], num_stages: int) -> None:
+    """Simulate normalised orders (``_norm_orders`` output); InputError on a deadlock."""
     S = num_stages
     done: set[tuple[int, str, int]] = set()
     ptr = {s: 0 for s in range(S)}
@@ -191,8 +203,8 @@ def actions_from_orders(
     >>> actions_from_orders({0: [("F", 0), ("B", 0), ("W", 0)], 1: [("F", 0), ("B", 0), ("W", 0)]}, 2)
     {0: ['0F0', '0B0'], 1: ['1F0', '1B0']}
     """
-    check_orders(orders, num_stages, num_microbatches)
     norm, _ = _norm_orders(orders, num_stages, num_microbatches)
+    _check_deadlock(norm, num_stages)
     out: dict[int, list[str]] = {}
     for s, ops in norm.items():
         has_w = any(t == "W" for t, _ in ops)
@@ -218,12 +230,17 @@ def fuse_backward(actions: Mapping[int, Sequence[str]]) -> dict[int, list[str]]:
     Use when a stage's split backward is not supported (e.g. custom autograd functions whose
     weight gradients cannot be separated); the forward/backward-input order is unchanged, so a
     deadlock-free schedule stays deadlock-free.
+
+    Raises
+    ------
+    InputError
+        If an action string does not parse (the message names rank and step).
     """
     out: dict[int, list[str]] = {}
     for r, acts in actions.items():
         new = []
-        for a in acts:
-            act = _Action.from_str(a)
+        for step, a in enumerate(acts):
+            act = _parse_one(a, f"rank {r}, step {step}")
             if act is None:
                 continue
             if act.computation_type.value == "W":
@@ -404,26 +421,42 @@ def _example_io_static(staged: StagedProgram, stage: int, mb_inputs: Sequence[An
     return tuple(real(m) for m in m_in), tuple(real(m) for m in m_out), blind
 
 
+def _parse_one(a: Any, where: str) -> _Action | None:
+    """One torch action string -> ``_Action`` (None for an empty string); InputError if bad."""
+    if not isinstance(a, str):
+        raise InputError(f"{where}: action {a!r} is not a string like '0F1' (stage, type, micro-batch)")
+    try:
+        return _Action.from_str(a)
+    except (RuntimeError, ValueError, AttributeError) as exc:
+        raise InputError(f"{where}: bad action string {a!r}: {exc}") from None
+
+
 def _parse_actions(actions: Mapping[int, Sequence[str]], num_stages: int) -> dict[int, list[_Action]]:
+    """Parse and check per-rank action strings; an empty string (an idle step) is skipped.
+
+    Raises
+    ------
+    InputError
+        Naming rank and step for an action that is not a string, does not parse, is not a
+        compute action or is for another stage.
+    """
     parsed: dict[int, list[_Action]] = {}
     for r in sorted(actions):
         lst = []
-        for a in actions[r]:
-            try:
-                act = _Action.from_str(str(a))
-            except RuntimeError as exc:
-                raise InputError(f"rank {r}: bad action string {a!r}: {exc}") from None
+        for step, a in enumerate(actions[r]):
+            where = f"rank {r}, step {step}"
+            act = _parse_one(a, where)
             if act is None:
                 continue
             if act.computation_type.value not in ("F", "B", "I", "W"):
-                raise InputError(f"rank {r}: action {a!r} is not a compute action (F, B, I, W)")
+                raise InputError(f"{where}: action {a!r} is not a compute action (F, B, I, W)")
             if act.stage_index != r:
                 raise InputError(
-                    f"rank {r}: action {a!r} is for stage {act.stage_index}; fxpipe runs one stage per "
+                    f"{where}: action {a!r} is for stage {act.stage_index}; fxpipe runs one stage per "
                     f"rank (stage s on rank s)"
                 )
             if not 0 <= act.stage_index < num_stages:
-                raise InputError(f"rank {r}: action {a!r} names a stage outside 0..{num_stages - 1}")
+                raise InputError(f"{where}: action {a!r} names a stage outside 0..{num_stages - 1}")
             lst.append(act)
         parsed[int(r)] = lst
     return parsed
@@ -507,14 +540,16 @@ def build_rank(
     if sorted(int(r) for r in actions) != list(range(S)):
         raise InputError(f"actions must list every rank 0..{S - 1}, got {sorted(actions)}")
     acts = {int(r): list(v) for r, v in actions.items()}
+    parsed = _parse_actions(acts, S)  # validate before anything reads the actions
     if fused_backward:
         acts = fuse_backward(acts)
+        parsed = _parse_actions(acts, S)
     mb = example_microbatch_inputs
     if mb is None:
         raise InputError("example_microbatch_inputs is required (one micro-batch of model inputs)")
     ins, outs, blind = _example_io_static(staged, rank, tuple(mb))
     fused_here = False
-    if blind and any(_Action.from_str(a).computation_type.value == "I" for a in acts[rank]):
+    if blind and any(a.computation_type.value == "I" for a in parsed[rank]):
         # Split backward would drop these parameters' gradients: run full backwards on this
         # rank. Other ranks' communication is unaffected (B sends/receives exactly like I).
         logger.warning(
@@ -523,7 +558,7 @@ def build_rank(
         )
         acts[rank] = fuse_backward({rank: acts[rank]})[rank]
         fused_here = True
-    parsed = _parse_actions(acts, S)
+        parsed = _parse_actions(acts, S)
     dev = torch.device(device)
     spec = staged.stages[rank]
     module = spec.module.to(dev)

@@ -79,7 +79,10 @@ class StageSpec:
     input_names, output_names : tuple[str, ...]
         Names of the original fx nodes whose values enter / leave the stage.
     relayed_names : tuple[str, ...]
-        Inputs that the stage only passes on (produced on an earlier stage, consumed later).
+        Inputs that the stage also returns unchanged for a later stage (produced on an
+        earlier stage, still needed after this one): the relay of Contract 2's
+        ``comm="relay"``. The stage may consume them itself as well (e.g. a T5 encoder output
+        used by every decoder stage); empty for the first and the last stage.
     node_names : tuple[str, ...]
         Original compute nodes executed on this stage.
     param_fqns : tuple[str, ...]

@@ -4,7 +4,13 @@ A :class:`HardwareSpec` holds the handful of numbers the roofline cost model
 (:mod:`fxpipe.cost.roofline`) and the schedule problem need: dense peak FLOP/s per dtype,
 memory bandwidth, device-to-device and host link bandwidths (per direction), memory capacity
 and a per-op launch overhead. Peaks are *dense* (no 2:4 sparsity) tensor-core figures for
-the SXM parts, as printed in NVIDIA's datasheets; ``1 GB/s = 1e9 bytes/s``.
+the SXM parts, as printed in NVIDIA's datasheets.
+
+Units: every figure uses the decimal SI prefixes of the datasheets, ``1 GB = 1e9 bytes`` and
+``1 GB/s = 1e9 bytes/s``, for bandwidth and for memory capacity alike. The capacities are the
+printed "80GB" / "141GB" read decimally (80e9 / 141e9 bytes); this is a little below what the
+devices report (an H100 80GB shows ~79.6 GiB = ~85.5e9 bytes), so memory constraints built on
+these figures are conservative.
 
 The launch overhead is not a datasheet figure: it is the usual few microseconds of CUDA
 kernel launch + PyTorch eager dispatch per op, a modelling constant.
@@ -18,7 +24,8 @@ from typing import Mapping
 
 from fxpipe.errors import InputError
 
-_GiB = 1 << 30
+#: One decimal gigabyte, the datasheets' unit for capacity and bandwidth (bytes).
+_GB = 1e9
 
 
 @dataclass(frozen=True)
@@ -41,7 +48,7 @@ class HardwareSpec:
     host_bytes_per_s : float
         Host link (PCIe) bandwidth per direction, bytes/s; used for offload/reload.
     memory_bytes : float
-        Device memory capacity, bytes.
+        Device memory capacity, bytes (datasheet GB x 1e9).
     launch_overhead_s : float
         Fixed cost added to every op that launches a kernel, seconds.
     source : str
@@ -90,7 +97,7 @@ HARDWARE: Mapping[str, HardwareSpec] = MappingProxyType({
             hbm_bytes_per_s=2.039e12,  # HBM2e
             d2d_bytes_per_s=300e9,  # NVLink 3: 600 GB/s bidirectional
             host_bytes_per_s=32e9,  # PCIe Gen4 x16: 64 GB/s bidirectional
-            memory_bytes=80 * _GiB,
+            memory_bytes=80 * _GB,  # datasheet: 80GB HBM
             launch_overhead_s=5e-6,
             source=(
                 "NVIDIA A100 Tensor Core GPU datasheet (nvidia-a100-datasheet-us-nvidia-1758950-r4), "
@@ -105,7 +112,7 @@ HARDWARE: Mapping[str, HardwareSpec] = MappingProxyType({
             hbm_bytes_per_s=3.35e12,  # HBM3
             d2d_bytes_per_s=450e9,  # NVLink 4: 900 GB/s bidirectional
             host_bytes_per_s=64e9,  # PCIe Gen5 x16: 128 GB/s bidirectional
-            memory_bytes=80 * _GiB,
+            memory_bytes=80 * _GB,  # datasheet: 80GB HBM
             launch_overhead_s=5e-6,
             source=(
                 "NVIDIA H100 Tensor Core GPU datasheet (H100 SXM column; dense = half the "
@@ -120,7 +127,7 @@ HARDWARE: Mapping[str, HardwareSpec] = MappingProxyType({
             hbm_bytes_per_s=4.8e12,  # HBM3e
             d2d_bytes_per_s=450e9,  # NVLink 4: 900 GB/s bidirectional
             host_bytes_per_s=64e9,  # PCIe Gen5 x16: 128 GB/s bidirectional
-            memory_bytes=141e9,
+            memory_bytes=141 * _GB,  # datasheet: 141GB HBM3e
             launch_overhead_s=5e-6,
             source=(
                 "NVIDIA H200 Tensor Core GPU datasheet / product page (H200 SXM column; dense = "
@@ -136,7 +143,7 @@ HARDWARE: Mapping[str, HardwareSpec] = MappingProxyType({
             hbm_bytes_per_s=51.2e9,  # 2 channels x 25.6 GB/s (DDR4-3200)
             d2d_bytes_per_s=10e9,  # process-to-process copy through shared memory (gloo), modelled
             host_bytes_per_s=51.2e9,  # host memory is device memory
-            memory_bytes=32 * _GiB,
+            memory_bytes=32 * _GB,  # modelled 32 GB of host memory
             launch_overhead_s=10e-6,  # PyTorch eager dispatch per op on CPU
             source=(
                 "derived profile, not a single datasheet: peak = cores x clock x 2 FMA x 8 lanes x 2; "

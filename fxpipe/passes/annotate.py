@@ -50,11 +50,10 @@ from typing import Any, Iterable
 import torch
 import torch.fx
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
-from torch.utils import _pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode, flop_registry, sdpa_flop_count
 
 from fxpipe.cost.hardware import HardwareSpec, get_hardware
-from fxpipe.cost.roofline import OpCost, backward_times, roofline_s
+from fxpipe.cost.roofline import OpCost, backward_times, forward_time_s, roofline_s
 from fxpipe.errors import InputError
 from fxpipe.passes.capture import getattr_path
 
@@ -80,7 +79,7 @@ SHAPE_OPS = _packets(
     "sym_stride", "sym_storage_offset", "sym_constrain_range", "sym_constrain_range_for_size",
     "_reshape_alias", "lift_fresh", "numpy_T", "mT", "adjoint", "swapaxes", "transpose_",
     "unsqueeze_", "squeeze_", "t_", "resolve_conj", "resolve_neg", "_functional_assert_async",
-    "_assert_tensor_metadata", "tensor_split", "diagonal", "real",
+    "tensor_split", "diagonal", "real",
 )
 #: Ops that are a no-op when the dtype/device/layout does not change.
 MAYBE_NOOP = _packets("to", "_to_copy", "contiguous", "type_as")
@@ -89,7 +88,7 @@ MATMUL_COMPOSITE = _packets("linear", "matmul")
 FLOP_COMPOSITE = _packets(
     "einsum", "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d",
     "conv_transpose3d", "scaled_dot_product_attention", "bilinear", "tensordot", "chain_matmul",
-    "addbmm", "addmv", "mv", "dot", "vdot", "outer", "inner", "bilinear",
+    "addbmm", "addmv", "mv", "dot", "vdot", "outer", "inner",
 )
 ATTENTION = _packets(
     "scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
@@ -157,12 +156,72 @@ def _numel(t: torch.Tensor) -> int:
     return n
 
 
+def _leaves(val: Any) -> list[Any]:
+    """Leaves of nested tuples / lists / dicts (what fx node args and ``meta["val"]`` hold).
+
+    A public-API stand-in for ``torch.utils._pytree.tree_leaves`` on the containers that
+    appear in exported graphs (``torch.Size`` and named tuples are tuples; fx's immutable
+    list/dict subclass list/dict). Other objects are leaves.
+    """
+    out: list[Any] = []
+    stack = [val]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, (tuple, list)) and not isinstance(x, torch.Size):
+            stack.extend(reversed(x))
+        elif isinstance(x, dict):
+            stack.extend(reversed(list(x.values())))
+        else:
+            out.append(x)
+    return out
+
+
 def _tensors(val: Any) -> list[torch.Tensor]:
-    return [x for x in pytree.tree_leaves(val) if isinstance(x, torch.Tensor)]
+    return [x for x in _leaves(val) if isinstance(x, torch.Tensor)]
 
 
 def _packet(target: Any) -> Any:
+    """The ``OpOverloadPacket`` of an aten/custom ``OpOverload`` target, else None.
+
+    Duck typing on the public ``overloadpacket`` attribute replaces an
+    ``isinstance(target, torch._ops.OpOverload)`` check (``torch._ops`` is private): only
+    ``OpOverload`` objects carry it (packets, higher-order operators and Python callables
+    do not).
+    """
     return getattr(target, "overloadpacket", None)
+
+
+def _fake_mode(values: Iterable[Any]) -> Any:
+    """The ``FakeTensorMode`` of the first fake tensor among ``values``, else None.
+
+    Fake tensors (``node.meta["val"]``) carry their mode as ``.fake_mode``; this replaces the
+    private ``torch._guards.detect_fake_mode``.
+    """
+    for x in values:
+        if isinstance(x, torch.Tensor):
+            mode = getattr(x, "fake_mode", None)
+            if mode is not None:
+                return mode
+    return None
+
+
+def _subgraphs(node: torch.fx.Node) -> list[torch.fx.GraphModule]:
+    """Body graphs a higher-order operator node calls (its ``get_attr`` GraphModule args).
+
+    Structural test instead of ``isinstance(target, torch._ops.HigherOrderOperator)``: aten
+    ops never take a GraphModule argument, higher-order operators (``cond``,
+    ``wrap_with_set_grad_enabled``, ...) take their bodies as ``get_attr`` nodes.
+    """
+    root = node.graph.owning_module
+    if root is None:
+        return []
+    out = []
+    for arg in node.args:
+        if isinstance(arg, torch.fx.Node) and arg.op == "get_attr":
+            sub = getattr_path(root, arg.target)
+            if isinstance(sub, torch.fx.GraphModule):
+                out.append(sub)
+    return out
 
 
 class AnnotateCosts(PassBase):
@@ -311,7 +370,7 @@ class AnnotateCosts(PassBase):
                     continue
                 seen_param.add(id(p))
                 owner_bytes[node] = owner_bytes.get(node, 0.0) + self._bytes(p)
-                param_owner[_param_target(inp, param_of)] = node.name
+                param_owner[_param_target(inp)] = node.name
             out_ts = _tensors(node.meta.get("val"))
             floating_out = any(t.dtype.is_floating_point or t.dtype.is_complex for t in out_ts)
             if node.op == "call_function" and "wrap_with_set_grad_enabled" in str(node.target) and node.args \
@@ -327,7 +386,7 @@ class AnnotateCosts(PassBase):
             if pid not in seen_param:
                 seen_param.add(pid)
                 owner_bytes[node] = owner_bytes.get(node, 0.0) + self._bytes(p)
-                param_owner[_param_target(inp, param_of)] = node.name
+                param_owner[_param_target(inp)] = node.name
         gm.meta["fxpipe_param_owner"] = param_owner
 
         # -------- pass 2: costs
@@ -358,8 +417,8 @@ class AnnotateCosts(PassBase):
             all_ts = [t for _, t in uniq.values()] + out_ts
             dname = self._dtype_name(all_ts)
             peak = hw.peak(dname or "fp32")
-            core = roofline_s(flops, bytes_moved, peak, hw.hbm_bytes_per_s)
-            t_fwd = core + lo
+            t_fwd = forward_time_s(flops, bytes_moved, peak, hw.hbm_bytes_per_s, lo)
+            core = roofline_s(flops, bytes_moved, peak, hw.hbm_bytes_per_s)  # B/W scale this
             pkt = _packet(node.target)
             param_in = [i for i in ins if i in param_of]
             act_in = [i for i in ins if i not in param_of]
@@ -406,12 +465,12 @@ class AnnotateCosts(PassBase):
         tgt = node.target
         if tgt is operator.getitem:
             return True
-        if not isinstance(tgt, torch._ops.OpOverload):
+        if _packet(tgt) is None:
             # python operators on SymInts (operator.mul, sym_sum, ...) and other non-aten callables
             vals = _tensors(node.meta.get("val"))
             return not vals and getattr(tgt, "__module__", "") in ("_operator", "operator", "torch", "math",
                                                                      "torch.fx.experimental.sym_node")
-        pkt = tgt.overloadpacket
+        pkt = _packet(tgt)
         if pkt in SHAPE_OPS:
             return True
         if pkt in DROPOUT:
@@ -431,20 +490,12 @@ class AnnotateCosts(PassBase):
 
     def _flops(self, node: torch.fx.Node, out_ts: list[torch.Tensor]) -> float:
         tgt = node.target
-        if isinstance(tgt, torch._ops.HigherOrderOperator):
-            # wrap_with_set_grad_enabled, cond, ...: FLOPs of the body graph(s)
-            total = 0.0
-            root = node.graph.owning_module
-            for arg in node.args:
-                if isinstance(arg, torch.fx.Node) and arg.op == "get_attr" and root is not None:
-                    sub = getattr_path(root, arg.target)
-                    if isinstance(sub, torch.fx.GraphModule):
-                        total += sum(self._flops(n, _tensors(n.meta.get("val"))) for n in sub.graph.nodes
-                                     if n.op == "call_function")
-            return total
-        if not isinstance(tgt, torch._ops.OpOverload):
-            return 0.0
-        pkt = tgt.overloadpacket
+        pkt = _packet(tgt)
+        if pkt is None:
+            # wrap_with_set_grad_enabled, cond, ...: FLOPs of the body graph(s); 0 for other
+            # non-aten callables (python operators on SymInts)
+            return sum(self._flops(n, _tensors(n.meta.get("val")))
+                       for sub in _subgraphs(node) for n in sub.graph.nodes if n.op == "call_function")
         args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
         name = str(tgt)
         if "grouped_mm" in name:
@@ -476,9 +527,7 @@ class AnnotateCosts(PassBase):
 
     @staticmethod
     def _run_counted(tgt, args, kwargs) -> float:
-        from torch._guards import detect_fake_mode
-
-        fake_mode = detect_fake_mode(pytree.tree_leaves((args, kwargs)))
+        fake_mode = _fake_mode(_leaves((args, kwargs)))
         counter = FlopCounterMode(display=False)
         try:
             if fake_mode is not None:
@@ -521,7 +570,7 @@ class AnnotateCosts(PassBase):
             pos = INDEX_SAVES[pkt]
             if len(node.args) <= pos:
                 return 0.0
-            return save(x for x in pytree.tree_leaves(node.args[pos]) if isinstance(x, torch.fx.Node))
+            return save(x for x in _leaves(node.args[pos]) if isinstance(x, torch.fx.Node))
         if kind == "attention":
             return save(act_in) + save([node])
         if pkt in DROPOUT:
@@ -535,7 +584,7 @@ class AnnotateCosts(PassBase):
         return save(act_in)
 
 
-def _param_target(node: torch.fx.Node, param_of) -> str:
+def _param_target(node: torch.fx.Node) -> str:
     """The get_attr target behind a parameter node or a view chain of one."""
     while node.op != "get_attr":
         node = node.all_input_nodes[0]

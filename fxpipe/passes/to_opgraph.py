@@ -33,7 +33,7 @@ from fxpipe.cost.roofline import OpCost
 from fxpipe.errors import InputError
 from fxpipe.ir import OpGraph
 from fxpipe.passes.annotate import COST_KEY, AnnotateCosts
-from fxpipe.passes.capture import MODULE_PREFIX_KEY, Captured, capture
+from fxpipe.passes.capture import MODULE_PREFIX_KEY, Captured, capture, getattr_path
 
 #: fx ops that become OpGraph nodes.
 OPGRAPH_FX_OPS = ("placeholder", "call_function", "call_module", "call_method", "output")
@@ -120,7 +120,7 @@ def to_opgraph(gm: torch.fx.GraphModule, hardware: str | HardwareSpec = "h100-sx
     # owner is always a consumer; check the totals agree
     total_param = sum(float(n.meta[COST_KEY].size_param_bytes) for n in gm.graph.nodes if COST_KEY in n.meta)
     if abs(total_param - sum(cols["size_param_bytes"])) > 1e-6 * max(1.0, total_param):
-        raise InputError("parameter bytes were assigned to a node outside the OpGraph; this is a bug in fxpipe")
+        raise AssertionError("parameter bytes were assigned to a node outside the OpGraph; this is a bug in fxpipe")
     names = [n.name for n in nodes]
     graph = OpGraph.from_arrays(
         **cols, edges=edges if edges else [], bandwidth_bytes_per_s=hw.d2d_bytes_per_s, names=names,
@@ -211,8 +211,9 @@ def trace_model(model: torch.nn.Module, args: Sequence[Any] = (), kwargs: Mappin
     annot(cap.gm)
     t1 = time.perf_counter()
     if name is None:
-        inner = getattr(model, "model", None) if cap.module_prefix else None
-        name = type(inner if inner is not None else model).__name__
+        # a thin wrapper (e.g. fxpipe.models.LogitsOnly) is named after the model it wraps
+        inner = getattr_path(model, cap.module_prefix.rstrip(".")) if cap.module_prefix else None
+        name = type(inner if isinstance(inner, torch.nn.Module) else model).__name__
     graph, names = to_opgraph(cap.gm, hw, name=name)
     t2 = time.perf_counter()
     return TracedModel(captured=cap, graph=graph, node_names=names, hardware=hw, dtype=dtype,
