@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from fxpipe.errors import InputError
-from fxpipe.ir import OpGraph, read_json, write_json_atomic
+from fxpipe.ir import OpGraph, _json_default, read_json, write_json_atomic
 
 __all__ = ["Certificate", "CERTIFICATE_FORMAT", "write_certificate", "read_certificate", "graph_fingerprint"]
 
@@ -101,7 +101,7 @@ class Certificate:
         d = asdict(self)
         for key in ("lower_bound", "primal_value", "gap", "wall_time_s"):
             d[key] = _num(d[key])
-        d["details"] = _json_safe(json.loads(json.dumps(d["details"], default=_num_default)))
+        d["details"] = _json_safe(json.loads(json.dumps(d["details"], default=_json_default)))
         d["params"] = _json_safe(d["params"])
         return d
 
@@ -142,21 +142,9 @@ def _json_safe(obj: Any) -> Any:
     return obj
 
 
-def _num_default(obj: Any) -> Any:
-    import numpy as np
-
-    if isinstance(obj, np.ndarray):
-        return obj.tolist()
-    if isinstance(obj, np.integer):
-        return int(obj)
-    if isinstance(obj, np.floating):
-        return float(obj)
-    raise TypeError(type(obj).__name__)
-
-
 def graph_fingerprint(graph: OpGraph) -> str:
     """SHA-256 of the graph's canonical Contract-1 JSON (sorted keys), hex."""
-    text = json.dumps(graph.to_dict(), sort_keys=True, default=_num_default, separators=(",", ":"))
+    text = json.dumps(graph.to_dict(), sort_keys=True, default=_json_default, separators=(",", ":"))
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
@@ -180,7 +168,7 @@ def write_certificate(path: str | os.PathLike, report, graph: OpGraph | None = N
     Path
     """
     doc = report.to_certificate_dict(graph)
-    doc = json.loads(json.dumps(doc, default=_num_default))
+    doc = json.loads(json.dumps(doc, default=_json_default))
     return write_json_atomic(path, doc)
 
 
