@@ -258,12 +258,17 @@ def _model_size(model) -> dict[str, int]:
     return {"variables": int(model.getNVars()), "constraints": int(model.getNConss())}
 
 
-def _lb_from(res: SolveResult, data: MipData) -> float:
-    """Lower bound in seconds from a solve (never below Lemma 3.3, which the model implies)."""
+def _lb_from(res: SolveResult, data: MipData, start_lb_s: float = 0.0) -> float:
+    """Lower bound in seconds from a solve.
+
+    Never below Lemma 3.3 (which the model implies) nor below the valid bound the model was
+    started from (``start_lb_s``, a constraint of the model), even when SCIP stops before it
+    has a dual bound of its own.
+    """
     if res.status == "infeasible":
         return math.inf
     dual = res.dual if math.isfinite(res.dual) else -math.inf
-    return max(dual, data.simple_work) * data.scale
+    return max(dual * data.scale, data.simple_work * data.scale, start_lb_s)
 
 
 def _status(statuses: Iterable[str]) -> str:
@@ -378,7 +383,7 @@ def bound(
             incumbent = np.zeros(data.n, dtype=np.int64)
         cert = Certificate(
             method=method,
-            lower_bound=_lb_from(res, data),
+            lower_bound=_lb_from(res, data, start_lb),
             status=res.status,
             nodes=res.nodes,
             wall_time_s=time.perf_counter() - t0,
@@ -433,7 +438,14 @@ def bound(
             for job in jobs:
                 j, r = _solve_guess_j(job)
                 results[j] = r
-        lbs = {j: (math.inf if r["status"] == "infeasible" else max(r["dual"], data.simple_work) * data.scale) for j, r in results.items()}
+        lbs = {
+            j: (
+                math.inf
+                if r["status"] == "infeasible"
+                else max((r["dual"] if math.isfinite(r["dual"]) else 0.0) * data.scale, data.simple_work * data.scale, start_lb)
+            )
+            for j, r in results.items()
+        }
         lb = min(lbs.values())
         if not math.isfinite(lb):
             raise _infeasible(data, "every guess-the-bottleneck MIP")
