@@ -1,16 +1,36 @@
-"""The combinatorial lower bound is sound (<= exhaustive optimum) and reasonably tight."""
+"""The combinatorial lower bounds are sound and reasonably tight.
+
+Oracles: ``tests/naive_schedule.exhaustive_optimum`` (enumeration + LP timing) on tiny
+problems with and without memory limits and offload; every valid heuristic schedule on
+random larger problems (hypothesis); hand-derived values (Zero Bubble's toy instances,
+one-stash-in-flight pipelines); the MILP's proven optimum where the bound is its cut.
+"""
 
 from __future__ import annotations
 
+import math
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from fxpipe.ir import ScheduleProblem
-from fxpipe.schedule import METHODS, combinatorial_lower_bound, generate, stage_span_bounds
-
 from naive_schedule import exhaustive_optimum
+
+from fxpipe.errors import FxpipeError
+from fxpipe.ir import ScheduleProblem
+from fxpipe.schedule import (
+    METHODS,
+    combinatorial_lower_bound,
+    generate,
+    milp,
+    stage_span_bounds,
+)
+from fxpipe.schedule.bounds import (
+    memory_lower_bound,
+    memory_stage_span_bounds,
+    memory_time_stage_span_bounds,
+    round_trip_lower_bound,
+)
+from fxpipe.schedule.validate import check_schedule
 
 
 @st.composite
@@ -43,7 +63,7 @@ def test_lower_bound_sound_with_memory_and_offload(limit, t_off):
         p = ScheduleProblem.create(num_stages=2, num_microbatches=2, t_f=[1, 2], t_b=[2, 1], t_w=[1, 1],
                                    t_comm=[1], t_offload=t_off, mem_f=2.0, mem_b=-1.0, mem_w=-1.0,
                                    mem_limit=limit, objective=obj)
-        opt, sched = exhaustive_optimum(p)
+        opt, _ = exhaustive_optimum(p)
         assert combinatorial_lower_bound(p) <= opt + 1e-9
 
 
@@ -70,3 +90,191 @@ def test_bound_exact_cases():
     p = ScheduleProblem.create(num_stages=4, num_microbatches=8, t_f=1, t_b=1, t_w=1, mem_f=2, mem_b=-1, mem_w=-1)
     assert generate(p, "zb-h2").stage_span == combinatorial_lower_bound(p) == 24
     assert stage_span_bounds(p).shape == (4,)
+
+
+# ---------------------------------------------------------------- memory-aware bound
+
+
+def _mem_problem(draw, S, M):
+    frac = [draw(st.sampled_from([0.0, 0.5, 1.0])) for _ in range(S)]
+    return ScheduleProblem.create(
+        num_stages=S,
+        num_microbatches=M,
+        t_f=[draw(st.integers(1, 3)) for _ in range(S)],
+        t_b=[draw(st.integers(0, 3)) for _ in range(S)],
+        t_w=[draw(st.integers(0, 2)) for _ in range(S)],
+        t_comm=[draw(st.integers(0, 1)) for _ in range(S - 1)],
+        t_offload=[draw(st.sampled_from([0.0, 0.5, 1.0, 3.0])) for _ in range(S)],
+        mem_f=1.0,
+        mem_b=[-f for f in frac],
+        mem_w=[-(1.0 - f) for f in frac],
+        offload_bytes=[draw(st.sampled_from([0.0, 0.5, 1.0])) for _ in range(S)],
+        mem_limit=[draw(st.sampled_from([1.0, 1.5, 2.0, 100.0])) for _ in range(S)],
+        objective=draw(st.sampled_from(["stage_span", "makespan"])),
+    )
+
+
+@st.composite
+def tiny_memory_problems(draw):
+    S, M = draw(st.sampled_from([(2, 2), (2, 2), (1, 3), (3, 1), (1, 2)]))
+    return _mem_problem(draw, S, M)
+
+
+@settings(max_examples=15, deadline=None)
+@given(tiny_memory_problems())
+def test_memory_bound_below_exhaustive_optimum(problem):
+    opt, _ = exhaustive_optimum(problem)
+    assert memory_lower_bound(problem) <= opt + 1e-9
+    assert combinatorial_lower_bound(problem) <= opt + 1e-9
+
+
+@pytest.mark.parametrize("kw,want_lb,want_opt", [
+    # slow offload: the second forward waits for the first stash's offload (or for B)
+    ({"t_f": 1, "t_b": 1, "t_w": 1, "mem_b": -0.5, "mem_w": -0.5, "mem_limit": 1.0, "t_offload": 2.0}, 8.0, 10.0),
+    # no offload at all: one stash at a time on each stage
+    ({"t_f": 1, "t_b": 1, "t_w": 1, "mem_b": -0.5, "mem_w": -0.5, "mem_limit": 1.0, "offload_bytes": 0.0}, 10.0, 10.0),
+    ({"t_f": [2, 1], "t_b": [1, 2], "t_w": [1, 0], "t_comm": 1, "mem_b": -0.5, "mem_w": -0.5, "mem_limit": 1.2,
+      "t_offload": 3, "offload_bytes": 0.5}, 18.0, 18.0),
+])
+def test_memory_bound_tighter_than_round_trip(kw, want_lb, want_opt):
+    # the old (memory-blind) bound is 7 / 7 / 11 on these
+    p = ScheduleProblem.create(num_stages=2, num_microbatches=2, mem_f=1.0, **kw)
+    opt, _ = exhaustive_optimum(p)
+    assert opt == pytest.approx(want_opt)
+    assert round_trip_lower_bound(p) < want_lb - 0.5
+    assert combinatorial_lower_bound(p) == pytest.approx(want_lb)
+
+
+@st.composite
+def memory_problems(draw):
+    S, M = draw(st.integers(1, 6)), draw(st.integers(1, 12))
+    mf = [float(draw(st.sampled_from([1, 2]))) for _ in range(S)]
+    frac = [draw(st.sampled_from([0.0, 0.25, 0.5, 1.0])) for _ in range(S)]
+    return ScheduleProblem.create(
+        num_stages=S,
+        num_microbatches=M,
+        t_f=[draw(st.integers(1, 4)) for _ in range(S)],
+        t_b=[draw(st.integers(0, 4)) for _ in range(S)],
+        t_w=[draw(st.integers(0, 4)) for _ in range(S)],
+        t_comm=[draw(st.integers(0, 2)) for _ in range(S - 1)],
+        t_offload=[draw(st.sampled_from([0.0, 0.5, 1.0, 2.0, 4.0])) for _ in range(S)],
+        mem_f=mf,
+        mem_b=[-x * f for x, f in zip(mf, frac)],
+        mem_w=[-x * (1 - f) for x, f in zip(mf, frac)],
+        offload_bytes=[x * draw(st.sampled_from([0.0, 0.5, 1.0])) for x in mf],
+        mem_limit=[x * draw(st.sampled_from([1.0, 1.5, 2.0, 3.0, 5.0, 100.0])) for x in mf],
+        objective=draw(st.sampled_from(["stage_span", "makespan"])),
+    )
+
+
+@settings(max_examples=40, deadline=None)
+@given(memory_problems())
+def test_memory_bound_below_every_valid_heuristic(problem):
+    lb = combinatorial_lower_bound(problem)
+    assert lb >= round_trip_lower_bound(problem)
+    for method in METHODS:
+        try:
+            s = generate(problem, method)
+        except FxpipeError:
+            continue  # this heuristic does not fit the memory limit
+        if check_schedule(problem, s.ops):
+            continue
+        assert s.value >= lb - 1e-9 * max(1.0, lb), method
+
+
+def _toy(limit):
+    return ScheduleProblem.create(num_stages=4, num_microbatches=12, t_f=5, t_b=6, t_w=4, t_comm=0, mem_f=2,
+                                  mem_b=-1, mem_w=-1, offload_bytes=0, mem_limit=limit)
+
+
+def test_zero_bubble_toy_instances():
+    # Zero Bubble's toy instances (limits of 5 and 7 stashes, no offload): the warm-up of
+    # stage 0 needs F + D = 38 but only 5 (7) forwards fit: 180 + 13 = 193, 180 + 3 = 183,
+    # the optima the MILP proves (benchmarks/bench_schedule.py table (a))
+    for limit, want in ((10, 193.0), (14, 183.0)):
+        p = _toy(limit)
+        assert round_trip_lower_bound(p) == 180.0
+        assert memory_lower_bound(p) == want
+        assert combinatorial_lower_bound(p) == want
+        sched = generate(p, "greedy")
+        assert not check_schedule(p, sched.ops) and sched.value >= want
+    prof = ScheduleProblem.create(num_stages=4, num_microbatches=12, t_f=5478, t_b=5806, t_w=3534, t_comm=200,
+                                  mem_f=2, mem_b=-1, mem_w=-1, offload_bytes=0, mem_limit=32)
+    assert combinatorial_lower_bound(prof) <= 178898.0
+    unit = ScheduleProblem.create(num_stages=32, num_microbatches=16, t_f=1, t_b=1, t_w=1, mem_f=2, mem_b=-1,
+                                  mem_w=-1, offload_bytes=0, mem_limit=64)
+    assert combinatorial_lower_bound(unit) == 95.0
+
+
+def test_memory_bound_hand_derived_and_monotone():
+    # p=2, m=4, F=B=W=1, one stash without offload. Stage 0: D = 2; head x = 1 leaves idle
+    # F + D - F = 2; at the last F start 4 - (y_B + y_W)/2 <= 1 needs y_B = y_W = 3, so the
+    # tail holds F + B + W = 3 of work in a window >= F + D + B + W = 5: idle 2. 12 + 4 = 16.
+    p = ScheduleProblem.create(num_stages=2, num_microbatches=4, t_f=1, t_b=1, t_w=1, mem_f=1, mem_b=-0.5,
+                               mem_w=-0.5, offload_bytes=0, mem_limit=1)
+    assert memory_stage_span_bounds(p).tolist() == [16.0, 12.0]
+    assert round_trip_lower_bound(p) == 12.0
+    # unlimited memory: the memory-aware argument does not apply (and adds nothing)
+    q = ScheduleProblem.create(num_stages=4, num_microbatches=8, t_f=1, t_b=2, t_w=1, t_comm=0.5)
+    assert combinatorial_lower_bound(q) == round_trip_lower_bound(q)
+    # a smaller limit or a slower offload never lowers the bound
+    grid = {}
+    for limit in (100.0, 8.0, 6.0, 4.0, 2.0):
+        for tau in (0.5, 1.0, 2.0, 4.0):
+            r = ScheduleProblem.create(num_stages=8, num_microbatches=16, t_f=1, t_b=1, t_w=1, t_offload=tau,
+                                       mem_f=1, mem_b=-0.5, mem_w=-0.5, mem_limit=limit)
+            grid[limit, tau] = combinatorial_lower_bound(r)
+    for (limit, tau), lb in grid.items():
+        assert lb >= 48.0
+        for (l2, t2), lb2 in grid.items():
+            if l2 <= limit and t2 >= tau:
+                assert lb2 >= lb - 1e-12
+    assert grid[2.0, 4.0] > 48.0
+
+
+def test_milp_uses_the_bound_as_an_objective_cut():
+    # no offloadable bytes, 4 stashes per stage: the warm-up bubble makes ZB-H1's 27 optimal;
+    # the round-trip bound (24) cannot show it, the memory-aware bound does
+    p = ScheduleProblem.create(num_stages=4, num_microbatches=8, t_f=1, t_b=1, t_w=1, mem_f=1, mem_b=-0.5,
+                               mem_w=-0.5, offload_bytes=0, mem_limit=4)
+    assert round_trip_lower_bound(p) == 24.0
+    assert combinatorial_lower_bound(p) == 27.0
+    model, _ = milp.build_model(p, warm_start=generate(p, "zb-h1"))
+    assert any(c.name == "comb_lb" for c in model.getConss())
+    res = milp.solve(p, time_limit_s=30)
+    assert check_schedule(p, res.ops) == []
+    assert res.value == pytest.approx(27.0)
+    assert res.lower_bound_s == pytest.approx(27.0)
+    assert res.status == "optimal"
+    # one stage: the bound is the busy time, no extra constraint
+    q = ScheduleProblem.create(num_stages=1, num_microbatches=3, t_f=1, t_b=1, t_w=1)
+    assert combinatorial_lower_bound(q) == 9.0
+    model, _ = milp.build_model(q)
+    assert not any(c.name == "comb_lb" for c in model.getConss())
+
+
+def test_memory_time_bound_one_stash_in_flight():
+    # stage 0 holds one stash (no offload) for F + D = 1 + 10 = 11 per micro-batch (B frees
+    # all of it): Little's law gives 4 * 11 / 1 = 44; the warm-up/drain bound only
+    # 12 + 10 (head, x = 1) + 7 (tail: y_B = 3, y_W = 0 leaves 1 + 1 + 4 work in >= 13) = 29
+    p = ScheduleProblem.create(num_stages=2, num_microbatches=4, t_f=[1, 5], t_b=[1, 5], t_w=[1, 0], mem_f=1,
+                               mem_b=-1, mem_w=0, offload_bytes=0, mem_limit=[1, math.inf])
+    lt = memory_time_stage_span_bounds(p)
+    assert lt[0] == pytest.approx(44.0, rel=1e-6) and lt[0] <= 44.0
+    assert lt[1] == -math.inf
+    assert memory_stage_span_bounds(p)[0] == 29.0
+    assert combinatorial_lower_bound(p) == pytest.approx(44.0, rel=1e-6)
+    vals = []
+    for method in METHODS:
+        try:
+            s = generate(p, method)
+        except FxpipeError:
+            continue
+        if not check_schedule(p, s.ops):
+            vals.append(s.value)
+    assert vals and min(vals) >= 44.0
+    # offloading a fast copy shortens each stash's stay: the bound drops accordingly
+    q = ScheduleProblem.create(num_stages=2, num_microbatches=4, t_f=[1, 5], t_b=[1, 5], t_w=[1, 0], mem_f=1,
+                               mem_b=-1, mem_w=0, offload_bytes=1, t_offload=1, mem_limit=[1, math.inf])
+    # n offloaded: max((n (1 + 2) + (4 - n) 11) / 1, 2 n) is smallest at n = 4: 12
+    assert memory_time_stage_span_bounds(q)[0] == pytest.approx(12.0, rel=1e-6)

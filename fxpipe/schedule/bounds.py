@@ -1,24 +1,33 @@
 """Combinatorial lower bounds on pipeline schedules (no solver).
 
-For every stage s write ``F, B, W`` for its op times, ``m`` for the number of
-micro-batches and
+Two families of per-stage bounds on the stage span (from the first F start to the last W
+end of a stage, OptPipe Eq. 3), both purely combinatorial and sound for every schedule that
+satisfies Contract 3 of DESIGN.md; :func:`combinatorial_lower_bound` returns the larger.
+
+Notation
+--------
+For stage s write ``F, B, W`` for its op times, ``m`` for the number of micro-batches,
+``a = mem_f[s] > 0``, ``b = mem_b[s] <= 0``, ``w = mem_w[s] <= 0``, ``o = offload_bytes[s]``,
+``tau = t_offload[s]``, ``L = mem_limit[s]`` and
 
 ``D_s = sum_{k > s} (t_f[k] + t_b[k]) + 2 sum_{k = s}^{S-2} t_comm[k]``
 
 for the round trip a micro-batch makes after ``F(s, j)`` ends and before ``B(s, j)`` may
 start (forward through every later stage, back through their backwards, with comm each
-way; ``D_{S-1} = 0``). Facts used (Contract 3 rules 2-3):
+way; ``D_{S-1} = 0``). ``t0`` is the first F start of s, ``t1`` its first B start,
+``sigma_k`` the start of its k-th F (in time order, ``k = 1..m``). The span is the busy
+time ``m (F + B + W)`` plus the idle time of the stage's compute stream in ``[t0, end]``.
 
-* before the first B of stage s only forwards run on s (a W needs its B first);
-* after the last F of stage s ends only backwards and weight passes run on s;
-* the first B of stage s, of micro-batch j, starts at least ``D_s`` after ``F(s, j)`` ends;
-  the B of the last forward's micro-batch starts at least ``D_s`` after that forward ends.
+1. Round-trip bound (:func:`stage_span_bounds`, memory-blind)
+--------------------------------------------------------------
+Facts (Contract 3 rules 2-3): before the first B of stage s only forwards run on s (a W
+needs its B first); after the last F of stage s ends only backwards and weight passes run
+on s; the first B of stage s, of micro-batch j, starts at least ``D_s`` after ``F(s, j)``
+ends; the B of the last forward's micro-batch starts at least ``D_s`` after that forward
+ends.
 
-Stage span (from the first F start to the last W end of stage s, OptPipe Eq. 3). Let
-``tB`` be the first B start and ``tF`` the last F end of s.
-
-* If ``tF <= tB`` (all forwards first): the head ``[t0, tB]`` lasts at least
-  ``max(mF, F + D)``, then all ``m(B + W)`` work follows; also the last forward's
+* If ``tF <= tB`` (``tF`` the last F end; all forwards first): the head ``[t0, tB]`` lasts
+  at least ``max(mF, F + D)``, then all ``m(B + W)`` work follows; also the last forward's
   micro-batch needs ``D + B + W`` after ``tF >= t0 + mF``. So
   ``span >= max(max(mF, F + D) + m(B + W), mF + D + B + W)``.
 * If ``tB < tF`` (needs m >= 2): with x forwards in the head (``1 <= x <= m - 1``) and y
@@ -26,26 +35,111 @@ Stage span (from the first F start to the last W end of stage s, OptPipe Eq. 3).
   ``span >= m(F + B + W) + max(0, F + D - xF) + max(0, D + B + W - y)``, smallest at
   ``x = m - 1``, ``y = m(B + W) - B``.
 
-The stage's bound is the smaller of the two cases; the problem's bound the largest over
-stages. Makespan (OptPipe Eq. 4): stage s cannot start before ``A_s = sum_{k<s}(t_f[k] +
-t_comm[k])`` and its last B is followed by ``Z_s = sum_{k<s}(t_comm[k] + t_b[k]) + t_w[0]``,
-so ``makespan >= max_s max(A_s + span bound_s, A_s + m(F_s + B_s) + Z_s)``.
+2. Memory-aware bound (:func:`memory_stage_span_bounds`, needs ``F > 0``)
+-------------------------------------------------------------------------
+The same head/tail decomposition, but the number of forwards in the head and the backward
+work left for the tail are limited by the memory limit (rule 5) and by how fast the copy
+stream can offload (rules 3-4). Facts, for ``F > 0``:
 
-Memory limits and offload only add constraints, so the bounds hold for every problem.
+(M1) F ops of one stage do not overlap, so exactly ``k - 1`` forwards start before
+     ``sigma_k``, ``sigma_k >= t0 + (k - 1) F`` and the i-th forward (in time order) ends at
+     ``e_i >= t0 + iF``.
+(M2) Before ``t1`` no B and no W has started on s (W(s, j) needs B(s, j) ended). Memory at
+     ``sigma_k < t1`` is ``k a - o n`` with ``n`` the number of stashes with
+     ``O.end <= sigma_k < R.start``; ``n`` is at most the number of O ops ended by
+     ``sigma_k``. Memory is checked at every op start, so ``k a - o n <= L``: at least
+     ``r_k = ceil((k a - L) / o)`` offloads have ended by ``sigma_k`` (none possible when
+     ``o = 0``: then ``k a <= L``), and since an O starts only after its own F ends, only the
+     ``k - 1`` earlier forwards can have been offloaded: ``r_k <= k - 1``.
+(M3) O/R ops of one stage never overlap and ``O(s, j).start >= F(s, j).end``. The first i
+     O ops (in time order) belong to i distinct forwards, the latest of which ends at
+     ``>= e_i``; so the i-th O ends at ``>= t0 + max(F + i tau, iF + tau)``.
+
+Head. Let ``x`` be the number of forwards starting before ``t1``. Only those x forwards
+start in ``[t0, t1)``, so its idle time is at least ``(t1 - t0) - xF``, and
+``t1 - t0 >= F + D`` (the first B's micro-batch). By (M1)-(M3), for every ``k <= x`` with
+``r_k >= 1``: ``sigma_k - t0 >= max(F + r_k tau, r_k F + tau)`` while only ``k - 1``
+forwards ran before ``sigma_k``, so the idle time in ``[t0, sigma_k) c [t0, t1)`` is at least
+``g_k = max(F + r_k tau, r_k F + tau) - (k - 1) F``. Hence
+``head_idle >= h(x) = max(0, F + D - xF, max_{k <= x} g_k)``, and x is infeasible when some
+``k <= x`` has ``r_k > k - 1`` (or ``o = 0`` and ``k a > L``).
+
+Tail. Let ``y_B, y_W`` be the numbers of B and W ops started by ``sigma_m`` (the last
+forward's start). Positive-length ops that start before ``sigma_m`` end by it (F > 0, no
+overlap), so the work in ``[sigma_m, end]`` is at most ``F + (m - y_B) B + (m - y_W) W``.
+The span ends at least ``F + D + B + W`` after ``sigma_m`` (the last forward's micro-batch).
+Memory at ``sigma_m`` is ``m a + y_B b + y_W w - o n <= L`` where the ``n`` off-device
+stashes (``O.end <= sigma_m < R.start``) all have their B after ``sigma_m`` and none is the
+last forward's (its O ends after ``sigma_m + F``): ``n <= m - y_B - 1``. Their R ops start
+after ``sigma_m`` and are serial, and the last R is followed by its B and W, so the span
+also ends at least ``n tau + B + W`` after ``sigma_m``. With ``n_req`` the least n meeting
+the limit, ``tail_idle >= t(y_B, y_W) = max(0, max(F + D + B + W, n_req tau + B + W) -
+F - (m - y_B) B - (m - y_W) W)``; ``y_W <= y_B`` (a W needs its B ended).
+
+Cases. If ``sigma_m < t1`` (all forwards before the first B): ``x = m``, ``y_B = y_W = 0``,
+idle ``>= max(h(m), t(0, 0))`` (the two windows overlap, so the larger, not the sum). Else
+``t1 <= sigma_m``: ``x <= m - 1``, ``1 <= y_B <= m - 1`` and the windows ``[t0, t1)`` and
+``[sigma_m, end]`` are disjoint, so idle ``>= min_x h(x) + min_{y_B, y_W} t(y_B, y_W)``
+(minimised independently, a relaxation). The stage bound is ``m(F + B + W)`` plus the
+smaller of the two cases (an infeasible case is skipped).
+
+For ``mem_limit = inf`` every x and y is feasible and the memory-aware bound equals the
+round-trip bound; with a limit and no (or slow) offload it adds the warm-up bubble that the
+limit forces, e.g. Zero Bubble's toy instances (p = 4, m = 12, F/B/W = 5/6/4, limits of 5
+and 7 stashes): ``180 + (38 - 25) = 193`` and ``180 + (38 - 35) = 183``, their optima.
+
+3. Memory-time bound (:func:`memory_time_stage_span_bounds`, Little's law)
+--------------------------------------------------------------------------
+Memory of stage s rises only at F starts and R starts, which are op starts where rule 5
+checks it, so ``mem(t) <= L`` at every time t of the span ``[t0, end]``, and every stash's
+contribution is ``>= 0``. Hence ``L * span >= sum_j integral of stash j's memory``. Stash j
+holds ``a`` from ``F.start`` to ``B.start`` (``Delta >= F + D`` later) and ``a + b`` from
+``B.start`` to ``W.start`` (``>= B``). If it is offloaded, ``o`` of it is off the device
+only during ``[O.end, R.start)``, of length at most ``Delta - F - 2 tau`` (rules 4 and
+1), and ``Delta >= F + 2 tau``. So its integral is at least
+``c_keep = a (F + D) + (a + b) B`` or, offloaded,
+``c_off = a F + (a - o) max(D, 2 tau) + 2 o tau + (a + b) B``. The n offloaded stashes
+also need ``2 n tau`` of the stage's copy stream inside the span. Therefore
+``span >= min_{0 <= n <= m} max((n c_off + (m - n) c_keep) / L, 2 n tau)``
+(only ``n = 0`` when ``o = 0``). This is what bounds stages that must run almost one
+micro-batch at a time (a limit of one or two stashes with slow or no offload).
+
+Objectives
+----------
+Stage span: the largest stage bound. Makespan (OptPipe Eq. 4): stage s cannot start before
+``A_s = sum_{k<s}(t_f[k] + t_comm[k])`` and its last B is followed by ``Z_s = sum_{k<s}
+(t_comm[k] + t_b[k]) + t_w[0]``, so ``makespan >= max_s max(A_s + span bound_s,
+A_s + m(F_s + B_s) + Z_s)``.
+
+Memory comparisons use a relative tolerance of ``1e-7`` in the schedule's favour (the
+validator accepts ``1e-9``), so rounding can only weaken the bound.
 
 References
 ----------
-OptPipe Eq. 3-6 (objectives and dependencies); Qi et al. 2024 Section 2 (bubble analysis
-of 1F1B / ZB-H1: the ``(p - 1)(F + B)`` warm-up/cool-down is what ``D_s`` generalises).
+OptPipe Eq. 3-6 (objectives and dependencies); Qi et al. 2024 (Zero Bubble) Section 2 (bubble
+analysis of 1F1B / ZB-H1: the ``(p - 1)(F + B)`` warm-up/cool-down is what ``D_s``
+generalises) and its toy instances; PipeOffload Section 2 (offload/reload of stashes on a
+copy stream); DESIGN.md Contract 3.
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
 from fxpipe.ir import ScheduleProblem
 
-__all__ = ["combinatorial_lower_bound", "stage_span_bounds"]
+__all__ = [
+    "combinatorial_lower_bound",
+    "memory_lower_bound",
+    "memory_stage_span_bounds",
+    "memory_time_stage_span_bounds",
+    "round_trip_lower_bound",
+    "stage_span_bounds",
+]
+
+_MEM_RTOL = 1e-7
 
 
 def _round_trip(problem: ScheduleProblem) -> np.ndarray:
@@ -57,9 +151,9 @@ def _round_trip(problem: ScheduleProblem) -> np.ndarray:
 
 
 def stage_span_bounds(problem: ScheduleProblem) -> np.ndarray:
-    """Lower bound on the span of every stage (float64 array (S,), seconds).
+    """Memory-blind lower bound on the span of every stage (float64 array (S,), seconds).
 
-    See the module docstring for the derivation.
+    See part 1 of the module docstring for the derivation.
     """
     m = problem.num_microbatches
     D = _round_trip(problem)
@@ -76,8 +170,198 @@ def stage_span_bounds(problem: ScheduleProblem) -> np.ndarray:
     return out
 
 
+def _offloads_needed(excess: np.ndarray, o: float, scale: float) -> np.ndarray:
+    """Least number of offloaded stashes that brings ``excess`` (bytes over the limit) to <= 0.
+
+    Returns a float array: 0 where ``excess <= tol``; ``inf`` where offloading cannot help
+    (``o = 0``).
+    """
+    tol = _MEM_RTOL * scale
+    need = np.zeros_like(excess, dtype=float)
+    over = excess > tol
+    if o <= 0.0:
+        need[over] = math.inf
+    else:
+        need[over] = np.ceil((excess[over] - tol) / o)
+    return need
+
+
+def _memory_stage_bound(problem: ScheduleProblem, s: int, d: float) -> float:
+    m = problem.num_microbatches
+    F, B, W = float(problem.t_f[s]), float(problem.t_b[s]), float(problem.t_w[s])
+    a, b, w = float(problem.mem_f[s]), float(problem.mem_b[s]), float(problem.mem_w[s])
+    o, tau, L = float(problem.offload_bytes[s]), float(problem.t_offload[s]), float(problem.mem_limit[s])
+    busy = m * (F + B + W)
+    if F <= 0.0 or not math.isfinite(L):
+        return -math.inf  # the round-trip bound covers these (part 2 needs F > 0 and a limit)
+    scale = max(1.0, abs(L), abs(a) * m)
+
+    # ---- head: h(x) for x = 1..m (index x - 1)
+    k = np.arange(1, m + 1, dtype=float)
+    r = _offloads_needed(k * a - L, o, scale)
+    bad = r > k - 1  # includes inf (o = 0 and k a > L)
+    with np.errstate(invalid="ignore"):
+        g = np.where((r >= 1) & ~bad, np.maximum(F + r * tau, r * F + tau) - (k - 1) * F, 0.0)
+    g_prefix = np.maximum.accumulate(np.maximum(g, 0.0))
+    feasible_x = ~np.logical_or.accumulate(bad)  # x feasible iff no k <= x is bad
+    h = np.maximum(np.maximum(0.0, F + d - k * F), g_prefix)  # h[x-1]
+
+    # ---- tail: t(y_B, y_W)
+    def tail_idle(yB: np.ndarray, yW: np.ndarray) -> np.ndarray:
+        n_req = _offloads_needed(m * a + yB * b + yW * w - L, o, scale)
+        ok = n_req <= (m - yB - 1)
+        n_use = np.where(ok, n_req, 0.0)
+        length = np.maximum(F + d + B + W, n_use * tau + B + W)
+        idle = np.maximum(0.0, length - F - (m - yB) * B - (m - yW) * W)
+        return np.where(ok, idle, math.inf)
+
+    cases = []
+    # all forwards before the first B: x = m, y_B = y_W = 0
+    if feasible_x[m - 1]:
+        t00 = float(tail_idle(np.array([0.0]), np.array([0.0]))[0])
+        if math.isfinite(t00):
+            cases.append(max(float(h[m - 1]), t00))
+    # mixed: x <= m - 1, 1 <= y_B <= m - 1, 0 <= y_W <= y_B
+    if m >= 2 and feasible_x[0]:
+        head = float(np.min(h[: m - 1][feasible_x[: m - 1]]))
+        yB, yW = np.meshgrid(np.arange(1, m, dtype=float), np.arange(0, m, dtype=float), indexing="ij")
+        valid = yW <= yB
+        t = tail_idle(yB[valid], yW[valid])
+        tail = float(np.min(t)) if t.size else math.inf
+        if math.isfinite(tail):
+            cases.append(head + tail)
+    if not cases:
+        # no case is feasible: impossible for a problem with mem_f <= mem_limit (the
+        # one-at-a-time schedule is a mixed case); fall back to the busy time
+        return busy
+    return busy + min(cases)
+
+
+def memory_stage_span_bounds(problem: ScheduleProblem) -> np.ndarray:
+    """Memory-aware lower bound on the span of every stage (float64 array (S,), seconds).
+
+    Part 2 of the module docstring: the warm-up (head) and drain (tail) bubbles that the
+    memory limit forces when offloading is absent or slower than the forwards. Entries
+    are ``-inf`` where the argument does not apply (``t_f[s] = 0`` or no memory limit);
+    the round-trip bound (:func:`stage_span_bounds`) covers those stages.
+
+    Parameters
+    ----------
+    problem : ScheduleProblem
+        Contract 3 problem.
+
+    Returns
+    -------
+    float64 array (S,)
+        Seconds; every valid schedule's span of stage s is at least entry s.
+
+    References
+    ----------
+    DESIGN.md Contract 3 rules 2-5; PipeOffload Section 2.
+    """
+    D = _round_trip(problem)
+    return np.array([_memory_stage_bound(problem, s, float(D[s])) for s in range(problem.num_stages)])
+
+
+def memory_time_stage_span_bounds(problem: ScheduleProblem) -> np.ndarray:
+    """Memory-time (Little's law) lower bound on the span of every stage (float64 (S,), s).
+
+    Part 3 of the module docstring; ``-inf`` where the stage has no memory limit.
+
+    Parameters
+    ----------
+    problem : ScheduleProblem
+        Contract 3 problem.
+
+    Returns
+    -------
+    float64 array (S,)
+        Seconds; every valid schedule's span of stage s is at least entry s.
+
+    References
+    ----------
+    DESIGN.md Contract 3 rules 1, 4, 5; Little's law (memory = arrival rate x holding time).
+    """
+    D = _round_trip(problem)
+    m = problem.num_microbatches
+    out = np.full(problem.num_stages, -math.inf)
+    for s in range(problem.num_stages):
+        L = float(problem.mem_limit[s])
+        if not math.isfinite(L):
+            continue
+        F, B = float(problem.t_f[s]), float(problem.t_b[s])
+        a, b, o, tau = (float(problem.mem_f[s]), float(problem.mem_b[s]), float(problem.offload_bytes[s]),
+                        float(problem.t_offload[s]))
+        d = float(D[s])
+        c_keep = a * (F + d) + (a + b) * B
+        c_off = a * F + (a - o) * max(d, 2.0 * tau) + 2.0 * o * tau + (a + b) * B
+        L_eff = L * (1.0 + _MEM_RTOL)  # the validator's memory tolerance, in the schedule's favour
+        ns = range(m + 1) if o > 0.0 else range(1)
+        out[s] = min(max((n * c_off + (m - n) * c_keep) / L_eff, 2.0 * n * tau) for n in ns)
+    return out
+
+
+def _objective_bound(problem: ScheduleProblem, spans: np.ndarray) -> float:
+    if problem.objective == "stage_span":
+        return float(spans.max())
+    S, m = problem.num_stages, problem.num_microbatches
+    best = 0.0
+    A = 0.0
+    for s in range(S):
+        if s > 0:
+            A += float(problem.t_f[s - 1] + problem.t_comm[s - 1])
+        Z = float(sum(problem.t_comm[k] + problem.t_b[k] for k in range(s))) + float(problem.t_w[0])
+        best = max(best, A + spans[s], A + m * float(problem.t_f[s] + problem.t_b[s]) + Z)
+    return best
+
+
+def round_trip_lower_bound(problem: ScheduleProblem) -> float:
+    """The memory-blind bound (part 1 of the module docstring) on the problem's objective.
+
+    Parameters
+    ----------
+    problem : ScheduleProblem
+
+    Returns
+    -------
+    float
+        Seconds; every valid schedule's objective value is at least this large.
+
+    References
+    ----------
+    OptPipe Eq. 3 and 4; Zero Bubble Section 2.
+    """
+    return _objective_bound(problem, stage_span_bounds(problem))
+
+
+def memory_lower_bound(problem: ScheduleProblem) -> float:
+    """The memory-aware bound (parts 2 and 3 of the module docstring) on the objective.
+
+    Uses, per stage, the largest of the round-trip, the warm-up/drain and the memory-time
+    stage span bounds.
+
+    Parameters
+    ----------
+    problem : ScheduleProblem
+
+    Returns
+    -------
+    float
+        Seconds; every valid schedule's objective value is at least this large.
+
+    References
+    ----------
+    DESIGN.md Contract 3; OptPipe Eq. 3 and 4; PipeOffload Section 2.
+    """
+    spans = np.maximum(stage_span_bounds(problem), memory_stage_span_bounds(problem))
+    spans = np.maximum(spans, memory_time_stage_span_bounds(problem))
+    return _objective_bound(problem, spans)
+
+
 def combinatorial_lower_bound(problem: ScheduleProblem) -> float:
     """A sound lower bound on the problem's objective (``stage_span`` or ``makespan``).
+
+    The larger of :func:`round_trip_lower_bound` and :func:`memory_lower_bound`.
 
     Parameters
     ----------
@@ -93,15 +377,4 @@ def combinatorial_lower_bound(problem: ScheduleProblem) -> float:
     ----------
     Module docstring (derivation); OptPipe Eq. 3 and 4 for the objectives.
     """
-    spans = stage_span_bounds(problem)
-    if problem.objective == "stage_span":
-        return float(spans.max())
-    S, m = problem.num_stages, problem.num_microbatches
-    best = 0.0
-    A = 0.0
-    for s in range(S):
-        if s > 0:
-            A += float(problem.t_f[s - 1] + problem.t_comm[s - 1])
-        Z = float(sum(problem.t_comm[k] + problem.t_b[k] for k in range(s))) + float(problem.t_w[0])
-        best = max(best, A + spans[s], A + m * float(problem.t_f[s] + problem.t_b[s]) + Z)
-    return best
+    return max(round_trip_lower_bound(problem), memory_lower_bound(problem))

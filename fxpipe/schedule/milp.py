@@ -28,6 +28,8 @@ Solver-level techniques of OptPipe Section 4.1:
 * energetic head/tail inequalities: the ops fixed before (after) an op fit between the
   stage's first F and that op (that op and the stage's last W); with the memory-implied
   orders they prove the Zero Bubble toy instances optimal at the root;
+* objective cut ``C >= combinatorial bound`` (:func:`fxpipe.schedule.bounds.combinatorial_lower_bound`:
+  memory-aware warm-up and drain bubbles); SCIP stops as soon as an incumbent reaches it;
 * big-M from the warm start's value: every op of a stage lies in a window of length at
   most the objective value ``C <= H`` (``H`` = warm start value), so ``H`` bounds every
   same-stage time difference;
@@ -728,6 +730,12 @@ def build_model(
             add(V.C >= V.E[(s, M - 1, "W")], f"makespan_{s}")
     busy = float(np.max(M * (T["F"] + T["B"] + T["W"])))
     add(V.C >= busy, "busy")
+    # objective cut from the combinatorial bound (memory-aware warm-up/drain bubbles,
+    # fxpipe.schedule.bounds); slightly relaxed so rounding never cuts off the optimum,
+    # and capped at the horizon so a warm start at the bound stays feasible
+    comb = min(_combinatorial_bound(problem) / unit * (1 - 1e-9), H)
+    if comb > busy:
+        add(V.C >= comb, "comb_lb")
     model.setObjective(V.C, "minimize")
 
     V.counts = {
