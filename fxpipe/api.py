@@ -260,12 +260,9 @@ class Plan:
     # ------------------------------------------------------------------ runtime
     def orders(self) -> dict[int, list[tuple[str, int]]]:
         """Per-stage compute order ``{stage: [(type, microbatch), ...]}`` (F, B, W) of the schedule."""
-        out: dict[int, list[tuple[str, int]]] = {s: [] for s in range(self.devices)}
-        for s in range(self.devices):
-            for op in self.schedule.ops_of_stage(s):
-                if op.type in ("F", "B", "W"):
-                    out[s].append((op.type, op.microbatch))
-        return out
+        from fxpipe.schedule.simulate import orders_from_schedule
+
+        return orders_from_schedule(self.schedule, self.devices)
 
     def captured(self, model=None, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None):
         """The captured fx program; re-captures ``model`` for a loaded plan and checks it matches."""
