@@ -15,10 +15,14 @@ __all__ = ["compile", "load_plan", "Plan", "OpGraph", "ScheduleProblem", "Schedu
 
 
 def __getattr__(name):  # lazy: keep `import fxpipe` light
-    if name in ("compile", "load_plan", "Plan"):
+    if name == "compile":
         from fxpipe import api
 
-        return getattr(api, name)
+        return api.compile
+    if name in ("load_plan", "Plan"):
+        from fxpipe import plan
+
+        return getattr(plan, name)
     if name in ("OpGraph", "ScheduleProblem", "Schedule"):
         from fxpipe import ir
 

@@ -1,0 +1,432 @@
+"""The :class:`Plan`: what ``fxpipe.compile`` returns, saved as ``fxpipe.plan/1`` JSON.
+
+A plan is plain data (the costed op graph, the partition, the schedule problem and the timed
+schedule, the per-stage figures) plus, for a plan made in this process, the captured fx
+program. :meth:`Plan.build` emits this rank's ``torch.distributed.pipelining`` stage and
+runtime, :meth:`Plan.train_local` trains the plan on local gloo ranks next to a
+single-process reference. A loaded plan re-captures the model and checks that the graph is
+the one the plan was made for (:func:`graph_signature`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+
+from fxpipe.errors import InputError
+from fxpipe.ir import OpGraph, Schedule, ScheduleProblem, read_json, write_json_atomic
+from fxpipe.partition.objective import Partition
+
+__all__ = ["Plan", "StageStats", "PLAN_FORMAT", "graph_signature", "load_plan"]
+
+PLAN_FORMAT = "fxpipe.plan/1"
+
+
+@dataclass
+class StageStats:
+    """Per-stage figures of a plan (times in seconds, sizes in bytes)."""
+
+    stage: int
+    num_ops: int
+    param_bytes: float
+    t_fwd_s: float
+    t_bwd_input_s: float
+    t_bwd_weight_s: float
+    cost_s: float
+    activation_peak_bytes: float
+    memory_bytes: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class Plan:
+    """A pipeline plan: the partition of every op into stages and the schedule.
+
+    Attributes
+    ----------
+    name : str
+        Model name.
+    devices : int
+        Number of pipeline stages (one per device).
+    microbatches : int
+        Micro-batches per training step.
+    hardware : str
+        Hardware profile the costs are for (see :mod:`fxpipe.cost.hardware`).
+    objective, comm : str
+        Contract-2 objective the partition minimises; comm is ``"relay"`` because the
+        ``torch.distributed.pipelining`` runtime only talks to adjacent stages.
+    graph : OpGraph
+        The costed op graph.
+    partition : Partition
+        Stage of every OpGraph node and per-stage costs.
+    stage_of : dict[str, int]
+        Stage of every fx node (by node name) that is an OpGraph node.
+    problem : ScheduleProblem
+        The per-stage scheduling problem built from the partition.
+    schedule : Schedule
+        The timed F / B / W (/ O / R) schedule.
+    stages : list[StageStats]
+        Per-stage figures.
+    timings_s : dict[str, float]
+        Wall time of each phase (capture, cost, partition, schedule).
+    graph_signature : str
+        Hash of the op graph's structure, checked when a loaded plan is rebuilt.
+    """
+
+    name: str
+    devices: int
+    microbatches: int
+    hardware: str
+    objective: str
+    comm: str
+    graph: OpGraph
+    partition: Partition
+    stage_of: dict[str, int]
+    problem: ScheduleProblem
+    schedule: Schedule
+    stages: list[StageStats]
+    timings_s: dict[str, float] = field(default_factory=dict)
+    graph_signature: str = ""
+    options: dict[str, Any] = field(default_factory=dict)
+    _captured: Any = field(default=None, repr=False, compare=False)
+
+    # ------------------------------------------------------------------ figures
+    @property
+    def bottleneck_s(self) -> float:
+        """Cost of the bottleneck stage under the plan's objective (seconds)."""
+        return float(self.partition.bottleneck)
+
+    @property
+    def makespan_s(self) -> float:
+        """Simulated makespan of one training step's schedule (seconds)."""
+        return float(self.schedule.makespan)
+
+    @property
+    def bubble_ratio(self) -> float:
+        """Idle fraction of the pipeline: ``1 - busy / (devices * makespan)``."""
+        busy = self.microbatches * float(np.sum(self.problem.t_f + self.problem.t_b + self.problem.t_w))
+        span = self.makespan_s
+        return 0.0 if span <= 0 else max(0.0, 1.0 - busy / (self.devices * span))
+
+    def summary(self) -> str:
+        """A readable stage table with the bottleneck, makespan and bubble ratio."""
+        lines = [
+            f"fxpipe plan for {self.name!r}: {self.devices} stages, {self.microbatches} micro-batches, "
+            f"hardware {self.hardware}, objective {self.objective}, schedule {self.schedule.method}",
+            f"{'stage':>5} {'ops':>6} {'params':>10} {'F ms':>9} {'B ms':>9} {'W ms':>9} {'cost ms':>9} {'memory':>10}",
+        ]
+        worst = int(np.argmax([s.cost_s for s in self.stages])) if self.stages else -1
+        for s in self.stages:
+            mark = " <- bottleneck" if s.stage == worst else ""
+            lines.append(
+                f"{s.stage:>5} {s.num_ops:>6} {_fmt_bytes(s.param_bytes):>10} {s.t_fwd_s * 1e3:>9.3f} "
+                f"{s.t_bwd_input_s * 1e3:>9.3f} {s.t_bwd_weight_s * 1e3:>9.3f} {s.cost_s * 1e3:>9.3f} "
+                f"{_fmt_bytes(s.memory_bytes):>10}{mark}"
+            )
+        lines.append(
+            f"bottleneck {self.bottleneck_s * 1e3:.3f} ms | makespan {self.makespan_s * 1e3:.3f} ms | "
+            f"bubble ratio {self.bubble_ratio:.1%} | schedule lower bound {self.schedule.lower_bound_s * 1e3:.3f} ms "
+            f"({self.schedule.status})"
+        )
+        empty = self.partition.meta.get("empty_stages") or []
+        if empty:
+            lines.append(
+                f"note: stages {empty} hold no ops and only relay tensors: the best partition found uses "
+                f"{self.devices - len(empty)} stages; fewer devices would do as well"
+            )
+        if self.timings_s:
+            lines.append("time: " + ", ".join(f"{k} {v:.2f} s" for k, v in self.timings_s.items()))
+        return "\n".join(lines)
+
+    # ------------------------------------------------------------------ JSON
+    def to_dict(self) -> dict[str, Any]:
+        """The ``fxpipe.plan/1`` document."""
+        return {
+            "format": PLAN_FORMAT,
+            "name": self.name,
+            "devices": self.devices,
+            "microbatches": self.microbatches,
+            "hardware": self.hardware,
+            "objective": self.objective,
+            "comm": self.comm,
+            "graph_signature": self.graph_signature,
+            "options": self.options,
+            "bottleneck_s": self.bottleneck_s,
+            "makespan_s": self.makespan_s,
+            "bubble_ratio": self.bubble_ratio,
+            "timings_s": self.timings_s,
+            "stages": [s.to_dict() for s in self.stages],
+            "stage_of": self.stage_of,
+            "partition": self.partition.to_dict(),
+            "problem": self.problem.to_dict(),
+            "schedule": self.schedule.to_dict(),
+            "graph": self.graph.to_dict(),
+        }
+
+    def save(self, path: str | Path) -> Path:
+        """Write the plan as JSON (atomically)."""
+        return write_json_atomic(path, self.to_dict(), indent=None)
+
+    @classmethod
+    def from_dict(cls, doc: Mapping[str, Any], *, source: str = "plan") -> "Plan":
+        """Rebuild a plan from its ``fxpipe.plan/1`` document (re-validating every part).
+
+        Raises
+        ------
+        InputError
+            If the document is not a plan or its parts are inconsistent.
+        """
+        if not isinstance(doc, Mapping) or doc.get("format") != PLAN_FORMAT:
+            raise InputError(f"{source}: not an {PLAN_FORMAT} document")
+        try:
+            graph = OpGraph.from_dict(doc["graph"], source=f"{source}: graph")
+            p = doc["partition"]
+            partition = Partition(
+                k=int(p["k"]),
+                assignment=np.asarray(p["assignment"], dtype=np.int64),
+                block_costs=np.asarray(p["block_costs"], dtype=np.float64),
+                bottleneck=float(p["bottleneck"]),
+                objective=str(p["objective"]),
+                comm=str(p["comm"]),
+                meta=dict(p.get("meta", {})),
+            )
+            problem = ScheduleProblem.from_dict(doc["problem"], source=f"{source}: problem")
+            schedule = Schedule.from_dict(doc["schedule"], source=f"{source}: schedule")
+            stages = [StageStats(**s) for s in doc["stages"]]
+            plan = cls(
+                name=doc["name"],
+                devices=int(doc["devices"]),
+                microbatches=int(doc["microbatches"]),
+                hardware=doc["hardware"],
+                objective=doc["objective"],
+                comm=doc["comm"],
+                graph=graph,
+                partition=partition,
+                stage_of={str(k): int(v) for k, v in doc["stage_of"].items()},
+                problem=problem,
+                schedule=schedule,
+                stages=stages,
+                timings_s=dict(doc.get("timings_s", {})),
+                graph_signature=str(doc.get("graph_signature", "")),
+                options=dict(doc.get("options", {})),
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise InputError(f"{source}: malformed plan ({exc!r}); regenerate it with fxpipe.compile") from None
+        plan._check_consistent(source)
+        return plan
+
+    def _check_consistent(self, source: str) -> None:
+        """Every part of a loaded plan agrees with the others (raises InputError otherwise)."""
+        from fxpipe.partition.objective import validate_partition
+        from fxpipe.schedule.validate import check_schedule
+
+        if self.graph_signature != graph_signature(self.graph):
+            raise InputError(f"{source}: the graph signature does not match the graph: the file was edited or corrupted")
+        if not self.devices == self.partition.k == self.problem.num_stages == len(self.stages):
+            raise InputError(
+                f"{source}: devices ({self.devices}), partition blocks ({self.partition.k}), schedule stages "
+                f"({self.problem.num_stages}) and stage table ({len(self.stages)}) disagree"
+            )
+        try:
+            validate_partition(self.graph, self.partition, rtol=1e-6)
+        except AssertionError as exc:
+            raise InputError(f"{source}: the partition is invalid: {exc}") from None
+        expected = {self.graph.names[i]: int(self.partition.assignment[i]) for i in range(self.graph.n)}
+        if self.stage_of != expected:
+            raise InputError(f"{source}: stage_of disagrees with the partition's assignment")
+        violations = check_schedule(self.problem, self.schedule.ops)
+        if violations:
+            raise InputError(f"{source}: the schedule breaks Contract 3: {violations[0]} ({len(violations)} violations)")
+
+    # ------------------------------------------------------------------ runtime
+    def orders(self) -> dict[int, list[tuple[str, int]]]:
+        """Per-stage compute order ``{stage: [(type, microbatch), ...]}`` (F, B, W) of the schedule."""
+        from fxpipe.schedule.simulate import orders_from_schedule
+
+        return orders_from_schedule(self.schedule, self.devices)
+
+    def captured(self, model=None, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None):
+        """The captured fx program; re-captures ``model`` for a loaded plan and checks it matches."""
+        if self._captured is not None:
+            return self._captured
+        if model is None:
+            raise InputError("this plan was loaded from a file: pass the model and its example args to rebuild it")
+        from fxpipe.passes import trace_model
+
+        traced = trace_model(model, tuple(args), dict(kwargs or {}), hardware=self.hardware, name=self.name)
+        if graph_signature(traced.graph) != self.graph_signature:
+            raise InputError(
+                "the model's captured graph differs from the one this plan was made for "
+                "(different model, config or example input shapes): run fxpipe.compile again"
+            )
+        self._captured = traced
+        return traced
+
+    def build(self, rank: int, *, model=None, args=(), kwargs=None, loss_fn: Callable | None = None, group=None, device="cpu"):
+        """This rank's ``PipelineStage`` and schedule runtime, inside an initialised process group.
+
+        Call from every worker of ``torchrun`` / ``torch.multiprocessing`` after
+        ``torch.distributed.init_process_group`` with ``world_size == plan.devices``.
+
+        Parameters
+        ----------
+        rank : int
+            Pipeline rank = stage index, 0..devices-1.
+        model : nn.Module, optional
+            Needed only for a plan loaded from a file (it is re-captured and checked).
+        args, kwargs :
+            One micro-batch of example inputs (only for re-capture).
+        loss_fn : callable(output, target) -> scalar tensor
+            Applied on the last stage to every micro-batch.
+
+        Returns
+        -------
+        (stage, schedule)
+            ``torch.distributed.pipelining.PipelineStage`` and the schedule object whose
+            ``step(*inputs, target=..., losses=[])`` runs one training step.
+
+        Raises
+        ------
+        InputError
+            On a rank outside 0..devices-1 or a model that does not match the plan.
+        """
+        if not 0 <= int(rank) < self.devices:
+            raise InputError(f"rank must lie in 0..{self.devices - 1}, got {rank}")
+        from fxpipe.codegen import build_pipeline_rank
+
+        traced = self.captured(model, args, kwargs)
+        return build_pipeline_rank(
+            traced.gm,
+            self.stage_of,
+            self.devices,
+            rank,
+            self.orders(),
+            num_microbatches=self.microbatches,
+            loss_fn=loss_fn,
+            group=group,
+            device=device,
+        )
+
+    def train_local(
+        self,
+        make_model: Callable,
+        make_batch: Callable,
+        *,
+        steps: int = 2,
+        lr: float = 0.01,
+        loss: str | Callable = "cross_entropy",
+        seed: int = 0,
+        reference: bool = True,
+        timeout_s: float = 600.0,
+    ) -> dict[str, Any]:
+        """Train this plan for a few steps on ``devices`` local gloo processes (CPU).
+
+        Every worker builds the model with ``make_model()`` under the same seed, captures
+        its first micro-batch, checks the graph against this plan, and runs the plan's
+        schedule through ``torch.distributed.pipelining``; with ``reference=True`` the same
+        steps run in this process without pipelining for comparison.
+
+        Parameters
+        ----------
+        make_model : picklable callable() -> (model, full_batch_inputs)
+        make_batch : picklable callable(step) -> (inputs tuple, target)
+            The full batch (``microbatches`` micro-batches along dim 0) of each step.
+        steps, lr, loss, seed :
+            SGD steps and learning rate, loss (``"cross_entropy"`` or a picklable callable),
+            weight/data seed.
+
+        Returns
+        -------
+        dict
+            ``pipeline_losses``, ``reference_losses`` (if requested), ``max_grad_abs_diff``,
+            ``max_grad_rel_diff`` (largest over parameters of ``|g_pipe - g_ref|`` and of
+            that divided by ``max|g_ref|``), ``num_params``, ``pipeline_wall_s``, and the
+            :class:`~fxpipe.codegen.launch.TrainResult` objects under ``"results"`` (not JSON).
+        """
+        from fxpipe.codegen.launch import reference_train, spawn_train
+
+        t0 = time.perf_counter()
+        res = spawn_train(
+            make_model,
+            _PlanStageOf(self.stage_of),
+            self.orders(),
+            world_size=self.devices,
+            num_microbatches=self.microbatches,
+            make_batch=make_batch,
+            steps=steps,
+            lr=lr,
+            loss=loss,
+            seed=seed,
+            timeout_s=timeout_s,
+        )
+        out: dict[str, Any] = {"pipeline_losses": list(res.losses), "pipeline_wall_s": time.perf_counter() - t0}
+        if reference:
+            ref = reference_train(make_model, make_batch, num_microbatches=self.microbatches, steps=steps, lr=lr, loss=loss, seed=seed)
+            out["reference_losses"] = list(ref.losses)
+            abs_diff = rel_diff = 0.0
+            for name, g in ref.grads.items():
+                if name not in res.grads:
+                    raise InputError(f"parameter {name!r} has no gradient in the pipeline run")
+                d = float((res.grads[name] - g).abs().max())
+                scale = float(g.abs().max())
+                abs_diff = max(abs_diff, d)
+                rel_diff = max(rel_diff, d / scale if scale > 0 else d)
+            out.update(max_grad_abs_diff=abs_diff, max_grad_rel_diff=rel_diff, num_params=len(ref.grads))
+            out["results"] = (res, ref)
+        else:
+            out["results"] = (res,)
+        return out
+
+
+@dataclass(frozen=True)
+class _PlanStageOf:
+    """Picklable ``gm -> stage_of`` for workers: checks the worker's capture matches the plan."""
+
+    stage_of: dict
+
+    def __call__(self, gm) -> dict:
+        names = {n.name for n in gm.graph.nodes if n.op != "get_attr"}
+        missing = sorted(set(self.stage_of) - names)
+        extra = sorted(names - set(self.stage_of))
+        if missing or extra:
+            raise InputError(
+                "the worker's captured graph differs from the plan's "
+                f"(plan nodes missing: {missing[:5]}, unplanned nodes: {extra[:5]}): "
+                "make_model must build the model the plan was compiled for, with the same micro-batch shapes"
+            )
+        return self.stage_of
+
+
+def graph_signature(graph: OpGraph) -> str:
+    """A short hash of the graph's structure (names, kinds, edges); costs are not included."""
+    h = hashlib.sha256()
+    h.update("\x00".join(graph.names).encode())
+    h.update("\x00".join(graph.ops).encode())
+    h.update(np.ascontiguousarray(graph.edges, dtype=np.int64).tobytes())
+    return h.hexdigest()[:16]
+
+
+def load_plan(path: str | Path) -> Plan:
+    """Read a plan saved with :meth:`Plan.save`.
+
+    Raises
+    ------
+    InputError
+        If the file is missing, not JSON, or not a valid plan.
+    """
+    return Plan.from_dict(read_json(path, "plan file"), source=str(path))
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
