@@ -25,3 +25,7 @@ class CaptureError(FxpipeError):
 
 class SolverError(FxpipeError):
     """A MILP/MIP solver failed in a way that is not a time-out (time-outs return results)."""
+
+
+class MissingDependencyError(FxpipeError, ImportError):
+    """An optional dependency is not installed; the message names the extra to install."""

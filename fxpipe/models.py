@@ -18,7 +18,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from fxpipe.errors import InputError
+from fxpipe.errors import InputError, MissingDependencyError
 
 #: Attribute name under which :class:`LogitsOnly` holds the Hugging Face model.
 WRAPPER_PREFIX = "model"
@@ -82,6 +82,49 @@ def parse_overrides(items: Sequence[str] | None) -> dict[str, Any]:
                 val = raw
         out[key] = val
     return out
+
+
+#: Suffixes / prefixes of config fields that count something (layers, heads, experts) or size
+#: something (hidden, intermediate, vocabulary): such a field must be an integer >= 1.
+_COUNT_SUFFIXES = ("_layers", "_size", "_heads", "_experts", "_positions", "_model", "_ff", "_kv", "_per_tok")
+_COUNT_PREFIXES = ("num_", "n_")
+#: Fields that are probabilities.
+_PROB_SUFFIXES = ("dropout", "_pdrop", "dropout_rate", "dropout_prob")
+
+
+def _is_count_field(key: str) -> bool:
+    return key.startswith(_COUNT_PREFIXES) or key.endswith(_COUNT_SUFFIXES) or key in ("d_model", "d_ff", "d_kv")
+
+
+def _check_override_values(base: str, default_cfg: Any, cfg_kwargs: Mapping[str, Any], overrides: Mapping[str, Any]) -> None:
+    """Reject config overrides that make no sense before transformers sees them.
+
+    A field whose default is an integer and whose name says it counts or sizes something
+    (``n_layer``, ``num_hidden_layers``, ``hidden_size``, ``num_attention_heads``,
+    ``num_local_experts``, ...) must be an integer >= 1; a dropout probability must lie in
+    [0, 1]; an ``*_eps`` must be > 0.
+
+    Raises
+    ------
+    InputError
+        Naming the field, the bad value and what is allowed.
+    """
+    for key in overrides:
+        if key in _INPUT_KEYS or key not in cfg_kwargs:
+            continue
+        val = cfg_kwargs[key]
+        default = getattr(default_cfg, key, None)
+        if isinstance(default, int) and not isinstance(default, bool) and _is_count_field(key):
+            if isinstance(val, bool) or not isinstance(val, int):
+                raise InputError(f"{base} config field {key} must be an integer >= 1, got {val!r}")
+            if val < 1:
+                raise InputError(f"{base} config field {key} must be >= 1, got {val}: a model needs at least one")
+        elif key.endswith(_PROB_SUFFIXES) and val is not None:
+            if isinstance(val, bool) or not isinstance(val, (int, float)) or not 0.0 <= float(val) <= 1.0:
+                raise InputError(f"{base} config field {key} is a probability and must lie in [0, 1], got {val!r}")
+        elif key.endswith(("_eps", "_epsilon")) and val is not None:
+            if isinstance(val, bool) or not isinstance(val, (int, float)) or not float(val) > 0.0:
+                raise InputError(f"{base} config field {key} must be a positive number, got {val!r}")
 
 
 class LogitsOnly(torch.nn.Module):
@@ -154,7 +197,13 @@ def build_hf_model(
     InputError
         For an unknown architecture, an unknown config field, or an unknown device.
     """
-    import transformers
+    try:
+        import transformers
+    except ImportError:
+        raise MissingDependencyError(
+            "building Hugging Face architectures needs the transformers package, which is not installed: "
+            'pip install "fxpipe[hf]"'
+        ) from None
 
     if arch not in ARCHS:
         raise InputError(f"unknown model architecture {arch!r}; known: {sorted(ARCHS)}")
@@ -188,6 +237,7 @@ def build_hf_model(
             f"unknown {base} config field(s) {unknown}; known fields include "
             f"{sorted(k for k in known if not k.startswith('_'))[:40]}"
         )
+    _check_override_values(base, default_cfg, cfg_kwargs, overrides or {})
     cfg_kwargs.setdefault("use_cache", False)
     vocab_given = cfg_kwargs.get("vocab_size")
     if base == "gpt2" and vocab_given is not None:

@@ -244,6 +244,17 @@ class Plan:
         violations = check_schedule(self.problem, self.schedule.ops)
         if violations:
             raise InputError(f"{source}: the schedule breaks Contract 3: {violations[0]} ({len(violations)} violations)")
+        from fxpipe.api import stage_stats  # noqa: PLC0415 (api imports this module)
+
+        expected_stages = stage_stats(self.graph, self.partition, self.problem, self.schedule, self.objective)
+        for got, want in zip(self.stages, expected_stages):
+            for key, val in want.to_dict().items():
+                mine = got.to_dict()[key]
+                if not np.isclose(float(mine), float(val), rtol=1e-9, atol=0.0):
+                    raise InputError(
+                        f"{source}: stage {want.stage} {key} is {mine!r} but the plan's graph, partition and schedule give "
+                        f"{val!r}: the stage table was edited or the file is corrupted; regenerate it with fxpipe.compile"
+                    )
 
     # ------------------------------------------------------------------ runtime
     def orders(self) -> dict[int, list[tuple[str, int]]]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 
-from fxpipe.cli.common import add_graph_arguments, emit, load_graph
+from fxpipe.cli.common import add_graph_arguments, check_stage_count, emit, load_graph
 from fxpipe.errors import InputError
 
 DEFAULT_METHODS = "simple,bottleneck,guess,exact"
@@ -77,6 +77,7 @@ def compute_from_args(args: argparse.Namespace):
         raise InputError(f"--time-limit must be > 0 seconds, got {args.time_limit}")
     methods = parse_methods(args.methods)
     graph = load_graph(args.graph, args.format)
+    check_stage_count(args.k, graph)
     memory = parse_bytes(args.memory_capacity) if args.memory_capacity is not None else None
     report = compute_bounds(
         graph,

@@ -63,3 +63,47 @@ def emit(args: argparse.Namespace, doc: dict[str, Any], text: str) -> None:
         sys.stdout.write("\n")
     else:
         sys.stdout.write(text.rstrip("\n") + "\n")
+
+
+def check_stage_count(k: int, graph: OpGraph) -> int:
+    """``-k`` must be a positive number of stages no larger than the graph's op count.
+
+    Raises
+    ------
+    InputError
+        For ``k < 1`` or ``k > graph.n`` (every pipeline stage needs at least one op).
+    """
+    if k is None or k < 1:
+        raise InputError(f"-k must be a positive number of stages, got {k}")
+    if k > graph.n:
+        raise InputError(
+            f"-k {k} is more stages than the {graph.n} ops of {graph.name!r}: every pipeline stage needs "
+            f"at least one op; use -k {graph.n} or fewer"
+        )
+    return int(k)
+
+
+def check_writable(path: str, flag: str) -> None:
+    """Fail early, before any work, when an output path cannot be written.
+
+    Raises
+    ------
+    InputError
+        If ``path`` is a directory, or its parent exists and is not a writable directory.
+    """
+    import os
+    from pathlib import Path
+
+    p = Path(path)
+    if p.is_dir():
+        raise InputError(f"{flag} {path!r} is a directory: give a file name")
+    parent = p.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK):
+        raise InputError(f"{flag} {path!r} cannot be written: {str(parent)!r} is not a writable folder")
+
+
+def status(message: str) -> None:
+    """One progress line on stderr (stdout stays clean for ``--json``)."""
+    print(f"fxpipe: {message}", file=sys.stderr, flush=True)

@@ -11,7 +11,7 @@ import re
 
 import numpy as np
 
-from fxpipe.cli.common import add_graph_arguments, emit, load_graph
+from fxpipe.cli.common import add_graph_arguments, check_stage_count, emit, load_graph
 from fxpipe.errors import InputError
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -62,6 +62,7 @@ def run(args: argparse.Namespace) -> int:
     from fxpipe.partition.search import partition  # noqa: PLC0415 (numba import is slow)
 
     graph = load_graph(args.graph, args.format)
+    check_stage_count(args.k, graph)
     memory = parse_bytes(args.memory_capacity) if args.memory_capacity is not None else None
     part = partition(
         graph,

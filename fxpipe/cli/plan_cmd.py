@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fxpipe.api import SCHEDULES
-from fxpipe.cli.common import emit
+from fxpipe.cli.common import check_writable, emit, status
 from fxpipe.cost.hardware import list_hardware
 from fxpipe.errors import InputError
 
@@ -35,7 +35,10 @@ def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument(
         "--hf", required=True, metavar="ARCH", help="architecture built from its config: gpt2, t5, llama, mixtral or llama-2-7b"
     )
-    p.add_argument("--config", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides, e.g. n_layer=8 n_embd=256")
+    p.add_argument(
+        "--config", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
+        help="config overrides, e.g. n_layer=8 n_embd=256 (repeat the flag to add more; a later value of the same key wins)",
+    )
     p.add_argument("--devices", type=int, default=4, help="pipeline stages / devices (default 4)")
     p.add_argument("--microbatches", type=int, default=8, help="micro-batches per step (default 8)")
     p.add_argument("--microbatch-size", type=int, default=1, help="sequences per micro-batch (default 1)")
@@ -45,7 +48,11 @@ def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--schedule", default="zb-h1", choices=SCHEDULES, help="schedule method (default zb-h1)")
     p.add_argument("--time-limit", type=float, default=10.0, help="partition search budget in seconds (default 10)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--meta", action="store_true", help="build the model on the meta device (no weights; cannot --run)")
+    p.add_argument(
+        "--meta", action="store_true",
+        help="build the model on the meta device (no weights). This is the default without --run: planning needs "
+        "shapes only, so a 70B config plans on a laptop; with --run the model is built with real weights",
+    )
     p.add_argument("--out", metavar="PLAN.json", help="save the plan as JSON")
     p.add_argument("--report", metavar="REPORT.html", help="write an HTML report (and REPORT.md): stages, lower-bound certificates, Gantt chart")
     p.add_argument("--bounds-time-limit", type=float, default=60.0, metavar="S", help="time limit per lower-bound MIP for --report (default 60)")
@@ -133,10 +140,16 @@ def run(args: argparse.Namespace) -> int:
             raise InputError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.meta and args.run:
         raise InputError("--meta builds a model without weights, which cannot be trained: drop --meta or --run")
+    if args.report and args.bounds_time_limit <= 0:
+        raise InputError(f"--bounds-time-limit must be > 0 seconds, got {args.bounds_time_limit}")
+    for flag, path in (("--out", args.out), ("--report", args.report)):
+        if path:
+            check_writable(path, flag)
     overrides = parse_overrides(args.config)
     factory = HFFactory(args.hf, overrides, args.microbatches, args.microbatch_size, args.seq_len, args.seed)
     t0 = time.perf_counter()
-    model, margs, mkwargs = factory.one_microbatch("meta" if args.meta else "cpu")
+    # planning needs shapes only: without --run the model is built on the meta device (no weight memory)
+    model, margs, mkwargs = factory.one_microbatch("cpu" if args.run else "meta")
     build_s = time.perf_counter() - t0
     plan = fxpipe.compile(
         model,
@@ -166,6 +179,7 @@ def run(args: argparse.Namespace) -> int:
         doc["report"] = _write_report(plan, args)
         text.append(f"report written to {doc['report']['html']} (bounds: {doc['report']['bounds']})")
     if args.run:
+        status(f"training {args.steps} steps on {plan.devices} local gloo ranks, then a single-process reference ...")
         result = plan.train_local(factory, _BatchFn(factory), steps=args.steps, lr=args.lr, reference=True)
         doc["run"] = {k: v for k, v in result.items() if k != "results"}
         text.append(
@@ -190,8 +204,6 @@ def _write_report(plan, args: argparse.Namespace) -> dict[str, Any]:
     from fxpipe.report import ReportSection, write_report
     from fxpipe.schedule.plot import gantt
 
-    if args.bounds_time_limit <= 0:
-        raise InputError(f"--bounds-time-limit must be > 0 seconds, got {args.bounds_time_limit}")
     bounds = compute_bounds(
         plan.graph,
         plan.devices,
