@@ -1,0 +1,468 @@
+"""fxpipe's one memory model: what a pipeline stage holds on its device, by kind.
+
+Every part of fxpipe that counts device memory (the memory-aware partitioner, the schedule
+problem's activation limit, the plan's stage table, the report) uses this module and its
+names. It is a leaf: plain numbers and numpy arrays in, plain numbers and arrays out; it
+imports nothing else of fxpipe but the errors.
+
+A stage holding ``P`` parameters on a device of ``capacity_bytes`` needs, in bytes:
+
+``params_bytes``
+    the weights it computes with: ``P * policy.weight_bytes`` (divided by the data-parallel
+    degree under ZeRO stage 3 / FSDP full sharding);
+``grads_bytes``
+    their gradients (training only): ``P * policy.grad_bytes`` (sharded from ZeRO stage 2);
+``optimizer_bytes``
+    master weights and optimizer moments (training only): ``P * policy.optimizer_bytes``
+    (sharded from ZeRO stage 1);
+``activation_peak_bytes``
+    the activations (stashes) its schedule keeps alive at the worst moment, net of what is
+    offloaded to host memory at that moment: read from the schedule's memory curve
+    (:func:`fxpipe.schedule.validate.peak_memory`), never from a 1F1B formula;
+``comm_buffer_bytes``
+    the receive buffers of ``torch.distributed.pipelining``: a ``PipelineStage`` allocates one
+    receive buffer per micro-batch for each tensor it receives forward and one per micro-batch
+    for each gradient it receives backward (torch 2.13 ``stage.py``,
+    ``_setup_forward_recv_info`` and ``_create_grad_recv_info`` run for every ``chunk_id``),
+    so ``m * (input_bytes + output_bytes)`` of the stage's boundary tensors in training and
+    ``m * input_bytes`` in inference;
+``reserved_bytes``
+    a fraction of the device kept for what no model counts: the CUDA context and kernels'
+    workspaces, the caching allocator's fragmentation, NCCL's own buffers, temporaries of the
+    largest op. Default :data:`DEFAULT_RESERVED_FRACTION` = 10 % (PyTorch's allocator typically
+    leaves 5-15 % of a training run's peak unused to fragmentation; the CUDA context alone takes
+    0.3-1 GiB).
+
+The activation budget a schedule may use on a device is therefore
+``capacity - reserved - (params + grads + optimizer + comm buffers)`` of that device's stages
+(:meth:`MemoryModel.activation_budget_bytes`).
+
+Precision policies (bytes per parameter; :data:`POLICIES`):
+
+=================  ======  =====  =========  ======================================================
+policy             weights grads  optimizer  what it is
+=================  ======  =====  =========  ======================================================
+``mixed-adam``     2       2      12         bf16/fp16 weights and gradients, fp32 master weights and
+                                             two fp32 Adam moments: 16 bytes per parameter
+                                             (Rajbhandari et al. 2020, ZeRO, Sec. 3.1, "K = 12"). The
+                                             default.
+``fp32-adam``      4       4      8          fp32 weights, gradients and two Adam moments.
+``bf16-adam``      2       2      4          bf16 everywhere, Adam moments in bf16, no master copy.
+``fp32-sgd``       4       4      0          fp32 weights and gradients, plain SGD (no state).
+``bf16-sgd``       2       2      0          bf16 weights and gradients, plain SGD.
+=================  ======  =====  =========  ======================================================
+
+Inference keeps the weights only (``policy.weight_bytes`` per parameter, no sharding).
+
+ZeRO sharding over a data-parallel degree ``d`` (Rajbhandari et al. 2020, Sec. 5; FSDP's
+``SHARD_GRAD_OP`` is stage 2 and ``FULL_SHARD`` stage 3): stage 1 divides the optimizer state
+by ``d``, stage 2 also the gradients, stage 3 also the weights.
+
+References
+----------
+Rajbhandari, Rasley, Ruwase, He, "ZeRO: Memory Optimizations Toward Training Trillion
+Parameter Models", SC 2020, Sec. 3.1 (16 bytes per parameter) and Sec. 5 (stages 1-3).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from fxpipe.errors import InputError
+
+__all__ = [
+    "DEFAULT_POLICY",
+    "DEFAULT_RESERVED_FRACTION",
+    "KINDS",
+    "POLICIES",
+    "MemoryModel",
+    "PrecisionPolicy",
+    "StageMemory",
+    "format_bytes",
+]
+
+#: Fraction of each device's capacity kept back for the runtime (see the module docstring).
+DEFAULT_RESERVED_FRACTION = 0.10
+
+#: Memory kinds of a stage, in the order the stage table and the report show them.
+KINDS = ("params_bytes", "grads_bytes", "optimizer_bytes", "activation_peak_bytes", "comm_buffer_bytes", "reserved_bytes")
+
+
+@dataclass(frozen=True)
+class PrecisionPolicy:
+    """Bytes per parameter of a training set-up's static state.
+
+    Attributes
+    ----------
+    name : str
+    weight_bytes, grad_bytes, optimizer_bytes : float
+        Bytes per parameter of the weights, their gradients, and the optimizer's state
+        (master weights and moments), each >= 0.
+    description : str
+    """
+
+    name: str
+    weight_bytes: float
+    grad_bytes: float
+    optimizer_bytes: float
+    description: str = ""
+
+    @property
+    def training_bytes(self) -> float:
+        """Bytes per parameter in training without sharding (16 for ``mixed-adam``)."""
+        return self.weight_bytes + self.grad_bytes + self.optimizer_bytes
+
+
+#: The named precision policies (see the module docstring's table).
+POLICIES: dict[str, PrecisionPolicy] = {
+    p.name: p
+    for p in (
+        PrecisionPolicy("mixed-adam", 2.0, 2.0, 12.0, "bf16 weights and grads, fp32 master weights + Adam moments (ZeRO Sec. 3.1)"),
+        PrecisionPolicy("fp32-adam", 4.0, 4.0, 8.0, "fp32 weights, grads and Adam moments"),
+        PrecisionPolicy("bf16-adam", 2.0, 2.0, 4.0, "bf16 weights, grads and Adam moments, no master copy"),
+        PrecisionPolicy("fp32-sgd", 4.0, 4.0, 0.0, "fp32 weights and grads, SGD without momentum"),
+        PrecisionPolicy("bf16-sgd", 2.0, 2.0, 0.0, "bf16 weights and grads, SGD without momentum"),
+    )
+}
+
+#: The default policy: mixed-precision Adam, 16 bytes per parameter.
+DEFAULT_POLICY = "mixed-adam"
+
+
+def _as_policy(policy: str | PrecisionPolicy) -> PrecisionPolicy:
+    if isinstance(policy, PrecisionPolicy):
+        for key in ("weight_bytes", "grad_bytes", "optimizer_bytes"):
+            val = getattr(policy, key)
+            if not (isinstance(val, (int, float)) and math.isfinite(val) and val >= 0):
+                raise InputError(f"precision policy {policy.name!r}: {key} must be a finite number >= 0, got {val!r}")
+        return policy
+    if policy not in POLICIES:
+        raise InputError(f"unknown precision policy {policy!r}; choose one of {sorted(POLICIES)}")
+    return POLICIES[policy]
+
+
+def format_bytes(n: float) -> str:
+    """``1536 -> '1.5 KiB'``: binary units, one decimal (``'inf'`` for an unlimited capacity)."""
+    if not math.isfinite(n):
+        return "inf"
+    sign = "-" if n < 0 else ""
+    n = abs(float(n))
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{sign}{n:.0f} {unit}" if unit == "B" else f"{sign}{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """Memory of one stage (or one device) by kind, in bytes.
+
+    Attributes
+    ----------
+    stage : int
+    params_bytes, grads_bytes, optimizer_bytes, activation_peak_bytes, comm_buffer_bytes, reserved_bytes : float
+        See the module docstring.
+    offloaded_peak_bytes : float
+        Activation bytes held in host memory at the device's worst moment (0 without offload).
+    capacity_bytes : float
+        The device's capacity (``inf`` when none is set).
+    """
+
+    stage: int
+    params_bytes: float
+    grads_bytes: float
+    optimizer_bytes: float
+    activation_peak_bytes: float
+    comm_buffer_bytes: float
+    reserved_bytes: float
+    offloaded_peak_bytes: float = 0.0
+    capacity_bytes: float = math.inf
+
+    @property
+    def static_bytes(self) -> float:
+        """Bytes held for the whole run: params + grads + optimizer + comm buffers."""
+        return self.params_bytes + self.grads_bytes + self.optimizer_bytes + self.comm_buffer_bytes
+
+    @property
+    def total_bytes(self) -> float:
+        """Everything the device needs: static + activation peak + reserved."""
+        return self.static_bytes + self.activation_peak_bytes + self.reserved_bytes
+
+    @property
+    def overflow_bytes(self) -> float:
+        """``total - capacity`` when positive, else 0."""
+        return max(0.0, self.total_bytes - self.capacity_bytes)
+
+    @property
+    def fits(self) -> bool:
+        return self.total_bytes <= self.capacity_bytes * (1 + 1e-12)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {k: float(getattr(self, k)) for k in KINDS}
+        out.update(
+            stage=self.stage,
+            offloaded_peak_bytes=float(self.offloaded_peak_bytes),
+            total_bytes=float(self.total_bytes),
+            capacity_bytes=None if not math.isfinite(self.capacity_bytes) else float(self.capacity_bytes),
+            fits=bool(self.fits),
+        )
+        return out
+
+
+@dataclass(frozen=True)
+class MemoryModel:
+    """How a pipeline stage's device memory is counted (see the module docstring).
+
+    Parameters
+    ----------
+    capacity_bytes : float
+        Bytes of one device (> 0; ``inf``: unlimited, nothing is checked).
+    policy : str or PrecisionPolicy
+        Precision policy of the static state (default ``"mixed-adam"``, 16 bytes/parameter).
+    data_parallel : int
+        Data-parallel degree the optimizer state / gradients / weights are sharded over (>= 1).
+    zero_stage : {0, 1, 2, 3}
+        ZeRO stage (0: no sharding; 1: optimizer state; 2: + gradients; 3: + weights).
+    reserved_fraction : float
+        Fraction of the capacity kept for the runtime, in [0, 1).
+
+    Raises
+    ------
+    InputError
+        On a non-positive capacity, an unknown policy, ``data_parallel < 1``, a ZeRO stage
+        outside 0..3, ZeRO without data parallelism, or a reserved fraction outside [0, 1).
+    """
+
+    capacity_bytes: float = math.inf
+    policy: str | PrecisionPolicy = DEFAULT_POLICY
+    data_parallel: int = 1
+    zero_stage: int = 0
+    reserved_fraction: float = DEFAULT_RESERVED_FRACTION
+    _policy: PrecisionPolicy = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        try:
+            cap = float(self.capacity_bytes)
+        except (TypeError, ValueError):
+            raise InputError(f"memory capacity must be a number of bytes, got {self.capacity_bytes!r}") from None
+        if math.isnan(cap) or cap <= 0:
+            raise InputError(f"memory capacity must be a positive number of bytes, got {self.capacity_bytes!r}")
+        object.__setattr__(self, "capacity_bytes", cap)
+        object.__setattr__(self, "_policy", _as_policy(self.policy))
+        if isinstance(self.data_parallel, bool) or not isinstance(self.data_parallel, (int, np.integer)) or self.data_parallel < 1:
+            raise InputError(f"data_parallel must be an integer >= 1, got {self.data_parallel!r}")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise InputError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
+        if not (isinstance(self.reserved_fraction, (int, float)) and 0.0 <= float(self.reserved_fraction) < 1.0):
+            raise InputError(f"reserved_fraction must lie in [0, 1), got {self.reserved_fraction!r}")
+
+    # ------------------------------------------------------------------ per parameter
+    @property
+    def precision(self) -> PrecisionPolicy:
+        """The resolved :class:`PrecisionPolicy`."""
+        return self._policy
+
+    def bytes_per_param(self, objective: str) -> tuple[float, float, float]:
+        """``(weights, grads, optimizer)`` bytes per parameter after ZeRO sharding.
+
+        Raises
+        ------
+        InputError
+            For an objective other than ``"training"`` / ``"inference"``.
+        """
+        p = self._policy
+        if objective == "inference":
+            return (p.weight_bytes, 0.0, 0.0)
+        if objective != "training":
+            raise InputError(f"objective must be 'training' or 'inference', got {objective!r}")
+        d = float(self.data_parallel)
+        w = p.weight_bytes / d if self.zero_stage >= 3 else p.weight_bytes
+        g = p.grad_bytes / d if self.zero_stage >= 2 else p.grad_bytes
+        o = p.optimizer_bytes / d if self.zero_stage >= 1 else p.optimizer_bytes
+        return (w, g, o)
+
+    def static_bytes_per_param(self, objective: str) -> float:
+        """Weights + gradients + optimizer bytes per parameter (16 for mixed-precision Adam)."""
+        return float(sum(self.bytes_per_param(objective)))
+
+    @property
+    def reserved_bytes(self) -> float:
+        """Bytes kept back for the runtime (0 for an unlimited capacity)."""
+        return 0.0 if not math.isfinite(self.capacity_bytes) else self.capacity_bytes * float(self.reserved_fraction)
+
+    @property
+    def usable_bytes(self) -> float:
+        """``capacity - reserved``."""
+        return self.capacity_bytes - self.reserved_bytes
+
+    # ------------------------------------------------------------------ per stage
+    def comm_buffer_bytes(self, input_bytes, output_bytes, num_microbatches: int, objective: str) -> np.ndarray:
+        """Receive buffers of each stage (bytes), float64 (k,).
+
+        Parameters
+        ----------
+        input_bytes, output_bytes : float array (k,)
+            Bytes of the tensors a stage receives forward / sends forward per micro-batch
+            (relay boundary bytes; 0 for the first stage's input and the last stage's output).
+        num_microbatches : int
+            m: ``torch.distributed.pipelining`` keeps one receive buffer per micro-batch.
+        objective : {"training", "inference"}
+            Inference receives no gradients.
+        """
+        inp = np.asarray(input_bytes, dtype=np.float64)
+        out = np.asarray(output_bytes, dtype=np.float64)
+        if inp.shape != out.shape or inp.ndim != 1:
+            raise InputError(f"input_bytes and output_bytes must be 1-d arrays of equal length, got {inp.shape} and {out.shape}")
+        m = int(num_microbatches)
+        if m < 1:
+            raise InputError(f"num_microbatches must be >= 1, got {num_microbatches!r}")
+        grads = out if objective == "training" else np.zeros_like(out)
+        return m * (inp + grads)
+
+    def static_bytes(self, params_per_stage, objective: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(params, grads, optimizer)`` bytes of every stage, each float64 (k,).
+
+        Parameters
+        ----------
+        params_per_stage : float array (k,)
+            Number of parameters held by each stage (a tied parameter counts on every stage
+            that holds a copy).
+        """
+        n = np.asarray(params_per_stage, dtype=np.float64)
+        if n.ndim != 1 or np.any(n < 0) or not np.all(np.isfinite(n)):
+            raise InputError("params_per_stage must be a 1-d array of finite counts >= 0")
+        w, g, o = self.bytes_per_param(objective)
+        return n * w, n * g, n * o
+
+    def activation_budget_bytes(
+        self,
+        params_per_stage,
+        comm_buffer_bytes,
+        objective: str,
+        device_of_stage: Sequence[int] | None = None,
+    ) -> np.ndarray:
+        """Bytes each device may use for activations: ``usable - static`` of its stages.
+
+        This is the schedule problem's ``mem_limit`` (Contract 3: bytes available for
+        activations, one entry per device). ``inf`` for an unlimited capacity. A negative
+        entry means the device's static state alone does not fit.
+
+        Parameters
+        ----------
+        params_per_stage : float array (S,)
+        comm_buffer_bytes : float array (S,)
+            From :meth:`comm_buffer_bytes`.
+        objective : {"training", "inference"}
+        device_of_stage : sequence of int, optional
+            Device of every stage (default: stage s on device s).
+
+        Returns
+        -------
+        float64 array (num_devices,)
+        """
+        p, g, o = self.static_bytes(params_per_stage, objective)
+        per_stage = p + g + o + np.asarray(comm_buffer_bytes, dtype=np.float64)
+        per_device = _per_device(per_stage, device_of_stage)
+        if not math.isfinite(self.capacity_bytes):
+            return np.full(per_device.shape, math.inf)
+        return self.usable_bytes - per_device
+
+    def breakdown(
+        self,
+        params_per_stage,
+        comm_buffer_bytes,
+        activation_peak_bytes,
+        objective: str,
+        *,
+        offloaded_peak_bytes=None,
+        device_of_stage: Sequence[int] | None = None,
+    ) -> list[StageMemory]:
+        """Memory of every device by kind (one :class:`StageMemory` per device).
+
+        Parameters
+        ----------
+        params_per_stage, comm_buffer_bytes : float arrays (S,)
+        activation_peak_bytes : float array (num_devices,)
+            Peak of each device's activation curve under the chosen schedule (net of
+            offloaded stashes), e.g. :func:`fxpipe.schedule.validate.peak_memory`.
+        objective : {"training", "inference"}
+        offloaded_peak_bytes : float array (num_devices,), optional
+            Bytes of stashes in host memory at the device's peak.
+        device_of_stage : sequence of int, optional
+            Default: stage s on device s (then "device" and "stage" coincide).
+        """
+        p, g, o = self.static_bytes(params_per_stage, objective)
+        comm = np.asarray(comm_buffer_bytes, dtype=np.float64)
+        dev = [_per_device(x, device_of_stage) for x in (p, g, o, comm)]
+        act = np.asarray(activation_peak_bytes, dtype=np.float64)
+        if act.shape != dev[0].shape:
+            raise InputError(f"activation_peak_bytes must have one entry per device ({dev[0].shape[0]}), got {act.shape}")
+        off = np.zeros_like(act) if offloaded_peak_bytes is None else np.asarray(offloaded_peak_bytes, dtype=np.float64)
+        return [
+            StageMemory(
+                stage=d,
+                params_bytes=float(dev[0][d]),
+                grads_bytes=float(dev[1][d]),
+                optimizer_bytes=float(dev[2][d]),
+                activation_peak_bytes=float(act[d]),
+                comm_buffer_bytes=float(dev[3][d]),
+                reserved_bytes=self.reserved_bytes,
+                offloaded_peak_bytes=float(off[d]),
+                capacity_bytes=self.capacity_bytes,
+            )
+            for d in range(act.shape[0])
+        ]
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form (a plan's ``memory`` entry); an unlimited capacity is ``null``."""
+        p = self._policy
+        return {
+            "capacity_bytes": None if not math.isfinite(self.capacity_bytes) else self.capacity_bytes,
+            "policy": {"name": p.name, "weight_bytes": p.weight_bytes, "grad_bytes": p.grad_bytes,
+                       "optimizer_bytes": p.optimizer_bytes},
+            "data_parallel": int(self.data_parallel),
+            "zero_stage": int(self.zero_stage),
+            "reserved_fraction": float(self.reserved_fraction),
+        }
+
+    @classmethod
+    def from_dict(cls, doc: Mapping[str, Any]) -> "MemoryModel":
+        """Inverse of :meth:`to_dict`.
+
+        Raises
+        ------
+        InputError
+            On a malformed document.
+        """
+        try:
+            pol = doc["policy"]
+            policy = pol if isinstance(pol, str) else PrecisionPolicy(
+                str(pol["name"]), float(pol["weight_bytes"]), float(pol["grad_bytes"]), float(pol["optimizer_bytes"])
+            )
+            cap = doc.get("capacity_bytes")
+            return cls(
+                capacity_bytes=math.inf if cap is None else float(cap),
+                policy=policy,
+                data_parallel=int(doc.get("data_parallel", 1)),
+                zero_stage=int(doc.get("zero_stage", 0)),
+                reserved_fraction=float(doc.get("reserved_fraction", DEFAULT_RESERVED_FRACTION)),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise InputError(f"malformed memory model {dict(doc)!r:.200}: {exc}") from None
+
+
+def _per_device(per_stage: np.ndarray, device_of_stage: Sequence[int] | None) -> np.ndarray:
+    per_stage = np.asarray(per_stage, dtype=np.float64)
+    if device_of_stage is None:
+        return per_stage.copy()
+    dev = np.asarray(device_of_stage, dtype=np.int64)
+    if dev.shape != per_stage.shape:
+        raise InputError(f"device_of_stage must have one entry per stage ({per_stage.shape[0]}), got {dev.shape}")
+    if dev.size and dev.min() < 0:
+        raise InputError("device_of_stage entries must be >= 0")
+    return np.bincount(dev, weights=per_stage, minlength=int(dev.max()) + 1 if dev.size else 0)
