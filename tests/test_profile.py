@@ -9,7 +9,6 @@ is a factor of several.
 from __future__ import annotations
 
 import json
-import math
 import statistics
 
 import numpy as np

@@ -52,7 +52,8 @@ def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "(forward, backward-input, backward-weight; cached in --cost-db) (default roofline)",
     )
     p.add_argument("--cost-db", default=None, metavar="DB.json", help="cost database for --costs measured (default $FXPIPE_COST_DB or ~/.cache/fxpipe/costdb.json)")
-    p.add_argument("--profile-threads", type=int, default=None, metavar="N", help="intra-op threads the ops are timed with (default: torch's setting)")
+    p.add_argument("--profile-threads", type=int, default=None, metavar="N",
+                   help="intra-op threads the ops are timed with (default: 1 with --run, whose ranks run one thread each; else torch's setting)")
     p.add_argument("--objective", choices=("training", "inference"), default="training")
     p.add_argument("--schedule", default="zb-h1", choices=SCHEDULES, help="schedule method (default zb-h1)")
     p.add_argument("--time-limit", type=float, default=10.0, help="partition search budget in seconds (default 10)")
@@ -161,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
         hardware=args.hardware,
         costs=args.costs,
         cost_db=args.cost_db,
-        profile_threads=args.profile_threads,
+        profile_threads=1 if (args.profile_threads is None and args.run) else args.profile_threads,
         objective=args.objective,
         schedule=args.schedule,
         time_limit_s=args.time_limit,

@@ -43,7 +43,6 @@ This module is torch-free.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -516,10 +515,3 @@ def cross_validate(measurements: Sequence[Measurement], base: HardwareSpec | str
             "calibrated_median_rel_err": float(np.median(e["calibrated"]))}
         for c, e in sorted(errs.items())
     }
-
-
-def _finite_or_none(x: Any) -> float | None:
-    if x is None:
-        return None
-    x = float(x)
-    return x if math.isfinite(x) else None

@@ -59,7 +59,6 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
@@ -845,8 +844,8 @@ def _run_node(gm: torch.fx.GraphModule, node: torch.fx.Node, env: Mapping[torch.
 
 def _graph_mode(gm: torch.fx.GraphModule, todo: Mapping[str, Any], keys: Mapping[str, str], *, device: torch.device,
                 dtype: torch.dtype | None, example_inputs, stopwatch, warmup: int, min_repeats: int, max_repeats: int,
-                min_time_s: float, call_s: float, node_s: float, base: HardwareSpec, clock: str = "wall"
-                ) -> tuple[list[Measurement], bool]:
+                min_time_s: float, call_s: float, node_s: float, base: HardwareSpec, clock: str = "wall",
+                progress: bool = False) -> tuple[list[Measurement], bool]:
     """Run the whole graph forward and backward ``warmup + R`` times, timing every op.
 
     Returns the measurements of the keys in ``todo`` and whether Ctrl-C stopped the runs.
@@ -940,8 +939,19 @@ def _graph_mode(gm: torch.fx.GraphModule, todo: Mapping[str, Any], keys: Mapping
             one_rep(False)
         rep_s = (time.perf_counter() - t0) / max(warmup, 1)
         reps = int(min(max_repeats, max(min_repeats, round(min_time_s / max(rep_s, 1e-9)))))
-        for _ in range(reps):
-            one_rep(True)
+        bar = None
+        if progress:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=reps, desc=f"profiling {len(todo)} ops (graph runs)", unit="run")
+        try:
+            for _ in range(reps):
+                one_rep(True)
+                if bar is not None:
+                    bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
     except KeyboardInterrupt:
         interrupted = True
     finally:
@@ -1025,7 +1035,7 @@ def profile_graph(
     timer : optional
         Replaces the device's stopwatch (graph mode) or timer (isolated mode); tests.
     progress : bool
-        Show a tqdm bar (isolated mode: over the op signatures to measure).
+        Show a tqdm bar (over the graph runs, or the op signatures in isolated mode).
 
     Returns
     -------
@@ -1091,7 +1101,7 @@ def profile_graph(
                 sw = timer or (CudaStopwatch() if dev.type == "cuda" else CpuStopwatch(CLOCKS[clock]))
                 ms, report.interrupted = _graph_mode(gm, todo, report.keys, device=dev, dtype=dtype, example_inputs=example_inputs,
                                                      stopwatch=sw, call_s=call_s, node_s=node_s, base=base, clock=clock_name,
-                                                     **opts)
+                                                     progress=progress, **opts)
                 db.put_many(info, ms)
                 report.measured = len(ms)
             else:
