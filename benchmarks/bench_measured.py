@@ -323,7 +323,7 @@ def _loss_fn(loss: str):
     return {"cross_entropy": cross_entropy_loss, "mse": torch.nn.functional.mse_loss}[loss]
 
 
-def _plan(name: str, factory, loss: str, args) -> tuple[Any, Any, float]:
+def _plan(name: str, factory, loss: str, args, link=None) -> tuple[Any, Any, float]:
     """Measured-cost graph (with the loss on the output node) and fxpipe's partition + schedule.
 
     This is ``fxpipe.compile(..., costs="measured")`` spelled out, because the loss, which runs
@@ -331,6 +331,7 @@ def _plan(name: str, factory, loss: str, args) -> tuple[Any, Any, float]:
     times it and :func:`~fxpipe.cost.profile.add_loss_costs` puts it on the output node.
     """
     from fxpipe.api import plan_graph
+    from fxpipe.cost.calibrate import with_link_bandwidth
     from fxpipe.cost.profile import add_loss_costs, measure_loss, trace_measured
 
     k, m = args.ranks, args.microbatches
@@ -345,13 +346,15 @@ def _plan(name: str, factory, loss: str, args) -> tuple[Any, Any, float]:
     t_lf, t_lb = measure_loss(_loss_fn(loss), torch.empty(tuple(out_val.shape), dtype=out_val.dtype), target,
                               db=args.cost_db, threads=1, clock=args.clock)
     graph = add_loss_costs(traced.graph, t_lf, t_lb)
+    if link is not None:
+        graph = with_link_bandwidth(graph, link)
     profile_s = time.perf_counter() - t0
     part, problem, sched, _ = plan_graph(graph, devices=k, microbatches=m, schedule=args.schedule,
                                          time_limit_s=args.time_limit)
     fx = Candidate("fxpipe", part, problem, sched, {graph.names[i]: int(part.assignment[i]) for i in range(graph.n)})
     print(f"# {name}: {graph.n} ops; {report.measured} op signatures measured, {report.reused} reused, "
-          f"{len(report.failed)} failed; loss F {t_lf * 1e3:.2f} ms B {t_lb * 1e3:.2f} ms; profiling {profile_s:.1f} s",
-          file=sys.stderr)
+          f"{len(report.failed)} failed; loss F {t_lf * 1e3:.2f} ms B {t_lb * 1e3:.2f} ms; profiling {profile_s:.1f} s; "
+          f"link bandwidth {graph.bandwidth_bytes_per_s / 1e9:.3f} GB/s", file=sys.stderr)
     return graph, fx, profile_s
 
 
@@ -407,8 +410,14 @@ def run_model(name: str, factory, loss: str, args) -> list[dict]:
     before = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
     torch.use_deterministic_algorithms(bool(args.runtime_as_is))  # as the training workers (see _runtime_shims)
     _pin(cpus[0])  # profile under the workers' conditions: one thread on one core
+    link = None
+    if args.link:
+        from fxpipe.cost.calibrate import LinkModel
+        from fxpipe.cost.profile import measure_p2p
+
+        link = LinkModel.from_times(measure_p2p()[2])
     try:
-        graph, fx, _ = _plan(name, factory, loss, args)
+        graph, fx, _ = _plan(name, factory, loss, args, link)
     finally:
         torch.use_deterministic_algorithms(False)
         if before is not None:
@@ -440,8 +449,8 @@ def run_model(name: str, factory, loss: str, args) -> list[dict]:
             period, busy, spread = _measure(marks, args.warmup_steps)
             upd = update[c.name]
             synced = bool(upd["shared"])
-            problem = _with_overhead(c.problem, overhead)
-            sched = c.schedule if not any(overhead) else _schedule(problem, args.schedule)
+            problem = _with_overhead(c.problem, overhead, _link_times(graph, c.partition, k, link))
+            sched = c.schedule if problem is c.problem else _schedule(problem, args.schedule)
             base = float(sched.makespan if synced else sched.stage_span)
             predicted = base + max(upd["update_s"]) + upd["sync_s"]
             pred_busy = (m * (np.asarray(problem.t_f) + np.asarray(problem.t_b) + np.asarray(problem.t_w))).tolist()
@@ -455,6 +464,7 @@ def run_model(name: str, factory, loss: str, args) -> list[dict]:
                 "schedule_objective": "makespan" if synced else "stage_span",
                 "op_costs_schedule_s": float(c.schedule.makespan if synced else c.schedule.stage_span),
                 "runtime_overhead_per_microbatch_s": overhead,
+                "t_comm_s": [float(x) for x in problem.t_comm],
                 "update_s": upd["update_s"],
                 "shared_grad_sync_s": upd["sync_s"],
                 "step_spread": float(spread),
@@ -474,17 +484,37 @@ def _schedule(problem, method: str):
     return make_schedule(problem, method)
 
 
-def _with_overhead(problem, per_microbatch_s: list[float]):
-    """The schedule problem with the runtime's cost per micro-batch and stage added, split evenly
-    over the stage's F, B and W actions."""
+def _with_overhead(problem, per_microbatch_s: list[float], t_comm_s: list[float] | None = None):
+    """The schedule problem with the runtime's cost per micro-batch and stage added (split evenly
+    over the stage's F, B and W actions) and, if given, the measured link times per boundary."""
     from fxpipe.ir import ScheduleProblem
 
-    if not any(per_microbatch_s):
+    if not any(per_microbatch_s) and t_comm_s is None:
         return problem
     doc = problem.to_dict()
     for key in ("t_f", "t_b", "t_w"):
         doc[key] = [float(t) + o / 3.0 for t, o in zip(doc[key], per_microbatch_s)]
+    if t_comm_s is not None:
+        doc["t_comm"] = list(t_comm_s)
     return ScheduleProblem.from_dict(doc, source="problem with runtime overhead")
+
+
+def _link_times(graph, partition, k: int, link) -> list[float] | None:
+    """Per boundary: the sum over the tensors crossing it (relay: produced before, consumed after)
+    of the link's one-way time at that tensor's size (one message per tensor)."""
+    if link is None or k < 2:
+        return None
+    import numpy as np
+
+    a = np.asarray(partition.assignment)
+    last = {}
+    for u, v in np.asarray(graph.edges).tolist():
+        last[u] = max(last.get(u, int(a[u])), int(a[v]))
+    out = [0.0] * (k - 1)
+    for u, hi in last.items():
+        for s in range(int(a[u]), hi):
+            out[s] += link.time_s(float(graph.size_out_bytes[u]))
+    return out
 
 
 def _tiny_plan(tiny, k: int, m: int, schedule: str):
@@ -574,6 +604,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-runtime-overhead", dest="runtime_overhead", action="store_false",
                     help="predict from the op costs alone, without the runtime's cost per micro-batch measured on a "
                          "negligible-compute pipeline (see _tiny_plan)")
+    ap.add_argument("--no-link", dest="link", action="store_false",
+                    help="use the CPU spec's modelled 10 GB/s link instead of measuring the gloo link (see _link_times)")
     ap.add_argument("--runtime-as-is", action="store_true",
                     help="keep the launcher's deterministic kernels and output merging (see _runtime_shims)")
     ap.add_argument("--warmup-steps", type=int, default=2)

@@ -527,3 +527,39 @@ def test_cli_plan_costs_measured(tmp_path, capsys):
     assert main(["plan", "--hf", "gpt2", "--meta", "--hardware", "tpu-v9", "--devices", "2"]) == 2
     assert "unknown hardware" in capsys.readouterr().err
     assert main(argv[:-3] + ["--profile-threads", "0"]) == 2
+
+
+# ----------------------------------------------------------------------------- links
+def test_link_model_and_fit():
+    from fxpipe.cost.calibrate import LinkModel, with_link_bandwidth
+    from fxpipe.cost.profile import fit_link
+
+    lat, bw = fit_link({1000: 1e-5 + 1000 / 1e9, 100000: 1e-5 + 100000 / 1e9, 10**7: 1e-5 + 10**7 / 1e9})
+    assert lat == pytest.approx(1e-5, rel=1e-6) and bw == pytest.approx(1e9, rel=1e-6)
+    with pytest.raises(InputError):
+        fit_link({1000: 1e-5})
+    # a link with a step (small messages fast, large ones slow): interpolated, not affine
+    link = LinkModel.from_times({"4096": 4e-5, "49152": 4e-5, "65536": 2e-3, "16777216": 2e-2})
+    assert link.time_s(0) == 0 and link.time_s(1000) == 4e-5 and link.time_s(32768) == pytest.approx(4e-5)
+    assert link.time_s(65536) == 2e-3 and link.time_s(2 * 16777216) == pytest.approx(2e-2 + 16777216 * (1.8e-2 / (16777216 - 65536)))
+    assert link.effective_bytes_per_s(65536) == pytest.approx(65536 / 2e-3)
+    assert LinkModel.from_times(link.to_dict()) == link
+    with pytest.raises(InputError):
+        LinkModel.from_times({"10": 0.0})
+    cap, _ = _captured("meta")
+    AnnotateCosts("cpu")(cap.gm)
+    from fxpipe.passes import to_opgraph
+
+    g, _ = to_opgraph(cap.gm, "cpu")
+    g2 = with_link_bandwidth(g, link, size_bytes=65536)
+    assert g2.bandwidth_bytes_per_s == pytest.approx(65536 / 2e-3) and g2.meta["link_bandwidth"]["message_bytes"] == 65536
+    assert with_link_bandwidth(g, link).meta["link_bandwidth"]["message_bytes"] > 0
+
+
+@pytest.mark.slow
+def test_measure_p2p_between_two_local_ranks():
+    from fxpipe.cost.profile import measure_p2p
+
+    lat, bw, times = measure_p2p(sizes_bytes=(1024, 65536, 1 << 20))
+    assert set(times) == {1024, 65536, 1 << 20} and all(t > 0 for t in times.values())
+    assert lat >= 0 and bw > 0

@@ -27,7 +27,8 @@ A :class:`CostProfile` bundles the base hardware spec, the measurements and the 
     {"format": "fxpipe.hwprofile/1", "name": "cpu-measured", "description": "...",
      "device": {"device": "cpu: ...", "torch": "2.13.0+cpu", "threads": 1},
      "base": {<HardwareSpec.to_dict() of the roofline spec>},
-     "d2d_bytes_per_s": null, "p2p_latency_s": null, "autograd_call_overhead_s": 1.1e-05,
+     "d2d_bytes_per_s": null, "p2p_latency_s": null, "p2p_times_s": null,
+     "autograd_call_overhead_s": 1.1e-05,
      "min_samples": 3, "made_with": "python -m fxpipe.cost.profile ...", "created": "2025-...",
      "calibration": {"fwd": {"aten.addmm": {"overhead_s": 4e-06, "scale": 9.1, "n": 6,
                                             "distinct": 6, "median_rel_err": 0.05}, ...},
@@ -57,6 +58,8 @@ from fxpipe.errors import InputError
 
 __all__ = [
     "PROFILE_FORMAT",
+    "LinkModel",
+    "with_link_bandwidth",
     "PhaseFit",
     "Calibration",
     "CostProfile",
@@ -163,6 +166,88 @@ def fit_phase(cores_s: Sequence[float], times_s: Sequence[float]) -> PhaseFit:
     pred = best[0] + best[1] * c
     rel = np.abs(pred - t) / t
     return PhaseFit(float(best[0]), float(best[1]), int(c.size), distinct, float(np.median(rel)))
+
+
+@dataclass(frozen=True)
+class LinkModel:
+    """Measured one-way time of a stage-to-stage message as a function of its size.
+
+    Piecewise-linear interpolation of measured ``(bytes, seconds)`` points (the ping-pong of
+    :func:`fxpipe.cost.profile.p2p_times`), extrapolated with the last segment's slope above
+    the largest size and flat below the smallest. Real links are not affine: gloo over
+    loopback TCP on the development machine takes ~40 us up to 48 KiB and ~1.9 ms from 64 KiB
+    on, so one latency + bandwidth pair would be wrong by 40x for mid-sized tensors.
+
+    Attributes
+    ----------
+    sizes_bytes, times_s : tuple of float
+        The measured points, sizes increasing.
+    """
+
+    sizes_bytes: tuple
+    times_s: tuple
+
+    @classmethod
+    def from_times(cls, times: Mapping[Any, float]) -> "LinkModel":
+        """From ``{size_bytes: seconds}`` (keys may be strings, as in JSON).
+
+        Raises
+        ------
+        InputError
+            With no point, a negative size or a non-positive time.
+        """
+        pts = sorted((float(k), float(v)) for k, v in times.items())
+        if not pts or any(n < 0 or not (t > 0 and np.isfinite(t)) for n, t in pts):
+            raise InputError(f"a link model needs message sizes >= 0 and times > 0, got {dict(times)!r}")
+        return cls(tuple(n for n, _ in pts), tuple(t for _, t in pts))
+
+    def time_s(self, nbytes: float) -> float:
+        """One-way time (s) of a message of ``nbytes`` bytes (0 for an empty message)."""
+        if nbytes <= 0:
+            return 0.0
+        x, y = self.sizes_bytes, self.times_s
+        if len(x) == 1 or nbytes <= x[0]:
+            return y[0]
+        if nbytes >= x[-1]:
+            slope = (y[-1] - y[-2]) / (x[-1] - x[-2]) if x[-1] > x[-2] else 0.0
+            return y[-1] + max(slope, 0.0) * (nbytes - x[-1])
+        return float(np.interp(nbytes, x, y))
+
+    def effective_bytes_per_s(self, nbytes: float) -> float:
+        """``nbytes / time_s(nbytes)``: the bandwidth a linear model should use for messages of
+        about this size (Contract 2's ``io = bytes / B`` has no per-message term)."""
+        return float(nbytes) / self.time_s(nbytes) if nbytes > 0 else float("inf")
+
+    def to_dict(self) -> dict[str, float]:
+        return {str(int(n)): t for n, t in zip(self.sizes_bytes, self.times_s)}
+
+
+def with_link_bandwidth(graph, link: LinkModel, *, size_bytes: float | None = None):
+    """The OpGraph with its bandwidth set to the link's effective bandwidth for its tensors.
+
+    Contract 2 prices a transfer at ``bytes / B``; a measured link also has a cost per message
+    (:class:`LinkModel`). ``B`` is taken as ``link.effective_bytes_per_s(size)`` at ``size`` =
+    the median output size of the graph's call nodes (the tensors a cut can send), so that
+    cuts are priced right for typical tensors. ``graph.meta["link_bandwidth"]`` records it.
+
+    Raises
+    ------
+    InputError
+        If the graph has no tensor-producing call node and ``size_bytes`` is not given.
+    """
+    from fxpipe.ir import OpGraph
+
+    if size_bytes is None:
+        sizes = [float(graph.size_out_bytes[i]) for i in range(graph.n)
+                 if graph.ops[i].startswith("call_") and graph.size_out_bytes[i] > 0]
+        if not sizes:
+            raise InputError("the graph has no tensor-producing node: pass size_bytes")
+        size_bytes = float(np.median(sizes))
+    bw = link.effective_bytes_per_s(size_bytes)
+    doc = graph.to_dict()
+    doc["bandwidth_bytes_per_s"] = bw
+    doc["link_bandwidth"] = {"message_bytes": size_bytes, "bytes_per_s": bw}
+    return OpGraph.from_dict(doc, source="graph with link bandwidth")
 
 
 def class_levels(op_class: str, kind: str) -> list[str]:
@@ -280,6 +365,8 @@ class CostProfile:
         Measured stage-to-stage bandwidth replacing the base spec's (bytes/s).
     p2p_latency_s : float, optional
         Measured fixed cost of one stage-to-stage message (informational).
+    link : LinkModel, optional
+        Measured one-way message times by size (``p2p_times_s`` in the file).
     autograd_call_overhead_s : float
         Fixed cost of one ``torch.autograd.grad`` call, subtracted from every B/W measurement.
     description, made_with, created : str
@@ -293,6 +380,7 @@ class CostProfile:
     calibration: Calibration
     d2d_bytes_per_s: float | None = None
     p2p_latency_s: float | None = None
+    link: LinkModel | None = None
     autograd_call_overhead_s: float = 0.0
     description: str = ""
     made_with: str = ""
@@ -388,6 +476,7 @@ class CostProfile:
             "base": self.base.to_dict(),
             "d2d_bytes_per_s": self.d2d_bytes_per_s,
             "p2p_latency_s": self.p2p_latency_s,
+            "p2p_times_s": self.link.to_dict() if self.link is not None else None,
             "autograd_call_overhead_s": self.autograd_call_overhead_s,
             "min_samples": self.calibration.min_samples,
             "made_with": self.made_with,
@@ -421,6 +510,7 @@ class CostProfile:
             return cls.from_measurements(
                 ms, device=device, base=base, name=str(doc["name"]), min_samples=int(doc.get("min_samples", DEFAULT_MIN_SAMPLES)),
                 d2d_bytes_per_s=opt("d2d_bytes_per_s"), p2p_latency_s=opt("p2p_latency_s"),
+                link=LinkModel.from_times(doc["p2p_times_s"]) if doc.get("p2p_times_s") else None,
                 autograd_call_overhead_s=float(doc.get("autograd_call_overhead_s", 0.0)),
                 description=str(doc.get("description", "")), made_with=str(doc.get("made_with", "")),
                 created=str(doc.get("created", "")),

@@ -86,6 +86,9 @@ __all__ = [
     "trace_measured",
     "measure_loss",
     "add_loss_costs",
+    "p2p_times",
+    "fit_link",
+    "measure_p2p",
 ]
 
 _DTYPE_SHORT = {
@@ -1326,7 +1329,8 @@ def trace_measured(model: torch.nn.Module, args: Sequence[Any] = (), kwargs: Map
     extra: dict[str, Any] = {}
     if given is not None:
         extra = dict(d2d_bytes_per_s=given.profile.d2d_bytes_per_s, p2p_latency_s=given.profile.p2p_latency_s,
-                     description=given.profile.description, min_samples=given.profile.calibration.min_samples)
+                     link=given.profile.link, description=given.profile.description,
+                     min_samples=given.profile.calibration.min_samples)
     prof = CostProfile.from_measurements(measurements.values(), device=info, base=base,
                                          name=given.name if given is not None else "measured",
                                          autograd_call_overhead_s=report.autograd_call_overhead_s, **extra)
@@ -1424,6 +1428,115 @@ def add_loss_costs(graph, t_fwd_s: float, t_bwd_s: float):
     out = OpGraph.from_dict(doc, source="graph with loss")
     assert np.isclose(out.t_fwd_s.sum(), graph.t_fwd_s.sum() + t_fwd_s)
     return out
+
+
+# ----------------------------------------------------------------------------- links
+#: Message sizes (bytes) of :func:`p2p_times`.
+P2P_SIZES = (1024, 4096, 16384, 32768, 49152, 65536, 131072, 262144, 1 << 20, 4 << 20, 16 << 20)
+
+
+def p2p_times(peer: int, *, sizes_bytes: Sequence[int] = P2P_SIZES, repeats: int = 15, warmup: int = 3,
+              group: Any = None, device: str | torch.device = "cpu") -> dict[int, float]:
+    """One-way time of a point-to-point message of each size between this rank and ``peer``.
+
+    Call on both ranks of an initialised ``torch.distributed`` process group (any backend);
+    the rank with the smaller number sends first. Each sample is half a ping-pong, timed
+    with ``time.perf_counter``; the median of ``repeats`` samples after ``warmup`` is kept.
+
+    Returns
+    -------
+    dict[int, float]
+        Message size (bytes) -> seconds.
+    """
+    import torch.distributed as dist
+
+    me = dist.get_rank(group)
+    first = me < peer
+    out: dict[int, float] = {}
+    for n in sizes_bytes:
+        buf = torch.zeros(max(int(n) // 4, 1), dtype=torch.float32, device=device)
+        ts = []
+        for i in range(warmup + repeats):
+            t0 = time.perf_counter()
+            if first:
+                dist.send(buf, peer, group=group)
+                dist.recv(buf, peer, group=group)
+            else:
+                dist.recv(buf, peer, group=group)
+                dist.send(buf, peer, group=group)
+            if i >= warmup:
+                ts.append((time.perf_counter() - t0) / 2)
+        out[int(buf.numel() * 4)] = float(statistics.median(ts))
+    return out
+
+
+def fit_link(times: Mapping[int, float]) -> tuple[float, float]:
+    """``(latency_s, bytes_per_s)`` of ``t = latency + bytes / bandwidth`` fitted to message times.
+
+    The same non-negative relative least squares as the op calibration
+    (:func:`fxpipe.cost.calibrate.fit_phase`, with bytes in place of the roofline time).
+
+    Raises
+    ------
+    InputError
+        With fewer than two message sizes.
+    """
+    from fxpipe.cost.calibrate import fit_phase
+
+    if len(times) < 2:
+        raise InputError("fit_link needs the times of at least two message sizes")
+    sizes = sorted(times)
+    fit = fit_phase([float(n) for n in sizes], [times[n] for n in sizes])
+    bw = 1.0 / fit.scale if fit.scale > 0 else float("inf")
+    return fit.overhead_s, bw
+
+
+def _p2p_worker(rank: int, init_method: str, world: int, cpus: tuple, out: str, sizes: tuple) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    if cpus and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {cpus[rank % len(cpus)]})
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
+    try:
+        t = p2p_times(1 - rank, sizes_bytes=sizes)
+        if rank == 0:
+            with open(out, "w", encoding="utf-8") as fh:
+                json.dump({str(k): v for k, v in t.items()}, fh)
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_p2p(*, sizes_bytes: Sequence[int] = P2P_SIZES, pin: bool = True) -> tuple[float, float, dict[int, float]]:
+    """Stage-to-stage link of local CPU pipeline ranks: two gloo processes, ping-pong.
+
+    Each process runs one intra-op thread and (with ``pin``) is pinned to its own core, as
+    the ranks of :func:`fxpipe.codegen.launch.spawn_train`.
+
+    Returns
+    -------
+    (latency_s, bytes_per_s, times)
+        The :func:`fit_link` of the measured one-way ``times`` (size in bytes -> seconds).
+    """
+    import socket
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    cpus: tuple = ()
+    if pin and hasattr(os, "sched_getaffinity"):
+        cpus = tuple(sorted(os.sched_getaffinity(0)))[:2]
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with tempfile.TemporaryDirectory(prefix="fxpipe-p2p-") as tmp:
+        out = os.path.join(tmp, "p2p.json")
+        mp.start_processes(_p2p_worker, args=(f"tcp://127.0.0.1:{port}", 2, cpus, out, tuple(sizes_bytes)), nprocs=2,
+                           start_method="spawn")
+        with open(out, encoding="utf-8") as fh:
+            times = {int(k): float(v) for k, v in json.load(fh).items()}
+    lat, bw = fit_link(times)
+    return lat, bw, times
 
 
 # ----------------------------------------------------------------------------- calibration suite
@@ -1544,6 +1657,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--db", default=None, help=f"cost database (default {default_db_path()})")
     ap.add_argument("--out", default=None, metavar="PROFILE.json", help="write the hardware profile (fxpipe.hwprofile/1)")
     ap.add_argument("--name", default=None, help="name of the profile's hardware spec (default <base>-measured)")
+    ap.add_argument("--p2p", action="store_true",
+                    help="also measure the link between two local gloo ranks (latency, bandwidth) into the profile")
     ap.add_argument("--all", action="store_true", help="put every measurement of this device in the profile, not only the suite's")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
@@ -1561,9 +1676,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         if keys is not None:  # the suite's measurements of this mode and clock only
             mine = db.entries(info)
             keys = [k for k in keys if k in mine and mine[k].method == args.mode and mine[k].clock == args.clock]
+        link: dict[str, Any] = {}
+        if args.p2p:
+            from fxpipe.cost.calibrate import LinkModel
+
+            lat, bw, times = measure_p2p()
+            link = {"p2p_latency_s": lat, "d2d_bytes_per_s": bw, "link": LinkModel.from_times(times)}
         prof = measured_profile(db, device=args.device, threads=info.threads, keys=keys,
                                 name=args.name or f"{base.name}-measured", made_with=cmd,
-                                description=f"op times measured on {info.device} with {info.threads} intra-op threads")
+                                description=f"op times measured on {info.device} with {info.threads} intra-op threads",
+                                **link)
         cv = cross_validate(list(prof.measurements.values()), prof.base)
         if args.out:
             prof.save(args.out)
@@ -1571,6 +1693,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"fxpipe profile: error: {exc}", file=sys.stderr)
         return 2
     doc = {"device": info.to_dict(), "measurements": len(prof.measurements), "profile": args.out,
+           "p2p_latency_s": prof.p2p_latency_s, "d2d_bytes_per_s": prof.d2d_bytes_per_s,
            "autograd_call_overhead_s": prof.autograd_call_overhead_s, "cross_validated_error": cv}
     if args.json:
         print(json.dumps(doc, indent=1))
