@@ -17,7 +17,11 @@ synchronises all stages), or its makespan when tied parameters are shared by sev
 (their gradient all-reduce synchronises those ranks once per step), plus the per-step
 parameter update, with the runtime's own cost per micro-batch added to every stage: that cost
 is measured in the same worker processes on a two-layer MLP whose compute is negligible
-(:class:`TinyMLP`), so the prediction of a model never uses that model's training run.
+(:class:`TinyMLP`), so the prediction of a model never uses that model's training run. The
+link between the ranks is measured too (a gloo ping-pong, :func:`fxpipe.cost.profile.measure_p2p`,
+just before each model): the planner prices transfers at the link's effective bandwidth for the
+model's median tensor size, and the prediction prices every tensor crossing a boundary at the
+measured time of a message of its size.
 
 Why 1F1B by default: torch 2.13's split backward (``stage_backward_input`` followed later by
 ``stage_backward_weight``, which Zero Bubble schedules such as ZB-H1 use for the deferred W)
@@ -423,7 +427,7 @@ def run_model(name: str, factory, loss: str, args) -> list[dict]:
         if before is not None:
             os.sched_setaffinity(0, before)
     cands = _candidates(graph, fx, k, m, args.schedule)
-    update = _update_costs(factory, cands, k, args)
+    update = _update_costs(factory, cands, k, args, link)
     tiny = TinyFactory(m)
     tiny_stage_of, tiny_orders = _tiny_plan(tiny, k, m, args.schedule)
     print(f"# {name}: training {len(cands)} partitions x {args.rounds} rounds on {k} ranks ...", file=sys.stderr)
@@ -529,7 +533,7 @@ def _tiny_plan(tiny, k: int, m: int, schedule: str):
     return {g.names[i]: int(part.assignment[i]) for i in range(g.n)}, orders_from_schedule(sched, k)
 
 
-def _update_costs(factory, cands: list, k: int, args) -> dict[str, dict]:
+def _update_costs(factory, cands: list, k: int, args, link=None) -> dict[str, dict]:
     """Per-stage cost of the launcher's parameter update after each step, measured here.
 
     After the pipeline's actions, every rank keeps a copy of its gradients (the launcher's
@@ -537,7 +541,8 @@ def _update_costs(factory, cands: list, k: int, args) -> dict[str, dict]:
     of its parameters. Parameters held by several stages (tied embeddings) also get their
     gradients all-reduced (:meth:`fxpipe.codegen.runtime.FxpipeScheduleRuntime.sync_shared_grads`),
     which synchronises those ranks once per step, so consecutive steps no longer overlap: the
-    step is then the schedule's makespan, plus the all-reduce (2 x bytes / link bandwidth).
+    step is then the schedule's makespan, plus the all-reduce (two messages of half the
+    gradient bytes each way on the measured link, or 2 x bytes / the CPU spec's bandwidth).
     Timed on one thread on this core with the profiler's clock, median of 7.
     """
     from fxpipe.cost.profile import CLOCKS, CpuTimer
@@ -580,12 +585,17 @@ def _update_costs(factory, cands: list, k: int, args) -> dict[str, dict]:
             torch.set_num_threads(prev)
         shared = {t for t, st in holders.items() if len(st) > 1}
         shared_bytes = sum(params[t].numel() * params[t].element_size() for t in shared)
-        bw = fxpipe_link_bandwidth()
-        out[c.name] = {"update_s": upd, "shared": sorted(shared), "sync_s": 2.0 * shared_bytes / bw if shared else 0.0}
+        if not shared:
+            sync = 0.0
+        elif link is not None:
+            sync = 2.0 * link.time_s(shared_bytes / 2.0)
+        else:
+            sync = 2.0 * shared_bytes / _cpu_spec_bandwidth()
+        out[c.name] = {"update_s": upd, "shared": sorted(shared), "sync_s": sync}
     return out
 
 
-def fxpipe_link_bandwidth() -> float:
+def _cpu_spec_bandwidth() -> float:
     """Stage-to-stage bandwidth of the CPU spec (bytes/s) used for the all-reduce estimate."""
     from fxpipe.cost.hardware import get_hardware
 

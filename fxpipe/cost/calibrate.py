@@ -573,7 +573,8 @@ def cross_validate(measurements: Sequence[Measurement], base: HardwareSpec | str
         With fewer than 2 usable measurements.
     """
     base = get_hardware(base)
-    ms = [m for m in measurements if m.ok and m.roofline_spec == base.name and any(t > 0 for t in m.times)]
+    ms = sorted((m for m in measurements if m.ok and m.roofline_spec == base.name and any(t > 0 for t in m.times)),
+                key=lambda m: m.key)  # folds independent of the input order
     if len(ms) < 2:
         raise InputError(f"cross-validation needs at least 2 measurements, got {len(ms)}")
     rng = np.random.default_rng(seed)
