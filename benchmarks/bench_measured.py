@@ -18,7 +18,7 @@ synchronises all stages), or its makespan when tied parameters are shared by sev
 parameter update, with the runtime's own cost per micro-batch added to every stage: that cost
 is measured in the same worker processes on a two-layer MLP whose compute is negligible
 (:class:`TinyMLP`), so the prediction of a model never uses that model's training run. The
-link between the ranks is measured too (a gloo ping-pong, :func:`fxpipe.cost.profile.measure_p2p`,
+link between the ranks is measured too (a gloo ping-pong, :func:`fxpipe.cost.links.measure_p2p`,
 just before each model): the planner prices transfers at the link's effective bandwidth for the
 model's median tensor size, and the prediction prices every tensor crossing a boundary at the
 measured time of a message of its size.
@@ -417,7 +417,7 @@ def run_model(name: str, factory, loss: str, args) -> list[dict]:
     link = None
     if args.link:
         from fxpipe.cost.calibrate import LinkModel
-        from fxpipe.cost.profile import measure_p2p
+        from fxpipe.cost.links import measure_p2p
 
         link = LinkModel.from_times(measure_p2p()[2])
     try:
@@ -545,7 +545,7 @@ def _update_costs(factory, cands: list, k: int, args, link=None) -> dict[str, di
     gradient bytes each way on the measured link, or 2 x bytes / the CPU spec's bandwidth).
     Timed on one thread on this core with the profiler's clock, median of 7.
     """
-    from fxpipe.cost.profile import CLOCKS, CpuTimer
+    from fxpipe.cost.timers import CLOCKS, CpuTimer
     from fxpipe.passes.capture import capture, getattr_path
 
     model, margs, mkwargs = factory.one_microbatch()
@@ -628,6 +628,7 @@ def main(argv=None) -> int:
                          "the cores of a shared machine) or wall time")
     ap.add_argument("--timeout", type=float, default=900.0, help="limit for one model's training runs (s)")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--out", metavar="FILE.json", help="also write the JSON document to this file")
     args = ap.parse_args(argv)
 
     load0 = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
@@ -661,6 +662,10 @@ def main(argv=None) -> int:
         by = {r["partition"]: r for r in rows if r["model"] == name}
         if "fxpipe" in by and "equal-layer" in by:
             summary["fxpipe_vs_equal_layer"][name] = by["equal-layer"]["measured_step_s"] / by["fxpipe"]["measured_step_s"]
+    if args.out:
+        from fxpipe.ir import write_json_atomic
+
+        write_json_atomic(args.out, {"rows": rows, "summary": summary})
     if args.json:
         print(json.dumps({"rows": rows, "summary": summary}, indent=1))
         return 0 if not failures else 1

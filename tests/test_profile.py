@@ -27,10 +27,6 @@ from fxpipe.cost.calibrate import (
 from fxpipe.cost.database import COSTDB_FORMAT, CostDatabase, DeviceInfo, Measurement
 from fxpipe.cost.hardware import get_hardware, list_profiles
 from fxpipe.cost.profile import (
-    CpuStopwatch,
-    CpuTimer,
-    CudaEventTimer,
-    CudaStopwatch,
     MeasuredCosts,
     add_loss_costs,
     base_hardware,
@@ -38,10 +34,11 @@ from fxpipe.cost.profile import (
     measure_loss,
     measured_hardware,
     measured_profile,
-    op_signature,
     profile_graph,
     trace_measured,
 )
+from fxpipe.cost.signature import op_signature
+from fxpipe.cost.timers import CpuStopwatch, CpuTimer, CudaEventTimer, CudaStopwatch
 from fxpipe.errors import InputError
 from fxpipe.passes import COST_KEY, AnnotateCosts, capture
 
@@ -470,6 +467,7 @@ def test_compile_costs_measured(tmp_path):
 
 def test_measured_hardware_uses_the_database(tmp_path, monkeypatch):
     import fxpipe.cost.profile as prof_mod
+    import fxpipe.cost.suite as suite_mod
 
     cap, args = _captured("cpu")
     path = tmp_path / "db.json"
@@ -486,7 +484,7 @@ def test_measured_hardware_uses_the_database(tmp_path, monkeypatch):
         other, a2 = _captured("cpu", d=24)
         return list(profile_graph(other.gm, db=db, example_inputs=(a2, {}), threads=kw["threads"], **FAST).keys.values())
 
-    monkeypatch.setattr(prof_mod, "run_suite", fake_suite)
+    monkeypatch.setattr(suite_mod, "run_suite", fake_suite)
     spec = measured_hardware(path, threads=1, min_measurements=n + 1, progress=False)
     assert suite_calls and len(spec.profile.measurements) > n
     # hardware="measured" goes through measured_hardware with the default database
@@ -532,7 +530,7 @@ def test_cli_plan_costs_measured(tmp_path, capsys):
 # ----------------------------------------------------------------------------- links
 def test_link_model_and_fit():
     from fxpipe.cost.calibrate import LinkModel, with_link_bandwidth
-    from fxpipe.cost.profile import fit_link
+    from fxpipe.cost.links import fit_link
 
     lat, bw = fit_link({1000: 1e-5 + 1000 / 1e9, 100000: 1e-5 + 100000 / 1e9, 10**7: 1e-5 + 10**7 / 1e9})
     assert lat == pytest.approx(1e-5, rel=1e-6) and bw == pytest.approx(1e9, rel=1e-6)
@@ -558,7 +556,7 @@ def test_link_model_and_fit():
 
 @pytest.mark.slow
 def test_measure_p2p_between_two_local_ranks():
-    from fxpipe.cost.profile import measure_p2p
+    from fxpipe.cost.links import measure_p2p
 
     lat, bw, times = measure_p2p(sizes_bytes=(1024, 65536, 1 << 20))
     assert set(times) == {1024, 65536, 1 << 20} and all(t > 0 for t in times.values())

@@ -421,7 +421,7 @@ class CostProfile:
         Parameters
         ----------
         op_key : str or None
-            The op's database key (:func:`fxpipe.cost.profile.op_signature`), None if the op
+            The op's database key (:func:`fxpipe.cost.signature.op_signature`), None if the op
             cannot be profiled.
         op_class, kind : str
             Calibration class (op packet name) and roofline kind.

@@ -9,7 +9,7 @@ Keys. A measurement is keyed by *(op, input shapes and dtypes, device name, torc
 and the intra-op thread count: the device part is a :class:`DeviceInfo` (``device``,
 ``torch``, ``threads``), the op part the op's overload name plus its argument signature, e.g.
 ``aten.addmm.default(f32[48], f32[64,32]g, f32[32,48]{1,32}w)`` (see
-:func:`fxpipe.cost.profile.op_signature`: ``g`` marks an activation input that needs a
+:func:`fxpipe.cost.signature.op_signature`: ``g`` marks an activation input that needs a
 gradient, ``w`` a trainable weight, ``{...}`` non-contiguous strides; non-tensor arguments
 appear as Python literals).
 
