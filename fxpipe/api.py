@@ -175,7 +175,10 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     *,
     devices: int = 4,
     microbatches: int = 8,
-    hardware: str = "h100-sxm",
+    hardware=None,
+    costs: str = "roofline",
+    cost_db=None,
+    profile_threads: int | None = None,
     objective: str = "training",
     schedule: str = "zb-h1",
     dtype=None,
@@ -198,8 +201,24 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
         Pipeline stages (one per device), >= 1 and <= number of ops.
     microbatches : int
         Micro-batches per step, >= 1.
-    hardware : str
-        Hardware profile name (``"a100-80gb"``, ``"h100-sxm"``, ``"h200"``, ``"cpu"``).
+    hardware : str, path or HardwareSpec, optional
+        What the costs are for: a datasheet spec name (``"a100-80gb"``, ``"h100-sxm"``,
+        ``"h200"``, ``"cpu"``), ``"measured"`` (this machine's device, calibrated from measured
+        op times), ``"profile:<name>"`` (a shipped profile, e.g. ``"profile:cpu"``) or the path
+        of an ``fxpipe.hwprofile/1`` file (see :func:`fxpipe.cost.hardware.get_hardware`).
+        Default: ``"h100-sxm"``, or ``"measured"`` with ``costs="measured"``.
+    costs : {"roofline", "measured"}
+        ``"roofline"``: each op's time comes from ``hardware``'s model (the datasheet roofline,
+        or, for a measured spec, the measured / calibrated time). ``"measured"``: every op of
+        this model is first run on this machine's device and timed (forward, backward-input,
+        backward-weight; cached in the cost database, so a second compile measures nothing)
+        and those times are used (:func:`fxpipe.cost.profile.trace_measured`).
+    cost_db : str or path, optional
+        Cost database for ``costs="measured"`` (default ``$FXPIPE_COST_DB`` or
+        ``~/.cache/fxpipe/costdb.json``).
+    profile_threads : int, optional
+        Intra-op threads the ops are timed with for ``costs="measured"`` (default: the given
+        profile's, else ``torch.get_num_threads()``); use the thread count of the training ranks.
     objective : {"training", "inference"}
         Contract-2 objective the partition minimises.
     schedule : str
@@ -225,7 +244,8 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     Raises
     ------
     InputError
-        devices < 1, microbatches < 1, more devices than ops, unknown hardware/schedule.
+        devices < 1, microbatches < 1, more devices than ops, unknown hardware/schedule/costs,
+        ``costs="measured"`` with the datasheet spec or profile of another device.
     CaptureError
         The model cannot be exported (the message says which node and what to try).
     InfeasibleError
@@ -237,9 +257,22 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
         raise InputError(f"objective must be 'training' or 'inference', got {objective!r}")
     if schedule not in SCHEDULES:
         raise InputError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
-    from fxpipe.passes import trace_model
+    if costs not in ("roofline", "measured"):
+        raise InputError(f"costs must be 'roofline' or 'measured', got {costs!r}")
+    if hardware is None:
+        hardware = "measured" if costs == "measured" else "h100-sxm"
+    hardware_name = getattr(hardware, "name", None) or str(hardware)
+    timings_extra: dict[str, float] = {}
+    if costs == "measured":
+        from fxpipe.cost.profile import trace_measured
 
-    traced = trace_model(model, tuple(args), dict(kwargs or {}), hardware=hardware, dtype=dtype, name=name)
+        traced, report = trace_measured(model, tuple(args), dict(kwargs or {}), hardware=hardware, dtype=dtype, name=name,
+                                        db=cost_db, threads=profile_threads, progress=progress)
+        timings_extra["profile"] = report.wall_s
+    else:
+        from fxpipe.passes import trace_model
+
+        traced = trace_model(model, tuple(args), dict(kwargs or {}), hardware=hardware, dtype=dtype, name=name)
     graph = traced.graph
     part, problem, sched, timings = plan_graph(
         graph,
@@ -259,7 +292,7 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
         name=graph.name,
         devices=devices,
         microbatches=microbatches,
-        hardware=hardware,
+        hardware=hardware_name,
         objective=objective,
         comm="relay",
         graph=graph,
@@ -268,9 +301,10 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
         problem=problem,
         schedule=sched,
         stages=stage_stats(graph, part, problem, sched, objective),
-        timings_s={"capture": traced.capture_s, "cost": traced.cost_s, **timings},
+        timings_s={"capture": traced.capture_s, "cost": traced.cost_s, **timings_extra, **timings},
         graph_signature=graph_signature(graph),
-        options={"seed": seed, "time_limit_s": time_limit_s, "schedule": schedule, "dtype": str(dtype) if dtype else None},
+        options={"seed": seed, "time_limit_s": time_limit_s, "schedule": schedule, "dtype": str(dtype) if dtype else None,
+                 "costs": costs},
         _captured=traced,
     )
     return plan

@@ -43,7 +43,20 @@ def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--microbatches", type=int, default=8, help="micro-batches per step (default 8)")
     p.add_argument("--microbatch-size", type=int, default=1, help="sequences per micro-batch (default 1)")
     p.add_argument("--seq-len", type=int, default=128, help="sequence length (default 128)")
-    p.add_argument("--hardware", default="h100-sxm", choices=list_hardware(), help="hardware profile the costs are for (default h100-sxm)")
+    p.add_argument(
+        "--hardware", default=None, metavar="HW",
+        help=f"what the costs are for: {', '.join(list_hardware())}, 'measured' (this machine, calibrated from measured op "
+        "times), 'profile:NAME' (a shipped profile, e.g. profile:cpu) or a hardware-profile JSON file "
+        "(default h100-sxm, or measured with --costs measured)",
+    )
+    p.add_argument(
+        "--costs", choices=("roofline", "measured"), default="roofline",
+        help="roofline: op times from the hardware's model; measured: time every op of this model on this machine first "
+        "(forward, backward-input, backward-weight; cached in --cost-db) (default roofline)",
+    )
+    p.add_argument("--cost-db", default=None, metavar="DB.json", help="cost database for --costs measured (default $FXPIPE_COST_DB or ~/.cache/fxpipe/costdb.json)")
+    p.add_argument("--profile-threads", type=int, default=None, metavar="N",
+                   help="intra-op threads the ops are timed with (default: 1 with --run, whose ranks run one thread each; else torch's setting)")
     p.add_argument("--objective", choices=("training", "inference"), default="training")
     p.add_argument("--schedule", default="zb-h1", choices=SCHEDULES, help="schedule method (default zb-h1)")
     p.add_argument("--time-limit", type=float, default=10.0, help="partition search budget in seconds (default 10)")
@@ -135,6 +148,8 @@ def run(args: argparse.Namespace) -> int:
     import fxpipe
     from fxpipe.models import parse_overrides
 
+    if args.profile_threads is not None and args.profile_threads < 1:
+        raise InputError(f"--profile-threads must be >= 1, got {args.profile_threads}")
     for name in ("devices", "microbatches", "microbatch_size", "seq_len", "steps"):
         if getattr(args, name) < 1:
             raise InputError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -158,6 +173,9 @@ def run(args: argparse.Namespace) -> int:
         devices=args.devices,
         microbatches=args.microbatches,
         hardware=args.hardware,
+        costs=args.costs,
+        cost_db=args.cost_db,
+        profile_threads=1 if (args.profile_threads is None and args.run) else args.profile_threads,
         objective=args.objective,
         schedule=args.schedule,
         time_limit_s=args.time_limit,

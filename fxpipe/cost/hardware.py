@@ -14,13 +14,26 @@ these figures are conservative.
 
 The launch overhead is not a datasheet figure: it is the usual few microseconds of CUDA
 kernel launch + PyTorch eager dispatch per op, a modelling constant.
+
+Measured hardware. A spec can carry a measured profile (``HardwareSpec.profile``, a
+:class:`fxpipe.cost.calibrate.CostProfile`): op times measured on the device and per-op-class
+efficiency factors of the roofline fitted to them. :func:`get_hardware` returns such a spec for
+
+* ``"measured"``: the device of this process (CUDA if available, else CPU), calibrated from
+  the measurements in the cost database (:func:`fxpipe.cost.database.default_db_path`),
+  profiling a built-in suite of ops first if the database has none for this device;
+* a path to an ``fxpipe.hwprofile/1`` file (e.g. one measured on an H100 and copied here);
+* ``"profile:<name>"``: a profile shipped with fxpipe (``fxpipe/cost/profiles/<name>.json``,
+  see :func:`list_profiles`).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import MappingProxyType
-from typing import Mapping
+from typing import Any, Mapping
 
 from fxpipe.errors import InputError
 
@@ -53,6 +66,11 @@ class HardwareSpec:
         Fixed cost added to every op that launches a kernel, seconds.
     source : str
         Datasheet (document name and URL) the numbers come from.
+    profile : fxpipe.cost.calibrate.CostProfile, optional
+        Measured op times and the calibration fitted to them; when set, the cost pass
+        (:class:`fxpipe.passes.annotate.AnnotateCosts`) replaces the roofline times by measured
+        or calibrated ones. The peak and bandwidth fields are then the roofline base the
+        calibration corrects.
     """
 
     name: str
@@ -64,6 +82,7 @@ class HardwareSpec:
     memory_bytes: float
     launch_overhead_s: float
     source: str = field(default="", repr=False)
+    profile: Any = field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
         object.__setattr__(self, "peak_flops", MappingProxyType(dict(self.peak_flops)))
@@ -84,6 +103,7 @@ class HardwareSpec:
             "memory_bytes": self.memory_bytes,
             "launch_overhead_s": self.launch_overhead_s,
             "source": self.source,
+            **({"profile": self.profile.name} if self.profile is not None else {}),
         }
 
 
@@ -154,22 +174,63 @@ HARDWARE: Mapping[str, HardwareSpec] = MappingProxyType({
 })
 
 
-def get_hardware(name: str | HardwareSpec) -> HardwareSpec:
-    """Look up a hardware spec by name (a :class:`HardwareSpec` is returned as is).
+#: Folder of the hardware profiles shipped with fxpipe (``profile:<name>``).
+PROFILE_DIR = Path(__file__).resolve().parent / "profiles"
+
+
+def list_profiles() -> list[str]:
+    """Names of the shipped hardware profiles (use as ``"profile:<name>"``)."""
+    if not PROFILE_DIR.is_dir():
+        return []
+    return sorted(p.stem for p in PROFILE_DIR.glob("*.json"))
+
+
+def get_hardware(name: str | os.PathLike | HardwareSpec) -> HardwareSpec:
+    """Look up a hardware spec by name, or load / measure one with a profile.
+
+    Parameters
+    ----------
+    name : str, PathLike or HardwareSpec
+        A spec name (:func:`list_hardware`); ``"measured"`` (this process's device, measured,
+        see the module docstring); ``"profile:<name>"`` (a shipped profile); a path to an
+        ``fxpipe.hwprofile/1`` JSON file. A :class:`HardwareSpec` is returned as is.
 
     Raises
     ------
     InputError
-        If ``name`` is not a known hardware name; the message lists the known names.
+        If ``name`` is none of these; the message lists the known names and profiles. Loading
+        a malformed profile raises InputError too.
     """
     if isinstance(name, HardwareSpec):
         return name
-    key = str(name).strip().lower()
-    if key not in HARDWARE:
-        raise InputError(f"unknown hardware {name!r}; known hardware: {', '.join(sorted(HARDWARE))}")
-    return HARDWARE[key]
+    raw = os.fspath(name) if isinstance(name, os.PathLike) else str(name)
+    key = raw.strip().lower()
+    if key in HARDWARE:
+        return HARDWARE[key]
+    if key == "measured":
+        from fxpipe.cost.profile import measured_hardware
+
+        return measured_hardware()
+    if key.startswith("profile:"):
+        stem = raw.strip()[len("profile:"):]
+        path = PROFILE_DIR / f"{stem}.json"
+        if not path.is_file():
+            raise InputError(f"no shipped hardware profile {stem!r}; shipped profiles: {', '.join(list_profiles()) or 'none'}")
+        return _load_profile_spec(path)
+    if raw.endswith(".json") or os.sep in raw or Path(raw).is_file():
+        return _load_profile_spec(Path(raw).expanduser())
+    raise InputError(
+        f"unknown hardware {raw!r}; known hardware: {', '.join(sorted(HARDWARE))}; or 'measured' (this machine), "
+        f"'profile:NAME' ({', '.join(list_profiles()) or 'none shipped'}) or a path to a hardware profile JSON file"
+    )
+
+
+def _load_profile_spec(path: Path) -> HardwareSpec:
+    from fxpipe.cost.calibrate import load_profile
+
+    return load_profile(path).hardware()
 
 
 def list_hardware() -> list[str]:
-    """Known hardware names, sorted."""
+    """Known hardware names, sorted (datasheet specs; see :func:`get_hardware` for profiles)."""
     return sorted(HARDWARE)

@@ -237,6 +237,12 @@ class AnnotateCosts(PassBase):
         scaled too. Default: each tensor's own dtype.
     allow_tf32 : bool
         Cost float32 matmuls at the TF32 tensor-core peak instead of the FP32 peak.
+    cost_model : callable(node, OpCost) -> OpCost, optional
+        Per-op hook run after the roofline costs are computed: it may replace a node's
+        F/B/W times (e.g. by measured ones). Default: when ``hardware`` carries a measured
+        profile (``HardwareSpec.profile``), :class:`fxpipe.cost.profile.MeasuredCosts` of it
+        (measured times for profiled op signatures, calibrated roofline for the others);
+        else none (pure roofline).
 
     Notes
     -----
@@ -257,13 +263,20 @@ class AnnotateCosts(PassBase):
     """
 
     def __init__(self, hardware: str | HardwareSpec = "h100-sxm", dtype: torch.dtype | None = None,
-                 *, allow_tf32: bool = False):
+                 *, allow_tf32: bool = False, cost_model=None):
         super().__init__()
         self.hw = get_hardware(hardware)
         if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
             raise InputError(f"dtype must be a floating-point torch.dtype or None, got {dtype!r}")
         self.dtype = dtype
         self.allow_tf32 = bool(allow_tf32)
+        # ---- begin fxpipe.cost hook (owner: fxpipe/cost): measured / calibrated times per op
+        if cost_model is None and getattr(self.hw, "profile", None) is not None:
+            from fxpipe.cost.profile import MeasuredCosts
+
+            cost_model = MeasuredCosts(self.hw.profile, dtype)
+        self.cost_model = cost_model
+        # ---- end fxpipe.cost hook
 
     # ------------------------------------------------------------------ helpers
     def _bytes(self, t: torch.Tensor) -> float:
@@ -454,6 +467,11 @@ class AnnotateCosts(PassBase):
                 size_out_bytes=size_out, size_param_bytes=p_bytes, act_bytes=act, kind=kind, dtype=dname,
                 requires_grad=rg[node],
             )
+        # ---- begin fxpipe.cost hook: a measured / calibrated model replaces the roofline times
+        if self.cost_model is not None:
+            for node in gm.graph.nodes:
+                node.meta[COST_KEY] = self.cost_model(node, node.meta[COST_KEY])
+        # ---- end fxpipe.cost hook
         return PassResult(gm, False)
 
     # ------------------------------------------------------------------ pieces

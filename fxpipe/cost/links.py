@@ -1,0 +1,128 @@
+"""Stage-to-stage links of local pipeline ranks: message times measured by a ping-pong.
+
+:func:`measure_p2p` starts two gloo processes (one intra-op thread each, pinned to their own
+cores, as :func:`fxpipe.codegen.launch.spawn_train`'s ranks) and times one-way messages of
+several sizes (:func:`p2p_times`); :class:`fxpipe.cost.calibrate.LinkModel` interpolates them
+and :func:`fit_link` fits one latency and bandwidth.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from fxpipe.errors import InputError
+
+__all__ = ["P2P_SIZES", "p2p_times", "fit_link", "measure_p2p"]
+
+#: Message sizes (bytes) of :func:`p2p_times`.
+P2P_SIZES = (1024, 4096, 16384, 32768, 49152, 65536, 131072, 262144, 1 << 20, 4 << 20, 16 << 20)
+
+
+def p2p_times(peer: int, *, sizes_bytes: Sequence[int] = P2P_SIZES, repeats: int = 15, warmup: int = 3,
+              group: Any = None, device: str | torch.device = "cpu") -> dict[int, float]:
+    """One-way time of a point-to-point message of each size between this rank and ``peer``.
+
+    Call on both ranks of an initialised ``torch.distributed`` process group (any backend);
+    the rank with the smaller number sends first. Each sample is half a ping-pong, timed
+    with ``time.perf_counter``; the median of ``repeats`` samples after ``warmup`` is kept.
+
+    Returns
+    -------
+    dict[int, float]
+        Message size (bytes) -> seconds.
+    """
+    import torch.distributed as dist
+
+    me = dist.get_rank(group)
+    first = me < peer
+    out: dict[int, float] = {}
+    for n in sizes_bytes:
+        buf = torch.zeros(max(int(n) // 4, 1), dtype=torch.float32, device=device)
+        ts = []
+        for i in range(warmup + repeats):
+            t0 = time.perf_counter()
+            if first:
+                dist.send(buf, peer, group=group)
+                dist.recv(buf, peer, group=group)
+            else:
+                dist.recv(buf, peer, group=group)
+                dist.send(buf, peer, group=group)
+            if i >= warmup:
+                ts.append((time.perf_counter() - t0) / 2)
+        out[int(buf.numel() * 4)] = float(statistics.median(ts))
+    return out
+
+
+def fit_link(times: Mapping[int, float]) -> tuple[float, float]:
+    """``(latency_s, bytes_per_s)`` of ``t = latency + bytes / bandwidth`` fitted to message times.
+
+    The same non-negative relative least squares as the op calibration
+    (:func:`fxpipe.cost.calibrate.fit_phase`, with bytes in place of the roofline time).
+
+    Raises
+    ------
+    InputError
+        With fewer than two message sizes.
+    """
+    from fxpipe.cost.calibrate import fit_phase
+
+    if len(times) < 2:
+        raise InputError("fit_link needs the times of at least two message sizes")
+    sizes = sorted(times)
+    fit = fit_phase([float(n) for n in sizes], [times[n] for n in sizes])
+    bw = 1.0 / fit.scale if fit.scale > 0 else float("inf")
+    return fit.overhead_s, bw
+
+
+def _p2p_worker(rank: int, init_method: str, world: int, cpus: tuple, out: str, sizes: tuple) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    if cpus and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {cpus[rank % len(cpus)]})
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
+    try:
+        t = p2p_times(1 - rank, sizes_bytes=sizes)
+        if rank == 0:
+            with open(out, "w", encoding="utf-8") as fh:
+                json.dump({str(k): v for k, v in t.items()}, fh)
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_p2p(*, sizes_bytes: Sequence[int] = P2P_SIZES, pin: bool = True) -> tuple[float, float, dict[int, float]]:
+    """Stage-to-stage link of local CPU pipeline ranks: two gloo processes, ping-pong.
+
+    Each process runs one intra-op thread and (with ``pin``) is pinned to its own core, as
+    the ranks of :func:`fxpipe.codegen.launch.spawn_train`.
+
+    Returns
+    -------
+    (latency_s, bytes_per_s, times)
+        The :func:`fit_link` of the measured one-way ``times`` (size in bytes -> seconds).
+    """
+    import socket
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    cpus: tuple = ()
+    if pin and hasattr(os, "sched_getaffinity"):
+        cpus = tuple(sorted(os.sched_getaffinity(0)))[:2]
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with tempfile.TemporaryDirectory(prefix="fxpipe-p2p-") as tmp:
+        out = os.path.join(tmp, "p2p.json")
+        mp.start_processes(_p2p_worker, args=(f"tcp://127.0.0.1:{port}", 2, cpus, out, tuple(sizes_bytes)), nprocs=2,
+                           start_method="spawn")
+        with open(out, encoding="utf-8") as fh:
+            times = {int(k): float(v) for k, v in json.load(fh).items()}
+    lat, bw = fit_link(times)
+    return lat, bw, times
