@@ -61,7 +61,7 @@ def _t5_relay_run(orders):
 
 def _heuristic_orders(world, method):
     try:
-        from fxpipe.codegen.runtime import orders_from_schedule
+        from fxpipe.codegen.actions import orders_from_schedule
         from fxpipe.ir import ScheduleProblem
         from fxpipe.schedule.heuristics import generate
     except ImportError:  # pragma: no cover - the schedule package is optional here
