@@ -240,6 +240,26 @@ class ModelInterface:
             out.append(leaf)
         return tuple(out)
 
+    def example_inputs(self, inputs: Any) -> tuple[torch.Tensor, ...]:
+        """Stage 0's tensors for one micro-batch of *example* inputs: the model's calling form
+        (checked like :meth:`flatten_inputs`), or simply the tensor inputs, flattened in order.
+
+        Raises
+        ------
+        InputError
+            If neither form matches the captured example.
+        """
+        try:
+            return self.flatten_inputs(inputs)
+        except InputError:
+            flat = tuple(inputs) if isinstance(inputs, (tuple, list)) else None
+            refs = [x for x in self.input_leaves if x.is_tensor]
+            if flat is None or len(flat) != len(refs) or not all(
+                    isinstance(t, torch.Tensor) and tuple(t.shape) == r.shape and t.dtype == r.dtype
+                    for t, r in zip(flat, refs)):
+                raise
+            return flat
+
     def microbatch_inputs(self, inputs: Any, m: int) -> list[tuple[torch.Tensor, ...]]:
         """Split a full batch (model call form) into ``m`` tuples of stage-0 tensors."""
         return [self.flatten_inputs(mb) for mb in split_microbatches(ModelInputs(*as_call(inputs)), m)]

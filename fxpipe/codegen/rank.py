@@ -123,6 +123,7 @@ def build_rank(
     example_microbatch_inputs : ModelInputs, tuple or dict
         One micro-batch of model inputs in the model's calling form (a tuple of positional
         inputs, a dict of keyword inputs, or :class:`~fxpipe.codegen.interface.ModelInputs`),
+        or just the model's tensor inputs flattened in order,
         used to infer the shapes, dtypes and ``requires_grad`` of every tensor crossing a stage
         (static shape inference on fake tensors, no P2P metadata exchange, no real state touched).
     fused_backward : bool
@@ -164,7 +165,7 @@ def build_rank(
         acts = fuse_backward(acts)
     if example_microbatch_inputs is None:
         raise InputError("example_microbatch_inputs is required (one micro-batch of model inputs)")
-    flat = staged.interface.flatten_inputs(example_microbatch_inputs)
+    flat = staged.interface.example_inputs(example_microbatch_inputs)
     io = stage_io(staged, rank, flat)
     fused_here = False
     if io.blind_params and any("I" in a for a in acts[rank]):
