@@ -75,20 +75,39 @@ class MatrixResult:
         return {"ok": self.ok, "cells": [c.to_dict() for c in self.cells], "timings_s": self.timings_s,
                 "settings": self.settings}
 
-    def markdown(self) -> str:
+    def markdown(self, compact: bool = False) -> str:
         """A Markdown table: one row per model and pipeline size, one column per schedule
-        (``ok`` or ``error``), and the worst loss / gradient / parameter / buffer differences."""
+        (``ok``, ``error`` or ``DIFF``), and the worst loss / gradient / parameter / buffer
+        differences over the row. ``compact``: one row per model, one column per pipeline size
+        (``ok`` when every schedule is, else the failing schedules)."""
         schedules = list(dict.fromkeys(c.schedule for c in self.cells))
         rows: dict[tuple[str, int], list[MatrixCell]] = {}
         for c in self.cells:
             rows.setdefault((c.model, c.ranks), []).append(c)
-        head = ["model", "family", "ranks", *schedules, "loss rel", "grad rel", "param rel", "buffer rel"]
-        lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
 
         def worst(cells, attr):
             vals = [getattr(c, attr) for c in cells if not c.error]
             return f"{max(vals):.1e}" if vals else "-"
 
+        if compact:
+            ranks = list(dict.fromkeys(c.ranks for c in self.cells))
+            models: dict[str, list[MatrixCell]] = {}
+            for c in self.cells:
+                models.setdefault(c.model, []).append(c)
+            head = ["model", "family", *[f"{k} ranks ({', '.join(schedules)})" for k in ranks],
+                    "loss rel", "grad rel", "param rel", "buffer rel"]
+            lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+            for model, cells in models.items():
+                cols = []
+                for k in ranks:
+                    bad = [c.schedule + (" error" if c.error else " DIFF") for c in cells if c.ranks == k and not c.ok]
+                    cols.append("ok" if not bad else ", ".join(bad))
+                lines.append("| " + " | ".join([model, cells[0].family, *cols, worst(cells, "loss_rel_diff"),
+                                                worst(cells, "max_grad_rel_diff"), worst(cells, "max_param_rel_diff"),
+                                                worst(cells, "max_buffer_rel_diff")]) + " |")
+            return "\n".join(lines)
+        head = ["model", "family", "ranks", *schedules, "loss rel", "grad rel", "param rel", "buffer rel"]
+        lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for (model, ranks), cells in rows.items():
             by = {c.schedule: c for c in cells}
             marks = [("ok" if by[s].ok else ("error" if by[s].error else "DIFF")) if s in by else "" for s in schedules]

@@ -136,7 +136,21 @@ def _call_effects(node: fx.Node) -> tuple[list[fx.Node], list[fx.Node], bool]:
 
 
 def analyze(gm: fx.GraphModule) -> GraphEffects:
-    """Aliasing, writes and accesses of every node of ``gm`` (see :class:`GraphEffects`)."""
+    """Aliasing, writes and accesses of every node of ``gm``.
+
+    Parameters
+    ----------
+    gm : torch.fx.GraphModule
+        A captured graph (ATen training IR from ``torch.export``, or any fx graph: tensor
+        methods ending in ``_`` write ``self``, view methods alias it).
+
+    Returns
+    -------
+    GraphEffects
+        One pass over the nodes in program order; the base of a node is found through the
+        alias annotations of its op schema (``Tensor(a)`` views, ``Tensor(a!)`` in-place
+        results, ``Tensor(a)[]`` view lists followed through ``getitem``).
+    """
     eff = GraphEffects()
     alias_lists: dict[fx.Node, fx.Node] = {}  # node returning a list of views -> its base
     for n in gm.graph.nodes:
@@ -213,6 +227,16 @@ def random_ops(gm: fx.GraphModule) -> list[RandomOp]:
 
     A pipeline draws them in another order, on other processes, than a single-process run, so
     with any of these active the two cannot agree bit for bit.
+
+    Parameters
+    ----------
+    gm : torch.fx.GraphModule
+        A captured graph.
+
+    Returns
+    -------
+    list[RandomOp]
+        In program order, with the module path each op belongs to.
     """
     from fxpipe.codegen.runtime import op_aliasing
 

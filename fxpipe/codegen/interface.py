@@ -266,7 +266,23 @@ class ModelInterface:
 
     # ------------------------------------------------------------------ outputs
     def output(self, tensors: Sequence[torch.Tensor] | torch.Tensor) -> Any:
-        """The model's output structure from the last stage's returned tensors."""
+        """The model's output structure from the last stage's returned tensors.
+
+        Parameters
+        ----------
+        tensors : sequence of tensors
+            What the last stage returns (its tensor leaves, in ``out_spec`` order).
+
+        Returns
+        -------
+        pytree
+            The structure the model returns, constants filled in.
+
+        Raises
+        ------
+        InputError
+            If the number of tensors is not the number of tensor leaves.
+        """
         from fxpipe.codegen.runtime import tree_unflatten
 
         if isinstance(tensors, torch.Tensor):
@@ -282,6 +298,16 @@ class ModelInterface:
 
         Batch tensors (dim 0 = micro-batch size) are concatenated along dim 0; other tensors are
         stacked along a new leading micro-batch dimension (see the module docstring).
+
+        Parameters
+        ----------
+        chunks : sequence
+            Per micro-batch, in order, the last stage's returned tensors.
+
+        Returns
+        -------
+        pytree
+            One output of the model's structure for the whole batch.
         """
         chunks = [tuple(c) if not isinstance(c, torch.Tensor) else (c,) for c in chunks]
         merged = []
@@ -293,7 +319,7 @@ class ModelInterface:
         return self.output(merged)
 
     @classmethod
-    def from_graph(cls, gm: torch.fx.GraphModule, tensor_output_nodes: Sequence[Any] | None = None) -> "ModelInterface":
+    def from_graph(cls, gm: torch.fx.GraphModule) -> "ModelInterface":
         """Read the interface of a captured graph (its pytree specs and placeholder values).
 
         Parameters
@@ -302,8 +328,10 @@ class ModelInterface:
             ``torch.export``-ed (unlifted) module, or any graph module whose placeholders carry
             ``meta["val"]``; without recorded specs the inputs are the placeholders, in order,
             as positional arguments and the output structure is the output node's.
-        tensor_output_nodes : sequence, optional
-            Not used (kept for symmetry with :func:`fxpipe.codegen.split.split_stages`).
+
+        Returns
+        -------
+        ModelInterface
         """
         from fxpipe.codegen.runtime import graph_pytree_specs, tree_flatten
 

@@ -366,10 +366,10 @@ class FxpipeScheduleRuntime(_PipelineScheduleRuntime):
         else:
             arg_mbs = [()] * m
         target_mbs = None
-        if last and self._loss_fn is not None:
-            if target is None:
-                raise InputError("the last rank computes loss_fn(output, target) for every micro-batch: pass target=")
+        if last and self._loss_fn is not None and target is not None:
             target_mbs = split_microbatches(target, m, "target")
+        elif last and self._has_backward and self._loss_fn is not None:
+            raise InputError("the last rank computes loss_fn(output, target) for every micro-batch: pass target=")
         for stage in self._stages:
             stage.has_backward = self._has_backward
             stage.clear_runtime_states()
@@ -380,6 +380,11 @@ class FxpipeScheduleRuntime(_PipelineScheduleRuntime):
             stage = next(s for s in self._stages if s.is_last)
             return self._interface.merge(stage.output_chunks)
         return None
+
+    def _maybe_compute_loss(self, stage, output, target_mbs, mb_index, loss_kwargs=None):
+        if target_mbs is None:  # forward only (eval) without a target: no loss
+            return
+        super()._maybe_compute_loss(stage, output, target_mbs, mb_index, loss_kwargs)
 
     def _compute_loss(self, output, target, loss_kwargs=None):
         return self._loss_fn(self._interface.output(output), target, **(loss_kwargs or {}))
