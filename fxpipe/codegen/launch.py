@@ -251,7 +251,8 @@ class _Captured:
         self.random_ops = None
         tensors = {id(t): t for _, t in list(gm.named_parameters()) + list(gm.named_buffers())}
         self._state = [(t, t.detach().clone()) for t in tensors.values()]
-        self.staged: dict = {}
+        self.staged: dict = {}  # (world, stage map) -> StagedProgram
+        self.io_cache: dict = {}  # shape inference per staged program and rank
 
     def reset(self) -> None:
         with torch.no_grad():
@@ -302,7 +303,7 @@ def _run_one(rank: int, world: int, run: dict, out_dir: str, idx: int, cache: di
     loss_fn = _loss_fn(run["loss"])
     stage, sched = build_rank(
         staged, rank, actions, num_microbatches=m, loss_fn=loss_fn, example_microbatch_inputs=cap.mb_example,
-        fused_backward=run["fused_backward"], group_cache=groups,
+        fused_backward=run["fused_backward"], group_cache=groups, io_cache=cap.io_cache,
     )
     spec = staged.stages[rank]
     named = spec.named_parameters()

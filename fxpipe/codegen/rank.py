@@ -96,6 +96,7 @@ def build_rank(
     example_microbatch_inputs: Any = None,
     fused_backward: bool = False,
     group_cache: dict | None = None,
+    io_cache: dict | None = None,
 ) -> tuple[FxpipePipelineStage, FxpipeScheduleRuntime]:
     """This rank's ``PipelineStage`` and a schedule runtime loaded with the per-rank actions.
 
@@ -131,6 +132,9 @@ def build_rank(
     group_cache : dict, optional
         Process groups for tied parameters created by earlier builds in this process group
         (keyed by global ranks); every rank must pass the same kind of cache.
+    io_cache : dict, optional
+        Shape-inference results of earlier builds of the same ``staged`` program and rank
+        (they do not depend on the schedule), kept by the caller.
 
     Returns
     -------
@@ -166,7 +170,12 @@ def build_rank(
     if example_microbatch_inputs is None:
         raise InputError("example_microbatch_inputs is required (one micro-batch of model inputs)")
     flat = staged.interface.example_inputs(example_microbatch_inputs)
-    io = stage_io(staged, rank, flat)
+    key = (id(staged), rank, tuple((tuple(t.shape), t.dtype) for t in flat))
+    io = io_cache.get(key) if io_cache is not None else None
+    if io is None:
+        io = stage_io(staged, rank, flat)
+        if io_cache is not None:
+            io_cache[key] = io
     fused_here = False
     if io.blind_params and any("I" in a for a in acts[rank]):
         # Split backward would drop these parameters' gradients: run full backwards on this
