@@ -73,6 +73,27 @@ def test_inplace_update_of_a_received_input_is_cloned():
     assert staged.stages[1].cloned_inputs == ("linear_1",)
 
 
+@pytest.mark.parametrize("cut", ["matmul_5", "matmul_1"])
+def test_falcon_inplace_updates_on_a_cut(cut):
+    """The real Falcon decoder (transformers config, parallel attention): ``mlp_output +=
+    attention_output`` (``add_`` after ``matmul_5``) and the attention scores' ``/=``
+    (``div_`` after ``matmul_1``) with a boundary right before the update."""
+    pytest.importorskip("transformers")
+    from fxpipe import zoo
+    from fxpipe.passes.capture import capture
+
+    model, args, kwargs = zoo.get("falcon").one_microbatch()
+    gm = capture(model, args, kwargs).gm
+    staged = split_stages(gm, M._cut(gm, cut), 2)
+    ins = _leaves(staged.stage_inputs(1, *args, **kwargs))
+    out = staged.stages[1].module(*ins)
+    out = out if isinstance(out, tuple) else (out,)
+    out[0].float().square().mean().backward()
+    torch.testing.assert_close(out[0], model(*args, **kwargs)["logits"])
+    assert all(t.grad is not None for t in ins if t.requires_grad)
+    assert cut in staged.stages[1].cloned_inputs
+
+
 def test_inplace_update_order_across_stages():
     """``c[:, :2].mul_(0.5)`` on stage 1 while ``l3(c)``, later in program order, was mapped to
     stage 0: it would read ``c`` before the update (a silently wrong result). The reader moves
