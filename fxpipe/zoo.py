@@ -28,7 +28,7 @@ The families (``ZooModel.family``): ``decoder``, ``moe``, ``encoder``, ``encoder
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 import torch.nn as nn
