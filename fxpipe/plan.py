@@ -325,6 +325,45 @@ class Plan:
             device=device,
         )
 
+    def reschedule(self, schedule: str, *, time_limit_s: float = 60.0, progress: bool = False) -> "Plan":
+        """The same partition with another schedule (``"gpipe"``, ``"1f1b"``, ``"zb-h2"``, ``"milp"``, ...).
+
+        Parameters
+        ----------
+        schedule : str
+            A method of :func:`fxpipe.schedule.dispatch.make_schedule`.
+        time_limit_s : float
+            MILP budget in seconds (``schedule="milp"``).
+
+        Returns
+        -------
+        Plan
+            A new plan sharing this plan's graph, partition, problem and capture.
+
+        Raises
+        ------
+        InputError
+            For an unknown schedule method.
+        InfeasibleError
+            When the schedule cannot fit the problem's memory limit.
+        """
+        from fxpipe.api import SCHEDULES, stage_stats
+        from fxpipe.schedule.dispatch import make_schedule
+
+        if schedule not in SCHEDULES:
+            raise InputError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+        t0 = time.perf_counter()
+        sched = make_schedule(self.problem, schedule, time_limit_s=time_limit_s, progress=progress)
+        return Plan(
+            name=self.name, devices=self.devices, microbatches=self.microbatches, hardware=self.hardware,
+            objective=self.objective, comm=self.comm, graph=self.graph, partition=self.partition,
+            stage_of=dict(self.stage_of), problem=self.problem, schedule=sched,
+            stages=stage_stats(self.graph, self.partition, self.problem, sched, self.objective),
+            timings_s={**self.timings_s, "schedule": time.perf_counter() - t0},
+            graph_signature=self.graph_signature, options={**self.options, "schedule": schedule},
+            _captured=self._captured,
+        )
+
     def train_local(
         self,
         make_model: Callable,
@@ -336,60 +375,77 @@ class Plan:
         seed: int = 0,
         reference: bool = True,
         timeout_s: float = 600.0,
+        loss_rtol: float = 1e-4,
+        rtol: float = 1e-5,
     ) -> dict[str, Any]:
-        """Train this plan for a few steps on ``devices`` local gloo processes (CPU).
+        """Train this plan for a few steps on ``devices`` local gloo processes (CPU) and compare.
 
         Every worker builds the model with ``make_model()`` under the same seed, captures
         its first micro-batch, checks the graph against this plan, and runs the plan's
         schedule through ``torch.distributed.pipelining``; with ``reference=True`` the same
-        steps run in this process without pipelining for comparison.
+        steps run in this process without pipelining and
+        :func:`fxpipe.codegen.compare.compare_training` compares losses, every gradient, every
+        parameter after the steps and every buffer.
 
         Parameters
         ----------
         make_model : picklable callable() -> (model, full_batch_inputs)
-        make_batch : picklable callable(step) -> (inputs tuple, target)
+            Inputs in the model's calling form: a tuple (positional), a dict (keywords) or
+            :class:`fxpipe.codegen.interface.ModelInputs`, of any pytree structure.
+        make_batch : picklable callable(step) -> (inputs, target)
             The full batch (``microbatches`` micro-batches along dim 0) of each step.
         steps, lr, loss, seed :
-            SGD steps and learning rate, loss (``"cross_entropy"`` or a picklable callable),
-            weight/data seed.
+            SGD steps and learning rate, loss (``"cross_entropy"``, ``"mse"`` or a picklable
+            callable(output, target) receiving the model's output structure), weight/data seed.
+        loss_rtol, rtol : float
+            Tolerances of the verdict ``ok``: relative loss difference, and gradient /
+            parameter / buffer difference relative to the largest reference value of its kind.
 
         Returns
         -------
         dict
-            ``pipeline_losses``, ``reference_losses`` (if requested), ``max_grad_abs_diff``,
-            ``max_grad_rel_diff`` (largest over parameters of ``|g_pipe - g_ref|`` and of
-            that divided by ``max|g_ref|``), ``num_params``, ``pipeline_wall_s``, and the
+            ``pipeline_losses``, ``pipeline_wall_s`` and, with a reference, ``reference_losses``,
+            ``ok``, ``comparison`` (:meth:`TrainingComparison.to_dict`), ``max_grad_abs_diff``,
+            ``max_grad_rel_diff`` (the largest gradient difference relative to the largest
+            reference gradient of the model: the verdict), ``worst_param_grad_rel_diff`` and
+            ``worst_param`` (per-parameter, reported beside it), ``max_param_rel_diff``,
+            ``max_buffer_rel_diff``, ``num_params``, ``num_buffers``, ``random_ops``; the
             :class:`~fxpipe.codegen.launch.TrainResult` objects under ``"results"`` (not JSON).
-        """
-        from fxpipe.codegen.launch import reference_train, spawn_train
 
+        Warns
+        -----
+        RandomOpsWarning
+            When the model draws random numbers in training mode (active dropout): bitwise
+            equality with the reference cannot hold; compare in eval mode or with p = 0.
+        """
+        from fxpipe.codegen.compare import compare_training, random_ops_warning
+        from fxpipe.codegen.launch import reference_train, spawn_train_many
+
+        rnd: list[str] | None = None
+        if self._captured is not None:
+            from fxpipe.codegen.effects import random_ops
+
+            rnd = [str(o) for o in random_ops(self._captured.gm)]
+            random_ops_warning(rnd)
         t0 = time.perf_counter()
-        res = spawn_train(
-            make_model,
-            _PlanStageOf(self.stage_of),
-            self.orders(),
-            world_size=self.devices,
-            num_microbatches=self.microbatches,
-            make_batch=make_batch,
-            steps=steps,
-            lr=lr,
-            loss=loss,
-            seed=seed,
-            timeout_s=timeout_s,
-        )
+        run = dict(make_model=make_model, stage_of=_PlanStageOf(self.stage_of), orders=self.orders(),
+                   num_microbatches=self.microbatches, make_batch=make_batch, steps=steps, lr=lr, loss=loss, seed=seed)
+        res = spawn_train_many([run], world_size=self.devices, timeout_s=timeout_s, warn_random=rnd is None)[0]
         out: dict[str, Any] = {"pipeline_losses": list(res.losses), "pipeline_wall_s": time.perf_counter() - t0}
+        if rnd is None:
+            rnd = list(res.meta.get("random_ops", []))
+        out["random_ops"] = rnd
         if reference:
-            ref = reference_train(make_model, make_batch, num_microbatches=self.microbatches, steps=steps, lr=lr, loss=loss, seed=seed)
+            ref = reference_train(make_model, make_batch, num_microbatches=self.microbatches, steps=steps, lr=lr,
+                                  loss=loss, seed=seed)
+            cmp = compare_training(res, ref, loss_rtol=loss_rtol, rtol=rtol, random_ops=rnd)
             out["reference_losses"] = list(ref.losses)
-            abs_diff = rel_diff = 0.0
-            for name, g in ref.grads.items():
-                if name not in res.grads:
-                    raise InputError(f"parameter {name!r} has no gradient in the pipeline run")
-                d = float((res.grads[name] - g).abs().max())
-                scale = float(g.abs().max())
-                abs_diff = max(abs_diff, d)
-                rel_diff = max(rel_diff, d / scale if scale > 0 else d)
-            out.update(max_grad_abs_diff=abs_diff, max_grad_rel_diff=rel_diff, num_params=len(ref.grads))
+            out.update(
+                ok=cmp.ok, comparison=cmp.to_dict(), max_grad_abs_diff=cmp.max_grad_abs_diff,
+                max_grad_rel_diff=cmp.max_grad_rel_diff, worst_param_grad_rel_diff=cmp.worst_param_grad_rel_diff,
+                worst_param=cmp.worst_param, max_param_rel_diff=cmp.max_param_rel_diff,
+                max_buffer_rel_diff=cmp.max_buffer_rel_diff, num_params=cmp.num_params, num_buffers=cmp.num_buffers,
+            )
             out["results"] = (res, ref)
         else:
             out["results"] = (res,)

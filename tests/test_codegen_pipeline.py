@@ -12,7 +12,7 @@ import functools
 import pytest
 import torch
 
-from fxpipe.codegen.launch import reference_train, spawn_train, spawn_train_many
+from fxpipe.codegen.launch import TrainResult, reference_train, spawn_train, spawn_train_many
 
 from _codegen_models import (
     MICROBATCHES,
@@ -61,7 +61,7 @@ def _t5_relay_run(orders):
 
 def _heuristic_orders(world, method):
     try:
-        from fxpipe.codegen.runtime import orders_from_schedule
+        from fxpipe.codegen.actions import orders_from_schedule
         from fxpipe.ir import ScheduleProblem
         from fxpipe.schedule.heuristics import generate
     except ImportError:  # pragma: no cover - the schedule package is optional here
@@ -202,3 +202,16 @@ def test_taken_port_is_retried_and_environment_untouched(monkeypatch):
     assert {k: os.environ.get(k) for k in env} == env
     ref = reference_train(make_mlp, make_batch_mlp, num_microbatches=MICROBATCHES, steps=1, loss="mse")
     assert res.losses == pytest.approx(ref.losses, rel=RTOL)
+
+
+def test_failing_run_is_recorded_and_the_others_go_on():
+    """on_error="record": a run that fails becomes a RunError; the workers restart with the next run."""
+    from fxpipe.codegen.launch import RunError
+
+    good = dict(make_model=make_mlp, stage_of=functools.partial(stage_of_by_fraction, num_stages=2), orders="1f1b",
+                num_microbatches=MICROBATCHES, make_batch=make_batch_mlp, steps=1, loss="mse")
+    bad = {**good, "stage_of": {"x": 1}}
+    res = spawn_train_many([good, bad, good], world_size=2, on_error="record", run_timeout_s=200)
+    assert isinstance(res[0], TrainResult) and isinstance(res[2], TrainResult)
+    assert isinstance(res[1], RunError) and "placeholder 'x' must be on stage 0" in res[1].message
+    assert res[0].losses == res[2].losses

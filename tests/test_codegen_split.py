@@ -9,16 +9,9 @@ import pytest
 import torch
 import torch.fx as fx
 
-from fxpipe.codegen.runtime import (
-    _example_io,
-    _example_io_static,
-    actions_from_orders,
-    build_rank,
-    check_orders,
-    format_actions,
-    fuse_backward,
-    orders_from_schedule,
-)
+from fxpipe.codegen.actions import actions_from_orders, check_orders, format_actions, fuse_backward, orders_from_schedule
+from fxpipe.codegen.rank import build_rank
+from fxpipe.codegen.shapes import stage_io
 from fxpipe.codegen.split import canonical_param_names, split_stages
 from fxpipe.errors import InputError
 
@@ -272,14 +265,18 @@ def test_non_tensor_values_are_recomputed_not_sent():
     staged2 = split_stages(gm, {**stage_of, t.name: 1}, 2)
     assert staged2.boundary_names == (("x",),)
     torch.testing.assert_close(staged2.run(inp, 5), gm(inp, 5))
-    # a non-tensor model input used after stage 0 cannot be recomputed
+    # a non-tensor model input used after stage 0 is the constant torch.export specialised: it is
+    # baked into the stage that uses it, never sent, and another value is refused clearly
     y2 = g.call_function(torch.add, (y, k))
     y2.meta["val"] = torch.empty(3)
     g.erase_node(next(n for n in g.nodes if n.op == "output"))
     g.output(y2)
     gm2 = fx.GraphModule(M(), g)
-    with pytest.raises(InputError, match="non-tensor value .*only tensors"):
-        split_stages(gm2, {**stage_of, y2.name: 1}, 2)
+    staged3 = split_stages(gm2, {**stage_of, y2.name: 1}, 2)
+    assert "k" not in staged3.input_names and all("k" not in b for b in staged3.boundary_names)
+    torch.testing.assert_close(staged3.run(inp, 5), gm2(inp, 5))
+    with pytest.raises(InputError, match="captured as the constant 5"):
+        staged3.run(inp, 6)
 
 
 def test_actions_golden_and_fusion():
@@ -381,15 +378,16 @@ def test_split_backward_blind_parameters_detected(t5, gpt2):
     stage input (T5: decoder embedding on a later stage; relative position bias sent on)."""
     _, gm, mb = t5
     staged = split_stages(gm, stage_of_by_blocks(gm, [1, 1000, 1001]), 4)
-    _, _, blind1 = _example_io(staged, 1, mb)
+    blind1 = stage_io(staged, 1, mb, fake=False).blind_params
     assert any("shared" in f or "embed_tokens" in f for f in blind1), blind1
-    _, _, blind2 = _example_io(staged, 2, mb)
+    blind2 = stage_io(staged, 2, mb, fake=False).blind_params
     assert any("relative_attention_bias" in f for f in blind2), blind2
     _, gm2, mb2 = gpt2
     staged2 = split_stages(gm2, stage_of_by_blocks(gm2, [1, 2, 3]), 4)
     for s in range(4):
-        ins, outs, blind = _example_io(staged2, s, mb2)
-        assert blind == []
+        io = stage_io(staged2, s, mb2, fake=False)
+        ins, blind = io.inputs, io.blind_params
+        assert blind == ()
         if s > 0:
             assert any(t.requires_grad for t in ins)
 
@@ -403,10 +401,12 @@ def test_static_shape_inference_matches_real_run(t5):
         return [(tuple(t.shape), t.dtype, t.requires_grad) for t in ts]
 
     for s in range(4):
-        ri, ro, rb = _example_io(staged, s, mb)
-        fi, fo, fb = _example_io_static(staged, s, mb)
-        assert meta(fi) == meta(ri) and meta(fo) == meta(ro) and fb == rb
-        assert all(t.is_contiguous() for t in fi)
+        real = stage_io(staged, s, mb, fake=False)
+        fake = stage_io(staged, s, mb)
+        assert fake.static and not real.static
+        assert meta(fake.inputs) == meta(real.inputs) and meta(fake.outputs) == meta(real.outputs)
+        assert fake.blind_params == real.blind_params
+        assert all(t.is_contiguous() for t in fake.inputs)
 
 
 @pytest.fixture()

@@ -1,16 +1,28 @@
 """Code generation: stage modules and the ``torch.distributed.pipelining`` runtime.
 
+Small passes, one job each:
+
+- :mod:`fxpipe.codegen.effects`: aliasing, in-place writes, state mutation and random ops of a graph.
 - :mod:`fxpipe.codegen.split`: :func:`split_stages` turns an exported ``GraphModule`` and a
-  node -> stage map into per-stage ``GraphModule`` s (relaying tensors that skip stages).
-- :mod:`fxpipe.codegen.runtime`: :func:`actions_from_orders` (fxpipe F/B/W orders -> torch
-  action strings), :func:`build_rank` / :func:`build_pipeline_rank` (this rank's
-  ``PipelineStage`` + schedule runtime). The only module importing private torch APIs.
+  node -> stage map into per-stage ``GraphModule`` s (relayed skip tensors, in-place updates
+  placed and cloned, contiguous gradients, every parameter and buffer owned by a stage).
+- :mod:`fxpipe.codegen.interface`: the model's pytree inputs/outputs <-> flat stage tensors,
+  micro-batch splitting and output merging (:class:`ModelInputs`, :class:`ModelInterface`).
+- :mod:`fxpipe.codegen.actions`: fxpipe F/B/W orders -> torch action strings (pure lists).
+- :mod:`fxpipe.codegen.shapes`: static shape inference on fake tensors (never touches real state).
+- :mod:`fxpipe.codegen.runtime`: the only module importing private torch APIs (pytrees, op
+  schemas, fake tensors, ``_PipelineScheduleRuntime``) and :class:`FxpipeScheduleRuntime`.
+- :mod:`fxpipe.codegen.rank`: :func:`build_rank` / :func:`build_pipeline_rank` (this rank's
+  ``PipelineStage`` + schedule runtime).
 - :mod:`fxpipe.codegen.launch`: :func:`spawn_train` (multi-process gloo training on this
   machine) and :func:`reference_train` (single-process oracle).
+- :mod:`fxpipe.codegen.compare`: :func:`compare_training` (losses, gradients, parameters, buffers).
 """
 
 from __future__ import annotations
 
+from fxpipe.codegen.actions import actions_from_orders, check_orders, format_actions, fuse_backward, orders_from_schedule
+from fxpipe.codegen.interface import ModelInputs, ModelInterface, split_microbatches
 from fxpipe.codegen.split import StagedProgram, StageSpec, canonical_param_names, split_stages
 
 __all__ = [
@@ -18,28 +30,39 @@ __all__ = [
     "StageSpec",
     "split_stages",
     "canonical_param_names",
+    "ModelInputs",
+    "ModelInterface",
+    "split_microbatches",
     "actions_from_orders",
     "orders_from_schedule",
     "check_orders",
     "fuse_backward",
+    "format_actions",
     "build_rank",
     "build_pipeline_rank",
     "spawn_train",
+    "spawn_train_many",
     "reference_train",
     "TrainResult",
+    "compare_training",
+    "TrainingComparison",
 ]
 
-_RUNTIME = {"actions_from_orders", "orders_from_schedule", "check_orders", "fuse_backward", "build_rank", "build_pipeline_rank"}
-_LAUNCH = {"spawn_train", "reference_train", "TrainResult"}
+_LAZY = {
+    "build_rank": "rank",
+    "build_pipeline_rank": "rank",
+    "spawn_train": "launch",
+    "spawn_train_many": "launch",
+    "reference_train": "launch",
+    "TrainResult": "launch",
+    "compare_training": "compare",
+    "TrainingComparison": "compare",
+}
 
 
-def __getattr__(name):  # runtime/launch import torch.distributed lazily
-    if name in _RUNTIME:
-        from fxpipe.codegen import runtime
+def __getattr__(name):  # rank/launch import torch.distributed lazily
+    if name in _LAZY:
+        import importlib
 
-        return getattr(runtime, name)
-    if name in _LAUNCH:
-        from fxpipe.codegen import launch
-
-        return getattr(launch, name)
+        return getattr(importlib.import_module(f"fxpipe.codegen.{_LAZY[name]}"), name)
     raise AttributeError(f"module 'fxpipe.codegen' has no attribute {name!r}")

@@ -1,15 +1,18 @@
 """Run a pipeline on this machine: N gloo processes, a few training steps, results gathered.
 
-:func:`spawn_train` captures the model in every worker (``fxpipe.passes.capture``, i.e.
-``torch.export`` of one micro-batch, exactly as ``fxpipe.compile`` does),
-splits it into stages, builds each rank's ``PipelineStage`` + schedule runtime
-(:mod:`fxpipe.codegen.runtime`) and trains with SGD; :func:`reference_train` trains the eager
-model in one process with the same micro-batch loss averaging (loss applied per micro-batch,
-gradients of the mean micro-batch loss, as torch's schedules with ``scale_grads=True``).
-Comparing the two is the end-to-end correctness oracle of the code generator.
+:func:`spawn_train_many` starts ``world_size`` worker processes once and runs a list of
+training runs in them. A worker captures each model once (``fxpipe.passes.capture``, i.e.
+``torch.export`` of one micro-batch, exactly as ``fxpipe.compile`` does), keeps the capture and
+its initial state for the following runs of the same model (other schedules), splits it into
+stages, builds each rank's ``PipelineStage`` + schedule runtime (:mod:`fxpipe.codegen.rank`)
+and trains with SGD. :func:`reference_train` trains the eager model in one process with the
+same micro-batches (:func:`fxpipe.codegen.interface.split_microbatches`) and loss averaging
+(loss applied per micro-batch, gradients of the mean micro-batch loss, as torch's schedules
+with ``scale_grads=True``). :func:`fxpipe.codegen.compare.compare_training` compares the two:
+the end-to-end correctness oracle of the code generator.
 
 Worker results travel through a temporary directory (JSON for losses, ``torch.save`` of
-tensors for gradients/parameters; test plumbing only, never an fxpipe output file).
+tensors for gradients/parameters/buffers; test plumbing only, never an fxpipe output file).
 """
 
 from __future__ import annotations
@@ -26,10 +29,12 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
+from fxpipe.codegen.interface import ModelInputs, as_call, call_model, split_microbatches
 from fxpipe.errors import InputError
 
 __all__ = [
     "TrainResult",
+    "RunError",
     "spawn_train",
     "spawn_train_many",
     "reference_train",
@@ -47,24 +52,41 @@ class TrainResult:
     ----------
     losses : list[float]
         Mean micro-batch loss of each step (before that step's optimizer update).
-    grads : dict[str, torch.Tensor]
+    grads : dict[str, torch.Tensor | None]
         Gradient of every parameter (canonical FQN, i.e. ``model.named_parameters()`` names)
-        after the last step's backward, before its update.
+        after the last step's backward, before its update; ``None`` where autograd produced
+        none (parameters the forward never uses), as in eager PyTorch.
     params : dict[str, torch.Tensor]
         Parameters after all steps.
+    buffers : dict[str, torch.Tensor]
+        Buffers after all steps (``model.named_buffers()`` names; from the stage owning each).
     meta : dict
-        Extra information (``stage_params``: canonical FQNs held by each stage,
-        ``shared_params``, ``actions``, ``wall_s``).
+        Extra information (``stage_params``, ``shared_params``, ``actions``, ``relayed``,
+        ``random_ops``, ``moved_nodes``, ``train_wall_s``, ``wall_s``).
     """
 
     losses: list[float]
-    grads: dict[str, torch.Tensor]
+    grads: dict[str, torch.Tensor | None]
     params: dict[str, torch.Tensor]
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
 
 
-def cross_entropy_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Token-level cross entropy (mean) of logits ``(..., V)`` against ids ``(...)``."""
+@dataclass
+class RunError:
+    """A run of :func:`spawn_train_many` (``on_error="record"``) that failed: its message."""
+
+    message: str
+
+
+def cross_entropy_loss(output, target: torch.Tensor) -> torch.Tensor:
+    """Token-level cross entropy (mean) of logits ``(..., V)`` against ids ``(...)``.
+
+    ``output`` may be the logits tensor or a model output holding ``logits`` (a Hugging Face
+    ``ModelOutput`` or a dict).
+    """
+    if not isinstance(output, torch.Tensor):
+        output = output["logits"]
     return torch.nn.functional.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1))
 
 
@@ -133,43 +155,17 @@ def generate_orders(name: str, num_stages: int, num_microbatches: int) -> dict[i
     return orders_from_schedule(generate(problem, key), problem.num_stages)
 
 
-def _split_mb(t: torch.Tensor, m: int) -> list[torch.Tensor]:
-    if t.shape[0] % m:
-        raise InputError(f"batch size {t.shape[0]} is not divisible by {m} micro-batches")
-    return list(torch.tensor_split(t, m, dim=0))
+def _as_inputs(inputs: Any) -> ModelInputs:
+    return ModelInputs(*as_call(inputs))
 
 
-def _microbatches(inputs, m: int) -> list:
-    """Split model inputs (tuple of tensors, or dict of keyword tensors) into ``m`` micro-batches."""
-    if isinstance(inputs, Mapping):
-        parts = {k: _split_mb(v, m) for k, v in inputs.items()}
-        return [{k: v[j] for k, v in parts.items()} for j in range(m)]
-    parts = [_split_mb(t, m) for t in inputs]
-    return [tuple(p[j] for p in parts) for j in range(m)]
-
-
-def _call(model, mb):
-    return model(**mb) if isinstance(mb, Mapping) else model(*mb)
-
-
-def _flat(gm: torch.fx.GraphModule, inputs) -> tuple:
-    """Model inputs in ``gm``'s placeholder order (keyword inputs are matched by name)."""
-    if not isinstance(inputs, Mapping):
-        return tuple(inputs)
-    names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
-    missing = [n for n in names if n not in inputs]
-    if missing:
-        raise InputError(f"keyword inputs {sorted(inputs)} do not provide the graph inputs {missing}")
-    return tuple(inputs[n] for n in names)
-
-
-def _canonical(module: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
-    return dict(module.named_parameters())
+def _grads_of(named: Mapping[str, torch.nn.Parameter]) -> dict[str, torch.Tensor | None]:
+    return {k: (p.grad.detach().clone() if p.grad is not None else None) for k, p in named.items()}
 
 
 def reference_train(
-    make_model: Callable[[], tuple[torch.nn.Module, Sequence[torch.Tensor]]],
-    make_batch: Callable[[int], tuple[Sequence[torch.Tensor], torch.Tensor]],
+    make_model: Callable[[], tuple[torch.nn.Module, Any]],
+    make_batch: Callable[[int], tuple[Any, Any]],
     *,
     num_microbatches: int,
     steps: int = 2,
@@ -179,101 +175,160 @@ def reference_train(
 ) -> TrainResult:
     """Single-process training of the eager model with pipeline loss semantics.
 
-    Each step: the batch from ``make_batch(step)`` is split into ``num_microbatches`` along
-    dim 0; ``loss = mean_j loss_fn(model(*mb_j), target_j)``; backward; SGD update.
+    Each step: the batch from ``make_batch(step)`` is split into ``num_microbatches`` micro-batches
+    (:func:`~fxpipe.codegen.interface.split_microbatches`, the pipeline's rule, also for the
+    target); ``loss = mean_j loss_fn(model(mb_j), target_j)``; backward; SGD update.
 
     Parameters
     ----------
     make_model : callable() -> (model, example_inputs)
         Built under ``torch.manual_seed(seed)`` (same as the workers of :func:`spawn_train`).
-        Inputs are a tuple of positional tensors or a dict of keyword tensors.
-    make_batch : callable(step) -> (inputs tuple, target)
-        Full batch of step ``step``.
+        Inputs are a tuple (positional), a dict (keywords) or a
+        :class:`~fxpipe.codegen.interface.ModelInputs`, of any pytree structure.
+    make_batch : callable(step) -> (inputs, target)
+        Full batch of step ``step`` (``target`` any pytree).
     num_microbatches, steps, lr, loss, seed :
         As in :func:`spawn_train`.
+
+    Runs with one intra-op thread, as the pipeline workers do, so that both sides use the same
+    kernels and reduction orders (ill-conditioned models, e.g. BatchNorm on small micro-batches,
+    amplify the rounding differences of other thread counts).
     """
-    lf = _loss_fn(loss)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the workers' setting: the same kernels, the same reduction order
+    try:
+        return _reference_train(make_model, make_batch, num_microbatches, steps, lr, _loss_fn(loss), seed)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _reference_train(make_model, make_batch, num_microbatches, steps, lr, lf, seed) -> TrainResult:
     torch.manual_seed(seed)
     model, _ = make_model()
-    params = _canonical(model)
+    params = dict(model.named_parameters())
     opt = torch.optim.SGD(params.values(), lr=lr)
     losses: list[float] = []
-    grads: dict[str, torch.Tensor] = {}
+    grads: dict[str, torch.Tensor | None] = {}
     for step in range(steps):
         inputs, target = make_batch(step)
-        opt.zero_grad()
-        mbs = _microbatches(inputs, num_microbatches)
-        tgts = _split_mb(target, num_microbatches)
+        opt.zero_grad(set_to_none=True)
+        mbs = split_microbatches(_as_inputs(inputs), num_microbatches)
+        tgts = split_microbatches(target, num_microbatches, "target")
         total = None
         vals = []
         for mb, tg in zip(mbs, tgts):
-            l = lf(_call(model, mb), tg)
+            l = lf(call_model(model, mb), tg)
             vals.append(float(l.detach()))
             total = l if total is None else total + l
         (total / num_microbatches).backward()
         losses.append(sum(vals) / len(vals))
-        grads = {k: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)) for k, p in params.items()}
+        grads = _grads_of(params)
         opt.step()
-    return TrainResult(losses, grads, {k: p.detach().clone() for k, p in params.items()}, {"num_microbatches": num_microbatches})
+    return TrainResult(
+        losses, grads, {k: p.detach().clone() for k, p in params.items()},
+        {k: b.detach().clone() for k, b in model.named_buffers()}, {"num_microbatches": num_microbatches},
+    )
 
 
-def _capture(model: torch.nn.Module, mb_example) -> torch.fx.GraphModule:
+def _capture(model: torch.nn.Module, mb_example: ModelInputs) -> torch.fx.GraphModule:
     """The unlifted graph of one micro-batch, captured exactly as ``fxpipe.compile`` does."""
-    args, kwargs = ((), dict(mb_example)) if isinstance(mb_example, Mapping) else (tuple(mb_example), {})
-    try:
-        from fxpipe.passes.capture import capture
-    except ImportError:  # pragma: no cover - capture pass not installed
-        return torch.export.export(model, args, kwargs, strict=False).module()
-    return capture(model, args, kwargs).gm
+    from fxpipe.passes.capture import capture
+
+    return capture(model, mb_example.args, mb_example.kwargs).gm
 
 
-def _run_one(rank: int, world: int, cfg: dict, out_dir: str, idx: int) -> None:
+class _Captured:
+    """A worker's capture of one model, kept for the next runs of the same model.
+
+    The initial values of every parameter and buffer are kept; :meth:`reset` restores them
+    (and clears gradients) so each run starts from the weights ``make_model`` built.
+    """
+
+    def __init__(self, key, gm: torch.fx.GraphModule, mb_example: ModelInputs):
+        self.key = key
+        self.gm = gm
+        self.mb_example = mb_example
+        self.random_ops = None
+        tensors = {id(t): t for _, t in list(gm.named_parameters()) + list(gm.named_buffers())}
+        self._state = [(t, t.detach().clone()) for t in tensors.values()]
+        self.staged: dict = {}  # (world, stage map) -> StagedProgram
+        self.io_cache: dict = {}  # shape inference per staged program and rank
+
+    def reset(self) -> None:
+        with torch.no_grad():
+            for t, v in self._state:
+                t.copy_(v)
+                if isinstance(t, torch.nn.Parameter):
+                    t.grad = None
+
+
+def _capture_key(run: Mapping[str, Any]):
+    return (run.get("model_key", id(run["make_model"])), run["seed"], run["num_microbatches"])
+
+
+def _run_one(rank: int, world: int, run: dict, out_dir: str, idx: int, cache: dict, groups: dict) -> None:
     """One training run inside an initialised process group (one stage per rank)."""
-    from fxpipe.codegen.runtime import actions_from_orders, build_rank
+    from fxpipe.codegen.actions import actions_from_orders
+    from fxpipe.codegen.effects import random_ops
+    from fxpipe.codegen.rank import build_rank
     from fxpipe.codegen.split import split_stages
 
-    m = cfg["num_microbatches"]
-    torch.manual_seed(cfg["seed"])
-    model, example = cfg["make_model"]()
-    mb_example = _microbatches(example, m)[0]
-    gm = _capture(model, mb_example)
-    stage_of = cfg["stage_of"]
+    m = run["num_microbatches"]
+    key = _capture_key(run)
+    cap = cache.get("captured")
+    if cap is None or cap.key != key:
+        cache["captured"] = None
+        torch.manual_seed(run["seed"])
+        model, example = run["make_model"]()
+        mb_example = split_microbatches(_as_inputs(example), m)[0]
+        cap = _Captured(key, _capture(model, mb_example), mb_example)
+        cache["captured"] = cap
+    else:
+        cap.reset()
+    torch.manual_seed(run["seed"])
+    gm = cap.gm
+    if cap.random_ops is None:
+        cap.random_ops = [str(o) for o in random_ops(gm)]
+    stage_of = run["stage_of"]
     if callable(stage_of):
         stage_of = stage_of(gm)
-    staged = split_stages(gm, stage_of, world)
-    orders = cfg["orders"]
+    skey = (world, tuple(sorted(stage_of.items())))
+    if skey not in cap.staged:
+        cap.staged[skey] = split_stages(gm, stage_of, world)
+    staged = cap.staged[skey]
+    orders = run["orders"]
     if isinstance(orders, str):
         orders = generate_orders(orders, world, m)
-    actions = actions_from_orders(orders, world, num_microbatches=m, fuse=cfg["fuse"])
-    loss_fn = _loss_fn(cfg["loss"])
+    actions = actions_from_orders(orders, world, num_microbatches=m, fuse=run["fuse"])
+    loss_fn = _loss_fn(run["loss"])
     stage, sched = build_rank(
-        staged, rank, actions, num_microbatches=m, loss_fn=loss_fn,
-        example_microbatch_inputs=_flat(gm, mb_example), fused_backward=cfg["fused_backward"],
+        staged, rank, actions, num_microbatches=m, loss_fn=loss_fn, example_microbatch_inputs=cap.mb_example,
+        fused_backward=run["fused_backward"], group_cache=groups, io_cache=cap.io_cache,
     )
     spec = staged.stages[rank]
     named = spec.named_parameters()
-    opt = torch.optim.SGD(list(named.values()), lr=cfg["lr"]) if named else None  # pure relay stage: no params
+    opt = torch.optim.SGD(list(named.values()), lr=run["lr"]) if named else None  # pure relay stage: no params
     losses: list[float] = []
-    grads: dict[str, torch.Tensor] = {}
+    grads: dict[str, torch.Tensor | None] = {}
     t0 = time.perf_counter()
-    for step in range(cfg["steps"]):
-        inputs, target = cfg["make_batch"](step)
+    for step in range(run["steps"]):
+        inputs, target = run["make_batch"](step)
         if opt is not None:
-            opt.zero_grad()
+            opt.zero_grad(set_to_none=True)
         mb_losses: list[torch.Tensor] = []
-        args = _flat(gm, inputs) if stage.is_first else ()
-        kwargs: dict[str, Any] = {}
-        if stage.is_last:
-            kwargs = {"target": target, "losses": mb_losses}
-        sched.step(*args, **kwargs)
+        args, kwargs = as_call(inputs) if stage.is_first else ((), {})
+        sched.step(*args, target=target if stage.is_last else None, losses=mb_losses, return_outputs=False, **kwargs)
         if stage.is_last:
             losses.append(sum(float(l.detach()) for l in mb_losses) / len(mb_losses))
-        grads = {k: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)) for k, p in named.items()}
+        grads = _grads_of(named)
         if opt is not None:
             opt.step()
     wall = time.perf_counter() - t0
+    owned = [fqn for fqn, s in staged.buffer_owner.items() if s == rank]
+    bufs = spec.named_buffers()
     torch.save(
-        {"grads": grads, "params": {k: p.detach().clone() for k, p in named.items()}},
+        {"grads": grads, "params": {k: p.detach().clone() for k, p in named.items()},
+         "buffers": {k: bufs[k].detach().clone() for k in owned}},
         os.path.join(out_dir, f"run{idx}_rank{rank}.pt"),
     )
     with open(os.path.join(out_dir, f"run{idx}_rank{rank}.json"), "w") as f:
@@ -283,7 +338,11 @@ def _run_one(rank: int, world: int, cfg: dict, out_dir: str, idx: int) -> None:
                 "param_fqns": list(spec.param_fqns),
                 "shared_params": {k: list(v) for k, v in staged.shared_params.items()},
                 "relayed": {s.index: list(s.relayed_names) for s in staged.stages},
+                "cloned": {s.index: list(s.cloned_inputs) for s in staged.stages},
+                "moved_nodes": {k: list(v) for k, v in staged.moved_nodes.items()},
                 "actions": sched.fxpipe_actions[rank],
+                "fused_full_backward": bool(sched.fxpipe_fused_full_backward),
+                "random_ops": cap.random_ops,
                 "train_wall_s": wall,
             },
             f,
@@ -296,18 +355,21 @@ def _worker(rank: int, cfg: dict) -> None:
     torch.set_num_threads(1)
     out_dir = cfg["out_dir"]
     world = cfg["world_size"]
+    idx = -1
     try:
         dist.init_process_group(
             "gloo", init_method=cfg["init_method"], rank=rank, world_size=world,
-            timeout=timedelta(seconds=cfg["timeout_s"]),
+            timeout=timedelta(seconds=cfg["collective_timeout_s"]),
         )
         torch.use_deterministic_algorithms(True)
-        for idx, run in enumerate(cfg["runs"]):
-            _run_one(rank, world, run, out_dir, idx)
+        cache: dict = {}
+        groups: dict = {}
+        for idx, run in cfg["runs"]:
+            _run_one(rank, world, run, out_dir, idx, cache, groups)
             dist.barrier()
     except BaseException:
         with open(os.path.join(out_dir, f"rank{rank}.err"), "w") as f:
-            f.write(traceback.format_exc())
+            f.write(f"run {idx}\n{traceback.format_exc()}")
         raise
     finally:
         if dist.is_initialized():
@@ -315,13 +377,13 @@ def _worker(rank: int, cfg: dict) -> None:
 
 
 def spawn_train(
-    make_model: Callable[[], tuple[torch.nn.Module, Sequence[torch.Tensor]]],
+    make_model: Callable[[], tuple[torch.nn.Module, Any]],
     stage_of: Mapping[str, int] | Callable[[torch.fx.GraphModule], Mapping[str, int]],
     orders: Mapping[int, Sequence[tuple[str, int]]] | str | Any,
     *,
     world_size: int,
     num_microbatches: int,
-    make_batch: Callable[[int], tuple[Sequence[torch.Tensor], torch.Tensor]],
+    make_batch: Callable[[int], tuple[Any, Any]],
     steps: int = 2,
     lr: float = 0.1,
     loss: str | Callable = "cross_entropy",
@@ -336,10 +398,10 @@ def spawn_train(
     ----------
     make_model : picklable callable() -> (model, example_inputs)
         Called under ``torch.manual_seed(seed)`` in every worker, so all ranks start from the
-        same weights; ``example_inputs`` is a full batch (dim 0 divisible by
-        ``num_microbatches``) as a tuple of positional tensors or a dict of keyword tensors;
-        its first micro-batch is what ``torch.export`` captures. Pipeline stage 0 receives the
-        inputs in the captured graph's placeholder order (keywords matched by name).
+        same weights; ``example_inputs`` is a full batch in the model's calling form (a tuple
+        of positional inputs, a dict of keyword inputs or a
+        :class:`~fxpipe.codegen.interface.ModelInputs`; any pytree), whose first micro-batch
+        (:func:`~fxpipe.codegen.interface.split_microbatches`) is what ``torch.export`` captures.
     stage_of : Mapping[str, int] or picklable callable(gm) -> Mapping[str, int]
         Node name -> stage (see :func:`fxpipe.codegen.split.split_stages`).
     orders : Mapping[int, list[(type, microbatch)]], str or fxpipe.ir.Schedule
@@ -350,13 +412,13 @@ def spawn_train(
     num_microbatches : int
         Micro-batches per step.
     make_batch : picklable callable(step) -> (inputs, target)
-        The full batch of each step; ``inputs`` is a tuple of positional tensors or a dict of
-        keyword tensors (same convention as ``make_model``'s example inputs).
+        The full batch of each step, inputs in the same form as ``make_model``'s example;
+        ``target`` any pytree (tensors split along dim 0 like the inputs).
     steps, lr, loss, seed :
         SGD steps, learning rate, ``"cross_entropy"`` / ``"mse"`` / callable(output, target)
-        (must be picklable), RNG seed.
+        (must be picklable; ``output`` has the model's output structure), RNG seed.
     fuse, fused_backward :
-        See :func:`fxpipe.codegen.runtime.actions_from_orders` / ``build_rank``.
+        See :func:`fxpipe.codegen.actions.actions_from_orders` / :func:`fxpipe.codegen.rank.build_rank`.
     timeout_s : float
         Wall-clock limit for the whole run and for each collective; on expiry the workers are
         terminated and ``TimeoutError`` is raised instead of hanging.
@@ -366,7 +428,7 @@ def spawn_train(
     TrainResult
         Losses (from the last rank), gradients and parameters of every parameter gathered from
         the ranks that hold it (canonical FQNs; tied parameters are checked to be equal on
-        every holder).
+        every holder), buffers from the stage that owns each.
 
     Raises
     ------
@@ -383,27 +445,46 @@ def spawn_train(
     return spawn_train_many([run], world_size=world_size, timeout_s=timeout_s)[0]
 
 
-def spawn_train_many(runs: Sequence[Mapping[str, Any]], *, world_size: int, timeout_s: float = 300.0) -> list[TrainResult]:
+def spawn_train_many(runs: Sequence[Mapping[str, Any]], *, world_size: int, timeout_s: float = 300.0,
+                     on_error: str = "raise", run_timeout_s: float | None = None,
+                     warn_random: bool = True) -> list[TrainResult | RunError]:
     """Several :func:`spawn_train` runs in one set of worker processes (start-up paid once).
+
+    Runs of the same model (same ``make_model`` object or the same ``model_key``, seed and
+    micro-batch count) that follow each other reuse the workers' capture; put them next to each
+    other.
 
     Parameters
     ----------
     runs : sequence of dict
         Each with the keyword arguments of :func:`spawn_train` except ``world_size`` and
         ``timeout_s`` (``make_model``, ``stage_of``, ``orders``, ``num_microbatches`` and
-        ``make_batch`` are required).
-    world_size, timeout_s :
-        As in :func:`spawn_train` (the time limit covers all runs).
+        ``make_batch`` are required), plus optionally ``model_key`` (hashable, names the model
+        for capture reuse).
+    world_size : int
+        As in :func:`spawn_train`.
+    timeout_s : float
+        Limit for all runs together (``on_error="raise"``) or, when ``run_timeout_s`` is not
+        given, for each run (``on_error="record"``).
+    on_error : {"raise", "record"}
+        ``"raise"``: the first failing run raises. ``"record"``: a failing run becomes a
+        :class:`RunError` in the result list and the workers restart with the next run.
+    run_timeout_s : float, optional
+        With ``on_error="record"``: limit for one run (default ``timeout_s``).
+    warn_random : bool
+        Warn (:class:`~fxpipe.codegen.compare.RandomOpsWarning`) for a model with active random ops.
 
     Returns
     -------
-    list[TrainResult]
+    list[TrainResult | RunError]
         One per run, in order.
     """
     import torch.multiprocessing as mp
 
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise InputError(f"world_size must be an integer >= 1, got {world_size!r}")
+    if on_error not in ("raise", "record"):
+        raise InputError(f"on_error must be 'raise' or 'record', got {on_error!r}")
     defaults = dict(steps=2, lr=0.1, loss="cross_entropy", seed=0, fuse=True, fused_backward=False)
     norm_runs = []
     for i, r in enumerate(runs):
@@ -414,44 +495,99 @@ def spawn_train_many(runs: Sequence[Mapping[str, Any]], *, world_size: int, time
         if isinstance(run["orders"], str):  # a schedule name: fail here, before any worker starts
             run["orders"] = generate_orders(run["orders"], world_size, run["num_microbatches"])
         elif not isinstance(run["orders"], Mapping):  # an fxpipe.ir.Schedule
-            from fxpipe.codegen.runtime import orders_from_schedule
+            from fxpipe.codegen.actions import orders_from_schedule
 
             run["orders"] = orders_from_schedule(run["orders"], world_size)
         norm_runs.append(run)
+    results: dict[int, TrainResult | RunError] = {}
+    per_run = run_timeout_s if run_timeout_s is not None else timeout_s
     with tempfile.TemporaryDirectory(prefix="fxpipe-spawn-") as out_dir:
-        deadline = time.monotonic() + timeout_s
         t0 = time.perf_counter()
-        for attempt in range(2):
-            # the rendezvous address travels in the worker config (no MASTER_ADDR/MASTER_PORT
-            # written to this process's environment)
-            cfg = dict(out_dir=out_dir, world_size=world_size, runs=norm_runs, timeout_s=timeout_s,
+        pending = list(range(len(norm_runs)))
+        port_retry = True
+        while pending:
+            cfg = dict(out_dir=out_dir, world_size=world_size, runs=[(i, norm_runs[i]) for i in pending],
+                       collective_timeout_s=per_run if on_error == "record" else timeout_s,
                        init_method=f"tcp://127.0.0.1:{free_port()}")
             try:
-                _start_and_join(mp, cfg, world_size, timeout_s, deadline)
-                break
+                _start_and_join(mp, cfg, world_size, timeout_s if on_error == "raise" else None,
+                                per_run if on_error == "record" else None)
+                pending = []
             except _PortTaken:
-                if attempt:
+                if not port_retry:
                     raise RuntimeError(f"a pipeline worker failed twice to bind its port:{_errors(out_dir)}") from None
-                for name in os.listdir(out_dir):  # forget the failed attempt
-                    os.remove(os.path.join(out_dir, name))
+                port_retry = False
+                _forget(out_dir, pending, world_size)
+                continue
+            except (RuntimeError, TimeoutError) as exc:
+                done = [i for i in pending if _complete(out_dir, i, world_size)]
+                failed = next((i for i in pending if i not in done), None)
+                if on_error == "raise" or failed is None:
+                    raise
+                results[failed] = RunError(str(exc))
+                _clear_errors(out_dir)
+                pending = [i for i in pending if i not in done and i != failed]
         wall = time.perf_counter() - t0
-        return [_gather(out_dir, world_size, i, wall) for i in range(len(norm_runs))]
+        for i in range(len(norm_runs)):
+            if i not in results:
+                results[i] = _gather(out_dir, world_size, i, wall)
+    out = [results[i] for i in range(len(norm_runs))]
+    if warn_random:
+        from fxpipe.codegen.compare import random_ops_warning
+
+        seen: set = set()
+        for r in out:
+            ops = tuple(r.meta.get("random_ops", ())) if isinstance(r, TrainResult) else ()
+            if ops and ops not in seen:
+                seen.add(ops)
+                random_ops_warning(ops)
+    return out
 
 
 class _PortTaken(Exception):
     """Rank 0 could not bind the rendezvous port (taken between free_port() and the bind)."""
 
 
-def _start_and_join(mp, cfg: dict, world_size: int, timeout_s: float, deadline: float) -> None:
-    """Start the workers and wait for them; raise on failure, timeout or a taken port."""
+def _complete(out_dir: str, idx: int, world: int) -> bool:
+    return all(os.path.exists(os.path.join(out_dir, f"run{idx}_rank{r}.json")) for r in range(world))
+
+
+def _forget(out_dir: str, pending: Sequence[int], world: int) -> None:
+    """Remove the files of a failed attempt (pending runs and error reports)."""
+    pend = set(pending)
+    for name in os.listdir(out_dir):
+        if name.endswith(".err") or name.startswith("run") and int(name[3:].split("_")[0]) in pend:
+            os.remove(os.path.join(out_dir, name))
+
+
+def _clear_errors(out_dir: str) -> None:
+    for name in os.listdir(out_dir):
+        if name.endswith(".err"):
+            os.remove(os.path.join(out_dir, name))
+
+
+def _start_and_join(mp, cfg: dict, world_size: int, timeout_s: float | None, run_timeout_s: float | None) -> None:
+    """Start the workers and wait for them; raise on failure, timeout or a taken port.
+
+    ``timeout_s`` limits the whole job; ``run_timeout_s`` the time between two completed runs.
+    """
     out_dir = cfg["out_dir"]
+    start = last_progress = time.monotonic()
+    n_done = 0
     ctx = mp.start_processes(_worker, args=(cfg,), nprocs=world_size, join=False, start_method="spawn")
     try:
         while not ctx.join(timeout=0.5):
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if run_timeout_s is not None:
+                done = sum(1 for i, _ in cfg["runs"] if _complete(out_dir, i, world_size))
+                if done != n_done:
+                    n_done, last_progress = done, now
+                if now - last_progress > run_timeout_s:
+                    raise TimeoutError(f"a pipeline run with {world_size} ranks did not finish within "
+                                       f"{run_timeout_s:.0f} s" + _errors(out_dir))
+            if timeout_s is not None and now - start > timeout_s:
                 raise TimeoutError(
-                    f"pipeline run with {world_size} ranks did not finish within {timeout_s:.0f} s"
-                    + _errors(out_dir)
+                    f"pipeline run with {world_size} ranks did not finish within {timeout_s:.0f} s" + _errors(out_dir)
                 )
     except mp.ProcessRaisedException as exc:
         errs = _errors(out_dir)
@@ -478,28 +614,31 @@ def _errors(out_dir: str) -> str:
 
 
 def _gather(out_dir: str, world: int, idx: int, wall: float) -> TrainResult:
-    grads: dict[str, torch.Tensor] = {}
+    grads: dict[str, torch.Tensor | None] = {}
     params: dict[str, torch.Tensor] = {}
+    buffers: dict[str, torch.Tensor] = {}
     stage_params: list[list[str]] = []
     losses: list[float] = []
-    shared: dict[str, list[int]] = {}
+    info: dict[str, Any] = {}
     actions: dict[int, list[str]] = {}
-    relayed: dict[int, list[str]] = {}
+    fused: dict[int, bool] = {}
     train_wall = 0.0
     for r in range(world):
         with open(os.path.join(out_dir, f"run{idx}_rank{r}.json")) as f:
             info = json.load(f)
         blob = torch.load(os.path.join(out_dir, f"run{idx}_rank{r}.pt"), weights_only=True)
         stage_params.append(info["param_fqns"])
-        shared = info["shared_params"]
         actions[r] = info["actions"]
-        relayed = {int(k): v for k, v in info["relayed"].items()}
+        fused[r] = info["fused_full_backward"]
         train_wall = max(train_wall, info["train_wall_s"])
         if r == world - 1:
             losses = info["losses"]
+        buffers.update(blob["buffers"])
         for k, g in blob["grads"].items():
-            if k in grads:
-                if not torch.equal(grads[k], g):
+            if k in params:
+                same_grad = (g is None and grads[k] is None) or (
+                    g is not None and grads[k] is not None and torch.equal(grads[k], g))
+                if not same_grad:
                     raise RuntimeError(f"tied parameter {k!r}: gradient differs between the stages holding it")
                 if not torch.equal(params[k], blob["params"][k]):
                     raise RuntimeError(f"tied parameter {k!r}: copies diverged between the stages holding it")
@@ -507,7 +646,10 @@ def _gather(out_dir: str, world: int, idx: int, wall: float) -> TrainResult:
             grads[k] = g
             params[k] = blob["params"][k]
     return TrainResult(
-        losses, grads, params,
-        {"stage_params": stage_params, "shared_params": shared, "actions": actions, "relayed": relayed,
-         "train_wall_s": train_wall, "wall_s": wall},
+        losses, grads, params, buffers,
+        {"stage_params": stage_params, "shared_params": info.get("shared_params", {}), "actions": actions,
+         "relayed": {int(k): v for k, v in info.get("relayed", {}).items()},
+         "cloned": {int(k): v for k, v in info.get("cloned", {}).items()},
+         "moved_nodes": info.get("moved_nodes", {}), "random_ops": info.get("random_ops", []),
+         "fused_full_backward": fused, "train_wall_s": train_wall, "wall_s": wall},
     )
