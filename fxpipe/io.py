@@ -19,7 +19,7 @@ import numpy as np
 
 from fxpipe.errors import InputError
 
-__all__ = ["write_text_atomic", "write_json_atomic", "read_json"]
+__all__ = ["write_text_atomic", "write_json_atomic", "read_json", "read_text"]
 
 
 def write_text_atomic(path: str | os.PathLike, data: str | bytes) -> Path:
@@ -88,6 +88,25 @@ def _json_default(obj: Any) -> Any:
     raise TypeError(f"object of type {type(obj).__name__} is not JSON serialisable")
 
 
+def read_text(path: str | os.PathLike, what: str = "file") -> str:
+    """Read a UTF-8 text file, turning every failure into an :class:`InputError` naming it.
+
+    Raises
+    ------
+    InputError
+        If the file is missing, a directory, unreadable or not UTF-8.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise InputError(f"{what} {str(path)!r} does not exist: check the path")
+    if path.is_dir():
+        raise InputError(f"{what} {str(path)!r} is a directory, expected a file")
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputError(f"cannot read {what} {str(path)!r}: {exc}") from None
+
+
 def read_json(path: str | os.PathLike, what: str = "file") -> Any:
     """Read a JSON file, turning every failure into an :class:`InputError` that names the file.
 
@@ -97,14 +116,9 @@ def read_json(path: str | os.PathLike, what: str = "file") -> Any:
         If the file is missing, unreadable or not valid JSON.
     """
     path = Path(path)
-    if not path.exists():
-        raise InputError(f"{what} {str(path)!r} does not exist: check the path")
     if path.is_dir():
         raise InputError(f"{what} {str(path)!r} is a directory, expected a JSON file")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise InputError(f"cannot read {what} {str(path)!r}: {exc}") from None
+    text = read_text(path, what)
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:
