@@ -321,3 +321,35 @@ def test_cli_schedules_placed_problems_and_writes_torch_csv(tmp_path, capsys):
 
     text = (tmp_path / "s.csv").read_text()
     assert re.search(r"\dI\d", text) and not re.search(r"\dB\d", text)  # torch I/W only, no full backward
+
+
+def test_gantt_and_trace_have_one_row_per_device(tmp_path):
+    import json
+
+    from fxpipe.schedule.plot import chrome_trace, gantt
+
+    prob = ScheduleProblem.create(num_stages=4, num_microbatches=4, t_f=1, t_b=1, t_w=1, mem_limit=6.0,
+                                  device_of_stage=v_placement(2), offload_bytes=0.0)
+    sched = zb_v(prob)
+    assert gantt(prob, sched, tmp_path / "g.png").read_bytes()[:4] == b"\x89PNG"
+    doc = json.loads(chrome_trace(sched, tmp_path / "t.json", prob).read_text())
+    events = [e for e in doc["traceEvents"] if e["ph"] == "X"]
+    assert {e["pid"] for e in events} == {0, 1}
+    assert all(e["pid"] == prob.device_of_stage[e["args"]["stage"]] for e in events)
+    names = {e["args"]["name"] for e in doc["traceEvents"] if e["name"] == "process_name"}
+    assert names == {"device 0", "device 1"}
+
+
+def test_cache_replays_placed_problems(tmp_path):
+    from fxpipe.schedule.cache import ScheduleCache
+
+    prob = ScheduleProblem.create(num_stages=4, num_microbatches=4, t_f=1, t_b=1, t_w=1, mem_limit=6.0,
+                                  device_of_stage=v_placement(2), offload_bytes=0.0)
+    cache = ScheduleCache(tmp_path)
+    cache.put(prob, zb_v(prob))
+    near = prob.replace(t_f=1.01)
+    hit = cache.get(near)
+    assert hit is not None and check_schedule(near, hit) == []
+    assert cache.signature(prob)["device_of_stage"] == [0, 1, 1, 0]
+    other = prob.replace(device_of_stage=looped_placement(2, 2))
+    assert cache.key(other) != cache.key(prob)

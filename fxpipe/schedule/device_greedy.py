@@ -16,12 +16,17 @@ budget:
   later stage); else an F whose input has arrived and that memory admits (same tie-break:
   depth first); else, with ``eager_w``, the oldest pending W; else it waits for the earliest
   arriving B or admitted F (without ``eager_w`` a pending W runs only if it ends by then).
-* Memory admission with reservation: the first F of micro-batch j on a device reserves the
-  stashes of j's forwards on all later stages of that device (they must all be on the device
-  together before j's backward can come back), so a device never fills up with stashes whose
-  backward can never arrive. When an F is not admitted, pending W's run first (they free
-  memory). This makes the greedy deadlock-free whenever one micro-batch's stashes over all
-  stages of every device fit (``sum mem_f <= budget``); otherwise it raises.
+* Memory admission with a reserve: a micro-batch's stashes on all stages of a device must be
+  there together before its backward can come back, so an F runs only if afterwards the
+  remaining forwards of (``reserve="admitted"``) every micro-batch that has started on the
+  device, or (``reserve=r``) the r oldest ones whose forwards are not all done, still fit
+  next to the memory of the micro-batches not older than them. Micro-batches enter a device in
+  order, so the globally oldest unfinished micro-batch can always make progress: the greedy
+  is deadlock-free whenever one micro-batch's stashes over all stages of every device fit
+  (``sum mem_f <= budget``); otherwise it raises. ``"admitted"`` keeps few micro-batches in
+  flight (good under tight memory), ``r = 1`` the most (fewer bubbles when memory allows);
+  :func:`device_greedy` tries several and keeps the best.
+  When an F is not admitted, pending W's run first (they free memory).
 * Comm: ``t_comm`` between stages on different devices only (Contract 3).
 
 The greedy decides the per-device orders; the orders are then timed exactly by
@@ -44,6 +49,10 @@ from fxpipe.schedule.simulate import simulate
 from fxpipe.schedule.validate import check_schedule
 
 __all__ = ["device_greedy_orders", "device_greedy", "min_device_memory", "GreedyFailure"]
+
+
+#: Memory admission policies :func:`device_greedy` tries (see :func:`device_greedy_orders`).
+RESERVE_POLICIES = ("admitted", 1, 2, 3, 4)
 
 
 class GreedyFailure(Exception):
@@ -84,6 +93,7 @@ def device_greedy_orders(
     mem_budget: Sequence[float] | np.ndarray | None = None,
     *,
     eager_w: bool = True,
+    reserve: str = "admitted",
 ) -> Orders:
     """Per-device orders from the memory-aware greedy (module docstring).
 
@@ -96,6 +106,11 @@ def device_greedy_orders(
     eager_w : bool
         Run a pending W whenever nothing else is ready (True), or only when it ends before
         the next B/F arrives (False).
+    reserve : "admitted", "oldest" or int >= 1
+        Memory admission (module docstring): reserve the remaining forwards of every
+        micro-batch that has started on the device (few micro-batches in flight), or only
+        those of the ``reserve`` oldest ones whose forwards are not all done ("oldest" = 1;
+        more in flight).
 
     Returns
     -------
@@ -113,6 +128,10 @@ def device_greedy_orders(
     "Pipeline Parallelism with Controllable Memory", Section 4 (greedy V schedules).
     """
     S, M, D = problem.num_stages, problem.num_microbatches, problem.num_devices
+    if reserve == "oldest":
+        reserve = 1
+    if reserve != "admitted" and not (isinstance(reserve, int) and reserve >= 1):
+        raise ValueError(f"reserve must be 'admitted', 'oldest' or an integer >= 1, got {reserve!r}")
     dev = problem.device_of_stage
     stages_of = problem.device_stages
     budget = problem.mem_limit if mem_budget is None else np.asarray(mem_budget, dtype=float)
@@ -132,8 +151,10 @@ def device_greedy_orders(
     end: dict[tuple[int, str, int], float] = {}
     free = [0.0] * D
     mem = [0.0] * D
-    reserved = [0.0] * D
-    admitted = [[-1] * S for _ in range(D)]  # admitted[d][s]: largest mb whose stash on s is reserved
+    # fwd_done[d][j]: how many of device d's stages have run micro-batch j's forward
+    fwd_done = [[0] * M for _ in range(D)]
+    mem_mb = [[0.0] * M for _ in range(D)]  # memory device d holds for micro-batch j
+    rest = [[float(sum(mem_f[x] for x in stages[i:])) for i in range(len(stages) + 1)] for stages in stages_of]
     pending_w: list[list[tuple[int, int]]] = [[] for _ in range(D)]  # (stage, mb) with B done, W not
     rows: list[list[Action]] = [[] for _ in range(D)]
     left = [3 * M * len(st) for st in stages_of]
@@ -154,10 +175,40 @@ def device_greedy_orders(
         return None if e is None else e + comm[s]
 
     def admits(d: int, s: int, j: int) -> bool:
-        if admitted[d][s] >= j:  # reserved when an earlier stage of this device admitted j
+        if mem[d] + float(mem_f[s]) > budget[d] + tol[d]:
+            return False
+        if reserve == "admitted":
+            # every micro-batch that has started here keeps room for its remaining forwards
+            held = mem[d] + float(mem_f[s])
+            for jj in range(M):
+                n = fwd_done[d][jj] + (1 if jj == j else 0)
+                if n == 0:
+                    break
+                held += rest[d][n]
+            return held <= budget[d] + tol[d]
+        # after F(s, j) the `reserve` oldest micro-batches whose forwards on d are not all
+        # done must still find room for their remaining forwards next to the memory of
+        # micro-batches not older than the oldest of them (older ones have all their
+        # forwards here and free their memory once their backwards arrive): then the oldest
+        # unfinished micro-batch always progresses
+        k = len(stages_of[d])
+        done = fwd_done[d]
+        j0, need, count = None, 0.0, 0
+        for jj in range(M):
+            n = done[jj] + (1 if jj == j else 0)
+            if n == 0:
+                break  # micro-batches start on d in order: none later has started
+            if n < k:
+                if j0 is None:
+                    j0 = jj
+                need += rest[d][n]
+                count += 1
+                if count >= reserve:
+                    break
+        if j0 is None:
             return True
-        extra = sum(float(mem_f[x]) for x in stages_of[d] if x >= s)
-        return mem[d] + reserved[d] + extra <= budget[d] + tol[d]
+        held = sum(mem_mb[d][jj] for jj in range(j0, M)) + (float(mem_f[s]) if j >= j0 else 0.0)
+        return held + need <= budget[d] + tol[d]
 
     def decide(d: int):
         t = free[d]
@@ -216,20 +267,16 @@ def device_greedy_orders(
         left[d] -= 1
         placed += 1
         if t == "F":
-            if admitted[d][s] >= j:
-                reserved[d] -= float(mem_f[s])
-            else:
-                for x in stages_of[d]:
-                    if x > s:
-                        reserved[d] += float(mem_f[x])
-                        admitted[d][x] = j
-                admitted[d][s] = j
+            fwd_done[d][j] += 1
             mem[d] += float(mem_f[s])
+            mem_mb[d][j] += float(mem_f[s])
         elif t == "B":
             mem[d] += float(mem_b[s])
+            mem_mb[d][j] += float(mem_b[s])
             pending_w[d].append((s, j))
         else:
             mem[d] += float(mem_w[s])
+            mem_mb[d][j] += float(mem_w[s])
             pending_w[d].remove((s, j))
         # memory short for every admissible forward and no B ready: the W's queue drains
         # through decide() (a W is chosen when no F is admitted), so nothing else to do here
@@ -242,7 +289,7 @@ def device_greedy(
     *,
     method: str = "greedy",
 ) -> Schedule:
-    """The best valid schedule of the device greedy (both W policies) under a memory budget.
+    """The best valid schedule of the device greedy (both W policies, every reserve policy) under a memory budget.
 
     Parameters
     ----------
@@ -266,19 +313,20 @@ def device_greedy(
     t0 = time.perf_counter()
     budget = problem.mem_limit if mem_budget is None else np.minimum(np.asarray(mem_budget, dtype=float), problem.mem_limit)
     best, reasons = None, []
-    for eager in (True, False):
-        try:
-            orders = device_greedy_orders(problem, budget, eager_w=eager)
-        except GreedyFailure as exc:
-            reasons.append(str(exc))
-            continue
-        sched = simulate(problem, orders, method=method, meta={"eager_w": eager})
-        errs = check_schedule(problem, sched)
-        if errs:
-            reasons.append(errs[0])
-            continue
-        if best is None or sched.value < best.value - 1e-12 * max(1.0, abs(best.value)):
-            best = sched
+    for reserve in RESERVE_POLICIES:
+        for eager in (True, False):
+            try:
+                orders = device_greedy_orders(problem, budget, eager_w=eager, reserve=reserve)
+            except GreedyFailure as exc:
+                reasons.append(str(exc))
+                continue
+            sched = simulate(problem, orders, method=method, meta={"eager_w": eager, "reserve": reserve})
+            errs = check_schedule(problem, sched)
+            if errs:
+                reasons.append(errs[0])
+                continue
+            if best is None or sched.value < best.value - 1e-12 * max(1.0, abs(best.value)):
+                best = sched
     if best is None:
         raise InfeasibleError(f"{method}: {reasons[0] if reasons else 'no schedule'}; raise mem_limit or use the MILP")
     return Schedule(ops=best.ops, makespan=best.makespan, stage_span=best.stage_span, status="heuristic",
