@@ -221,6 +221,10 @@ def test_csv_offload_is_refused_or_dropped():
     with pytest.raises(InputError, match="offload"):
         orders_to_torch_csv(o)
     assert orders_to_torch_csv(o, offload="drop") == "0F0,0B0\r\n"
+    from fxpipe.ir.torch_csv import torch_action_rows
+
+    assert torch_action_rows(o, offload="drop") == [["0F0", "0B0"]]
+    assert torch_action_rows(o, offload="drop", fuse_backward=False) == [["0F0", "0I0", "0W0"]]
 
 
 def test_schedule_ops_of_device():

@@ -40,11 +40,68 @@ from fxpipe.errors import InputError
 from fxpipe.io import read_text, write_text_atomic
 from fxpipe.ir.schedule import Action, Orders
 
-__all__ = ["orders_to_torch_csv", "orders_from_torch_csv", "write_torch_csv", "read_torch_csv"]
+__all__ = ["torch_action_rows", "orders_to_torch_csv", "orders_from_torch_csv", "write_torch_csv", "read_torch_csv"]
 
 _CELL = re.compile(r"^(\d+)(F|I|B|W)(\d+)$")
 _OVERLAP = re.compile(r"^\((.*)\)OVERLAP_F_B$")
 _TORCH_NON_COMPUTE = re.compile(r"^(\d+)(UNSHARD|RESHARD|REDUCE_GRAD|SEND_F|RECV_F|SEND_B|RECV_B)(\d*)$")
+
+
+def torch_action_rows(orders: Orders, *, fuse_backward: bool = True, offload: str = "error") -> list[list[str]]:
+    """Per-rank action strings in torch's vocabulary (what ``_Action.from_str`` parses).
+
+    Row d is device (rank) d; F -> ``"sFj"``, B -> ``"sIj"`` (or, with ``fuse_backward``,
+    ``"sBj"`` when the device runs its own W right after it, the W then omitted), W ->
+    ``"sWj"``.
+
+    Parameters
+    ----------
+    orders : Orders
+        Per-device programs.
+    fuse_backward : bool
+        Write a B immediately followed on its device by its own W as torch's full backward.
+    offload : {"error", "drop"}
+        torch has no offload/reload action: refuse O/R actions, or leave them out.
+
+    Returns
+    -------
+    list of list of str
+
+    Raises
+    ------
+    InputError
+        On O/R actions with ``offload="error"``, or a bad ``offload`` value.
+    """
+    if offload not in ("error", "drop"):
+        raise InputError(f"offload must be 'error' or 'drop', got {offload!r}")
+    out = []
+    for d, row in enumerate(orders.actions):
+        if offload == "error":
+            bad = [a for a in row if not a.is_compute]
+            if bad:
+                raise InputError(
+                    f"device {d} runs {bad[0]}: torch's schedule format has no offload/reload action; "
+                    "drop them (offload='drop', CLI: a warning) to write the compute actions only"
+                )
+        comp = [a for a in row if a.is_compute]
+        cells: list[str] = []
+        i = 0
+        while i < len(comp):
+            a = comp[i]
+            if a.type == "F":
+                cells.append(f"{a.stage}F{a.microbatch}")
+            elif a.type == "W":
+                cells.append(f"{a.stage}W{a.microbatch}")
+            else:  # B: backward-input, or a full backward when its W follows at once
+                nxt = comp[i + 1] if i + 1 < len(comp) else None
+                if fuse_backward and nxt is not None and nxt == Action(a.stage, "W", a.microbatch):
+                    cells.append(f"{a.stage}B{a.microbatch}")
+                    i += 1
+                else:
+                    cells.append(f"{a.stage}I{a.microbatch}")
+            i += 1
+        out.append(cells)
+    return out
 
 
 def orders_to_torch_csv(orders: Orders, *, fuse_backward: bool = True, offload: str = "error") -> str:
@@ -73,35 +130,9 @@ def orders_to_torch_csv(orders: Orders, *, fuse_backward: bool = True, offload: 
     InputError
         On O/R actions with ``offload="error"``, or a bad ``offload`` value.
     """
-    if offload not in ("error", "drop"):
-        raise InputError(f"offload must be 'error' or 'drop', got {offload!r}")
     buf = io.StringIO()
     writer = csv.writer(buf)
-    for d, row in enumerate(orders.actions):
-        if offload == "error":
-            bad = [a for a in row if not a.is_compute]
-            if bad:
-                raise InputError(
-                    f"device {d} runs {bad[0]}: torch's schedule format has no offload/reload action; "
-                    "drop them (offload='drop', CLI: a warning) to write the compute actions only"
-                )
-        comp = [a for a in row if a.is_compute]
-        cells: list[str] = []
-        i = 0
-        while i < len(comp):
-            a = comp[i]
-            if a.type == "F":
-                cells.append(f"{a.stage}F{a.microbatch}")
-            elif a.type == "W":
-                cells.append(f"{a.stage}W{a.microbatch}")
-            else:  # B: backward-input, or a full backward when its W follows at once
-                nxt = comp[i + 1] if i + 1 < len(comp) else None
-                if fuse_backward and nxt is not None and nxt == Action(a.stage, "W", a.microbatch):
-                    cells.append(f"{a.stage}B{a.microbatch}")
-                    i += 1
-                else:
-                    cells.append(f"{a.stage}I{a.microbatch}")
-            i += 1
+    for cells in torch_action_rows(orders, fuse_backward=fuse_backward, offload=offload):
         writer.writerow(cells)
     return buf.getvalue()
 
