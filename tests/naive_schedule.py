@@ -384,3 +384,187 @@ def exhaustive_optimum(problem: ScheduleProblem, *, max_classes: int = 2_000_000
         objective=p.objective,
     )
     return best_val, sched
+
+
+# ------------------------------------------------------------------------------ placements
+def _device_sequences(problem: ScheduleProblem, d: int, fixed_microbatch_order: bool = False):
+    """Every order of the compute ops of device d with F < B < W per (stage, micro-batch) and
+    the data dependencies between its own stages (F up, B down the chain). Without
+    ``fixed_microbatch_order`` micro-batches may run in any order (the independent oracle of
+    Contract 3 rule 3 with placements); with it, each type runs in micro-batch order on each
+    stage (the exchange argument of OptPipe Section 4.1.1: micro-batches are identical)."""
+    M = problem.num_microbatches
+    stages = problem.stages_of_device(d)
+    ops = [(s, j, t) for s in stages for j in range(M) for t in "FBW"]
+    preds = {o: set() for o in ops}
+    for s in stages:
+        for j in range(M):
+            preds[(s, j, "B")].add((s, j, "F"))
+            preds[(s, j, "W")].add((s, j, "B"))
+            if fixed_microbatch_order and j > 0:
+                for t in "FBW":
+                    preds[(s, j, t)].add((s, j - 1, t))
+            for s2 in stages:
+                if s2 > s:
+                    preds[(s2, j, "F")].add((s, j, "F"))
+                    preds[(s, j, "B")].add((s2, j, "B"))
+    out = []
+
+    def rec(prefix, done):
+        if len(prefix) == len(ops):
+            out.append(tuple(prefix))
+            return
+        for o in ops:
+            if o not in done and preds[o] <= done:
+                done.add(o)
+                prefix.append(o)
+                rec(prefix, done)
+                prefix.pop()
+                done.discard(o)
+
+    rec([], set())
+    return out
+
+
+def _device_memory_ok(problem: ScheduleProblem, d: int, seq) -> bool:
+    lim = float(problem.mem_limit[d])
+    if not math.isfinite(lim):
+        return True
+    delta = {"F": problem.mem_f, "B": problem.mem_b, "W": problem.mem_w}
+    cur = 0.0
+    for s, _, t in seq:
+        cur += float(delta[t][s])
+        if cur > lim * (1 + 1e-9) + 1e-12:
+            return False
+    return True
+
+
+def _device_lp(problem: ScheduleProblem, seqs):
+    """Optimal timing of fixed per-device orders (difference constraints), or None."""
+    p = problem
+    S, M = p.num_stages, p.num_microbatches
+    keys = [o for seq in seqs for o in seq]
+    index = {k: i for i, k in enumerate(keys)}
+    n = len(keys)
+    dur = np.array([p.duration(s, t) for s, _, t in keys])
+    rows = []  # x_a - x_b >= c
+    for seq in seqs:
+        for a, b in zip(seq, seq[1:]):
+            rows.append((index[b], index[a], dur[index[a]]))
+    for s in range(S):
+        for j in range(M):
+            if s > 0:
+                rows.append((index[(s, j, "F")], index[(s - 1, j, "F")], p.duration(s - 1, "F") + p.comm(s - 1)))
+            if s < S - 1:
+                rows.append((index[(s, j, "B")], index[(s + 1, j, "B")], p.duration(s + 1, "B") + p.comm(s)))
+            rows.append((index[(s, j, "B")], index[(s, j, "F")], p.duration(s, "F")))
+            rows.append((index[(s, j, "W")], index[(s, j, "B")], p.duration(s, "B")))
+    nv = n + 2
+    C, z = n, n + 1
+    A, b = [], []
+    for a, bb, c in rows:
+        r = np.zeros(nv)
+        r[a] -= 1
+        r[bb] += 1
+        A.append(r)
+        b.append(-c)
+    if p.objective == "makespan":
+        for i in range(n):
+            r = np.zeros(nv)
+            r[i] += 1
+            r[z] -= 1
+            r[C] -= 1
+            A.append(r)
+            b.append(-dur[i])
+            r = np.zeros(nv)
+            r[z] += 1
+            r[i] -= 1
+            A.append(r)
+            b.append(0.0)
+    else:
+        for seq in seqs:
+            f, w = index[seq[0]], index[seq[-1]]
+            r = np.zeros(nv)
+            r[w] += 1
+            r[f] -= 1
+            r[C] -= 1
+            A.append(r)
+            b.append(-dur[w])
+    cost = np.zeros(nv)
+    cost[C] = 1.0
+    res = linprog(cost, A_ub=np.array(A), b_ub=np.array(b), bounds=[(0, None)] * n + [(None, None)] * 2, method="highs")
+    if res.status != 0:
+        return None
+    ops = [ScheduledOp(s, j, t, float(res.x[i]), float(res.x[i] + dur[i])) for (s, j, t), i in index.items()]
+    return float(res.fun), ops
+
+
+def exhaustive_device_optimum(problem: ScheduleProblem, *, max_combinations: int = 200_000,
+                              fixed_microbatch_order: bool = False):
+    """Optimal value of a tiny problem with any placement and no offload, by enumeration.
+
+    Every combination of per-device op orders (:func:`_device_sequences`) that fits each
+    device's memory (memory at an op start depends only on the device's own order) and does
+    not deadlock is timed optimally with an LP; the best valid one is returned. Use for
+    about 2 devices x 2 stages x 1 micro-batch (2 micro-batches with
+    ``fixed_microbatch_order``).
+
+    Returns
+    -------
+    (value, Schedule)
+
+    Raises
+    ------
+    InfeasibleError
+        If no combination fits memory.
+    """
+    p = problem
+    per_dev = []
+    for d in range(p.num_devices):
+        seqs = [q for q in _device_sequences(p, d, fixed_microbatch_order) if _device_memory_ok(p, d, q)]
+        per_dev.append(seqs)
+    total = 1
+    for x in per_dev:
+        total *= max(1, len(x))
+    if total > max_combinations:
+        raise RuntimeError(f"exhaustive_device_optimum: {total} combinations; use a smaller problem")
+    best_val, best_ops = math.inf, None
+    for combo in itertools.product(*per_dev):
+        if _device_deadlock(p, combo):
+            continue
+        res = _device_lp(p, combo)
+        if res is None or res[0] >= best_val - 1e-9 * max(1.0, abs(best_val)):
+            continue
+        if not check_schedule(p, res[1]):
+            best_val, best_ops = res
+    if best_ops is None:
+        raise InfeasibleError("no valid schedule exists (memory limit too small)")
+    makespan, stage_span = objective_values(p, best_ops)
+    return best_val, Schedule(ops=tuple(sort_ops(best_ops)), makespan=makespan, stage_span=stage_span,
+                              lower_bound_s=best_val, status="optimal", method="exhaustive", objective=p.objective)
+
+
+def _device_deadlock(problem: ScheduleProblem, seqs) -> bool:
+    S = problem.num_stages
+    pos = [0] * len(seqs)
+    done = set()
+    total = sum(len(q) for q in seqs)
+    while len(done) < total:
+        progressed = False
+        for d, seq in enumerate(seqs):
+            while pos[d] < len(seq):
+                s, j, t = seq[pos[d]]
+                if t == "F":
+                    ok = s == 0 or (s - 1, j, "F") in done
+                elif t == "B":
+                    ok = (s, j, "F") in done and (s == S - 1 or (s + 1, j, "B") in done)
+                else:
+                    ok = (s, j, "B") in done
+                if not ok:
+                    break
+                done.add((s, j, t))
+                pos[d] += 1
+                progressed = True
+        if not progressed:
+            return True
+    return False

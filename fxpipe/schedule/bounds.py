@@ -104,12 +104,47 @@ also need ``2 n tau`` of the stage's copy stream inside the span. Therefore
 (only ``n = 0`` when ``o = 0``). This is what bounds stages that must run almost one
 micro-batch at a time (a limit of one or two stashes with slow or no offload).
 
+4. Device warm-up/drain bound (:func:`device_span_bounds`)
+----------------------------------------------------------
+With several stages per device (``device_of_stage``; comm between stages on one device is
+free, so every ``t_comm`` above is the *effective* one), the span of device d runs from the
+start ``t0`` of its first op to the end of its last. Let ``s_1 < ... < s_k`` be its stages.
+Every forward of the device needs the forward of its micro-batch on ``s_1`` first (stages form
+a chain), so the first op is an F of ``s_1``; the last F is an F of ``s_k``. Before the
+device's first B (at ``t1``) only forwards run on it, and every B of the device needs a
+forward of ``s_1`` started at ``>= t0`` plus the chain to the last stage and back, so
+``t1 - t0 >= H = sum_{x >= s_1} F_x + sum_{b >= s_1} c_b + sum_{x > s_k} B_x + sum_{b >= s_k} c_b``.
+After the start ``sigma`` of the device's last forward (of ``s_k``), its micro-batch still
+needs ``T = F_{s_k} + D_{s_k} + sum_{x = s_1}^{s_k} B_x + sum_{b = s_1}^{s_k - 1} c_b + W_{s_1}``
+(back down to ``s_1`` and its W). The device's busy time is ``sum_{x on d} m (F_x + B_x + W_x)``;
+the idle time in ``[t0, t1)`` is at least ``H`` minus the forward work that fits there, and in
+``[sigma, end]`` at least ``T`` minus the work left at ``sigma``. Without offload on the device
+and with a finite limit ``L``, the forwards in the head hold their stashes together, so their
+work is at most the fractional knapsack ``max sum n_x F_x`` with ``sum n_x a_x <= L``, and at
+``sigma`` every stash is allocated, so B/W work freeing at least ``sum m a_x - L`` (fractional
+knapsack, least time) has run before ``sigma``. Two cases as in part 2: every forward before
+the first B (idle ``>= max`` of the two, only if ``sum m a_x <= L`` without offload), or not
+(the windows are disjoint: idle ``>=`` the sum, the last forward not in the head, at least
+one B before ``sigma``). The bound is the busy time plus the smaller case. Every stage's
+bound from parts 1-3 (with the device's limit: a stage's memory is part of its device's)
+also bounds the device's span, which contains the stage's span.
+
+5. Device memory-time bound
+---------------------------
+Part 3 summed over the stages of a device: the device's memory is the sum of its stages' and
+never exceeds ``L`` inside its span, which contains every stash's lifetime, so
+``L * span >= sum_{s on d} (n_s c_off(s) + (m - n_s) c_keep(s))``, while the device's one copy
+stream needs ``sum_s 2 n_s tau_s <= span``. Relaxing the offload counts ``n_s`` to reals in
+``[0, m]`` (a lower bound on the integer minimum), the minimum of the two is found by taking
+the stages with the best memory saving per copy second first.
+
 Objectives
 ----------
-Stage span: the largest stage bound. Makespan (OptPipe Eq. 4): stage s cannot start before
-``A_s = sum_{k<s}(t_f[k] + t_comm[k])`` and its last B is followed by ``Z_s = sum_{k<s}
-(t_comm[k] + t_b[k]) + t_w[0]``, so ``makespan >= max_s max(A_s + span bound_s,
-A_s + m(F_s + B_s) + Z_s)``.
+Stage span (the largest per-device span): the largest device bound. Makespan (OptPipe
+Eq. 4): stage s cannot start before ``A_s = sum_{k<s}(t_f[k] + t_comm[k])`` and its last B is
+followed by ``Z_s = sum_{k<s} (t_comm[k] + t_b[k]) + t_w[0]``, so ``makespan >= max_s
+max(A_s + span bound_s, A_s + m(F_s + B_s) + Z_s)``, and for device d ``>= A_{s_1} +`` its
+device bound.
 
 Memory comparisons use a relative tolerance of ``1e-7`` in the schedule's favour (the
 validator accepts ``1e-9``), so rounding can only weaken the bound.
@@ -132,6 +167,7 @@ from fxpipe.ir import ScheduleProblem
 
 __all__ = [
     "combinatorial_lower_bound",
+    "device_span_bounds",
     "memory_lower_bound",
     "memory_stage_span_bounds",
     "memory_time_stage_span_bounds",
@@ -144,9 +180,10 @@ _MEM_RTOL = 1e-7
 
 def _round_trip(problem: ScheduleProblem) -> np.ndarray:
     S = problem.num_stages
+    c = problem.t_comm_effective
     D = np.zeros(S)
     for s in range(S - 2, -1, -1):
-        D[s] = D[s + 1] + problem.t_f[s + 1] + problem.t_b[s + 1] + 2.0 * problem.t_comm[s]
+        D[s] = D[s + 1] + problem.t_f[s + 1] + problem.t_b[s + 1] + 2.0 * c[s]
     return D
 
 
@@ -190,7 +227,7 @@ def _memory_stage_bound(problem: ScheduleProblem, s: int, d: float) -> float:
     m = problem.num_microbatches
     F, B, W = float(problem.t_f[s]), float(problem.t_b[s]), float(problem.t_w[s])
     a, b, w = float(problem.mem_f[s]), float(problem.mem_b[s]), float(problem.mem_w[s])
-    o, tau, L = float(problem.offload_bytes[s]), float(problem.t_offload[s]), float(problem.mem_limit[s])
+    o, tau, L = float(problem.offload_bytes[s]), float(problem.t_offload[s]), problem.device_mem_limit(s)
     busy = m * (F + B + W)
     if F <= 0.0 or not math.isfinite(L):
         return -math.inf  # the round-trip bound covers these (part 2 needs F > 0 and a limit)
@@ -286,7 +323,7 @@ def memory_time_stage_span_bounds(problem: ScheduleProblem) -> np.ndarray:
     m = problem.num_microbatches
     out = np.full(problem.num_stages, -math.inf)
     for s in range(problem.num_stages):
-        L = float(problem.mem_limit[s])
+        L = problem.device_mem_limit(s)
         if not math.isfinite(L):
             continue
         F, B = float(problem.t_f[s]), float(problem.t_b[s])
@@ -301,22 +338,159 @@ def memory_time_stage_span_bounds(problem: ScheduleProblem) -> np.ndarray:
     return out
 
 
-def _objective_bound(problem: ScheduleProblem, spans: np.ndarray) -> float:
-    if problem.objective == "stage_span":
-        return float(spans.max())
-    S, m = problem.num_stages, problem.num_microbatches
-    best = 0.0
-    A = 0.0
-    for s in range(S):
-        if s > 0:
-            A += float(problem.t_f[s - 1] + problem.t_comm[s - 1])
-        Z = float(sum(problem.t_comm[k] + problem.t_b[k] for k in range(s))) + float(problem.t_w[0])
-        best = max(best, A + spans[s], A + m * float(problem.t_f[s] + problem.t_b[s]) + Z)
+def _knapsack_max(values: list[float], weights: list[float], cap: float, count: int) -> float:
+    """Fractional knapsack: max sum v_i n_i with sum w_i n_i <= cap, 0 <= n_i <= count (w_i > 0)."""
+    best, left = 0.0, cap
+    for v, w in sorted(zip(values, weights), key=lambda x: -x[0] / x[1]):
+        if left <= 0:
+            break
+        n = min(float(count), left / w)
+        best += v * n
+        left -= w * n
     return best
 
 
+def _device_head_tail(problem: ScheduleProblem, d: int, memory: bool) -> float:
+    """Part 4 of the module docstring: the device's busy time plus forced warm-up/drain idle."""
+    stages = problem.stages_of_device(d)
+    S, m = problem.num_stages, problem.num_microbatches
+    c = problem.t_comm_effective
+    F, B, W = problem.t_f, problem.t_b, problem.t_w
+    s1, sk = stages[0], stages[-1]
+    busy = float(sum(m * (F[x] + B[x] + W[x]) for x in stages))
+    f_all = float(sum(m * F[x] for x in stages))
+    bw_all = float(sum(m * (B[x] + W[x]) for x in stages))
+    H = float(F[s1:].sum() + c[s1:].sum() + B[sk + 1:].sum() + c[sk:].sum())
+    D_sk = float(F[sk + 1:].sum() + B[sk + 1:].sum() + 2.0 * c[sk:].sum())
+    T = float(F[sk]) + D_sk + float(B[s1:sk + 1].sum() + c[s1:sk].sum()) + float(W[s1])
+    L = float(problem.mem_limit[d])
+    use_mem = memory and math.isfinite(L) and all(float(problem.offload_bytes[x]) <= 0.0 for x in stages)
+    L_eff = L * (1.0 + _MEM_RTOL)
+    stash_all = float(sum(m * problem.mem_f[x] for x in stages))
+    # head: forward work that can run before the device's first B
+    f_head = f_all - float(F[sk])  # mixed case: the last forward (of sk) starts after the first B
+    free_bw = 0.0  # least B/W work that must run before the last F to make room for it
+    if use_mem:
+        f_head = min(f_head, _knapsack_max([float(F[x]) for x in stages], [float(problem.mem_f[x]) for x in stages],
+                                           L_eff, m))
+        need = stash_all - L_eff
+        if need > 0:
+            vals, wts = [], []
+            for x in stages:
+                for t, mem in ((B[x], -problem.mem_b[x]), (W[x], -problem.mem_w[x])):
+                    if mem > 0:
+                        vals.append(float(mem))
+                        wts.append(float(t))
+            if any(w <= 0 for w in wts):
+                free_bw = 0.0
+            else:  # least time to free `need`: fractional knapsack in memory per second
+                free_bw = math.inf
+                left, cost = need, 0.0
+                for mem, t in sorted(zip(vals, wts), key=lambda x: -x[0] / x[1]):
+                    take = min(float(m), left / mem)
+                    cost += take * t
+                    left -= take * mem
+                    if left <= 1e-12 * max(1.0, need):
+                        free_bw = cost
+                        break
+    first_b = float(min(B[x] for x in stages))
+    cases = []
+    # (a) every forward of the device before its first B
+    if not use_mem or stash_all <= L_eff:
+        cases.append(max(0.0, H - f_all, T - float(F[sk]) - bw_all))
+    # (b) the first B before the last F: the head and tail windows are disjoint
+    if m >= 2:
+        cases.append(max(0.0, H - f_head) + max(0.0, T - float(F[sk]) - (bw_all - max(free_bw, first_b))))
+    if not cases or not all(math.isfinite(x) for x in cases):
+        cases = [x for x in cases if math.isfinite(x)] or [0.0]
+    return busy + min(cases)
+
+
+def _device_memory_time(problem: ScheduleProblem, d: int) -> float:
+    """Part 5 of the module docstring: Little's law over all stages of a device."""
+    L = float(problem.mem_limit[d])
+    if not math.isfinite(L):
+        return -math.inf
+    Dr = _round_trip(problem)
+    m = problem.num_microbatches
+    L_eff = L * (1.0 + _MEM_RTOL)
+    A = 0.0
+    items = []  # (saving g per offloaded stash, copy time h per offloaded stash)
+    for s in problem.stages_of_device(d):
+        F, B = float(problem.t_f[s]), float(problem.t_b[s])
+        a, b, o, tau = (float(problem.mem_f[s]), float(problem.mem_b[s]), float(problem.offload_bytes[s]),
+                        float(problem.t_offload[s]))
+        c_keep = a * (F + Dr[s]) + (a + b) * B
+        c_off = a * F + (a - o) * max(Dr[s], 2.0 * tau) + 2.0 * o * tau + (a + b) * B
+        A += m * c_keep / L_eff
+        if o > 0.0 and c_off < c_keep:
+            items.append(((c_keep - c_off) / L_eff, 2.0 * tau))
+    # min over 0 <= n_s <= m (relaxed to reals) of max(A - sum g n, sum h n): best ratio first
+    H = 0.0
+    for g, h in sorted(items, key=lambda x: -(x[0] / x[1]) if x[1] > 0 else -math.inf):
+        if h <= 0.0:
+            A -= g * m
+            continue
+        if A - g * m >= H + h * m:
+            A -= g * m
+            H += h * m
+        else:
+            delta = max(0.0, (A - H) / (g + h))
+            return H + h * delta
+    return max(A, H)
+
+
+def device_span_bounds(problem: ScheduleProblem, *, memory: bool = True) -> np.ndarray:
+    """Lower bound on the span of every device (float64 array (D,), seconds).
+
+    The largest of: the device's busy time; the per-stage bounds of the stages it holds
+    (a device's span contains each of its stages' spans); the device warm-up/drain bound
+    (part 4 of the module docstring) and, with ``memory``, the per-stage memory-aware and
+    memory-time bounds and the device memory-time bound (part 5).
+
+    Parameters
+    ----------
+    problem : ScheduleProblem
+    memory : bool
+        Use the memory limit (False: the memory-blind bound).
+
+    Returns
+    -------
+    float64 array (D,)
+        Seconds; every valid schedule's span of device d is at least entry d.
+    """
+    stage = stage_span_bounds(problem)
+    if memory:
+        stage = np.maximum(stage, memory_stage_span_bounds(problem))
+        stage = np.maximum(stage, memory_time_stage_span_bounds(problem))
+    out = np.zeros(problem.num_devices)
+    for d, stages in enumerate(problem.device_stages):
+        b = max(float(stage[list(stages)].max()), _device_head_tail(problem, d, memory))
+        if memory:
+            b = max(b, _device_memory_time(problem, d))
+        out[d] = b
+    return out
+
+
+def _objective_bound(problem: ScheduleProblem, spans: np.ndarray, dev_spans: np.ndarray) -> float:
+    if problem.objective == "stage_span":
+        return float(max(spans.max(), dev_spans.max()))
+    S, m = problem.num_stages, problem.num_microbatches
+    c = problem.t_comm_effective
+    best = 0.0
+    A = np.zeros(S)  # earliest start of stage s's first forward
+    for s in range(1, S):
+        A[s] = A[s - 1] + float(problem.t_f[s - 1] + c[s - 1])
+    for s in range(S):
+        Z = float(sum(c[k] + problem.t_b[k] for k in range(s))) + float(problem.t_w[0])
+        best = max(best, A[s] + spans[s], A[s] + m * float(problem.t_f[s] + problem.t_b[s]) + Z)
+    for d, stages in enumerate(problem.device_stages):
+        best = max(best, A[stages[0]] + dev_spans[d])
+    return float(best)
+
+
 def round_trip_lower_bound(problem: ScheduleProblem) -> float:
-    """The memory-blind bound (part 1 of the module docstring) on the problem's objective.
+    """The memory-blind bound (parts 1 and 4 of the module docstring) on the problem's objective.
 
     Parameters
     ----------
@@ -331,14 +505,14 @@ def round_trip_lower_bound(problem: ScheduleProblem) -> float:
     ----------
     OptPipe Eq. 3 and 4; Zero Bubble Section 2.
     """
-    return _objective_bound(problem, stage_span_bounds(problem))
+    return _objective_bound(problem, stage_span_bounds(problem), device_span_bounds(problem, memory=False))
 
 
 def memory_lower_bound(problem: ScheduleProblem) -> float:
-    """The memory-aware bound (parts 2 and 3 of the module docstring) on the objective.
+    """The memory-aware bound (parts 2 to 5 of the module docstring) on the objective.
 
     Uses, per stage, the largest of the round-trip, the warm-up/drain and the memory-time
-    stage span bounds.
+    stage span bounds, and per device :func:`device_span_bounds`.
 
     Parameters
     ----------
@@ -355,7 +529,7 @@ def memory_lower_bound(problem: ScheduleProblem) -> float:
     """
     spans = np.maximum(stage_span_bounds(problem), memory_stage_span_bounds(problem))
     spans = np.maximum(spans, memory_time_stage_span_bounds(problem))
-    return _objective_bound(problem, spans)
+    return _objective_bound(problem, spans, device_span_bounds(problem))
 
 
 def combinatorial_lower_bound(problem: ScheduleProblem) -> float:

@@ -5,16 +5,17 @@ Profiled times and memory sizes change a little from run to run. OptPipe Section
 nearby problems share one cached "crude" schedule, which then warm-starts the solver.
 
 Here the signature of a problem keeps its shape (stages, micro-batches, objective, pcie
-groups) exactly and, per stage, rounds
+groups, the placement of stages on devices) exactly and, per stage, rounds
 
 * every time (F, B, W, comm, offload) as ``round(log(t / t_max) / log(1 + grid))``, i.e. on a
   geometric grid of relative step ``grid`` (default 3%) relative to the largest time;
-* every memory size relative to the stage's limit (``mem_f / limit``), the split of the
+* every memory size relative to its device's limit (``mem_f / limit``), the split of the
   stash between B and W (``mem_b / mem_f``) and the offloadable fraction
   (``offload_bytes / mem_f``) on a linear grid of step ``grid``.
 
-A hit is never trusted blindly: the cached per-stage op orders and offload decisions are
-replayed through :func:`fxpipe.schedule.simulate.simulate` with the *new* durations and the
+A hit is never trusted blindly: the cached per-device op orders
+(:func:`fxpipe.ir.schedule_to_orders`) and offload decisions are replayed through
+:func:`fxpipe.schedule.simulate.simulate` with the *new* durations and the
 result is checked with :func:`fxpipe.schedule.validate.check_schedule`; an invalid replay is
 a miss. Entries are JSON (``fxpipe.schedcache/1``: signature, the problem
 (``fxpipe.schedproblem/1``) and the schedule (``fxpipe.schedule/1``)), written atomically.
@@ -95,7 +96,7 @@ class ScheduleCache:
         t_max = float(np.max(times)) if times.size and np.max(times) > 0 else 1.0
         stages = []
         for s in range(problem.num_stages):
-            lim = float(problem.mem_limit[s])
+            lim = problem.device_mem_limit(s)
             mf = float(problem.mem_f[s])
             entry: dict[str, Any] = {
                 "t": [_log_bin(float(x), t_max, g) for x in (problem.t_f[s], problem.t_b[s], problem.t_w[s], problem.t_offload[s])],
@@ -108,6 +109,7 @@ class ScheduleCache:
         return {
             "stages": problem.num_stages,
             "microbatches": problem.num_microbatches,
+            "device_of_stage": list(problem.device_of_stage),
             "objective": problem.objective,
             "pcie_groups": [sorted(grp) for grp in problem.pcie_groups],
             "grid": g,
@@ -168,7 +170,7 @@ class ScheduleCache:
         of the same shape whose every bin is within ``max_distance`` of ``problem``'s
         (:meth:`distance`), so noise that crosses a bin boundary still hits.
 
-        The cached per-stage compute orders and offload set are replayed with
+        The cached per-device compute orders and offload set are replayed with
         ``problem``'s durations (:func:`fxpipe.schedule.simulate.simulate`), then validated
         (:func:`fxpipe.schedule.validate.check_schedule`). An invalid replay, an unreadable
         entry or a signature collision with another shape is a miss.
@@ -179,7 +181,8 @@ class ScheduleCache:
             ``method="cache"``, ``status="cached"``; ``meta`` names the entry and the method
             that originally produced it.
         """
-        from fxpipe.schedule.simulate import orders_from_schedule, simulate
+        from fxpipe.ir import schedule_to_orders
+        from fxpipe.schedule.simulate import simulate
         from fxpipe.schedule.validate import check_schedule
 
         sig = self.signature(problem)
@@ -203,7 +206,7 @@ class ScheduleCache:
                 return None
         try:
             cached = Schedule.from_dict(doc["schedule"], source=str(path))
-            orders = orders_from_schedule(cached, problem.num_stages)
+            orders = schedule_to_orders(cached, problem).compute_only()
             offload = sorted({(o.stage, o.microbatch) for o in cached.ops if o.type == "O"})
         except Exception:  # noqa: BLE001
             return None

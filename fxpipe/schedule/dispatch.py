@@ -16,7 +16,7 @@ from typing import Callable
 
 from fxpipe.errors import InputError, SolverError
 from fxpipe.ir import Schedule, ScheduleProblem
-from fxpipe.schedule.heuristics import METHODS as HEURISTICS
+from fxpipe.schedule.heuristics import ALL_METHODS as HEURISTICS
 
 METHODS = (*HEURISTICS, "milp")
 

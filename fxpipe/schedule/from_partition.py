@@ -50,6 +50,7 @@ def problem_from_partition(
     objective: str = "stage_span",
     pcie_groups: Sequence[Sequence[int]] = (),
     name: str | None = None,
+    device_of_stage: Sequence[int] | None = None,
 ) -> ScheduleProblem:
     """The scheduling problem of running ``graph`` split by ``partition`` as a pipeline.
 
@@ -62,8 +63,8 @@ def problem_from_partition(
         block). A bare assignment uses ``k = max + 1`` stages.
     num_microbatches : int
         m >= 1.
-    mem_limit_bytes : float or float array (k,)
-        Activation memory per stage (``inf``: unlimited).
+    mem_limit_bytes : float or float array (D,)
+        Activation memory per device (``inf``: unlimited); with one stage per device, per stage.
     t_offload_s : float or float array (k,), optional
         One-way offload time of one micro-batch's stash; overrides the bandwidth.
     host_bandwidth_bytes_per_s : float, optional
@@ -73,6 +74,10 @@ def problem_from_partition(
         Stages whose host transfers must not overlap.
     name : str, optional
         Problem name (default: the graph's).
+    device_of_stage : int array (k,), optional
+        Placement of the stages on devices (default one stage per device; looped and V
+        placements from :func:`fxpipe.ir.looped_placement` / :func:`fxpipe.ir.v_placement`).
+        Comm between stages on one device is free (Contract 3).
 
     Returns
     -------
@@ -137,4 +142,5 @@ def problem_from_partition(
         pcie_groups=pcie_groups,
         objective=objective,
         name=graph.name if name is None else name,
+        device_of_stage=device_of_stage,
     )

@@ -38,6 +38,9 @@ Methods
     only as many as memory needs, longest lifespan first, PipeOffload Section 2), on one copy
     stream per stage (Section 4.2; see :mod:`fxpipe.schedule.simulate` for the slot rule).
     Forwards wait for offloads to end when memory is short (memory-aware list scheduling).
+``interleaved-1f1b``, ``zb-v``, ``dualpipe-v``
+    Several stages per device (looped / V placement): :mod:`fxpipe.schedule.multistage`.
+    ``greedy`` on such placements is :mod:`fxpipe.schedule.device_greedy`.
 ``adaoffload``
     OptPipe Appendix D, Algorithm 1: per stage, as many forwards as fit before the earliest
     start of the stage's first backward (plus a tolerance), every warm-up stash offloaded,
@@ -60,27 +63,59 @@ from fxpipe.schedule.validate import InvalidScheduleError, check_schedule, memor
 
 __all__ = [
     "METHODS",
+    "V_METHODS",
+    "ALL_METHODS",
     "generate",
     "gpipe",
     "one_f_one_b",
     "zb_h1",
     "zb_h2",
     "zb_greedy",
+    "greedy",
     "pipeoffload",
     "adaoffload",
     "orders_1f1b",
     "orders_gpipe",
     "greedy_orders",
+    "require_one_stage_per_device",
 ]
 
-METHODS = ("gpipe", "1f1b", "zb-h1", "zb-h2", "pipeoffload", "adaoffload", "greedy")
+#: Generators that schedule one stage per device (``interleaved-1f1b`` with v = 1 is 1F1B;
+#: ``greedy`` and ``interleaved-1f1b`` also take several stages per device).
+METHODS = ("gpipe", "1f1b", "zb-h1", "zb-h2", "pipeoffload", "adaoffload", "greedy", "interleaved-1f1b")
+#: Generators for the V placement (two stages per device: d and 2p-1-d).
+V_METHODS = ("zb-v", "dualpipe-v")
+#: Every heuristic :func:`generate` knows.
+ALL_METHODS = METHODS + V_METHODS
 
-Orders = dict[int, list[tuple[str, int]]]
+#: The per-stage order form ``{stage: [(type, microbatch), ...]}`` (one stage per device).
+StageOrders = dict[int, list[tuple[str, int]]]
 
 
 # --------------------------------------------------------------------------------------
 # helpers
 # --------------------------------------------------------------------------------------
+
+
+def _stage_limits(problem: ScheduleProblem) -> np.ndarray:
+    """Memory limit of every stage's device (S,): the per-stage limit with one stage per device."""
+    return np.asarray(problem.mem_limit)[np.asarray(problem.device_of_stage, dtype=np.int64)]
+
+
+def require_one_stage_per_device(problem: ScheduleProblem, method: str) -> None:
+    """Raise :class:`InputError` unless every device holds exactly one stage.
+
+    The classic generators (GPipe, 1F1B, ZB-H1/H2, the Zero Bubble greedy, PipeOffload,
+    AdaOffload) schedule one stage per device; placements with several stages per device
+    have their own generators.
+    """
+    if not problem.one_stage_per_device:
+        d = next(d for d, st in enumerate(problem.device_stages) if len(st) > 1)
+        raise InputError(
+            f"{method} schedules one stage per device, but device {d} holds stages "
+            f"{list(problem.stages_of_device(d))}: use interleaved-1f1b (looped placement), zb-v or "
+            "dualpipe-v (V placement), greedy or milp (any placement)"
+        )
 
 
 def _overflow(problem: ScheduleProblem, sched: Schedule) -> tuple[float, int]:
@@ -89,7 +124,7 @@ def _overflow(problem: ScheduleProblem, sched: Schedule) -> tuple[float, int]:
     for s in range(problem.num_stages):
         _, mem = memory_profile(problem, sched.ops, s)
         peak = float(mem.max()) if mem.size else 0.0
-        ex = peak - float(problem.mem_limit[s])
+        ex = peak - float(_stage_limits(problem)[s])
         if ex > worst:
             worst, where = ex, s
     return worst, where
@@ -104,8 +139,8 @@ def _finish(problem: ScheduleProblem, sched: Schedule, t0: float) -> Schedule:
             raise InvalidScheduleError(errs, sched.method)
         ex, s = _overflow(problem, sched)
         raise InfeasibleError(
-            f"{sched.method}: stage {s} needs {ex + float(problem.mem_limit[s]):.6g} bytes of activation memory, "
-            f"over its limit {float(problem.mem_limit[s]):.6g} by {ex:.6g}; raise mem_limit, use more micro-batch "
+            f"{sched.method}: stage {s} needs {ex + float(_stage_limits(problem)[s]):.6g} bytes of activation memory, "
+            f"over its limit {float(_stage_limits(problem)[s]):.6g} by {ex:.6g}; raise mem_limit, use more micro-batch "
             "offload (pipeoffload/adaoffload) or the MILP"
         )
     return Schedule(
@@ -146,17 +181,17 @@ def _stash_budget(problem: ScheduleProblem, count: Sequence[int], per_stage: boo
     own = np.asarray(count, dtype=float) * problem.mem_f
     if not per_stage:
         own = np.full(problem.num_stages, float(own.max()))
-    return np.minimum(own, problem.mem_limit)
+    return np.minimum(own, _stage_limits(problem))
 
 
 def _min_stash_check(problem: ScheduleProblem, method: str) -> None:
-    bad = np.flatnonzero(problem.mem_f > problem.mem_limit * (1 + 1e-12))
+    bad = np.flatnonzero(problem.mem_f > _stage_limits(problem) * (1 + 1e-12))
     if bad.size:
         s = int(bad[0])
         raise InfeasibleError(
             f"{method}: stage {s} cannot hold even one micro-batch's stash without offload "
-            f"(mem_f {problem.mem_f[s]:.6g} > mem_limit {problem.mem_limit[s]:.6g}, over by "
-            f"{problem.mem_f[s] - problem.mem_limit[s]:.6g}); use pipeoffload/adaoffload/milp or more memory"
+            f"(mem_f {problem.mem_f[s]:.6g} > mem_limit {_stage_limits(problem)[s]:.6g}, over by "
+            f"{problem.mem_f[s] - _stage_limits(problem)[s]:.6g}); use pipeoffload/adaoffload/milp or more memory"
         )
 
 
@@ -165,7 +200,7 @@ def _min_stash_check(problem: ScheduleProblem, method: str) -> None:
 # --------------------------------------------------------------------------------------
 
 
-def orders_gpipe(num_stages: int, num_microbatches: int) -> Orders:
+def orders_gpipe(num_stages: int, num_microbatches: int) -> StageOrders:
     """GPipe orders: F0..F(m-1), then B0 W0 B1 W1 ... on every stage."""
     M = num_microbatches
     seq = [("F", j) for j in range(M)]
@@ -174,7 +209,7 @@ def orders_gpipe(num_stages: int, num_microbatches: int) -> Orders:
     return {s: list(seq) for s in range(num_stages)}
 
 
-def orders_1f1b(num_stages: int, num_microbatches: int, warmup: Sequence[int] | None = None) -> Orders:
+def orders_1f1b(num_stages: int, num_microbatches: int, warmup: Sequence[int] | None = None) -> StageOrders:
     """1F1B orders with W right after B (fused backward).
 
     Parameters
@@ -185,7 +220,7 @@ def orders_1f1b(num_stages: int, num_microbatches: int, warmup: Sequence[int] | 
         Any value in ``0..m`` gives a valid order; the peak stash is ``warmup[s] + 1``.
     """
     p, M = num_stages, num_microbatches
-    out: Orders = {}
+    out: StageOrders = {}
     for s in range(p):
         w = min(p - s - 1, M) if warmup is None else max(0, min(int(warmup[s]), M))
         seq = [("F", j) for j in range(w)]
@@ -212,6 +247,7 @@ def gpipe(problem: ScheduleProblem) -> Schedule:
     Huang et al. 2019, "GPipe"; Contract 3.
     """
     t0 = time.perf_counter()
+    require_one_stage_per_device(problem, "gpipe")
     _min_stash_check(problem, "gpipe")
     sched = simulate(problem, orders_gpipe(problem.num_stages, problem.num_microbatches), method="gpipe")
     return _finish(problem, sched, t0)
@@ -234,6 +270,7 @@ def one_f_one_b(problem: ScheduleProblem) -> Schedule:
     Narayanan et al. 2021 (PipeDream-2BW / 1F1B); Qi et al. 2024 Figure 2.
     """
     t0 = time.perf_counter()
+    require_one_stage_per_device(problem, "1f1b")
     _min_stash_check(problem, "1f1b")
     sched = simulate(problem, orders_1f1b(problem.num_stages, problem.num_microbatches), method="1f1b")
     return _finish(problem, sched, t0)
@@ -255,7 +292,7 @@ def greedy_orders(
     allow_bubble_before_first_b: bool,
     prioritize_b: bool,
     no_bubble_greedy: bool,
-) -> Orders:
+) -> StageOrders:
     """One run of the Zero Bubble greedy: per-stage orders under a per-stage memory budget.
 
     The greedy walks micro-batch by micro-batch. Micro-batch 0: one forward on every stage,
@@ -303,7 +340,7 @@ def greedy_orders(
     mem = [0.0] * S
     bubble = [0.0] * S
     done: dict[tuple[str, int, int], float] = {}  # (type, stage, mb) -> end time
-    orders: Orders = {s: [] for s in range(S)}
+    orders: StageOrders = {s: [] for s in range(S)}
     eps = 1e-12
 
     def c(t, s):
@@ -468,7 +505,8 @@ def zb_greedy(
     Qi et al. 2024, Section 3.1; reproduces their heuristic's table (see tests).
     """
     t0 = time.perf_counter()
-    budget = problem.mem_limit if mem_budget is None else np.asarray(mem_budget, dtype=float)
+    require_one_stage_per_device(problem, method)
+    budget = _stage_limits(problem) if mem_budget is None else np.asarray(mem_budget, dtype=float)
     _min_stash_check(problem, method)
     best = None
     reasons = []
@@ -521,6 +559,7 @@ def zb_h1(problem: ScheduleProblem, *, per_stage: bool = False) -> Schedule:
         If 1F1B's memory does not fit the limit.
     """
     t0 = time.perf_counter()
+    require_one_stage_per_device(problem, "zb-h1")
     p, M = problem.num_stages, problem.num_microbatches
     _min_stash_check(problem, "zb-h1")
     budget = _stash_budget(problem, [min(p - s, M) for s in range(p)], per_stage)
@@ -552,6 +591,7 @@ def zb_h2(problem: ScheduleProblem, *, per_stage: bool = False) -> Schedule:
         If not even 1F1B's memory fits.
     """
     t0 = time.perf_counter()
+    require_one_stage_per_device(problem, "zb-h2")
     p, M = problem.num_stages, problem.num_microbatches
     _min_stash_check(problem, "zb-h2")
     budget = _stash_budget(problem, [min(2 * (p - s) - 1, M) for s in range(p)], per_stage)
@@ -583,7 +623,7 @@ def _gaps(problem: ScheduleProblem, sched: Schedule) -> dict[tuple[int, int], fl
 
 def _selective_offload(
     problem: ScheduleProblem,
-    orders: Orders,
+    orders: StageOrders,
     method: str,
     force: Iterable[tuple[int, int]] = (),
     *,
@@ -609,7 +649,7 @@ def _selective_offload(
     if minimal and ex <= 1e-9 * max(1.0, float(np.max(problem.mem_f))) and not check_schedule(problem, base):
         return base, ex
     gaps = _gaps(problem, base)
-    finite = np.isfinite(problem.mem_limit)
+    finite = np.isfinite(_stage_limits(problem))
     cand = sorted(
         (k for k, g in gaps.items() if finite[k[0]] and k not in force and g >= 2 * problem.t_offload[k[0]] - 1e-12),
         key=lambda k: (-gaps[k], k),
@@ -641,7 +681,7 @@ def _selective_offload(
     over = set()
     for s in range(problem.num_stages):
         _, mem = memory_profile(problem, full_s.ops, s)
-        if mem.size and mem.max() > problem.mem_limit[s]:
+        if mem.size and mem.max() > _stage_limits(problem)[s]:
             over.add(s)
     allk = force | set(cand) | {(s, j) for s in over for j in range(problem.num_microbatches)}
     s_all = simulate(problem, orders, offload=allk, method=method, respect_memory=True)
@@ -671,6 +711,7 @@ def pipeoffload(problem: ScheduleProblem, *, minimal: bool = False) -> Schedule:
     Wan et al. 2025, "PipeOffload", Sections 2, 3.2 and 4.2.
     """
     t0 = time.perf_counter()
+    require_one_stage_per_device(problem, "pipeoffload")
     p, M = problem.num_stages, problem.num_microbatches
     _min_stash_check(problem, "pipeoffload")  # F allocates its whole stash before any offload
     best, least = None, math.inf
@@ -733,6 +774,7 @@ def adaoffload(problem: ScheduleProblem, *, tolerance_s: float = 0.0) -> Schedul
     OptPipe (2025) Section 4.1.3 and Appendix D, Algorithm 1; Wan et al. 2025 (PipeOffload).
     """
     t0 = time.perf_counter()
+    require_one_stage_per_device(problem, "adaoffload")
     p, M = problem.num_stages, problem.num_microbatches
     _min_stash_check(problem, "adaoffload")
     est = _est_first_b(problem)
@@ -755,7 +797,7 @@ def adaoffload(problem: ScheduleProblem, *, tolerance_s: float = 0.0) -> Schedul
             start = f_end[s, j] - problem.t_f[s]
             n_off = sum(1 for x in off_done if x <= start)
             need = (j + 1) * problem.mem_f[s] - n_off * problem.offload_bytes[s]
-            if j > 0 and need > problem.mem_limit[s] * (1 + 1e-12):
+            if j > 0 and need > _stage_limits(problem)[s] * (1 + 1e-12):
                 break
             o_end = max(o_end, f_end[s, j]) + t_off
             off_done.append(o_end)
@@ -763,8 +805,8 @@ def adaoffload(problem: ScheduleProblem, *, tolerance_s: float = 0.0) -> Schedul
         warm.append(max(1, n))
     warm = [min(w, M) for w in warm]
 
-    def build(warm_s: list[int]) -> Orders:
-        orders: Orders = {}
+    def build(warm_s: list[int]) -> StageOrders:
+        orders: StageOrders = {}
         for s in range(p):
             w = warm_s[s]
             seq = [("F", j) for j in range(w)]
@@ -788,7 +830,7 @@ def adaoffload(problem: ScheduleProblem, *, tolerance_s: float = 0.0) -> Schedul
         return ws
 
     cur = monotone(cur)
-    finite = np.isfinite(problem.mem_limit)
+    finite = np.isfinite(_stage_limits(problem))
     best, least = None, math.inf
     for _ in range(M * p + 1):
         orders = build(cur)
@@ -804,7 +846,7 @@ def adaoffload(problem: ScheduleProblem, *, tolerance_s: float = 0.0) -> Schedul
         over = []
         for s in range(p):
             _, mem = memory_profile(problem, sched.ops, s)
-            if mem.size and mem.max() > problem.mem_limit[s] * (1 + 1e-12) and cur[s] > 1:
+            if mem.size and mem.max() > _stage_limits(problem)[s] * (1 + 1e-12) and cur[s] > 1:
                 over.append(s)
         if not over:
             break
@@ -831,28 +873,64 @@ def adaoffload(problem: ScheduleProblem, *, tolerance_s: float = 0.0) -> Schedul
 # dispatcher
 # --------------------------------------------------------------------------------------
 
+def greedy(problem: ScheduleProblem) -> Schedule:
+    """The greedy for the problem's placement.
+
+    One stage per device: the Zero Bubble greedy (:func:`zb_greedy`, Qi et al. 2024 Section
+    3.1). Several stages on a device: the memory-aware device greedy of
+    :mod:`fxpipe.schedule.device_greedy` (any placement).
+
+    Raises
+    ------
+    InfeasibleError
+        If the greedy cannot fit ``mem_limit``.
+    """
+    if problem.one_stage_per_device:
+        return zb_greedy(problem)
+    from fxpipe.schedule.device_greedy import device_greedy
+
+    return device_greedy(problem, method="greedy")
+
+
+def _multistage(name: str) -> Callable[[ScheduleProblem], Schedule]:
+    def run(problem: ScheduleProblem) -> Schedule:
+        from fxpipe.schedule import multistage
+
+        return getattr(multistage, name)(problem)
+
+    return run
+
+
 _GENERATORS: dict[str, Callable[[ScheduleProblem], Schedule]] = {
     "gpipe": gpipe,
     "1f1b": one_f_one_b,
     "zb-h1": zb_h1,
     "zb-h2": zb_h2,
-    "greedy": zb_greedy,
+    "greedy": greedy,
     "pipeoffload": pipeoffload,
     "adaoffload": adaoffload,
+    "interleaved-1f1b": _multistage("interleaved_1f1b"),
+    "zb-v": _multistage("zb_v"),
+    "dualpipe-v": _multistage("dualpipe_v"),
 }
 
 
 def generate(problem: ScheduleProblem, method: str) -> Schedule:
-    """A valid heuristic schedule of ``problem`` by ``method`` (one of :data:`METHODS`).
+    """A valid heuristic schedule of ``problem`` by ``method`` (one of :data:`ALL_METHODS`).
+
+    ``gpipe``, ``1f1b``, ``zb-h1``, ``zb-h2``, ``pipeoffload`` and ``adaoffload`` schedule
+    one stage per device; ``interleaved-1f1b`` needs the looped placement, ``zb-v`` and
+    ``dualpipe-v`` the V placement (:mod:`fxpipe.schedule.multistage`); ``greedy`` works on
+    any placement.
 
     Raises
     ------
     InputError
-        On an unknown method.
+        On an unknown method, or a placement the method does not schedule.
     InfeasibleError
         If the method cannot fit ``mem_limit`` (the message says by how much).
     """
     key = str(method).lower()
     if key not in _GENERATORS:
-        raise InputError(f"unknown schedule method {method!r}; choose one of {', '.join(METHODS)}")
+        raise InputError(f"unknown schedule method {method!r}; choose one of {', '.join(ALL_METHODS)}")
     return _GENERATORS[key](problem)

@@ -1,11 +1,13 @@
 """Pictures of pipeline schedules: a Gantt chart with memory curves, and a Chrome trace.
 
-* :func:`gantt` draws one row per stage for its compute stream (F/B/W) and one for its copy
-  stream (O/R), and underneath the activation memory of every stage over time (Contract 3
-  rule 5, from :func:`fxpipe.schedule.validate.memory_profile`) with its limit. PNG or SVG,
-  chosen by the file suffix; matplotlib's Agg backend (no display needed).
+* :func:`gantt` draws one row per device for its compute stream (F/B/W of all the stages it
+  holds; a box is labelled with its micro-batch, and with ``stage:micro-batch`` when the
+  device holds several stages) and one for its copy stream (O/R), and underneath the
+  activation memory of every device over time (Contract 3 rule 5, from
+  :func:`fxpipe.schedule.validate.device_memory_profile`) with its limit. PNG or SVG, chosen
+  by the file suffix; matplotlib's Agg backend (no display needed).
 * :func:`chrome_trace` writes the Trace Event Format JSON that ``chrome://tracing`` and
-  Perfetto (ui.perfetto.dev) open: one process per stage, thread 0 = compute stream,
+  Perfetto (ui.perfetto.dev) open: one process per device, thread 0 = compute stream,
   thread 1 = copy stream, complete events (``ph: "X"``) with real durations in microseconds.
 
 References
@@ -32,7 +34,7 @@ COLORS = {"F": "#4C72B0", "B": "#55A868", "W": "#DD8452", "O": "#8172B3", "R": "
 
 def gantt(problem: ScheduleProblem, schedule: Schedule, path: str | os.PathLike, *, title: str | None = None,
           label_ops: bool | None = None) -> Path:
-    """Draw ``schedule`` as a Gantt chart with per-stage memory curves underneath.
+    """Draw ``schedule`` as a Gantt chart (a row per device) with per-device memory curves underneath.
 
     Parameters
     ----------
@@ -63,7 +65,7 @@ def gantt(problem: ScheduleProblem, schedule: Schedule, path: str | os.PathLike,
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    from fxpipe.schedule.validate import memory_profile
+    from fxpipe.schedule.validate import device_memory_profile
 
     path = Path(path)
     fmt = path.suffix.lower().lstrip(".")
@@ -71,32 +73,35 @@ def gantt(problem: ScheduleProblem, schedule: Schedule, path: str | os.PathLike,
         raise InputError(f"gantt: unsupported file type {path.suffix!r}; use .png or .svg")
     if not isinstance(schedule, Schedule):
         raise InputError(f"gantt: expected a Schedule, got {type(schedule).__name__}")
-    S = problem.num_stages
+    S, D = problem.num_stages, problem.num_devices
     if any(not 0 <= o.stage < S for o in schedule.ops):
         raise InputError(f"gantt: the schedule names stages outside 0..{S - 1} of the problem")
     if label_ops is None:
         label_ops = len(schedule.ops) <= 400
+    dev = problem.device_of_stage
+    multi = not problem.one_stage_per_device
 
     t_end = max((o.end_s for o in schedule.ops), default=1.0)
     t_beg = min((o.start_s for o in schedule.ops), default=0.0)
-    height = 1.2 + 0.5 * 2 * S + 2.5
+    height = 1.2 + 0.5 * 2 * D + 2.5
     fig, (ax, axm) = plt.subplots(2, 1, figsize=(12, height), sharex=True,
-                                  gridspec_kw={"height_ratios": [max(2 * S, 2), 5]})
-    rows = {}
+                                  gridspec_kw={"height_ratios": [max(2 * D, 2), 5]})
     labels = []
-    for s in range(S):
-        rows[(s, "compute")] = 2 * s
-        rows[(s, "copy")] = 2 * s + 1
-        labels += [f"stage {s}", f"stage {s} copy"]
+    for d in range(D):
+        st = problem.stages_of_device(d)
+        name = f"stage {st[0]}" if not multi and problem.identity_placement else f"device {d} (stages {','.join(map(str, st))})"
+        labels += [name, f"{name} copy" if not multi else "copy"]
     for o in schedule.ops:
-        lane = "copy" if o.type in ("O", "R") else "compute"
-        y = rows[(o.stage, lane)]
-        h = 0.8 if lane == "compute" else 0.5
+        lane = 1 if o.type in ("O", "R") else 0
+        y = 2 * dev[o.stage] + lane
+        h = 0.8 if lane == 0 else 0.5
         ax.broken_barh([(o.start_s, max(o.end_s - o.start_s, 0.0))], (y - h / 2, h),
                        facecolors=COLORS.get(o.type, "grey"), edgecolors="black", linewidth=0.3)
         if label_ops and o.end_s > o.start_s:
-            ax.text((o.start_s + o.end_s) / 2, y, str(o.microbatch), ha="center", va="center", fontsize=6, color="white")
-    ax.set_yticks(range(2 * S))
+            text = f"{o.stage}:{o.microbatch}" if multi else str(o.microbatch)
+            ax.text((o.start_s + o.end_s) / 2, y, text, ha="center", va="center", fontsize=6 if not multi else 5,
+                    color="white")
+    ax.set_yticks(range(2 * D))
     ax.set_yticklabels(labels, fontsize=7)
     ax.invert_yaxis()
     ax.legend(handles=[Patch(color=c, label=t) for t, c in COLORS.items()], ncol=5, fontsize=7, loc="upper right")
@@ -107,21 +112,22 @@ def gantt(problem: ScheduleProblem, schedule: Schedule, path: str | os.PathLike,
 
     cmap = plt.get_cmap("tab10")
     any_limit = False
-    for s in range(S):
-        times, mem = memory_profile(problem, schedule.ops, s)
+    for d in range(D):
+        times, mem = device_memory_profile(problem, schedule.ops, d)
         if len(times) == 0:
             continue
         xs = [t_beg] + list(times) + [t_end]
         ys = [0.0] + list(mem) + [mem[-1]]
-        axm.step(xs, ys, where="post", color=cmap(s % 10), linewidth=1, label=f"stage {s}")
-        lim = float(problem.mem_limit[s])
+        name = f"device {d}" if multi or not problem.identity_placement else f"stage {d}"
+        axm.step(xs, ys, where="post", color=cmap(d % 10), linewidth=1, label=name)
+        lim = float(problem.mem_limit[d])
         if math.isfinite(lim):
             any_limit = True
-            axm.axhline(lim, color=cmap(s % 10), linestyle="--", linewidth=0.6)
+            axm.axhline(lim, color=cmap(d % 10), linestyle="--", linewidth=0.6)
     axm.set_ylabel("activation memory" + (" (dashed: limit)" if any_limit else ""), fontsize=8)
     axm.set_xlabel("time (s)", fontsize=8)
-    if S <= 16:
-        axm.legend(fontsize=6, ncol=min(S, 8), loc="upper right")
+    if D <= 16:
+        axm.legend(fontsize=6, ncol=min(D, 8), loc="upper right")
     fig.tight_layout()
 
     buf = io.BytesIO()
@@ -132,12 +138,13 @@ def gantt(problem: ScheduleProblem, schedule: Schedule, path: str | os.PathLike,
     return write_text_atomic(path, buf.getvalue())
 
 
-def chrome_trace(schedule: Schedule, path: str | os.PathLike) -> Path:
+def chrome_trace(schedule: Schedule, path: str | os.PathLike, device_of_stage=None) -> Path:
     """Write ``schedule`` as a Chrome/Perfetto trace (JSON, written atomically).
 
     Every op becomes a complete event ``{"name": "F3", "ph": "X", "ts": start_us,
-    "dur": duration_us, "pid": stage, "tid": 0 (compute) or 1 (copy)}``; metadata events
-    name the processes ("stage s") and threads ("compute", "copy").
+    "dur": duration_us, "pid": device, "tid": 0 (compute) or 1 (copy)}`` (with several
+    stages per device the name is ``"F3 (stage 5)"``); metadata events name the processes
+    ("stage s" with one stage per device, else "device d") and threads ("compute", "copy").
 
     Parameters
     ----------
@@ -145,6 +152,8 @@ def chrome_trace(schedule: Schedule, path: str | os.PathLike) -> Path:
         Timed ops in seconds.
     path : str or PathLike
         Output ``.json`` file.
+    device_of_stage : sequence of int or ScheduleProblem, optional
+        The placement (default one stage per device).
 
     Returns
     -------
@@ -154,21 +163,29 @@ def chrome_trace(schedule: Schedule, path: str | os.PathLike) -> Path:
     if not isinstance(schedule, Schedule):
         raise InputError(f"chrome_trace: expected a Schedule, got {type(schedule).__name__}")
     events = []
+    if isinstance(device_of_stage, ScheduleProblem):
+        device_of_stage = device_of_stage.device_of_stage
     stages = sorted({o.stage for o in schedule.ops})
-    for s in stages:
-        events.append({"name": "process_name", "ph": "M", "pid": s, "tid": 0, "args": {"name": f"stage {s}"}})
-        events.append({"name": "process_sort_index", "ph": "M", "pid": s, "tid": 0, "args": {"sort_index": s}})
-        events.append({"name": "thread_name", "ph": "M", "pid": s, "tid": 0, "args": {"name": "compute"}})
-        events.append({"name": "thread_name", "ph": "M", "pid": s, "tid": 1, "args": {"name": "copy"}})
+    if device_of_stage is None:
+        dev = {s: s for s in stages}
+    else:
+        dev = {s: int(device_of_stage[s]) for s in stages}
+    multi = len(set(dev.values())) < len(dev)
+    for d in sorted(set(dev.values())):
+        name = f"device {d}" if multi else f"stage {next(s for s in stages if dev[s] == d)}"
+        events.append({"name": "process_name", "ph": "M", "pid": d, "tid": 0, "args": {"name": name}})
+        events.append({"name": "process_sort_index", "ph": "M", "pid": d, "tid": 0, "args": {"sort_index": d}})
+        events.append({"name": "thread_name", "ph": "M", "pid": d, "tid": 0, "args": {"name": "compute"}})
+        events.append({"name": "thread_name", "ph": "M", "pid": d, "tid": 1, "args": {"name": "copy"}})
     names = {"F": "forward", "B": "backward-input", "W": "backward-weight", "O": "offload", "R": "reload"}
     for o in schedule.ops:
         events.append({
-            "name": f"{o.type}{o.microbatch}",
+            "name": f"{o.type}{o.microbatch}" + (f" (stage {o.stage})" if multi else ""),
             "cat": names.get(o.type, o.type),
             "ph": "X",
             "ts": o.start_s * 1e6,
             "dur": max(o.end_s - o.start_s, 0.0) * 1e6,
-            "pid": o.stage,
+            "pid": dev[o.stage],
             "tid": 1 if o.type in ("O", "R") else 0,
             "args": {"stage": o.stage, "microbatch": o.microbatch, "type": o.type},
         })

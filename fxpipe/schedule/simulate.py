@@ -1,11 +1,12 @@
 """Time a pipeline schedule from per-stage op orders (ASAP list scheduling).
 
-A pipeline schedule is usually described by *orders*: for every stage the sequence of its
-compute ops, e.g. ``[("F", 0), ("F", 1), ("B", 0), ("W", 0), ...]`` (torch's
-``Schedule1F1B`` action lists, Zero Bubble's per-stage orders). :func:`simulate` turns such
-orders into a timed :class:`~fxpipe.ir.Schedule` (DESIGN.md Contract 3): every compute op
-starts as soon as its stage has finished the previous op of its order and its data
-dependencies (rule 2 of Contract 3) are met.
+A pipeline schedule is usually described by *orders*: for every device the sequence of the
+compute actions of the stages it holds (:class:`~fxpipe.ir.Orders`, e.g. ``0F0 0F1 3F0 3B0
+...``; torch's ``pipeline_order``, Zero Bubble's per-stage orders). With one stage per device
+the older per-stage form ``{stage: [("F", 0), ("F", 1), ("B", 0), ...]}`` is accepted too.
+:func:`simulate` turns such orders into a timed :class:`~fxpipe.ir.Schedule` (DESIGN.md
+Contract 3): every compute op starts as soon as its device has finished the previous op of
+its order and its data dependencies (rule 2 of Contract 3, comm only between devices) are met.
 
 Offload / reload (PipeOffload, Wan et al. 2025, Section 4.2; OptPipe Section 3): for every
 ``(stage, microbatch)`` in ``offload``
@@ -17,9 +18,9 @@ Offload / reload (PipeOffload, Wan et al. 2025, Section 4.2; OptPipe Section 3):
   previous op of the stage and the upstream gradient) and starts after ``O`` ended. When no
   such slot exists, ``R`` goes into the earliest free slot after ``O`` and ``B`` waits for it.
 
-The copy stream of a stage is shared by offloads and reloads (one stream, as in PipeOffload
-Section 4.2); stages named together in a pcie group share one copy resource (OptPipe
-Eq. 18-19). Copy ops go into *gaps* of these calendars, so a reload may be placed before an
+The copy stream of a device is shared by the offloads and reloads of all its stages (one
+stream, as in PipeOffload Section 4.2); stages named together in a pcie group share one copy
+resource (OptPipe Eq. 18-19). Copy ops go into *gaps* of these calendars, so a reload may be placed before an
 offload that was decided earlier but lies later in time.
 
 Memory limits are *not* enforced here (the simulator times a given order); callers check
@@ -33,10 +34,10 @@ import time
 from typing import Iterable, Mapping, Sequence
 
 from fxpipe.errors import InputError
-from fxpipe.ir import Schedule, ScheduledOp, ScheduleProblem, sort_ops
+from fxpipe.ir import Orders, Schedule, ScheduledOp, ScheduleProblem, schedule_to_orders, sort_ops
 from fxpipe.schedule.validate import objective_values
 
-__all__ = ["simulate", "CopyCalendar", "orders_from_schedule"]
+__all__ = ["simulate", "as_orders", "CopyCalendar", "orders_from_schedule"]
 
 Order = Sequence[tuple[str, int]]
 
@@ -44,21 +45,28 @@ Order = Sequence[tuple[str, int]]
 class CopyCalendar:
     """Busy intervals of the host-transfer (copy) resources of every stage.
 
-    A copy op of stage s must not overlap any copy op of s itself or of a stage that shares a
-    pcie group with s (Contract 3 rule 3).
+    A copy op of stage s must not overlap any copy op of a stage on the same device (one
+    copy stream per device) or of a stage that shares a pcie group with s (Contract 3
+    rule 3).
 
     Parameters
     ----------
     num_stages : int
     pcie_groups : sequence of sequence of int
+    device_of_stage : sequence of int, optional
+        Placement; default one stage per device.
     """
 
-    def __init__(self, num_stages: int, pcie_groups: Sequence[Sequence[int]] = ()):
+    def __init__(self, num_stages: int, pcie_groups: Sequence[Sequence[int]] = (),
+                 device_of_stage: Sequence[int] | None = None):
         self.busy: list[list[tuple[float, float]]] = [[] for _ in range(num_stages)]
         self.peers: list[set[int]] = [{s} for s in range(num_stages)]
         for g in pcie_groups:
             for a in g:
                 self.peers[a].update(g)
+        if device_of_stage is not None:
+            for a in range(num_stages):
+                self.peers[a].update(b for b in range(num_stages) if device_of_stage[b] == device_of_stage[a])
 
     def _merged(self, stage: int) -> list[tuple[float, float]]:
         ivs = sorted(iv for p in self.peers[stage] for iv in self.busy[p] if iv[1] > iv[0])
@@ -106,48 +114,68 @@ class CopyCalendar:
         self.busy[stage].append((start, end))
 
 
-def _check_orders(problem: ScheduleProblem, orders: Mapping[int, Order]) -> dict[int, list[tuple[str, int]]]:
+def as_orders(problem: ScheduleProblem, orders: Orders | Mapping[int, Order]) -> Orders:
+    """Per-device :class:`~fxpipe.ir.Orders` for ``problem``, checked to be complete.
+
+    Accepts :class:`~fxpipe.ir.Orders` (its placement must be the problem's) or the older
+    per-stage form ``{stage: [(type, microbatch), ...]}`` (only with one stage per device).
+
+    Raises
+    ------
+    InputError
+        If a stage's order misses or repeats an op, names a micro-batch or stage outside the
+        problem, or the placement differs from the problem's.
+    """
     S, M = problem.num_stages, problem.num_microbatches
-    out: dict[int, list[tuple[str, int]]] = {}
+    if isinstance(orders, Orders):
+        if tuple(orders.device_of_stage) != tuple(problem.device_of_stage):
+            raise InputError(
+                f"the orders place stages on devices {list(orders.device_of_stage)}, the problem on "
+                f"{list(problem.device_of_stage)}"
+            )
+        out = orders
+    else:
+        if not isinstance(orders, Mapping):
+            raise InputError(f"orders must be Orders or a mapping stage -> [(type, microbatch)], got {type(orders).__name__}")
+        extra = set(orders) - set(range(S))
+        if extra:
+            raise InputError(f"orders names stages {sorted(extra)} outside 0..{S - 1}")
+        for s in range(S):
+            if s not in orders:
+                raise InputError(f"orders has no entry for stage {s}: give the op order of every stage 0..{S - 1}")
+        out = Orders.from_stage_orders(orders, problem.device_of_stage)
     for s in range(S):
-        if s not in orders:
-            raise InputError(f"orders has no entry for stage {s}: give the op order of every stage 0..{S - 1}")
-        seq = [(str(t), int(j)) for t, j in orders[s]]
         seen = set()
-        for t, j in seq:
-            if t not in ("F", "B", "W"):
-                raise InputError(f"stage {s}: order contains op type {t!r}; orders list F, B and W only")
-            if not 0 <= j < M:
-                raise InputError(f"stage {s}: order names micro-batch {j} outside 0..{M - 1}")
-            if (t, j) in seen:
-                raise InputError(f"stage {s}: {t}{j} appears twice in the order")
-            seen.add((t, j))
+        for a in out.of_stage(s):
+            if not a.is_compute:
+                continue
+            if not 0 <= a.microbatch < M:
+                raise InputError(f"stage {s}: order names micro-batch {a.microbatch} outside 0..{M - 1}")
+            seen.add((a.type, a.microbatch))
         if len(seen) != 3 * M:
             missing = [f"{t}{j}" for j in range(M) for t in "FBW" if (t, j) not in seen]
             raise InputError(f"stage {s}: the order lacks {', '.join(missing[:10])}")
-        out[s] = seq
-    extra = set(orders) - set(range(S))
-    if extra:
-        raise InputError(f"orders names stages {sorted(extra)} outside 0..{S - 1}")
     return out
 
 
 def simulate(
     problem: ScheduleProblem,
-    orders: Mapping[int, Order],
+    orders: Orders | Mapping[int, Order],
     *,
     offload: Iterable[tuple[int, int]] | None = None,
     method: str = "",
     meta: Mapping | None = None,
     respect_memory: bool = False,
 ) -> Schedule:
-    """Time per-stage op orders as early as possible (ASAP list scheduling).
+    """Time per-device op orders as early as possible (ASAP list scheduling).
 
     Parameters
     ----------
     problem : ScheduleProblem
-    orders : mapping stage -> sequence of (type, microbatch)
-        For every stage 0..S-1 the order of its 3m compute ops (type in F, B, W).
+    orders : Orders or mapping stage -> sequence of (type, microbatch)
+        Per-device programs (:class:`~fxpipe.ir.Orders`, any placement; their O/R actions
+        add to ``offload``), or, with one stage per device, for every stage 0..S-1 the order
+        of its 3m compute ops (type in F, B, W).
     offload : iterable of (stage, microbatch), optional
         Stashes to offload after F and reload before B (see the module docstring for the
         placement rule).
@@ -156,7 +184,7 @@ def simulate(
     meta : mapping, optional
         Stored in the result (copied).
     respect_memory : bool, optional
-        If True, a forward that would push its stage over ``mem_limit`` waits until enough
+        If True, a forward that would push its device over ``mem_limit`` waits until enough
         offloads placed so far have ended (memory-aware list scheduling; reloads placed
         later are not foreseen, so the result must still be validated). Default False:
         pure ASAP timing of the orders.
@@ -171,8 +199,8 @@ def simulate(
     ------
     InputError
         If an order misses or repeats an op, or the orders deadlock (an op waits for an op
-        that its own stage only runs later, e.g. ``W0`` before ``B0`` or ``B1`` before ``B0``
-        on one stage and the reverse on another).
+        that its own device only runs later, e.g. ``W0`` before ``B0`` or ``B1`` before
+        ``B0`` on one device and the reverse on another).
 
     References
     ----------
@@ -180,9 +208,11 @@ def simulate(
     reload as late as possible); OptPipe Section 3 / Eq. 18-19 (pcie groups).
     """
     t0 = time.perf_counter()
-    S = problem.num_stages
-    seqs = _check_orders(problem, orders)
-    off = set()
+    S, D = problem.num_stages, problem.num_devices
+    dev = problem.device_of_stage
+    checked = as_orders(problem, orders)
+    seqs = [[a for a in row if a.is_compute] for row in checked.actions]
+    off = set(checked.offloaded())
     for s, j in offload or ():
         s, j = int(s), int(j)
         if not (0 <= s < S and 0 <= j < problem.num_microbatches):
@@ -190,24 +220,23 @@ def simulate(
         off.add((s, j))
 
     end: dict[tuple[int, int, str], float] = {}
-    start: dict[tuple[int, int, str], float] = {}
     ops: list[ScheduledOp] = []
-    pos = [0] * S
-    free = [0.0] * S
-    cal = CopyCalendar(S, problem.pcie_groups)
+    pos = [0] * D
+    free = [0.0] * D
+    cal = CopyCalendar(S, problem.pcie_groups, dev)
     off_end: dict[tuple[int, int], float] = {}
-    mem_events: list[list[tuple[float, float]]] = [[] for _ in range(S)]  # (time, delta)
+    mem_events: list[list[tuple[float, float]]] = [[] for _ in range(D)]  # per device: (time, delta)
     delta = {"F": problem.mem_f, "B": problem.mem_b, "W": problem.mem_w}
 
-    def fit_time(s: int, est: float, need: float) -> float:
-        lim = float(problem.mem_limit[s])
+    def fit_time(d: int, est: float, need: float) -> float:
+        lim = float(problem.mem_limit[d])
         if not math.isfinite(lim):
             return est
         tol = 1e-9 * max(1.0, abs(lim))
-        evs = sorted(mem_events[s])
+        evs = sorted(mem_events[d])
         cands = [est] + sorted({t for t, _ in evs if t > est})
         for t in cands:
-            cur = sum(d for te, d in evs if te <= t)
+            cur = sum(x for te, x in evs if te <= t)
             if cur + need <= lim + tol:
                 return t
         return est
@@ -226,56 +255,60 @@ def simulate(
             if e is None or (s, j, "F") not in end:
                 return None
             return e + problem.comm(s)
-        e = end.get((s, j, "B"))
-        return e
+        return end.get((s, j, "B"))
 
-    total = sum(len(v) for v in seqs.values())
+    total = sum(len(v) for v in seqs)
     done = 0
     while done < total:
         best = None
-        for s in range(S):
-            if pos[s] >= len(seqs[s]):
+        for d in range(D):
+            if pos[d] >= len(seqs[d]):
                 continue
-            t, j = seqs[s][pos[s]]
-            r = dep_ready(s, t, j)
+            a = seqs[d][pos[d]]
+            r = dep_ready(a.stage, a.type, a.microbatch)
             if r is None:
                 continue
-            est = max(free[s], r)
+            est = max(free[d], r)
             if best is None or est < best[0]:
-                best = (est, s)
+                best = (est, d)
         if best is None:
-            blocked = [f"stage {s}: {seqs[s][pos[s]][0]}{seqs[s][pos[s]][1]}" for s in range(S) if pos[s] < len(seqs[s])]
+            blocked = [
+                f"{'stage ' + str(seqs[d][pos[d]].stage) if len(problem.stages_of_device(d)) == 1 else 'device ' + str(d)}: "
+                f"{seqs[d][pos[d]]}"
+                for d in range(D) if pos[d] < len(seqs[d])
+            ]
             raise InputError(
-                "the orders deadlock: every stage waits for an op another stage runs later "
-                f"(next ops: {', '.join(blocked[:8])}); fix the per-stage orders"
+                "the orders deadlock: every device waits for an op another device runs later "
+                f"(next ops: {', '.join(blocked[:8])}); fix the per-device orders"
             )
-        est, s = best
-        t, j = seqs[s][pos[s]]
+        est, d = best
+        a = seqs[d][pos[d]]
+        s, t, j = a.stage, a.type, a.microbatch
         if t == "B" and (s, j) in off:
-            d = problem.duration(s, "R")
+            dur = problem.duration(s, "R")
             lo = off_end[(s, j)]
-            x = cal.latest(s, lo, est, d)
+            x = cal.latest(s, lo, est, dur)
             if x is None:
-                x = cal.earliest(s, lo, d)
-            cal.book(s, x, x + d)
-            mem_events[s].append((x, float(problem.offload_bytes[s])))
-            start[(s, j, "R")], end[(s, j, "R")] = x, x + d
-            ops.append(ScheduledOp(s, j, "R", x, x + d))
-            est = max(est, x + d)
+                x = cal.earliest(s, lo, dur)
+            cal.book(s, x, x + dur)
+            mem_events[d].append((x, float(problem.offload_bytes[s])))
+            end[(s, j, "R")] = x + dur
+            ops.append(ScheduledOp(s, j, "R", x, x + dur))
+            est = max(est, x + dur)
         if respect_memory and t == "F":
-            est = fit_time(s, est, float(problem.mem_f[s]))
-        d = problem.duration(s, t)
-        mem_events[s].append((est, float(delta[t][s])))
-        start[(s, j, t)], end[(s, j, t)] = est, est + d
-        ops.append(ScheduledOp(s, j, t, est, est + d))
-        free[s] = est + d
-        pos[s] += 1
+            est = fit_time(d, est, float(problem.mem_f[s]))
+        dur = problem.duration(s, t)
+        mem_events[d].append((est, float(delta[t][s])))
+        end[(s, j, t)] = est + dur
+        ops.append(ScheduledOp(s, j, t, est, est + dur))
+        free[d] = est + dur
+        pos[d] += 1
         done += 1
         if t == "F" and (s, j) in off:
             dd = problem.duration(s, "O")
-            x = cal.earliest(s, est + d, dd)
+            x = cal.earliest(s, est + dur, dd)
             cal.book(s, x, x + dd)
-            mem_events[s].append((x + dd, -float(problem.offload_bytes[s])))
+            mem_events[d].append((x + dd, -float(problem.offload_bytes[s])))
             off_end[(s, j)] = x + dd
             ops.append(ScheduledOp(s, j, "O", x, x + dd))
 
@@ -297,7 +330,10 @@ def simulate(
 
 
 def orders_from_schedule(schedule: Schedule | Iterable[ScheduledOp], num_stages: int) -> dict[int, list[tuple[str, int]]]:
-    """Per-stage compute order (F/B/W by start time) of a timed schedule.
+    """Per-stage compute order of a timed schedule, in the older ``{stage: [(type, mb)]}`` form.
+
+    A thin wrapper of :func:`fxpipe.ir.schedule_to_orders` (the one schedule-to-orders
+    function) with one stage per device; O/R ops are dropped.
 
     Parameters
     ----------
@@ -307,11 +343,7 @@ def orders_from_schedule(schedule: Schedule | Iterable[ScheduledOp], num_stages:
     Returns
     -------
     dict stage -> list of (type, microbatch)
-        The input format of :func:`simulate`; O/R ops are dropped.
+        The per-stage input format of :func:`simulate`.
     """
     ops = schedule.ops if isinstance(schedule, Schedule) else list(schedule)
-    out: dict[int, list[tuple[str, int]]] = {s: [] for s in range(num_stages)}
-    rank = {"F": 0, "B": 1, "W": 2}
-    for o in sorted((o for o in ops if o.type in rank), key=lambda o: (o.start_s, o.end_s, rank[o.type], o.microbatch)):
-        out[o.stage].append((o.type, o.microbatch))
-    return out
+    return schedule_to_orders(ops, tuple(range(num_stages))).stage_orders()

@@ -10,17 +10,20 @@ Rules (numbers as in Contract 3):
    all; ``end - start`` equals the op's duration;
 2. ``F(s,j).start >= F(s-1,j).end + t_comm[s-1]``; ``B(s,j).start >= B(s+1,j).end + t_comm[s]``;
    ``B(S-1,j).start >= F(S-1,j).end``; ``W(s,j).start >= B(s,j).end``;
-3. F/B/W ops of one stage never overlap; O/R ops of one stage never overlap; O/R ops of stages
-   in one pcie group never overlap;
-4. ``O(s,j).start >= F(s,j).end`` and ``R(s,j).end <= B(s,j).start``;
+3. F/B/W ops of one device (all the stages it holds) never overlap; O/R ops of one device
+   never overlap; O/R ops of stages in one pcie group never overlap; ``t_comm`` applies only
+   between stages on different devices (rule 2 uses :meth:`ScheduleProblem.comm`, which is 0
+   between stages on one device);
+4. ``O(s,j).start >= F(s,j).end``, ``R(s,j).start >= O(s,j).end`` and ``R(s,j).end <= B(s,j).start``;
 5. memory of stage s at time t is the sum of the deltas of its F/B/W ops that have started by
-   t, minus ``offload_bytes[s]`` for every (s, j) with ``O.end <= t < R.start``; it never
-   exceeds ``mem_limit[s]`` (checked at every op start, which is where it can rise).
+   t, minus ``offload_bytes[s]`` for every (s, j) with ``O.end <= t < R.start``; memory of a
+   device is the sum over its stages and never exceeds the device's ``mem_limit[d]``
+   (checked at every op start, which is where it can rise).
 
 Tolerances: times are compared with an absolute tolerance ``tol * max(1, T)`` where ``T`` is
 the largest absolute time in the schedule (so the check is scale-free for times in seconds or
-in abstract units), memory with ``tol * max(1, M)`` where ``M`` is the largest of the stage's
-limit (when finite) and its per-micro-batch stash.
+in abstract units), memory with ``tol * max(1, M)`` where ``M`` is the largest of the device's
+limit (when finite) and the per-micro-batch stashes of its stages.
 
 References
 ----------
@@ -45,6 +48,9 @@ __all__ = [
     "validate_schedule",
     "objective_values",
     "memory_profile",
+    "device_memory_profile",
+    "device_busy_s",
+    "device_spans",
     "peak_memory",
 ]
 
@@ -86,9 +92,9 @@ def _time_tol(ops: Sequence[ScheduledOp], tol: float) -> float:
     return tol * scale
 
 
-def _mem_tol(problem: ScheduleProblem, s: int, tol: float) -> float:
-    scale = max(1.0, float(problem.mem_f[s]))
-    lim = float(problem.mem_limit[s])
+def _mem_tol(problem: ScheduleProblem, d: int, tol: float) -> float:
+    scale = max([1.0] + [float(problem.mem_f[s]) for s in problem.stages_of_device(d)])
+    lim = float(problem.mem_limit[d])
     if math.isfinite(lim):
         scale = max(scale, abs(lim))
     return tol * scale
@@ -203,9 +209,11 @@ def check_schedule(
     by_stage: dict[int, list[ScheduledOp]] = defaultdict(list)
     for o in good:
         by_stage[int(o.stage)].append(o)
-    for s in range(S):
-        overlaps([o for o in by_stage[s] if o.type in ("F", "B", "W")], f"compute stream of stage {s}")
-        overlaps([o for o in by_stage[s] if o.type in ("O", "R")], f"copy stream of stage {s}")
+    for d, stages in enumerate(problem.device_stages):
+        where = f"stage {stages[0]}" if len(stages) == 1 else f"device {d} (stages {list(stages)})"
+        dev_ops = [o for s in stages for o in by_stage[s]]
+        overlaps([o for o in dev_ops if o.type in ("F", "B", "W")], f"compute stream of {where}")
+        overlaps([o for o in dev_ops if o.type in ("O", "R")], f"copy stream of {where}")
     for g in problem.pcie_groups:
         members = sorted(set(g))
         if len(members) < 2:
@@ -230,19 +238,20 @@ def check_schedule(
                 errs.append(f"rule 4: {_label(o)} ends after B(stage {s}, mb {j}) starts at {b.start_s:.9g}")
 
     # ---------------------------------------------------------------- rule 5: memory
-    for s in range(S):
-        lim = float(problem.mem_limit[s])
+    for d, stages in enumerate(problem.device_stages):
+        lim = float(problem.mem_limit[d])
         if not math.isfinite(lim):
             continue
-        times, mem = memory_profile(problem, by_stage[s], s, _tol=ttol)
+        times, mem = _profile(problem, [o for s in stages for o in by_stage[s]], stages, ttol)
         if len(mem) == 0:
             continue
-        mtol = _mem_tol(problem, s, tol)
+        mtol = _mem_tol(problem, d, tol)
         over = np.flatnonzero(mem > lim + mtol)
         if over.size:
             i = int(over[np.argmax(mem[over])])
+            who = f"stage {stages[0]}" if len(stages) == 1 else f"device {d} (stages {list(stages)})"
             errs.append(
-                f"rule 5: stage {s} holds {mem[i]:.9g} bytes of activations at t={times[i]:.9g}, "
+                f"rule 5: {who} holds {mem[i]:.9g} bytes of activations at t={times[i]:.9g}, "
                 f"over its limit {lim:.9g} ({over.size} event time(s) over the limit)"
             )
     return errs
@@ -274,6 +283,34 @@ def validate_schedule(
         raise InvalidScheduleError(errs, method)
 
 
+def device_spans(problem: ScheduleProblem, ops: Schedule | Iterable[ScheduledOp]) -> np.ndarray:
+    """Per-device span: end of the device's last W minus start of its first F (float64 (D,)).
+
+    The device's first compute op is always an F and its last always a W, so this is the
+    time from the device's first to its last compute op (Contract 3's ``stage_span`` per
+    device). A device without F or W ops gets 0.
+    """
+    first_f = np.full(problem.num_devices, math.inf)
+    last_w = np.full(problem.num_devices, -math.inf)
+    dev = problem.device_of_stage
+    for o in _ops_of(ops):
+        if not 0 <= o.stage < problem.num_stages:
+            continue
+        d = dev[o.stage]
+        if o.type == "F":
+            first_f[d] = min(first_f[d], o.start_s)
+        elif o.type == "W":
+            last_w[d] = max(last_w[d], o.end_s)
+    ok = np.isfinite(first_f) & np.isfinite(last_w)
+    return np.where(ok, last_w - np.where(ok, first_f, 0.0), 0.0)
+
+
+def device_busy_s(problem: ScheduleProblem) -> np.ndarray:
+    """Compute time every device must spend: ``m * sum (t_f + t_b + t_w)`` over its stages (D,)."""
+    per_stage = problem.num_microbatches * (problem.t_f + problem.t_b + problem.t_w)
+    return np.bincount(np.asarray(problem.device_of_stage), weights=per_stage, minlength=problem.num_devices)
+
+
 def objective_values(problem: ScheduleProblem, ops: Schedule | Iterable[ScheduledOp]) -> tuple[float, float]:
     """Both objectives of Contract 3 for a list of timed ops.
 
@@ -286,24 +323,54 @@ def objective_values(problem: ScheduleProblem, ops: Schedule | Iterable[Schedule
     -------
     (makespan, stage_span) : tuple of float
         ``makespan`` = latest end minus earliest start over all ops (OptPipe Eq. 4);
-        ``stage_span`` = max over stages of (end of its last W minus start of its first F)
-        (OptPipe Eq. 3). A stage without F or W ops contributes 0.
+        ``stage_span`` = max over devices of the per-device span (:func:`device_spans`: end
+        of the device's last W minus start of its first F), which with one stage per device
+        is OptPipe Eq. 3's per-stage span.
     """
     ops = _ops_of(ops)
     if not ops:
         return 0.0, 0.0
     makespan = max(o.end_s for o in ops) - min(o.start_s for o in ops)
-    first_f = [math.inf] * problem.num_stages
-    last_w = [-math.inf] * problem.num_stages
+    spans = device_spans(problem, ops)
+    return float(makespan), float(max(spans.max(initial=0.0), 0.0))
+
+
+def _profile(problem: ScheduleProblem, ops: Iterable[ScheduledOp], stages: Sequence[int],
+             _tol: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
+    """Memory step curve of the ops of ``stages`` (summed), see :func:`memory_profile`."""
+    keep = set(int(s) for s in stages)
+    ops = [o for o in ops if o.stage in keep]
+    pairs: dict[tuple[int, int], dict[str, ScheduledOp]] = defaultdict(dict)
     for o in ops:
-        if not 0 <= o.stage < problem.num_stages:
-            continue
+        if o.type in ("O", "R"):
+            pairs[(o.stage, o.microbatch)][o.type] = o
+    events: list[tuple[float, float]] = []
+    for o in ops:
         if o.type == "F":
-            first_f[o.stage] = min(first_f[o.stage], o.start_s)
+            events.append((o.start_s, float(problem.mem_f[o.stage])))
+        elif o.type == "B":
+            events.append((o.start_s, float(problem.mem_b[o.stage])))
         elif o.type == "W":
-            last_w[o.stage] = max(last_w[o.stage], o.end_s)
-    spans = [w - f for f, w in zip(first_f, last_w) if math.isfinite(f) and math.isfinite(w)]
-    return float(makespan), float(max(spans, default=0.0))
+            events.append((o.start_s, float(problem.mem_w[o.stage])))
+    for (s, j), pr in pairs.items():
+        if "O" in pr and "R" in pr and pr["O"].end_s < pr["R"].start_s:
+            off = float(problem.offload_bytes[s])
+            events.append((pr["O"].end_s, -off))
+            events.append((pr["R"].start_s, off))
+    if not events:
+        return np.zeros(0), np.zeros(0)
+    events.sort()
+    times: list[float] = []
+    mem: list[float] = []
+    cur = 0.0
+    for t, d in events:
+        cur += d
+        if times and t - times[-1] <= _tol:
+            mem[-1] = cur
+        else:
+            times.append(t)
+            mem.append(cur)
+    return np.asarray(times, dtype=np.float64), np.asarray(mem, dtype=np.float64)
 
 
 def memory_profile(
@@ -334,42 +401,22 @@ def memory_profile(
         ``mem[i]`` is the memory held on ``[times[i], times[i+1])`` (bytes); the curve is 0
         before ``times[0]``.
     """
-    ops = [o for o in _ops_of(ops) if o.stage == stage]
-    pairs: dict[int, dict[str, ScheduledOp]] = defaultdict(dict)
-    for o in ops:
-        if o.type in ("O", "R"):
-            pairs[o.microbatch][o.type] = o
-    events: list[tuple[float, float]] = []
-    for o in ops:
-        if o.type == "F":
-            events.append((o.start_s, float(problem.mem_f[stage])))
-        elif o.type == "B":
-            events.append((o.start_s, float(problem.mem_b[stage])))
-        elif o.type == "W":
-            events.append((o.start_s, float(problem.mem_w[stage])))
-    off = float(problem.offload_bytes[stage])
-    for j, pr in pairs.items():
-        if "O" in pr and "R" in pr and pr["O"].end_s < pr["R"].start_s:
-            events.append((pr["O"].end_s, -off))
-            events.append((pr["R"].start_s, off))
-    if not events:
-        return np.zeros(0), np.zeros(0)
-    events.sort()
-    times: list[float] = []
-    mem: list[float] = []
-    cur = 0.0
-    for t, d in events:
-        cur += d
-        if times and t - times[-1] <= _tol:
-            mem[-1] = cur
-        else:
-            times.append(t)
-            mem.append(cur)
-    return np.asarray(times, dtype=np.float64), np.asarray(mem, dtype=np.float64)
+    return _profile(problem, _ops_of(ops), (stage,), _tol)
+
+
+def device_memory_profile(
+    problem: ScheduleProblem, ops: Schedule | Iterable[ScheduledOp], device: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Activation memory of one device (the sum over its stages) over time.
+
+    Same events and format as :func:`memory_profile`; this is the curve Contract 3 rule 5
+    limits by ``mem_limit[device]``.
+    """
+    return _profile(problem, _ops_of(ops), problem.stages_of_device(device))
 
 
 def peak_memory(problem: ScheduleProblem, ops: Schedule | Iterable[ScheduledOp]) -> np.ndarray:
-    """Peak activation memory of every stage.
+    """Peak activation memory of every device (with one stage per device: of every stage).
 
     Parameters
     ----------
@@ -378,12 +425,13 @@ def peak_memory(problem: ScheduleProblem, ops: Schedule | Iterable[ScheduledOp])
 
     Returns
     -------
-    float64 array (S,)
-        Bytes; the maximum of :func:`memory_profile` of each stage (0 for a stage without ops).
+    float64 array (D,)
+        Bytes; the maximum of :func:`device_memory_profile` of each device (0 for a device
+        without ops), comparable with ``mem_limit``.
     """
     ops = _ops_of(ops)
-    out = np.zeros(problem.num_stages)
-    for s in range(problem.num_stages):
-        _, mem = memory_profile(problem, ops, s)
-        out[s] = float(mem.max()) if mem.size else 0.0
+    out = np.zeros(problem.num_devices)
+    for d in range(problem.num_devices):
+        _, mem = device_memory_profile(problem, ops, d)
+        out[d] = float(mem.max()) if mem.size else 0.0
     return out

@@ -67,7 +67,7 @@ from fxpipe.partition.bounds.models import (
     warm_start_values,
 )
 from fxpipe.partition.bounds.simple import simple_bound, simple_work_bound
-from fxpipe.partition.bounds.solve import SolveResult, scip_version, solve_model
+from fxpipe.mip import SolveResult, scip_version, solve_model
 from fxpipe.partition.memory import MemoryModel, as_memory_model, memory_inputs, stage_memory_bytes
 from fxpipe.partition.objective import Partition, check_objective
 

@@ -1,0 +1,174 @@
+"""Atomic file writing, JSON reading and number conversion shared by every part of fxpipe.
+
+Files fxpipe writes are JSON (or text/bytes for reports and charts), written atomically:
+a temporary file in the same folder, fsync, rename (:func:`write_text_atomic`,
+:func:`write_json_atomic`), never pickle. :func:`read_json` turns every failure into an
+:class:`~fxpipe.errors.InputError` that names the file. The ``_as_*`` helpers convert
+numbers read from JSON into validated numpy arrays and integers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from fxpipe.errors import InputError
+
+__all__ = ["write_text_atomic", "write_json_atomic", "read_json", "read_text"]
+
+
+def write_text_atomic(path: str | os.PathLike, data: str | bytes) -> Path:
+    """Write text (UTF-8) or bytes to ``path`` atomically: temp file in the same folder, fsync, rename.
+
+    A reader never sees a half-written file and a crash leaves the old file intact. The
+    file gets the usual permissions (``0666`` less the umask), not ``mkstemp``'s ``0600``.
+
+    Raises
+    ------
+    OSError
+        If the folder cannot be created or written (the CLI reports it without a traceback).
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data.encode("utf-8") if isinstance(data, str) else data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    return path
+
+
+def write_json_atomic(path: str | os.PathLike, data: Any, *, indent: int | None = 1) -> Path:
+    """Write ``data`` as JSON to ``path`` atomically (see :func:`write_text_atomic`).
+
+    Parameters
+    ----------
+    path : str or PathLike
+        Destination file. Its parent folder is created if missing.
+    data : JSON-serialisable object
+        numpy scalars and arrays are converted to Python numbers and lists; NaN and
+        infinity are refused (``ValueError``) since they are not JSON.
+
+    Returns
+    -------
+    Path
+        The path written.
+    """
+    text = json.dumps(data, indent=indent, default=_json_default, allow_nan=False)
+    return write_text_atomic(path, text + "\n")
+
+
+def _json_default(obj: Any) -> Any:
+    if isinstance(obj, np.ndarray):
+        return obj.tolist()
+    if isinstance(obj, np.integer):
+        return int(obj)
+    if isinstance(obj, np.floating):
+        return float(obj)
+    if isinstance(obj, np.bool_):
+        return bool(obj)
+    if isinstance(obj, Path):
+        return str(obj)
+    raise TypeError(f"object of type {type(obj).__name__} is not JSON serialisable")
+
+
+def read_text(path: str | os.PathLike, what: str = "file") -> str:
+    """Read a UTF-8 text file, turning every failure into an :class:`InputError` naming it.
+
+    Raises
+    ------
+    InputError
+        If the file is missing, a directory, unreadable or not UTF-8.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise InputError(f"{what} {str(path)!r} does not exist: check the path")
+    if path.is_dir():
+        raise InputError(f"{what} {str(path)!r} is a directory, expected a file")
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputError(f"cannot read {what} {str(path)!r}: {exc}") from None
+
+
+def read_json(path: str | os.PathLike, what: str = "file") -> Any:
+    """Read a JSON file, turning every failure into an :class:`InputError` that names the file.
+
+    Raises
+    ------
+    InputError
+        If the file is missing, unreadable or not valid JSON.
+    """
+    path = Path(path)
+    if path.is_dir():
+        raise InputError(f"{what} {str(path)!r} is a directory, expected a JSON file")
+    text = read_text(path, what)
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InputError(
+            f"{what} {str(path)!r} is not valid JSON (line {exc.lineno}, column {exc.colno}: "
+            f"{exc.msg}); fix or regenerate the file"
+        ) from None
+
+
+def _as_float_array(values: Sequence[float] | np.ndarray, name: str, length: int | None = None) -> np.ndarray:
+    try:
+        arr = np.asarray(values, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise InputError(f"{name} must be a list of numbers, got {values!r:.200}") from None
+    if arr.ndim != 1:
+        raise InputError(f"{name} must be one-dimensional, got shape {arr.shape}")
+    if length is not None and arr.shape[0] != length:
+        raise InputError(f"{name} must have {length} entries, got {arr.shape[0]}")
+    return arr
+
+
+def _check_finite_nonneg(arr: np.ndarray, name: str, labels: Sequence[str] | None = None) -> None:
+    bad = ~np.isfinite(arr)
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        where = f" ({labels[i]!r})" if labels is not None else ""
+        raise InputError(f"{name}[{i}]{where} is {arr[i]}: costs must be finite numbers")
+    neg = arr < 0
+    if neg.any():
+        i = int(np.flatnonzero(neg)[0])
+        where = f" ({labels[i]!r})" if labels is not None else ""
+        raise InputError(f"{name}[{i}]{where} is {arr[i]}: costs must be >= 0")
+
+
+def _as_count(value: Any, name: str) -> int:
+    """An integer from JSON (``3`` or ``3.0``), else :class:`InputError`."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise InputError(f"{name} must be an integer, got {value!r}")
+    if not float(value).is_integer():
+        raise InputError(f"{name} must be an integer, got {value!r}")
+    return int(value)
+
+
+def _as_index(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) or not float(value).is_integer():
+        raise ValueError(value)
+    return int(value)
+
+
+def _freeze(arr: np.ndarray) -> np.ndarray:
+    arr = np.ascontiguousarray(arr)
+    arr.setflags(write=False)
+    return arr

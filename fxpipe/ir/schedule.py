@@ -1,0 +1,941 @@
+"""Schedule problems and timed schedules: Contract 3 of DESIGN.md.
+
+* :class:`ScheduleProblem` is the problem half (``fxpipe.schedproblem/1``).
+* :class:`Schedule` / :class:`ScheduledOp` are the result half (``fxpipe.schedule/1``).
+
+No torch here.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+
+import numpy as np
+
+from fxpipe.errors import InputError
+from fxpipe.io import _as_count, _as_float_array, _as_index, _check_finite_nonneg, _freeze, read_json, write_json_atomic
+
+__all__ = [
+    "SCHEDPROBLEM_FORMAT",
+    "SCHEDULE_FORMAT",
+    "OP_TYPES",
+    "OBJECTIVES",
+    "ScheduleProblem",
+    "ScheduledOp",
+    "Schedule",
+    "sort_ops",
+    "Action",
+    "Orders",
+    "ORDERS_FORMAT",
+    "program_order",
+    "schedule_to_orders",
+    "identity_placement",
+    "looped_placement",
+    "v_placement",
+]
+
+SCHEDPROBLEM_FORMAT = "fxpipe.schedproblem/1"
+SCHEDULE_FORMAT = "fxpipe.schedule/1"
+
+OP_TYPES = ("F", "B", "W", "O", "R")
+OBJECTIVES = ("stage_span", "makespan")
+
+
+def identity_placement(num_stages: int) -> tuple[int, ...]:
+    """One stage per device: stage s on device s (the default placement)."""
+    return tuple(range(int(num_stages)))
+
+
+def looped_placement(num_devices: int, stages_per_device: int) -> tuple[int, ...]:
+    """Looped placement of ``v * p`` stages: stage s on device ``s mod p``.
+
+    The placement of interleaved 1F1B (Narayanan et al. 2021, Section 2.2): device d holds
+    the model chunks d, d + p, d + 2p, ...
+
+    Parameters
+    ----------
+    num_devices : int
+        p >= 1.
+    stages_per_device : int
+        v >= 1.
+
+    Returns
+    -------
+    tuple of int, length v * p
+    """
+    p, v = _as_count(num_devices, "num_devices"), _as_count(stages_per_device, "stages_per_device")
+    if p < 1 or v < 1:
+        raise InputError(f"looped placement needs p >= 1 devices and v >= 1 stages per device, got p={p}, v={v}")
+    return tuple(s % p for s in range(v * p))
+
+
+def v_placement(num_devices: int, stages_per_device: int = 2) -> tuple[int, ...]:
+    """V-shape (zig-zag) placement: stages s and 2p - 1 - s on device s.
+
+    The placement of ZB-V (Qi et al. 2024, "Pipeline Parallelism with Controllable Memory",
+    Section 3) and DualPipe-V: the first p stages go down the devices, the next p come back
+    up, so device 0 holds the first and the last stage. With ``stages_per_device > 2`` the
+    zig-zag continues (torch's ``generate_stage_to_rank_mapping(style="v")``).
+
+    Parameters
+    ----------
+    num_devices : int
+        p >= 1.
+    stages_per_device : int
+        v >= 1 (2 for ZB-V and DualPipe-V).
+
+    Returns
+    -------
+    tuple of int, length v * p
+    """
+    p, v = _as_count(num_devices, "num_devices"), _as_count(stages_per_device, "stages_per_device")
+    if p < 1 or v < 1:
+        raise InputError(f"V placement needs p >= 1 devices and v >= 1 stages per device, got p={p}, v={v}")
+    return tuple(s % p if (s // p) % 2 == 0 else p - 1 - s % p for s in range(v * p))
+
+
+def _placement(device_of_stage: Any, num_devices: Any, S: int) -> tuple[int, tuple[int, ...]]:
+    """Validated (num_devices, device_of_stage) for S stages (identity by default)."""
+    if device_of_stage is None:
+        D = S if num_devices is None else _as_count(num_devices, "num_devices")
+        if D != S:
+            raise InputError(
+                f"num_devices is {D} but num_stages is {S} and no device_of_stage is given: give device_of_stage "
+                "(the device of every stage), e.g. looped [s % p] or V-shape"
+            )
+        return S, identity_placement(S)
+    if isinstance(device_of_stage, (str, bytes)) or not hasattr(device_of_stage, "__len__"):
+        raise InputError(f"device_of_stage must be a list of {S} device indices, got {device_of_stage!r:.200}")
+    if len(device_of_stage) != S:
+        raise InputError(f"device_of_stage must have one entry per stage ({S}), got {len(device_of_stage)}")
+    try:
+        dev = tuple(_as_index(d) for d in device_of_stage)
+    except (TypeError, ValueError):
+        raise InputError(f"device_of_stage must list integer device indices, got {list(device_of_stage)!r:.200}") from None
+    D = (max(dev) + 1 if dev else 0) if num_devices is None else _as_count(num_devices, "num_devices")
+    if D < 1:
+        raise InputError(f"num_devices must be >= 1, got {D}")
+    bad = [s for s, d in enumerate(dev) if not 0 <= d < D]
+    if bad:
+        raise InputError(f"device_of_stage[{bad[0]}] = {dev[bad[0]]} names a device outside 0..{D - 1}")
+    empty = sorted(set(range(D)) - set(dev))
+    if empty:
+        raise InputError(
+            f"device {empty[0]} holds no stage ({len(empty)} empty device(s)): every device of num_devices = {D} "
+            "must hold at least one stage; lower num_devices or change device_of_stage"
+        )
+    return D, dev
+
+
+@dataclass(frozen=True, eq=False)
+class ScheduleProblem:
+    """A pipeline scheduling problem: Contract 3 of DESIGN.md (``fxpipe.schedproblem/1``).
+
+    S stages placed on D devices (``device_of_stage``, default one stage per device), m
+    micro-batches. Times in seconds (or any consistent unit), memory in bytes (or any
+    consistent unit). Stages form a chain: micro-batch j's forward runs through stages
+    0, 1, ..., S-1 and its backward back from S-1 to 0, whatever devices they are on.
+
+    Attributes
+    ----------
+    num_stages : int
+        S >= 1.
+    num_microbatches : int
+        m >= 1.
+    num_devices : int
+        D >= 1; every device holds at least one stage.
+    device_of_stage : tuple[int, ...], length S
+        Device of every stage (identity by default; looped: :func:`looped_placement`,
+        V-shape: :func:`v_placement`). The F/B/W ops of all stages of a device share one
+        compute stream, their O/R ops one copy stream, and their memory one ``mem_limit``.
+    t_f, t_b, t_w : float64 array (S,)
+        Forward, backward-input and backward-weight time of one micro-batch on stage s.
+    t_comm : float64 array (S-1,)
+        ``t_comm[s]`` is the one-way transfer time between stage s and s+1 (activations
+        forward, gradients backward) when they are on different devices; a transfer between
+        stages on one device is free (see :attr:`t_comm_effective`). A scalar in JSON means
+        the same for every boundary.
+    t_offload : float64 array (S,)
+        One-way D2H (or H2D) time of one micro-batch's offloadable stash on stage s.
+    mem_f, mem_b, mem_w : float64 array (S,)
+        Memory deltas of F (> 0), B (<= 0) and W (<= 0); ``mem_f + mem_b + mem_w == 0``.
+    offload_bytes : float64 array (S,)
+        Bytes freed by an offload, ``0 <= offload_bytes <= mem_f``.
+    mem_limit : float64 array (D,)
+        Memory available for activations on device d (``inf`` = unlimited), shared by the
+        stages it holds. With one stage per device this is the old per-stage limit.
+    pcie_groups : tuple[tuple[int, ...], ...]
+        Stages whose host transfers (O/R) must not overlap (on top of the per-device copy
+        stream).
+    objective : str
+        ``"stage_span"`` (default) or ``"makespan"`` (OptPipe Eq. 4). ``stage_span`` is the
+        largest *per-device span*: for device d, the end of the last W op of any stage on d
+        minus the start of the first F op of any stage on d (these are the device's last and
+        first compute ops); the objective is the maximum over devices. With one stage per
+        device it is OptPipe Eq. 3's per-stage span (first F to last W of a stage), the
+        "post-validation" objective of Zero Bubble where consecutive iterations overlap.
+    name : str
+        Free-form label.
+    """
+
+    num_stages: int
+    num_microbatches: int
+    t_f: np.ndarray
+    t_b: np.ndarray
+    t_w: np.ndarray
+    t_comm: np.ndarray
+    t_offload: np.ndarray
+    mem_f: np.ndarray
+    mem_b: np.ndarray
+    mem_w: np.ndarray
+    offload_bytes: np.ndarray
+    mem_limit: np.ndarray
+    pcie_groups: tuple[tuple[int, ...], ...] = ()
+    objective: str = "stage_span"
+    name: str = "problem"
+    num_devices: int = 0
+    device_of_stage: tuple[int, ...] = ()
+
+    @classmethod
+    def create(
+        cls,
+        *,
+        num_stages: int,
+        num_microbatches: int,
+        t_f: float | Sequence[float],
+        t_b: float | Sequence[float],
+        t_w: float | Sequence[float],
+        t_comm: float | Sequence[float] = 0.0,
+        t_offload: float | Sequence[float] = 0.0,
+        mem_f: float | Sequence[float] = 1.0,
+        mem_b: float | Sequence[float] | None = None,
+        mem_w: float | Sequence[float] | None = None,
+        offload_bytes: float | Sequence[float] | None = None,
+        mem_limit: float | Sequence[float] = math.inf,
+        pcie_groups: Sequence[Sequence[int]] = (),
+        objective: str = "stage_span",
+        name: str = "problem",
+        num_devices: int | None = None,
+        device_of_stage: Sequence[int] | None = None,
+    ) -> "ScheduleProblem":
+        """Build and validate a problem; scalars are broadcast to every stage (device).
+
+        Defaults: ``mem_b = -mem_f / 2``, ``mem_w = -mem_f - mem_b`` when not given (half of
+        the stash freed by B, the rest by W), ``offload_bytes = mem_f``, one stage per
+        device. ``mem_limit`` is per device (D entries, or a scalar).
+
+        Raises
+        ------
+        InputError
+            On a negative or non-finite time, ``mem_f <= 0``, positive ``mem_b``/``mem_w``,
+            deltas that do not sum to zero, ``offload_bytes`` outside ``[0, mem_f]``, a
+            non-positive limit, a bad pcie group, an unknown objective, or a placement that
+            names a device outside ``0..D-1`` or leaves a device without a stage.
+        """
+        S = _as_count(num_stages, "num_stages")
+        M = _as_count(num_microbatches, "num_microbatches")
+        if S < 1:
+            raise InputError(f"num_stages must be >= 1, got {S}")
+        if M < 1:
+            raise InputError(f"num_microbatches must be >= 1, got {M}")
+        D, placement = _placement(device_of_stage, num_devices, S)
+
+        def vec(val, key, length=S):
+            if val is None:
+                raise InputError(f"{key} is null: give a number or a list of {length} numbers")
+            if np.ndim(val) == 0:
+                try:
+                    return np.full(length, float(val))
+                except (TypeError, ValueError):
+                    raise InputError(f"{key} must be a number or a list of numbers, got {val!r}") from None
+            return _as_float_array(val, key, length)
+
+        t_f_a, t_b_a, t_w_a = vec(t_f, "t_f"), vec(t_b, "t_b"), vec(t_w, "t_w")
+        t_comm_a = vec(t_comm, "t_comm", max(S - 1, 0))
+        t_off_a = vec(t_offload, "t_offload")
+        mem_f_a = vec(mem_f, "mem_f")
+        for key, arr in (("t_f", t_f_a), ("t_b", t_b_a), ("t_w", t_w_a), ("mem_f", mem_f_a)):
+            if np.any(np.isnan(arr)):
+                raise InputError(f"{key} contains NaN: give finite numbers")
+        mem_b_a = vec(mem_b, "mem_b") if mem_b is not None else -mem_f_a / 2.0
+        mem_w_a = vec(mem_w, "mem_w") if mem_w is not None else -mem_f_a - mem_b_a
+        off_a = vec(offload_bytes, "offload_bytes") if offload_bytes is not None else mem_f_a.copy()
+        lim_a = vec(mem_limit, "mem_limit", D)
+        for key, arr in (("t_f", t_f_a), ("t_b", t_b_a), ("t_w", t_w_a), ("t_comm", t_comm_a), ("t_offload", t_off_a)):
+            _check_finite_nonneg(arr, key)
+        for key, arr in (("mem_f", mem_f_a), ("mem_b", mem_b_a), ("mem_w", mem_w_a), ("offload_bytes", off_a)):
+            if not np.all(np.isfinite(arr)):
+                raise InputError(f"{key} must be finite, got {arr.tolist()}")
+        if np.any(mem_f_a <= 0):
+            raise InputError(f"mem_f must be > 0 on every stage (F allocates its stash), got {mem_f_a.tolist()}")
+        if np.any(mem_b_a > 0) or np.any(mem_w_a > 0):
+            raise InputError("mem_b and mem_w must be <= 0 (B and W free memory)")
+        total = mem_f_a + mem_b_a + mem_w_a
+        if np.any(np.abs(total) > 1e-9 * np.maximum(1.0, np.abs(mem_f_a))):
+            s = int(np.argmax(np.abs(total)))
+            raise InputError(
+                f"stage {s}: mem_f + mem_b + mem_w = {total[s]:g}, must be 0 "
+                "(everything F allocates is freed by B and W)"
+            )
+        if np.any(off_a < 0) or np.any(off_a > mem_f_a * (1 + 1e-12)):
+            raise InputError("offload_bytes must lie in [0, mem_f] on every stage")
+        if np.any(np.isnan(lim_a)) or np.any(lim_a <= 0):
+            raise InputError(f"mem_limit must be > 0 on every device, got {lim_a.tolist()}")
+        groups = []
+        if pcie_groups is None or isinstance(pcie_groups, (str, bytes)):
+            raise InputError("pcie_groups must be a list of lists of stage indices")
+        for g in pcie_groups:
+            try:
+                grp = tuple(_as_index(s) for s in g)
+            except (TypeError, ValueError):
+                raise InputError(f"pcie group {g!r} must be a list of integer stage indices") from None
+            if any(not 0 <= s < S for s in grp):
+                raise InputError(f"pcie group {list(grp)} names a stage outside 0..{S - 1}")
+            groups.append(grp)
+        if objective not in OBJECTIVES:
+            raise InputError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
+        return cls(
+            num_stages=S,
+            num_microbatches=M,
+            t_f=_freeze(t_f_a),
+            t_b=_freeze(t_b_a),
+            t_w=_freeze(t_w_a),
+            t_comm=_freeze(t_comm_a),
+            t_offload=_freeze(t_off_a),
+            mem_f=_freeze(mem_f_a),
+            mem_b=_freeze(mem_b_a),
+            mem_w=_freeze(mem_w_a),
+            offload_bytes=_freeze(off_a),
+            mem_limit=_freeze(lim_a),
+            pcie_groups=tuple(groups),
+            objective=objective,
+            name=str(name),
+            num_devices=D,
+            device_of_stage=placement,
+        )
+
+    # ---------------------------------------------------------------- placement views
+    def stages_of_device(self, device: int) -> tuple[int, ...]:
+        """The stages device ``device`` holds, in increasing order."""
+        return tuple(s for s, d in enumerate(self.device_of_stage) if d == device)
+
+    @property
+    def device_stages(self) -> tuple[tuple[int, ...], ...]:
+        """``device_stages[d]`` = :meth:`stages_of_device` (d), for every device."""
+        out: list[list[int]] = [[] for _ in range(self.num_devices)]
+        for s, d in enumerate(self.device_of_stage):
+            out[d].append(s)
+        return tuple(tuple(x) for x in out)
+
+    @property
+    def one_stage_per_device(self) -> bool:
+        """True when every device holds exactly one stage (any permutation)."""
+        return self.num_devices == self.num_stages
+
+    @property
+    def identity_placement(self) -> bool:
+        """True when stage s is on device s for every s (the classic pipeline)."""
+        return self.device_of_stage == tuple(range(self.num_stages))
+
+    @property
+    def t_comm_effective(self) -> np.ndarray:
+        """Transfer time of every boundary, 0 where both stages are on one device (S-1,)."""
+        dev = np.asarray(self.device_of_stage, dtype=np.int64)
+        same = dev[:-1] == dev[1:]
+        return np.where(same, 0.0, self.t_comm)
+
+    def device_mem_limit(self, stage: int) -> float:
+        """The memory limit of the device that holds ``stage``."""
+        return float(self.mem_limit[self.device_of_stage[stage]])
+
+    def duration(self, stage: int, op_type: str) -> float:
+        """Duration of one op of ``op_type`` (F, B, W, O or R) on ``stage``."""
+        if op_type == "F":
+            return float(self.t_f[stage])
+        if op_type == "B":
+            return float(self.t_b[stage])
+        if op_type == "W":
+            return float(self.t_w[stage])
+        if op_type in ("O", "R"):
+            return float(self.t_offload[stage])
+        raise InputError(f"unknown op type {op_type!r}; expected one of {OP_TYPES}")
+
+    def comm(self, boundary: int) -> float:
+        """Transfer time between stage ``boundary`` and ``boundary + 1`` (0 on one device)."""
+        if self.device_of_stage[boundary] == self.device_of_stage[boundary + 1]:
+            return 0.0
+        return float(self.t_comm[boundary])
+
+    def with_objective(self, objective: str) -> "ScheduleProblem":
+        """A copy with another objective."""
+        return ScheduleProblem.create(**{**self._create_kwargs(), "objective": objective})
+
+    def replace(self, **changes: Any) -> "ScheduleProblem":
+        """A validated copy with some :meth:`create` arguments changed (e.g. ``mem_limit``)."""
+        return ScheduleProblem.create(**{**self._create_kwargs(), **changes})
+
+    def _create_kwargs(self) -> dict[str, Any]:
+        return dict(
+            num_stages=self.num_stages,
+            num_microbatches=self.num_microbatches,
+            num_devices=self.num_devices,
+            device_of_stage=self.device_of_stage,
+            t_f=self.t_f,
+            t_b=self.t_b,
+            t_w=self.t_w,
+            t_comm=self.t_comm,
+            t_offload=self.t_offload,
+            mem_f=self.mem_f,
+            mem_b=self.mem_b,
+            mem_w=self.mem_w,
+            offload_bytes=self.offload_bytes,
+            mem_limit=self.mem_limit,
+            pcie_groups=self.pcie_groups,
+            objective=self.objective,
+            name=self.name,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ``fxpipe.schedproblem/1`` document; an infinite limit is written as null."""
+        doc: dict[str, Any] = {"format": SCHEDPROBLEM_FORMAT}
+        for key, val in self._create_kwargs().items():
+            if isinstance(val, np.ndarray):
+                val = val.tolist()
+            doc[key] = val
+        doc["device_of_stage"] = list(self.device_of_stage)
+        doc["mem_limit"] = [None if math.isinf(x) else x for x in self.mem_limit.tolist()]
+        doc["pcie_groups"] = [list(g) for g in self.pcie_groups]
+        return doc
+
+    @classmethod
+    def from_dict(cls, doc: Mapping[str, Any], *, source: str = "problem") -> "ScheduleProblem":
+        """Parse a ``fxpipe.schedproblem/1`` document (null limits mean unlimited).
+
+        ``num_devices`` and ``device_of_stage`` are optional (default: one stage per
+        device), so files written before placements existed stay valid.
+
+        Raises
+        ------
+        InputError
+            If a key is missing or a value is invalid (message names the key).
+        """
+        if not isinstance(doc, Mapping):
+            raise InputError(f"{source}: expected a JSON object")
+        fmt = doc.get("format", SCHEDPROBLEM_FORMAT)
+        if fmt != SCHEDPROBLEM_FORMAT:
+            raise InputError(f"{source}: format is {fmt!r}, expected {SCHEDPROBLEM_FORMAT!r}")
+        kwargs = {k: v for k, v in doc.items() if k != "format"}
+        for key in ("num_stages", "num_microbatches", "t_f", "t_b", "t_w"):
+            if key not in kwargs:
+                raise InputError(f"{source}: missing required key {key!r}")
+        lim = kwargs.get("mem_limit", math.inf)
+        if lim is None:
+            lim = math.inf
+        elif isinstance(lim, list):
+            lim = [math.inf if x is None else x for x in lim]
+        kwargs["mem_limit"] = lim
+        known = {
+            "num_stages", "num_microbatches", "num_devices", "device_of_stage", "t_f", "t_b", "t_w", "t_comm",
+            "t_offload", "mem_f", "mem_b", "mem_w", "offload_bytes", "mem_limit", "pcie_groups", "objective", "name",
+        }
+        kwargs = {k: v for k, v in kwargs.items() if k in known}  # unknown keys are ignored
+        try:
+            return cls.create(**kwargs)
+        except InputError as exc:
+            raise InputError(f"{source}: {exc}") from None
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "ScheduleProblem":
+        """Read a ``fxpipe.schedproblem/1`` JSON file (raises InputError on bad input)."""
+        return cls.from_dict(read_json(path, "problem file"), source=str(path))
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write the problem as JSON, atomically."""
+        return write_json_atomic(path, self.to_dict())
+
+
+@dataclass(frozen=True)
+class ScheduledOp:
+    """One timed op of a schedule: ``type`` in F, B, W, O, R on ``stage`` for ``microbatch``."""
+
+    stage: int
+    microbatch: int
+    type: str
+    start_s: float
+    end_s: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "stage": self.stage,
+            "microbatch": self.microbatch,
+            "type": self.type,
+            "start_s": self.start_s,
+            "end_s": self.end_s,
+        }
+
+    def __str__(self) -> str:  # torch's action vocabulary: "2F0" = stage 2, forward, micro-batch 0
+        return f"{self.stage}{self.type}{self.microbatch}"
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A timed schedule: Contract 3 result half (``fxpipe.schedule/1``).
+
+    Attributes
+    ----------
+    ops : tuple[ScheduledOp, ...]
+        Every op, sorted by (start_s, stage, type, microbatch).
+    makespan : float
+        Latest end minus earliest start (OptPipe Eq. 4).
+    stage_span : float
+        Largest per-device span, first F start to last W end over the stages of a device
+        (OptPipe Eq. 3 with one stage per device; see :class:`ScheduleProblem`).
+    lower_bound_s : float
+        Best proven lower bound on the problem's objective (0 when none is known).
+    status : str
+        ``"heuristic"``, ``"optimal"``, ``"timelimit"``, ``"feasible"``, ...
+    solver_time_s : float
+        Wall time spent producing the schedule.
+    method : str
+        Generator name (``"1f1b"``, ``"zb-h1"``, ``"milp"``, ...).
+    objective : str
+        The objective ``lower_bound_s`` refers to.
+    meta : dict
+        Extra facts (gap, nodes, incumbents, ...).
+    """
+
+    ops: tuple[ScheduledOp, ...]
+    makespan: float
+    stage_span: float
+    lower_bound_s: float = 0.0
+    status: str = "heuristic"
+    solver_time_s: float = 0.0
+    method: str = ""
+    objective: str = "stage_span"
+    meta: dict = field(default_factory=dict, compare=False)
+
+    @property
+    def value(self) -> float:
+        """The value of the schedule's objective."""
+        return self.stage_span if self.objective == "stage_span" else self.makespan
+
+    def ops_of_stage(self, stage: int) -> list[ScheduledOp]:
+        """Ops of one stage in program order (:func:`program_order`)."""
+        return program_order(o for o in self.ops if o.stage == stage)
+
+    def ops_of_device(self, device: int, device_of_stage: Sequence[int]) -> list[ScheduledOp]:
+        """Ops of all stages of one device in program order (:func:`program_order`)."""
+        return program_order(o for o in self.ops if 0 <= o.stage < len(device_of_stage) and device_of_stage[o.stage] == device)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ``fxpipe.schedule/1`` document."""
+        return {
+            "format": SCHEDULE_FORMAT,
+            "method": self.method,
+            "objective": self.objective,
+            "makespan": self.makespan,
+            "stage_span": self.stage_span,
+            "lower_bound_s": self.lower_bound_s,
+            "status": self.status,
+            "solver_time_s": self.solver_time_s,
+            "meta": self.meta,
+            "ops": [o.to_dict() for o in self.ops],
+        }
+
+    @classmethod
+    def from_dict(cls, doc: Mapping[str, Any], *, source: str = "schedule") -> "Schedule":
+        """Parse a ``fxpipe.schedule/1`` document.
+
+        Raises
+        ------
+        InputError
+            If keys are missing or an op is malformed.
+        """
+        if not isinstance(doc, Mapping) or "ops" not in doc:
+            raise InputError(f"{source}: expected a JSON object with 'ops'")
+        if not isinstance(doc["ops"], list):
+            raise InputError(f"{source}: 'ops' must be a list of ops")
+        ops = []
+        for i, o in enumerate(doc["ops"]):
+            try:
+                op = ScheduledOp(int(o["stage"]), int(o["microbatch"]), str(o["type"]), float(o["start_s"]), float(o["end_s"]))
+            except (KeyError, TypeError, ValueError):
+                raise InputError(f"{source}: ops[{i}] is malformed: {o!r:.200}") from None
+            if op.type not in OP_TYPES:
+                raise InputError(f"{source}: ops[{i}] has type {op.type!r}; expected one of {OP_TYPES}")
+            ops.append(op)
+        if not isinstance(doc.get("meta", {}), Mapping):
+            raise InputError(f"{source}: 'meta' must be an object")
+        try:
+            figures = {k: float(doc.get(k) or 0.0) for k in ("makespan", "stage_span", "lower_bound_s", "solver_time_s")}
+        except (TypeError, ValueError):
+            raise InputError(f"{source}: makespan, stage_span, lower_bound_s and solver_time_s must be numbers") from None
+        return cls(
+            ops=tuple(sort_ops(ops)),
+            makespan=figures["makespan"],
+            stage_span=figures["stage_span"],
+            lower_bound_s=figures["lower_bound_s"],
+            status=str(doc.get("status", "")),
+            solver_time_s=figures["solver_time_s"],
+            method=str(doc.get("method", "")),
+            objective=str(doc.get("objective", "stage_span")),
+            meta=dict(doc.get("meta", {})),
+        )
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "Schedule":
+        """Read a ``fxpipe.schedule/1`` JSON file."""
+        return cls.from_dict(read_json(path, "schedule file"), source=str(path))
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write the schedule as JSON, atomically."""
+        return write_json_atomic(path, self.to_dict())
+
+
+_TYPE_RANK = {t: i for i, t in enumerate(OP_TYPES)}
+
+
+def sort_ops(ops: Iterable[ScheduledOp]) -> list[ScheduledOp]:
+    """Ops sorted by (start_s, stage, type F<B<W<O<R, microbatch): the canonical order."""
+    return sorted(ops, key=lambda o: (o.start_s, o.stage, _TYPE_RANK.get(o.type, 9), o.microbatch))
+
+
+
+# --------------------------------------------------------------------------------------
+# Actions and per-device orders (the typed schedule IR that codegen consumes)
+# --------------------------------------------------------------------------------------
+
+_ACTION_RE = re.compile(r"^\s*(\d+)\s*([FBWOR])\s*(\d+)\s*$")
+
+
+@dataclass(frozen=True, slots=True)
+class Action:
+    """One untimed op of a pipeline program: ``type`` of ``microbatch`` on ``stage``.
+
+    The text form follows torch's action strings (``torch.distributed.pipelining``'s
+    ``_Action``): ``"2F0"`` is stage 2, forward, micro-batch 0. Types are fxpipe's F
+    (forward), B (backward-input, torch's ``I``), W (backward-weight), O (offload the
+    stash to the host) and R (reload it); :mod:`fxpipe.ir.torch_csv` translates to
+    torch's vocabulary.
+
+    Attributes
+    ----------
+    stage : int
+        Pipeline stage, >= 0.
+    type : str
+        One of :data:`OP_TYPES`.
+    microbatch : int
+        Micro-batch index, >= 0.
+
+    Raises
+    ------
+    InputError
+        On a negative or non-integer index or an unknown type.
+    """
+
+    stage: int
+    type: str
+    microbatch: int
+
+    def __post_init__(self) -> None:
+        for key in ("stage", "microbatch"):
+            val = getattr(self, key)
+            if isinstance(val, bool) or not isinstance(val, (int, np.integer)) or val < 0:
+                raise InputError(f"action {key} must be an integer >= 0, got {val!r}")
+            object.__setattr__(self, key, int(val))
+        if self.type not in OP_TYPES:
+            raise InputError(f"action type must be one of {', '.join(OP_TYPES)}, got {self.type!r}")
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.type}{self.microbatch}"
+
+    @classmethod
+    def parse(cls, text: str) -> "Action":
+        """The action written as ``text`` (``"2F0"``, ``"0W13"``): the inverse of ``str``.
+
+        Raises
+        ------
+        InputError
+            If ``text`` is not ``<stage><type><micro-batch>`` with type in F, B, W, O, R.
+        """
+        if not isinstance(text, str):
+            raise InputError(f"an action is written as text like '2F0', got {text!r:.100}")
+        m = _ACTION_RE.match(text)
+        if m is None:
+            raise InputError(
+                f"bad action {text!r}: expected <stage><type><micro-batch> with type in F, B, W, O, R "
+                "(F forward, B backward-input, W backward-weight, O offload, R reload), e.g. '2F0'"
+            )
+        return cls(int(m.group(1)), m.group(2), int(m.group(3)))
+
+    @property
+    def is_compute(self) -> bool:
+        """True for F, B and W (the compute stream); False for O and R (the copy stream)."""
+        return self.type in ("F", "B", "W")
+
+
+ORDERS_FORMAT = "fxpipe.orders/1"
+
+
+@dataclass(frozen=True, eq=True)
+class Orders:
+    """Untimed per-device programs: the ordered actions of every device, with the placement.
+
+    ``actions[d]`` is the program of device d: the F/B/W actions of all stages device d
+    holds in the order its compute stream runs them, with O/R actions at the position where
+    they are issued (they run on the device's copy stream). This is what a pipeline runtime
+    executes (torch's ``pipeline_order``), what :func:`fxpipe.schedule.simulate.simulate`
+    times, and what :func:`schedule_to_orders` extracts from a timed schedule.
+
+    Attributes
+    ----------
+    device_of_stage : tuple[int, ...], length S
+        Device of every stage.
+    actions : tuple[tuple[Action, ...], ...], length D
+        Program of every device.
+
+    Raises
+    ------
+    InputError
+        If an action's stage is outside the placement or runs on a device that does not
+        hold it, or an action appears twice.
+    """
+
+    device_of_stage: tuple[int, ...]
+    actions: tuple[tuple[Action, ...], ...]
+
+    def __post_init__(self) -> None:
+        _, dev = _placement(list(self.device_of_stage), len(self.actions) if self.actions else None, len(self.device_of_stage))
+        object.__setattr__(self, "device_of_stage", dev)
+        acts = []
+        seen = set()
+        for d, row in enumerate(self.actions):
+            row = tuple(a if isinstance(a, Action) else Action.parse(a) for a in row)
+            for a in row:
+                if not 0 <= a.stage < len(dev):
+                    raise InputError(f"device {d}: action {a} names stage {a.stage} outside 0..{len(dev) - 1}")
+                if dev[a.stage] != d:
+                    raise InputError(f"device {d}: action {a} belongs to stage {a.stage}, which is on device {dev[a.stage]}")
+                if a in seen:
+                    raise InputError(f"device {d}: action {a} appears twice")
+                seen.add(a)
+            acts.append(row)
+        object.__setattr__(self, "actions", tuple(acts))
+
+    # ---------------------------------------------------------------- views
+    @property
+    def num_devices(self) -> int:
+        """D, the number of device programs."""
+        return len(self.actions)
+
+    @property
+    def num_stages(self) -> int:
+        """S, the number of stages of the placement."""
+        return len(self.device_of_stage)
+
+    def of_device(self, device: int) -> tuple[Action, ...]:
+        """The program of ``device``."""
+        return self.actions[device]
+
+    def of_stage(self, stage: int) -> list[Action]:
+        """The actions of ``stage`` in the order its device runs them."""
+        return [a for a in self.actions[self.device_of_stage[stage]] if a.stage == stage]
+
+    def compute_only(self) -> "Orders":
+        """The same programs without O/R actions."""
+        return Orders(self.device_of_stage, tuple(tuple(a for a in row if a.is_compute) for row in self.actions))
+
+    def offloaded(self) -> set[tuple[int, int]]:
+        """``(stage, microbatch)`` of every stash the programs offload (an O action)."""
+        return {(a.stage, a.microbatch) for row in self.actions for a in row if a.type == "O"}
+
+    def stage_orders(self) -> dict[int, list[tuple[str, int]]]:
+        """The older per-stage form ``{stage: [(type, microbatch), ...]}`` (F/B/W only).
+
+        With several stages per device this loses how a device interleaves its stages; use
+        the per-device :attr:`actions` there.
+        """
+        out: dict[int, list[tuple[str, int]]] = {s: [] for s in range(self.num_stages)}
+        for row in self.actions:
+            for a in row:
+                if a.is_compute:
+                    out[a.stage].append((a.type, a.microbatch))
+        return out
+
+    @classmethod
+    def from_stage_orders(
+        cls,
+        stage_orders: Mapping[int, Sequence[tuple[str, int]]],
+        device_of_stage: Sequence[int] | None = None,
+    ) -> "Orders":
+        """Per-device orders from the per-stage form ``{stage: [(type, microbatch), ...]}``.
+
+        Only for placements with one stage per device: with several, the per-stage form does
+        not say how a device interleaves its stages.
+
+        Raises
+        ------
+        InputError
+            On a placement with several stages on a device, or a malformed entry.
+        """
+        S = (max(stage_orders) + 1) if stage_orders else 0
+        dev = tuple(range(S)) if device_of_stage is None else tuple(device_of_stage)
+        if len(set(dev)) != len(dev):
+            raise InputError(
+                "per-stage orders do not say how a device interleaves its stages: give per-device orders "
+                "(Orders) for placements with several stages on a device"
+            )
+        extra = set(stage_orders) - set(range(len(dev)))
+        if extra:
+            raise InputError(f"orders name stages {sorted(extra)} outside 0..{len(dev) - 1}")
+        rows: list[list[Action]] = [[] for _ in range(len(dev))]
+        for s, seq in stage_orders.items():
+            for item in seq:
+                try:
+                    t, j = item
+                    rows[dev[s]].append(Action(int(s), str(t), int(j)))
+                except (TypeError, ValueError):
+                    raise InputError(f"stage {s}: order entry {item!r} is not a (type, microbatch) pair") from None
+        return cls(dev, tuple(tuple(r) for r in rows))
+
+    def check(self, num_microbatches: int) -> list[str]:
+        """What keeps these programs from being a complete pipeline step (empty if nothing).
+
+        Every stage needs exactly one F, B and W of every micro-batch, each O its R (and the
+        reverse), and per stage and micro-batch the program order F before B before W and
+        O after F, R after O and before B.
+        """
+        errs = []
+        M = int(num_microbatches)
+        for s in range(self.num_stages):
+            pos = {}
+            for i, a in enumerate(self.of_stage(s)):
+                if not 0 <= a.microbatch < M:
+                    errs.append(f"stage {s}: {a} names micro-batch {a.microbatch} outside 0..{M - 1}")
+                pos[(a.type, a.microbatch)] = i
+            for j in range(M):
+                for t in "FBW":
+                    if (t, j) not in pos:
+                        errs.append(f"stage {s}: {s}{t}{j} is missing")
+                if (("O", j) in pos) != (("R", j) in pos):
+                    errs.append(f"stage {s}: micro-batch {j} has an offload without its reload (or the reverse)")
+                chain = [pos.get((t, j)) for t in ("F", "O", "R", "B", "W")]
+                chain = [x for x in chain if x is not None]
+                if chain != sorted(chain):
+                    errs.append(f"stage {s}: micro-batch {j} runs out of order (expected F, O, R, B, W)")
+        return errs
+
+    # ---------------------------------------------------------------- text / JSON
+    def to_text(self) -> str:
+        """One line per device: ``device d: 0F0 0F1 0B0 ...``."""
+        return "\n".join(f"device {d}: " + " ".join(map(str, row)) for d, row in enumerate(self.actions))
+
+    def __str__(self) -> str:
+        return self.to_text()
+
+    def to_dict(self) -> dict[str, Any]:
+        """``{"format": "fxpipe.orders/1", "device_of_stage": [...], "actions": [["0F0", ...], ...]}``."""
+        return {
+            "format": ORDERS_FORMAT,
+            "device_of_stage": list(self.device_of_stage),
+            "actions": [[str(a) for a in row] for row in self.actions],
+        }
+
+    @classmethod
+    def from_dict(cls, doc: Mapping[str, Any], *, source: str = "orders") -> "Orders":
+        """Parse :meth:`to_dict`'s document.
+
+        Raises
+        ------
+        InputError
+            On a wrong format, missing keys or bad actions (message names the source).
+        """
+        if not isinstance(doc, Mapping) or "actions" not in doc or "device_of_stage" not in doc:
+            raise InputError(f"{source}: expected a JSON object with 'device_of_stage' and 'actions'")
+        if doc.get("format", ORDERS_FORMAT) != ORDERS_FORMAT:
+            raise InputError(f"{source}: format is {doc.get('format')!r}, expected {ORDERS_FORMAT!r}")
+        if not isinstance(doc["actions"], list) or not all(isinstance(r, list) for r in doc["actions"]):
+            raise InputError(f"{source}: 'actions' must be a list of lists of action strings")
+        try:
+            return cls(tuple(doc["device_of_stage"]), tuple(tuple(Action.parse(a) for a in row) for row in doc["actions"]))
+        except InputError as exc:
+            raise InputError(f"{source}: {exc}") from None
+        except TypeError:
+            raise InputError(f"{source}: 'device_of_stage' must be a list of device indices") from None
+
+
+#: Program-order rank of each type at one instant: F, then its offload, the reload, B, W.
+_PHASE = {"F": 0, "O": 1, "R": 2, "B": 3, "W": 4}
+
+
+def _program_key(o: ScheduledOp) -> tuple:
+    # ops that start together: the shorter first (a zero-length op ends before a longer one
+    # starting with it); then F < O < R < B < W (the dependency order within a micro-batch);
+    # forward-direction ops by increasing stage, backward ones by decreasing stage (the
+    # direction data flows between stages); then micro-batch order.
+    phase = _PHASE.get(o.type, 9)
+    stage = o.stage if phase <= 2 else -o.stage
+    return (o.start_s, o.end_s, phase, stage, o.microbatch)
+
+
+def program_order(ops: Iterable[ScheduledOp]) -> list[ScheduledOp]:
+    """Timed ops in the order a device issues them: by start time, ties broken consistently.
+
+    Ties (only possible with zero-length ops, or between the compute and the copy stream)
+    are broken by end time, then F < O < R < B < W, then by stage in the direction data
+    flows (increasing for F/O/R, decreasing for B/W), then by micro-batch. Every dependency
+    of Contract 3 between two ops that start at the same instant is respected, so the
+    result is a valid program order for any valid schedule.
+
+    Parameters
+    ----------
+    ops : iterable of ScheduledOp
+
+    Returns
+    -------
+    list of ScheduledOp
+    """
+    return sorted(ops, key=_program_key)
+
+
+def schedule_to_orders(schedule: "Schedule | Iterable[ScheduledOp]", device_of_stage: Any = None) -> Orders:
+    """The per-device programs of a timed schedule: THE schedule-to-orders function.
+
+    Every device's ops (F/B/W and O/R of all its stages) in :func:`program_order`.
+    ``Orders.stage_orders()`` gives the older ``{stage: [(type, microbatch)]}`` form.
+
+    Parameters
+    ----------
+    schedule : Schedule or iterable of ScheduledOp
+    device_of_stage : sequence of int, ScheduleProblem or None
+        The placement (a problem's ``device_of_stage`` is used when a problem is given);
+        None means one stage per device over stages ``0..max stage``.
+
+    Returns
+    -------
+    Orders
+
+    Raises
+    ------
+    InputError
+        If an op names a stage outside the placement.
+    """
+    ops = list(schedule.ops) if isinstance(schedule, Schedule) else list(schedule)
+    if isinstance(device_of_stage, ScheduleProblem):
+        dev = tuple(device_of_stage.device_of_stage)
+    elif device_of_stage is None:
+        dev = tuple(range(1 + max((int(o.stage) for o in ops), default=-1)))
+    else:
+        dev = tuple(int(d) for d in device_of_stage)
+    D = 1 + max(dev, default=-1)
+    rows: list[list[ScheduledOp]] = [[] for _ in range(D)]
+    for o in ops:
+        if not 0 <= o.stage < len(dev):
+            raise InputError(f"schedule op {o} names stage {o.stage} outside 0..{len(dev) - 1} of the placement")
+        rows[dev[o.stage]].append(o)
+    return Orders(dev, tuple(tuple(Action(o.stage, o.type, o.microbatch) for o in program_order(r)) for r in rows))

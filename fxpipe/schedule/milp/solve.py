@@ -1,0 +1,264 @@
+"""Solving the schedule MILP: warm start, SCIP (through :func:`fxpipe.mip.solve_model`),
+incumbents as they are found, and the validated result with its proven bound."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from fxpipe.errors import InputError
+from fxpipe.ir import Schedule, ScheduleProblem
+from fxpipe.schedule.milp.builder import build_model
+from fxpipe.schedule.milp.extract import extract_schedule
+from fxpipe.schedule.milp.warm_start import (
+    check_memory_feasible,
+    objective_value,
+    warm_start_schedule,
+    warm_start_values,
+)
+
+__all__ = ["Incumbent", "solve"]
+
+
+@dataclass(frozen=True)
+class Incumbent:
+    """A new best schedule found while SCIP searches (OptPipe Section 4.3).
+
+    Attributes
+    ----------
+    value_s : float
+        Objective value of ``schedule`` (seconds).
+    dual_bound_s : float
+        SCIP's dual bound at that moment (seconds).
+    time_s : float
+        Solver wall time when it was found.
+    schedule : Schedule
+        The extracted, validated schedule.
+    """
+
+    value_s: float
+    dual_bound_s: float
+    time_s: float
+    schedule: Schedule
+
+
+def solve(
+    problem: ScheduleProblem,
+    *,
+    time_limit_s: float = 60.0,
+    warm_start: Schedule | None = None,
+    on_incumbent: Callable[[Incumbent], Any] | None = None,
+    progress: bool = False,
+    threads: int = 1,
+    gap_limit: float = 0.0,
+    triangle_cuts: bool = True,
+) -> Schedule:
+    """Solve the schedule MILP with SCIP and return the best valid schedule.
+
+    Parameters
+    ----------
+    problem : ScheduleProblem
+        Contract 3 problem (any placement of stages on devices).
+    time_limit_s : float
+        Wall-clock limit for SCIP (s), > 0.
+    warm_start : Schedule, optional
+        A valid schedule for ``problem``; default: the best valid heuristic
+        (:func:`~fxpipe.schedule.milp.warm_start.warm_start_schedule`). An invalid one is
+        ignored.
+    on_incumbent : callable, optional
+        Called with an :class:`Incumbent` each time SCIP finds a better schedule
+        (OptPipe Section 4.3: training can switch schedules while SCIP keeps searching).
+        Exceptions it raises are recorded in ``meta["callback_errors"]`` and ignored.
+    progress : bool
+        Show a tqdm bar with incumbent, dual bound and gap.
+    threads : int
+        LP threads (``lp/threads``).
+    gap_limit : float
+        Stop at this relative gap (SCIP ``limits/gap``), e.g. 0.01.
+    triangle_cuts : bool
+        See :func:`~fxpipe.schedule.milp.builder.build_model`.
+
+    Returns
+    -------
+    Schedule
+        ``method="milp"``; ``lower_bound_s = max(SCIP dual bound, combinatorial bound)``
+        (only the combinatorial bound when the model is restricted, see ``meta``);
+        ``status`` in the vocabulary of :mod:`fxpipe.mip.status` (optimal / timelimit /
+        gaplimit / userinterrupt / feasible ...); ``meta`` has gap, nodes, status, primal,
+        dual, scip_version, params, model counts and incumbents. The schedule always passes
+        the Contract-3 validator (if no MILP solution does, the warm start is returned with
+        its own method recorded in ``meta["source"]``). When the warm start already meets
+        the combinatorial lower bound it is optimal and no model is built
+        (``meta["proof"] = "combinatorial bound"``).
+
+    Raises
+    ------
+    InputError
+        Bad ``problem``, ``time_limit_s``, ``threads`` or ``gap_limit``.
+    InfeasibleError
+        If no schedule fits the memory limits.
+    fxpipe.errors.SolverError
+        If SCIP fails (not on a time-out).
+
+    References
+    ----------
+    OptPipe Sections 3, 4.1, 4.3 and Appendix C.
+    """
+    import pyscipopt as scip
+
+    from fxpipe.mip import scip_version, solve_model
+    from fxpipe.schedule.bounds import combinatorial_lower_bound
+    from fxpipe.schedule.validate import check_schedule, objective_values
+
+    if not isinstance(problem, ScheduleProblem):
+        raise InputError(f"expected a ScheduleProblem, got {type(problem).__name__}")
+    if not (isinstance(time_limit_s, (int, float)) and time_limit_s > 0 and not math.isnan(time_limit_s)):
+        raise InputError(f"time_limit_s must be > 0, got {time_limit_s!r}")
+    if not (isinstance(threads, int) and threads >= 1):
+        raise InputError(f"threads must be an integer >= 1, got {threads!r}")
+    if not (isinstance(gap_limit, (int, float)) and 0 <= gap_limit < 1):
+        raise InputError(f"gap_limit must lie in [0, 1), got {gap_limit!r}")
+    t_start = time.perf_counter()
+    check_memory_feasible(problem)
+
+    if warm_start is not None:
+        if not isinstance(warm_start, Schedule):
+            raise InputError(f"warm_start must be a Schedule, got {type(warm_start).__name__}")
+        if check_schedule(problem, warm_start.ops):
+            warm_start = None
+    if warm_start is None:
+        warm_start = warm_start_schedule(problem)
+    warm_val = objective_value(problem, warm_start.ops)
+    comb_lb = float(combinatorial_lower_bound(problem))
+    warm_info = {"method": warm_start.method, "value_s": warm_val,
+                 "candidates": warm_start.meta.get("warm_candidates", {})}
+
+    if warm_val <= comb_lb * (1 + 1e-9) + 1e-12:
+        # the warm start meets a proven lower bound: optimal, nothing to search
+        ms, span = objective_values(problem, warm_start.ops)
+        return Schedule(
+            ops=warm_start.ops, makespan=ms, stage_span=span, lower_bound_s=min(comb_lb, warm_val), status="optimal",
+            solver_time_s=time.perf_counter() - t_start, method="milp", objective=problem.objective,
+            meta={"gap": 0.0, "nodes": 0, "status": "optimal", "primal": warm_val, "dual": comb_lb,
+                  "combinatorial_bound_s": comb_lb, "scip_version": scip_version(), "pyscipopt_version": scip.__version__,
+                  "params": {}, "model": {}, "warm_start": {**warm_info, "accepted": None}, "incumbents": [],
+                  "source": f"warm_start:{warm_start.method}", "proof": "combinatorial bound", "build_s": 0.0},
+        )
+
+    model, V = build_model(problem, warm_start=warm_start, triangle_cuts=triangle_cuts, lower_bound_s=comb_lb)
+    params = {"limits/gap": float(gap_limit), "lp/threads": int(threads)}
+    # measured on the Zero Bubble / offload instances (benchmarks/bench_schedule.py): SCIP's
+    # default probing spends tens of seconds in presolve on these big-M models, and on larger
+    # models the LNS heuristics (RINS, trust region) around the warm start are what improves
+    # the incumbent (p=4, m=8, limit 2: 28.5 with default separation, 28 without, in 30 s).
+    big = V.counts["binaries"] > 500
+    build_s = time.perf_counter() - t_start
+
+    state = {"best": warm_start, "best_val": warm_val, "incumbents": [], "callback_errors": [], "extract_failures": 0}
+
+    def consider(values: Callable, when: float, dual_model: float) -> None:
+        dual = max(dual_model * V.unit_s, 0.0) if math.isfinite(dual_model) else 0.0
+        try:
+            ops = extract_schedule(problem, V, values)
+        except Exception as exc:  # noqa: BLE001
+            state["extract_failures"] += 1
+            state.setdefault("extract_errors", []).append(repr(exc)[:200])
+            return
+        errs = check_schedule(problem, ops)
+        if errs:
+            state["extract_failures"] += 1
+            state.setdefault("extract_errors", []).append(errs[0][:200])
+            return
+        val = objective_value(problem, ops)
+        tol = 1e-12 * max(1.0, abs(val))
+        if state["best"] is warm_start:
+            if val > state["best_val"] + tol:
+                return
+        elif val >= state["best_val"] - tol:
+            return
+        ms, span = objective_values(problem, ops)
+        lb = comb_lb if V.restricted else max(dual, comb_lb)
+        sched = Schedule(ops=tuple(ops), makespan=ms, stage_span=span, lower_bound_s=lb,
+                         status="feasible", solver_time_s=when, method="milp", objective=problem.objective)
+        state["best"], state["best_val"] = sched, val
+        state["incumbents"].append({"value_s": val, "dual_bound_s": dual, "time_s": when})
+        if on_incumbent is not None:
+            try:
+                on_incumbent(Incumbent(value_s=val, dual_bound_s=dual, time_s=when, schedule=sched))
+            except Exception as exc:  # noqa: BLE001
+                state["callback_errors"].append(repr(exc)[:200])
+
+    res = solve_model(
+        model,
+        time_limit_s=float(time_limit_s),
+        params=params,
+        warm_start=warm_start_values(problem, V, warm_start),
+        warm_start_complete=True,
+        read_vars={v.name: v for v in model.getVars()},
+        heuristics="aggressive" if big else "default",
+        separating="off" if big else "default",
+        presolving="fast",
+        on_incumbent=consider,
+        progress=f"milp {problem.name}" if progress else None,
+        objective_scale=V.unit_s,
+    )
+    if res.callback_errors:  # a failure outside extraction / the user's callback: record it
+        state["extract_failures"] += len(res.callback_errors)
+        state.setdefault("extract_errors", []).extend(res.callback_errors)
+    status = res.status
+    dual_s = max(res.dual * V.unit_s, 0.0) if math.isfinite(res.dual) else 0.0
+    note = None
+    if res.raw_status == "infeasible" or not math.isfinite(res.dual):
+        # the model's conservative memory accounting (strict margins) holds no schedule of
+        # value <= the warm start's: nothing is proven, the warm start is still valid
+        dual_s = 0.0
+        status = "feasible"
+        note = "the MILP found no schedule at most as long as the warm start; returning the warm start"
+    # the final best solution (the handler saw it already unless it came from presolve)
+    if res.n_solutions > 0 and res.values and res.raw_status != "infeasible":
+        consider(lambda var: res.values[var.name], res.wall_s, res.dual)
+    best: Schedule = state["best"]
+    value = state["best_val"]
+    primal_s = res.primal * V.unit_s if res.n_solutions > 0 else float("inf")
+    lb = comb_lb if V.restricted else max(dual_s, comb_lb)
+    lb = min(lb, value)  # the returned schedule's value may exceed the model optimum by repair noise
+    if V.restricted and status == "optimal":
+        status = "optimal" if value <= comb_lb * (1 + 1e-9) else "feasible"
+    if status == "optimal" and value > primal_s * (1 + 1e-6) + 1e-12:
+        status = "feasible"  # SCIP's optimum could not be reproduced exactly (see meta)
+    gap = (value - lb) / value if value > 0 else 0.0
+    if status == "optimal":
+        gap = max(gap, 0.0)
+    ms, span = objective_values(problem, best.ops)
+    meta = {
+        "gap": gap,
+        "nodes": res.nodes,
+        "status": res.raw_status,
+        "primal": primal_s,
+        "dual": dual_s,
+        "combinatorial_bound_s": comb_lb,
+        "scip_version": scip_version(),
+        "pyscipopt_version": scip.__version__,
+        "params": res.params,
+        "model": V.counts,
+        "horizon_s": V.horizon * V.unit_s,
+        "warm_start": {**warm_info, "accepted": res.warm_start_accepted},
+        "incumbents": state["incumbents"],
+        "source": best.method if best is not warm_start else f"warm_start:{warm_start.method}",
+        "build_s": build_s,
+    }
+    if V.restricted:
+        meta["restricted"] = V.restricted + ": the SCIP bound is not a bound for the problem, lower_bound_s is the combinatorial one"
+    if note:
+        meta["note"] = note
+    if state["callback_errors"]:
+        meta["callback_errors"] = state["callback_errors"]
+    if state["extract_failures"]:
+        meta["extract_failures"] = state["extract_failures"]
+        meta["extract_errors"] = state.get("extract_errors", [])[:5]
+    return Schedule(
+        ops=best.ops, makespan=ms, stage_span=span, lower_bound_s=lb, status=status,
+        solver_time_s=time.perf_counter() - t_start, method="milp", objective=problem.objective, meta=meta,
+    )
