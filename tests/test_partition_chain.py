@@ -258,3 +258,33 @@ def test_unenumerated_segments_use_bins_and_stay_sound():
         if res.partition is not None:
             validate_partition(g, res.partition)
             assert res.partition.bottleneck >= opt * (1 - RTOL) - 1e-12
+
+
+def test_chain_certificate_in_compute_bounds_and_cli(tmp_path, capsys):
+    import json
+
+    from fxpipe.cli import main
+    from fxpipe.partition.bounds import compute_bounds, read_certificate, write_certificate
+
+    g = _path(1, 12)
+    rep = compute_bounds(g, 3, objective="inference", comm="relay", methods=("simple", "chain", "bottleneck", "exact"),
+                         time_limit_s=10, workers=1, search_time_limit_s=0.5)
+    opt, _ = brute_force_partition(g, 3, "inference", "relay")
+    c = rep.certificates["chain"]
+    assert c.status == "optimal" and c.lower_bound <= opt * (1 + RTOL)
+    assert c.lower_bound == pytest.approx(opt, rel=1e-8)
+    assert "Lemmas" in c.details["proof"]
+    # every MIP after the chain is skipped: the partition is already proven optimal
+    assert rep.certificates["exact"].status == "skipped" and rep.ratio == pytest.approx(1.0, rel=1e-6)
+    back = read_certificate(write_certificate(tmp_path / "c.json", rep, g))
+    assert back["certificates"]["chain"].lower_bound == c.lower_bound
+    # dag: not applicable, Lemma 3.3 reported
+    rep = compute_bounds(g, 3, objective="inference", comm="dag", methods=("simple", "chain"), time_limit_s=5, search_time_limit_s=0.2)
+    assert rep.certificates["chain"].status == "not_applicable"
+    assert rep.certificates["chain"].lower_bound == rep.certificates["simple"].lower_bound
+    # the CLI
+    path = tmp_path / "g.json"
+    g.save(path)
+    assert main(["bounds", str(path), "-k", "3", "--comm", "relay", "--methods", "simple,chain", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert set(doc["lower_bounds"]) == {"simple", "chain"} and doc["ratio"] == pytest.approx(1.0, rel=1e-6)
