@@ -166,6 +166,7 @@ def partition(
     brkga_params: BRKGAParams | None = None,
     contract: bool = True,
     chain: bool = True,
+    merge_trivial: bool = True,
     _explain: bool = True,
 ) -> Partition:
     """Partition ``graph`` into at most ``k`` pipeline stages minimising the bottleneck.
@@ -207,6 +208,9 @@ def partition(
         Search on the graph with trivial ops merged (module docstring).
     chain : bool
         With relay communication, run the chain DP first (bound and seed partition).
+    merge_trivial : bool
+        Merge stages holding only zero-work ops into a neighbour
+        (:func:`merge_trivial_stages`).
 
     Returns
     -------
@@ -429,7 +433,8 @@ def partition(
             graph, chain_part.assignment, k, objective, comm, order=order,
             meta={**meta, "rule": "chain", "order": order.tolist(), "kernel_bottleneck": chain_part.bottleneck},
         )
-    part = merge_trivial_stages(graph, part, objective, model)
+    if merge_trivial:
+        part = merge_trivial_stages(graph, part, objective, model)
     if "order" not in part.meta or part.order is None:
         order = _order_of_assignment(graph, part.assignment)
         part = Partition(k=part.k, assignment=part.assignment, block_costs=part.block_costs, bottleneck=part.bottleneck,
