@@ -91,6 +91,10 @@ def main(argv=None) -> int:
 
     table = QUICK if args.quick else MODELS
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    # warm up torch.export and the numba kernels so that the first model is not charged for them
+    wm, wa, wk = build_hf_model("llama", {"num_hidden_layers": 2, "seq_len": 16}, device="meta")
+    warm = trace_model(wm, wa, wk, hardware=args.hardware, dtype=dtype, replicate="never")
+    plan_graph(warm.graph, devices=2, microbatches=2, time_limit_s=0.5)
     rows = []
     for name in args.models:
         arch, over, device, ks = table[name]

@@ -32,10 +32,12 @@ bound. Deleting nodes never raises the optimum (Lemma D): restricting a partitio
 *Lazy nodes* (``KIND_LAZY``): ``w(v) = 0``, at least one consumer, no consumer that is a zero
 sink, and ``s(v) >= sum of s(u)`` over its producers u (views, reshapes, expands, casts, the
 model inputs). Lemma L: moving such a node from its block to the earliest block of its
-consumers keeps the blocks in pipeline order and lowers no boundary's cut: on every boundary
-it passes, its own tensor (``s(v)``) stops crossing and at most its producers' tensors
-(``sum s(u)``) start crossing; every other boundary is unchanged. So some optimal partition
-puts every lazy node with its earliest consumer.
+consumers keeps the blocks in pipeline order, changes no block's work (``w(v) = 0``) and
+raises no boundary's cut: on every boundary it passes, its own tensor (``s(v)``) stops
+crossing and at most its producers' tensors (``sum s(u)``) start crossing; every other
+boundary is unchanged. So some optimal partition puts every lazy node with its earliest
+consumer. (A consumer that is a zero sink is excluded so that the two rules below never
+define a node's block through each other.)
 
 *Zero sinks* (``KIND_SINK``): ``w(v) = 0`` and no consumer (the ``output`` node, asserts).
 Lemma S: moving one to the latest block of its producers only shortens its producers'
@@ -51,14 +53,17 @@ joins them).
 Gates and segments
 ------------------
 A core node is a *gate* if it is comparable with every other core node (an ancestor or a
-descendant of each). The gates are totally ordered and cut the core nodes into segments
-``S_1, S_2, ...`` (each ending with its gate); an ideal containing a node of ``S_j`` contains
-all of ``S_1..S_{j-1}`` (they are ancestors of the gate before ``S_j``, which is an ancestor
-of that node or comparable... precisely: an ideal without gate ``g_{j-1}`` holds no
-descendant of it, and every node after ``g_{j-1}`` is one). So every canonical ideal is
-``S_<j u J`` with J an ideal of ``S_j`` alone (Lemma G). In a Llama layer the residual
-additions, the norms and most matmuls are gates; a segment is a handful of parallel
-branches (q/k/v projections, gate/up projections).
+descendant of each). The gates are totally ordered and cut the core nodes, in topological
+order, into segments ``S_1, S_2, ...`` (each ending with its gate). Lemma G: every ideal C of
+the reduced core order is ``S_<j u J`` with J an ideal of ``S_j`` alone. Proof: let
+``g_j`` be the first gate not in C. Each earlier gate ``g_i`` is in C, and every node of
+``S_i`` precedes ``g_i`` topologically and is comparable with it, hence an ancestor, hence
+in C. Every node after ``g_j`` is comparable with it and follows it, hence a descendant, and
+an ideal without ``g_j`` holds none of its descendants. So C lies between ``S_<j`` and
+``S_<j u S_j``, and an order relation inside ``S_j`` only passes through nodes of ``S_j``
+(positions are contiguous), so ``J = C n S_j`` is an ideal of ``S_j``. In a Llama layer
+the residual additions, the norms and most matmuls are gates; a segment is a handful of
+parallel branches (q/k/v projections, gate/up projections).
 
 The DP
 ------
@@ -389,8 +394,13 @@ class ChainDecomposition:
     mandatory_cut_bytes : float64 array (S,)
         Bytes of tensors produced before segment j and consumed after it.
     masks, point_work_s, point_cut_bytes, point_flag : list of arrays (per segment)
-        Enumerated ideals of each segment (``None`` where not enumerated) with the work and
-        cut of ``S_<j u J`` and whether it holds every model input.
+        Ideals of each segment (``None`` for segments of more than
+        :data:`MAX_SEGMENT_CORE` core nodes) with the work and cut of ``S_<j u J`` and
+        whether it holds every model input: all of them where ``complete[j]``, else the
+        prefixes of the topological order (cut points for the partition only).
+    complete : bool array (S,)
+        Whether ``masks[j]`` lists every ideal of segment j (the bound needs that; other
+        segments are bins in the bound).
     work_s : float64 array (n,)
         Work of every node under the objective (seconds).
     detached_work_s : float
@@ -415,6 +425,7 @@ class ChainDecomposition:
     point_work_s: list
     point_cut_bytes: list
     point_flag: list
+    complete: np.ndarray
     work_s: np.ndarray
     detached_work_s: float
     inputs_entry: int = -1
@@ -430,8 +441,8 @@ class ChainDecomposition:
 
     @property
     def enumerated(self) -> np.ndarray:
-        """Bool array (S,): whether each segment's ideals were enumerated."""
-        return np.array([m is not None for m in self.masks], dtype=bool)
+        """Bool array (S,): whether each segment's ideals were all enumerated."""
+        return np.asarray(self.complete, dtype=bool)
 
     def summary(self) -> dict[str, Any]:
         """Plain facts for certificates and reports."""
@@ -651,6 +662,7 @@ def decompose(graph: OpGraph, objective: str = "training", *, max_ideals: int = 
     placeholders = [v for v in range(n) if graph.ops[v] == "placeholder" and alive[v]]
     ph_entry_max = max((int(entry[v]) for v in placeholders), default=-1)
     masks: list = []
+    complete: list = []
     pwork: list = []
     pcut: list = []
     pflag: list = []
@@ -661,6 +673,7 @@ def decompose(graph: OpGraph, objective: str = "training", *, max_ideals: int = 
         lo, hi = int(seg_ptr[j]), int(seg_ptr[j + 1])
         L = hi - lo
         if L > MAX_SEGMENT_CORE:
+            complete.append(False)
             masks.append(None)
             pwork.append(None)
             pcut.append(None)
@@ -673,13 +686,11 @@ def decompose(graph: OpGraph, objective: str = "training", *, max_ideals: int = 
                 if u >= lo:
                     pm[i] |= np.int64(1) << np.int64(u - lo)
         ms, cnt = _enumerate_ideals(pm, int(max_ideals))
+        complete.append(cnt >= 0)
         if cnt < 0:
-            masks.append(None)
-            pwork.append(None)
-            pcut.append(None)
-            pflag.append(None)
-            w_before += seg_work[j]
-            continue
+            # too many ideals: keep the prefixes of the topological order (ideals too) as cut
+            # points for the partition; the bound uses bins for this segment
+            ms = np.array([(1 << t) - 1 for t in range(L + 1)], dtype=np.int64)
         # local evaluation order: core (bits), lazy (reverse topological), sinks (topological)
         F = flux[j]
         core_f = [v for v in F if kind[v] == KIND_CORE]
@@ -729,7 +740,7 @@ def decompose(graph: OpGraph, objective: str = "training", *, max_ideals: int = 
     dec = ChainDecomposition(
         objective=objective, kind=kind, topo=topo, entry=entry, last=last, core=core, seg_ptr=seg_ptr,
         seg_work_s=seg_work, gate_cut_bytes=gate_cut, mandatory_cut_bytes=mand_cut, masks=masks,
-        point_work_s=pwork, point_cut_bytes=pcut, point_flag=pflag, work_s=work,
+        point_work_s=pwork, point_cut_bytes=pcut, point_flag=pflag, complete=np.array(complete, dtype=bool), work_s=work,
         detached_work_s=float(work[kind == KIND_DETACHED].sum()), inputs_entry=ph_entry_max, seconds=0.0,
     )
     dec.seconds = time.perf_counter() - t0
@@ -784,7 +795,7 @@ def _points(dec: ChainDecomposition, k: int, *, exact_only: bool) -> _Points:
     for j in range(S):
         ms = dec.masks[j]
         w_after = w_before + float(dec.seg_work_s[j])
-        if ms is not None:
+        if ms is not None and (dec.complete[j] or exact_only):
             pw, pc, pf = dec.point_work_s[j], dec.point_cut_bytes[j], dec.point_flag[j]
             size = np.array([bin(int(x) & 0xFFFFFFFFFFFFFFFF).count("1") for x in ms.tolist()], dtype=np.int64)
             order = np.lexsort((size, pw))

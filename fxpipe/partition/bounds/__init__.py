@@ -608,7 +608,9 @@ class BoundsReport:
             ratio = "-" if r["ratio"] is None else f"{r['ratio']:.4f}"
             lines.append(f"{r['method']:<11} {r['lower_bound_s']:>13.6g} {ratio:>8} {r['status']:<13} {r['wall_time_s']:>9.2f}")
         if self.partition is not None:
-            lines.append(f"best partition bottleneck: {self.partition.bottleneck:.6g} s ({self.partition.meta.get('method', '?')})")
+            meta = self.partition.meta
+            how = str(meta.get("method", "?")) + (f", found by {meta['rule']}" if meta.get("rule") else "")
+            lines.append(f"best partition bottleneck: {self.partition.bottleneck:.6g} s ({how})")
         return "\n".join(lines)
 
 
