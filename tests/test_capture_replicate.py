@@ -125,3 +125,18 @@ def test_bad_replicate_mode_is_a_capture_error():
 
     with pytest.raises(CaptureError, match="replicate"):
         capture(_Stack(4), (torch.randn(2, 8),), replicate="sometimes")
+
+
+def test_replicated_module_splits_into_runnable_stages():
+    """codegen's split of the replicated module composes to the model (what Plan.build runs)."""
+    from fxpipe.codegen.split import split_stages
+    from fxpipe.partition.search import partition
+
+    model, args, kwargs = build_hf_model("llama", CASES["llama"])
+    tm = trace_model(model, args, kwargs, hardware="h100-sxm", replicate="always")
+    assert tm.captured.replication is not None
+    part = partition(tm.graph, 3, objective="training", comm="relay", time_limit_s=5)
+    stage_of = {tm.graph.names[i]: int(part.assignment[i]) for i in range(tm.graph.n)}
+    staged = split_stages(tm.gm, stage_of, 3)
+    with torch.no_grad():
+        torch.testing.assert_close(staged.run(*args), model(*args, **kwargs), rtol=0, atol=0)
