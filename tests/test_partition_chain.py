@@ -213,10 +213,10 @@ def test_layered_model_is_proven_optimal_and_uses_every_stage():
     """A transformer-like chain of identical blocks (two parallel branches per block, a
     broadcast tensor read by every block): bound = partition, k stages all with work."""
     L, k = 12, 5
-    names, t, size, edges, ops = ["x", "mask"], [0.0, 0.1], [1.0, 3.0], [], ["placeholder", "call_function"]
+    t, size, edges, ops = [0.0, 0.1], [1.0, 3.0], [], ["placeholder", "call_function"]  # input x, a mask
     edges.append((0, 1))
     prev = 0
-    for layer in range(L):
+    for _ in range(L):
         base = len(t)
         # a (view of prev) -> b1, b2 (parallel) -> add (gate)
         t += [0.0, 1.0, 1.5, 0.2]

@@ -3,7 +3,6 @@ built on it leaves no stage with only trivial ops."""
 
 from __future__ import annotations
 
-import itertools
 
 import numpy as np
 import pytest

@@ -747,7 +747,7 @@ def decompose(graph: OpGraph, objective: str = "training", *, max_ideals: int = 
     return dec
 
 
-_CACHE: "weakref.WeakKeyDictionary" = None  # graph -> {(objective, max_ideals): ChainDecomposition}
+_CACHE = None  # weakref.WeakKeyDictionary: graph -> {(objective, max_ideals): ChainDecomposition}
 
 
 def cached_decomposition(graph: OpGraph, objective: str, *, max_ideals: int = MAX_IDEALS) -> ChainDecomposition:
