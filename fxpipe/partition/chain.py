@@ -133,8 +133,10 @@ __all__ = [
 KIND_CORE, KIND_LAZY, KIND_SINK, KIND_DETACHED = 0, 1, 2, 3
 #: Segments with more core nodes than this are not enumerated (ideals are 64-bit masks).
 MAX_SEGMENT_CORE = 62
-#: Segments with more ideals than this are not enumerated (bins instead).
+#: Segments with more ideals than this are not listed one by one (bins instead).
 MAX_IDEALS = 4096
+#: Segments with up to this many ideals are still enumerated for the bound's bins.
+MAX_BINNED_IDEALS = 1_000_000
 #: Bins per ``W / k`` for segments that are not enumerated: a transition through a bin can
 #: undercount its block's work by at most one bin width, ``W / (k * BINS_PER_BLOCK)``.
 BINS_PER_BLOCK = 1000
@@ -401,6 +403,10 @@ class ChainDecomposition:
     complete : bool array (S,)
         Whether ``masks[j]`` lists every ideal of segment j (the bound needs that; other
         segments are bins in the bound).
+    binned : dict[int, (float64 array, float64 array)]
+        For segments that are not complete but have at most ``max_binned`` ideals: the work
+        (sorted) and cut of every ideal, summarised into work bins by the bound (each bin's
+        least cut instead of the mandatory cut).
     work_s : float64 array (n,)
         Work of every node under the objective (seconds).
     detached_work_s : float
@@ -426,6 +432,7 @@ class ChainDecomposition:
     point_cut_bytes: list
     point_flag: list
     complete: np.ndarray
+    binned: dict
     work_s: np.ndarray
     detached_work_s: float
     inputs_entry: int = -1
@@ -458,6 +465,7 @@ class ChainDecomposition:
             "segments": int(sizes.shape[0]),
             "largest_segment": int(sizes.max(initial=0)),
             "segments_enumerated": int(en.sum()),
+            "segments_binned": int(len(self.binned)),
             "ideals": int(sum(m.shape[0] for m in self.masks if m is not None)),
             "core_work_not_enumerated_s": float(self.seg_work_s[~en].sum()) if en.size else 0.0,
             "seconds": float(self.seconds),
@@ -574,7 +582,8 @@ def _gates(rpred: list[list[int]]) -> np.ndarray:
     return np.flatnonzero((cA == direct_in) & (cB == direct_out)).astype(np.int64)
 
 
-def decompose(graph: OpGraph, objective: str = "training", *, max_ideals: int = MAX_IDEALS) -> ChainDecomposition:
+def decompose(graph: OpGraph, objective: str = "training", *, max_ideals: int = MAX_IDEALS,
+              max_binned: int = MAX_BINNED_IDEALS) -> ChainDecomposition:
     """Find the chain structure of ``graph`` (module docstring) and enumerate its segments.
 
     Parameters
@@ -584,6 +593,10 @@ def decompose(graph: OpGraph, objective: str = "training", *, max_ideals: int = 
         Decides which nodes have zero work.
     max_ideals : int
         Segments with more ideals are represented by bins.
+    max_binned : int
+        Segments with more ideals than ``max_ideals`` but at most this many are still
+        enumerated, and summarised per work bin (least cut); beyond it the bins carry only
+        the mandatory cut.
 
     Returns
     -------
@@ -663,6 +676,7 @@ def decompose(graph: OpGraph, objective: str = "training", *, max_ideals: int = 
     ph_entry_max = max((int(entry[v]) for v in placeholders), default=-1)
     masks: list = []
     complete: list = []
+    binned: dict = {}
     pwork: list = []
     pcut: list = []
     pflag: list = []
@@ -687,9 +701,14 @@ def decompose(graph: OpGraph, objective: str = "training", *, max_ideals: int = 
                     pm[i] |= np.int64(1) << np.int64(u - lo)
         ms, cnt = _enumerate_ideals(pm, int(max_ideals))
         complete.append(cnt >= 0)
+        many = None
         if cnt < 0:
-            # too many ideals: keep the prefixes of the topological order (ideals too) as cut
-            # points for the partition; the bound uses bins for this segment
+            # too many ideals to list one by one: keep the prefixes of the topological order
+            # (ideals too) as cut points for the partition; the bound summarises all the
+            # ideals in work bins (below) if there are at most max_binned of them
+            many, cnt_many = _enumerate_ideals(pm, int(max_binned)) if max_binned > 0 else (None, -1)
+            if cnt_many < 0:
+                many = None
             ms = np.array([(1 << t) - 1 for t in range(L + 1)], dtype=np.int64)
         # local evaluation order: core (bits), lazy (reverse topological), sinks (topological)
         F = flux[j]
@@ -726,12 +745,17 @@ def decompose(graph: OpGraph, objective: str = "training", *, max_ideals: int = 
         ph_ok = ph_entry_max <= j
         ph_idx = [ev_loc[v] for v in placeholders if entry[v] == j]
         work_bits = np.array([work[core[lo + i]] for i in range(L)], dtype=np.float64)
-        wv, cv, fv = _segment_points(
-            ms, core_bit, work_bits, ev_kind, np.array(ev_ptr, dtype=np.int64), np.array(ev_idx, dtype=np.int64),
+        local = (
+            core_bit, work_bits, ev_kind, np.array(ev_ptr, dtype=np.int64), np.array(ev_idx, dtype=np.int64),
             np.array(t_size, dtype=np.float64), np.array(t_state, dtype=np.int64), np.array(t_always, dtype=np.bool_),
             np.array(t_ptr, dtype=np.int64), np.array(t_idx, dtype=np.int64), np.array(ph_idx, dtype=np.int64),
             bool(ph_ok), base,
         )
+        wv, cv, fv = _segment_points(ms, *local)
+        if many is not None:
+            bw, bc, _ = _segment_points(many, *local)
+            order = np.argsort(bw, kind="stable")
+            binned[j] = (bw[order] + w_before, bc[order])
         masks.append(ms)
         pwork.append(wv + w_before)
         pcut.append(cv)
@@ -740,7 +764,8 @@ def decompose(graph: OpGraph, objective: str = "training", *, max_ideals: int = 
     dec = ChainDecomposition(
         objective=objective, kind=kind, topo=topo, entry=entry, last=last, core=core, seg_ptr=seg_ptr,
         seg_work_s=seg_work, gate_cut_bytes=gate_cut, mandatory_cut_bytes=mand_cut, masks=masks,
-        point_work_s=pwork, point_cut_bytes=pcut, point_flag=pflag, complete=np.array(complete, dtype=bool), work_s=work,
+        point_work_s=pwork, point_cut_bytes=pcut, point_flag=pflag, complete=np.array(complete, dtype=bool),
+        binned=binned, work_s=work,
         detached_work_s=float(work[kind == KIND_DETACHED].sum()), inputs_entry=ph_entry_max, seconds=0.0,
     )
     dec.seconds = time.perf_counter() - t0
@@ -806,7 +831,16 @@ def _points(dec: ChainDecomposition, k: int, *, exact_only: bool) -> _Points:
         else:
             if j == 0:
                 add(0, 0.0, 0.0, 0.0, 0, False, True)
-            if not exact_only and width > 0:
+            if not exact_only and width > 0 and j in dec.binned:
+                # every ideal of the segment, by work bin: [least, largest work] and least cut
+                bw, bc = dec.binned[j]
+                idx = np.minimum(((bw - w_before) / width).astype(np.int64), 4 * BINS_PER_BLOCK * max(k, 1))
+                starts = np.flatnonzero(np.r_[True, idx[1:] != idx[:-1]])
+                ends = np.r_[starts[1:], bw.shape[0]]
+                cmin = np.minimum.reduceat(bc, starts)
+                for a_, b_, c_ in zip(starts.tolist(), ends.tolist(), cmin.tolist()):
+                    add(j, float(bw[a_]), float(bw[b_ - 1]), float(c_), -1, False, False)
+            elif not exact_only and width > 0:
                 nb = int(math.ceil((w_after - w_before) / width)) if w_after > w_before else 1
                 nb = max(1, min(nb, 4 * BINS_PER_BLOCK))
                 edges = np.linspace(w_before, w_after, nb + 1)
