@@ -70,10 +70,13 @@ The DP
 Each segment's ideals are enumerated (up to :data:`MAX_IDEALS`, segments of at most
 :data:`MAX_SEGMENT_CORE` core nodes) into *points* ``(W(I), cut(I))``; the points of all
 segments, sorted by ``(segment, W, |J|)`` (a linear extension of inclusion), form a chain in
-which a partition is a path of at most k transitions of cost (1). A segment that cannot be
-enumerated is represented by *bins* ``[a, b]`` of its work range whose cut is the
-*mandatory* cut (tensors produced before the segment and consumed after it, which cross
-every ideal inside it); a transition then costs at least ``lo_q - hi_p + io(p) + io(q)``.
+which a partition is a path of at most k transitions of cost (1). A segment with too many
+ideals to list is represented by *bins* ``[a, b]`` of its work range: if its ideals can still
+be enumerated (up to :data:`MAX_BINNED_IDEALS`, e.g. the ~900k ideals of a Llama model's
+input-processing segment) a bin carries the least work, the largest work and the least cut
+of the ideals in it, otherwise the *mandatory* cut (tensors produced before the segment and
+consumed after it, which cross every ideal inside it); a transition then costs at least
+``lo_q - hi_p + io(p) + io(q)``.
 
 ``chain`` lower bound: the smallest T for which a path of at most k transitions of cost <= T
 exists, found by bisection over a min-transitions DP (a Fenwick tree over the keys
