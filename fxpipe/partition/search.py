@@ -63,18 +63,13 @@ def _warm_order(graph: OpGraph, warm_start) -> np.ndarray:
             raise InputError(f"warm_start partition has {a.shape[0]} nodes, the graph has {graph.n}")
         if warm_start.order is not None:
             return check_order(graph, warm_start.order)
-        from fxpipe.partition.orders import kahn_order  # noqa: PLC0415
-
-        # blocks first, then node id: a topological order when the blocks are in pipeline order
-        base = kahn_order(graph, np.arange(graph.n, dtype=np.float64))
-        pos = np.empty(graph.n)
-        pos[base] = np.arange(graph.n)
-        return kahn_order(graph, a * float(graph.n) + pos)
+        return _order_of_assignment(graph, a)
     return check_order(graph, warm_start)
 
 
 def _order_of_assignment(graph: OpGraph, assignment: np.ndarray) -> np.ndarray:
-    """A topological order listing the blocks one after another (blocks in pipeline order)."""
+    """A topological order listing the blocks one after another (blocks in pipeline order):
+    Kahn with priority ``block * n + position in the id-order Kahn order``."""
     from fxpipe.partition.orders import kahn_order  # noqa: PLC0415
 
     base = kahn_order(graph, np.arange(graph.n, dtype=np.float64))
