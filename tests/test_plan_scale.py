@@ -37,3 +37,20 @@ def test_compile_deep_model_is_proven_and_uses_every_stage(deep_llama, devices):
     assert part.assignment[out] == devices - 1
     logits = [u for u in g.predecessors(out)]
     assert all(part.assignment[u] == devices - 1 for u in logits)  # the output never receives the logits alone
+
+
+def test_llama3_70b_for_64_devices_is_proven_with_no_trivial_stage():
+    """Issue 13's headline case (meta device, nothing allocated): 80 identical layers are
+    replicated, the chain DP proves the partition optimal, every stage holds work and the
+    output node sits with the logits' producer (the previous search left an ``alias`` and
+    the ``output`` node alone on stages at this k, with the same bottleneck)."""
+    model, args, kwargs = build_hf_model("llama-3-70b", {"seq_len": 4096}, device="meta")
+    plan = fxpipe.compile(model, args, kwargs, devices=64, microbatches=8, time_limit_s=60.0)
+    part, g = plan.partition, plan.graph
+    assert g.n == 5741 and plan._captured.captured.replication["layers"] == 80
+    assert part.meta["proven_optimal"] and part.meta["lower_bound_method"] == "chain"
+    assert part.bottleneck <= part.meta["lower_bound_s"] * (1 + 1e-6)
+    work = np.bincount(part.assignment, weights=g.work_s("training"), minlength=64)
+    assert (work > 0).all()
+    out = g.ops.index("output")
+    assert all(part.assignment[u] == part.assignment[out] == 63 for u in g.predecessors(out))
