@@ -188,6 +188,7 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     mem_limit_bytes: float | None = None,
     name: str | None = None,
     progress: bool = False,
+    replicate: str = "auto",
 ) -> Plan:
     """Plan pipeline parallelism for ``model``: capture, cost, partition, schedule.
 
@@ -227,7 +228,9 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     dtype : torch.dtype, optional
         Compute dtype the costs assume (default: the model's parameter dtype).
     time_limit_s : float
-        Partition search budget (seconds).
+        Partition search budget (seconds): an upper limit; the search stops as soon as its
+        partition is proven optimal (``plan.partition.meta["proven_optimal"]``, e.g. by the
+        chain DP on transformer stacks) or stops improving (``meta["stop_reason"]``).
     schedule_time_limit_s : float
         MILP budget when ``schedule="milp"``.
     seed : int
@@ -236,6 +239,12 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
         Per-device memory available for activations (schedule constraint).
     name : str, optional
         Model name for reports (default: the class name).
+    progress : bool
+        tqdm progress bars.
+    replicate : {"auto", "always", "never"}
+        Capture a deep stack of identical layers by exporting three and replicating one
+        (:func:`fxpipe.passes.capture.capture`; same graph as a full export, much faster for
+        70B-class models). ``"never"`` forces a full ``torch.export``.
 
     Returns
     -------
@@ -272,7 +281,7 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     else:
         from fxpipe.passes import trace_model
 
-        traced = trace_model(model, tuple(args), dict(kwargs or {}), hardware=hardware, dtype=dtype, name=name)
+        traced = trace_model(model, tuple(args), dict(kwargs or {}), hardware=hardware, dtype=dtype, name=name, replicate=replicate)
     graph = traced.graph
     part, problem, sched, timings = plan_graph(
         graph,
@@ -301,7 +310,7 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
         problem=problem,
         schedule=sched,
         stages=stage_stats(graph, part, problem, sched, objective),
-        timings_s={"capture": traced.capture_s, "cost": traced.cost_s, **timings_extra, **timings},
+        timings_s={"capture": traced.capture_s, "cost": traced.cost_s, "export": traced.export_s, **timings_extra, **timings},
         graph_signature=graph_signature(graph),
         options={"seed": seed, "time_limit_s": time_limit_s, "schedule": schedule, "dtype": str(dtype) if dtype else None,
                  "costs": costs},

@@ -227,7 +227,7 @@ def _write_report(plan, args: argparse.Namespace) -> dict[str, Any]:
         plan.devices,
         objective=plan.objective,
         comm=plan.comm,
-        methods=("simple", "bottleneck", "exact"),
+        methods=("simple", "chain", "bottleneck", "exact"),
         time_limit_s=args.bounds_time_limit,
         warm_start=plan.partition,
     )
