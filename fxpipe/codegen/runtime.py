@@ -15,15 +15,17 @@ everything torch-version specific lives here, behind small adapters that the res
   :func:`merge_param_groups`) and :class:`FxpipeScheduleRuntime`.
 
 :class:`FxpipeScheduleRuntime` runs per-rank compute actions (``"0F1"``, ``"1I0"``, ``"1W0"``,
-``"2B3"``; see :mod:`fxpipe.codegen.actions`) with torch's runtime, which adds the
-SEND/RECV actions. On top of torch it (1) takes the model's own inputs - any pytree,
-positional and keyword - on the first rank and splits them into micro-batches by
+``"2B3"``; lowered from :class:`fxpipe.ir.Orders` by :mod:`fxpipe.codegen.actions`) with torch's
+runtime, which adds the SEND/RECV actions, for one or several stages per rank (the placement's
+stage-to-rank map). On top of torch it (1) takes the model's own inputs - any pytree,
+positional and keyword - on the rank of the first stage and splits them into micro-batches by
 :mod:`fxpipe.codegen.interface`'s rule, (2) gives ``loss_fn`` each micro-batch's output in the
 structure the model returns, (3) merges outputs by that structure, and (4) sums the gradients of
-parameters held by several stages (tied weights) after each step. Gradient scaling matches
-torch's schedules: ``loss_fn`` is applied to every micro-batch's output, gradients are summed
-and divided by the number of micro-batches (``scale_grads=True``), i.e. the gradient of the
-mean micro-batch loss.
+parameters held by stages on several ranks (tied weights) after each step. Gradient scaling
+matches torch's schedules: ``loss_fn`` is applied to every micro-batch's output, gradients are
+summed and divided by the number of micro-batches (as ``scale_grads=True``; done once per
+parameter of the rank, see :class:`FxpipeScheduleRuntime`), i.e. the gradient of the mean
+micro-batch loss.
 
 Extension points for later work (not used yet): torch's ``register_custom_function`` accepts a
 callable per action type (a forward under ``saved_tensors_hooks`` for offload/reload, a
