@@ -110,7 +110,7 @@ def test_milp_reports_probe_bound():
     # p = 4, m = 8, limit 2: the combinatorial bound is the busy time 24, probes prove more
     p = ScheduleProblem.create(num_stages=4, num_microbatches=8, t_f=1, t_b=1, t_w=1, t_offload=0.5, mem_f=1,
                                mem_b=-0.5, mem_w=-0.5, mem_limit=2.0)
-    res = milp.solve(p, time_limit_s=20.0, probe_time_s=12.0)
+    res = milp.solve(p, time_limit_s=10.0, probe_time_s=7.0)
     probe = res.meta["probe"]
     assert probe["bound_s"] > res.meta["combinatorial_bound_s"]
     assert res.lower_bound_s >= probe["bound_s"] - 1e-9
