@@ -210,7 +210,6 @@ def temporal_windows(problem: ScheduleProblem, T: int, grid: float) -> Windows:
                 E(o, first, int(d_of[i]) + post - T)
     else:
         for i in range(n):
-            post = 0
             edges.append((i, origin, int(d_of[i]) - T))
     ea = np.array([e[0] for e in edges])
     eb = np.array([e[1] for e in edges])
