@@ -304,6 +304,7 @@ def _run_one(rank: int, world: int, run: dict, out_dir: str, idx: int, cache: di
     stage, sched = build_rank(
         staged, rank, actions, num_microbatches=m, loss_fn=loss_fn, example_microbatch_inputs=cap.mb_example,
         fused_backward=run["fused_backward"], group_cache=groups, io_cache=cap.io_cache,
+        compile_stages=run.get("compile_stages", False),
     )
     spec = staged.stages[rank]
     named = spec.named_parameters()
@@ -342,6 +343,7 @@ def _run_one(rank: int, world: int, run: dict, out_dir: str, idx: int, cache: di
                 "moved_nodes": {k: list(v) for k, v in staged.moved_nodes.items()},
                 "actions": sched.fxpipe_actions[rank],
                 "fused_full_backward": bool(sched.fxpipe_fused_full_backward),
+                "compiled_stage": getattr(stage.submod, "report", None),  # compile_stages (issue 10)
                 "random_ops": cap.random_ops,
                 "train_wall_s": wall,
             },
@@ -485,7 +487,7 @@ def spawn_train_many(runs: Sequence[Mapping[str, Any]], *, world_size: int, time
         raise InputError(f"world_size must be an integer >= 1, got {world_size!r}")
     if on_error not in ("raise", "record"):
         raise InputError(f"on_error must be 'raise' or 'record', got {on_error!r}")
-    defaults = dict(steps=2, lr=0.1, loss="cross_entropy", seed=0, fuse=True, fused_backward=False)
+    defaults = dict(steps=2, lr=0.1, loss="cross_entropy", seed=0, fuse=True, fused_backward=False, compile_stages=False)
     norm_runs = []
     for i, r in enumerate(runs):
         missing = [k for k in ("make_model", "stage_of", "orders", "num_microbatches", "make_batch") if k not in r]
@@ -622,6 +624,7 @@ def _gather(out_dir: str, world: int, idx: int, wall: float) -> TrainResult:
     info: dict[str, Any] = {}
     actions: dict[int, list[str]] = {}
     fused: dict[int, bool] = {}
+    compiled: dict[int, Any] = {}
     train_wall = 0.0
     for r in range(world):
         with open(os.path.join(out_dir, f"run{idx}_rank{r}.json")) as f:
@@ -630,6 +633,7 @@ def _gather(out_dir: str, world: int, idx: int, wall: float) -> TrainResult:
         stage_params.append(info["param_fqns"])
         actions[r] = info["actions"]
         fused[r] = info["fused_full_backward"]
+        compiled[r] = info.get("compiled_stage")
         train_wall = max(train_wall, info["train_wall_s"])
         if r == world - 1:
             losses = info["losses"]
@@ -651,5 +655,5 @@ def _gather(out_dir: str, world: int, idx: int, wall: float) -> TrainResult:
          "relayed": {int(k): v for k, v in info.get("relayed", {}).items()},
          "cloned": {int(k): v for k, v in info.get("cloned", {}).items()},
          "moved_nodes": info.get("moved_nodes", {}), "random_ops": info.get("random_ops", []),
-         "fused_full_backward": fused, "train_wall_s": train_wall, "wall_s": wall},
+         "fused_full_backward": fused, "compiled_stages": compiled, "train_wall_s": train_wall, "wall_s": wall},
     )

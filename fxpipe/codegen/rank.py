@@ -97,6 +97,7 @@ def build_rank(
     fused_backward: bool = False,
     group_cache: dict | None = None,
     io_cache: dict | None = None,
+    compile_stages: bool = False,
 ) -> tuple[FxpipePipelineStage, FxpipeScheduleRuntime]:
     """This rank's ``PipelineStage`` and a schedule runtime loaded with the per-rank actions.
 
@@ -135,6 +136,10 @@ def build_rank(
     io_cache : dict, optional
         Shape-inference results of earlier builds of the same ``staged`` program and rank
         (they do not depend on the schedule), kept by the caller.
+    compile_stages : bool
+        Run the stage module with Inductor, its backward split into backward-input and
+        backward-weight graphs (:mod:`fxpipe.codegen.compiled`); no blind-parameter fallback is
+        needed then.
 
     Returns
     -------
@@ -177,7 +182,7 @@ def build_rank(
         if io_cache is not None:
             io_cache[key] = io
     fused_here = False
-    if io.blind_params and any("I" in a for a in acts[rank]):
+    if io.blind_params and not compile_stages and any("I" in a for a in acts[rank]):
         # Split backward would drop these parameters' gradients: run full backwards on this
         # rank. Other ranks' communication is unaffected (B sends/receives exactly like I).
         names = list(io.blind_params)
@@ -193,7 +198,14 @@ def build_rank(
     module = spec.module.to(dev)
     ins = tuple(t.to(dev) for t in io.inputs)
     outs = tuple(t.to(dev) for t in io.outputs)
-    stage = FxpipePipelineStage(module, stage_index=rank, num_stages=S, device=dev, input_args=ins, output_args=outs, group=group)
+    stage_cls, run_module = FxpipePipelineStage, module
+    # ---- begin compile_stages (owner: issue 10): Inductor per stage with split backward
+    if compile_stages:
+        from fxpipe.codegen.compiled import CompiledPipelineStage, compile_stage
+
+        stage_cls, run_module = CompiledPipelineStage, compile_stage(module)
+    # ---- end compile_stages
+    stage = stage_cls(run_module, stage_index=rank, num_stages=S, device=dev, input_args=ins, output_args=outs, group=group)
     shared = _shared_param_groups(staged, rank, group, module, group_cache)
     sched = FxpipeScheduleRuntime([stage], num_microbatches, loss_fn=loss_fn, interface=staged.interface, shared_grads=shared)
     sched.load_actions(acts)
@@ -215,6 +227,7 @@ def build_pipeline_rank(
     example_microbatch_inputs: Any = None,
     fuse: bool = True,
     fused_backward: bool = False,
+    compile_stages: bool = False,
 ) -> tuple[FxpipePipelineStage, FxpipeScheduleRuntime]:
     """Split ``gm``, lower the orders and build this rank's stage and runtime (one call).
 
@@ -233,4 +246,5 @@ def build_pipeline_rank(
     return build_rank(
         staged, rank, actions, num_microbatches=num_microbatches, loss_fn=loss_fn, group=group, device=device,
         example_microbatch_inputs=example_microbatch_inputs, fused_backward=fused_backward,
+        compile_stages=compile_stages,
     )

@@ -32,6 +32,7 @@ recomputing backward), and the runtime already runs any per-rank stage list torc
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from dataclasses import dataclass
@@ -395,3 +396,93 @@ class FxpipeScheduleRuntime(_PipelineScheduleRuntime):
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=grp)
+
+
+# ---- begin torch.compile backend adapters (owner: issue 10; used by fxpipe/dynamo/* and fxpipe/codegen/compiled.py)
+def dynamo_source_name(node: torch.fx.Node) -> str | None:
+    """Dynamo's source of a placeholder of the graph it hands a backend (``"L['self']._modules['h']..."``), or None."""
+    src = getattr(node, "_dynamo_source", None)
+    if src is None:
+        return None
+    name = src.name
+    return str(name() if callable(name) else name)
+
+
+@dataclass(frozen=True)
+class GraphBreakInfo:
+    """Why Dynamo ended a graph (its ``GraphCompileReason``), as plain data.
+
+    Attributes
+    ----------
+    graph_break : bool
+        True when the graph ends at a graph break (False: it ends at the function's return).
+    reason : str
+        Dynamo's reason (``"return_value"``, or the unsupported construct and Dynamo's hints).
+    user_stack : tuple[str, ...]
+        ``File "...", line N, in fn`` followed by the source line, innermost frame last.
+    """
+
+    graph_break: bool
+    reason: str
+    user_stack: tuple[str, ...]
+
+
+def graph_break_info(gm: torch.fx.GraphModule) -> GraphBreakInfo:
+    """The :class:`GraphBreakInfo` of a graph Dynamo hands a backend (no break when Dynamo recorded none)."""
+    r = getattr(gm, "compile_subgraph_reason", None)
+    if r is None:
+        return GraphBreakInfo(False, "", ())
+    frames = []
+    for fr in getattr(r, "user_stack", None) or ():
+        line = f'File "{fr.filename}", line {fr.lineno}, in {fr.name}'
+        if getattr(fr, "line", None):
+            line += f"\n    {fr.line.strip()}"
+        frames.append(line)
+    return GraphBreakInfo(bool(getattr(r, "graph_break", False)), str(getattr(r, "reason", "")), tuple(frames))
+
+
+def inductor_compile(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, inner_compile: Callable | None = None):
+    """Inductor's ``compile_fx`` (AOTAutograd + Inductor) of ``gm``; ``inner_compile`` replaces the per-graph compiler.
+
+    ``inner_compile(gm, example_inputs, **kwargs)`` receives AOTAutograd's forward graph, then (at the
+    first backward) its backward graph with ``kwargs["is_backward"] = True``; the default is
+    :func:`inductor_compile_graph`. Returns a callable taking ``example_inputs``-like arguments.
+    """
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+    return compile_fx(gm, list(example_inputs), inner_compile=inner_compile or compile_fx_inner)
+
+
+def inductor_compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs):
+    """Inductor's code generation for one AOTAutograd graph (``compile_fx_inner``); returns a boxed callable."""
+    from torch._inductor.compile_fx import compile_fx_inner
+
+    return compile_fx_inner(gm, list(example_inputs), **kwargs)
+
+
+@contextlib.contextmanager
+def donated_backward_inputs(allowed: Callable[[int], bool]):
+    """Restrict which inputs of the backward graph being compiled Inductor may reuse in place.
+
+    AOTAutograd lets Inductor write into saved activations the backward no longer needs
+    ("donated buffers", ``fw_metadata.bw_donated_idxs``, indices of backward placeholders). A
+    backward split into B and W graphs must not let B clobber a saved tensor that W reads later:
+    inside this context only the donated indices with ``allowed(i)`` stay donated.
+    """
+    ctx = torch._guards.TracingContext.try_get()
+    meta = getattr(ctx, "fw_metadata", None) if ctx is not None else None
+    old = getattr(meta, "bw_donated_idxs", None)
+    if old:
+        meta.bw_donated_idxs = [i for i in old if allowed(i)]
+    try:
+        yield
+    finally:
+        if old:
+            meta.bw_donated_idxs = old
+
+
+def boxed_callable(fn: Callable[[list], Any]) -> Callable[[list], Any]:
+    """Mark ``fn(args_list)`` as taking AOTAutograd's boxed calling convention (one list argument)."""
+    fn._boxed_call = True  # noqa: SLF001 - AOTAutograd's protocol
+    return fn
+# ---- end torch.compile backend adapters
