@@ -460,6 +460,41 @@ def inductor_compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[An
     return compile_fx_inner(gm, list(example_inputs), **kwargs)
 
 
+def dynamo_frame_owner() -> str | None:
+    """Class name of ``self`` in the frame Dynamo is compiling (the compiled module), if any.
+
+    Only meaningful inside a backend call; None when Dynamo is not tracing a method.
+    """
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        tx = InstructionTranslator.current_tx()
+        owner = tx.f_locals.get("self") if tx is not None else None
+    except Exception:  # noqa: BLE001 - a name is a nicety; never fail a compile for it
+        return None
+    return type(owner).__name__ if isinstance(owner, torch.nn.Module) else None
+
+
+def concrete_int(value: Any) -> Any:
+    """The example value of a symbolic int Dynamo passes (its hint); anything else unchanged."""
+    if isinstance(value, torch.SymInt):
+        hint = value.node.hint
+        return int(hint) if hint is not None else value
+    return value
+
+
+@contextlib.contextmanager
+def outside_dynamo_tracing():
+    """Run code from inside a Dynamo backend as if no graph were being traced.
+
+    A backend is called with Dynamo's ``TracingContext`` (and its fake-tensor mode) installed;
+    ``torch.export`` and fake-tensor shape inference would pick that mode up and meet real
+    parameters. Inside this context there is no tracing context.
+    """
+    with torch._guards.tracing(None):
+        yield
+
+
 @contextlib.contextmanager
 def donated_backward_inputs(allowed: Callable[[int], bool]):
     """Restrict which inputs of the backward graph being compiled Inductor may reuse in place.
