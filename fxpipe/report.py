@@ -301,7 +301,9 @@ def render_html(content: dict) -> str:
             "<h2>Lower-bound certificates</h2>",
             "<p>Each bound is proven for every acyclic partition into k stages (Archer et al. 2024, Section 3): "
             "simple = Lemma 3.3, bottleneck = three-superblock MIP (Eq. 14), guess = guess-the-bottleneck-block "
-            "(Section 3.3), exact = the MIP of Figure 3, lp = its LP relaxation. A ratio of 1 proves the partition optimal.</p>",
+            "(Section 3.3), exact = the MIP of Figure 3, lp = its LP relaxation, chain = dynamic programming over "
+            "the graph's chain of gates (relay communication; fxpipe.partition.chain). "
+            "A ratio of 1 proves the partition optimal.</p>",
             _html_table(["property", "value"], [list(r) for r in content["bounds_facts"]], left=2),
             _html_table(content["bounds_header"], content["bounds_rows"], left=1),
         ]
@@ -417,12 +419,12 @@ def write_plan_report(plan, out_html: str | os.PathLike, *, bounds_time_limit_s:
     from fxpipe.partition.bounds import compute_bounds
     from fxpipe.schedule.plot import gantt
 
-    bounds = compute_bounds(
+    bounds = compute_bounds(  # certificates of the per-stage bottleneck of the plan's num_stages stages
         plan.graph,
-        plan.devices,
+        plan.num_stages,
         objective=plan.objective,
         comm=plan.comm,
-        methods=("simple", "bottleneck", "exact"),
+        methods=("simple", "chain", "bottleneck", "exact"),
         time_limit_s=bounds_time_limit_s,
         warm_start=plan.partition,
     )
@@ -450,7 +452,8 @@ def write_plan_report(plan, out_html: str | os.PathLike, *, bounds_time_limit_s:
         out_md=html_path.with_suffix(".md"),
         command=command,
         extra_sections=sections,
-        title=f"fxpipe plan: {plan.name} on {plan.devices} x {plan.hardware}",
+        title=f"fxpipe plan: {plan.name} on {plan.devices} x {plan.hardware}"
+        + (f" ({plan.num_stages} stages, {plan.placement} placement)" if plan.stages_per_device > 1 else ""),
     )
     return {
         "html": str(written["html"]),

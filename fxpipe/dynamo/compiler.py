@@ -198,6 +198,12 @@ class _GraphCompiler:
                     f"devices={devices} but the process group has {world} ranks: pipelined execution runs one stage per "
                     f"rank; pass devices={world} (or leave it out), or pipeline='never' to run in this process"
                 )
+            if ckw.get("stages_per_device", 1) != 1:
+                raise InputError(
+                    f"stages_per_device={ckw['stages_per_device']!r}: the backend's forward-only pipeline runs one stage "
+                    "per rank; leave stages_per_device out (1), or train a looped / V placement through "
+                    "fxpipe.last_plan().build(rank, ...)"
+                )
         self.ckw = ckw
         self.runners: dict[tuple, Any] = {}
 
@@ -369,7 +375,7 @@ class _GraphCompiler:
         from fxpipe.codegen.inference import InferencePipeline, stage_runner
         from fxpipe.codegen.split import split_stages
 
-        staged = split_stages(plan.captured().gm, plan.stage_of, plan.devices)
+        staged = split_stages(plan.captured().gm, plan.stage_of, plan.num_stages)
         if not self.pipelined:
             modules = [stage_runner(staged, s, compile_stages=self.opts.compile_stages) for s in range(staged.num_stages)]
             return ("stages", staged, modules, plan.microbatches)
