@@ -407,7 +407,8 @@ class Plan:
         self._captured = traced
         return traced
 
-    def build(self, rank: int, *, model=None, args=(), kwargs=None, loss_fn: Callable | None = None, group=None, device="cpu"):
+    def build(self, rank: int, *, model=None, args=(), kwargs=None, loss_fn: Callable | None = None, group=None, device="cpu",
+              compile_stages: bool | None = None):
         """This rank's ``PipelineStage`` s and schedule runtime, inside an initialised process group.
 
         Call from every worker of ``torchrun`` / ``torch.multiprocessing`` after
@@ -424,6 +425,10 @@ class Plan:
             One micro-batch of example inputs (only for re-capture).
         loss_fn : callable(output, target) -> scalar tensor
             Applied on the last stage to every micro-batch.
+        compile_stages : bool, optional
+            Run every stage with Inductor, its backward split into backward-input and
+            backward-weight graphs (:mod:`fxpipe.codegen.compiled`). Default: the
+            ``compile_stages`` option of the ``torch.compile`` backend that made the plan, else False.
 
         Returns
         -------
@@ -454,7 +459,15 @@ class Plan:
             loss_fn=loss_fn,
             group=group,
             device=device,
+            compile_stages=self._compile_stages(compile_stages),
         )
+
+    def _compile_stages(self, compile_stages: bool | None) -> bool:
+        if compile_stages is None:
+            return bool((self.options.get("backend") or {}).get("compile_stages", False))
+        if not isinstance(compile_stages, bool):
+            raise InputError(f"compile_stages must be True, False or None, got {compile_stages!r}")
+        return compile_stages
 
     def reschedule(self, schedule: str, *, time_limit_s: float = 60.0, progress: bool = False) -> "Plan":
         """The same partition and placement with another schedule (``"1f1b"``, ``"zb-h2"``, ``"zb-v"``, ``"milp"``, ...).
@@ -516,6 +529,7 @@ class Plan:
         timeout_s: float = 600.0,
         loss_rtol: float = 1e-4,
         rtol: float = 1e-5,
+        compile_stages: bool | None = None,
     ) -> dict[str, Any]:
         """Train this plan for a few steps on ``devices`` local gloo processes (CPU) and compare.
 
@@ -539,6 +553,9 @@ class Plan:
         loss_rtol, rtol : float
             Tolerances of the verdict ``ok``: relative loss difference, and gradient /
             parameter / buffer difference relative to the largest reference value of its kind.
+        compile_stages : bool, optional
+            Run the stages with Inductor (:meth:`build`); Inductor reassociates float sums, so
+            compare with ``rtol`` about 1e-4 then.
 
         Returns
         -------
@@ -568,7 +585,8 @@ class Plan:
             random_ops_warning(rnd)
         t0 = time.perf_counter()
         run = dict(make_model=make_model, stage_of=_PlanStageOf(self.stage_of), orders=self.orders(),
-                   num_microbatches=self.microbatches, make_batch=make_batch, steps=steps, lr=lr, loss=loss, seed=seed)
+                   num_microbatches=self.microbatches, make_batch=make_batch, steps=steps, lr=lr, loss=loss, seed=seed,
+                   compile_stages=self._compile_stages(compile_stages))
         res = spawn_train_many([run], world_size=self.devices, timeout_s=timeout_s, warn_random=rnd is None)[0]
         out: dict[str, Any] = {"pipeline_losses": list(res.losses), "pipeline_wall_s": time.perf_counter() - t0}
         if rnd is None:

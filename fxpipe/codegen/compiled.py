@@ -369,9 +369,15 @@ class CompiledPipelineStage(FxpipePipelineStage):
                 mod.run_weight(stash)
             return (), None
         if backward_type == "input":
+            kwargs = dict(bwd_kwargs)
+            out = kwargs["stage_output"]
+            if kwargs.get("output_grads") is None and isinstance(out, (tuple, list)) and len(out) == 1:
+                # the last stage's loss: torch wraps it in a tuple for its own backward-input, but
+                # stage_backward skips a tuple without gradients (it would run no backward at all)
+                kwargs["stage_output"] = out[0]
             mod.backward_mode = "split"
             try:
-                grads, _ = super().backward_maybe_with_nosync("full", bwd_kwargs, last_backward)
+                grads, _ = super().backward_maybe_with_nosync("full", kwargs, last_backward)
             finally:
                 mod.backward_mode = "full"
             return grads, mod.pop_stash()
