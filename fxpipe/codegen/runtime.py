@@ -517,9 +517,15 @@ def inductor_compile(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
     first backward) its backward graph with ``kwargs["is_backward"] = True``; the default is
     :func:`inductor_compile_graph`. Returns a callable taking ``example_inputs``-like arguments.
     """
+    import torch._functorch.config as functorch_config
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
-    return compile_fx(gm, list(example_inputs), inner_compile=inner_compile or compile_fx_inner)
+    if inner_compile is None:
+        return compile_fx(gm, list(example_inputs), inner_compile=compile_fx_inner)
+    # AOTAutograd's cache returns a whole cached forward+backward without calling inner_compile,
+    # so a custom backward (the B/W split) would silently not happen on a cache hit
+    with functorch_config.patch(enable_autograd_cache=False):
+        return compile_fx(gm, list(example_inputs), inner_compile=inner_compile)
 
 
 def inductor_compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs):

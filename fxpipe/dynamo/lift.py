@@ -210,7 +210,8 @@ class LiftedGraph(torch.nn.Module):
 
     Notes
     -----
-    ``forward(*user_inputs)`` returns what Dynamo's graph returns (a tuple of tensors). The graph
+    ``forward(*user_inputs)`` returns what Dynamo's graph returns: its one output tensor, or the
+    tuple of its output tensors (Dynamo flattens the model's output structure). The graph
     runs through :class:`torch.fx.Interpreter` with ``preserve_node_meta``, so tracing this module
     keeps Dynamo's ``nn_module_stack`` on every node (paths without the ``L['self']`` prefix).
     """
@@ -220,6 +221,7 @@ class LiftedGraph(torch.nn.Module):
         self.kinds = classify_inputs(gm, example_inputs)
         self._graph_module = [gm]  # a list: not registered as a submodule (its state is ours)
         self.state: list[torch.Tensor] = []
+        self._state_paths: list[tuple[str, ...]] = []  # attribute path of every state tensor, read at each call
         for kind, value in zip(self.kinds, example_inputs):
             if kind.kind in ("input", "size"):
                 continue
@@ -229,10 +231,27 @@ class LiftedGraph(torch.nn.Module):
             else:
                 owner.register_buffer(leaf, value)
             self.state.append(value)
+            self._state_paths.append(self._path_of(owner) + (leaf,))
         for node in gm.graph.nodes:  # module paths as torch.export writes them
             stack = node.meta.get("nn_module_stack")
             if stack:
                 node.meta["nn_module_stack"] = {k: (_strip_self(str(p)), t) for k, (p, t) in stack.items()}
+
+    def _path_of(self, module: torch.nn.Module) -> tuple[str, ...]:
+        for name, mod in self.named_modules():
+            if mod is module:
+                return tuple(name.split(".")) if name else ()
+        raise AssertionError("a state owner outside the lifted module: a bug in fxpipe")
+
+    def _state_now(self):
+        """The state tensors as the module holds them *now*: torch.export (and torch.func.functional_call)
+        swap module attributes for traced ones, which a list kept since __init__ would bypass (the
+        weights would be captured as constants, without gradients)."""
+        for path in self._state_paths:
+            obj: Any = self
+            for p in path:
+                obj = getattr(obj, p)
+            yield obj
 
     def _owner(self, fqn: str) -> tuple[torch.nn.Module, str]:
         """The (new or existing) submodule that holds ``fqn`` and the attribute name in it."""
@@ -310,7 +329,7 @@ class LiftedGraph(torch.nn.Module):
         return True, ""
 
     def forward(self, *user_inputs):
-        state = iter(self.state)
+        state = self._state_now()
         args = []
         k_input = 0
         for k in self.kinds:
@@ -323,4 +342,7 @@ class LiftedGraph(torch.nn.Module):
             else:
                 args.append(next(state))
         with fx.traceback.preserve_node_meta():
-            return fx.Interpreter(self.graph_module).run(*args)
+            out = fx.Interpreter(self.graph_module).run(*args)
+        if isinstance(out, (tuple, list)) and len(out) == 1 and isinstance(out[0], torch.Tensor):
+            return out[0]  # one output: a tensor, as the model returns it (a loss_fn of the plan sees the tensor)
+        return tuple(out) if isinstance(out, list) else out
