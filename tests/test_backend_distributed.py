@@ -69,5 +69,6 @@ def test_compile_stages_training_through_the_plan_equals_one_process(two_ranks):
     # the zero-bubble split really happened inside the compiled stages: I and W on the last rank
     last = ranks[1]
     assert any("I" in a for a in last["actions"]) and any("W" in a for a in last["actions"])
+    assert last["reports"][0]["signatures"], "the compiled backward never reached fxpipe's B/W split (a cache hit?)"
     assert all(sig["split"] for r in ranks for rep in r["reports"] for sig in rep["signatures"])
 
