@@ -19,6 +19,12 @@ Prints, for GPT-2, T5 and a U-Net (``fxpipe.zoo`` small configs; batch = 4 micro
     first call (planning + build + Inductor compile) and the largest difference to eager's
     output over the ranks (must be ~0). Eager single-process forward time is the baseline.
 
+(c) ``--train-schedules``: **compile_stages training under every schedule** on 2 local gloo
+    ranks (``spawn_train_many``, one set of workers): GPipe, 1F1B, ZB-H1, ZB-H2 on one stage per
+    rank, interleaved 1F1B (looped) and ZB-V / DualPipe-V (V) on two, for small zoo models
+    (``--train-models``); each run against single-process training (``compare_training``,
+    tolerance 1e-4), with whether every compiled stage's backward was split into B and W.
+
 Timings on a shared machine are noisy; the script prints what it measured.
 
 Usage::
@@ -26,6 +32,7 @@ Usage::
     python benchmarks/bench_backend.py                    # gpt2 t5 unet, 2 ranks
     python benchmarks/bench_backend.py --ranks 2 4 --iters 20
     python benchmarks/bench_backend.py --models gpt2 --skip-pipeline
+    python benchmarks/bench_backend.py --skip-planning --skip-pipeline --train-schedules
 """
 
 from __future__ import annotations
@@ -146,6 +153,49 @@ def pipelined(names: list, ranks: int, warmup: int, iters: int) -> dict:
     return out
 
 
+#: (stages per device, placement, schedules) of (c)
+TRAIN_PLACEMENTS = ((1, "looped", ("gpipe", "1f1b", "zb-h1", "zb-h2")), (2, "looped", ("interleaved-1f1b",)),
+                    (2, "v", ("zb-v", "dualpipe-v")))
+
+
+def train_schedules(names: list, microbatches: int = 4, steps: int = 2, lr: float = 0.1) -> list[dict]:
+    """(c): compile_stages training under every schedule vs single-process training."""
+    import fxpipe
+    import fxpipe.zoo as zoo
+    from fxpipe.codegen.compare import compare_training
+    from fxpipe.codegen.launch import reference_train, spawn_train_many
+    from fxpipe.plan import _PlanStageOf
+
+    runs, meta = [], []
+    for name in names:
+        zm = zoo.get(name, microbatches=microbatches)
+        model, args, kwargs = zm.one_microbatch()
+        for v, placement, schedules in TRAIN_PLACEMENTS:
+            plan = fxpipe.compile(model, args, kwargs, devices=2, microbatches=microbatches, time_limit_s=0.5, name=name,
+                                  stages_per_device=v, placement=placement)
+            for sched in schedules:
+                p = plan if plan.options["schedule"] == sched else plan.reschedule(sched)
+                runs.append(dict(make_model=zm, make_batch=zm.batch, loss=zm.loss, stage_of=_PlanStageOf(p.stage_of),
+                                 orders=p.orders(), num_microbatches=microbatches, steps=steps, lr=lr, model_key=name,
+                                 compile_stages=True))
+                meta.append((name, sched, zm))
+    results = spawn_train_many(runs, world_size=2, timeout_s=3600, on_error="record")
+    refs: dict = {}
+    rows = []
+    for (name, sched, zm), res in zip(meta, results):
+        if not hasattr(res, "losses"):
+            rows.append({"model": name, "schedule": sched, "ok": False, "error": str(res)[:300]})
+            continue
+        if name not in refs:
+            refs[name] = reference_train(zm, zm.batch, num_microbatches=microbatches, steps=steps, lr=lr, loss=zm.loss)
+        cmp = compare_training(res, refs[name], loss_rtol=1e-4, rtol=1e-4)
+        splits = [sig["split"] for rep in (res.meta.get("compiled_stages") or {}).values() if rep
+                  for sig in rep["signatures"]]
+        rows.append({"model": name, "schedule": sched, "ok": cmp.ok, "grad_rel": cmp.max_grad_rel_diff,
+                     "param_rel": cmp.max_param_rel_diff, "split": bool(splits) and all(splits)})
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", nargs="+", default=["gpt2", "t5", "unet"])
@@ -156,6 +206,8 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--skip-planning", action="store_true")
     ap.add_argument("--skip-pipeline", action="store_true")
+    ap.add_argument("--train-schedules", action="store_true", help="(c) compile_stages training under every schedule")
+    ap.add_argument("--train-models", nargs="+", default=["received_inplace", "tied_deep"])
     a = ap.parse_args()
 
     if not a.skip_planning:
@@ -182,6 +234,16 @@ def main() -> None:
                 print(f"{name:8} {r['eager_ms']:16.2f} {r['eager_stages_ms']:10.2f} {r['compiled_ms']:18.2f} "
                       f"{r['eager_stages_first_s']:11.1f}/{r['compiled_first_s']:<11.1f} "
                       f"{r['eager_stages_max_abs_diff']:10.2e}/{r['compiled_max_abs_diff']:<10.2e}", flush=True)
+
+    if a.train_schedules:
+        print("\n(c) compile_stages training on 2 gloo ranks vs one process (2 SGD steps, tolerance 1e-4)")
+        print(f"{'model':18} {'schedule':17} {'equal':>6} {'grad rel diff':>14} {'param rel diff':>15} {'B/W split':>10}")
+        for r in train_schedules(a.train_models):
+            if "error" in r:
+                print(f"{r['model']:18} {r['schedule']:17} {'ERROR':>6} {r['error']}")
+            else:
+                print(f"{r['model']:18} {r['schedule']:17} {str(r['ok']):>6} {r['grad_rel']:14.2e} {r['param_rel']:15.2e} "
+                      f"{str(r['split']):>10}", flush=True)
 
 
 if __name__ == "__main__":
