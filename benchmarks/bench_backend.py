@@ -33,6 +33,7 @@ Usage::
     python benchmarks/bench_backend.py --ranks 2 4 --iters 20
     python benchmarks/bench_backend.py --models gpt2 --skip-pipeline
     python benchmarks/bench_backend.py --skip-planning --skip-pipeline --train-schedules
+    python benchmarks/bench_backend.py --skip-planning --skip-pipeline --train-schedules --train-models gpt2 unet --train-only zb-h1 zb-v
 """
 
 from __future__ import annotations
@@ -158,7 +159,8 @@ TRAIN_PLACEMENTS = ((1, "looped", ("gpipe", "1f1b", "zb-h1", "zb-h2")), (2, "loo
                     (2, "v", ("zb-v", "dualpipe-v")))
 
 
-def train_schedules(names: list, microbatches: int = 4, steps: int = 2, lr: float = 0.1) -> list[dict]:
+def train_schedules(names: list, microbatches: int = 4, steps: int = 2, lr: float = 0.1,
+                    only: list | None = None) -> list[dict]:
     """(c): compile_stages training under every schedule vs single-process training."""
     import fxpipe
     import fxpipe.zoo as zoo
@@ -171,6 +173,9 @@ def train_schedules(names: list, microbatches: int = 4, steps: int = 2, lr: floa
         zm = zoo.get(name, microbatches=microbatches)
         model, args, kwargs = zm.one_microbatch()
         for v, placement, schedules in TRAIN_PLACEMENTS:
+            schedules = [x for x in schedules if only is None or x in only]
+            if not schedules:
+                continue
             plan = fxpipe.compile(model, args, kwargs, devices=2, microbatches=microbatches, time_limit_s=0.5, name=name,
                                   stages_per_device=v, placement=placement)
             for sched in schedules:
@@ -208,6 +213,7 @@ def main() -> None:
     ap.add_argument("--skip-pipeline", action="store_true")
     ap.add_argument("--train-schedules", action="store_true", help="(c) compile_stages training under every schedule")
     ap.add_argument("--train-models", nargs="+", default=["received_inplace", "tied_deep"])
+    ap.add_argument("--train-only", nargs="+", default=None, help="(c) only these schedules (e.g. zb-h1 zb-v)")
     a = ap.parse_args()
 
     if not a.skip_planning:
@@ -238,7 +244,7 @@ def main() -> None:
     if a.train_schedules:
         print("\n(c) compile_stages training on 2 gloo ranks vs one process (2 SGD steps, tolerance 1e-4)")
         print(f"{'model':18} {'schedule':17} {'equal':>6} {'grad rel diff':>14} {'param rel diff':>15} {'B/W split':>10}")
-        for r in train_schedules(a.train_models):
+        for r in train_schedules(a.train_models, only=a.train_only):
             if "error" in r:
                 print(f"{r['model']:18} {r['schedule']:17} {'ERROR':>6} {r['error']}")
             else:
