@@ -272,7 +272,7 @@ def _content(graph: OpGraph, partition: Partition | None, bounds_report, command
             ("best lower bound", _fmt_s(bounds_report.best_lower_bound)),
             ("ratio (best bound / partition)", _fmt_ratio(bounds_report.ratio)),
             ("solver", str(solver.get("version"))),
-            ("memory capacity", "-" if bounds_report.memory_capacity_bytes is None else _fmt_bytes(bounds_report.memory_capacity_bytes)),
+            ("memory capacity", "-" if bounds_report.capacity_bytes is None else _fmt_bytes(bounds_report.capacity_bytes)),
         ]
         c["bounds_png"] = _bounds_chart(brows) if charts and brows else None
     return c
