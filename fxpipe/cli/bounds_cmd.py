@@ -105,5 +105,7 @@ def run(args: argparse.Namespace) -> int:
     text = f"{graph.name}: n={graph.n} m={graph.m} k={args.k} objective={args.objective} comm={args.comm}\n" + report.format_table()
     if args.certificate:
         text += f"\ncertificate written to {args.certificate}"
+    if report.interrupted:
+        text += "\ninterrupted (Ctrl-C): the bounds above are the methods finished so far; each is valid"
     emit(args, report.to_dict(), text)
-    return 0
+    return 130 if report.interrupted else 0

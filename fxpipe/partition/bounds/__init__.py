@@ -452,6 +452,8 @@ def bound(
             for job in jobs:
                 j, r = _solve_guess_j(job)
                 results[j] = r
+                if r["status"] == "userinterrupt":  # Ctrl-C inside SCIP: the other guesses are not run
+                    break
         lbs = {
             j: (
                 math.inf
@@ -460,7 +462,9 @@ def bound(
             )
             for j, r in results.items()
         }
-        lb = min(lbs.values())
+        # a guess that was never solved (interrupted run) proves only what every guess starts from
+        floor = max(data.simple_work * data.scale, start_lb)
+        lb = min(lbs.get(j, floor) for j in range(1, k + 1))
         if not math.isfinite(lb):
             raise _infeasible(data, "every guess-the-bottleneck MIP")
         details = {
@@ -744,8 +748,12 @@ def compute_bounds(
     from tqdm import tqdm  # noqa: PLC0415
 
     bar = tqdm(methods, desc="bounds", disable=not progress, leave=False)
-    interrupted = False
+    # Ctrl-C during the partition search stops the whole run: the search returns its best
+    # partition so far, and only the instant bounds are computed
+    interrupted = best is not None and bool(best.meta.get("interrupted"))
     for m in bar:
+        if interrupted and m not in ("simple",):
+            break
         bar.set_postfix_str(m)
         if m == "simple":
             certs[m] = simple_bound(graph, k, objective, comm)
@@ -793,6 +801,10 @@ def compute_bounds(
             ):
                 best = cand
         certs[m] = cert
+        if cert.status == "userinterrupt":
+            # Ctrl-C inside a SCIP solve: SCIP stopped with a valid bound; stop the whole run
+            interrupted = True
+            break
     primal = None if best is None else best.bottleneck
     certs = {m: c.with_primal(primal) for m, c in certs.items()}
     bar.close()
