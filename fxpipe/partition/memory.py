@@ -41,6 +41,7 @@ __all__ = [
     "PartitionMemory",
     "as_partition_memory",
     "infeasible_error",
+    "memory_remedies",
     "memory_inputs",
     "num_params",
     "stage_memory_bytes",
@@ -218,26 +219,85 @@ def infeasible_error(graph: OpGraph, k: int, objective: str, comm: str, memory, 
     required = need / (1.0 - pm.model.reserved_fraction)
     if max_k is None:
         max_k = min(graph.n, 4 * k)
+    # every stage holds its static state and one stash: no count below total / usable fits
+    total = float(np.sum(num_params(graph)) * pm.model.static_bytes_per_param(objective) + np.sum(graph.act_bytes))
+    k_lo = max(k + 1, int(math.ceil(total / pm.usable_bytes - 1e-9)))
     fit_k = None
-    for kk in range(k + 1, max_k + 1):
+    for kk in range(k_lo, max_k + 1):
         try:
             _partition(graph, kk, objective=objective, comm=comm, memory=pm, _explain=False, **quick)
         except InfeasibleError:
             continue
         fit_k = kk
         break
+    remedies = memory_remedies(graph, free.assignment, k, objective, comm, pm)
+    if fit_k is not None:
+        remedies["devices"] = f"More devices would help: {fit_k} is the smallest pipeline that fits."
+    else:
+        remedies["devices"] = f"No pipeline of up to {max_k} devices fits; use devices with >= {required:.0f} bytes."
     msg = (
         f"no partition into {k} stages fits in {format_bytes(pm.capacity_bytes)} per device "
         f"({format_bytes(pm.usable_bytes)} usable; {objective}): the best partition ignoring memory needs "
-        f"{format_bytes(need)} on stage {worst} (overflow {format_bytes(over)} = {over:.0f} bytes); "
+        f"{format_bytes(need)} on stage {worst} (overflow {format_bytes(over)} = {over:.0f} bytes). "
     )
-    if fit_k is not None:
-        msg += f"use at least {fit_k} devices, or devices with >= {required:.0f} bytes"
-    else:
-        msg += f"no device count up to {max_k} fits; use devices with >= {required:.0f} bytes"
+    msg += " ".join(remedies[key] for key in ("devices", "offload", "recompute", "zero"))
     err = InfeasibleError(msg)
     err.overflow_bytes = over
     err.required_capacity_bytes = required
     err.stage = worst
     err.min_devices = fit_k
+    err.remedies = remedies
     return err
+
+
+#: Data-parallel degrees :func:`memory_remedies` tries ZeRO sharding over.
+ZERO_DEGREES = (2, 4, 8, 16, 32, 64)
+
+
+def memory_remedies(graph: OpGraph, assignment, k: int, objective: str, comm: str, memory) -> dict[str, str]:
+    """Which remedy would let ``assignment`` (a partition that overflows) fit, one sentence each.
+
+    Keys ``"offload"``, ``"recompute"``, ``"zero"``, ``"devices"``. Offload and activation
+    recomputation reduce the micro-batches whose stashes are on the device at once, never
+    below one stash (:data:`fxpipe.memory.ACTIVATION_RULES`, ``"floor"``): they help only
+    when static state + one stash of every stage fits. ZeRO sharding (Rajbhandari et al. 2020,
+    Sec. 5) divides the static state over a data-parallel degree: the smallest degree of
+    :data:`ZERO_DEGREES` and the lowest stage (1, 2, 3) at which every stage of ``assignment``
+    fits is named, if any.
+    """
+    import dataclasses as _dc  # noqa: PLC0415
+
+    pm = memory if isinstance(memory, PartitionMemory) else as_partition_memory(memory)
+    floor = _dc.replace(pm, activation="floor")
+    need_floor = stage_memory_bytes(graph, assignment, k, objective, floor, comm)
+    fits_floor = bool(need_floor.max() <= pm.usable_bytes)
+    out: dict[str, str] = {}
+    if fits_floor:
+        out["offload"] = ("Offloading stashes to host memory would help: static state plus one micro-batch's stash "
+                          "fits every stage.")
+        out["recompute"] = ("Activation recomputation would help: it keeps only stage inputs between F and B.")
+    else:
+        s = int(np.argmax(need_floor))
+        out["offload"] = (f"Offload would not help: stage {s}'s static state plus a single micro-batch's stash "
+                          f"({format_bytes(float(need_floor[s]))}) already exceeds the usable {format_bytes(pm.usable_bytes)}.")
+        out["recompute"] = ("Activation recomputation would not help either (a recomputing B holds the whole replayed "
+                            "stash).")
+    zero = None
+    if objective == "training":
+        for d in ZERO_DEGREES:
+            for z in (1, 2, 3):
+                if pm.model.zero_stage >= z and pm.model.data_parallel >= d:
+                    continue
+                m2 = _dc.replace(floor, model=_dc.replace(pm.model, data_parallel=d, zero_stage=z))
+                if stage_memory_bytes(graph, assignment, k, objective, m2, comm).max() <= pm.usable_bytes:
+                    zero = (d, z)
+                    break
+            if zero:
+                break
+    if zero:
+        out["zero"] = (f"ZeRO-{zero[1]} sharding over {zero[0]} data-parallel replicas would fit this partition "
+                       f"(with offload or recomputation where the schedule needs it).")
+    else:
+        out["zero"] = f"ZeRO sharding over up to {ZERO_DEGREES[-1]} data-parallel replicas would not fit this partition."
+    out["devices"] = "More pipeline devices would help (smaller stages)."  # refined by infeasible_error
+    return out

@@ -34,7 +34,8 @@ def methods_for_placement(device_of_stage: Sequence[int], num_devices: int | Non
     * looped (stage s on device ``s mod p``), v >= 2: ``interleaved-1f1b``;
     * V-shape with 2 stages per device: ``zb-v``, ``dualpipe-v`` (the latter also needs
       ``m >= 2p``, checked when it runs);
-    * every placement: ``greedy`` (the device greedy) and ``milp``.
+    * every placement: ``greedy`` (the device greedy), ``milp`` and ``auto``
+      (:func:`fxpipe.schedule.auto.auto_schedule`).
 
     Parameters
     ----------
@@ -46,7 +47,7 @@ def methods_for_placement(device_of_stage: Sequence[int], num_devices: int | Non
     dev = tuple(int(d) for d in device_of_stage)
     p = (max(dev) + 1 if dev else 0) if num_devices is None else int(num_devices)
     S = len(dev)
-    ok = {"greedy", "milp"}
+    ok = {"greedy", "milp", "auto"}
     if p == S:
         ok.update(_ONE_STAGE)
     if p >= 1 and S % p == 0:
