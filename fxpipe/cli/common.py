@@ -145,8 +145,10 @@ def add_memory_arguments(parser: argparse.ArgumentParser, *, plan: bool = False)
     from fxpipe.memory import DEFAULT_POLICY, DEFAULT_RESERVED_FRACTION, POLICIES  # noqa: PLC0415
 
     if plan:
-        parser.add_argument("--memory", default=None, metavar="SIZE",
-                            help="bytes per device, e.g. 80GB or 16GiB (default: the hardware profile's memory; 'inf': no limit)")
+        parser.add_argument("--memory-bytes", "--memory", dest="memory", default=None, metavar="SIZE",
+                            help="bytes per device, e.g. 80GB or 16GiB (default: the hardware profile's memory; 'inf': no "
+                            "limit); the partition keeps every stage within it and the schedule offloads or recomputes "
+                            "activations where it must")
     else:
         parser.add_argument("--memory", "--memory-capacity", dest="memory", default=None, metavar="SIZE",
                             help="bytes per device, e.g. 80GB or 16GiB: stages must fit (default: no memory limit)")
