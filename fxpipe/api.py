@@ -166,14 +166,16 @@ def device_stats(graph: OpGraph, partition: Partition, problem: ScheduleProblem,
     return out
 
 
-def fill_empty_stages(graph: OpGraph, partition: Partition) -> Partition:
+def fill_empty_stages(graph: OpGraph, partition: Partition, memory=None) -> Partition:
     """Make a partition runnable on exactly ``k`` ranks when the optimum leaves stages empty.
 
     The partitioner minimises the bottleneck over *at most* k blocks and leaves unused blocks
     at the end; but the runtime needs model inputs on stage 0 and the output on stage k-1.
     The last used block is renumbered k-1 (or, if only one block is used, just the output
     node moves there), so the empty stages in between relay tensors. Costs are recomputed
-    (relayed tensors count in the empty stages' io) and ``meta["empty_stages"]`` lists them.
+    (relayed tensors count in the empty stages' io) and ``meta["empty_stages"]`` lists them;
+    with ``memory`` (the partitioner's :class:`~fxpipe.partition.memory.PartitionMemory`) so is
+    ``meta["stage_memory_bytes"]`` (an empty stage holds the receive buffers of what it relays).
     """
     a = np.asarray(partition.assignment)
     k = partition.k
@@ -192,6 +194,11 @@ def fill_empty_stages(graph: OpGraph, partition: Partition) -> Partition:
 
     costs = block_costs(graph, a2, k, partition.objective, partition.comm)
     empty = sorted(set(range(k)) - set(np.unique(a2).tolist()))
+    meta = {**partition.meta, "empty_stages": empty, "bottleneck_before_filling_s": partition.bottleneck}
+    if memory is not None and "stage_memory_bytes" in meta:
+        from fxpipe.partition.memory import stage_memory_bytes
+
+        meta["stage_memory_bytes"] = stage_memory_bytes(graph, a2, k, partition.objective, memory, partition.comm).tolist()
     return Partition(
         k=k,
         assignment=a2,
@@ -200,7 +207,7 @@ def fill_empty_stages(graph: OpGraph, partition: Partition) -> Partition:
         objective=partition.objective,
         comm=partition.comm,
         order=partition.order,
-        meta={**partition.meta, "empty_stages": empty, "bottleneck_before_filling_s": partition.bottleneck},
+        meta=meta,
     )
 
 
@@ -369,7 +376,7 @@ def plan_graph(
                     raise
                 parts[k] = exc
             else:
-                parts[k] = fill_empty_stages(graph, part)
+                parts[k] = fill_empty_stages(graph, part, pmem)
             finally:
                 timings["partition"] += time.perf_counter() - t0
         part = parts[k]

@@ -530,6 +530,11 @@ class MemoryModel:
             policy = pol if isinstance(pol, str) else PrecisionPolicy(
                 str(pol["name"]), float(pol["weight_bytes"]), float(pol["grad_bytes"]), float(pol["optimizer_bytes"])
             )
+            named = POLICIES.get(policy) if isinstance(policy, str) else POLICIES.get(policy.name)
+            if named is not None and not isinstance(policy, str) and (
+                    (named.weight_bytes, named.grad_bytes, named.optimizer_bytes)
+                    == (policy.weight_bytes, policy.grad_bytes, policy.optimizer_bytes)):
+                policy = named.name  # a named policy round-trips as its name
             cap = doc.get("capacity_bytes")
             return cls(
                 capacity_bytes=math.inf if cap is None else float(cap),
