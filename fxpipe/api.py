@@ -37,6 +37,10 @@ SCHEDULES = ("gpipe", "1f1b", "zb-h1", "zb-h2", "pipeoffload", "adaoffload", "gr
              "dualpipe-v", "milp", "auto")
 #: placements of ``stages_per_device`` stages on every device (``"auto"``: the best by predicted step time).
 PLACEMENTS = ("looped", "v", "auto")
+#: MILP budget (seconds) when ``schedule_time_limit_s`` is not given: ``schedule="milp"`` /
+#: ``schedule="auto"`` (whose MILP only tries to improve a feasible heuristic schedule).
+DEFAULT_MILP_TIME_LIMIT_S = 60.0
+DEFAULT_AUTO_MILP_TIME_LIMIT_S = 5.0
 #: stages per device tried by ``stages_per_device="auto"``.
 AUTO_STAGES_PER_DEVICE = (1, 2)
 
@@ -243,7 +247,7 @@ def plan_graph(
     stages_per_device: int | str = 1,
     placement: str = "looped",
     time_limit_s: float = 10.0,
-    schedule_time_limit_s: float = 60.0,
+    schedule_time_limit_s: float | None = None,
     seed: int = 0,
     mem_limit_bytes: float | None = None,
     host_bandwidth_bytes_per_s: float | None = None,
@@ -285,9 +289,13 @@ def plan_graph(
         v >= 1 stages on every device, or ``"auto"``: try :data:`AUTO_STAGES_PER_DEVICE`.
     placement : {"looped", "v", "auto"}
         How the ``v * p`` stages are placed (ignored when v = 1).
-    time_limit_s, schedule_time_limit_s, seed, host_bandwidth_bytes_per_s, progress :
-        Partition search budget (per stage count), MILP budget (per candidate), seed,
-        device-host bandwidth (enables offload), progress bars.
+    time_limit_s, seed, host_bandwidth_bytes_per_s, progress :
+        Partition search budget (per stage count), seed, device-host bandwidth (enables
+        offload), progress bars.
+    schedule_time_limit_s : float, optional
+        MILP budget per candidate in seconds (default :data:`DEFAULT_MILP_TIME_LIMIT_S` for
+        ``"milp"``, :data:`DEFAULT_AUTO_MILP_TIME_LIMIT_S` for ``"auto"``; 0: ``"auto"``
+        without the MILP).
     mem_limit_bytes : float, optional
         An extra cap on every device's activation memory (bytes), on top of the capacity's.
     memory_bytes : float, optional
@@ -403,11 +411,12 @@ def plan_graph(
         record["stage_bottleneck_s"] = float(part.bottleneck)
         try:
             if method == "auto":
-                chosen = auto_schedule(problem, recompute=objective == "training", time_limit_s=schedule_time_limit_s,
-                                       progress=progress)
+                budget = DEFAULT_AUTO_MILP_TIME_LIMIT_S if schedule_time_limit_s is None else schedule_time_limit_s
+                chosen = auto_schedule(problem, recompute=objective == "training", time_limit_s=budget, progress=progress)
                 problem, sched = chosen.problem, chosen.schedule
             else:
-                sched = make_schedule(problem, method, time_limit_s=schedule_time_limit_s, progress=progress)
+                budget = DEFAULT_MILP_TIME_LIMIT_S if schedule_time_limit_s is None else schedule_time_limit_s
+                sched = make_schedule(problem, method, time_limit_s=budget, progress=progress)
         except InfeasibleError as exc:
             if not several:
                 raise
@@ -447,7 +456,7 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     placement: str = "looped",
     dtype=None,
     time_limit_s: float = 10.0,
-    schedule_time_limit_s: float = 60.0,
+    schedule_time_limit_s: float | None = None,
     seed: int = 0,
     mem_limit_bytes: float | None = None,
     name: str | None = None,
@@ -513,8 +522,9 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
         Partition search budget (seconds): an upper limit; the search stops as soon as its
         partition is proven optimal (``plan.partition.meta["proven_optimal"]``, e.g. by the
         chain DP on transformer stacks) or stops improving (``meta["stop_reason"]``).
-    schedule_time_limit_s : float
-        MILP budget when ``schedule="milp"``.
+    schedule_time_limit_s : float, optional
+        MILP budget in seconds (default 60 s for ``schedule="milp"``, 5 s for ``"auto"``,
+        whose MILP only tries to improve a feasible heuristic schedule).
     seed : int
         Seed of the partition search.
     mem_limit_bytes : float, optional
