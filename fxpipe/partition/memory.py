@@ -232,7 +232,8 @@ def infeasible_error(graph: OpGraph, k: int, objective: str, comm: str, memory, 
         break
     remedies = memory_remedies(graph, free.assignment, k, objective, comm, pm)
     if fit_k is not None:
-        remedies["devices"] = f"More devices would help: {fit_k} is the smallest pipeline that fits."
+        remedies["devices"] = (f"More devices would help: use at least {fit_k} devices (the smallest pipeline that "
+                               f"fits), or devices with >= {required:.0f} bytes.")
     else:
         remedies["devices"] = f"No pipeline of up to {max_k} devices fits; use devices with >= {required:.0f} bytes."
     msg = (
