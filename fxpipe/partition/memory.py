@@ -235,7 +235,7 @@ def infeasible_error(graph: OpGraph, k: int, objective: str, comm: str, memory, 
         remedies["devices"] = (f"More devices would help: use at least {fit_k} devices (the smallest pipeline that "
                                f"fits), or devices with >= {required:.0f} bytes.")
     else:
-        remedies["devices"] = f"No pipeline of up to {max_k} devices fits; use devices with >= {required:.0f} bytes."
+        remedies["devices"] = f"No device count up to {max_k} fits; use devices with >= {required:.0f} bytes."
     msg = (
         f"no partition into {k} stages fits in {format_bytes(pm.capacity_bytes)} per device "
         f"({format_bytes(pm.usable_bytes)} usable; {objective}): the best partition ignoring memory needs "
