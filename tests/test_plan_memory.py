@@ -175,3 +175,14 @@ def test_cli_plan_memory_bytes_error_and_report(tmp_path, capsys):
     assert "memory per device (mixed-adam, 16 B/param; capacity 1.9 MiB, 10% reserved)" in text
     page = out_html.read_text()
     assert "Memory per device by kind against the capacity" in page and page.count("data:image/png;base64,") >= 4
+
+
+def test_auto_reports_optimal_when_the_milp_proves_the_heuristic():
+    """GPT-2 (4 layers, 64 tokens) on 2 devices: ZB-H2 is optimal but misses the combinatorial
+    bound; auto's MILP proves it, and the schedule then says "optimal" (it said "heuristic")."""
+    model, args, kwargs = build_hf_model("gpt2", {"num_hidden_layers": 4, "seq_len": 64}, device="meta")
+    plan = fxpipe.compile(model, args, kwargs, devices=2, microbatches=4, time_limit_s=0.5)
+    milp = plan.schedule.meta["auto"]["tried"]["milp"]
+    assert milp["status"] == "optimal" and milp["value_s"] == pytest.approx(plan.schedule.value, rel=1e-9)
+    assert plan.schedule.status == "optimal"
+    assert plan.schedule.lower_bound_s == pytest.approx(plan.schedule.value, rel=1e-6)

@@ -339,6 +339,8 @@ def auto_schedule(
             bound = max(bound, float(ms.lower_bound_s))
             if ms.value < best_s.value - 1e-12 * max(1.0, abs(best_s.value)):
                 best_s = ms
+            elif ms.status == "optimal":  # the MILP proved the heuristic schedule optimal
+                best_s = dataclasses.replace(best_s, status="optimal")
         except (SolverError, InfeasibleError, InputError) as exc:
             tried["milp"] = _reason(exc)
     elif time_limit_s > 0:
