@@ -546,7 +546,9 @@ class Plan:
         ----------
         schedule : str
             A method of :func:`fxpipe.schedule.dispatch.make_schedule` valid for the plan's
-            placement (:func:`fxpipe.schedule.dispatch.methods_for_placement`).
+            placement (:func:`fxpipe.schedule.dispatch.methods_for_placement`). ``"auto"``
+            is :func:`fxpipe.schedule.auto.auto_schedule` with recomputation in training, as
+            in :func:`fxpipe.compile` (the new plan's problem carries the recomputing stages).
         time_limit_s : float
             MILP budget in seconds (``schedule="milp"``).
 
@@ -574,13 +576,21 @@ class Plan:
                 f"{self.stages_per_device} stages per device; use one of {', '.join(valid)}"
             )
         t0 = time.perf_counter()
-        sched = make_schedule(self.problem, schedule, time_limit_s=time_limit_s, progress=progress)
+        problem = self.problem
+        if schedule == "auto":  # as in compile: recomputation where memory forces it
+            from fxpipe.schedule.auto import auto_schedule
+
+            chosen = auto_schedule(problem, recompute=self.objective == "training", time_limit_s=time_limit_s,
+                                   progress=progress)
+            problem, sched = chosen.problem, chosen.schedule
+        else:
+            sched = make_schedule(problem, schedule, time_limit_s=time_limit_s, progress=progress)
         return Plan(
             name=self.name, devices=self.devices, microbatches=self.microbatches, hardware=self.hardware,
             objective=self.objective, comm=self.comm, graph=self.graph, partition=self.partition,
-            stage_of=dict(self.stage_of), problem=self.problem, schedule=sched,
-            stages=stage_stats(self.graph, self.partition, self.problem, sched, self.objective, self.memory),
-            device_table=device_stats(self.graph, self.partition, self.problem, sched, self.objective, self.memory),
+            stage_of=dict(self.stage_of), problem=problem, schedule=sched,
+            stages=stage_stats(self.graph, self.partition, problem, sched, self.objective, self.memory),
+            device_table=device_stats(self.graph, self.partition, problem, sched, self.objective, self.memory),
             timings_s={**self.timings_s, "schedule": time.perf_counter() - t0},
             graph_signature=self.graph_signature, options={**self.options, "schedule": schedule},
             memory=self.memory, _captured=self._captured,

@@ -186,3 +186,13 @@ def test_auto_reports_optimal_when_the_milp_proves_the_heuristic():
     assert milp["status"] == "optimal" and milp["value_s"] == pytest.approx(plan.schedule.value, rel=1e-9)
     assert plan.schedule.status == "optimal"
     assert plan.schedule.lower_bound_s == pytest.approx(plan.schedule.value, rel=1e-6)
+
+
+def test_reschedule_auto_recomputes_like_compile(tiny_gpt2):
+    model, args, kwargs = tiny_gpt2
+    free = fxpipe.compile(model, args, kwargs, devices=2, microbatches=8, time_limit_s=0.5, schedule="zb-h1",
+                          schedule_time_limit_s=1.0)
+    again = free.reschedule("auto", time_limit_s=1.0)
+    assert again.options["schedule"] == "auto" and again.schedule.meta["auto"]["tried"]["binding"] is False
+    validate_schedule(again.problem, again.schedule)
+    assert again.schedule.value <= free.schedule.value * (1 + 1e-9)  # auto is at least as fast as ZB-H1

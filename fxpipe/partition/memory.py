@@ -203,9 +203,12 @@ def infeasible_error(graph: OpGraph, k: int, objective: str, comm: str, memory, 
     gives the bytes its biggest stage needs by the partitioner's rule and by how much that
     overflows the usable capacity; the smallest feasible stage count is searched by trying
     ``k+1, k+2, ...`` up to ``max_k`` (default ``min(n, 4k)``) with the structured orders.
-    The attributes ``overflow_bytes``, ``required_capacity_bytes`` (a capacity whose usable
-    part holds that stage), ``stage`` and ``min_devices`` (None if no count up to ``max_k``
-    fits) carry the figures.
+    The search starts at the first count whose usable bytes could hold the whole static state
+    plus one stash of every node. :func:`memory_remedies` says whether offload, activation
+    recomputation or ZeRO sharding would help. The attributes ``overflow_bytes``,
+    ``required_capacity_bytes`` (a capacity whose usable part holds that stage), ``stage``,
+    ``min_devices`` (None if no count up to ``max_k`` fits) and ``remedies`` (dict: ``"devices"``,
+    ``"offload"``, ``"recompute"``, ``"zero"`` -> one sentence each) carry the figures.
     """
     from fxpipe.partition.search import partition as _partition  # noqa: PLC0415 (cycle)
 
