@@ -23,7 +23,7 @@ import io
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -184,6 +184,60 @@ def _bounds_chart(rows: list[dict]) -> bytes:
     return _png(fig)
 
 
+#: Device-memory kinds stacked in :func:`memory_chart` (names of :mod:`fxpipe.memory`), with colours.
+MEMORY_CHART_KINDS = (
+    ("params_bytes", "params", "#4c72b0"),
+    ("grads_bytes", "grads", "#55a868"),
+    ("optimizer_bytes", "optimizer", "#c44e52"),
+    ("activation_peak_bytes", "activation peak", "#dd8452"),
+    ("comm_buffer_bytes", "comm buffers", "#8172b3"),
+    ("reserved_bytes", "reserved", "#b0b0b0"),
+)
+
+
+def memory_chart(rows: Sequence[Mapping[str, Any]], *, label: str = "device", title: str = "device memory") -> bytes:
+    """Stacked bars of memory by kind per device (or stage), the capacity as a line, the
+    offloaded peak (host memory) as a hatched bar beside each; a PNG.
+
+    Parameters
+    ----------
+    rows : sequence of mappings
+        One per device: the keys of :data:`MEMORY_CHART_KINDS`, ``offloaded_peak_bytes``,
+        ``capacity_bytes`` (None: unlimited) and ``label`` (``"device"`` / ``"stage"``) as
+        the x label; e.g. ``DeviceStats.to_dict()`` of a plan (:mod:`fxpipe.plan`).
+    """
+    from matplotlib.figure import Figure  # noqa: PLC0415
+
+    fig = Figure(figsize=(max(4.5, 0.55 * len(rows) + 3.0), 3.4))
+    ax = fig.add_subplot(1, 1, 1)
+    x = np.arange(len(rows))
+    most = max([sum(float(r.get(k, 0.0)) for k, _, _ in MEMORY_CHART_KINDS) for r in rows] + [1.0])
+    unit, gib = next((u, float(d)) for u, d in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("B", 1))
+                     if most >= d)
+    bottom = np.zeros(len(rows))
+    for key, name, colour in MEMORY_CHART_KINDS:
+        vals = np.array([float(r.get(key, 0.0)) for r in rows]) / gib
+        ax.bar(x - 0.15, vals, width=0.6, bottom=bottom, color=colour, label=name)
+        bottom += vals
+    off = np.array([float(r.get("offloaded_peak_bytes", 0.0)) for r in rows]) / gib
+    if off.any():
+        ax.bar(x + 0.3, off, width=0.25, color="white", edgecolor="#dd8452", hatch="///", label="offloaded (host)")
+    caps = [r.get("capacity_bytes") for r in rows]
+    top = float(max(bottom.max(initial=0.0), off.max(initial=0.0)))
+    if caps and all(c is not None for c in caps):
+        cap = float(caps[0]) / gib
+        ax.axhline(cap, color="black", linestyle="--", linewidth=1.0, label="capacity")
+        top = max(top, cap)
+    ax.set_xticks(x)
+    ax.set_xticklabels([str(r.get(label, i)) for i, r in enumerate(rows)])
+    ax.set_xlabel(label)
+    ax.set_ylabel(unit)
+    ax.set_title(title)
+    ax.set_ylim(0, top * 1.5 if top > 0 else 1.0)
+    ax.legend(loc="upper right", fontsize=7, ncol=4)
+    return _png(fig)
+
+
 # --------------------------------------------------------------------------------------
 # rendering
 # --------------------------------------------------------------------------------------
@@ -272,7 +326,7 @@ def _content(graph: OpGraph, partition: Partition | None, bounds_report, command
             ("best lower bound", _fmt_s(bounds_report.best_lower_bound)),
             ("ratio (best bound / partition)", _fmt_ratio(bounds_report.ratio)),
             ("solver", str(solver.get("version"))),
-            ("memory capacity", "-" if bounds_report.memory_capacity_bytes is None else _fmt_bytes(bounds_report.memory_capacity_bytes)),
+            ("memory capacity", "-" if bounds_report.capacity_bytes is None else _fmt_bytes(bounds_report.capacity_bytes)),
         ]
         c["bounds_png"] = _bounds_chart(brows) if charts and brows else None
     return c

@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import argparse
 import functools
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from fxpipe.api import PLACEMENTS, SCHEDULES
-from fxpipe.cli.common import check_writable, emit, status
+from fxpipe.cli.common import add_memory_arguments, check_writable, emit, memory_model_from_args, parse_bytes, status
 from fxpipe.cost.hardware import list_hardware
 from fxpipe.errors import InputError
 
@@ -73,10 +74,11 @@ def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="intra-op threads the ops are timed with (default: 1 with --run, whose ranks run one thread each; else torch's setting)")
     p.add_argument("--objective", choices=("training", "inference"), default="training")
     p.add_argument(
-        "--schedule", default=None, choices=SCHEDULES,
-        help="schedule method, one valid for the placement (default: zb-h1 with one stage per device, "
-        "interleaved-1f1b looped, zb-v V-shaped)",
+        "--schedule", default="auto", choices=SCHEDULES,
+        help="schedule method, one valid for the placement (default auto: the fastest that fits device memory among "
+        "the heuristics and the MILP, offloading or recomputing activations only where memory forces it)",
     )
+    add_memory_arguments(p, plan=True)
     p.add_argument("--time-limit", type=float, default=10.0, help="partition search budget in seconds (default 10)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -213,6 +215,8 @@ def run(args: argparse.Namespace) -> int:
         time_limit_s=args.time_limit,
         seed=args.seed,
         name=args.hf,
+        memory=memory_model_from_args(args, math.inf),
+        memory_bytes=None if args.memory is None else parse_bytes(args.memory, allow_inf=True),
     )
     doc: dict[str, Any] = {
         "model": args.hf,
@@ -243,6 +247,20 @@ def run(args: argparse.Namespace) -> int:
     emit(args, doc, "\n".join(text))
     # a pipelined run that does not match single-process training is a failure of fxpipe, not of the input
     return 1 if args.run and not result["ok"] else 0
+
+
+def _memory_section(plan):
+    """The report's memory section: the memory table and a chart of every device's memory by kind."""
+    import html
+
+    from fxpipe.report import ReportSection, memory_chart
+
+    text = "\n".join(plan.memory_summary())
+    chart = memory_chart([d.to_dict() for d in plan.device_table],
+                         title=f"{plan.name}: memory per device ({plan.memory.precision.name})")
+    return ReportSection("Memory", markdown=f"```\n{text}\n```", html=f"<pre>{html.escape(text)}</pre>",
+                         figures=[("Memory per device by kind against the capacity (offloaded stashes in host memory "
+                                   "beside)", chart)])
 
 
 def _write_report(plan, args: argparse.Namespace) -> dict[str, Any]:
@@ -279,6 +297,7 @@ def _write_report(plan, args: argparse.Namespace) -> dict[str, Any]:
             ),
             figures=[("Gantt chart (compute and copy streams) with per-stage activation memory", png)],
         ),
+        _memory_section(plan),
     ]
     html_path = Path(args.report)
     written = write_report(

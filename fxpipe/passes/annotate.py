@@ -248,7 +248,9 @@ class AnnotateCosts(PassBase):
     -----
     After the pass, ``node.meta["fxpipe_cost"]`` holds an :class:`OpCost` for every node
     (placeholders, get_attr and output get zero-time records). ``gm.meta["fxpipe_param_owner"]``
-    maps each get_attr target of a parameter to the name of its owning node.
+    maps each get_attr target of a parameter to the name of its owning node, and
+    ``gm.meta["fxpipe_param_numel"]`` each owning node's name to the number of parameters it
+    owns (what :mod:`fxpipe.memory` counts its bytes per parameter against).
 
     Raises
     ------
@@ -348,6 +350,7 @@ class AnnotateCosts(PassBase):
         param_of: dict[torch.fx.Node, Any] = {}  # get_attr node (or a view of one) -> parameter
         seen_param: set[int] = set()
         owner_bytes: dict[torch.fx.Node, float] = {}
+        owner_numel: dict[str, int] = {}
         param_owner: dict[str, str] = {}
         rg: dict[torch.fx.Node, bool] = {}
         base: dict[torch.fx.Node, torch.fx.Node] = {}
@@ -383,6 +386,7 @@ class AnnotateCosts(PassBase):
                     continue
                 seen_param.add(id(p))
                 owner_bytes[node] = owner_bytes.get(node, 0.0) + self._bytes(p)
+                owner_numel[node.name] = owner_numel.get(node.name, 0) + _numel(p)
                 param_owner[_param_target(inp)] = node.name
             out_ts = _tensors(node.meta.get("val"))
             floating_out = any(t.dtype.is_floating_point or t.dtype.is_complex for t in out_ts)
@@ -399,8 +403,10 @@ class AnnotateCosts(PassBase):
             if pid not in seen_param:
                 seen_param.add(pid)
                 owner_bytes[node] = owner_bytes.get(node, 0.0) + self._bytes(p)
+                owner_numel[node.name] = owner_numel.get(node.name, 0) + _numel(p)
                 param_owner[_param_target(inp)] = node.name
         gm.meta["fxpipe_param_owner"] = param_owner
+        gm.meta["fxpipe_param_numel"] = owner_numel
 
         # -------- pass 2: costs
         saved_bases: set[torch.fx.Node] = set()
