@@ -263,7 +263,7 @@ class _Captured:
 
 
 def _capture_key(run: Mapping[str, Any]):
-    return (run.get("model_key", id(run["make_model"])), run["seed"], run["num_microbatches"])
+    return (run.get("model_key", id(run["make_model"])), run["seed"], run["num_microbatches"], run.get("state") is not None)
 
 
 def _run_one(rank: int, world: int, run: dict, out_dir: str, idx: int, cache: dict, groups: dict) -> None:
@@ -276,12 +276,18 @@ def _run_one(rank: int, world: int, run: dict, out_dir: str, idx: int, cache: di
     m = run["num_microbatches"]
     key = _capture_key(run)
     cap = cache.get("captured")
+    state = run.get("state")  # per-rank materialization: the model is built on meta (fxpipe.codegen.materialize)
     if cap is None or cap.key != key:
         cache["captured"] = None
         torch.manual_seed(run["seed"])
-        model, example = run["make_model"]()
+        if state is not None:
+            with torch.device("meta"):
+                model, example = run["make_model"]()
+        else:
+            model, example = run["make_model"]()
         mb_example = split_microbatches(_as_inputs(example), m)[0]
         cap = _Captured(key, _capture(model, mb_example), mb_example)
+        cap.model = model if state is not None else None
         cache["captured"] = cap
     else:
         cap.reset()
@@ -301,9 +307,17 @@ def _run_one(rank: int, world: int, run: dict, out_dir: str, idx: int, cache: di
         orders = generate_orders(orders, world, m)
     actions = actions_from_orders(orders, world, num_microbatches=m, fuse=run["fuse"])
     loss_fn = _loss_fn(run["loss"])
+    source = None
+    if state is not None:
+        from fxpipe.codegen.materialize import StateSource
+
+        source = StateSource(seed=state.get("seed", 0), checkpoint=state.get("checkpoint"), model=cap.model)
+    has_memops = any(str(t) in ("O", "R") for ops in orders.values() for t, _ in ops)
     stage, sched = build_rank(
         staged, rank, actions, num_microbatches=m, loss_fn=loss_fn, example_microbatch_inputs=cap.mb_example,
         fused_backward=run["fused_backward"], group_cache=groups, io_cache=cap.io_cache,
+        device_programs=orders if has_memops else None, recompute_stages=tuple(run.get("recompute_stages", ())),
+        state_source=source,
     )
     spec = staged.stages[rank]
     named = spec.named_parameters()
@@ -324,6 +338,14 @@ def _run_one(rank: int, world: int, run: dict, out_dir: str, idx: int, cache: di
         if opt is not None:
             opt.step()
     wall = time.perf_counter() - t0
+    stash = getattr(sched, "fxpipe_stash", None)
+    mat = getattr(sched, "fxpipe_materialized", None)
+    if state is not None:
+        from fxpipe.codegen.materialize import real_state_bytes
+
+        held = real_state_bytes(cap.gm, cap.model, *(s.module for s in staged.stages))
+    else:
+        held = None
     owned = [fqn for fqn, s in staged.buffer_owner.items() if s == rank]
     bufs = spec.named_buffers()
     torch.save(
@@ -344,6 +366,9 @@ def _run_one(rank: int, world: int, run: dict, out_dir: str, idx: int, cache: di
                 "fused_full_backward": bool(sched.fxpipe_fused_full_backward),
                 "random_ops": cap.random_ops,
                 "train_wall_s": wall,
+                "activation": stash.stats().to_dict() if stash is not None else None,
+                "materialized": mat.to_dict() if mat is not None else None,
+                "held_state_bytes": held,
             },
             f,
         )
@@ -460,7 +485,16 @@ def spawn_train_many(runs: Sequence[Mapping[str, Any]], *, world_size: int, time
         Each with the keyword arguments of :func:`spawn_train` except ``world_size`` and
         ``timeout_s`` (``make_model``, ``stage_of``, ``orders``, ``num_microbatches`` and
         ``make_batch`` are required), plus optionally ``model_key`` (hashable, names the model
-        for capture reuse).
+        for capture reuse), ``recompute_stages`` (stages that recompute their forward during the
+        backward) and ``state`` (a dict with ``seed`` and optionally ``checkpoint``: every worker
+        builds the model on ``meta`` and materializes only its stage from the model's
+        initializers under that seed and/or the checkpoint; the single-process reference is
+        :class:`fxpipe.codegen.materialize.MetaInit`). Orders may carry offload/reload actions
+        (``("O", j)``, ``("R", j)`` in the per-stage lists; an ``fxpipe.ir.Schedule`` or
+        ``Orders`` keeps its own), which the workers execute. ``TrainResult.meta`` then holds,
+        per rank, ``activation`` (the saved-tensor hooks' measurements,
+        :class:`~fxpipe.codegen.stash.ActivationStats`), ``materialized`` and
+        ``held_state_bytes`` (bytes of real parameters and buffers the rank holds).
     world_size : int
         As in :func:`spawn_train`.
     timeout_s : float
@@ -494,10 +528,12 @@ def spawn_train_many(runs: Sequence[Mapping[str, Any]], *, world_size: int, time
         run = {**defaults, **dict(r)}
         if isinstance(run["orders"], str):  # a schedule name: fail here, before any worker starts
             run["orders"] = generate_orders(run["orders"], world_size, run["num_microbatches"])
-        elif not isinstance(run["orders"], Mapping):  # an fxpipe.ir.Schedule
-            from fxpipe.codegen.actions import orders_from_schedule
+        elif not isinstance(run["orders"], Mapping):  # an fxpipe.ir.Schedule or Orders: O/R actions are kept
+            from fxpipe.codegen.offload import stage_orders_with_memops
+            from fxpipe.ir import Orders, schedule_to_orders
 
-            run["orders"] = orders_from_schedule(run["orders"], world_size)
+            o = run["orders"]
+            run["orders"] = stage_orders_with_memops(o if isinstance(o, Orders) else schedule_to_orders(o))
         norm_runs.append(run)
     results: dict[int, TrainResult | RunError] = {}
     per_run = run_timeout_s if run_timeout_s is not None else timeout_s
@@ -622,6 +658,9 @@ def _gather(out_dir: str, world: int, idx: int, wall: float) -> TrainResult:
     info: dict[str, Any] = {}
     actions: dict[int, list[str]] = {}
     fused: dict[int, bool] = {}
+    activation: dict[int, Any] = {}
+    materialized: dict[int, Any] = {}
+    held: dict[int, Any] = {}
     train_wall = 0.0
     for r in range(world):
         with open(os.path.join(out_dir, f"run{idx}_rank{r}.json")) as f:
@@ -630,6 +669,9 @@ def _gather(out_dir: str, world: int, idx: int, wall: float) -> TrainResult:
         stage_params.append(info["param_fqns"])
         actions[r] = info["actions"]
         fused[r] = info["fused_full_backward"]
+        activation[r] = info.get("activation")
+        materialized[r] = info.get("materialized")
+        held[r] = info.get("held_state_bytes")
         train_wall = max(train_wall, info["train_wall_s"])
         if r == world - 1:
             losses = info["losses"]
@@ -651,5 +693,6 @@ def _gather(out_dir: str, world: int, idx: int, wall: float) -> TrainResult:
          "relayed": {int(k): v for k, v in info.get("relayed", {}).items()},
          "cloned": {int(k): v for k, v in info.get("cloned", {}).items()},
          "moved_nodes": info.get("moved_nodes", {}), "random_ops": info.get("random_ops", []),
-         "fused_full_backward": fused, "train_wall_s": train_wall, "wall_s": wall},
+         "fused_full_backward": fused, "train_wall_s": train_wall, "wall_s": wall,
+         "activation": activation, "materialized": materialized, "held_state_bytes": held},
     )

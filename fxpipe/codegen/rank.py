@@ -97,6 +97,10 @@ def build_rank(
     fused_backward: bool = False,
     group_cache: dict | None = None,
     io_cache: dict | None = None,
+    device_programs: Any = None,
+    recompute_stages: Sequence[int] = (),
+    track_activations: bool = True,
+    state_source: Any = None,
 ) -> tuple[FxpipePipelineStage, FxpipeScheduleRuntime]:
     """This rank's ``PipelineStage`` and a schedule runtime loaded with the per-rank actions.
 
@@ -135,6 +139,20 @@ def build_rank(
     io_cache : dict, optional
         Shape-inference results of earlier builds of the same ``staged`` program and rank
         (they do not depend on the schedule), kept by the caller.
+    device_programs : fxpipe.ir.Orders or Mapping[int, list[(type, microbatch)]], optional
+        The device programs with their offload (O) and reload (R) actions (e.g.
+        :func:`fxpipe.ir.schedule_to_orders`); this rank executes its device's O/R
+        (:mod:`fxpipe.codegen.offload`). Without it nothing is offloaded.
+    recompute_stages : sequence of int
+        Stages that recompute their forward during the backward instead of stashing
+        activations (:mod:`fxpipe.codegen.stash`).
+    track_activations : bool
+        Count live saved bytes per stage with the saved-tensor hooks (``sched.fxpipe_stash``),
+        also without offload or recomputation (default).
+    state_source : fxpipe.codegen.materialize.StateSource, optional
+        Where this stage's parameters and buffers come from (a checkpoint and/or the model's
+        initializers under a seed). Required when the stage is on ``meta``; then only this
+        stage is materialized (:mod:`fxpipe.codegen.materialize`).
 
     Returns
     -------
@@ -190,6 +208,18 @@ def build_rank(
         fused_here = True
     dev = torch.device(device)
     spec = staged.stages[rank]
+    # ---- begin per-rank materialization (fxpipe.codegen.materialize): only this stage leaves meta
+    from fxpipe.codegen.materialize import holds_meta, materialize_stage
+
+    materialized = None
+    if state_source is not None:
+        materialized = materialize_stage(staged, rank, state_source, dev)
+    elif holds_meta(spec.module):
+        raise InputError(
+            f"stage {rank} holds meta tensors (the model was built on meta): pass state_source="
+            "fxpipe.codegen.materialize.StateSource(seed=..., checkpoint=..., model=...) to materialize it"
+        )
+    # ---- end per-rank materialization
     module = spec.module.to(dev)
     ins = tuple(t.to(dev) for t in io.inputs)
     outs = tuple(t.to(dev) for t in io.outputs)
@@ -198,6 +228,14 @@ def build_rank(
     sched = FxpipeScheduleRuntime([stage], num_microbatches, loss_fn=loss_fn, interface=staged.interface, shared_grads=shared)
     sched.load_actions(acts)
     sched.fxpipe_fused_full_backward = fused_here or fused_backward
+    # ---- begin activation stash (fxpipe.codegen.stash): live saved bytes, offload/reload, recomputation
+    from fxpipe.codegen.stash import device_stash
+
+    stage.fxpipe_stash = device_stash(rank, S, acts[rank], device_programs, recompute_stages, {rank: module}, dev,
+                                      track_activations)
+    sched.fxpipe_stash = stage.fxpipe_stash
+    sched.fxpipe_materialized = materialized
+    # ---- end activation stash
     return stage, sched
 
 
@@ -215,16 +253,30 @@ def build_pipeline_rank(
     example_microbatch_inputs: Any = None,
     fuse: bool = True,
     fused_backward: bool = False,
+    device_programs: Any = None,
+    recompute_stages: Sequence[int] = (),
+    track_activations: bool = True,
+    state_source: Any = None,
 ) -> tuple[FxpipePipelineStage, FxpipeScheduleRuntime]:
     """Split ``gm``, lower the orders and build this rank's stage and runtime (one call).
 
     ``orders`` is ``{stage: [(type, microbatch), ...]}`` or an ``fxpipe.ir.Schedule`` (converted
-    with :func:`~fxpipe.codegen.actions.orders_from_schedule`). See :func:`split_stages`,
+    with :func:`~fxpipe.codegen.actions.orders_from_schedule`; its O/R actions become the device
+    programs unless ``device_programs`` is given). See :func:`split_stages`,
     :func:`actions_from_orders` and :func:`build_rank` for the other parameters and errors.
     Example inputs default to zeros shaped like ``gm``'s captured example
     (:func:`example_inputs_from_gm`; ``gm`` must have been captured with one micro-batch).
     """
+    if isinstance(orders, Mapping) and device_programs is None and any(
+            str(t) in ("O", "R") for ops in orders.values() for t, _ in ops):
+        from fxpipe.ir import Orders
+
+        device_programs = Orders.from_stage_orders(orders)
     if not isinstance(orders, Mapping):
+        if device_programs is None:
+            from fxpipe.ir import schedule_to_orders
+
+            device_programs = schedule_to_orders(orders)
         orders = orders_from_schedule(orders, num_stages)
     staged = split_stages(gm, stage_of, num_stages)
     actions = actions_from_orders(orders, num_stages, num_microbatches=num_microbatches, fuse=fuse)
@@ -233,4 +285,6 @@ def build_pipeline_rank(
     return build_rank(
         staged, rank, actions, num_microbatches=num_microbatches, loss_fn=loss_fn, group=group, device=device,
         example_microbatch_inputs=example_microbatch_inputs, fused_backward=fused_backward,
+        device_programs=device_programs, recompute_stages=recompute_stages, track_activations=track_activations,
+        state_source=state_source,
     )
