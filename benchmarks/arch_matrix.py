@@ -10,6 +10,8 @@ buffer (relative to the largest reference value). Prints a Markdown table and th
     python benchmarks/arch_matrix.py                      # all models, ranks 2 and 4, all schedules
     python benchmarks/arch_matrix.py --models gpt2 unet --ranks 2 --json
     python benchmarks/arch_matrix.py --compact            # one row per model (the README's table)
+    python benchmarks/arch_matrix.py --stages-per-device 2 --ranks 2 --schedules interleaved-1f1b zb-v dualpipe-v --compact
+                                                          # 2 stages per rank: looped / V placements
 """
 
 from __future__ import annotations
@@ -28,6 +30,9 @@ def main(argv=None) -> int:
     ap.add_argument("--ranks", nargs="*", type=int, default=[2, 4])
     ap.add_argument("--schedules", nargs="*", default=list(SCHEDULES))
     ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--stages-per-device", type=int, default=1,
+                    help="stages per rank; with 2+ each schedule runs on its placement (interleaved-1f1b looped, "
+                    "zb-v / dualpipe-v / greedy / milp V-shaped)")
     ap.add_argument("--partition-time-limit", type=float, default=0.3)
     ap.add_argument("--milp-time-limit", type=float, default=2.0)
     ap.add_argument("--json", action="store_true", help="machine-readable result on stdout")
@@ -38,7 +43,7 @@ def main(argv=None) -> int:
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
-    res = run_matrix(args.models, args.ranks, args.schedules, steps=args.steps,
+    res = run_matrix(args.models, args.ranks, args.schedules, steps=args.steps, stages_per_device=args.stages_per_device,
                      partition_time_limit_s=args.partition_time_limit, milp_time_limit_s=args.milp_time_limit, log=log)
     table = res.markdown(compact=args.compact)
     n_ok = sum(c.ok for c in res.cells)

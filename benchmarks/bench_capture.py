@@ -2,18 +2,23 @@
 
 For each model, in a fresh subprocess (so that peak RSS is per model):
 build the model, run ``trace_model`` (capture + AnnotateCosts + to_opgraph) and report the
-time of each phase and the peak RSS (``resource.getrusage``). The baseline measured in the
-same run is a bare ``torch.export.export(..., strict=False)`` of the same model, i.e. what
-capturing costs before fxpipe adds anything; the FLOP count is checked against the analytic
-``2 * params * tokens`` of a dense decoder (attention FLOPs come on top).
+time of each phase and the peak RSS (``resource.getrusage``). Two baselines are measured in
+the same process: a bare ``torch.export.export(..., strict=False)`` of the same model (what
+capturing costs before fxpipe adds anything) and ``trace_model(..., replicate="never")`` (a
+full export of every layer, the capture before layer replication). With ``replicate="auto"``
+a stack of >= 16 identical layers is captured by exporting three layers and replicating one
+(:mod:`fxpipe.passes.replicate`); the benchmark checks that both give the same OpGraph (names,
+edges, every cost). The FLOP count is checked against the analytic ``2 * params * tokens``
+of a dense decoder (attention FLOPs come on top).
 
-Targets (issue "end-to-end"): Llama-2-7B on the meta device (seq 4096, one micro-batch),
-whole planning front end < 120 s and peak RSS < 4 GiB.
+Targets: Llama-2-7B on the meta device (seq 4096, one micro-batch), whole planning front end
+< 120 s and peak RSS < 4 GiB (issue "end-to-end"); Llama-3-70B: ``fxpipe.compile`` for 64
+devices in under a minute, of which capture was the largest step (issue 13).
 
 Usage::
 
     python benchmarks/bench_capture.py            # all models
-    python benchmarks/bench_capture.py --only llama-2-7b
+    python benchmarks/bench_capture.py --only llama-3-70b-meta
 """
 
 from __future__ import annotations
@@ -34,7 +39,9 @@ CASES = {
     "t5-small": ("t5", {"seq_len": 512}, "cpu", None),
     "mixtral-small": ("mixtral", {"seq_len": 512}, "cpu", None),
     "llama-2-7b-meta": ("llama-2-7b", {"seq_len": 4096}, "meta", "bfloat16"),
+    "llama-3-70b-meta": ("llama-3-70b", {"seq_len": 4096}, "meta", "bfloat16"),
 }
+FIELDS = ("t_fwd_s", "t_bwd_input_s", "t_bwd_weight_s", "size_out_bytes", "size_param_bytes", "act_bytes")
 
 
 def _measure_this_cpu():
@@ -78,9 +85,16 @@ def _one(name: str) -> dict:
     torch.export.export(model, args, kwargs, strict=False)  # baseline: bare export
     bare_s = time.perf_counter() - t1
     t2 = time.perf_counter()
+    tm_full = trace_model(model, args, kwargs, hardware="h100-sxm", dtype=getattr(torch, dtype) if dtype else None, replicate="never")
+    full_s = time.perf_counter() - t2
+    t2 = time.perf_counter()
     tm = trace_model(model, args, kwargs, hardware="h100-sxm", dtype=getattr(torch, dtype) if dtype else None)
     trace_s = time.perf_counter() - t2
     g = tm.graph
+    g0 = tm_full.graph
+    same = g.names == g0.names and bool((g.edges == g0.edges).all()) and all((getattr(g, f) == getattr(g0, f)).all() for f in FIELDS)
+    if not same:
+        raise SystemExit(f"{name}: the replicated capture's OpGraph differs from the full export's")
     cpu_pred_ms = cpu_meas_ms = None
     if device == "cpu":  # sanity of the roofline: predicted vs measured eager forward on this CPU
         from fxpipe.passes import AnnotateCosts, to_opgraph
@@ -101,6 +115,8 @@ def _one(name: str) -> dict:
         "model": name, "device": device, "nodes": g.n, "edges": g.m, "params_M": n_params / 1e6,
         "build_s": build_s, "bare_export_s": bare_s, "capture_s": tm.capture_s, "cost_s": tm.cost_s,
         "export_s": tm.export_s, "trace_total_s": trace_s, "front_end_total_s": build_s + trace_s,
+        "replicated": tm.captured.replication is not None, "full_capture_s": tm_full.capture_s, "full_trace_s": full_s,
+        "same_graph_as_full": same,
         "peak_rss_GiB": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
         "fwd_TFLOP": flops / 1e12, "analytic_2NT_TFLOP": 2 * n_params * tokens / 1e12,
         "t_fwd_ms": 1e3 * g.t_fwd_s.sum(), "t_bwd_input_ms": 1e3 * g.t_bwd_input_s.sum(),
@@ -131,13 +147,15 @@ def main(argv=None) -> int:
         if args.json:
             print(json.dumps(row))
     if not args.json:
-        hdr = (f"{'model':<17}{'nodes':>6}{'params':>8}{'build':>8}{'bare export':>12}{'capture':>9}{'cost':>7}"
-               f"{'total':>8}{'RSS GiB':>9}{'TFLOP':>9}{'2NT':>9}{'t_fwd ms':>10}")
+        hdr = (f"{'model':<18}{'nodes':>6}{'params':>8}{'build':>8}{'bare export':>12}{'full capture':>13}{'capture':>9}"
+               f"{'cost':>7}{'total':>8}{'RSS GiB':>9}{'TFLOP':>9}{'2NT':>9}{'t_fwd ms':>10}")
         print(hdr)
         for r in rows:
-            print(f"{r['model']:<17}{r['nodes']:>6}{r['params_M']:>7.0f}M{r['build_s']:>7.1f}s{r['bare_export_s']:>11.1f}s"
-                  f"{r['capture_s']:>8.1f}s{r['cost_s']:>6.2f}s{r['front_end_total_s']:>7.1f}s{r['peak_rss_GiB']:>9.2f}"
+            print(f"{r['model']:<18}{r['nodes']:>6}{r['params_M']:>7.0f}M{r['build_s']:>7.1f}s{r['bare_export_s']:>11.1f}s"
+                  f"{r['full_capture_s']:>12.1f}s{r['capture_s']:>7.1f}s{'r' if r['replicated'] else ' '}{r['cost_s']:>6.2f}s"
+                  f"{r['front_end_total_s']:>7.1f}s{r['peak_rss_GiB']:>9.2f}"
                   f"{r['fwd_TFLOP']:>9.4f}{r['analytic_2NT_TFLOP']:>9.4f}{r['t_fwd_ms']:>10.2f}")
+        print("(capture: fxpipe's capture, 'r' = three layers exported and replicated, same OpGraph as the full capture)")
         print("\nroofline sanity on this machine (spec measured now: matmul rate, copy bandwidth, dispatch time; vs measured eager forward, no_grad):")
         for r in rows:
             if r["cpu_measured_fwd_ms"] is not None:

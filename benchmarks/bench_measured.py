@@ -407,7 +407,7 @@ def run_model(name: str, factory, loss: str, args) -> list[dict]:
     import numpy as np
 
     from fxpipe.codegen.launch import spawn_train_many
-    from fxpipe.schedule.simulate import orders_from_schedule
+    from fxpipe.ir import schedule_to_orders
 
     k, m = args.ranks, args.microbatches
     cpus = tuple(sorted(os.sched_getaffinity(0)))[:k] if hasattr(os, "sched_getaffinity") else tuple(range(k))
@@ -439,7 +439,7 @@ def run_model(name: str, factory, loss: str, args) -> list[dict]:
                              num_microbatches=m, make_batch=TimedBatch(tiny, out_dir, f"runtime.{r}"), steps=steps, lr=1e-3,
                              loss="mse"))
             runs += [dict(make_model=Pinned(factory, cpus, not args.runtime_as_is), stage_of=c.stage_of,
-                          orders=orders_from_schedule(c.schedule, k), num_microbatches=m,
+                          orders=schedule_to_orders(c.schedule, c.problem), num_microbatches=m,
                           make_batch=TimedBatch(factory, out_dir, f"{c.name}.{r}"), steps=steps, lr=1e-3, loss=loss)
                      for c in cands]
         t0 = time.perf_counter()
@@ -524,13 +524,13 @@ def _link_times(graph, partition, k: int, link) -> list[float] | None:
 def _tiny_plan(tiny, k: int, m: int, schedule: str):
     """Stage assignment and orders of the runtime-calibration pipeline (nodes split evenly)."""
     from fxpipe.api import plan_graph
+    from fxpipe.ir import schedule_to_orders
     from fxpipe.passes import trace_model
-    from fxpipe.schedule.simulate import orders_from_schedule
 
     model, a, kw = tiny.one_microbatch()
     g = trace_model(model, a, kw, hardware="cpu").graph
-    part, _, sched, _ = plan_graph(g, devices=k, microbatches=m, schedule=schedule, time_limit_s=0.5)
-    return {g.names[i]: int(part.assignment[i]) for i in range(g.n)}, orders_from_schedule(sched, k)
+    part, problem, sched, _ = plan_graph(g, devices=k, microbatches=m, schedule=schedule, time_limit_s=0.5)
+    return {g.names[i]: int(part.assignment[i]) for i in range(g.n)}, schedule_to_orders(sched, problem)
 
 
 def _update_costs(factory, cands: list, k: int, args, link=None) -> dict[str, dict]:

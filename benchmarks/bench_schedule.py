@@ -25,10 +25,13 @@ Prints three tables (all values are the problem's objective, stage span by defau
     the largest per-device bubble (span minus busy time) of ZB-V, DualPipe-V and the MILP,
     and the MILP's lower bound.
 (g) traced GPT-2 (124M, 1024 tokens) and Llama-2-7B (meta device, 4096 tokens; random
-    weights, no download): a partition into v * p stages
-    (fxpipe's partitioner, training objective, relayed comm), placed one stage per device
-    (v = 1) or V-shaped (v = 2), predicted step time (makespan) and per-device span of
-    1F1B / ZB-H1 (v = 1) and ZB-V / DualPipe-V (v = 2). Needs torch and transformers.
+    weights, no download), planned by ``fxpipe.api.plan_graph`` (the placement-aware plan of
+    ``fxpipe.compile``): a partition into v * p stages (fxpipe's partitioner, training
+    objective, relayed comm), placed one stage per device (v = 1), looped or V-shaped (v = 2);
+    the per-device bottleneck (fxpipe.partition.placement: a device's stages plus its
+    transfers to other devices), predicted step time (makespan) and per-device span of 1F1B /
+    ZB-H1 (v = 1), interleaved 1F1B (looped) and ZB-V / DualPipe-V (V), and what
+    ``stages_per_device="auto", placement="auto"`` keeps. Needs torch and transformers.
 
 Tables (a), (c) and (d) print the memory-blind round-trip bound ("old LB") next to the
 combinatorial bound the MILP now starts from ("comb LB", also an objective cut in the
@@ -276,37 +279,51 @@ def table_f(quick: bool, limit_s: float) -> None:
 
 
 def table_g(quick: bool, limit_s: float) -> None:
-    """Traced models: v = 1 vs v = 2 (V placement) predicted step time."""
+    """Traced models: v = 1 vs v = 2 (looped and V placement), predicted step time of the plan."""
     import torch
 
+    from fxpipe.api import plan_graph
     from fxpipe.models import build_hf_model
-    from fxpipe.partition.search import partition
+    from fxpipe.partition.placement import device_bottleneck, placement_name
     from fxpipe.passes import trace_model
-    from fxpipe.schedule.from_partition import problem_from_partition
+    from fxpipe.schedule.dispatch import make_schedule
 
     models = {"gpt2": ("gpt2", {"seq_len": 1024}, "cpu"), "llama-7b": ("llama-2-7b", {"seq_len": 4096}, "meta")}
     if quick:
         models = {"gpt2": ("gpt2", {"n_layer": 4, "n_embd": 256, "n_head": 4, "seq_len": 128}, "cpu")}
-    print("\n(g) traced models, training objective, relayed comm, bf16 on H100 SXM roofline costs, m = 2 p, no memory limit")
-    print(f"{'model':<9}{'p':>3}{'v':>3}{'method':>12}{'makespan ms':>13}{'device span ms':>16}{'bubble %':>10}"
-          f"{'device work/mb ms':>19}")
+    print("\n(g) traced models, training objective, relayed comm, bf16 on H100 SXM roofline costs, m = 2 p, no memory limit;"
+          " plan_graph with stages_per_device v and the placement")
+    print(f"{'model':<9}{'p':>3}{'v':>3}{'placement':>10}{'method':>18}{'dev bottleneck ms':>19}{'makespan ms':>13}"
+          f"{'device span ms':>16}{'bubble %':>10}{'vs v=1':>8}")
     for name, (arch, over, device) in models.items():
         model, margs, mkwargs = build_hf_model(arch, over, device=device)
         graph = trace_model(model, margs, mkwargs, hardware="h100-sxm", dtype=torch.bfloat16, name=name).graph
         del model
         for p in ((2,) if quick else (2, 4, 8)):
             m = 2 * p
-            for v, placement, methods in ((1, None, ("1f1b", "zb-h1")), (2, v_placement(p), ("zb-v", "dualpipe-v"))):
-                part = partition(graph, v * p, objective="training", comm="relay", time_limit_s=limit_s)
-                prob = problem_from_partition(graph, part, num_microbatches=m, device_of_stage=placement)
-                busy = float(device_busy_s(prob).max())
+            base = None
+            rows = [(1, "looped", ("1f1b", "zb-h1")), (2, "looped", ("interleaved-1f1b",)), (2, "v", ("zb-v", "dualpipe-v"))]
+            for v, placement, methods in rows:
+                # one plan per (v, placement) with its default generator; the others reschedule it
+                part, prob, first, _ = plan_graph(graph, devices=p, microbatches=m, stages_per_device=v,
+                                                  placement=placement, time_limit_s=limit_s)
                 for meth in methods:
                     try:
-                        s = heuristics.generate(prob, meth)
-                    except FxpipeError:
+                        s = first if first.method == meth else make_schedule(prob, meth)
+                    except FxpipeError as exc:
+                        print(f"{name:<9}{p:>3}{v:>3}{placement:>10}{meth:>18}  failed: {exc}", flush=True)
                         continue
-                    print(f"{name:<9}{p:>3}{v:>3}{meth:>12}{s.makespan * 1e3:>13.3f}{s.stage_span * 1e3:>16.3f}"
-                          f"{100 * (1 - busy / s.stage_span):>10.1f}{busy / m * 1e3:>19.3f}", flush=True)
+                    busy = float(device_busy_s(prob).max())
+                    dev_b = device_bottleneck(graph, part.assignment, prob.device_of_stage)
+                    if base is None:
+                        base = s.makespan
+                    print(f"{name:<9}{p:>3}{v:>3}{placement:>10}{meth:>18}{dev_b * 1e3:>19.3f}{s.makespan * 1e3:>13.3f}"
+                          f"{s.stage_span * 1e3:>16.3f}{100 * (1 - busy / s.stage_span):>10.1f}"
+                          f"{s.makespan / base:>8.3f}", flush=True)
+            part, prob, s, _ = plan_graph(graph, devices=p, microbatches=m, stages_per_device="auto", placement="auto",
+                                          time_limit_s=limit_s)
+            print(f"{name:<9}{p:>3}  auto: kept v={prob.num_stages // p} {placement_name(prob.device_of_stage, p)} "
+                  f"{s.method} (predicted step time {s.value * 1e3:.3f} ms)", flush=True)
 
 
 def main(argv=None) -> int:

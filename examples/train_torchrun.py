@@ -1,6 +1,7 @@
-"""Train a saved fxpipe plan with torchrun: one pipeline stage per process.
+"""Train a saved fxpipe plan with torchrun: one process per device.
 
-Plan once, then launch one process per pipeline stage::
+Plan once, then launch one process per device (each runs the stages the plan places on it;
+add ``--stages-per-device 2 --placement v`` to the plan for ZB-V)::
 
     fxpipe plan --hf gpt2 --config n_layer=4 n_embd=64 n_head=2 --seq-len 16 \
         --devices 2 --microbatches 4 --out gpt2.plan.json
@@ -8,8 +9,9 @@ Plan once, then launch one process per pipeline stage::
         --hf gpt2 --config n_layer=4 n_embd=64 n_head=2 --seq-len 16 --steps 3
 
 Every rank rebuilds the same model (same seed), ``plan.build(rank, ...)`` re-captures it,
-checks it is the graph the plan was made for, and returns this rank's ``PipelineStage`` and
-schedule runtime. The last rank prints the mean micro-batch loss of every step as JSON.
+checks it is the graph the plan was made for, and returns this rank's ``PipelineStage`` s and
+the schedule runtime. The rank holding the last stage prints the mean micro-batch loss of every
+step as JSON.
 """
 
 from __future__ import annotations
@@ -44,29 +46,30 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     plan = fxpipe.load_plan(args.plan)
     if world != plan.devices:
-        raise SystemExit(f"the plan has {plan.devices} stages; launch {plan.devices} processes, not {world}")
+        raise SystemExit(f"the plan is for {plan.devices} devices; launch {plan.devices} processes, not {world}")
     factory = HFFactory(args.hf, parse_overrides(args.config), plan.microbatches, args.microbatch_size, args.seq_len, args.seed)
     torch.manual_seed(args.seed)
     model, mb_args, mb_kwargs = factory.one_microbatch()
-    stage, schedule = plan.build(rank, model=model, args=mb_args, kwargs=mb_kwargs, loss_fn=cross_entropy_loss)
-    opt = torch.optim.SGD(list(stage.submod.parameters()), lr=args.lr)
+    stages, schedule = plan.build(rank, model=model, args=mb_args, kwargs=mb_kwargs, loss_fn=cross_entropy_loss)
+    opt = torch.optim.SGD(schedule.parameters(), lr=args.lr)  # this rank's parameters, tied ones once
+    first, last = schedule.has_first_stage, schedule.has_last_stage
     losses_per_step = []
     for step in range(args.steps):
         inputs, target = factory.batch(step)
         opt.zero_grad()
         losses: list[torch.Tensor] = []
-        if stage.is_first and stage.is_last:
+        if first and last:
             schedule.step(*inputs, target=target, losses=losses)
-        elif stage.is_first:
+        elif first:
             schedule.step(*inputs)
-        elif stage.is_last:
+        elif last:
             schedule.step(target=target, losses=losses)
         else:
             schedule.step()
         opt.step()
-        if stage.is_last:
+        if last:
             losses_per_step.append(sum(float(x.detach()) for x in losses) / len(losses))
-    if stage.is_last:
+    if last:
         print(json.dumps({"rank": rank, "losses": losses_per_step}), flush=True)
     dist.destroy_process_group()
 

@@ -3,10 +3,13 @@
 The pass runs the whole data flow of DESIGN.md once:
 
 1. capture with ``torch.export`` and cost every op (:mod:`fxpipe.passes`, :mod:`fxpipe.cost`);
-2. partition the op DAG into ``devices`` acyclic pipeline stages minimising the bottleneck
-   stage (:func:`fxpipe.partition.search.partition`, SliceGraph + BRKGA, Archer et al. 2024);
-3. build the per-stage scheduling problem and schedule F / B / W for every micro-batch
-   (:mod:`fxpipe.schedule`);
+2. partition the op DAG into ``v * devices`` acyclic pipeline stages minimising the bottleneck
+   stage (:func:`fxpipe.partition.search.partition`, SliceGraph + BRKGA, Archer et al. 2024)
+   and place them on the devices: one stage per device (v = 1), looped (stage s on device
+   s mod p) or V-shaped (stages s and 2p-1-s on device s), or the best of these by predicted
+   step time (``placement="auto"``), the per-device cost of :mod:`fxpipe.partition.placement`;
+3. build the scheduling problem (per stage, with the placement) and schedule F / B / W for
+   every micro-batch with a generator valid for the placement (:mod:`fxpipe.schedule`);
 4. keep everything needed to emit the ``torch.distributed.pipelining`` program
    (:meth:`Plan.build`) and to train it on local ranks (:meth:`Plan.train_local`).
 
@@ -15,6 +18,7 @@ The :class:`~fxpipe.plan.Plan` it returns lives in :mod:`fxpipe.plan`.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from typing import Any, Mapping, Sequence
@@ -24,9 +28,16 @@ import numpy as np
 from fxpipe.errors import InputError
 from fxpipe.ir import OpGraph, Schedule, ScheduleProblem
 from fxpipe.partition.objective import Partition
-from fxpipe.plan import PLAN_FORMAT, Plan, StageStats, graph_signature, load_plan  # noqa: F401 (public re-exports)
+from fxpipe.plan import PLAN_FORMAT, DeviceStats, Plan, StageStats, graph_signature, load_plan  # noqa: F401 (public re-exports)
 
-SCHEDULES = ("gpipe", "1f1b", "zb-h1", "zb-h2", "greedy", "pipeoffload", "adaoffload", "milp")  # = schedule.dispatch.METHODS
+#: every schedule method (= :data:`fxpipe.schedule.dispatch.METHODS`); which ones a placement
+#: admits: :func:`fxpipe.schedule.dispatch.methods_for_placement`.
+SCHEDULES = ("gpipe", "1f1b", "zb-h1", "zb-h2", "pipeoffload", "adaoffload", "greedy", "interleaved-1f1b", "zb-v",
+             "dualpipe-v", "milp")
+#: placements of ``stages_per_device`` stages on every device (``"auto"``: the best by predicted step time).
+PLACEMENTS = ("looped", "v", "auto")
+#: stages per device tried by ``stages_per_device="auto"``.
+AUTO_STAGES_PER_DEVICE = (1, 2)
 
 #: bytes per parameter byte held by a training stage besides the parameters themselves:
 #: gradients (1x) and Adam's two moments (2x), all in the parameters' dtype. Used only for
@@ -58,12 +69,52 @@ def stage_stats(graph: OpGraph, partition: Partition, problem: ScheduleProblem, 
         out.append(
             StageStats(
                 stage=s,
+                device=int(problem.device_of_stage[s]),
                 num_ops=int(mask.sum()),
                 param_bytes=params,
                 t_fwd_s=float(graph.t_fwd_s[mask].sum()),
                 t_bwd_input_s=float(graph.t_bwd_input_s[mask].sum()),
                 t_bwd_weight_s=float(graph.t_bwd_weight_s[mask].sum()),
                 cost_s=float(partition.block_costs[s]),
+                activation_peak_bytes=act_peak,
+                memory_bytes=state + act_peak,
+            )
+        )
+    return out
+
+
+def device_stats(graph: OpGraph, partition: Partition, problem: ScheduleProblem, schedule: Schedule,
+                 objective: str) -> list[DeviceStats]:
+    """Per-device figures: the device's stages, ops, parameter bytes, F/B/W times, the per-device
+    cost (:func:`fxpipe.partition.placement.device_costs`: its stages' work plus the transfers to
+    other devices), its compute time per step and span in the schedule, activation peak, memory."""
+    from fxpipe.partition.placement import device_costs
+    from fxpipe.schedule.validate import device_busy_s, device_memory_profile, device_spans
+
+    dev_of_node = np.asarray(problem.device_of_stage, dtype=np.int64)[partition.assignment]
+    costs = device_costs(graph, partition.assignment, problem.device_of_stage, objective, partition.comm,
+                         num_devices=problem.num_devices)
+    busy = device_busy_s(problem)
+    spans = device_spans(problem, schedule.ops)
+    out = []
+    for d in range(problem.num_devices):
+        mask = dev_of_node == d
+        _, mem = device_memory_profile(problem, schedule.ops, d)
+        act_peak = float(np.max(mem)) if len(mem) else 0.0
+        params = float(graph.size_param_bytes[mask].sum())
+        state = params * (1.0 + _TRAINING_STATE_FACTOR) if objective == "training" else params
+        out.append(
+            DeviceStats(
+                device=d,
+                stages=list(problem.stages_of_device(d)),
+                num_ops=int(mask.sum()),
+                param_bytes=params,
+                t_fwd_s=float(graph.t_fwd_s[mask].sum()),
+                t_bwd_input_s=float(graph.t_bwd_input_s[mask].sum()),
+                t_bwd_weight_s=float(graph.t_bwd_weight_s[mask].sum()),
+                cost_s=float(costs[d]),
+                busy_s=float(busy[d]),
+                span_s=float(spans[d]),
                 activation_peak_bytes=act_peak,
                 memory_bytes=state + act_peak,
             )
@@ -109,13 +160,37 @@ def fill_empty_stages(graph: OpGraph, partition: Partition) -> Partition:
     )
 
 
+def _stages_per_device_candidates(stages_per_device: Any) -> tuple[int, ...]:
+    if isinstance(stages_per_device, str):
+        if stages_per_device != "auto":
+            raise InputError(f"stages_per_device must be an integer >= 1 or 'auto', got {stages_per_device!r}")
+        return AUTO_STAGES_PER_DEVICE
+    return (_check_count(stages_per_device, "stages_per_device"),)
+
+
+def _placement_candidates(stages_per_device: Any, placement: Any) -> list[tuple[int, str]]:
+    """(v, placement) pairs to try, in the order of preference on equal predicted step time."""
+    if placement not in PLACEMENTS:
+        raise InputError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
+    out = []
+    for v in _stages_per_device_candidates(stages_per_device):
+        names = ("looped", "v") if placement == "auto" else (placement,)
+        for name in names:
+            if v == 1 and out and out[-1][0] == 1:
+                continue  # with one stage per device every placement is the same
+            out.append((v, name))
+    return out
+
+
 def plan_graph(
     graph: OpGraph,
     *,
     devices: int,
     microbatches: int,
     objective: str = "training",
-    schedule: str = "zb-h1",
+    schedule: str | None = None,
+    stages_per_device: int | str = 1,
+    placement: str = "looped",
     time_limit_s: float = 10.0,
     schedule_time_limit_s: float = 60.0,
     seed: int = 0,
@@ -123,48 +198,130 @@ def plan_graph(
     host_bandwidth_bytes_per_s: float | None = None,
     progress: bool = False,
 ) -> tuple[Partition, ScheduleProblem, Schedule, dict[str, float]]:
-    """Partition and schedule an OpGraph (the torch-free half of :func:`compile`).
+    """Partition, place and schedule an OpGraph (the torch-free half of :func:`compile`).
+
+    For every candidate ``(v, placement)`` the graph is partitioned into ``v * devices``
+    stages (one search per stage count, :func:`fxpipe.partition.search.partition`, which
+    minimises the per-*stage* bottleneck), the stages are placed on the devices
+    (:func:`fxpipe.partition.placement.placement_of`), the scheduling problem is built with
+    that placement (communication between stages of one device is free) and scheduled by
+    ``schedule`` (default: :func:`fxpipe.schedule.dispatch.default_method` of the placement).
+    With several candidates (``stages_per_device="auto"`` and/or ``placement="auto"``) the one
+    whose schedule has the smallest value of the problem's objective (the predicted step time;
+    ties: fewer stages per device, looped before V) is kept; the schedule's
+    ``meta["placement_search"]`` lists every candidate with its predicted step time,
+    per-device bottleneck, or why it was skipped.
+
+    Parameters
+    ----------
+    graph : OpGraph
+    devices : int
+        Number of devices p (pipeline ranks).
+    microbatches : int
+        m >= 1.
+    objective : {"training", "inference"}
+    schedule : str, optional
+        A method of :data:`SCHEDULES` valid for the placement
+        (:func:`fxpipe.schedule.dispatch.methods_for_placement`); with ``placement="auto"``
+        only placements it schedules are candidates.
+    stages_per_device : int or "auto"
+        v >= 1 stages on every device, or ``"auto"``: try :data:`AUTO_STAGES_PER_DEVICE`.
+    placement : {"looped", "v", "auto"}
+        How the ``v * p`` stages are placed (ignored when v = 1).
+    time_limit_s, schedule_time_limit_s, seed, mem_limit_bytes, host_bandwidth_bytes_per_s, progress :
+        Partition search budget (per stage count), MILP budget (per candidate), seed,
+        per-device activation memory limit (bytes), device-host bandwidth, progress bars.
 
     Returns
     -------
     (partition, problem, schedule, timings_s)
+        The kept candidate's; ``problem.device_of_stage`` is its placement.
 
     Raises
     ------
     InputError
-        On bad counts, an unknown schedule, or more devices than ops.
+        On bad counts, an unknown schedule or placement, a schedule the placement does not
+        admit, or more stages than ops.
     InfeasibleError
-        When the schedule cannot fit the memory limit.
+        When no candidate's schedule fits the memory limit (the first candidate's error).
     """
-    devices = _check_count(devices, "devices")
-    microbatches = _check_count(microbatches, "microbatches")
-    if schedule not in SCHEDULES:
-        raise InputError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
-    if devices > graph.n:
-        raise InputError(
-            f"devices={devices} is more than the {graph.n} ops of the graph: every stage needs at least one op; "
-            "use fewer devices"
-        )
+    from fxpipe.errors import InfeasibleError
+    from fxpipe.partition.placement import device_costs, placement_of
     from fxpipe.partition.search import partition as run_partition
-    from fxpipe.schedule.dispatch import make_schedule
+    from fxpipe.schedule.dispatch import default_method, make_schedule, methods_for_placement
     from fxpipe.schedule.from_partition import problem_from_partition
 
-    timings: dict[str, float] = {}
-    t0 = time.perf_counter()
-    part = run_partition(graph, devices, objective=objective, comm="relay", time_limit_s=time_limit_s, seed=seed, progress=progress)
-    part = fill_empty_stages(graph, part)
-    timings["partition"] = time.perf_counter() - t0
-
-    t0 = time.perf_counter()
-    problem = problem_from_partition(
-        graph,
-        part,
-        num_microbatches=microbatches,
-        mem_limit_bytes=math.inf if mem_limit_bytes is None else mem_limit_bytes,
-        host_bandwidth_bytes_per_s=host_bandwidth_bytes_per_s,
-    )
-    sched = make_schedule(problem, schedule, time_limit_s=schedule_time_limit_s, progress=progress)
-    timings["schedule"] = time.perf_counter() - t0
+    devices = _check_count(devices, "devices")
+    microbatches = _check_count(microbatches, "microbatches")
+    if schedule is not None and schedule not in SCHEDULES:
+        raise InputError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    cands = _placement_candidates(stages_per_device, placement)
+    several = len(cands) > 1
+    timings: dict[str, float] = {"partition": 0.0, "schedule": 0.0}
+    parts: dict[int, Partition] = {}
+    tried: list[dict[str, Any]] = []
+    best = None
+    first_error: Exception | None = None
+    for v, name in cands:
+        k = v * devices
+        dev = placement_of(name, devices, v)
+        record: dict[str, Any] = {"stages_per_device": v, "placement": name if v > 1 else "looped"}
+        tried.append(record)
+        if k > graph.n:
+            msg = (f"{v * devices} stages ({v} per device on {devices} devices) is more than the {graph.n} ops of "
+                   "the graph: every stage needs at least one op; use fewer devices or stages per device")
+            if not several:
+                raise InputError(f"devices={devices} x stages_per_device={v}: {msg}" if v > 1 else
+                                 f"devices={devices} is more than the {graph.n} ops of the graph: every stage needs "
+                                 "at least one op; use fewer devices")
+            record["skipped"] = msg
+            continue
+        valid = methods_for_placement(dev, devices)
+        method = schedule if schedule is not None else default_method(dev, devices)
+        record["schedule"] = method
+        if method not in valid:
+            msg = (f"schedule {method!r} does not schedule the {record['placement']} placement with {v} stages per "
+                   f"device; use one of {', '.join(valid)}")
+            if not several:
+                raise InputError(msg)
+            record["skipped"] = msg
+            continue
+        if k not in parts:
+            t0 = time.perf_counter()
+            part = run_partition(graph, k, objective=objective, comm="relay", time_limit_s=time_limit_s, seed=seed,
+                                 progress=progress)
+            parts[k] = fill_empty_stages(graph, part)
+            timings["partition"] += time.perf_counter() - t0
+        part = parts[k]
+        t0 = time.perf_counter()
+        problem = problem_from_partition(
+            graph, part, num_microbatches=microbatches,
+            mem_limit_bytes=math.inf if mem_limit_bytes is None else mem_limit_bytes,
+            host_bandwidth_bytes_per_s=host_bandwidth_bytes_per_s, device_of_stage=dev,
+        )
+        record["device_bottleneck_s"] = float(device_costs(graph, part.assignment, dev, objective, "relay").max())
+        record["stage_bottleneck_s"] = float(part.bottleneck)
+        try:
+            sched = make_schedule(problem, method, time_limit_s=schedule_time_limit_s, progress=progress)
+        except InfeasibleError as exc:
+            if not several:
+                raise
+            first_error = first_error or exc
+            record["skipped"] = str(exc)
+            continue
+        finally:
+            timings["schedule"] += time.perf_counter() - t0
+        record["step_time_s"] = float(sched.value)
+        if best is None or sched.value < best[2].value * (1 - 1e-9):
+            best = (part, problem, sched, record)
+    if best is None:
+        if first_error is not None:
+            raise first_error
+        raise InputError("no placement candidate could be planned: " + "; ".join(r["skipped"] for r in tried))
+    part, problem, sched, record = best
+    if several:
+        record["chosen"] = True
+        sched = dataclasses.replace(sched, meta={**sched.meta, "placement_search": tried})
     return part, problem, sched, timings
 
 
@@ -180,7 +337,9 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     cost_db=None,
     profile_threads: int | None = None,
     objective: str = "training",
-    schedule: str = "zb-h1",
+    schedule: str | None = None,
+    stages_per_device: int | str = 1,
+    placement: str = "looped",
     dtype=None,
     time_limit_s: float = 10.0,
     schedule_time_limit_s: float = 60.0,
@@ -188,6 +347,7 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     mem_limit_bytes: float | None = None,
     name: str | None = None,
     progress: bool = False,
+    replicate: str = "auto",
 ) -> Plan:
     """Plan pipeline parallelism for ``model``: capture, cost, partition, schedule.
 
@@ -198,7 +358,8 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     args, kwargs :
         Example inputs of ONE micro-batch (costs are per micro-batch).
     devices : int
-        Pipeline stages (one per device), >= 1 and <= number of ops.
+        Devices p = pipeline ranks, >= 1; ``stages_per_device * devices`` must not exceed the
+        number of ops.
     microbatches : int
         Micro-batches per step, >= 1.
     hardware : str, path or HardwareSpec, optional
@@ -221,13 +382,29 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
         profile's, else ``torch.get_num_threads()``); use the thread count of the training ranks.
     objective : {"training", "inference"}
         Contract-2 objective the partition minimises.
-    schedule : str
-        One of ``gpipe``, ``1f1b``, ``zb-h1`` (default), ``zb-h2``, ``greedy``,
-        ``pipeoffload``, ``adaoffload``, ``milp``.
+    schedule : str, optional
+        A method valid for the placement (:func:`fxpipe.schedule.dispatch.methods_for_placement`):
+        one stage per device: ``gpipe``, ``1f1b``, ``zb-h1``, ``zb-h2``, ``greedy``,
+        ``pipeoffload``, ``adaoffload``, ``interleaved-1f1b`` (= 1F1B), ``milp``; looped:
+        ``interleaved-1f1b``, ``greedy``, ``milp``; V-shape with 2 stages per device: ``zb-v``,
+        ``dualpipe-v`` (m >= 2 devices), ``greedy``, ``milp``. Default: ``zb-h1`` with one
+        stage per device, ``interleaved-1f1b`` looped, ``zb-v`` V-shaped.
+    stages_per_device : int or "auto"
+        v: the model is cut into ``v * devices`` stages, v on every device (default 1).
+        ``"auto"``: try v = 1 and v = 2 and keep the best predicted step time.
+    placement : {"looped", "v", "auto"}
+        Placement of the stages on the devices when v > 1: ``"looped"`` (interleaved 1F1B,
+        stage s on device s mod p), ``"v"`` (ZB-V / DualPipe-V, stages s and 2p-1-s on device
+        s) or ``"auto"`` (both, the best predicted step time kept). The partition minimises the
+        per-stage bottleneck; the plan reports the per-device bottleneck (a device's stages'
+        work plus its transfers to other devices; transfers between stages of one device are
+        free). See :func:`plan_graph`.
     dtype : torch.dtype, optional
         Compute dtype the costs assume (default: the model's parameter dtype).
     time_limit_s : float
-        Partition search budget (seconds).
+        Partition search budget (seconds): an upper limit; the search stops as soon as its
+        partition is proven optimal (``plan.partition.meta["proven_optimal"]``, e.g. by the
+        chain DP on transformer stacks) or stops improving (``meta["stop_reason"]``).
     schedule_time_limit_s : float
         MILP budget when ``schedule="milp"``.
     seed : int
@@ -236,6 +413,12 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
         Per-device memory available for activations (schedule constraint).
     name : str, optional
         Model name for reports (default: the class name).
+    progress : bool
+        tqdm progress bars.
+    replicate : {"auto", "always", "never"}
+        Capture a deep stack of identical layers by exporting three and replicating one
+        (:func:`fxpipe.passes.capture.capture`; same graph as a full export, much faster for
+        70B-class models). ``"never"`` forces a full ``torch.export``.
 
     Returns
     -------
@@ -244,8 +427,9 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     Raises
     ------
     InputError
-        devices < 1, microbatches < 1, more devices than ops, unknown hardware/schedule/costs,
-        ``costs="measured"`` with the datasheet spec or profile of another device.
+        devices < 1, microbatches < 1, more stages than ops, unknown hardware/schedule/costs/
+        placement, a schedule the placement does not admit, ``costs="measured"`` with the
+        datasheet spec or profile of another device.
     CaptureError
         The model cannot be exported (the message says which node and what to try).
     InfeasibleError
@@ -255,8 +439,9 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     microbatches = _check_count(microbatches, "microbatches")
     if objective not in ("training", "inference"):
         raise InputError(f"objective must be 'training' or 'inference', got {objective!r}")
-    if schedule not in SCHEDULES:
+    if schedule is not None and schedule not in SCHEDULES:
         raise InputError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    _placement_candidates(stages_per_device, placement)  # bad values fail before the capture
     if costs not in ("roofline", "measured"):
         raise InputError(f"costs must be 'roofline' or 'measured', got {costs!r}")
     if hardware is None:
@@ -272,7 +457,7 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     else:
         from fxpipe.passes import trace_model
 
-        traced = trace_model(model, tuple(args), dict(kwargs or {}), hardware=hardware, dtype=dtype, name=name)
+        traced = trace_model(model, tuple(args), dict(kwargs or {}), hardware=hardware, dtype=dtype, name=name, replicate=replicate)
     graph = traced.graph
     part, problem, sched, timings = plan_graph(
         graph,
@@ -280,6 +465,8 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
         microbatches=microbatches,
         objective=objective,
         schedule=schedule,
+        stages_per_device=stages_per_device,
+        placement=placement,
         time_limit_s=time_limit_s,
         schedule_time_limit_s=schedule_time_limit_s,
         seed=seed,
@@ -288,6 +475,9 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
         progress=progress,
     )
     stage_of = {graph.names[i]: int(part.assignment[i]) for i in range(graph.n)}
+    from fxpipe.schedule.dispatch import default_method
+
+    resolved = schedule if schedule is not None else default_method(problem.device_of_stage, devices)
     plan = Plan(
         name=graph.name,
         devices=devices,
@@ -301,10 +491,11 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
         problem=problem,
         schedule=sched,
         stages=stage_stats(graph, part, problem, sched, objective),
-        timings_s={"capture": traced.capture_s, "cost": traced.cost_s, **timings_extra, **timings},
+        device_table=device_stats(graph, part, problem, sched, objective),
+        timings_s={"capture": traced.capture_s, "cost": traced.cost_s, "export": traced.export_s, **timings_extra, **timings},
         graph_signature=graph_signature(graph),
-        options={"seed": seed, "time_limit_s": time_limit_s, "schedule": schedule, "dtype": str(dtype) if dtype else None,
-                 "costs": costs},
+        options={"seed": seed, "time_limit_s": time_limit_s, "schedule": resolved, "dtype": str(dtype) if dtype else None,
+                 "costs": costs, "stages_per_device": stages_per_device, "placement": placement},
         _captured=traced,
     )
     return plan

@@ -25,6 +25,8 @@ __all__ = ["SCHEDULES", "MatrixCell", "MatrixResult", "run_matrix"]
 
 #: the schedules the runtime runs: torch's B/W-fused and split-backward families and the MILP's
 SCHEDULES = ("gpipe", "1f1b", "zb-h1", "zb-h2", "milp")
+#: the schedules of several stages per device (``stages_per_device >= 2``) and the placement each runs on
+MULTI_STAGE_SCHEDULES = {"interleaved-1f1b": "looped", "zb-v": "v", "dualpipe-v": "v", "greedy": "v", "milp": "v"}
 
 
 @dataclass
@@ -136,6 +138,7 @@ def run_matrix(
     run_timeout_s: float = 180.0,
     loss_rtol: float = 1e-4,
     rtol: float = 1e-5,
+    stages_per_device: int = 1,
     log: Callable[[str], None] | None = None,
 ) -> MatrixResult:
     """Plan, train and compare every model x pipeline size x schedule.
@@ -158,6 +161,10 @@ def run_matrix(
         Limit for one training run (a run over it is recorded as an error).
     loss_rtol, rtol : float
         Verdict tolerances (:func:`~fxpipe.codegen.compare.compare_training`).
+    stages_per_device : int
+        v: every model is cut into ``v * ranks`` stages, v per rank (``fxpipe.compile``'s
+        ``stages_per_device``). With v >= 2 each schedule runs on the placement
+        :data:`MULTI_STAGE_SCHEDULES` gives it (e.g. ``interleaved-1f1b`` looped, ``zb-v`` V-shaped).
     log : callable(str), optional
         Progress messages.
 
@@ -191,18 +198,25 @@ def run_matrix(
         for n, zm in zms.items():
             model, args, kwargs = zm.one_microbatch()
             try:
-                plan = fxpipe.compile(model, args, kwargs, devices=k, microbatches=microbatches,
-                                      time_limit_s=partition_time_limit_s, schedule_time_limit_s=milp_time_limit_s,
-                                      name=n)
-                plans = {s: plan if s == plan.options.get("schedule") else
-                         plan.reschedule(s, time_limit_s=milp_time_limit_s) for s in schedules}
+                by_placement: dict[str, Any] = {}
+                plans = {}
+                for s in schedules:
+                    pl = "looped" if stages_per_device == 1 else MULTI_STAGE_SCHEDULES.get(s, "looped")
+                    if pl not in by_placement:
+                        by_placement[pl] = fxpipe.compile(
+                            model, args, kwargs, devices=k, microbatches=microbatches, stages_per_device=stages_per_device,
+                            placement=pl, time_limit_s=partition_time_limit_s,
+                            schedule_time_limit_s=milp_time_limit_s, name=n)
+                    plan = by_placement[pl]
+                    plans[s] = plan if s == plan.options.get("schedule") else plan.reschedule(
+                        s, time_limit_s=milp_time_limit_s)
             except Exception as exc:  # noqa: BLE001 - a planning failure is a matrix cell, not a crash
                 for s in schedules:
                     cells.append(MatrixCell(n, zm.family, k, s, False, error=_tail(f"planning failed: {exc!r}")))
                 continue
             for s in schedules:
                 runs.append(dict(make_model=zm, make_batch=zm.batch, loss=zm.loss,
-                                 stage_of=_PlanStageOf(plan.stage_of), orders=plans[s].orders(),
+                                 stage_of=_PlanStageOf(plans[s].stage_of), orders=plans[s].orders(),
                                  num_microbatches=microbatches, steps=steps, lr=lr, model_key=n))
                 keys.append((n, s))
             planned.append(n)
@@ -230,7 +244,8 @@ def run_matrix(
                 cloned_inputs=sum(len(v) for v in res.meta.get("cloned", {}).values()),
             ))
     timings["wall_s"] = time.perf_counter() - t_start
-    settings = dict(models=names, ranks=list(ranks), schedules=list(schedules), steps=steps, lr=lr,
+    settings = dict(models=names, ranks=list(ranks), schedules=list(schedules), stages_per_device=stages_per_device,
+                    steps=steps, lr=lr,
                     microbatches=microbatches, microbatch_size=microbatch_size,
                     partition_time_limit_s=partition_time_limit_s, milp_time_limit_s=milp_time_limit_s,
                     loss_rtol=loss_rtol, rtol=rtol)

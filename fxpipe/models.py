@@ -44,6 +44,14 @@ ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
         "num_key_value_heads": 32, "intermediate_size": 11008, "vocab_size": 32000,
         "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
     }),
+    # Llama-3-70B dimensions (Grattafiori et al. 2024, "The Llama 3 Herd of Models", Table 3;
+    # HF meta-llama/Meta-Llama-3-70B config.json: vocab 128256, rope theta 500000, GQA 8 KV heads)
+    "llama-3-70b": ("llama", {
+        "num_hidden_layers": 80, "hidden_size": 8192, "num_attention_heads": 64,
+        "num_key_value_heads": 8, "intermediate_size": 28672, "vocab_size": 128256,
+        "max_position_embeddings": 8192, "rms_norm_eps": 1e-5,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0},
+    }),
 }
 
 #: Example-input keys that are not config fields: batch size and sequence length.

@@ -1,9 +1,11 @@
 """The :class:`Plan`: what ``fxpipe.compile`` returns, saved as ``fxpipe.plan/1`` JSON.
 
-A plan is plain data (the costed op graph, the partition, the schedule problem and the timed
-schedule, the per-stage figures) plus, for a plan made in this process, the captured fx
-program. :meth:`Plan.build` emits this rank's ``torch.distributed.pipelining`` stage and
-runtime, :meth:`Plan.train_local` trains the plan on local gloo ranks next to a
+A plan is plain data (the costed op graph, the partition into stages, the placement of the
+stages on the devices, the schedule problem and the timed schedule, the per-stage and
+per-device figures) plus, for a plan made in this process, the captured fx program.
+:meth:`Plan.orders` is the typed handoff to code generation (:class:`fxpipe.ir.Orders`, per
+device, with the placement). :meth:`Plan.build` emits this rank's
+``torch.distributed.pipelining`` stages and runtime, :meth:`Plan.train_local` trains the plan on local gloo ranks next to a
 single-process reference. A loaded plan re-captures the model and checks that the graph is
 the one the plan was made for (:func:`graph_signature`).
 """
@@ -19,19 +21,20 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from fxpipe.errors import InputError
-from fxpipe.ir import OpGraph, Schedule, ScheduleProblem, read_json, write_json_atomic
+from fxpipe.ir import OpGraph, Orders, Schedule, ScheduleProblem, read_json, schedule_to_orders, write_json_atomic
 from fxpipe.partition.objective import Partition
 
-__all__ = ["Plan", "StageStats", "PLAN_FORMAT", "graph_signature", "load_plan"]
+__all__ = ["Plan", "StageStats", "DeviceStats", "PLAN_FORMAT", "graph_signature", "load_plan"]
 
 PLAN_FORMAT = "fxpipe.plan/1"
 
 
 @dataclass
 class StageStats:
-    """Per-stage figures of a plan (times in seconds, sizes in bytes)."""
+    """Per-stage figures of a plan (times in seconds, sizes in bytes); ``device`` holds the stage."""
 
     stage: int
+    device: int
     num_ops: int
     param_bytes: float
     t_fwd_s: float
@@ -46,6 +49,46 @@ class StageStats:
 
 
 @dataclass
+class DeviceStats:
+    """Per-device figures of a plan (times in seconds, sizes in bytes).
+
+    Attributes
+    ----------
+    device : int
+    stages : list[int]
+        The stages the device holds.
+    num_ops, param_bytes, t_fwd_s, t_bwd_input_s, t_bwd_weight_s :
+        Sums over the device's stages.
+    cost_s : float
+        Per-device cost (:func:`fxpipe.partition.placement.device_costs`): the stages' work plus
+        the transfers to and from other devices (free between stages of the device).
+    busy_s : float
+        Compute time of one step in the schedule problem (m times the stages' F + B + W).
+    span_s : float
+        First F to last W of the device in the schedule.
+    activation_peak_bytes, memory_bytes : float
+        Peak activation memory of the device in the schedule; with the training state
+        (parameters, gradients, optimizer moments) for the training objective.
+    """
+
+    device: int
+    stages: list[int]
+    num_ops: int
+    param_bytes: float
+    t_fwd_s: float
+    t_bwd_input_s: float
+    t_bwd_weight_s: float
+    cost_s: float
+    busy_s: float
+    span_s: float
+    activation_peak_bytes: float
+    memory_bytes: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**self.__dict__, "stages": list(self.stages)}
+
+
+@dataclass
 class Plan:
     """A pipeline plan: the partition of every op into stages and the schedule.
 
@@ -54,7 +97,8 @@ class Plan:
     name : str
         Model name.
     devices : int
-        Number of pipeline stages (one per device).
+        Number of devices p (pipeline ranks); the plan has ``num_stages = v * p`` stages,
+        ``stages_per_device`` = v on each, placed by ``problem.device_of_stage``.
     microbatches : int
         Micro-batches per training step.
     hardware : str
@@ -69,11 +113,14 @@ class Plan:
     stage_of : dict[str, int]
         Stage of every fx node (by node name) that is an OpGraph node.
     problem : ScheduleProblem
-        The per-stage scheduling problem built from the partition.
+        The scheduling problem built from the partition, with the placement
+        (``device_of_stage``, ``num_devices``).
     schedule : Schedule
         The timed F / B / W (/ O / R) schedule.
     stages : list[StageStats]
-        Per-stage figures.
+        Per-stage figures (the stage table).
+    device_table : list[DeviceStats]
+        Per-device figures (filled by ``fxpipe.compile`` and on load).
     timings_s : dict[str, float]
         Wall time of each phase (capture, cost, partition, schedule).
     graph_signature : str
@@ -95,12 +142,43 @@ class Plan:
     timings_s: dict[str, float] = field(default_factory=dict)
     graph_signature: str = ""
     options: dict[str, Any] = field(default_factory=dict)
+    device_table: list[DeviceStats] = field(default_factory=list)
     _captured: Any = field(default=None, repr=False, compare=False)
+
+    # ------------------------------------------------------------------ placement
+    @property
+    def num_stages(self) -> int:
+        """Number of pipeline stages (``stages_per_device * devices``)."""
+        return int(self.partition.k)
+
+    @property
+    def stages_per_device(self) -> int:
+        """v, the stages every device holds."""
+        return self.num_stages // self.devices
+
+    @property
+    def device_of_stage(self) -> tuple[int, ...]:
+        """Device (rank) of every stage."""
+        return tuple(self.problem.device_of_stage)
+
+    @property
+    def placement(self) -> str:
+        """``"looped"`` (also one stage per device), ``"v"`` or ``"custom"`` (:func:`fxpipe.partition.placement.placement_name`)."""
+        from fxpipe.partition.placement import placement_name
+
+        return placement_name(self.device_of_stage, self.devices)
 
     # ------------------------------------------------------------------ figures
     @property
     def bottleneck_s(self) -> float:
-        """Cost of the bottleneck stage under the plan's objective (seconds)."""
+        """Cost of the bottleneck device under the plan's objective (seconds).
+
+        The largest per-device cost (its stages' work plus its transfers to other devices,
+        :func:`fxpipe.partition.placement.device_costs`); with one stage per device, the
+        bottleneck stage of the partition.
+        """
+        if self.device_table:
+            return float(max(d.cost_s for d in self.device_table))
         return float(self.partition.bottleneck)
 
     @property
@@ -116,30 +194,55 @@ class Plan:
         return 0.0 if span <= 0 else max(0.0, 1.0 - busy / (self.devices * span))
 
     def summary(self) -> str:
-        """A readable stage table with the bottleneck, makespan and bubble ratio."""
+        """A readable stage table (and device table with several stages per device) with the
+        bottleneck, makespan and bubble ratio."""
+        v = self.stages_per_device
+        where = (f"{self.devices} devices" if v == 1 else
+                 f"{self.num_stages} stages on {self.devices} devices ({v} per device, {self.placement} placement)")
         lines = [
-            f"fxpipe plan for {self.name!r}: {self.devices} stages, {self.microbatches} micro-batches, "
+            f"fxpipe plan for {self.name!r}: {where}, {self.microbatches} micro-batches, "
             f"hardware {self.hardware}, objective {self.objective}, schedule {self.schedule.method}",
-            f"{'stage':>5} {'ops':>6} {'params':>10} {'F ms':>9} {'B ms':>9} {'W ms':>9} {'cost ms':>9} {'memory':>10}",
+            f"{'stage':>5} {'device':>6} {'ops':>6} {'params':>10} {'F ms':>9} {'B ms':>9} {'W ms':>9} {'cost ms':>9} "
+            f"{'memory':>10}",
         ]
-        worst = int(np.argmax([s.cost_s for s in self.stages])) if self.stages else -1
+        worst = int(np.argmax([s.cost_s for s in self.stages])) if self.stages and v == 1 else -1
         for s in self.stages:
             mark = " <- bottleneck" if s.stage == worst else ""
             lines.append(
-                f"{s.stage:>5} {s.num_ops:>6} {_fmt_bytes(s.param_bytes):>10} {s.t_fwd_s * 1e3:>9.3f} "
+                f"{s.stage:>5} {s.device:>6} {s.num_ops:>6} {_fmt_bytes(s.param_bytes):>10} {s.t_fwd_s * 1e3:>9.3f} "
                 f"{s.t_bwd_input_s * 1e3:>9.3f} {s.t_bwd_weight_s * 1e3:>9.3f} {s.cost_s * 1e3:>9.3f} "
                 f"{_fmt_bytes(s.memory_bytes):>10}{mark}"
             )
+        if v > 1 and self.device_table:
+            lines.append(f"{'device':>6} {'stages':>10} {'ops':>6} {'params':>10} {'cost ms':>9} {'busy ms':>9} "
+                         f"{'span ms':>9} {'act peak':>10} {'memory':>10}")
+            worst_d = int(np.argmax([d.cost_s for d in self.device_table]))
+            for d in self.device_table:
+                mark = " <- bottleneck" if d.device == worst_d else ""
+                lines.append(
+                    f"{d.device:>6} {','.join(map(str, d.stages)):>10} {d.num_ops:>6} {_fmt_bytes(d.param_bytes):>10} "
+                    f"{d.cost_s * 1e3:>9.3f} {d.busy_s * 1e3:>9.3f} {d.span_s * 1e3:>9.3f} "
+                    f"{_fmt_bytes(d.activation_peak_bytes):>10} {_fmt_bytes(d.memory_bytes):>10}{mark}"
+                )
+        what = "bottleneck" if v == 1 else "device bottleneck"
         lines.append(
-            f"bottleneck {self.bottleneck_s * 1e3:.3f} ms | makespan {self.makespan_s * 1e3:.3f} ms | "
+            f"{what} {self.bottleneck_s * 1e3:.3f} ms | makespan {self.makespan_s * 1e3:.3f} ms | "
             f"bubble ratio {self.bubble_ratio:.1%} | schedule lower bound {self.schedule.lower_bound_s * 1e3:.3f} ms "
             f"({self.schedule.status})"
         )
+        search = self.schedule.meta.get("placement_search")
+        if search:
+            parts = []
+            for c in search:
+                label = f"v={c['stages_per_device']} {c['placement']}" + (f" {c['schedule']}" if "schedule" in c else "")
+                parts.append(f"{label}: " + (f"{c['step_time_s'] * 1e3:.3f} ms" if "step_time_s" in c else "skipped")
+                             + (" (chosen)" if c.get("chosen") else ""))
+            lines.append("placement search (predicted step time): " + "; ".join(parts))
         empty = self.partition.meta.get("empty_stages") or []
         if empty:
             lines.append(
                 f"note: stages {empty} hold no ops and only relay tensors: the best partition found uses "
-                f"{self.devices - len(empty)} stages; fewer devices would do as well"
+                f"{self.num_stages - len(empty)} stages; fewer would do as well"
             )
         if self.timings_s:
             lines.append("time: " + ", ".join(f"{k} {v:.2f} s" for k, v in self.timings_s.items()))
@@ -152,6 +255,10 @@ class Plan:
             "format": PLAN_FORMAT,
             "name": self.name,
             "devices": self.devices,
+            "num_stages": self.num_stages,
+            "stages_per_device": self.stages_per_device,
+            "placement": self.placement,
+            "device_of_stage": list(self.device_of_stage),
             "microbatches": self.microbatches,
             "hardware": self.hardware,
             "objective": self.objective,
@@ -163,6 +270,7 @@ class Plan:
             "bubble_ratio": self.bubble_ratio,
             "timings_s": self.timings_s,
             "stages": [s.to_dict() for s in self.stages],
+            "device_table": [d.to_dict() for d in self.device_table],
             "stage_of": self.stage_of,
             "partition": self.partition.to_dict(),
             "problem": self.problem.to_dict(),
@@ -199,7 +307,8 @@ class Plan:
             )
             problem = ScheduleProblem.from_dict(doc["problem"], source=f"{source}: problem")
             schedule = Schedule.from_dict(doc["schedule"], source=f"{source}: schedule")
-            stages = [StageStats(**s) for s in doc["stages"]]
+            stages = [StageStats(**{"device": s["stage"], **s}) for s in doc["stages"]]  # plans before placements
+            device_table = [DeviceStats(**d) for d in doc.get("device_table", [])]
             plan = cls(
                 name=doc["name"],
                 devices=int(doc["devices"]),
@@ -216,9 +325,12 @@ class Plan:
                 timings_s=dict(doc.get("timings_s", {})),
                 graph_signature=str(doc.get("graph_signature", "")),
                 options=dict(doc.get("options", {})),
+                device_table=device_table,
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise InputError(f"{source}: malformed plan ({exc!r}); regenerate it with fxpipe.compile") from None
+        if "device_of_stage" in doc and list(doc["device_of_stage"]) != list(plan.device_of_stage):
+            raise InputError(f"{source}: device_of_stage disagrees with the schedule problem's placement")
         plan._check_consistent(source)
         return plan
 
@@ -229,10 +341,15 @@ class Plan:
 
         if self.graph_signature != graph_signature(self.graph):
             raise InputError(f"{source}: the graph signature does not match the graph: the file was edited or corrupted")
-        if not self.devices == self.partition.k == self.problem.num_stages == len(self.stages):
+        if not self.partition.k == self.problem.num_stages == len(self.stages):
             raise InputError(
-                f"{source}: devices ({self.devices}), partition blocks ({self.partition.k}), schedule stages "
-                f"({self.problem.num_stages}) and stage table ({len(self.stages)}) disagree"
+                f"{source}: partition blocks ({self.partition.k}), schedule stages ({self.problem.num_stages}) and "
+                f"stage table ({len(self.stages)}) disagree"
+            )
+        if self.devices != self.problem.num_devices or self.num_stages % self.devices:
+            raise InputError(
+                f"{source}: devices ({self.devices}) disagree with the schedule problem's placement "
+                f"({self.problem.num_devices} devices for {self.problem.num_stages} stages)"
             )
         try:
             validate_partition(self.graph, self.partition, rtol=1e-6)
@@ -244,24 +361,34 @@ class Plan:
         violations = check_schedule(self.problem, self.schedule.ops)
         if violations:
             raise InputError(f"{source}: the schedule breaks Contract 3: {violations[0]} ({len(violations)} violations)")
-        from fxpipe.api import stage_stats  # noqa: PLC0415 (api imports this module)
+        from fxpipe.api import device_stats, stage_stats  # noqa: PLC0415 (api imports this module)
 
         expected_stages = stage_stats(self.graph, self.partition, self.problem, self.schedule, self.objective)
-        for got, want in zip(self.stages, expected_stages):
-            for key, val in want.to_dict().items():
-                mine = got.to_dict()[key]
-                if not np.isclose(float(mine), float(val), rtol=1e-9, atol=0.0):
+        expected_devices = device_stats(self.graph, self.partition, self.problem, self.schedule, self.objective)
+        if not self.device_table:  # plans saved before the device table: recompute it
+            self.device_table = expected_devices
+        if len(self.device_table) != len(expected_devices):
+            raise InputError(f"{source}: the device table has {len(self.device_table)} rows for {self.devices} devices")
+        tables = [("stage", got.to_dict(), want.to_dict()) for got, want in zip(self.stages, expected_stages)]
+        tables += [("device", got.to_dict(), want.to_dict()) for got, want in zip(self.device_table, expected_devices)]
+        for kind, got, want in tables:
+            for key, val in want.items():
+                mine = got[key]
+                same = mine == val if isinstance(val, list) else np.isclose(float(mine), float(val), rtol=1e-9, atol=0.0)
+                if not same:
                     raise InputError(
-                        f"{source}: stage {want.stage} {key} is {mine!r} but the plan's graph, partition and schedule give "
-                        f"{val!r}: the stage table was edited or the file is corrupted; regenerate it with fxpipe.compile"
+                        f"{source}: {kind} {want[kind]} {key} is {mine!r} but the plan's graph, partition and schedule give "
+                        f"{val!r}: the {kind} table was edited or the file is corrupted; regenerate it with fxpipe.compile"
                     )
 
     # ------------------------------------------------------------------ runtime
-    def orders(self) -> dict[int, list[tuple[str, int]]]:
-        """Per-stage compute order ``{stage: [(type, microbatch), ...]}`` (F, B, W) of the schedule."""
-        from fxpipe.schedule.simulate import orders_from_schedule
+    def orders(self) -> Orders:
+        """The per-device programs of the schedule, with the placement: codegen's input.
 
-        return orders_from_schedule(self.schedule, self.devices)
+        :func:`fxpipe.ir.schedule_to_orders` of the timed schedule (every device's actions of
+        all its stages in start order).
+        """
+        return schedule_to_orders(self.schedule, self.problem)
 
     def captured(self, model=None, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None):
         """The captured fx program; re-captures ``model`` for a loaded plan and checks it matches."""
@@ -281,7 +408,7 @@ class Plan:
         return traced
 
     def build(self, rank: int, *, model=None, args=(), kwargs=None, loss_fn: Callable | None = None, group=None, device="cpu"):
-        """This rank's ``PipelineStage`` and schedule runtime, inside an initialised process group.
+        """This rank's ``PipelineStage`` s and schedule runtime, inside an initialised process group.
 
         Call from every worker of ``torchrun`` / ``torch.multiprocessing`` after
         ``torch.distributed.init_process_group`` with ``world_size == plan.devices``.
@@ -289,7 +416,8 @@ class Plan:
         Parameters
         ----------
         rank : int
-            Pipeline rank = stage index, 0..devices-1.
+            Pipeline rank = device, 0..devices-1; it runs the stages ``plan.device_of_stage``
+            puts on it.
         model : nn.Module, optional
             Needed only for a plan loaded from a file (it is re-captured and checked).
         args, kwargs :
@@ -299,25 +427,28 @@ class Plan:
 
         Returns
         -------
-        (stage, schedule)
-            ``torch.distributed.pipelining.PipelineStage`` and the schedule object whose
-            ``step(*inputs, target=..., losses=[])`` runs one training step.
+        (stages, schedule)
+            ``stages``: this rank's ``torch.distributed.pipelining.PipelineStage`` s (a tuple
+            in stage order, one entry per stage on this device); ``schedule``: the runtime whose
+            ``step(*inputs, target=..., losses=[])`` runs one training step (inputs read on the
+            rank of stage 0, ``schedule.has_first_stage``; the target on the rank of the last
+            stage, ``schedule.has_last_stage``); ``schedule.parameters()`` lists the rank's
+            parameters once each (for the optimizer).
 
         Raises
         ------
         InputError
             On a rank outside 0..devices-1 or a model that does not match the plan.
         """
-        if not 0 <= int(rank) < self.devices:
-            raise InputError(f"rank must lie in 0..{self.devices - 1}, got {rank}")
+        if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or not 0 <= int(rank) < self.devices:
+            raise InputError(f"rank must be an integer in 0..{self.devices - 1}, got {rank!r}")
         from fxpipe.codegen import build_pipeline_rank
 
         traced = self.captured(model, args, kwargs)
         return build_pipeline_rank(
             traced.gm,
             self.stage_of,
-            self.devices,
-            rank,
+            int(rank),
             self.orders(),
             num_microbatches=self.microbatches,
             loss_fn=loss_fn,
@@ -326,12 +457,13 @@ class Plan:
         )
 
     def reschedule(self, schedule: str, *, time_limit_s: float = 60.0, progress: bool = False) -> "Plan":
-        """The same partition with another schedule (``"gpipe"``, ``"1f1b"``, ``"zb-h2"``, ``"milp"``, ...).
+        """The same partition and placement with another schedule (``"1f1b"``, ``"zb-h2"``, ``"zb-v"``, ``"milp"``, ...).
 
         Parameters
         ----------
         schedule : str
-            A method of :func:`fxpipe.schedule.dispatch.make_schedule`.
+            A method of :func:`fxpipe.schedule.dispatch.make_schedule` valid for the plan's
+            placement (:func:`fxpipe.schedule.dispatch.methods_for_placement`).
         time_limit_s : float
             MILP budget in seconds (``schedule="milp"``).
 
@@ -343,15 +475,21 @@ class Plan:
         Raises
         ------
         InputError
-            For an unknown schedule method.
+            For an unknown schedule method or one the placement does not admit.
         InfeasibleError
             When the schedule cannot fit the problem's memory limit.
         """
-        from fxpipe.api import SCHEDULES, stage_stats
-        from fxpipe.schedule.dispatch import make_schedule
+        from fxpipe.api import SCHEDULES, device_stats, stage_stats
+        from fxpipe.schedule.dispatch import make_schedule, methods_for_placement
 
         if schedule not in SCHEDULES:
             raise InputError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+        valid = methods_for_placement(self.device_of_stage, self.devices)
+        if schedule not in valid:
+            raise InputError(
+                f"schedule {schedule!r} does not schedule this plan's {self.placement} placement with "
+                f"{self.stages_per_device} stages per device; use one of {', '.join(valid)}"
+            )
         t0 = time.perf_counter()
         sched = make_schedule(self.problem, schedule, time_limit_s=time_limit_s, progress=progress)
         return Plan(
@@ -359,6 +497,7 @@ class Plan:
             objective=self.objective, comm=self.comm, graph=self.graph, partition=self.partition,
             stage_of=dict(self.stage_of), problem=self.problem, schedule=sched,
             stages=stage_stats(self.graph, self.partition, self.problem, sched, self.objective),
+            device_table=device_stats(self.graph, self.partition, self.problem, sched, self.objective),
             timings_s={**self.timings_s, "schedule": time.perf_counter() - t0},
             graph_signature=self.graph_signature, options={**self.options, "schedule": schedule},
             _captured=self._captured,
@@ -381,8 +520,8 @@ class Plan:
         """Train this plan for a few steps on ``devices`` local gloo processes (CPU) and compare.
 
         Every worker builds the model with ``make_model()`` under the same seed, captures
-        its first micro-batch, checks the graph against this plan, and runs the plan's
-        schedule through ``torch.distributed.pipelining``; with ``reference=True`` the same
+        its first micro-batch, checks the graph against this plan, and runs its stages of the
+        plan's placement and schedule through ``torch.distributed.pipelining``; with ``reference=True`` the same
         steps run in this process without pipelining and
         :func:`fxpipe.codegen.compare.compare_training` compares losses, every gradient, every
         parameter after the steps and every buffer.

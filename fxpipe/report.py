@@ -301,7 +301,9 @@ def render_html(content: dict) -> str:
             "<h2>Lower-bound certificates</h2>",
             "<p>Each bound is proven for every acyclic partition into k stages (Archer et al. 2024, Section 3): "
             "simple = Lemma 3.3, bottleneck = three-superblock MIP (Eq. 14), guess = guess-the-bottleneck-block "
-            "(Section 3.3), exact = the MIP of Figure 3, lp = its LP relaxation. A ratio of 1 proves the partition optimal.</p>",
+            "(Section 3.3), exact = the MIP of Figure 3, lp = its LP relaxation, chain = dynamic programming over "
+            "the graph's chain of gates (relay communication; fxpipe.partition.chain). "
+            "A ratio of 1 proves the partition optimal.</p>",
             _html_table(["property", "value"], [list(r) for r in content["bounds_facts"]], left=2),
             _html_table(content["bounds_header"], content["bounds_rows"], left=1),
         ]

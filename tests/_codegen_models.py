@@ -146,7 +146,15 @@ def stage_of_by_fraction(gm, num_stages: int) -> dict[str, int]:
 
 
 # ----------------------------------------------------------------------------- orders
-def orders_1f1b(num_stages: int, m: int) -> dict[int, list[tuple[str, int]]]:
+# Rule-based per-stage orders (one stage per device), returned as fxpipe.ir.Orders: codegen's
+# one schedule input.
+def _orders(per_stage):
+    from fxpipe.ir import Orders
+
+    return Orders.from_stage_orders(per_stage)
+
+
+def orders_1f1b(num_stages: int, m: int):
     """Classic 1F1B (PipeDream-flush): warm-up forwards, then one F one B; W right after B."""
     out = {}
     for s in range(num_stages):
@@ -161,10 +169,10 @@ def orders_1f1b(num_stages: int, m: int) -> dict[int, list[tuple[str, int]]]:
             ops.append(("W", b))
             b += 1
         out[s] = ops
-    return out
+    return _orders(out)
 
 
-def orders_zbh1(num_stages: int, m: int) -> dict[int, list[tuple[str, int]]]:
+def orders_zbh1(num_stages: int, m: int):
     """ZB-H1-like order: 1F1B forwards/backward-inputs, each W deferred by ``S - 1 - s``
     backward-inputs (Qi et al. 2024, Fig. 3 top: later stages fill bubbles with W)."""
     out = {}
@@ -186,12 +194,25 @@ def orders_zbh1(num_stages: int, m: int) -> dict[int, list[tuple[str, int]]]:
             ops.append(("W", w))
             w += 1
         out[s] = ops
-    return out
+    return _orders(out)
 
 
-def orders_gpipe(num_stages: int, m: int) -> dict[int, list[tuple[str, int]]]:
-    """All forwards, then all backwards (full backward: no W ops)."""
-    return {s: [("F", j) for j in range(m)] + [("B", j) for j in range(m)] for s in range(num_stages)}
+def orders_gpipe(num_stages: int, m: int):
+    """All forwards, then all backwards, each W right after its B (lowered to full backwards)."""
+    return _orders({s: [("F", j) for j in range(m)] + [t for j in range(m) for t in (("B", j), ("W", j))]
+                    for s in range(num_stages)})
+
+
+def unit_orders(method: str, num_devices: int, m: int, stages_per_device: int = 1, placement: str = "looped"):
+    """Orders of a generator of :mod:`fxpipe.schedule` on unit times (F = B = W = 1, no comm)."""
+    from fxpipe.ir import ScheduleProblem, looped_placement, schedule_to_orders, v_placement
+    from fxpipe.schedule.heuristics import generate
+
+    v = stages_per_device
+    dev = looped_placement(num_devices, v) if placement == "looped" else v_placement(num_devices, v)
+    prob = ScheduleProblem.create(num_stages=v * num_devices, num_microbatches=m, t_f=1.0, t_b=1.0, t_w=1.0,
+                                  device_of_stage=dev)
+    return schedule_to_orders(generate(prob, method), prob)
 
 
 class _MLP(torch.nn.Module):

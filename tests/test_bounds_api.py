@@ -60,7 +60,8 @@ def test_guess_time_limit_status():
 
 def test_contract4_shape_and_certificate_round_trip(tmp_path):
     g = layered_dag(4, 3)
-    rep = compute_bounds(g, 2, methods=("simple", "lp", "bottleneck", "exact"), time_limit_s=10, search_time_limit_s=0.2)
+    rep = compute_bounds(g, 2, methods=("simple", "lp", "bottleneck", "exact"), time_limit_s=10, search_time_limit_s=0.2,
+                         stop_when_proven=False)
     doc = rep.to_dict()
     assert {"k", "solution", "lower_bounds", "best_lower_bound", "ratio", "solver"} <= set(doc)
     assert set(doc["solution"]) >= {"bottleneck", "assignment"}
@@ -137,3 +138,18 @@ def test_timed_out_mip_keeps_the_bound_it_started_from():
     for method in ("exact", "guess"):
         cert, _ = bound(method, data, time_limit_s=0.01, known_lower_bound_s=start, workers=1)
         assert cert.lower_bound >= start * (1 - 1e-12), (method, cert.lower_bound, start)
+
+
+def test_mips_are_skipped_once_the_partition_is_proven_optimal():
+    """"Stop when done": after a bound that meets the best partition, no MIP runs; each
+    skipped method reports the (valid) bound it would have started from."""
+    g = layered_dag(4, 3)
+    rep = compute_bounds(g, 2, methods=("simple", "bottleneck", "guess", "exact"), time_limit_s=10, search_time_limit_s=0.2, workers=1)
+    certs = rep.certificates
+    assert certs["bottleneck"].status == "optimal"
+    assert certs["bottleneck"].lower_bound == pytest.approx(rep.partition.bottleneck, rel=1e-6)
+    for m in ("guess", "exact"):
+        assert certs[m].status == "skipped" and certs[m].wall_time_s == 0.0
+        assert certs[m].lower_bound == pytest.approx(certs["bottleneck"].lower_bound)
+        assert "proven optimal by bottleneck" in certs[m].details["reason"]
+    assert rep.ratio == pytest.approx(1.0, rel=1e-6)

@@ -55,8 +55,8 @@ def test_bounds_below_brute_force_optimum(seed, k):
         # guess before bottleneck: each method's own bound is checked, not one inherited
         # from the methods run before it (exact alone is checked below)
         rep = compute_bounds(
-            g, k, objective=objective, comm=comm, methods=("simple", "guess", "lp", "bottleneck", "exact"),
-            time_limit_s=20, workers=1, search_time_limit_s=0.2,
+            g, k, objective=objective, comm=comm, methods=("simple", "guess", "lp", "bottleneck", "chain", "exact"),
+            time_limit_s=20, workers=1, search_time_limit_s=0.2, stop_when_proven=False,
         )
         lb = {m: c.lower_bound for m, c in rep.certificates.items()}
         where = f"seed={seed} k={k} {objective}/{comm} opt={opt} bounds={lb}"
@@ -113,7 +113,7 @@ def test_memory_capacity_bounds_hold_for_feasible_partitions(objective):
     opt = brute_force_with_memory(g, k, objective, "dag", cap)
     rep = compute_bounds(
         g, k, objective=objective, comm="dag", methods=("simple", "bottleneck", "guess", "exact"),
-        time_limit_s=20, workers=1, memory_capacity_bytes=cap, search_time_limit_s=0.2,
+        time_limit_s=20, workers=1, memory_capacity_bytes=cap, search_time_limit_s=0.2, stop_when_proven=False,
     )
     for m, c in rep.certificates.items():
         assert _le(c.lower_bound, opt), (m, c.lower_bound, opt)

@@ -61,15 +61,14 @@ def _t5_relay_run(orders):
 
 def _heuristic_orders(world, method):
     try:
-        from fxpipe.codegen.actions import orders_from_schedule
-        from fxpipe.ir import ScheduleProblem
+        from fxpipe.ir import ScheduleProblem, schedule_to_orders
         from fxpipe.schedule.heuristics import generate
     except ImportError:  # pragma: no cover - the schedule package is optional here
         return None
     prob = ScheduleProblem.create(
         num_stages=world, num_microbatches=MICROBATCHES, t_f=1.0, t_b=1.0, t_w=1.0, t_comm=0.1,
     )
-    return orders_from_schedule(generate(prob, method), world)
+    return schedule_to_orders(generate(prob, method), prob)
 
 
 @pytest.fixture(scope="module")
@@ -167,7 +166,7 @@ def test_worker_error_is_reported():
     """A bad stage map fails in the workers; the error (not a hang) reaches the caller."""
     with pytest.raises(RuntimeError, match="placeholder 'x' must be on stage 0"):
         spawn_train(
-            make_mlp, {"x": 1}, "1f1b", world_size=2, num_microbatches=MICROBATCHES,
+            make_mlp, {"x": 1}, orders_1f1b(2, MICROBATCHES), world_size=2, num_microbatches=MICROBATCHES,
             make_batch=make_batch_mlp, steps=1, loss="mse", timeout_s=200,
         )
 
@@ -194,7 +193,7 @@ def test_taken_port_is_retried_and_environment_untouched(monkeypatch):
     env = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT")}
     stage_of = functools.partial(stage_of_by_fraction, num_stages=2)
     try:
-        res = spawn_train(make_mlp, stage_of, "1f1b", world_size=2, num_microbatches=MICROBATCHES,
+        res = spawn_train(make_mlp, stage_of, orders_1f1b(2, MICROBATCHES), world_size=2, num_microbatches=MICROBATCHES,
                           make_batch=make_batch_mlp, steps=1, loss="mse", timeout_s=200)
     finally:
         busy.close()
@@ -208,7 +207,7 @@ def test_failing_run_is_recorded_and_the_others_go_on():
     """on_error="record": a run that fails becomes a RunError; the workers restart with the next run."""
     from fxpipe.codegen.launch import RunError
 
-    good = dict(make_model=make_mlp, stage_of=functools.partial(stage_of_by_fraction, num_stages=2), orders="1f1b",
+    good = dict(make_model=make_mlp, stage_of=functools.partial(stage_of_by_fraction, num_stages=2), orders=orders_1f1b(2, MICROBATCHES),
                 num_microbatches=MICROBATCHES, make_batch=make_batch_mlp, steps=1, loss="mse")
     bad = {**good, "stage_of": {"x": 1}}
     res = spawn_train_many([good, bad, good], world_size=2, on_error="record", run_timeout_s=200)

@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.fx as fx
 
-from fxpipe.codegen.actions import actions_from_orders, check_orders, format_actions, fuse_backward, orders_from_schedule
+from fxpipe.codegen.actions import actions_from_orders, check_orders, format_actions, fuse_backward
+from fxpipe.ir import Action, Orders
 from fxpipe.codegen.rank import build_rank
 from fxpipe.codegen.shapes import stage_io
 from fxpipe.codegen.split import canonical_param_names, split_stages
@@ -280,97 +281,90 @@ def test_non_tensor_values_are_recomputed_not_sent():
 
 
 def test_actions_golden_and_fusion():
-    acts = actions_from_orders(orders_1f1b(2, 3), 2)
+    acts = actions_from_orders(orders_1f1b(2, 3), 3)
     assert format_actions(acts) == (
         "rank 0: 0F0 0F1 0B0 0F2 0B1 0B2\n"
         "rank 1: 1F0 1B0 1F1 1B1 1F2 1B2"
     )
     split = actions_from_orders(orders_1f1b(2, 2), 2, fuse=False)
     assert split[1] == ["1F0", "1I0", "1W0", "1F1", "1I1", "1W1"]
-    zb = actions_from_orders(orders_zbh1(3, 4), 3)
+    zb = actions_from_orders(orders_zbh1(3, 4), 4)
     assert "0I0" in zb[0] and "0W0" in zb[0] and zb[0].index("0W0") > zb[0].index("0I1")
     assert all(a[1] in "FB" for a in zb[2])  # last stage: W right after B -> fused
-    # a stage without any W runs full backwards
     assert actions_from_orders(orders_gpipe(2, 2), 2)[0] == ["0F0", "0F1", "0B0", "0B1"]
     assert fuse_backward(split)[1] == ["1F0", "1B0", "1F1", "1B1"]
+    # only the named stages are fused; the input is not modified
+    assert fuse_backward(split, stages=[0]) == {0: ["0F0", "0F1", "0B0", "0B1"], 1: split[1]}
+    assert split[1] == ["1F0", "1I0", "1W0", "1F1", "1I1", "1W1"]
+
+
+def test_actions_of_several_stages_per_device():
+    """Looped and V placements: each rank gets its stages' actions in device program order;
+    offload/reload actions are left out of torch's actions; the orders are not modified."""
+    o = Orders((0, 1, 1, 0), (
+        tuple(map(Action.parse, "0F0 0O0 3F0 3B0 3W0 0R0 0B0 0W0".split())),
+        tuple(map(Action.parse, "1F0 2F0 2B0 1B0 2W0 1W0".split())),
+    ))
+    before = o.to_dict()
+    acts = actions_from_orders(o, 1)
+    assert acts == {0: ["0F0", "3F0", "3B0", "0B0"], 1: ["1F0", "2F0", "2I0", "1I0", "2W0", "1W0"]}
+    assert o.to_dict() == before
 
 
 def test_order_errors_name_stage_and_microbatch():
-    o = orders_1f1b(2, 2)
-    with pytest.raises(InputError, match="stage 1: no B for micro-batches \\[1\\]"):
-        actions_from_orders({0: o[0], 1: [op for op in o[1] if op != ("B", 1) and op != ("W", 1)]}, 2)
-    with pytest.raises(InputError, match="stage 0, micro-batch 0: W"):
-        actions_from_orders({0: [("F", 0), ("W", 0), ("B", 0)], 1: [("F", 0), ("B", 0)]}, 2)
-    with pytest.raises(InputError, match="backward before its forward"):
-        actions_from_orders({0: [("B", 0), ("F", 0)], 1: [("F", 0), ("B", 0)]}, 2)
-    # deadlock: stage 0 waits for B0 before F1, stage 1 runs both forwards first
-    dead = {0: [("F", 0), ("B", 0), ("F", 1), ("B", 1)], 1: [("F", 0), ("F", 1), ("B", 0), ("B", 1)]}
-    with pytest.raises(InputError, match="deadlock.*stage 0 waits at B of micro-batch 0.*stage 1 waits at F of micro-batch 1"):
+    o = orders_1f1b(2, 2).stage_orders()
+    with pytest.raises(InputError, match="stage 1: 1B1 is missing"):
+        actions_from_orders(Orders.from_stage_orders({0: o[0], 1: [op for op in o[1] if op != ("B", 1)]}), 2)
+    with pytest.raises(InputError, match="stage 0: micro-batch 0 runs out of order"):
+        actions_from_orders(Orders.from_stage_orders({0: [("F", 0), ("W", 0), ("B", 0)], 1: [("F", 0), ("B", 0), ("W", 0)]}), 1)
+    # deadlock: device 0 waits for B0 before F1, device 1 runs both forwards first
+    bw = [("B", 0), ("W", 0), ("B", 1), ("W", 1)]
+    dead = Orders.from_stage_orders({0: [("F", 0), ("B", 0), ("W", 0), ("F", 1), ("B", 1), ("W", 1)], 1: [("F", 0), ("F", 1)] + bw})
+    with pytest.raises(InputError, match="deadlock.*device 0 waits at 0B0.*device 1 waits at 1F1"):
         check_orders(dead, 2)
-    with pytest.raises(InputError, match="one entry per stage"):
-        actions_from_orders({0: o[0]}, 2)
-    with pytest.raises(InputError, match="unknown op type"):
-        actions_from_orders({0: [("X", 0)], 1: o[1]}, 2)
+    # a V placement whose device 0 runs the last stage's backward before its forward arrives
+    v = Orders((0, 1, 1, 0), (
+        tuple(map(Action.parse, "0F0 3B0 3F0 3W0 0B0 0W0".split())),
+        tuple(map(Action.parse, "1F0 2F0 2B0 2W0 1B0 1W0".split())),
+    ))
+    with pytest.raises(InputError, match="out of order"):
+        check_orders(v, 1)
+    with pytest.raises(InputError, match="micro-batch 2 outside 0..1"):
+        check_orders(orders_1f1b(2, 3), 2)
+    # only Orders are accepted: the old per-stage dicts get a pointer to the conversion
+    with pytest.raises(InputError, match="codegen takes fxpipe.ir.Orders.*Orders.from_stage_orders"):
+        actions_from_orders(o, 2)
 
 
-def test_bad_microbatch_and_action_strings_are_input_errors():
-    with pytest.raises(InputError, match="stage 0: micro-batch index must be an integer >= 0, got 'a'"):
-        actions_from_orders({0: [("F", "a"), ("B", "a")]}, 1)
-    with pytest.raises(InputError, match="micro-batch index"):
-        actions_from_orders({0: [("F", 0.5), ("B", 0.5)]}, 1)
+def test_bad_action_strings_are_input_errors():
     with pytest.raises(InputError, match="rank 1, step 2: bad action string '1X0'"):
         fuse_backward({0: ["0F0"], 1: ["1F0", "1I0", "1X0"]})
     with pytest.raises(InputError, match="rank 0, step 0: action None is not a string"):
         fuse_backward({0: [None]})
     assert fuse_backward({0: ["0F0", "", "0I0", "0W0"]}) == {0: ["0F0", "0B0"]}  # "" = idle step
-
-
-def test_generate_orders_come_from_the_schedule_package():
-    from fxpipe.codegen.launch import generate_orders
-    from fxpipe.ir import ScheduleProblem
-    from fxpipe.schedule.heuristics import generate, orders_1f1b as sched_1f1b
-    from fxpipe.schedule.simulate import orders_from_schedule as sched_orders
-
-    S, m = 3, 4
-    assert generate_orders("1F1B", S, m) == sched_1f1b(S, m) == orders_1f1b(S, m)
-    prob = ScheduleProblem.create(num_stages=S, num_microbatches=m, t_f=1.0, t_b=1.0, t_w=1.0)
-    zb = generate_orders("zb-h1", S, m)
-    assert zb == sched_orders(generate(prob, "zb-h1"), S)
-    check_orders(zb, S, m)
-    assert any(zb[s].index(("W", 0)) > zb[s].index(("B", 1)) for s in range(S))  # some W deferred
-    # GPipe: every forward before any backward; lowered to full backwards
-    gp = generate_orders("gpipe", 2, 2)
-    assert actions_from_orders(gp, 2)[0] == ["0F0", "0F1", "0B0", "0B1"]
-    with pytest.raises(InputError, match="unknown schedule 'nope'"):
-        generate_orders("nope", S, m)
-    with pytest.raises(InputError):
-        generate_orders("1f1b", 0, m)
-
-
-def test_orders_from_schedule_sorts_by_start():
-    ops = [
-        {"stage": 0, "microbatch": 1, "type": "F", "start_s": 1.0},
-        {"stage": 0, "microbatch": 0, "type": "F", "start_s": 0.0},
-        {"stage": 0, "microbatch": 0, "type": "O", "start_s": 0.5},
-        {"stage": 0, "microbatch": 0, "type": "B", "start_s": 3.0},
-        {"stage": 0, "microbatch": 0, "type": "W", "start_s": 4.0},
-        {"stage": 1, "microbatch": 0, "type": "F", "start_s": 1.0},
-    ]
-    assert orders_from_schedule({"ops": ops}) == {
-        0: [("F", 0), ("F", 1), ("B", 0), ("W", 0)],
-        1: [("F", 0)],
-    }
+    with pytest.raises(InputError, match="num_microbatches must be an integer >= 1"):
+        check_orders(orders_1f1b(2, 2), 0)
 
 
 def test_heuristic_schedule_orders_lower_cleanly():
+    """Orders of the schedule package's generators (one and several stages per device) lower to
+    torch actions; codegen never calls the scheduler itself."""
     heur = pytest.importorskip("fxpipe.schedule.heuristics")
-    from fxpipe.ir import ScheduleProblem
+    from fxpipe.ir import ScheduleProblem, looped_placement, schedule_to_orders, v_placement
 
     prob = ScheduleProblem.create(num_stages=3, num_microbatches=4, t_f=1.0, t_b=1.0, t_w=1.0, t_comm=0.0)
     for method in ("1f1b", "zb-h1"):
-        sched = heur.generate(prob, method)
-        acts = actions_from_orders(orders_from_schedule(sched, 3), 3, num_microbatches=4)
+        acts = actions_from_orders(schedule_to_orders(heur.generate(prob, method), prob), 4)
         assert all(len([a for a in acts[s] if "F" in a]) == 4 for s in range(3))
+    for method, dev in (("interleaved-1f1b", looped_placement(2, 2)), ("zb-v", v_placement(2)), ("dualpipe-v", v_placement(2))):
+        p2 = ScheduleProblem.create(num_stages=4, num_microbatches=4, t_f=1.0, t_b=1.0, t_w=1.0, device_of_stage=dev)
+        acts = actions_from_orders(schedule_to_orders(heur.generate(p2, method), p2), 4)
+        for s in range(4):
+            assert sum(a.startswith(f"{s}F") for a in acts[dev[s]]) == 4, (method, s)
+    import fxpipe.codegen as cg
+    import fxpipe.codegen.launch as launch
+
+    assert not hasattr(launch, "generate_orders") and not hasattr(cg.actions, "orders_from_schedule")
 
 
 def test_split_backward_blind_parameters_detected(t5, gpt2):
@@ -430,8 +424,8 @@ def test_single_rank_runtime_matches_eager(gpt2, single_rank_group):
     m = 4
     for p in gm.parameters():
         p.grad = None
-    acts = actions_from_orders({0: [("F", j) for j in range(m)] + [t for j in range(m) for t in (("B", j), ("W", j))]}, 1)
-    stage, sched = build_rank(staged, 0, acts, num_microbatches=m, loss_fn=cross_entropy_loss, example_microbatch_inputs=mb)
+    orders = Orders.from_stage_orders({0: [("F", j) for j in range(m)] + [t for j in range(m) for t in (("B", j), ("W", j))]})
+    (stage,), sched = build_rank(staged, 0, orders, num_microbatches=m, loss_fn=cross_entropy_loss, example_microbatch_inputs=mb)
     (ids,), tgt = make_batch_gpt2(0)
     losses: list[torch.Tensor] = []
     sched.step(ids, target=tgt, losses=losses)
@@ -443,5 +437,11 @@ def test_single_rank_runtime_matches_eager(gpt2, single_rank_group):
     for k, p in gm.named_parameters():
         torch.testing.assert_close(g_pipe[k], p.grad, rtol=1e-5, atol=1e-7, msg=k)
     torch.testing.assert_close(sum(l.detach() for l in losses) / m, total.detach())
-    with pytest.raises(InputError, match="one stage per rank"):
-        build_rank(staged, 0, {0: ["1F0"]}, num_microbatches=1, loss_fn=None, example_microbatch_inputs=mb)
+    with pytest.raises(InputError, match="build_rank takes fxpipe.ir.Orders"):
+        build_rank(staged, 0, {0: ["0F0"]}, num_microbatches=1, loss_fn=None, example_microbatch_inputs=mb)
+    with pytest.raises(InputError, match="the orders place 2 stages but the staged program has 1"):
+        build_rank(staged, 0, orders_1f1b(2, 1), num_microbatches=1, loss_fn=None, example_microbatch_inputs=mb)
+    two_devices = Orders((0, 1), orders_1f1b(2, 1).actions)
+    with pytest.raises(InputError, match="uses 2 devices but the process group has 1 ranks"):
+        build_rank(split_stages(gm, stage_of_by_blocks(gm, [2]), 2), 0, two_devices, num_microbatches=1,
+                   loss_fn=None, example_microbatch_inputs=mb)

@@ -191,3 +191,38 @@ def test_cli_bad_arguments_exit_2(graph_file, capsys):
     assert "memory capacity" in capsys.readouterr().err
     assert main(["partition", str(path), "-k", "2", "--memory-capacity", "1", "--time-limit", "0"]) == 2
     assert "fits in" in capsys.readouterr().err
+
+
+def test_relay_search_stops_at_the_chain_bound_with_every_stage_used():
+    """On a chain of layers the chain DP proves the optimum: no search beyond the seeds."""
+    from test_partition_chain import _path
+
+    g = _path(3, 40)
+    p = partition(g, 6, objective="inference", comm="relay", time_limit_s=30, seed=0)
+    validate_partition(g, p)
+    assert p.meta["proven_optimal"] and p.meta["stop_reason"] == "bound"
+    assert p.meta["lower_bound_method"] == "chain"
+    assert p.bottleneck <= p.meta["lower_bound_s"] * (1 + 1e-6)
+    assert p.meta["seconds"] < 30 and "generations" not in p.meta
+    assert (np.bincount(p.assignment, minlength=6) > 0).all()
+
+
+def test_brkga_stops_at_target_and_after_stall_time():
+    g = random_dag(5, 60, 0.06)
+    dec = PopulationDecoder(g, 5, "training", "dag")
+    res = run_brkga(dec, BRKGAParams(population=20, max_generations=50), seed=1, target=math.inf)
+    assert res.stop_reason == "target" and res.generations == 0
+    res = run_brkga(dec, BRKGAParams(population=20, max_generations=10**6, stall_time_s=0.0), seed=1)
+    assert res.stop_reason == "stall"
+    res = run_brkga(dec, BRKGAParams(population=20, max_generations=3), seed=1)
+    assert res.stop_reason == "generations" and res.generations == 3
+    with pytest.raises(InputError, match="stall_time_s"):
+        BRKGAParams(stall_time_s=-1.0)
+
+
+def test_time_limited_search_reports_why_it_stopped():
+    g = random_dag(2, 80, 0.05)
+    p = partition(g, 4, objective="training", comm="dag", time_limit_s=20, seed=0)
+    assert p.meta["stop_reason"] in ("bound", "stall", "generations", "time")
+    assert p.meta["lower_bound_method"] == "simple"
+    assert 0.0 <= p.meta["gap"] < 1.0

@@ -194,7 +194,8 @@ def test_pytree_inputs_and_outputs_reach_loss_fn(single_rank_group):
     """A positional dict with a nested list, keyword constants; a dict output with a nested
     tuple, a 0-dim auxiliary output, a non-batch tensor and a constant: ``loss_fn`` sees the
     model's structure per micro-batch, and the merged outputs follow the documented rule."""
-    from fxpipe.codegen import actions_from_orders, build_rank
+    from fxpipe.codegen import build_rank
+    from fxpipe.ir import Orders
 
     torch.manual_seed(0)
     model = M.PytreeIO()
@@ -203,8 +204,8 @@ def test_pytree_inputs_and_outputs_reach_loss_fn(single_rank_group):
     mb_kwargs = {"scale": 2.0, "mode": "sum"}
     gm = _export(model, {"x": x, "parts": [a, b]}, **mb_kwargs)
     staged = split_stages(gm, {n.name: 0 for n in gm.graph.nodes if n.op != "get_attr"}, 1)
-    acts = actions_from_orders({0: [("F", j) for j in range(m)] + [("B", j) for j in range(m)]}, 1)
-    stage, sched = build_rank(staged, 0, acts, num_microbatches=m, loss_fn=M.pytree_loss,
+    orders = Orders.from_stage_orders({0: [("F", j) for j in range(m)] + [t for j in range(m) for t in (("B", j), ("W", j))]})
+    _, sched = build_rank(staged, 0, orders, num_microbatches=m, loss_fn=M.pytree_loss,
                               example_microbatch_inputs=(x, a, b))  # the tensor inputs, flattened
     x, a, b = M.pytree_tensors(2, M.BATCH)
     target = {"y": torch.randn(M.BATCH, D), "w": torch.tensor(0.5)}

@@ -111,10 +111,9 @@ def test_schedule_to_orders_per_device():
     # one stage per device: the older per-stage form
     q = ScheduleProblem.create(num_stages=2, num_microbatches=2, t_f=1, t_b=1, t_w=1)
     from fxpipe.schedule.heuristics import one_f_one_b, orders_1f1b
-    from fxpipe.schedule.simulate import orders_from_schedule
 
     s2 = one_f_one_b(q)
-    assert schedule_to_orders(s2).stage_orders() == orders_1f1b(2, 2) == orders_from_schedule(s2, 2)
+    assert schedule_to_orders(s2).stage_orders() == orders_1f1b(2, 2)
     assert [str(x) for x in s2.ops_of_stage(0)] == [str(a) for a in schedule_to_orders(s2).of_stage(0)]
 
 

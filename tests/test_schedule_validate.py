@@ -8,7 +8,8 @@ import pytest
 
 from fxpipe.errors import InputError
 from fxpipe.ir import Schedule, ScheduledOp, ScheduleProblem
-from fxpipe.schedule.simulate import orders_from_schedule, simulate
+from fxpipe.ir import schedule_to_orders
+from fxpipe.schedule.simulate import simulate
 from fxpipe.schedule.heuristics import orders_1f1b
 from fxpipe.schedule.validate import (
     InvalidScheduleError,
@@ -255,7 +256,7 @@ def test_orders_round_trip():
     p = _problem(num_stages=3, num_microbatches=4)
     orders = orders_1f1b(3, 4)
     sched = simulate(p, orders)
-    assert orders_from_schedule(sched, 3) == orders
+    assert schedule_to_orders(sched, p).stage_orders() == orders
 
 
 def test_simulate_rejects_bad_orders():

@@ -1,4 +1,7 @@
-"""The torchrun path: a plan saved by the CLI, loaded by every rank, built with Plan.build."""
+"""The torchrun path: a plan saved by the CLI, loaded by every rank, built with Plan.build.
+
+The plan puts 4 stages V-shaped on 2 devices (ZB-V): each rank builds two stages, and rank 0,
+which holds the first and the last stage, reads the inputs and reports the losses."""
 
 from __future__ import annotations
 
@@ -23,8 +26,8 @@ def test_torchrun_trains_saved_plan_like_single_process(tmp_path):
     plan_file = tmp_path / "gpt2.plan.json"
     common = ["--hf", "gpt2", "--config", *CONFIG, "--seq-len", "8"]
     out = subprocess.run(
-        [sys.executable, "-m", "fxpipe.cli", "plan", *common, "--devices", "2", "--microbatches", "4", "--schedule", "1f1b",
-         "--time-limit", "0.5", "--out", str(plan_file)],
+        [sys.executable, "-m", "fxpipe.cli", "plan", *common, "--devices", "2", "--microbatches", "4",
+         "--stages-per-device", "2", "--placement", "v", "--schedule", "zb-v", "--time-limit", "0.5", "--out", str(plan_file)],
         capture_output=True, text=True, timeout=300,
     )
     assert out.returncode == 0, out.stderr
@@ -35,7 +38,7 @@ def test_torchrun_trains_saved_plan_like_single_process(tmp_path):
     )
     assert run.returncode == 0, run.stderr[-4000:]
     lines = [json.loads(x) for x in run.stdout.splitlines() if x.startswith("{")]
-    assert len(lines) == 1
+    assert len(lines) == 1 and lines[0]["rank"] == 0  # V placement: the last stage is on rank 0
     factory = HFFactory("gpt2", {k: int(v) for k, v in (c.split("=") for c in CONFIG)}, microbatches=4, microbatch_size=1, seq_len=8)
     ref = reference_train(factory, _BatchFn(factory), num_microbatches=4, steps=2, lr=0.05)
     torch.testing.assert_close(torch.tensor(lines[0]["losses"]), torch.tensor(ref.losses), rtol=1e-4, atol=1e-6)

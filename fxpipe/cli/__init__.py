@@ -9,6 +9,7 @@ print one line on stderr and exit with code 2, never a traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import os
 import sys
@@ -40,6 +41,41 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+@contextlib.contextmanager
+def _stdout_for_json_only(json_mode: bool):
+    """With ``--json``, stdout carries the JSON document and nothing else.
+
+    Native libraries write to file descriptor 1 behind Python's back (SCIP prints "pressed
+    CTRL-C ..." from its signal handler even with output hidden, and solver subprocesses
+    inherit the descriptor). While the command runs, descriptor 1 points at stderr and
+    Python's ``sys.stdout`` writes to a duplicate of the real stdout, so the JSON reaches
+    stdout and everything native goes to stderr.
+    """
+    if not json_mode:
+        yield
+        return
+    try:
+        sys.stdout.flush()
+        if sys.stdout.fileno() != 1:
+            raise ValueError("stdout is not descriptor 1")
+        real_fd = os.dup(1)
+    except (OSError, ValueError, AttributeError):  # stdout replaced (e.g. captured by a test harness)
+        yield
+        return
+    old_stdout = sys.stdout
+    os.dup2(2, 1)
+    sys.stdout = os.fdopen(real_fd, "w", closefd=False)
+    try:
+        yield
+    finally:
+        try:
+            sys.stdout.flush()
+        finally:
+            sys.stdout = old_stdout
+            os.dup2(real_fd, 1)
+            os.close(real_fd)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``fxpipe`` console script; returns the exit code."""
     parser = build_parser()
@@ -53,8 +89,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return 2
     try:
-        code = int(args.func(args) or 0)
-        sys.stdout.flush()
+        with _stdout_for_json_only(getattr(args, "json", False)):
+            code = int(args.func(args) or 0)
+            sys.stdout.flush()
         return code
     except FxpipeError as exc:
         print(f"fxpipe {args.command}: error: {exc}", file=sys.stderr)

@@ -1,7 +1,8 @@
 """``fxpipe bounds GRAPH -k K``: lower-bound certificates for a partition (Contract 4).
 
 Runs the MIP hierarchy of Archer et al. 2024, Section 3 (``simple``, ``lp``, ``bottleneck``,
-``guess``, ``exact``) and prints one row per method: the bound, its ratio to the best
+``guess``, ``exact``) and the chain DP (``chain``, relay communication,
+:mod:`fxpipe.partition.chain`), and prints one row per method: the bound, its ratio to the best
 partition known, SCIP's status and the wall time. ``--json`` prints ``{"k", "solution":
 {"bottleneck", "assignment"}, "lower_bounds", "best_lower_bound", "ratio", "solver"}``;
 ``--certificate OUT.json`` writes an ``fxpipe.certificate/1`` file a third party can check.
@@ -14,7 +15,7 @@ import argparse
 from fxpipe.cli.common import add_graph_arguments, check_stage_count, emit, load_graph
 from fxpipe.errors import InputError
 
-DEFAULT_METHODS = "simple,bottleneck,guess,exact"
+DEFAULT_METHODS = "simple,chain,bottleneck,guess,exact"
 
 
 def parse_methods(text: str) -> list[str]:
@@ -40,7 +41,8 @@ def add_bounds_arguments(p: argparse.ArgumentParser, *, time_default: float = 60
     p.add_argument("-k", "--stages", dest="k", type=int, required=True, help="number of pipeline stages (devices)")
     p.add_argument("--objective", choices=("inference", "training"), default="inference")
     p.add_argument("--comm", choices=("dag", "relay"), default="dag", help="communication model (Contract 2)")
-    p.add_argument("--methods", default=DEFAULT_METHODS, help=f"comma-separated subset of simple,lp,bottleneck,guess,exact (default {DEFAULT_METHODS})")
+    p.add_argument("--methods", default=DEFAULT_METHODS, help=f"comma-separated subset of simple,chain,lp,bottleneck,guess,exact (default {DEFAULT_METHODS}; chain needs --comm relay; "
+                   "MIPs are skipped once the partition is proven optimal)")
     p.add_argument("--time-limit", dest="time_limit", type=float, default=time_default, help=f"seconds per MIP method (default {time_default:g})")
     p.add_argument("--search-time-limit", dest="search_time_limit", type=float, default=None, help="seconds for the warm-start partition search (default min(10, time limit))")
     p.add_argument("--memory-capacity", dest="memory_capacity", default=None, help="bytes per device, e.g. 80GB or 16GiB")
@@ -103,5 +105,7 @@ def run(args: argparse.Namespace) -> int:
     text = f"{graph.name}: n={graph.n} m={graph.m} k={args.k} objective={args.objective} comm={args.comm}\n" + report.format_table()
     if args.certificate:
         text += f"\ncertificate written to {args.certificate}"
+    if report.interrupted:
+        text += "\ninterrupted (Ctrl-C): the bounds above are the methods finished so far; each is valid"
     emit(args, report.to_dict(), text)
-    return 0
+    return 130 if report.interrupted else 0

@@ -101,4 +101,11 @@ def _table(graph, part) -> str:
         f"bottleneck {part.bottleneck * 1e3:.4f} ms; {part.meta.get('evaluations')} orders in {part.meta.get('seconds', 0):.2f} s"
         + (" (interrupted)" if part.meta.get("interrupted") else "")
     )
+    if "lower_bound_s" in part.meta:
+        lb = part.meta["lower_bound_s"]
+        lines.append(
+            f"lower bound {lb * 1e3:.4f} ms ({part.meta.get('lower_bound_method')}): "
+            + ("proven optimal" if part.meta.get("proven_optimal") else f"gap {100 * part.meta.get('gap', 0.0):.2f}%")
+            + f"; search stopped: {part.meta.get('stop_reason')}"
+        )
     return "\n".join(lines)

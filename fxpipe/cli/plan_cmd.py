@@ -3,9 +3,12 @@
 Example::
 
     fxpipe plan --hf gpt2 --config n_layer=8 --devices 4 --microbatches 8 --run
+    fxpipe plan --hf gpt2 --devices 4 --stages-per-device 2 --placement v    # ZB-V
+    fxpipe plan --hf llama --devices 4 --stages-per-device auto --placement auto
 
-builds a randomly initialised model (no download), plans it for ``--devices`` pipeline
-stages, prints the stage table, and with ``--run`` trains a few steps on local gloo ranks
+builds a randomly initialised model (no download), plans it for ``--devices`` devices
+(``--stages-per-device`` stages on each, placed looped or V-shaped, or the best of them by
+predicted step time with ``auto``), prints the stage (and device) table, and with ``--run`` trains a few steps on local gloo ranks
 next to a single-process reference and prints both losses and the largest gradient
 difference.
 """
@@ -18,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from fxpipe.api import SCHEDULES
+from fxpipe.api import PLACEMENTS, SCHEDULES
 from fxpipe.cli.common import check_writable, emit, status
 from fxpipe.cost.hardware import list_hardware
 from fxpipe.errors import InputError
@@ -39,7 +42,18 @@ def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "--config", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
         help="config overrides, e.g. n_layer=8 n_embd=256 (repeat the flag to add more; a later value of the same key wins)",
     )
-    p.add_argument("--devices", type=int, default=4, help="pipeline stages / devices (default 4)")
+    p.add_argument("--devices", type=int, default=4, help="devices = pipeline ranks (default 4)")
+    p.add_argument(
+        "--stages-per-device", type=_stages_per_device, default=1, metavar="V",
+        help="pipeline stages on every device (the model is cut into V x devices stages), or 'auto': try 1 and 2 "
+        "and keep the best predicted step time (default 1)",
+    )
+    p.add_argument(
+        "--placement", choices=PLACEMENTS, default="looped",
+        help="placement of the stages when V > 1: looped (stage s on device s mod devices, interleaved 1F1B), v "
+        "(stages s and 2*devices-1-s on device s: ZB-V, DualPipe-V) or auto (the best predicted step time) "
+        "(default looped)",
+    )
     p.add_argument("--microbatches", type=int, default=8, help="micro-batches per step (default 8)")
     p.add_argument("--microbatch-size", type=int, default=1, help="sequences per micro-batch (default 1)")
     p.add_argument("--seq-len", type=int, default=128, help="sequence length (default 128)")
@@ -58,7 +72,11 @@ def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--profile-threads", type=int, default=None, metavar="N",
                    help="intra-op threads the ops are timed with (default: 1 with --run, whose ranks run one thread each; else torch's setting)")
     p.add_argument("--objective", choices=("training", "inference"), default="training")
-    p.add_argument("--schedule", default="zb-h1", choices=SCHEDULES, help="schedule method (default zb-h1)")
+    p.add_argument(
+        "--schedule", default=None, choices=SCHEDULES,
+        help="schedule method, one valid for the placement (default: zb-h1 with one stage per device, "
+        "interleaved-1f1b looped, zb-v V-shaped)",
+    )
     p.add_argument("--time-limit", type=float, default=10.0, help="partition search budget in seconds (default 10)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -75,6 +93,16 @@ def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable output on stdout")
     p.set_defaults(func=run)
     return p
+
+
+def _stages_per_device(text: str):
+    """argparse type of --stages-per-device: an integer or 'auto'."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got {text!r}") from None
 
 
 @dataclass(frozen=True)
@@ -150,6 +178,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.profile_threads is not None and args.profile_threads < 1:
         raise InputError(f"--profile-threads must be >= 1, got {args.profile_threads}")
+    if args.stages_per_device != "auto" and args.stages_per_device < 1:
+        raise InputError(f"--stages-per-device must be >= 1 or 'auto', got {args.stages_per_device}")
     for name in ("devices", "microbatches", "microbatch_size", "seq_len", "steps"):
         if getattr(args, name) < 1:
             raise InputError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -178,6 +208,8 @@ def run(args: argparse.Namespace) -> int:
         profile_threads=1 if (args.profile_threads is None and args.run) else args.profile_threads,
         objective=args.objective,
         schedule=args.schedule,
+        stages_per_device=args.stages_per_device,
+        placement=args.placement,
         time_limit_s=args.time_limit,
         seed=args.seed,
         name=args.hf,
@@ -197,17 +229,20 @@ def run(args: argparse.Namespace) -> int:
         doc["report"] = _write_report(plan, args)
         text.append(f"report written to {doc['report']['html']} (bounds: {doc['report']['bounds']})")
     if args.run:
+        from fxpipe.codegen.compare import TrainingComparison
+
         status(f"training {args.steps} steps on {plan.devices} local gloo ranks, then a single-process reference ...")
         result = plan.train_local(factory, _BatchFn(factory), steps=args.steps, lr=args.lr, reference=True)
         doc["run"] = {k: v for k, v in result.items() if k != "results"}
         text.append(
             "pipeline losses:  " + ", ".join(f"{x:.6f}" for x in result["pipeline_losses"])
             + "\nreference losses: " + ", ".join(f"{x:.6f}" for x in result["reference_losses"])
-            + f"\nmax |grad difference| {result['max_grad_abs_diff']:.3e} (max relative {result['max_grad_rel_diff']:.3e}) "
-            f"over {result['num_params']} parameters; pipeline run {result['pipeline_wall_s']:.1f} s"
+            + f"\npipelined vs single-process training: {TrainingComparison(**result['comparison']).summary()}"
+            + f"\npipeline run {result['pipeline_wall_s']:.1f} s"
         )
     emit(args, doc, "\n".join(text))
-    return 0
+    # a pipelined run that does not match single-process training is a failure of fxpipe, not of the input
+    return 1 if args.run and not result["ok"] else 0
 
 
 def _write_report(plan, args: argparse.Namespace) -> dict[str, Any]:
@@ -222,12 +257,12 @@ def _write_report(plan, args: argparse.Namespace) -> dict[str, Any]:
     from fxpipe.report import ReportSection, write_report
     from fxpipe.schedule.plot import gantt
 
-    bounds = compute_bounds(
+    bounds = compute_bounds(  # certificates of the per-stage bottleneck of the plan's num_stages stages
         plan.graph,
-        plan.devices,
+        plan.num_stages,
         objective=plan.objective,
         comm=plan.comm,
-        methods=("simple", "bottleneck", "exact"),
+        methods=("simple", "chain", "bottleneck", "exact"),
         time_limit_s=args.bounds_time_limit,
         warm_start=plan.partition,
     )
@@ -254,7 +289,8 @@ def _write_report(plan, args: argparse.Namespace) -> dict[str, Any]:
         out_md=html_path.with_suffix(".md"),
         command="fxpipe " + shlex.join(sys.argv[1:]) if sys.argv and sys.argv[0].endswith("fxpipe") else None,
         extra_sections=sections,
-        title=f"fxpipe plan: {plan.name} on {plan.devices} x {plan.hardware}",
+        title=f"fxpipe plan: {plan.name} on {plan.devices} x {plan.hardware}"
+        + (f" ({plan.num_stages} stages, {plan.placement} placement)" if plan.stages_per_device > 1 else ""),
     )
     return {
         "html": str(written["html"]),

@@ -8,12 +8,13 @@ Small passes, one job each:
   placed and cloned, contiguous gradients, every parameter and buffer owned by a stage).
 - :mod:`fxpipe.codegen.interface`: the model's pytree inputs/outputs <-> flat stage tensors,
   micro-batch splitting and output merging (:class:`ModelInputs`, :class:`ModelInterface`).
-- :mod:`fxpipe.codegen.actions`: fxpipe F/B/W orders -> torch action strings (pure lists).
+- :mod:`fxpipe.codegen.actions`: per-device :class:`fxpipe.ir.Orders` -> torch action strings
+  (pure list-to-list passes; codegen's one schedule input is ``Orders``, it never calls the scheduler).
 - :mod:`fxpipe.codegen.shapes`: static shape inference on fake tensors (never touches real state).
 - :mod:`fxpipe.codegen.runtime`: the only module importing private torch APIs (pytrees, op
   schemas, fake tensors, ``_PipelineScheduleRuntime``) and :class:`FxpipeScheduleRuntime`.
 - :mod:`fxpipe.codegen.rank`: :func:`build_rank` / :func:`build_pipeline_rank` (this rank's
-  ``PipelineStage`` + schedule runtime).
+  ``PipelineStage`` s - several with looped or V placements - and the schedule runtime).
 - :mod:`fxpipe.codegen.launch`: :func:`spawn_train` (multi-process gloo training on this
   machine) and :func:`reference_train` (single-process oracle).
 - :mod:`fxpipe.codegen.compare`: :func:`compare_training` (losses, gradients, parameters, buffers).
@@ -21,7 +22,7 @@ Small passes, one job each:
 
 from __future__ import annotations
 
-from fxpipe.codegen.actions import actions_from_orders, check_orders, format_actions, fuse_backward, orders_from_schedule
+from fxpipe.codegen.actions import actions_from_orders, check_orders, format_actions, fuse_backward
 from fxpipe.codegen.interface import ModelInputs, ModelInterface, split_microbatches
 from fxpipe.codegen.split import StagedProgram, StageSpec, canonical_param_names, split_stages
 
@@ -34,7 +35,6 @@ __all__ = [
     "ModelInterface",
     "split_microbatches",
     "actions_from_orders",
-    "orders_from_schedule",
     "check_orders",
     "fuse_backward",
     "format_actions",

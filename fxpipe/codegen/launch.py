@@ -4,8 +4,9 @@
 training runs in them. A worker captures each model once (``fxpipe.passes.capture``, i.e.
 ``torch.export`` of one micro-batch, exactly as ``fxpipe.compile`` does), keeps the capture and
 its initial state for the following runs of the same model (other schedules), splits it into
-stages, builds each rank's ``PipelineStage`` + schedule runtime (:mod:`fxpipe.codegen.rank`)
-and trains with SGD. :func:`reference_train` trains the eager model in one process with the
+stages, builds each rank's ``PipelineStage`` s + schedule runtime (:mod:`fxpipe.codegen.rank`;
+several stages per rank with looped or V placements) and trains with SGD. Schedules come in as
+:class:`fxpipe.ir.Orders` built by the caller (codegen never calls the scheduler). :func:`reference_train` trains the eager model in one process with the
 same micro-batches (:func:`fxpipe.codegen.interface.split_microbatches`) and loss averaging
 (loss applied per micro-batch, gradients of the mean micro-batch loss, as torch's schedules
 with ``scale_grads=True``). :func:`fxpipe.codegen.compare.compare_training` compares the two:
@@ -29,8 +30,10 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
+from fxpipe.codegen.actions import check_orders
 from fxpipe.codegen.interface import ModelInputs, as_call, call_model, split_microbatches
 from fxpipe.errors import InputError
+from fxpipe.ir.schedule import Orders
 
 __all__ = [
     "TrainResult",
@@ -39,7 +42,6 @@ __all__ = [
     "spawn_train_many",
     "reference_train",
     "cross_entropy_loss",
-    "generate_orders",
     "free_port",
 ]
 
@@ -61,8 +63,10 @@ class TrainResult:
     buffers : dict[str, torch.Tensor]
         Buffers after all steps (``model.named_buffers()`` names; from the stage owning each).
     meta : dict
-        Extra information (``stage_params``, ``shared_params``, ``actions``, ``relayed``,
-        ``random_ops``, ``moved_nodes``, ``train_wall_s``, ``wall_s``).
+        Extra information: ``stage_params`` (canonical parameter names of every stage),
+        ``shared_params``, ``actions`` (per rank), ``device_of_stage``, ``relayed``,
+        ``cloned``, ``fused_full_backward`` (per stage), ``random_ops``, ``moved_nodes``,
+        ``train_wall_s``, ``wall_s``.
     """
 
     losses: list[float]
@@ -109,50 +113,6 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def generate_orders(name: str, num_stages: int, num_microbatches: int) -> dict[int, list[tuple[str, int]]]:
-    """Per-stage F/B/W orders of a named heuristic schedule (``"1f1b"``, ``"zb-h1"``, ``"gpipe"``, ...).
-
-    The orders come from :func:`fxpipe.schedule.heuristics.generate` on a
-    :class:`~fxpipe.ir.ScheduleProblem` with unit times (``t_f = t_b = t_w = 1``, no
-    communication, no memory limit), read per stage in start-time order by
-    :func:`fxpipe.schedule.simulate.orders_from_schedule`; the schedule package is the one
-    place the scheduling rules live.
-
-    Parameters
-    ----------
-    name : str
-        One of :data:`fxpipe.schedule.heuristics.METHODS` (case-insensitive).
-    num_stages, num_microbatches : int
-        Pipeline stages S and micro-batches m per step.
-
-    Returns
-    -------
-    dict[int, list[tuple[str, int]]]
-        ``{stage: [(type, microbatch), ...]}`` with types ``F``, ``B``, ``W`` (offload/reload
-        ops, if the method makes any, are dropped).
-
-    Raises
-    ------
-    InputError
-        On an unknown schedule name or a bad count.
-
-    References
-    ----------
-    Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024, Sec. 2-3 (ZB-H1);
-    Narayanan et al. 2021 (1F1B); Huang et al. 2019 (GPipe).
-    """
-    from fxpipe.ir import ScheduleProblem
-    from fxpipe.schedule.heuristics import METHODS, generate
-    from fxpipe.schedule.simulate import orders_from_schedule
-
-    key = str(name).lower()
-    if key not in METHODS:
-        raise InputError(f"unknown schedule {name!r}: use one of {', '.join(METHODS)}, or pass orders")
-    problem = ScheduleProblem.create(num_stages=num_stages, num_microbatches=num_microbatches,
-                                     t_f=1.0, t_b=1.0, t_w=1.0, name=f"unit-{key}")
-    return orders_from_schedule(generate(problem, key), problem.num_stages)
 
 
 def _as_inputs(inputs: Any) -> ModelInputs:
@@ -267,13 +227,14 @@ def _capture_key(run: Mapping[str, Any]):
 
 
 def _run_one(rank: int, world: int, run: dict, out_dir: str, idx: int, cache: dict, groups: dict) -> None:
-    """One training run inside an initialised process group (one stage per rank)."""
-    from fxpipe.codegen.actions import actions_from_orders
+    """One training run inside an initialised process group (this rank runs its stages of the placement)."""
     from fxpipe.codegen.effects import random_ops
     from fxpipe.codegen.rank import build_rank
     from fxpipe.codegen.split import split_stages
 
     m = run["num_microbatches"]
+    orders = run["orders"]
+    S = orders.num_stages
     key = _capture_key(run)
     cap = cache.get("captured")
     state = run.get("state")  # per-rank materialization: the model is built on meta (fxpipe.codegen.materialize)
@@ -298,30 +259,28 @@ def _run_one(rank: int, world: int, run: dict, out_dir: str, idx: int, cache: di
     stage_of = run["stage_of"]
     if callable(stage_of):
         stage_of = stage_of(gm)
-    skey = (world, tuple(sorted(stage_of.items())))
+    skey = (S, tuple(sorted(stage_of.items())))
     if skey not in cap.staged:
-        cap.staged[skey] = split_stages(gm, stage_of, world)
+        cap.staged[skey] = split_stages(gm, stage_of, S)
     staged = cap.staged[skey]
-    orders = run["orders"]
-    if isinstance(orders, str):
-        orders = generate_orders(orders, world, m)
-    actions = actions_from_orders(orders, world, num_microbatches=m, fuse=run["fuse"])
     loss_fn = _loss_fn(run["loss"])
     source = None
     if state is not None:
         from fxpipe.codegen.materialize import StateSource
 
         source = StateSource(seed=state.get("seed", 0), checkpoint=state.get("checkpoint"), model=cap.model)
-    has_memops = any(str(t) in ("O", "R") for ops in orders.values() for t, _ in ops)
-    stage, sched = build_rank(
-        staged, rank, actions, num_microbatches=m, loss_fn=loss_fn, example_microbatch_inputs=cap.mb_example,
-        fused_backward=run["fused_backward"], group_cache=groups, io_cache=cap.io_cache,
-        device_programs=orders if has_memops else None, recompute_stages=tuple(run.get("recompute_stages", ())),
-        state_source=source,
+    stages, sched = build_rank(
+        staged, rank, orders, num_microbatches=m, loss_fn=loss_fn, example_microbatch_inputs=cap.mb_example,
+        fuse=run["fuse"], fused_backward=run["fused_backward"], group_cache=groups, io_cache=cap.io_cache,
+        recompute_stages=tuple(run.get("recompute_stages", ())), state_source=source,
     )
-    spec = staged.stages[rank]
-    named = spec.named_parameters()
-    opt = torch.optim.SGD(list(named.values()), lr=run["lr"]) if named else None  # pure relay stage: no params
+    local = [st.stage_index for st in stages]
+    named: dict[str, torch.nn.Parameter] = {}
+    for s in local:  # stages of one rank share tied parameter objects: each once
+        for fqn, prm in staged.stages[s].named_parameters().items():
+            named.setdefault(fqn, prm)
+    opt = torch.optim.SGD(list(named.values()), lr=run["lr"]) if named else None  # pure relay stages: no params
+    first, last = sched.has_first_stage, sched.has_last_stage
     losses: list[float] = []
     grads: dict[str, torch.Tensor | None] = {}
     t0 = time.perf_counter()
@@ -330,9 +289,9 @@ def _run_one(rank: int, world: int, run: dict, out_dir: str, idx: int, cache: di
         if opt is not None:
             opt.zero_grad(set_to_none=True)
         mb_losses: list[torch.Tensor] = []
-        args, kwargs = as_call(inputs) if stage.is_first else ((), {})
-        sched.step(*args, target=target if stage.is_last else None, losses=mb_losses, return_outputs=False, **kwargs)
-        if stage.is_last:
+        args, kwargs = as_call(inputs) if first else ((), {})
+        sched.step(*args, target=target if last else None, losses=mb_losses, return_outputs=False, **kwargs)
+        if last:
             losses.append(sum(float(l.detach()) for l in mb_losses) / len(mb_losses))
         grads = _grads_of(named)
         if opt is not None:
@@ -346,28 +305,32 @@ def _run_one(rank: int, world: int, run: dict, out_dir: str, idx: int, cache: di
         held = real_state_bytes(cap.gm, cap.model, *(s.module for s in staged.stages))
     else:
         held = None
-    owned = [fqn for fqn, s in staged.buffer_owner.items() if s == rank]
-    bufs = spec.named_buffers()
+    bufs: dict[str, torch.Tensor] = {}
+    for s in local:
+        owned = {fqn for fqn, o in staged.buffer_owner.items() if o == s}
+        bufs.update({k: b.detach().clone() for k, b in staged.stages[s].named_buffers().items() if k in owned})
     torch.save(
-        {"grads": grads, "params": {k: p.detach().clone() for k, p in named.items()},
-         "buffers": {k: bufs[k].detach().clone() for k in owned}},
+        {"grads": grads, "params": {k: p.detach().clone() for k, p in named.items()}, "buffers": bufs},
         os.path.join(out_dir, f"run{idx}_rank{rank}.pt"),
     )
     with open(os.path.join(out_dir, f"run{idx}_rank{rank}.json"), "w") as f:
         json.dump(
             {
                 "losses": losses,
-                "param_fqns": list(spec.param_fqns),
+                "has_last_stage": last,
+                "stages": local,
+                "stage_param_fqns": {s: list(staged.stages[s].param_fqns) for s in local},
+                "device_of_stage": list(orders.device_of_stage),
                 "shared_params": {k: list(v) for k, v in staged.shared_params.items()},
                 "relayed": {s.index: list(s.relayed_names) for s in staged.stages},
                 "cloned": {s.index: list(s.cloned_inputs) for s in staged.stages},
                 "moved_nodes": {k: list(v) for k, v in staged.moved_nodes.items()},
                 "actions": sched.fxpipe_actions[rank],
-                "fused_full_backward": bool(sched.fxpipe_fused_full_backward),
+                "fused_full_backward": {s: bool(v) for s, v in sched.fxpipe_fused_full_backward.items()},
                 "random_ops": cap.random_ops,
                 "train_wall_s": wall,
                 "activation": stash.stats().to_dict() if stash is not None else None,
-                "materialized": mat.to_dict() if mat is not None else None,
+                "materialized": {s: r.to_dict() for s, r in mat.items()} if mat else None,
                 "held_state_bytes": held,
             },
             f,
@@ -404,7 +367,7 @@ def _worker(rank: int, cfg: dict) -> None:
 def spawn_train(
     make_model: Callable[[], tuple[torch.nn.Module, Any]],
     stage_of: Mapping[str, int] | Callable[[torch.fx.GraphModule], Mapping[str, int]],
-    orders: Mapping[int, Sequence[tuple[str, int]]] | str | Any,
+    orders: Orders,
     *,
     world_size: int,
     num_microbatches: int,
@@ -429,11 +392,13 @@ def spawn_train(
         (:func:`~fxpipe.codegen.interface.split_microbatches`) is what ``torch.export`` captures.
     stage_of : Mapping[str, int] or picklable callable(gm) -> Mapping[str, int]
         Node name -> stage (see :func:`fxpipe.codegen.split.split_stages`).
-    orders : Mapping[int, list[(type, microbatch)]], str or fxpipe.ir.Schedule
-        Per-stage F/B/W orders, a schedule name for :func:`generate_orders`, or a timed
-        schedule (converted by per-stage start order).
+    orders : fxpipe.ir.Orders
+        Per-device programs with the placement of the stages on the devices (ranks), e.g.
+        ``fxpipe.ir.schedule_to_orders(schedule, problem)`` of a schedule from
+        :mod:`fxpipe.schedule`, or :meth:`fxpipe.plan.Plan.orders`. ``orders.num_stages`` is the
+        number of stages ``stage_of`` uses.
     world_size : int
-        Number of processes = stages.
+        Number of processes = devices of the placement (``orders.num_devices``).
     num_microbatches : int
         Micro-batches per step.
     make_batch : picklable callable(step) -> (inputs, target)
@@ -451,12 +416,15 @@ def spawn_train(
     Returns
     -------
     TrainResult
-        Losses (from the last rank), gradients and parameters of every parameter gathered from
-        the ranks that hold it (canonical FQNs; tied parameters are checked to be equal on
+        Losses (from the rank of the last stage), gradients and parameters of every parameter
+        gathered from the ranks that hold it (canonical FQNs; tied parameters are checked to be equal on
         every holder), buffers from the stage that owns each.
 
     Raises
     ------
+    InputError
+        Before any worker starts: orders that are not :class:`~fxpipe.ir.Orders`, are
+        incomplete or deadlock, or whose number of devices is not ``world_size``.
     RuntimeError
         If a worker fails (the message carries its traceback).
     TimeoutError
@@ -487,11 +455,11 @@ def spawn_train_many(runs: Sequence[Mapping[str, Any]], *, world_size: int, time
         ``make_batch`` are required), plus optionally ``model_key`` (hashable, names the model
         for capture reuse), ``recompute_stages`` (stages that recompute their forward during the
         backward) and ``state`` (a dict with ``seed`` and optionally ``checkpoint``: every worker
-        builds the model on ``meta`` and materializes only its stage from the model's
+        builds the model on ``meta`` and materializes only its stages from the model's
         initializers under that seed and/or the checkpoint; the single-process reference is
-        :class:`fxpipe.codegen.materialize.MetaInit`). Orders may carry offload/reload actions
-        (``("O", j)``, ``("R", j)`` in the per-stage lists; an ``fxpipe.ir.Schedule`` or
-        ``Orders`` keeps its own), which the workers execute. ``TrainResult.meta`` then holds,
+        :class:`fxpipe.codegen.materialize.MetaInit`). The ``Orders`` may carry offload/reload actions
+        (``Action(s, "O", j)`` / ``"R"``; :func:`fxpipe.ir.schedule_to_orders` keeps a
+        schedule's), which the workers execute. ``TrainResult.meta`` then holds,
         per rank, ``activation`` (the saved-tensor hooks' measurements,
         :class:`~fxpipe.codegen.stash.ActivationStats`), ``materialized`` and
         ``held_state_bytes`` (bytes of real parameters and buffers the rank holds).
@@ -526,14 +494,15 @@ def spawn_train_many(runs: Sequence[Mapping[str, Any]], *, world_size: int, time
         if missing:
             raise InputError(f"run {i} lacks {missing}")
         run = {**defaults, **dict(r)}
-        if isinstance(run["orders"], str):  # a schedule name: fail here, before any worker starts
-            run["orders"] = generate_orders(run["orders"], world_size, run["num_microbatches"])
-        elif not isinstance(run["orders"], Mapping):  # an fxpipe.ir.Schedule or Orders: O/R actions are kept
-            from fxpipe.codegen.offload import stage_orders_with_memops
-            from fxpipe.ir import Orders, schedule_to_orders
-
-            o = run["orders"]
-            run["orders"] = stage_orders_with_memops(o if isinstance(o, Orders) else schedule_to_orders(o))
+        try:  # fail here, before any worker starts
+            check_orders(run["orders"], run["num_microbatches"])
+        except InputError as exc:
+            raise InputError(f"run {i}: {exc}") from None
+        if run["orders"].num_devices != world_size:
+            raise InputError(
+                f"run {i}: the orders place the stages on {run['orders'].num_devices} devices but world_size is "
+                f"{world_size}: one process per device"
+            )
         norm_runs.append(run)
     results: dict[int, TrainResult | RunError] = {}
     per_run = run_timeout_s if run_timeout_s is not None else timeout_s
@@ -653,7 +622,7 @@ def _gather(out_dir: str, world: int, idx: int, wall: float) -> TrainResult:
     grads: dict[str, torch.Tensor | None] = {}
     params: dict[str, torch.Tensor] = {}
     buffers: dict[str, torch.Tensor] = {}
-    stage_params: list[list[str]] = []
+    stage_params: dict[int, list[str]] = {}
     losses: list[float] = []
     info: dict[str, Any] = {}
     actions: dict[int, list[str]] = {}
@@ -666,14 +635,14 @@ def _gather(out_dir: str, world: int, idx: int, wall: float) -> TrainResult:
         with open(os.path.join(out_dir, f"run{idx}_rank{r}.json")) as f:
             info = json.load(f)
         blob = torch.load(os.path.join(out_dir, f"run{idx}_rank{r}.pt"), weights_only=True)
-        stage_params.append(info["param_fqns"])
+        stage_params.update({int(s): v for s, v in info["stage_param_fqns"].items()})
         actions[r] = info["actions"]
-        fused[r] = info["fused_full_backward"]
+        fused.update({int(s): v for s, v in info["fused_full_backward"].items()})
         activation[r] = info.get("activation")
         materialized[r] = info.get("materialized")
         held[r] = info.get("held_state_bytes")
         train_wall = max(train_wall, info["train_wall_s"])
-        if r == world - 1:
+        if info["has_last_stage"]:
             losses = info["losses"]
         buffers.update(blob["buffers"])
         for k, g in blob["grads"].items():
@@ -681,15 +650,17 @@ def _gather(out_dir: str, world: int, idx: int, wall: float) -> TrainResult:
                 same_grad = (g is None and grads[k] is None) or (
                     g is not None and grads[k] is not None and torch.equal(grads[k], g))
                 if not same_grad:
-                    raise RuntimeError(f"tied parameter {k!r}: gradient differs between the stages holding it")
+                    raise RuntimeError(f"tied parameter {k!r}: gradient differs between the ranks holding it")
                 if not torch.equal(params[k], blob["params"][k]):
-                    raise RuntimeError(f"tied parameter {k!r}: copies diverged between the stages holding it")
+                    raise RuntimeError(f"tied parameter {k!r}: copies diverged between the ranks holding it")
                 continue
             grads[k] = g
             params[k] = blob["params"][k]
     return TrainResult(
         losses, grads, params, buffers,
-        {"stage_params": stage_params, "shared_params": info.get("shared_params", {}), "actions": actions,
+        {"stage_params": [stage_params[s] for s in sorted(stage_params)],
+         "shared_params": info.get("shared_params", {}), "actions": actions,
+         "device_of_stage": info.get("device_of_stage", []),
          "relayed": {int(k): v for k, v in info.get("relayed", {}).items()},
          "cloned": {int(k): v for k, v in info.get("cloned", {}).items()},
          "moved_nodes": info.get("moved_nodes", {}), "random_ops": info.get("random_ops", []),

@@ -1,12 +1,14 @@
-"""Build one rank of a pipeline: its ``PipelineStage`` and the schedule runtime loaded with its actions.
+"""Build one rank of a pipeline: its ``PipelineStage`` s and the schedule runtime loaded with its actions.
 
-:func:`build_rank` assembles the pieces: the stage module from :mod:`fxpipe.codegen.split`,
-its example inputs/outputs from :mod:`fxpipe.codegen.shapes` (static, on fake tensors), the
-per-rank actions from :mod:`fxpipe.codegen.actions`, and :class:`~fxpipe.codegen.runtime.FxpipeScheduleRuntime`
-(torch's runtime with the model's calling convention, :mod:`fxpipe.codegen.interface`).
-:func:`build_pipeline_rank` does it all from a captured graph and a stage map in one call.
+:func:`build_rank` assembles the pieces: the stage modules from :mod:`fxpipe.codegen.split`,
+their example inputs/outputs from :mod:`fxpipe.codegen.shapes` (static, on fake tensors), the
+per-rank actions lowered from the :class:`~fxpipe.ir.Orders` by :mod:`fxpipe.codegen.actions`,
+and :class:`~fxpipe.codegen.runtime.FxpipeScheduleRuntime` (torch's runtime with the model's
+calling convention, :mod:`fxpipe.codegen.interface`). :func:`build_pipeline_rank` does it all
+from a captured graph and a stage map in one call.
 
-One stage per rank: rank ``r`` runs stage ``r``.
+Placement: rank ``r`` runs every stage ``s`` with ``orders.device_of_stage[s] == r`` (one stage
+per rank, looped ``s mod p``, V-shape, or any placement torch's runtime can run).
 """
 
 from __future__ import annotations
@@ -17,12 +19,13 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from fxpipe.codegen.actions import actions_from_orders, fuse_backward, orders_from_schedule, parse_action
+from fxpipe.codegen.actions import actions_from_orders, fuse_backward
 from fxpipe.codegen.interface import ModelInputs
 from fxpipe.codegen.runtime import FxpipePipelineStage, FxpipeScheduleRuntime
 from fxpipe.codegen.shapes import stage_io
 from fxpipe.codegen.split import StagedProgram, split_stages
 from fxpipe.errors import InputError
+from fxpipe.ir.schedule import Orders
 
 __all__ = ["build_rank", "build_pipeline_rank", "example_inputs_from_gm"]
 
@@ -59,16 +62,21 @@ def example_inputs_from_gm(gm: torch.fx.GraphModule) -> ModelInputs:
     return ModelInputs(tuple(args), dict(kwargs))
 
 
-def _shared_param_groups(staged: StagedProgram, stage_index: int, group, module: torch.nn.Module, cache=None):
+def _shared_param_groups(staged: StagedProgram, device_of_stage: Sequence[int], rank: int, group,
+                         modules: Mapping[int, torch.nn.Module], cache=None):
     """Create (collectively, on every rank) one process group per set of ranks sharing parameters.
 
+    A tied parameter held by stages on several ranks gets its gradient all-reduced over those
+    ranks; stages of one rank share one parameter object, so a parameter all of whose holders
+    are on one rank needs no group. ``modules`` maps this rank's stages to their modules.
     ``cache`` (a dict kept by the caller across builds in the same process group) reuses groups.
     """
     sets: dict[tuple[int, ...], list[str]] = {}
     for fqn, stages in sorted(staged.shared_params.items()):
-        sets.setdefault(tuple(sorted(stages)), []).append(fqn)
+        ranks = tuple(sorted({int(device_of_stage[s]) for s in stages}))
+        if len(ranks) > 1:
+            sets.setdefault(ranks, []).append(fqn)
     result = []
-    spec = staged.stages[stage_index]
     for ranks, fqns in sorted(sets.items()):
         global_ranks = [dist.get_global_rank(group, r) if group is not None else r for r in ranks]
         key = tuple(global_ranks)
@@ -78,31 +86,33 @@ def _shared_param_groups(staged: StagedProgram, stage_index: int, group, module:
             grp = dist.new_group(ranks=global_ranks)
             if cache is not None:
                 cache[key] = grp
-        if stage_index in ranks:
-            for fqn in fqns:
-                result.append((module.get_parameter(spec.param_targets[fqn]), grp))
+        if rank not in ranks:
+            continue
+        for fqn in fqns:
+            s = next(s for s in staged.shared_params[fqn] if s in modules)
+            result.append((modules[s].get_parameter(staged.stages[s].param_targets[fqn]), grp))
     return result
 
 
 def build_rank(
     staged: StagedProgram,
     rank: int,
-    actions: Mapping[int, Sequence[str]],
+    orders: Orders,
     *,
     num_microbatches: int,
     loss_fn: Callable[[Any, Any], torch.Tensor] | None,
     group=None,
     device: str | torch.device = "cpu",
     example_microbatch_inputs: Any = None,
+    fuse: bool = True,
     fused_backward: bool = False,
     group_cache: dict | None = None,
     io_cache: dict | None = None,
-    device_programs: Any = None,
     recompute_stages: Sequence[int] = (),
     track_activations: bool = True,
     state_source: Any = None,
-) -> tuple[FxpipePipelineStage, FxpipeScheduleRuntime]:
-    """This rank's ``PipelineStage`` and a schedule runtime loaded with the per-rank actions.
+) -> tuple[tuple[FxpipePipelineStage, ...], FxpipeScheduleRuntime]:
+    """This rank's ``PipelineStage`` s and a schedule runtime loaded with their actions.
 
     Must be called on every rank of ``group`` (it creates process groups for tied parameters
     collectively), after ``torch.distributed.init_process_group``.
@@ -112,37 +122,37 @@ def build_rank(
     staged : StagedProgram
         From :func:`fxpipe.codegen.split.split_stages`, built identically on every rank.
     rank : int
-        This process's rank in ``group`` (= its stage index).
-    actions : Mapping[int, Sequence[str]]
-        Per-rank compute actions (``"0F1"``, ``"1I0"``, ``"1W0"``, ``"2B3"``) for *all* ranks,
-        e.g. from :func:`fxpipe.codegen.actions.actions_from_orders`.
+        This process's rank in ``group`` (= its device in the placement).
+    orders : fxpipe.ir.Orders
+        Per-device programs of every device with the placement (``orders.device_of_stage``,
+        one device per rank), e.g. :func:`fxpipe.ir.schedule_to_orders` of a schedule.
+        Lowered by :func:`fxpipe.codegen.actions.actions_from_orders` (checked complete and
+        deadlock-free first).
     num_microbatches : int
         Micro-batches per step.
     loss_fn : callable(output, target) -> scalar tensor, or None
         Applied to every micro-batch's output (in the model's output structure) on the last
         stage; ``None`` = forward only.
     group : ProcessGroup, optional
-        Pipeline group (default: world).
+        Pipeline group (default: world); its size must be the number of devices.
     device : str or torch.device
-        Device of this stage.
+        Device of this rank's stages.
     example_microbatch_inputs : ModelInputs, tuple or dict
         One micro-batch of model inputs in the model's calling form (a tuple of positional
         inputs, a dict of keyword inputs, or :class:`~fxpipe.codegen.interface.ModelInputs`),
         or just the model's tensor inputs flattened in order,
         used to infer the shapes, dtypes and ``requires_grad`` of every tensor crossing a stage
         (static shape inference on fake tensors, no P2P metadata exchange, no real state touched).
+    fuse : bool
+        Lower a B immediately followed on its device by its own W to torch's full backward.
     fused_backward : bool
         Fallback: run full backwards instead of split backward-input / backward-weight.
     group_cache : dict, optional
         Process groups for tied parameters created by earlier builds in this process group
         (keyed by global ranks); every rank must pass the same kind of cache.
     io_cache : dict, optional
-        Shape-inference results of earlier builds of the same ``staged`` program and rank
+        Shape-inference results of earlier builds of the same ``staged`` program and stage
         (they do not depend on the schedule), kept by the caller.
-    device_programs : fxpipe.ir.Orders or Mapping[int, list[(type, microbatch)]], optional
-        The device programs with their offload (O) and reload (R) actions (e.g.
-        :func:`fxpipe.ir.schedule_to_orders`); this rank executes its device's O/R
-        (:mod:`fxpipe.codegen.offload`). Without it nothing is offloaded.
     recompute_stages : sequence of int
         Stages that recompute their forward during the backward instead of stashing
         activations (:mod:`fxpipe.codegen.stash`).
@@ -150,101 +160,116 @@ def build_rank(
         Count live saved bytes per stage with the saved-tensor hooks (``sched.fxpipe_stash``),
         also without offload or recomputation (default).
     state_source : fxpipe.codegen.materialize.StateSource, optional
-        Where this stage's parameters and buffers come from (a checkpoint and/or the model's
-        initializers under a seed). Required when the stage is on ``meta``; then only this
-        stage is materialized (:mod:`fxpipe.codegen.materialize`).
+        Where this rank's stage parameters and buffers come from (a checkpoint and/or the
+        model's initializers under a seed). Required when the stages are on ``meta``; then only
+        this rank's stages are materialized (:mod:`fxpipe.codegen.materialize`).
 
     Returns
     -------
-    (PipelineStage, FxpipeScheduleRuntime)
-        ``schedule.step(*inputs, target=..., losses=[...])`` runs one training step: the model's
-        inputs for the whole batch on the first rank, the target on the last rank.
+    (stages, FxpipeScheduleRuntime)
+        ``stages``: this rank's ``PipelineStage`` s (a tuple, in increasing stage order; one per
+        stage the placement puts on this rank). ``schedule.step(*inputs, target=..., losses=[...])``
+        runs one training step: the model's inputs for the whole batch on the rank of stage 0,
+        the target on the rank of the last stage (``schedule.has_first_stage`` /
+        ``has_last_stage``); ``schedule.parameters()`` lists this rank's parameters once each.
 
     Raises
     ------
     InputError
-        On malformed actions, a rank outside the pipeline, example inputs that do not match the
-        captured graph, or a schedule torch rejects (the message names rank, stage and micro-batch).
+        On orders that are not :class:`Orders`, incomplete or deadlocking; a placement whose
+        number of stages or devices disagrees with ``staged`` or the process group; a rank
+        outside the pipeline; example inputs that do not match the captured graph; or a
+        schedule torch rejects (the message names rank, stage and micro-batch).
     """
+    if not isinstance(orders, Orders):
+        raise InputError(
+            f"build_rank takes fxpipe.ir.Orders, got {type(orders).__name__}: convert a schedule with "
+            "fxpipe.ir.schedule_to_orders(schedule, problem)"
+        )
     S = staged.num_stages
+    if orders.num_stages != S:
+        raise InputError(f"the orders place {orders.num_stages} stages but the staged program has {S}")
+    D = orders.num_devices
     world = dist.get_world_size(group)
-    if world != S:
-        raise InputError(f"the pipeline has {S} stages but the process group has {world} ranks; one stage per rank")
-    if not 0 <= rank < S:
-        raise InputError(f"rank must lie in 0..{S - 1}, got {rank}")
-    if sorted(int(r) for r in actions) != list(range(S)):
-        raise InputError(f"actions must list every rank 0..{S - 1}, got {sorted(actions)}")
-    acts = {int(r): list(v) for r, v in actions.items()}
-    for r, lst in acts.items():  # validate before anything reads the actions
-        for step, a in enumerate(lst):
-            act = parse_action(a, f"rank {r}, step {step}")
-            if act is not None and act.stage != r:
-                raise InputError(
-                    f"rank {r}, step {step}: action {a!r} is for stage {act.stage}; fxpipe runs one stage per "
-                    f"rank (stage s on rank s)"
-                )
+    if world != D:
+        raise InputError(
+            f"the placement uses {D} devices but the process group has {world} ranks: launch one process per device"
+        )
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < D:
+        raise InputError(f"rank must be an integer in 0..{D - 1}, got {rank!r}")
+    acts = actions_from_orders(orders, num_microbatches, fuse=fuse)
     if fused_backward:
         acts = fuse_backward(acts)
     if example_microbatch_inputs is None:
         raise InputError("example_microbatch_inputs is required (one micro-batch of model inputs)")
+    local = [s for s in range(S) if orders.device_of_stage[s] == rank]
     flat = staged.interface.example_inputs(example_microbatch_inputs)
-    key = (id(staged), rank, tuple((tuple(t.shape), t.dtype) for t in flat))
-    io = io_cache.get(key) if io_cache is not None else None
-    if io is None:
-        io = stage_io(staged, rank, flat)
-        if io_cache is not None:
-            io_cache[key] = io
-    fused_here = False
-    if io.blind_params and any("I" in a for a in acts[rank]):
-        # Split backward would drop these parameters' gradients: run full backwards on this
-        # rank. Other ranks' communication is unaffected (B sends/receives exactly like I).
-        names = list(io.blind_params)
-        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-        logger.warning(
-            "stage %d: split backward (I/W) cannot compute the gradients of %s (their paths do not meet "
-            "a grad-requiring stage input); running full backwards on this stage", rank, shown,
-        )
-        acts[rank] = fuse_backward({rank: acts[rank]})[rank]
-        fused_here = True
+    shape_key = tuple((tuple(t.shape), t.dtype) for t in flat)
     dev = torch.device(device)
-    spec = staged.stages[rank]
-    # ---- begin per-rank materialization (fxpipe.codegen.materialize): only this stage leaves meta
+    fused_here: dict[int, bool] = {}
+    pipeline_stages: list[FxpipePipelineStage] = []
+    modules: dict[int, torch.nn.Module] = {}
+    # ---- begin per-rank materialization (fxpipe.codegen.materialize): only this rank's stages leave meta
     from fxpipe.codegen.materialize import holds_meta, materialize_stage
 
-    materialized = None
-    if state_source is not None:
-        materialized = materialize_stage(staged, rank, state_source, dev)
-    elif holds_meta(spec.module):
-        raise InputError(
-            f"stage {rank} holds meta tensors (the model was built on meta): pass state_source="
-            "fxpipe.codegen.materialize.StateSource(seed=..., checkpoint=..., model=...) to materialize it"
-        )
+    materialized = {}
+    for s in local:
+        if state_source is not None:
+            materialized[s] = materialize_stage(staged, s, state_source, dev)
+        elif holds_meta(staged.stages[s].module):
+            raise InputError(
+                f"stage {s} holds meta tensors (the model was built on meta): pass state_source="
+                "fxpipe.codegen.materialize.StateSource(seed=..., checkpoint=..., model=...) to materialize it"
+            )
     # ---- end per-rank materialization
-    module = spec.module.to(dev)
-    ins = tuple(t.to(dev) for t in io.inputs)
-    outs = tuple(t.to(dev) for t in io.outputs)
-    stage = FxpipePipelineStage(module, stage_index=rank, num_stages=S, device=dev, input_args=ins, output_args=outs, group=group)
-    shared = _shared_param_groups(staged, rank, group, module, group_cache)
-    sched = FxpipeScheduleRuntime([stage], num_microbatches, loss_fn=loss_fn, interface=staged.interface, shared_grads=shared)
+    for s in local:
+        key = (id(staged), s, shape_key)
+        io = io_cache.get(key) if io_cache is not None else None
+        if io is None:
+            io = stage_io(staged, s, flat)
+            if io_cache is not None:
+                io_cache[key] = io
+        fused_here[s] = bool(fused_backward)
+        if io.blind_params and any(a.startswith(f"{s}I") for a in acts[rank]):
+            # Split backward would drop these parameters' gradients: run full backwards on this
+            # stage. Other stages' communication is unaffected (B sends/receives exactly like I).
+            names = list(io.blind_params)
+            shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+            logger.warning(
+                "stage %d: split backward (I/W) cannot compute the gradients of %s (their paths do not meet "
+                "a grad-requiring stage input); running full backwards on this stage", s, shown,
+            )
+            acts = fuse_backward(acts, stages=[s])
+            fused_here[s] = True
+        spec = staged.stages[s]
+        module = spec.module.to(dev)
+        modules[s] = module
+        ins = tuple(t.to(dev) for t in io.inputs)
+        outs = tuple(t.to(dev) for t in io.outputs)
+        pipeline_stages.append(FxpipePipelineStage(module, stage_index=s, num_stages=S, device=dev, input_args=ins,
+                                                   output_args=outs, group=group))
+    shared = _shared_param_groups(staged, orders.device_of_stage, rank, group, modules, group_cache)
+    sched = FxpipeScheduleRuntime(pipeline_stages, num_microbatches, loss_fn=loss_fn, interface=staged.interface,
+                                  device_of_stage=orders.device_of_stage, shared_grads=shared)
     sched.load_actions(acts)
-    sched.fxpipe_fused_full_backward = fused_here or fused_backward
+    sched.fxpipe_fused_full_backward = fused_here
     # ---- begin activation stash (fxpipe.codegen.stash): live saved bytes, offload/reload, recomputation
     from fxpipe.codegen.stash import device_stash
 
-    stage.fxpipe_stash = device_stash(rank, S, acts[rank], device_programs, recompute_stages, {rank: module}, dev,
-                                      track_activations)
-    sched.fxpipe_stash = stage.fxpipe_stash
-    sched.fxpipe_materialized = materialized
+    stash = device_stash(rank, orders, acts[rank], recompute_stages, modules, dev, track_activations)
+    for st in pipeline_stages:
+        st.fxpipe_stash = stash
+    sched.fxpipe_stash = stash
+    sched.fxpipe_materialized = materialized or None
     # ---- end activation stash
-    return stage, sched
+    return tuple(pipeline_stages), sched
 
 
 def build_pipeline_rank(
     gm: torch.fx.GraphModule,
     stage_of: Mapping[str, int],
-    num_stages: int,
     rank: int,
-    orders: Mapping[int, Sequence[tuple[str, int]]] | Any,
+    orders: Orders,
     *,
     num_microbatches: int,
     loss_fn: Callable | None,
@@ -253,38 +278,28 @@ def build_pipeline_rank(
     example_microbatch_inputs: Any = None,
     fuse: bool = True,
     fused_backward: bool = False,
-    device_programs: Any = None,
     recompute_stages: Sequence[int] = (),
     track_activations: bool = True,
     state_source: Any = None,
-) -> tuple[FxpipePipelineStage, FxpipeScheduleRuntime]:
-    """Split ``gm``, lower the orders and build this rank's stage and runtime (one call).
+) -> tuple[tuple[FxpipePipelineStage, ...], FxpipeScheduleRuntime]:
+    """Split ``gm`` into ``orders.num_stages`` stages and build this rank's stages and runtime (one call).
 
-    ``orders`` is ``{stage: [(type, microbatch), ...]}`` or an ``fxpipe.ir.Schedule`` (converted
-    with :func:`~fxpipe.codegen.actions.orders_from_schedule`; its O/R actions become the device
-    programs unless ``device_programs`` is given). See :func:`split_stages`,
-    :func:`actions_from_orders` and :func:`build_rank` for the other parameters and errors.
-    Example inputs default to zeros shaped like ``gm``'s captured example
-    (:func:`example_inputs_from_gm`; ``gm`` must have been captured with one micro-batch).
+    ``orders`` are the per-device :class:`~fxpipe.ir.Orders` (with the placement; their O/R
+    actions are executed); see :func:`split_stages` and :func:`build_rank` for the other
+    parameters, the return value and errors. Example inputs default to zeros shaped like
+    ``gm``'s captured example (:func:`example_inputs_from_gm`; ``gm`` must have been captured
+    with one micro-batch).
     """
-    if isinstance(orders, Mapping) and device_programs is None and any(
-            str(t) in ("O", "R") for ops in orders.values() for t, _ in ops):
-        from fxpipe.ir import Orders
-
-        device_programs = Orders.from_stage_orders(orders)
-    if not isinstance(orders, Mapping):
-        if device_programs is None:
-            from fxpipe.ir import schedule_to_orders
-
-            device_programs = schedule_to_orders(orders)
-        orders = orders_from_schedule(orders, num_stages)
-    staged = split_stages(gm, stage_of, num_stages)
-    actions = actions_from_orders(orders, num_stages, num_microbatches=num_microbatches, fuse=fuse)
+    if not isinstance(orders, Orders):
+        raise InputError(
+            f"build_pipeline_rank takes fxpipe.ir.Orders, got {type(orders).__name__}: convert a schedule with "
+            "fxpipe.ir.schedule_to_orders(schedule, problem)"
+        )
+    staged = split_stages(gm, stage_of, orders.num_stages)
     if example_microbatch_inputs is None:
         example_microbatch_inputs = example_inputs_from_gm(gm)
     return build_rank(
-        staged, rank, actions, num_microbatches=num_microbatches, loss_fn=loss_fn, group=group, device=device,
-        example_microbatch_inputs=example_microbatch_inputs, fused_backward=fused_backward,
-        device_programs=device_programs, recompute_stages=recompute_stages, track_activations=track_activations,
-        state_source=state_source,
+        staged, rank, orders, num_microbatches=num_microbatches, loss_fn=loss_fn, group=group, device=device,
+        example_microbatch_inputs=example_microbatch_inputs, fuse=fuse, fused_backward=fused_backward,
+        recompute_stages=recompute_stages, track_activations=track_activations, state_source=state_source,
     )

@@ -15,15 +15,17 @@ everything torch-version specific lives here, behind small adapters that the res
   :func:`merge_param_groups`) and :class:`FxpipeScheduleRuntime`.
 
 :class:`FxpipeScheduleRuntime` runs per-rank compute actions (``"0F1"``, ``"1I0"``, ``"1W0"``,
-``"2B3"``; see :mod:`fxpipe.codegen.actions`) with torch's runtime, which adds the
-SEND/RECV actions. On top of torch it (1) takes the model's own inputs - any pytree,
-positional and keyword - on the first rank and splits them into micro-batches by
+``"2B3"``; lowered from :class:`fxpipe.ir.Orders` by :mod:`fxpipe.codegen.actions`) with torch's
+runtime, which adds the SEND/RECV actions, for one or several stages per rank (the placement's
+stage-to-rank map). On top of torch it (1) takes the model's own inputs - any pytree,
+positional and keyword - on the rank of the first stage and splits them into micro-batches by
 :mod:`fxpipe.codegen.interface`'s rule, (2) gives ``loss_fn`` each micro-batch's output in the
 structure the model returns, (3) merges outputs by that structure, and (4) sums the gradients of
-parameters held by several stages (tied weights) after each step. Gradient scaling matches
-torch's schedules: ``loss_fn`` is applied to every micro-batch's output, gradients are summed
-and divided by the number of micro-batches (``scale_grads=True``), i.e. the gradient of the
-mean micro-batch loss.
+parameters held by stages on several ranks (tied weights) after each step. Gradient scaling
+matches torch's schedules: ``loss_fn`` is applied to every micro-batch's output, gradients are
+summed and divided by the number of micro-batches (as ``scale_grads=True``; done once per
+parameter of the rank, see :class:`FxpipeScheduleRuntime`), i.e. the gradient of the mean
+micro-batch loss.
 
 Activation stash: a stage with ``fxpipe_stash`` set (:class:`~fxpipe.codegen.stash.DeviceStash`)
 runs its forward under that stash's saved-tensor hooks, reports every compute action to it (so the
@@ -193,15 +195,24 @@ def reverse_closure(roots: list, targets: set, reverse_edges: dict) -> tuple[set
 
 
 # ----------------------------------------------------------------------------- actions
-def parse_torch_actions(actions: Mapping[int, Sequence[str]], num_stages: int) -> dict[int, list[_Action]]:
+def parse_torch_actions(actions: Mapping[int, Sequence[str]], device_of_stage: Sequence[int]) -> dict[int, list[_Action]]:
     """Parse and check per-rank action strings into torch ``_Action`` s; ``""`` (idle) is skipped.
+
+    Parameters
+    ----------
+    actions : Mapping[int, Sequence[str]]
+        Per-rank torch action strings (:func:`fxpipe.codegen.actions.actions_from_orders`).
+    device_of_stage : sequence of int
+        Rank of every stage (the placement); every action must be on its stage's rank.
 
     Raises
     ------
     InputError
         Naming rank and step for an action that is not a string, does not parse, is not a
-        compute action or is for another stage (fxpipe runs stage ``s`` on rank ``s``).
+        compute action, names a stage outside the placement or runs on another rank than its
+        stage's.
     """
+    dev = [int(d) for d in device_of_stage]
     parsed: dict[int, list[_Action]] = {}
     for r in sorted(actions):
         lst = []
@@ -210,12 +221,12 @@ def parse_torch_actions(actions: Mapping[int, Sequence[str]], num_stages: int) -
             act = parse_action(a, where)
             if act is None:
                 continue
-            if act.stage != int(r):
+            if not 0 <= act.stage < len(dev):
+                raise InputError(f"{where}: action {a!r} names a stage outside 0..{len(dev) - 1}")
+            if dev[act.stage] != int(r):
                 raise InputError(
-                    f"{where}: action {a!r} is for stage {act.stage}; fxpipe runs one stage per rank (stage s on rank s)"
+                    f"{where}: action {a!r} is for stage {act.stage}, which the placement puts on rank {dev[act.stage]}"
                 )
-            if not 0 <= act.stage < num_stages:
-                raise InputError(f"{where}: action {a!r} names a stage outside 0..{num_stages - 1}")
             lst.append(_Action.from_str(str(act)))
         parsed[int(r)] = lst
     return parsed
@@ -342,36 +353,80 @@ class FxpipePipelineStage(PipelineStage):
 class FxpipeScheduleRuntime(_PipelineScheduleRuntime):
     """torch's schedule runtime with the model's calling convention and tied-gradient sums.
 
+    Runs any number of stages per rank (torch's ``_PipelineScheduleRuntime`` with the
+    stage-to-rank map of the loaded actions): looped, V-shape or any placement whose per-rank
+    programs torch's send/recv lowering accepts. Adjacent stages on one rank pass tensors
+    locally (torch's "V-schedule special case").
+
     Parameters
     ----------
     stages : list[PipelineStage]
-        This rank's stage(s).
+        This rank's stages, in increasing stage order.
     n_microbatches : int
         Micro-batches per step.
     loss_fn : callable(output, target) -> scalar tensor, or None
         ``output`` is one micro-batch's model output in the model's own structure.
     interface : fxpipe.codegen.interface.ModelInterface
         The model's pytree inputs/outputs (see :mod:`fxpipe.codegen.interface`).
+    device_of_stage : sequence of int
+        Rank of every stage of the pipeline (the placement).
     shared_grads : sequence of (Parameter, ProcessGroup)
-        Parameters held by several stages and the group of ranks holding each.
+        Parameters held by stages on several ranks and the group of those ranks.
 
     Notes
     -----
     ``step(*args, target=None, losses=None, return_outputs=True, loss_kwargs=None, **kwargs)``:
-    ``args``/``kwargs`` are the model's inputs for the whole batch (read on the first rank,
-    ignored elsewhere, so every rank may run the same line); ``target`` is any pytree (read on
-    the last rank). It returns, on the last rank with ``return_outputs``, the merged outputs in
-    the model's structure (:meth:`ModelInterface.merge`). After each step the gradients of tied
-    parameters are all-reduced (sum) over the ranks holding them, so each copy gets the full
-    gradient and an optimizer keeps the copies equal, exactly as in single-process training.
+    ``args``/``kwargs`` are the model's inputs for the whole batch (read on the rank of the
+    first stage, ignored elsewhere, so every rank may run the same line); ``target`` is any
+    pytree (read on the rank of the last stage). It returns, on the last stage's rank with
+    ``return_outputs``, the merged outputs in the model's structure (:meth:`ModelInterface.merge`).
+
+    Gradients: ``loss_fn`` is applied to every micro-batch's output and the step's gradient is
+    that of the mean micro-batch loss, as torch's ``scale_grads=True``. The division by the
+    number of micro-batches happens once per parameter after the step's last backward on this
+    rank (torch's per-stage scaling would divide a parameter held by two stages of one rank -
+    GPT-2's tied embedding on a V placement - twice, and possibly before the second stage's
+    gradient arrived). Then the gradients of parameters held by stages on several ranks (tied
+    weights) are all-reduced (sum) over those ranks, so each copy gets the full gradient and an
+    optimizer keeps the copies equal, exactly as in single-process training; stages of one rank
+    share one parameter object, so their contributions add up locally.
     """
 
-    def __init__(self, stages, n_microbatches: int, *, loss_fn: Callable | None, interface, shared_grads=(), **kwargs):
-        super().__init__(stages, n_microbatches, loss_fn=loss_fn, scale_grads=True, **kwargs)
+    def __init__(self, stages, n_microbatches: int, *, loss_fn: Callable | None, interface, device_of_stage,
+                 shared_grads=(), **kwargs):
+        super().__init__(stages, n_microbatches, loss_fn=loss_fn, scale_grads=False, **kwargs)
         self._interface = interface
+        self._device_of_stage = tuple(int(d) for d in device_of_stage)
         self._shared_grads = list(shared_grads)
         self.fxpipe_actions: dict[int, list[str]] = {}
-        self.fxpipe_fused_full_backward = False
+        self.fxpipe_fused_full_backward: dict[int, bool] = {s.stage_index: False for s in stages}
+
+    # ------------------------------------------------------------------ this rank's view
+    @property
+    def stages(self) -> tuple:
+        """This rank's stages, in increasing stage order."""
+        return tuple(self._stages)
+
+    @property
+    def has_first_stage(self) -> bool:
+        """This rank holds stage 0 (it reads the model's inputs)."""
+        return any(s.is_first for s in self._stages)
+
+    @property
+    def has_last_stage(self) -> bool:
+        """This rank holds the last stage (it reads the target and computes the loss)."""
+        return any(s.is_last for s in self._stages)
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        """The parameters of this rank's stages, each once (stages of a rank share tied ones)."""
+        seen: set[int] = set()
+        out = []
+        for stage in self._stages:
+            for p in stage.submod.parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    out.append(p)
+        return out
 
     def load_actions(self, actions: Mapping[int, Sequence[str]]) -> None:
         """Load per-rank compute action strings for every rank (lowered with torch's send/recv pass).
@@ -379,15 +434,19 @@ class FxpipeScheduleRuntime(_PipelineScheduleRuntime):
         Raises
         ------
         InputError
-            For malformed actions or a schedule torch rejects.
+            For malformed actions, an action on another rank than its stage's, or a schedule
+            torch rejects.
         """
-        parsed = parse_torch_actions(actions, self._num_stages)
+        parsed = parse_torch_actions(actions, self._device_of_stage)
         self.pipeline_order = {r: list(v) for r, v in parsed.items()}
         self.fxpipe_actions = {r: [str(a) for a in v] for r, v in parsed.items()}
         try:
             self._prepare_schedule_with_comms({r: list(v) for r, v in parsed.items()})
         except (AssertionError, ValueError, RuntimeError) as exc:
             raise InputError(f"torch rejected the schedule on rank {self.rank}: {exc}") from None
+        mapping = {s: self.stage_index_to_group_rank[s] for s in range(self._num_stages)}
+        if mapping != dict(enumerate(self._device_of_stage)):  # pragma: no cover - guarded by parse_torch_actions
+            raise InputError(f"torch inferred the stage-to-rank map {mapping}, the placement is {list(self._device_of_stage)}")
 
     def step(self, *args, target=None, losses: list | None = None, return_outputs: bool = True,
              loss_kwargs: dict | None = None, **kwargs):  # noqa: D401 - torch's step contract
@@ -396,8 +455,8 @@ class FxpipeScheduleRuntime(_PipelineScheduleRuntime):
         if self._has_backward and not torch.is_grad_enabled():
             raise RuntimeError("step() computes gradients: do not call it under torch.no_grad(); use eval() instead")
         m = self._n_microbatches
-        first = any(s.is_first for s in self._stages)
-        last = any(s.is_last for s in self._stages)
+        first = self.has_first_stage
+        last = self.has_last_stage
         if first:
             arg_mbs = self._interface.microbatch_inputs(ModelInputs(args, kwargs), m)
         else:
@@ -417,6 +476,7 @@ class FxpipeScheduleRuntime(_PipelineScheduleRuntime):
         for stash in stashes:
             stash.end_step()
         if self._has_backward:
+            self.scale_local_grads()
             self.sync_shared_grads()
         if last and return_outputs:
             stage = next(s for s in self._stages if s.is_last)
@@ -430,6 +490,15 @@ class FxpipeScheduleRuntime(_PipelineScheduleRuntime):
 
     def _compute_loss(self, output, target, loss_kwargs=None):
         return self._loss_fn(self._interface.output(output), target, **(loss_kwargs or {}))
+
+    def scale_local_grads(self) -> None:
+        """Divide the gradient of every parameter of this rank by the number of micro-batches, once."""
+        m = self._n_microbatches
+        if m == 1:
+            return
+        for p in self.parameters():
+            if p.grad is not None:
+                p.grad.div_(m)
 
     def sync_shared_grads(self) -> None:
         """All-reduce (sum) the gradients of tied parameters over the ranks that hold them."""

@@ -738,20 +738,19 @@ class DeviceStash:
         return [s.tensor for g in ms.groups.values() for s in g.alive_slots() if s.tensor is not None]
 
 
-def device_stash(stage: int, num_stages: int, torch_actions: Sequence[str], device_programs: Any,
-                 recompute_stages: Iterable[int], modules: Mapping[int, torch.nn.Module], device,
-                 track: bool = True) -> DeviceStash | None:
-    """The :class:`DeviceStash` of the device running ``stage`` (None when it has nothing to do).
+def device_stash(device_index: int, orders: Any, torch_actions: Sequence[str], recompute_stages: Iterable[int],
+                 modules: Mapping[int, torch.nn.Module], device, track: bool = True) -> DeviceStash | None:
+    """The :class:`DeviceStash` of one device (all its stages; None when it has nothing to do).
 
     Parameters
     ----------
-    stage : int
-        A stage of this rank (its device's program is read from ``device_programs``).
-    num_stages : int
+    device_index : int
+        The device (rank) in the placement; its program is ``orders.of_device(device_index)``.
+    orders : fxpipe.ir.Orders or Mapping[int, list[(type, microbatch)]]
+        The device programs with their O/R actions (:func:`fxpipe.ir.schedule_to_orders` keeps
+        them); the per-stage form is read with one stage per device.
     torch_actions : sequence of str
-        The device's compute actions as the runtime executes them (torch vocabulary).
-    device_programs : fxpipe.ir.Orders, Mapping[int, list[(type, microbatch)]] or None
-        The device programs with O/R actions (None: no offload).
+        The device's compute actions as the runtime executes them (torch vocabulary, after fusion).
     recompute_stages : iterable of int
         Stages (of the whole pipeline) that recompute their forward.
     modules : Mapping[int, torch.nn.Module]
@@ -763,20 +762,18 @@ def device_stash(stage: int, num_stages: int, torch_actions: Sequence[str], devi
     Raises
     ------
     InputError
-        For a recompute stage outside ``0..num_stages-1``, programs of another pipeline, or O/R
-        actions the device cannot run (see :func:`fxpipe.codegen.offload.offload_program`).
+        For a recompute stage outside ``0..num_stages-1`` or O/R actions the device cannot run
+        (see :func:`fxpipe.codegen.offload.offload_program`).
     """
+    programs = programs_of(orders)
+    num_stages = programs.num_stages
     rec = set()
     for s in recompute_stages:
         if isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < num_stages:
             raise InputError(f"recompute_stages must be stage indices in 0..{num_stages - 1}, got {s!r}")
         rec.add(int(s))
-    program = None
-    if device_programs is not None:
-        orders = programs_of(device_programs)
-        if orders.num_stages != num_stages:
-            raise InputError(f"the device programs are for {orders.num_stages} stages, the pipeline has {num_stages}")
-        program = offload_program(orders.of_device(orders.device_of_stage[stage]), torch_actions)
+    prog = programs.of_device(device_index)
+    program = offload_program(prog, torch_actions) if any(not a.is_compute for a in prog) else None
     local = {s for s in rec if s in modules}
     if not track and (program is None or program.empty) and not local:
         return None

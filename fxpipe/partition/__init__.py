@@ -5,7 +5,11 @@
   Archer et al. 2024 Algorithm 1).
 - :mod:`~fxpipe.partition.orders`: Kahn's algorithm with priorities and structured orders.
 - :mod:`~fxpipe.partition.brkga`: biased random-key genetic search over orders.
-- :mod:`~fxpipe.partition.search`: :func:`partition`, the entry point.
+- :mod:`~fxpipe.partition.search`: :func:`partition`, the entry point (stops when its partition
+  is proven optimal or stops improving).
+- :mod:`~fxpipe.partition.chain`: the chain of gates of a graph; exact relay DP and the
+  ``chain`` lower bound.
+- :mod:`~fxpipe.partition.contract`: exact contraction of trivial ops for the order search.
 - :mod:`~fxpipe.partition.memory`: per-device memory capacity model.
 - :mod:`~fxpipe.partition.baselines`: equal-layer, parameter-balanced, time-balanced, random-T.
 - :mod:`~fxpipe.partition.loaders`: graphs of other projects (dnn-partitioning, PipeDream).

@@ -24,10 +24,12 @@ so the result does not depend on the number of threads). Threads rather than num
 ``prange``: on a loaded machine OpenMP's spinning barrier made ``prange`` 4-7x slower than
 one thread, while the pool never is.
 
-Stopping: after ``max_evaluations`` decodes, ``max_generations`` generations,
-``stall_generations`` generations without improvement, or ``time_limit_s`` seconds
-(checked between chunks of a few chromosomes per thread; chromosomes left undecoded when
-time runs out count as unfit), whichever comes first. With the same seed, a run stopped by
+Stopping: when the best fitness reaches ``target`` (a proven lower bound: the incumbent is
+then optimal), after ``max_evaluations`` decodes, ``max_generations`` generations,
+``stall_generations`` generations or ``stall_time_s`` seconds without improvement, or
+``time_limit_s`` seconds (checked between chunks of a few chromosomes per thread;
+chromosomes left undecoded when time runs out count as unfit), whichever comes first.
+:class:`BRKGAResult` says which rule stopped the run. With the same seed, a run stopped by
 evaluations or generations is reproducible whatever the timing.
 
 References
@@ -200,6 +202,8 @@ class BRKGAParams:
         Stop after this many decodes (including the initial population).
     stall_generations : int or None
         Stop after this many generations without improvement (default None: no rule).
+    stall_time_s : float or None
+        Stop after this many seconds without improvement (default None: no rule).
     time_limit_s : float or None
         Wall-clock budget in seconds, checked between decoding chunks (default None).
     """
@@ -211,6 +215,7 @@ class BRKGAParams:
     max_generations: int | None = 100
     max_evaluations: int | None = None
     stall_generations: int | None = None
+    stall_time_s: float | None = None
     time_limit_s: float | None = None
 
     def __post_init__(self) -> None:
@@ -226,8 +231,10 @@ class BRKGAParams:
             v = getattr(self, name)
             if v is not None and int(v) < 0:
                 raise InputError(f"{name} must be >= 0, got {v}")
-        if self.time_limit_s is not None and not self.time_limit_s >= 0:
-            raise InputError(f"time_limit_s must be >= 0, got {self.time_limit_s}")
+        for name in ("time_limit_s", "stall_time_s"):
+            v = getattr(self, name)
+            if v is not None and not v >= 0:
+                raise InputError(f"{name} must be >= 0, got {v}")
 
     @property
     def n_elite(self) -> int:
@@ -254,6 +261,10 @@ class BRKGAResult:
         True if stopped by Ctrl-C (KeyboardInterrupt).
     history : list of (generation, evaluations, seconds, best_fitness)
         One entry per improvement.
+    stop_reason : str
+        ``"target"`` (reached the lower bound), ``"generations"``, ``"evaluations"``,
+        ``"stall"`` (no improvement for ``stall_generations`` / ``stall_time_s``),
+        ``"time"`` or ``"interrupted"``.
     """
 
     best_fitness: float
@@ -264,6 +275,7 @@ class BRKGAResult:
     seconds: float
     interrupted: bool = False
     history: list = field(default_factory=list)
+    stop_reason: str = ""
 
 
 def run_brkga(
@@ -273,6 +285,7 @@ def run_brkga(
     seed: int = 0,
     initial_keys: np.ndarray | None = None,
     progress: bool = False,
+    target: float = -math.inf,
 ) -> BRKGAResult:
     """Run BRKGA (module docstring) with a :class:`PopulationDecoder`.
 
@@ -288,6 +301,9 @@ def run_brkga(
         are used, the rest of the population is random.
     progress : bool
         Show a tqdm bar (generation, best bottleneck, evaluations/s).
+    target : float
+        Stop as soon as the best fitness is <= ``target`` (e.g. a proven lower bound times
+        ``1 + tolerance``).
 
     Returns
     -------
@@ -311,6 +327,7 @@ def run_brkga(
     evals = 0
     gen = 0
     interrupted = False
+    stop = "time"
     history: list = []
     bar = None
     if progress:
@@ -346,15 +363,27 @@ def run_brkga(
         best_keys = pop[0].copy()
         history.append((0, evals, time.perf_counter() - t0, best))
         stall = 0
+        t_improved = time.perf_counter()
         while True:
-            elapsed = time.perf_counter() - t0
+            now = time.perf_counter()
+            elapsed = now - t0
+            if best <= target:
+                stop = "target"
+                break
             if params.max_generations is not None and gen >= params.max_generations:
+                stop = "generations"
                 break
             if budget is not None and evals >= budget:
+                stop = "evaluations"
                 break
             if params.time_limit_s is not None and elapsed >= params.time_limit_s:
+                stop = "time"
                 break
             if params.stall_generations is not None and stall >= params.stall_generations:
+                stop = "stall"
+                break
+            if params.stall_time_s is not None and now - t_improved >= params.stall_time_s:
+                stop = "stall"
                 break
             n_new = P - ne
             if budget is not None:
@@ -379,6 +408,7 @@ def run_brkga(
                 best = float(fit[0])
                 best_keys = pop[0].copy()
                 stall = 0
+                t_improved = time.perf_counter()
                 history.append((gen, evals, time.perf_counter() - t0, best))
             else:
                 stall += 1
@@ -388,6 +418,7 @@ def run_brkga(
                 bar.set_postfix(best=f"{best:.6g}", evals=evals, evals_per_s=f"{evals / el:.0f}", refresh=False)
     except KeyboardInterrupt:
         interrupted = True
+        stop = "interrupted"
     finally:
         if bar is not None:
             bar.close()
@@ -400,4 +431,5 @@ def run_brkga(
         seconds=time.perf_counter() - t0,
         interrupted=interrupted,
         history=history,
+        stop_reason=stop,
     )

@@ -153,7 +153,8 @@ def infeasible_error(graph: OpGraph, k: int, objective: str, comm: str, memory, 
     from fxpipe.partition.search import partition as _partition  # noqa: PLC0415 (cycle)
 
     model = as_memory_model(memory)
-    free = _partition(graph, k, objective=objective, comm=comm, method="orders", time_limit_s=0.0, seed=0)
+    quick = dict(method="orders", time_limit_s=0.0, seed=0, chain=False, contract=False)  # structured orders only
+    free = _partition(graph, k, objective=objective, comm=comm, **quick)
     mem = stage_memory_bytes(graph, free.assignment, k, objective, model)
     worst = int(np.argmax(mem))
     need = float(mem.max())
@@ -163,7 +164,7 @@ def infeasible_error(graph: OpGraph, k: int, objective: str, comm: str, memory, 
     fit_k = None
     for kk in range(k + 1, max_k + 1):
         try:
-            _partition(graph, kk, objective=objective, comm=comm, method="orders", time_limit_s=0.0, seed=0, memory=model, _explain=False)
+            _partition(graph, kk, objective=objective, comm=comm, memory=model, _explain=False, **quick)
         except InfeasibleError:
             continue
         fit_k = kk

@@ -1,8 +1,26 @@
-"""Partition search: SliceGraph over many topological orders (structured, random, BRKGA).
+"""Partition search: SliceGraph over many topological orders (structured, random, BRKGA),
+the chain DP, and a search that stops when it is done.
 
 :func:`partition` is the partitioner's public entry point: it searches topological orders
 (Archer et al. 2024, Section 4.1: every acyclic partition is a slicing of some topological
-order) and slices each one optimally with the SliceGraph DP.
+order) and slices each one optimally with the SliceGraph DP. Around that search:
+
+* **Lower bound first.** Lemma 3.3 and, for relay communication, the chain DP of
+  :mod:`fxpipe.partition.chain`, which also yields a partition (optimal on chain-structured
+  models such as transformers: every layer boundary is a gate).
+* **Stopping rule.** The search stops as soon as the incumbent is within
+  :data:`PROVEN_RTOL` of the lower bound (it is then proven optimal; nothing is searched at
+  all when a seed already is), when BRKGA has not improved for
+  :data:`STALL_GENERATIONS` generations (only for time-limited runs: with ``evaluations``
+  the budget is the rule), or at the time limit.
+* **Seeds.** The structured orders of the original graph and of the contracted graph, the
+  chain partition's order and ``warm_start`` are decoded first and put into BRKGA's
+  initial population.
+* **Contraction.** The order search runs on the graph with trivial ops merged into their
+  neighbours (:mod:`fxpipe.partition.contract`, exact for Contract 2), so a stage never
+  holds only views or the ``output`` node; the result is expanded and re-scored on the
+  original graph. Finally any stage that still holds only zero-work ops is merged into a
+  neighbour when that does not raise the bottleneck.
 
 References
 ----------
@@ -21,13 +39,17 @@ from fxpipe.errors import InfeasibleError, InputError
 from fxpipe.ir import OpGraph
 from fxpipe.partition.brkga import BRKGAParams, PopulationDecoder, run_brkga
 from fxpipe.partition.memory import as_memory_model, infeasible_error, stage_memory_bytes
-from fxpipe.partition.objective import Partition, check_objective
+from fxpipe.partition.objective import Partition, block_costs, check_objective
 from fxpipe.partition.orders import keys_from_order, structured_orders
 from fxpipe.partition.slicegraph import _check_k, assignment_from_cuts, check_order, kernel_inputs, slice_order_arrays
 
-__all__ = ["partition", "METHODS"]
+__all__ = ["partition", "METHODS", "PROVEN_RTOL", "STALL_GENERATIONS", "merge_trivial_stages"]
 
 METHODS = ("brkga", "orders")
+#: The search stops when the incumbent is within this relative tolerance of the lower bound.
+PROVEN_RTOL = 1e-6
+#: A time-limited BRKGA run stops after this many generations without improvement.
+STALL_GENERATIONS = 30
 
 #: Random chromosomes decoded per parallel batch by ``method="orders"``.
 _ORDERS_BATCH = 32
@@ -41,14 +63,86 @@ def _warm_order(graph: OpGraph, warm_start) -> np.ndarray:
             raise InputError(f"warm_start partition has {a.shape[0]} nodes, the graph has {graph.n}")
         if warm_start.order is not None:
             return check_order(graph, warm_start.order)
-        from fxpipe.partition.orders import kahn_order  # noqa: PLC0415
-
-        # blocks first, then node id: a topological order when the blocks are in pipeline order
-        base = kahn_order(graph, np.arange(graph.n, dtype=np.float64))
-        pos = np.empty(graph.n)
-        pos[base] = np.arange(graph.n)
-        return kahn_order(graph, a * float(graph.n) + pos)
+        return _order_of_assignment(graph, a)
     return check_order(graph, warm_start)
+
+
+def _order_of_assignment(graph: OpGraph, assignment: np.ndarray) -> np.ndarray:
+    """A topological order listing the blocks one after another (blocks in pipeline order):
+    Kahn with priority ``block * n + position in the id-order Kahn order``."""
+    from fxpipe.partition.orders import kahn_order  # noqa: PLC0415
+
+    base = kahn_order(graph, np.arange(graph.n, dtype=np.float64))
+    pos = np.empty(graph.n)
+    pos[base] = np.arange(graph.n)
+    return kahn_order(graph, np.asarray(assignment, dtype=np.float64) * float(graph.n) + pos)
+
+
+def merge_trivial_stages(graph: OpGraph, part: Partition, objective: str, memory=None) -> Partition:
+    """Merge every stage whose ops all have zero work into a neighbouring stage.
+
+    A stage that holds only views, aliases, model inputs or the ``output`` node does no
+    work but pays for communication (the ``output`` node alone receives the model output).
+    Each such stage is merged into the previous or the next stage, whichever gives the
+    lower bottleneck, when that bottleneck is not above the current one; the freed stage
+    becomes an empty stage at the end. Costs are recomputed from scratch (Contract 2); with
+    ``memory`` (a capacity or :class:`~fxpipe.partition.memory.MemoryModel`) a merge must
+    keep every stage within the capacity.
+
+    Returns
+    -------
+    Partition
+        ``part`` itself if nothing changed; ``meta["trivial_stages_merged"]`` counts merges
+        and ``meta["trivial_stages"]`` lists those left (merging would raise the bottleneck).
+    """
+    k = part.k
+    model = as_memory_model(memory)
+    a = np.asarray(part.assignment, dtype=np.int64).copy()
+    work = np.asarray(graph.work_s(objective))
+    merged = 0
+    left: list[int] = []
+    bn = part.bottleneck
+    changed = True
+    while changed:
+        changed = False
+        load = np.bincount(a, weights=work, minlength=k)
+        count = np.bincount(a, minlength=k)
+        for b in range(k):
+            if count[b] == 0 or load[b] > 0 or b in left:
+                continue
+            best = None
+            for t in (b - 1, b + 1):
+                if t < 0 or t >= k or count[t] == 0:
+                    continue
+                a2 = a.copy()
+                a2[a == b] = t
+                if model is not None:
+                    used = np.unique(a2)  # positions after empty stages move last
+                    remap = np.full(k, k - 1, dtype=np.int64)
+                    remap[used] = np.arange(used.size)
+                    if stage_memory_bytes(graph, remap[a2], k, objective, model).max() > model.capacity_bytes:
+                        continue
+                c = float(block_costs(graph, a2, k, part.objective, part.comm).max())
+                if best is None or c < best[0]:
+                    best = (c, a2)
+            if best is not None and best[0] <= bn * (1 + 1e-12):
+                a, bn = best[1], best[0]
+                merged += 1
+                changed = True
+                break
+            left.append(b)
+    if not merged:
+        if left:
+            part.meta["trivial_stages"] = left
+        return part
+    out = Partition.from_assignment(graph, a, k, part.objective, part.comm, order=None, meta=dict(part.meta))
+    out.meta["trivial_stages_merged"] = merged
+    work_b = np.bincount(out.assignment, weights=work, minlength=k)
+    cnt_b = np.bincount(out.assignment, minlength=k)
+    rest = [int(b) for b in range(k) if cnt_b[b] and work_b[b] <= 0]
+    if rest:
+        out.meta["trivial_stages"] = rest
+    return out
 
 
 def partition(
@@ -65,6 +159,9 @@ def partition(
     progress: bool = False,
     warm_start=None,
     brkga_params: BRKGAParams | None = None,
+    contract: bool = True,
+    chain: bool = True,
+    merge_trivial: bool = True,
     _explain: bool = True,
 ) -> Partition:
     """Partition ``graph`` into at most ``k`` pipeline stages minimising the bottleneck.
@@ -85,14 +182,14 @@ def partition(
         whose initial population contains the structured orders (and ``warm_start``).
     time_limit_s : float
         Wall-clock budget in seconds (>= 0; checked between batches/generations, so a run
-        may overshoot by one batch). ``0`` decodes only the structured orders (``orders``)
-        or the initial population (``brkga``).
+        may overshoot by one batch). ``0`` decodes only the seeds.
     seed : int
         Seed of the only random generator; with ``evaluations`` set (and a generous time
         limit) the result is reproducible.
     evaluations : int, optional
-        Maximum number of orders decoded. For ``brkga`` without it, the run stops after
-        ``brkga_params.max_generations`` (default 100) generations or the time limit.
+        Maximum number of orders decoded by the search. For ``brkga`` without it, the run
+        stops after ``brkga_params.max_generations`` (default 100) generations, after
+        :data:`STALL_GENERATIONS` generations without improvement, or at the time limit.
     memory : float or MemoryModel, optional
         Per-device capacity in bytes (or a :class:`fxpipe.partition.memory.MemoryModel`):
         stages that do not fit are infeasible.
@@ -102,14 +199,25 @@ def partition(
         A partition or topological order to start from (its order is always decoded).
     brkga_params : BRKGAParams, optional
         Population size, elite/mutant fractions, rho_e and stopping rules for ``brkga``.
+    contract : bool
+        Search on the graph with trivial ops merged (module docstring).
+    chain : bool
+        With relay communication, run the chain DP first (bound and seed partition).
+    merge_trivial : bool
+        Merge stages holding only zero-work ops into a neighbour
+        (:func:`merge_trivial_stages`).
 
     Returns
     -------
     Partition
         Blocks in pipeline order with Contract-2 costs recomputed from scratch.
-        ``meta`` holds ``method``, ``evaluations``, ``seconds``, ``seed``, ``order`` (the
-        best topological order, list of node ids), ``rule`` (which order won when it was a
-        structured one), ``interrupted`` (Ctrl-C) and, with ``memory``,
+        ``meta`` holds ``method``, ``evaluations``, ``seconds``, ``seed``, ``order`` (a
+        topological order whose slicing is the partition, list of node ids), ``rule`` (which
+        seed or search found it: a structured rule, ``"chain"``, ``"random"``, ``"brkga"``),
+        ``lower_bound_s`` and ``lower_bound_method`` (the bound the search compared with),
+        ``proven_optimal``, ``stop_reason`` (``"bound"``, ``"stall"``, ``"time"``,
+        ``"generations"``, ``"evaluations"``, ``"interrupted"``), ``interrupted`` (Ctrl-C),
+        ``search_nodes`` (size of the contracted graph) and, with ``memory``,
         ``stage_memory_bytes``.
 
     Raises
@@ -125,7 +233,8 @@ def partition(
 
     References
     ----------
-    Archer et al. 2024, Section 4 (SliceGraph, random weights, BRKGA).
+    Archer et al. 2024, Section 4 (SliceGraph, random weights, BRKGA); the chain DP and its
+    bound: :mod:`fxpipe.partition.chain`.
     """
     if not isinstance(graph, OpGraph):
         raise InputError(f"graph must be an OpGraph, got {type(graph).__name__}")
@@ -146,99 +255,192 @@ def partition(
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
         raise InputError(f"seed must be an integer, got {seed!r}")
     model = as_memory_model(memory)
+    warm_order = None if warm_start is None else _warm_order(graph, warm_start)
 
     t0 = time.perf_counter()
+    from fxpipe.partition.bounds.simple import simple_work_bound  # noqa: PLC0415
+
+    lower, lower_method = simple_work_bound(graph.work_s(objective), k), "simple"
+    chain_part = None
+    if chain and comm == "relay" and graph.n > 1:
+        from fxpipe.partition.chain import solve_chain  # noqa: PLC0415
+
+        res = solve_chain(graph, k, objective, "relay", partition=True)
+        if res.lower_bound_s > lower:
+            lower, lower_method = res.lower_bound_s, "chain"
+        cand = res.partition
+        if cand is not None and model is not None:
+            if stage_memory_bytes(graph, cand.assignment, k, objective, model).max() > model.capacity_bytes:
+                cand = None
+        chain_part = cand
+    target = lower * (1.0 + PROVEN_RTOL)
+
+    # ---- seeds on the original graph: structured orders, the chain order, the warm start
     inputs = kernel_inputs(graph, k, objective, comm, model)
-    decoder = PopulationDecoder(graph, k, objective, comm, model)
-    structured = structured_orders(graph)
-    seeds: list[tuple[str, np.ndarray]] = list(structured.items())
-    if warm_start is not None:
-        seeds.insert(0, ("warm_start", _warm_order(graph, warm_start)))
+    seeds: list[tuple[str, np.ndarray]] = list(structured_orders(graph).items())
+    if chain_part is not None:
+        seeds.insert(0, ("chain", _order_of_assignment(graph, chain_part.assignment)))
+    if warm_order is not None:
+        seeds.insert(0, ("warm_start", warm_order))
     if evaluations is not None:
         seeds = seeds[:evaluations]
-
     best_val, best_order, best_rule = math.inf, seeds[0][1], seeds[0][0]
     evals = 0
     interrupted = False
+    stop_reason = "time"
     extra_meta: dict = {}
     try:
-        for rule, o in seeds:  # structured orders, serially with the incumbent
+        for rule, o in seeds:
             val, _ = slice_order_arrays(o, inputs, best_val)
             evals += 1
             if val < best_val:
                 best_val, best_order, best_rule = float(val), o, rule
+            if best_val <= target:
+                stop_reason = "bound"
+                break
     except KeyboardInterrupt:
         interrupted = True
+        stop_reason = "interrupted"
 
-    if not interrupted and method == "orders":
-        rng = np.random.default_rng(seed)
-        bar = None
-        if progress:
-            from tqdm.auto import tqdm  # noqa: PLC0415
+    # ---- the search, on the contracted graph
+    search_n = graph.n
+    budget_left = None if evaluations is None else evaluations - evals
+    if not interrupted and stop_reason != "bound" and (budget_left is None or budget_left > 0):
+        con = None
+        if contract:
+            from fxpipe.partition.contract import contract_trivial  # noqa: PLC0415
 
-            bar = tqdm(desc="orders", unit="order", total=evaluations, leave=False)
-        try:
-            while time.perf_counter() - t0 < time_limit_s:
-                size = _ORDERS_BATCH if graph.n <= 5000 else 4 * decoder.threads  # keep time checks frequent
-                batch = size if evaluations is None else min(size, evaluations - evals)
-                if batch <= 0:
-                    break
-                keys = rng.random((batch, graph.n))
-                fit = decoder(keys, best_val)
-                evals += batch
-                i = int(np.argmin(fit))
-                if fit[i] < best_val:
-                    best_val, best_order, best_rule = float(fit[i]), decoder.order(keys[i]), "random"
+            con = contract_trivial(graph, objective)
+            if con.identity:
+                con = None
+        sg = graph if con is None else con.graph
+        search_n = sg.n
+        s_inputs = inputs if con is None else kernel_inputs(sg, k, objective, comm, model)
+        decoder = PopulationDecoder(sg, k, objective, comm, model)
+
+        def to_search(order: np.ndarray) -> np.ndarray:
+            return order if con is None else con.order_from_original(order)
+
+        def to_original(order: np.ndarray) -> np.ndarray:
+            return order if con is None else con.order_to_original(order)
+
+        s_seeds: list[tuple[str, np.ndarray]] = [("best_seed", to_search(best_order))]
+        if con is not None:
+            s_seeds += list(structured_orders(sg).items())
+            if budget_left is not None:
+                s_seeds = s_seeds[:budget_left]
+            try:
+                for rule, o in s_seeds[1:]:
+                    val, _ = slice_order_arrays(o, s_inputs, best_val)
+                    evals += 1
+                    if val < best_val:
+                        best_val, best_order, best_rule = float(val), to_original(o), f"contracted-{rule}"
+                    if best_val <= target:
+                        stop_reason = "bound"
+                        break
+            except KeyboardInterrupt:
+                interrupted = True
+                stop_reason = "interrupted"
+        budget_left = None if evaluations is None else evaluations - evals
+        go = not interrupted and stop_reason != "bound" and (budget_left is None or budget_left > 0)
+        if go and method == "orders":
+            rng = np.random.default_rng(seed)
+            bar = None
+            if progress:
+                from tqdm.auto import tqdm  # noqa: PLC0415
+
+                bar = tqdm(desc="orders", unit="order", total=evaluations, leave=False)
+            try:
+                while time.perf_counter() - t0 < time_limit_s:
+                    size = _ORDERS_BATCH if sg.n <= 5000 else 4 * decoder.threads  # keep time checks frequent
+                    batch = size if evaluations is None else min(size, evaluations - evals)
+                    if batch <= 0:
+                        stop_reason = "evaluations"
+                        break
+                    keys = rng.random((batch, sg.n))
+                    fit = decoder(keys, best_val)
+                    evals += batch
+                    i = int(np.argmin(fit))
+                    if fit[i] < best_val:
+                        best_val, best_order, best_rule = float(fit[i]), to_original(decoder.order(keys[i])), "random"
+                    if bar is not None:
+                        bar.update(batch)
+                        bar.set_postfix(best=f"{best_val:.6g}", refresh=False)
+                    if best_val <= target:
+                        stop_reason = "bound"
+                        break
+            except KeyboardInterrupt:
+                interrupted = True
+                stop_reason = "interrupted"
+            finally:
                 if bar is not None:
-                    bar.update(batch)
-                    bar.set_postfix(best=f"{best_val:.6g}", refresh=False)
-        except KeyboardInterrupt:
-            interrupted = True
-        finally:
-            if bar is not None:
-                bar.close()
-    elif not interrupted and method == "brkga" and time_limit_s > 0:
-        params = brkga_params or BRKGAParams()
-        from dataclasses import replace  # noqa: PLC0415
+                    bar.close()
+        elif go and method == "brkga" and time_limit_s > 0:
+            params = brkga_params or BRKGAParams(stall_generations=None if evaluations is not None else STALL_GENERATIONS)
+            from dataclasses import replace  # noqa: PLC0415
 
-        remaining = None if evaluations is None else max(0, evaluations - evals)
-        params = replace(
-            params,
-            time_limit_s=max(0.0, time_limit_s - (time.perf_counter() - t0)) if params.time_limit_s is None else min(params.time_limit_s, time_limit_s),
-            max_evaluations=remaining if remaining is not None else params.max_evaluations,
-            max_generations=None if remaining is not None else params.max_generations,
-        )
-        if remaining is None or remaining > 0:
-            init = np.stack([keys_from_order(o) for _, o in seeds])
-            res = run_brkga(decoder, params, seed=int(seed), initial_keys=init, progress=progress)
-            evals += res.evaluations
-            interrupted = res.interrupted
-            extra_meta = {"generations": res.generations, "history": [list(h) for h in res.history if math.isfinite(h[3])]}
-            if res.best_fitness < best_val:
-                best_val, best_order, best_rule = res.best_fitness, res.best_order, "brkga"
+            params = replace(
+                params,
+                time_limit_s=max(0.0, time_limit_s - (time.perf_counter() - t0)) if params.time_limit_s is None else min(params.time_limit_s, time_limit_s),
+                max_evaluations=budget_left if budget_left is not None else params.max_evaluations,
+                max_generations=None if budget_left is not None else params.max_generations,
+            )
+            init_orders = [to_search(best_order)] + [o for _, o in s_seeds[1:]]
+            init = np.stack([keys_from_order(o) for o in init_orders])
+            res_b = run_brkga(decoder, params, seed=int(seed), initial_keys=init, progress=progress, target=target)
+            evals += res_b.evaluations
+            interrupted = res_b.interrupted
+            stop_reason = "bound" if res_b.stop_reason == "target" else res_b.stop_reason
+            extra_meta = {"generations": res_b.generations, "history": [list(h) for h in res_b.history if math.isfinite(h[3])]}
+            if res_b.best_fitness < best_val:
+                best_val, best_order, best_rule = res_b.best_fitness, to_original(res_b.best_order), "brkga"
+        decoder.close()
 
     best_val_kernel, cuts = slice_order_arrays(best_order, inputs, math.inf)
-    if not math.isfinite(best_val_kernel):
+    if not math.isfinite(best_val_kernel) and chain_part is None:
         if model is not None:
             if not _explain:
                 raise InfeasibleError(f"no partition into {k} stages found that fits in {model.capacity_bytes:.0f} bytes")
             raise infeasible_error(graph, k, objective, comm, model)
         raise AssertionError("SliceGraph found no slicing without a memory limit (bug)")  # pragma: no cover
-    a = assignment_from_cuts(best_order, cuts)
     meta = {
         "method": method,
         "evaluations": evals,
-        "seconds": time.perf_counter() - t0,
         "seed": int(seed),
         "rule": best_rule,
         "interrupted": interrupted,
         "kernel_bottleneck": float(best_val_kernel),
-        "order": best_order.tolist(),
+        "lower_bound_s": float(lower),
+        "lower_bound_method": lower_method,
+        "search_nodes": int(search_n),
         **extra_meta,
     }
     if model is not None:
         meta["memory_capacity_bytes"] = float(model.capacity_bytes)
-    part = Partition.from_assignment(graph, a, k, objective, comm, order=best_order, meta=meta)
+    part = None
+    if math.isfinite(best_val_kernel):
+        a = assignment_from_cuts(best_order, cuts)
+        part = Partition.from_assignment(graph, a, k, objective, comm, order=best_order, meta={**meta, "order": best_order.tolist()})
+    if chain_part is not None and (part is None or chain_part.bottleneck <= part.bottleneck * (1 + 1e-12)):
+        # the chain partition puts work on every stage: preferred on ties
+        order = _order_of_assignment(graph, chain_part.assignment)
+        part = Partition.from_assignment(
+            graph, chain_part.assignment, k, objective, comm, order=order,
+            meta={**meta, "rule": "chain", "order": order.tolist(), "kernel_bottleneck": chain_part.bottleneck},
+        )
+    if merge_trivial:
+        part = merge_trivial_stages(graph, part, objective, model)
+    if "order" not in part.meta or part.order is None:
+        order = _order_of_assignment(graph, part.assignment)
+        part = Partition(k=part.k, assignment=part.assignment, block_costs=part.block_costs, bottleneck=part.bottleneck,
+                         objective=objective, comm=comm, order=order, meta={**part.meta, "order": order.tolist()})
+    proven = part.bottleneck <= target
+    part.meta.update(
+        proven_optimal=bool(proven),
+        stop_reason="bound" if proven else stop_reason,
+        gap=float(max(0.0, (part.bottleneck - lower) / part.bottleneck)) if part.bottleneck > 0 else 0.0,
+        seconds=time.perf_counter() - t0,
+    )
     if model is not None:
         mem = stage_memory_bytes(graph, part.assignment, k, objective, model)
         part.meta["stage_memory_bytes"] = mem.tolist()

@@ -50,6 +50,10 @@ class Captured:
         Keyword example inputs.
     capture_s : float
         Wall time of the export, seconds.
+    replication : dict or None
+        When the graph was built by replicating one layer (:mod:`fxpipe.passes.replicate`):
+        ``{"path", "layers", "exported_layers", "export_s", "replicate_s"}``; ``exported``
+        is then the program of the truncated three-layer model. None for a full export.
     module_prefix : str
         Module-path prefix of a thin wrapper (a root with one child and no parameters of
         its own, e.g. ``"model."`` for ``fxpipe.models.LogitsOnly``), else ``""``;
@@ -62,6 +66,7 @@ class Captured:
     example_kwargs: dict = field(default_factory=dict)
     capture_s: float = 0.0
     module_prefix: str = ""
+    replication: dict | None = None
 
     @property
     def graph(self) -> torch.fx.Graph:
@@ -139,25 +144,39 @@ def _explain(exc: BaseException, model: torch.nn.Module) -> str:
     return msg
 
 
+#: ``replicate="auto"`` replicates layers of models with at least this many identical layers.
+REPLICATE_MIN_LAYERS = 16
+REPLICATE_MODES = ("auto", "always", "never")
+
+
 def capture(
     model: torch.nn.Module,
     args: Sequence[Any] = (),
     kwargs: Mapping[str, Any] | None = None,
     *,
     dynamic: bool = False,
+    replicate: str = "auto",
 ) -> Captured:
     """Capture ``model`` with ``torch.export.export(..., strict=False)``.
 
     Parameters
     ----------
     model : torch.nn.Module
-        The model (any device, including ``meta``). It is not modified.
+        The model (any device, including ``meta``). It is not modified (a layer list is
+        swapped for a shorter one during a replicated capture and put back).
     args, kwargs : tuple, dict
         Example inputs of ONE micro-batch.
     dynamic : bool
         If True, every dimension of every tensor input is exported as dynamic (``Dim.AUTO``),
         so the graph is valid for other shapes; costs are still computed from the example
         (hinted) sizes.
+    replicate : {"auto", "always", "never"}
+        Export three layers of a stack of identical layers and replicate the middle one
+        (:mod:`fxpipe.passes.replicate`): ``"auto"`` for stacks of at least
+        :data:`REPLICATE_MIN_LAYERS` layers, ``"always"`` for any stack of four or more,
+        ``"never"`` for a plain full export. Whenever replication is not safe (layers that
+        differ, a parent that does not iterate over its layer list) it falls back to the full
+        export; ``Captured.replication`` says which happened. Never with ``dynamic``.
 
     Returns
     -------
@@ -173,8 +192,14 @@ def capture(
     """
     if not isinstance(model, torch.nn.Module):
         raise CaptureError(f"capture expects a torch.nn.Module, got {type(model).__name__}")
+    if replicate not in REPLICATE_MODES:
+        raise CaptureError(f"replicate must be one of {REPLICATE_MODES}, got {replicate!r}")
     args = tuple(args) if isinstance(args, (list, tuple)) else (args,)
     kwargs = dict(kwargs or {})
+    if replicate != "never" and not dynamic:
+        rep = _capture_replicated(model, args, kwargs, min_layers=REPLICATE_MIN_LAYERS if replicate == "auto" else 4)
+        if rep is not None:
+            return rep
     dynamic_shapes = None
     if dynamic:
         from torch.export import Dim
@@ -220,6 +245,50 @@ def capture(
         )
     return Captured(exported=exported, gm=gm, example_args=args, example_kwargs=kwargs,
                     capture_s=capture_s, module_prefix=prefix)
+
+
+def _capture_replicated(model: torch.nn.Module, args: tuple, kwargs: dict, *, min_layers: int) -> Captured | None:
+    """Export three layers and replicate (see :mod:`fxpipe.passes.replicate`); None if not applicable."""
+    from fxpipe.passes.replicate import (
+        TEMPLATE_LAYERS,
+        ReplicationError,
+        find_layer_stack,
+        per_layer_settings_vary,
+        replicate_layers,
+        truncated_layers,
+    )
+
+    found = find_layer_stack(model, min_layers)
+    if found is None:
+        return None
+    path, layers = found
+    parent_path, _, attr = path.rpartition(".")
+    parent = getattr_path(model, parent_path) if parent_path else model
+    if parent is None or getattr(parent, attr, None) is not layers:
+        return None
+    configs = [getattr(m, "config", None) for m in (model, parent, *[mod for _, mod in model.named_children()])]
+    if per_layer_settings_vary([parent, *configs], len(layers)) is not None:
+        return None
+    t0 = time.perf_counter()
+    setattr(parent, attr, torch.nn.ModuleList(truncated_layers(layers)))
+    try:
+        small = capture(model, args, kwargs, replicate="never")
+    except CaptureError:
+        return None  # the full export will report the error (or succeed where the cut model failed)
+    finally:
+        setattr(parent, attr, layers)
+    t1 = time.perf_counter()
+    try:
+        gm = replicate_layers(small.gm, model, path, len(layers))
+    except ReplicationError:
+        return None
+    t2 = time.perf_counter()
+    return Captured(
+        exported=small.exported, gm=gm, example_args=args, example_kwargs=kwargs, capture_s=t2 - t0,
+        module_prefix=small.module_prefix,
+        replication={"path": path, "layers": len(layers), "exported_layers": TEMPLATE_LAYERS,
+                     "export_s": t1 - t0, "replicate_s": t2 - t1},
+    )
 
 
 def getattr_path(root: torch.nn.Module, target: str) -> Any:

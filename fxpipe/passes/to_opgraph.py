@@ -181,7 +181,8 @@ class TracedModel:
 
 def trace_model(model: torch.nn.Module, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None, *,
                 hardware: str | HardwareSpec = "h100-sxm", dtype: torch.dtype | None = None,
-                name: str | None = None, dynamic: bool = False, allow_tf32: bool = False) -> TracedModel:
+                name: str | None = None, dynamic: bool = False, allow_tf32: bool = False,
+                replicate: str = "auto") -> TracedModel:
     """Capture, cost and export a model in one call.
 
     Parameters
@@ -196,6 +197,14 @@ def trace_model(model: torch.nn.Module, args: Sequence[Any] = (), kwargs: Mappin
         Cost floating-point tensors as this dtype (see :class:`AnnotateCosts`).
     name : str, optional
         Graph name (default: the model class name).
+    dynamic : bool
+        Export with dynamic dimensions (see :func:`~fxpipe.passes.capture.capture`).
+    allow_tf32 : bool
+        Cost float32 matmuls at the TF32 peak.
+    replicate : {"auto", "always", "never"}
+        Layer replication of deep models (:func:`~fxpipe.passes.capture.capture`); the
+        graph is the same as a full export's, ``timings["replication"]`` says whether it
+        was used.
 
     Raises
     ------
@@ -206,7 +215,7 @@ def trace_model(model: torch.nn.Module, args: Sequence[Any] = (), kwargs: Mappin
     """
     hw = get_hardware(hardware)
     annot = AnnotateCosts(hw, dtype, allow_tf32=allow_tf32)  # validate before the slow part
-    cap = capture(model, args, kwargs, dynamic=dynamic)
+    cap = capture(model, args, kwargs, dynamic=dynamic, replicate=replicate)
     t0 = time.perf_counter()
     annot(cap.gm)
     t1 = time.perf_counter()
@@ -218,4 +227,5 @@ def trace_model(model: torch.nn.Module, args: Sequence[Any] = (), kwargs: Mappin
     t2 = time.perf_counter()
     return TracedModel(captured=cap, graph=graph, node_names=names, hardware=hw, dtype=dtype,
                        capture_s=cap.capture_s, cost_s=t1 - t0, export_s=t2 - t1,
-                       timings={"capture_s": cap.capture_s, "cost_s": t1 - t0, "export_s": t2 - t1})
+                       timings={"capture_s": cap.capture_s, "cost_s": t1 - t0, "export_s": t2 - t1,
+                                "replication": cap.replication})

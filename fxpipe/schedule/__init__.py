@@ -34,7 +34,7 @@ from fxpipe.schedule.multistage import (
     orders_zbv,
     zb_v,
 )
-from fxpipe.schedule.simulate import as_orders, orders_from_schedule, simulate
+from fxpipe.schedule.simulate import as_orders, simulate
 from fxpipe.schedule.validate import (
     InvalidScheduleError,
     check_schedule,
@@ -75,7 +75,6 @@ __all__ = [
     "objective_values",
     "one_f_one_b",
     "orders_1f1b",
-    "orders_from_schedule",
     "orders_gpipe",
     "peak_memory",
     "pipeoffload",

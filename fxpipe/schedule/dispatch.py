@@ -14,11 +14,61 @@ import dataclasses
 import time
 from typing import Callable
 
+from typing import Sequence
+
 from fxpipe.errors import InputError, SolverError
-from fxpipe.ir import Schedule, ScheduleProblem
+from fxpipe.ir import Schedule, ScheduleProblem, looped_placement, v_placement
 from fxpipe.schedule.heuristics import ALL_METHODS as HEURISTICS
 
 METHODS = (*HEURISTICS, "milp")
+
+#: Methods that schedule one stage per device (any placement with D = S).
+_ONE_STAGE = ("gpipe", "1f1b", "zb-h1", "zb-h2", "greedy", "pipeoffload", "adaoffload")
+
+
+def methods_for_placement(device_of_stage: Sequence[int], num_devices: int | None = None) -> tuple[str, ...]:
+    """The methods of :data:`METHODS` defined for a placement, in :data:`METHODS` order.
+
+    * one stage per device: GPipe, 1F1B, ZB-H1/H2, the Zero Bubble greedy, PipeOffload,
+      AdaOffload (and ``interleaved-1f1b`` = 1F1B when stage s is on device s);
+    * looped (stage s on device ``s mod p``), v >= 2: ``interleaved-1f1b``;
+    * V-shape with 2 stages per device: ``zb-v``, ``dualpipe-v`` (the latter also needs
+      ``m >= 2p``, checked when it runs);
+    * every placement: ``greedy`` (the device greedy) and ``milp``.
+
+    Parameters
+    ----------
+    device_of_stage : sequence of int
+        Device of every stage.
+    num_devices : int, optional
+        Default ``max(device_of_stage) + 1``.
+    """
+    dev = tuple(int(d) for d in device_of_stage)
+    p = (max(dev) + 1 if dev else 0) if num_devices is None else int(num_devices)
+    S = len(dev)
+    ok = {"greedy", "milp"}
+    if p == S:
+        ok.update(_ONE_STAGE)
+    if p >= 1 and S % p == 0:
+        v = S // p
+        if dev == looped_placement(p, v):
+            ok.add("interleaved-1f1b")
+        if v == 2 and dev == v_placement(p, 2):
+            ok.update(("zb-v", "dualpipe-v"))
+    return tuple(m for m in METHODS if m in ok)
+
+
+def default_method(device_of_stage: Sequence[int], num_devices: int | None = None) -> str:
+    """The method ``fxpipe.compile`` uses for a placement when none is named.
+
+    ``zb-h1`` with one stage per device, ``interleaved-1f1b`` on looped placements,
+    ``zb-v`` on the V placement with 2 stages per device, ``greedy`` otherwise.
+    """
+    ok = methods_for_placement(device_of_stage, num_devices)
+    for m in ("zb-h1", "zb-v", "interleaved-1f1b"):
+        if m in ok:
+            return m
+    return "greedy"
 
 
 def make_schedule(

@@ -34,10 +34,10 @@ import time
 from typing import Iterable, Mapping, Sequence
 
 from fxpipe.errors import InputError
-from fxpipe.ir import Orders, Schedule, ScheduledOp, ScheduleProblem, schedule_to_orders, sort_ops
+from fxpipe.ir import Orders, Schedule, ScheduledOp, ScheduleProblem, sort_ops
 from fxpipe.schedule.validate import objective_values
 
-__all__ = ["simulate", "as_orders", "CopyCalendar", "orders_from_schedule"]
+__all__ = ["simulate", "as_orders", "CopyCalendar"]
 
 Order = Sequence[tuple[str, int]]
 
@@ -327,23 +327,3 @@ def simulate(
         objective=problem.objective,
         meta=dict(meta or {}),
     )
-
-
-def orders_from_schedule(schedule: Schedule | Iterable[ScheduledOp], num_stages: int) -> dict[int, list[tuple[str, int]]]:
-    """Per-stage compute order of a timed schedule, in the older ``{stage: [(type, mb)]}`` form.
-
-    A thin wrapper of :func:`fxpipe.ir.schedule_to_orders` (the one schedule-to-orders
-    function) with one stage per device; O/R ops are dropped.
-
-    Parameters
-    ----------
-    schedule : Schedule or iterable of ScheduledOp
-    num_stages : int
-
-    Returns
-    -------
-    dict stage -> list of (type, microbatch)
-        The per-stage input format of :func:`simulate`.
-    """
-    ops = schedule.ops if isinstance(schedule, Schedule) else list(schedule)
-    return schedule_to_orders(ops, tuple(range(num_stages))).stage_orders()

@@ -12,6 +12,10 @@ Methods, weakest and cheapest first:
     Guess-the-bottleneck-block, Section 3.3: k three-superblock MIPs ``LB_j`` solved in
     parallel worker processes; the bound is ``min_j LB_j`` (each ``LB_j`` being the dual
     bound its solve reached).
+``chain``
+    Dynamic programming over the chain of gates of the graph (relay communication only;
+    :mod:`fxpipe.partition.chain`): exact on chain-structured models, it stays tight for
+    large k where the MIPs cannot be solved. Every MIP run after it starts from its bound.
 ``exact``
     The MIP of Figure 3 (x eliminated through Eq. 11, c continuous), with relay
     pass-through terms in relay mode, warm-started with the best known partition, and
@@ -66,6 +70,7 @@ from fxpipe.partition.bounds.models import (
     build_guess,
     warm_start_values,
 )
+from fxpipe.partition.bounds.chain import chain_certificate
 from fxpipe.partition.bounds.simple import simple_bound, simple_work_bound
 from fxpipe.mip import SolveResult, scip_version, solve_model
 from fxpipe.partition.memory import MemoryModel, as_memory_model, memory_inputs, stage_memory_bytes
@@ -85,13 +90,17 @@ __all__ = [
     "read_certificate",
     "simple_bound",
     "simple_work_bound",
+    "chain_certificate",
 ]
 
-METHODS = ("simple", "lp", "bottleneck", "guess", "exact")
+METHODS = ("simple", "chain", "lp", "bottleneck", "guess", "exact")
 #: Position in the hierarchy: a method starts from the best bound of the lower-ranked
-#: methods run before it (guess from bottleneck, exact from everything).
+#: methods run before it (every MIP from chain, guess from bottleneck, exact from everything).
 _RANK = {m: i for i, m in enumerate(METHODS)}
-DEFAULT_METHODS = ("simple", "bottleneck", "guess", "exact")
+DEFAULT_METHODS = ("simple", "chain", "bottleneck", "guess", "exact")
+#: The MIP methods are skipped once the best partition is proven optimal to this relative
+#: tolerance (their bound could not exceed the partition's bottleneck anyway).
+PROVEN_RTOL = 1e-6
 #: SCIP primal heuristics for a warm-started exact MIP (chosen by measurement, see
 #: ``benchmarks/bench_bounds.py --settings``).
 WARM_HEURISTICS = "default"
@@ -438,6 +447,8 @@ def bound(
             for job in jobs:
                 j, r = _solve_guess_j(job)
                 results[j] = r
+                if r["status"] == "userinterrupt":  # Ctrl-C inside SCIP: the other guesses are not run
+                    break
         lbs = {
             j: (
                 math.inf
@@ -446,7 +457,9 @@ def bound(
             )
             for j, r in results.items()
         }
-        lb = min(lbs.values())
+        # a guess that was never solved (interrupted run) proves only what every guess starts from
+        floor = max(data.simple_work * data.scale, start_lb)
+        lb = min(lbs.get(j, floor) for j in range(1, k + 1))
         if not math.isfinite(lb):
             raise _infeasible(data, "every guess-the-bottleneck MIP")
         details = {
@@ -569,7 +582,8 @@ class BoundsReport:
             "certificates": {m: c.to_dict() for m, c in self.certificates.items()},
             "how_to_check": (
                 "Re-score partition.assignment with fxpipe.partition.objective.block_costs (Contract 2) to check "
-                "partition.bottleneck; every lower_bound is a SCIP dual bound (or Lemma 3.3) for the same objective, "
+                "partition.bottleneck; every lower_bound is a SCIP dual bound, Lemma 3.3, or the chain DP "
+                "(fxpipe.partition.chain, deterministic, re-run with solve_chain) for the same objective, "
                 "comm mode and memory capacity, reproducible with the listed SCIP version and parameters."
             ),
         }
@@ -598,7 +612,9 @@ class BoundsReport:
             ratio = "-" if r["ratio"] is None else f"{r['ratio']:.4f}"
             lines.append(f"{r['method']:<11} {r['lower_bound_s']:>13.6g} {ratio:>8} {r['status']:<13} {r['wall_time_s']:>9.2f}")
         if self.partition is not None:
-            lines.append(f"best partition bottleneck: {self.partition.bottleneck:.6g} s ({self.partition.meta.get('method', '?')})")
+            meta = self.partition.meta
+            how = str(meta.get("method", "?")) + (f", found by {meta['rule']}" if meta.get("rule") else "")
+            lines.append(f"best partition bottleneck: {self.partition.bottleneck:.6g} s ({how})")
         return "\n".join(lines)
 
 
@@ -631,6 +647,7 @@ def compute_bounds(
     emphasis: str | None = None,
     separating: str | None = None,
     progress: bool | None = None,
+    stop_when_proven: bool = True,
 ) -> BoundsReport:
     """Lower bounds on the optimal bottleneck of ``graph`` split into ``k`` pipeline stages.
 
@@ -664,6 +681,10 @@ def compute_bounds(
         SCIP settings for every solve (see :func:`bound`).
     progress : bool, optional
         Show a tqdm bar over methods (default: when stderr is a terminal).
+    stop_when_proven : bool
+        Skip the MIP methods still to run once the best partition is proven optimal within
+        :data:`PROVEN_RTOL` (their certificates get status ``"skipped"`` and the bound they
+        would have started from).
 
     Returns
     -------
@@ -719,11 +740,33 @@ def compute_bounds(
     from tqdm import tqdm  # noqa: PLC0415
 
     bar = tqdm(methods, desc="bounds", disable=not progress, leave=False)
-    interrupted = False
+    # Ctrl-C during the partition search stops the whole run: the search returns its best
+    # partition so far, and only the instant bounds are computed
+    interrupted = best is not None and bool(best.meta.get("interrupted"))
     for m in bar:
+        if interrupted and m not in ("simple",):
+            break
         bar.set_postfix_str(m)
         if m == "simple":
             certs[m] = simple_bound(graph, k, objective, comm)
+            continue
+        if m == "chain":
+            cert, cand = chain_certificate(graph, k, objective, comm)
+            if cand is not None and _fits(graph, cand.assignment, k, objective, mem_model) and (
+                best is None or cand.bottleneck < best.bottleneck * (1 - 1e-12)
+            ):
+                best = cand
+            certs[m] = cert
+            continue
+        known = max((c.lower_bound for mm, c in certs.items() if _RANK[mm] < _RANK[m]), default=0.0)
+        proven = max((c.lower_bound for c in certs.values()), default=0.0)
+        if stop_when_proven and best is not None and proven >= best.bottleneck * (1 - PROVEN_RTOL):
+            # "stop when done": the partition is already proven optimal, no MIP can say more
+            by = max(certs, key=lambda mm: certs[mm].lower_bound)
+            certs[m] = Certificate(
+                method=m, lower_bound=known, status="skipped", wall_time_s=0.0,
+                details={"reason": f"the partition is already proven optimal by {by}", "start_lower_bound_s": known},
+            )
             continue
         try:
             cert, inc = bound(
@@ -736,7 +779,7 @@ def compute_bounds(
                 heuristics=heuristics,
                 emphasis=emphasis,
                 separating=separating,
-                known_lower_bound_s=max((c.lower_bound for mm, c in certs.items() if _RANK[mm] < _RANK[m]), default=0.0),
+                known_lower_bound_s=known,
             )
         except KeyboardInterrupt:
             # Ctrl-C outside SCIP (SCIP itself stops with status "userinterrupt" and a
@@ -750,6 +793,10 @@ def compute_bounds(
             ):
                 best = cand
         certs[m] = cert
+        if cert.status == "userinterrupt":
+            # Ctrl-C inside a SCIP solve: SCIP stopped with a valid bound; stop the whole run
+            interrupted = True
+            break
     primal = None if best is None else best.bottleneck
     certs = {m: c.with_primal(primal) for m, c in certs.items()}
     bar.close()

@@ -52,7 +52,7 @@ class Certificate:
     Attributes
     ----------
     method : str
-        ``"simple"``, ``"lp"``, ``"bottleneck"``, ``"guess"`` or ``"exact"``.
+        ``"simple"``, ``"chain"``, ``"lp"``, ``"bottleneck"``, ``"guess"`` or ``"exact"``.
     lower_bound : float
         Proven lower bound on the optimal bottleneck, seconds (valid for every acyclic
         partition into k blocks that meets the memory capacity, if one was given).
@@ -63,7 +63,9 @@ class Certificate:
     status : str
         ``"optimal"`` (the method's model was solved to optimality), ``"timelimit"``
         (the best dual bound reached in the time budget), ``"closed_form"`` (simple),
-        ``"userinterrupt"``, ...
+        ``"skipped"`` (a MIP not run because the partition was already proven optimal;
+        the bound is the one it would have started from), ``"not_applicable"`` (chain
+        with dag communication: Lemma 3.3), ``"userinterrupt"``, ...
     nodes : int
         Branch-and-bound nodes (summed over sub-MIPs for ``guess``).
     wall_time_s : float
