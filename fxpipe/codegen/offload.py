@@ -40,7 +40,7 @@ from typing import Mapping, Sequence
 from fxpipe.errors import InputError
 from fxpipe.ir import Action, Orders
 
-__all__ = ["OffloadProgram", "offload_program", "stage_orders_with_memops", "programs_of", "offload_all"]
+__all__ = ["OffloadProgram", "offload_program", "programs_of", "offload_all"]
 
 
 @dataclass(frozen=True)
@@ -155,22 +155,6 @@ def offload_program(program: Sequence[Action | str], torch_actions: Sequence[str
     return OffloadProgram({k: tuple(v) for k, v in after.items()}, frozenset(offloaded))
 
 
-def stage_orders_with_memops(orders: Orders) -> dict[int, list[tuple[str, int]]]:
-    """``{stage: [(type, microbatch), ...]}`` with the O/R actions kept, for one stage per device.
-
-    The per-stage form that :func:`fxpipe.codegen.launch.spawn_train_many` takes; with one
-    stage per device it is the device program (``Orders.stage_orders`` drops O/R).
-
-    Raises
-    ------
-    InputError
-        When a device holds several stages (the per-stage form cannot say how they interleave).
-    """
-    if len(set(orders.device_of_stage)) != len(orders.device_of_stage):
-        raise InputError("per-stage orders need one stage per device; pass the per-device Orders instead")
-    return {s: [(a.type, a.microbatch) for a in orders.of_stage(s)] for s in range(orders.num_stages)}
-
-
 def programs_of(orders: Orders | Mapping[int, Sequence[tuple[str, int]]]) -> Orders:
     """Per-device :class:`~fxpipe.ir.Orders` from Orders or the per-stage form (O/R kept)."""
     if isinstance(orders, Orders):
@@ -178,38 +162,44 @@ def programs_of(orders: Orders | Mapping[int, Sequence[tuple[str, int]]]) -> Ord
     return Orders.from_stage_orders(orders)
 
 
-def offload_all(orders: Mapping[int, Sequence[tuple[str, int]]], stages: Sequence[int] | None = None) -> dict[int, list[tuple[str, int]]]:
-    """Per-stage orders with every stash of ``stages`` offloaded: ``O`` right after each ``F``, ``R`` right before each ``B``.
+def offload_all(orders: Orders, stages: Sequence[int] | None = None) -> Orders:
+    """The same device programs with every stash of ``stages`` offloaded: ``O`` right after each ``F``, ``R`` right before each ``B``.
 
-    The "fully offloaded" pattern of PipeOffload (App. A) on any F/B/W orders (GPipe, 1F1B,
-    ZB-H1, ...); with one stage per device it is the device program.
+    The "fully offloaded" pattern of PipeOffload (App. A) on any F/B/W programs (GPipe, 1F1B,
+    ZB-H1, interleaved, V-shaped, ...). O/R actions already in ``orders`` are dropped first.
 
     Parameters
     ----------
-    orders : Mapping[int, sequence of (type, microbatch)]
-        Per-stage F/B/W orders (O/R entries already there are dropped).
+    orders : fxpipe.ir.Orders
+        Per-device programs.
     stages : sequence of int, optional
         Stages to offload (default: all but the last, whose stash is used right away).
 
     Returns
     -------
-    dict[int, list[tuple[str, int]]]
+    fxpipe.ir.Orders
+
+    Raises
+    ------
+    InputError
+        If ``stages`` names a stage outside the placement.
     """
-    keys = sorted(int(k) for k in orders)
-    if stages is None:
-        stages = keys[:-1]
-    chosen = {int(s) for s in stages}
-    out: dict[int, list[tuple[str, int]]] = {}
-    for s in keys:
-        row: list[tuple[str, int]] = []
-        for t, j in orders[s]:
-            t = str(t)
-            if t in ("O", "R"):
+    orders = programs_of(orders)
+    S = orders.num_stages
+    chosen = set(range(S - 1)) if stages is None else {int(s) for s in stages}
+    bad = sorted(s for s in chosen if not 0 <= s < S)
+    if bad:
+        raise InputError(f"offload_all: stages {bad} are outside 0..{S - 1}")
+    rows = []
+    for row in orders.actions:
+        out: list[Action] = []
+        for a in row:
+            if not a.is_compute:
                 continue
-            if s in chosen and t == "B":
-                row.append(("R", int(j)))
-            row.append((t, int(j)))
-            if s in chosen and t == "F":
-                row.append(("O", int(j)))
-        out[s] = row
-    return out
+            if a.stage in chosen and a.type == "B":
+                out.append(Action(a.stage, "R", a.microbatch))
+            out.append(a)
+            if a.stage in chosen and a.type == "F":
+                out.append(Action(a.stage, "O", a.microbatch))
+        rows.append(tuple(out))
+    return Orders(orders.device_of_stage, tuple(rows))
