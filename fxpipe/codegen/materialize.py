@@ -420,7 +420,13 @@ def load_tensors(checkpoint: Any, wanted: Mapping[str, Sequence[str]]) -> tuple[
             raise InputError(f"checkpoint {path} is not a flat state dict (name -> tensor)")
         out, _ = load_tensors(sd, wanted)
         return {n: t.clone() for n, t in out.items()}, [str(path)]
-    from safetensors import safe_open
+    try:
+        from safetensors import safe_open
+    except ImportError:
+        raise InputError(
+            f"checkpoint {path} is a safetensors file but the safetensors package is not installed: "
+            "pip install 'fxpipe[checkpoint]'"
+        ) from None
 
     if kind == "index":
         try:

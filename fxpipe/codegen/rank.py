@@ -209,19 +209,7 @@ def build_rank(
     fused_here: dict[int, bool] = {}
     pipeline_stages: list[FxpipePipelineStage] = []
     modules: dict[int, torch.nn.Module] = {}
-    # ---- begin per-rank materialization (fxpipe.codegen.materialize): only this rank's stages leave meta
-    from fxpipe.codegen.materialize import holds_meta, materialize_stage
-
-    materialized = {}
-    for s in local:
-        if state_source is not None:
-            materialized[s] = materialize_stage(staged, s, state_source, dev)
-        elif holds_meta(staged.stages[s].module):
-            raise InputError(
-                f"stage {s} holds meta tensors (the model was built on meta): pass state_source="
-                "fxpipe.codegen.materialize.StateSource(seed=..., checkpoint=..., model=...) to materialize it"
-            )
-    # ---- end per-rank materialization
+    ios = {}
     for s in local:
         key = (id(staged), s, shape_key)
         io = io_cache.get(key) if io_cache is not None else None
@@ -241,6 +229,23 @@ def build_rank(
             )
             acts = fuse_backward(acts, stages=[s])
             fused_here[s] = True
+        ios[s] = io
+    # ---- begin per-rank materialization (fxpipe.codegen.materialize): only this rank's stages leave meta,
+    # after shape inference (which runs the stages before this one on fake tensors)
+    from fxpipe.codegen.materialize import holds_meta, materialize_stage
+
+    materialized = {}
+    for s in local:
+        if state_source is not None:
+            materialized[s] = materialize_stage(staged, s, state_source, dev)
+        elif holds_meta(staged.stages[s].module):
+            raise InputError(
+                f"stage {s} holds meta tensors (the model was built on meta): pass state_source="
+                "fxpipe.codegen.materialize.StateSource(seed=..., checkpoint=..., model=...) to materialize it"
+            )
+    # ---- end per-rank materialization
+    for s in local:
+        io = ios[s]
         spec = staged.stages[s]
         module = spec.module.to(dev)
         modules[s] = module
