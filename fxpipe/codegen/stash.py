@@ -95,6 +95,10 @@ class StageActivationStats:
     max_microbatch_bytes : int
         Largest stash of one micro-batch right after its forward (the measured counterpart of
         the cost model's per-micro-batch ``mem_f``).
+    max_input_saved_bytes : int
+        Largest amount of one micro-batch's *stage inputs* that autograd saved (not stashed:
+        they live in torch's receive buffers, or the caller's model inputs, anyway). A cost
+        model that counts what every op saves includes them in the stage's stash.
     offloads, reloads, recomputes : int
         Micro-batch stashes offloaded, reloaded and recomputed.
     offloaded_bytes_total : int
@@ -107,6 +111,7 @@ class StageActivationStats:
     peak_saved_bytes: int = 0
     peak_offloaded_bytes: int = 0
     max_microbatch_bytes: int = 0
+    max_input_saved_bytes: int = 0
     offloads: int = 0
     reloads: int = 0
     recomputes: int = 0
@@ -405,22 +410,26 @@ class DeviceStash:
             self._stashes[key] = ms
             self._stage_stats(key[0])
         ptrs = {_ptr(t) for t in resident if _plain(t)}
+        inputs: dict[int, int] = {}
         for t in list(args) + list(kwargs.values()):
-            if _plain(t):
-                ptrs.add(_ptr(t))
+            if _plain(t) and _ptr(t) not in ptrs:
+                inputs[_ptr(t)] = t.untyped_storage().nbytes()
+        ptrs |= set(inputs)
         if stage in self.recompute_stages:
             return self._forward_recompute(ms, fn, args, kwargs, ptrs)
-        with torch.autograd.graph.saved_tensors_hooks(self._packer(ms, ptrs), self._unpack):
+        saved_inputs: set[int] = set()
+        with torch.autograd.graph.saved_tensors_hooks(self._packer(ms, ptrs, inputs, saved_inputs), self._unpack):
             out = fn(*args, **kwargs)
-        self._stashed(ms)
+        self._stashed(ms, sum(inputs[p] for p in saved_inputs))
         return out
 
-    def _stashed(self, ms: _MicrobatchStash) -> None:
+    def _stashed(self, ms: _MicrobatchStash, input_bytes: int = 0) -> None:
         with self._lock:
             ms.state = "stashed"
             n = sum(g.nbytes for g in ms.groups.values() if g.counted)
             st = self._stage_stats(ms.stage)
             st.max_microbatch_bytes = max(st.max_microbatch_bytes, n)
+            st.max_input_saved_bytes = max(st.max_input_saved_bytes, int(input_bytes))
 
     def _new_group(self, ms: _MicrobatchStash, t: torch.Tensor) -> _Group:
         storage = t.untyped_storage()
@@ -440,10 +449,15 @@ class DeviceStash:
             g.slots.append(weakref.ref(slot))
             g.live += 1
 
-    def _packer(self, ms: _MicrobatchStash, resident_ptrs: set[int]):
+    def _packer(self, ms: _MicrobatchStash, resident_ptrs: set[int], inputs: Mapping[int, int] | None = None,
+                saved_inputs: set[int] | None = None):
+        inputs = inputs or {}
+
         def pack(t):
             ms.npacks += 1
             if not _plain(t) or _ptr(t) in resident_ptrs:
+                if saved_inputs is not None and _plain(t) and _ptr(t) in inputs:
+                    saved_inputs.add(_ptr(t))
                 return t
             slot = _Slot(ms, None, None, ms.npacks - 1, t)
             self._add_slot(ms, slot, t)
