@@ -15,7 +15,9 @@ and give the losses and every gradient, parameter and buffer of single-process t
 ranks GPT-2 is also built on ``meta`` in every worker and each rank materializes only its stage,
 from the initializers under a seed and from a safetensors checkpoint: it trains like the whole
 model initialized (or loaded) in one process, and each rank holds exactly its stage's parameter
-and buffer bytes (counted on its modules), less than the whole model. Each world size runs in
+and buffer bytes (counted on its modules), less than the whole model; and on a V placement (two
+stages per rank, the tied embedding on stages 0 and 3 of rank 0) with every stash offloaded, built
+on meta, the tied weight stays one tensor. Each world size runs in
 one set of workers.
 """
 
@@ -33,6 +35,7 @@ from fxpipe import zoo  # noqa: E402
 from fxpipe.codegen.compare import compare_training  # noqa: E402
 from fxpipe.codegen.launch import TrainResult, reference_train, spawn_train_many  # noqa: E402
 from fxpipe.codegen.materialize import MetaInit  # noqa: E402
+from fxpipe.codegen.offload import offload_all  # noqa: E402
 from fxpipe.ir import schedule_to_orders  # noqa: E402
 from fxpipe.plan import _PlanStageOf  # noqa: E402
 from fxpipe.schedule.dispatch import make_schedule  # noqa: E402
@@ -91,6 +94,15 @@ def _train(devices: int, with_state: bool, tmp_path=None):
                 runs.append(dict(base, orders=orders, state=state, model_key=(name, kind)))
                 refs.append(reference_train(ref_model, zm.batch, num_microbatches=M, steps=STEPS, lr=LR, loss=zm.loss))
                 labels.append((name, kind))
+            # V placement (stages 0 and 3 on rank 0 share the tied embedding): every stash offloaded,
+            # the model built on meta, each rank materializing its two stages
+            model, args, kwargs = zm.one_microbatch()
+            vplan = fxpipe.compile(model, args, kwargs, devices=2, microbatches=M, stages_per_device=2, placement="v",
+                                   time_limit_s=0.5, name=name).reschedule("zb-v")
+            runs.append(dict(base, stage_of=_PlanStageOf(vplan.stage_of), orders=offload_all(vplan.orders()),
+                             state={"seed": 3}, model_key=(name, "v")))
+            refs.append(refs[labels.index((name, "meta-seed"))])
+            labels.append((name, "v-offload-meta"))
     results = spawn_train_many(runs, world_size=devices, timeout_s=800)
     return {lab: (res, ref) for lab, res, ref in zip(labels, results, refs)}, extra
 
@@ -160,3 +172,18 @@ def test_each_rank_materializes_only_its_stage(two_ranks, kind):
         if kind == "meta-safetensors":
             assert rep["from_checkpoint"] and rep["checkpoint_files"]
     assert np.isclose(res.losses[0], ref.losses[0], rtol=1e-5)
+
+
+def test_v_placement_offloads_and_materializes_tied_stages_once(two_ranks):
+    res, ref = two_ranks[0][("gpt2", "v-offload-meta")]
+    _check_equal(res, ref)
+    held, mat, act = res.meta["held_state_bytes"], res.meta["materialized"], res.meta["activation"]
+    for r in range(2):
+        reps = mat[r].values()
+        assert len(reps) == 2  # two stages per rank
+        # a weight tied across the rank's two stages is one tensor, counted once
+        assert held[r] == sum(x["param_bytes"] + x["buffer_bytes"] for x in reps)
+        stages = act[r]["stages"]
+        assert len(stages) == 2
+        assert all(st["offloads"] == st["reloads"] for st in stages.values())
+    assert sum(st["offloads"] for r in range(2) for st in act[r]["stages"].values()) == 3 * M * STEPS

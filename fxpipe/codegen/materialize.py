@@ -494,13 +494,14 @@ def _values(names: Mapping[str, tuple[tuple[str, ...], torch.Tensor, bool]], sou
 
 
 def _replace(module: torch.nn.Module, canon_of: Mapping[int, str], values: Mapping[str, torch.Tensor],
-             device: torch.device) -> tuple[int, int]:
-    """Put the new values in every slot of ``module`` (aliases share one new tensor); returns (param, buffer) bytes."""
-    made: dict[str, torch.Tensor] = {}
+             device: torch.device, made: dict[str, torch.Tensor] | None = None) -> tuple[int, int]:
+    """Put the new values in every slot of ``module`` (aliases share one new tensor); returns (param, buffer) bytes
+    of the tensors created (``made``, kept by the caller, shares tensors across modules)."""
+    made = {} if made is None else made
     pbytes = bbytes = 0
     for _, mod, kind, k, t in _slots(module):
         c = canon_of.get(id(t))
-        if c is None or c not in values:
+        if c is None or (c not in values and c not in made):
             continue
         new = made.get(c)
         if new is None:
@@ -516,7 +517,8 @@ def _replace(module: torch.nn.Module, canon_of: Mapping[int, str], values: Mappi
     return pbytes, bbytes
 
 
-def materialize_stage(staged, rank: int, source: StateSource, device: str | torch.device = "cpu") -> MaterializeReport:
+def materialize_stage(staged, rank: int, source: StateSource, device: str | torch.device = "cpu",
+                      shared: dict[str, torch.Tensor] | None = None) -> MaterializeReport:
     """Give stage ``rank`` of ``staged`` real parameters and buffers on ``device`` (nothing else).
 
     Parameters
@@ -528,6 +530,10 @@ def materialize_stage(staged, rank: int, source: StateSource, device: str | torc
     source : StateSource
         Checkpoint and/or initializers (see the module docstring).
     device : str or torch.device
+    shared : dict, optional
+        Canonical name -> tensor already materialized for another stage of the same rank (kept
+        by the caller across the rank's stages): a parameter tied across stages on one rank stays
+        one tensor. Filled with this stage's new tensors; their bytes are counted once.
 
     Returns
     -------
@@ -570,8 +576,11 @@ def materialize_stage(staged, rank: int, source: StateSource, device: str | torc
                     "real device (or register it as a buffer so that it can be initialized or loaded)"
                 )
     report = MaterializeReport(stage=int(rank))
-    values = _values(names, source, report)
-    report.param_bytes, report.buffer_bytes = _replace(mod, canon_of, values, dev)
+    if shared:  # tensors another stage of this rank already materialized are reused, not read again
+        names = {c: v for c, v in names.items() if c not in shared}
+    values = _values(names, source, report) if names else {}
+    made = shared if shared is not None else {}
+    report.param_bytes, report.buffer_bytes = _replace(mod, canon_of, values, dev, made)
     report.retargeted_nodes = retarget_meta_devices(mod, dev)
     return report
 

@@ -235,9 +235,10 @@ def build_rank(
     from fxpipe.codegen.materialize import holds_meta, materialize_stage
 
     materialized = {}
+    made: dict = {}  # a parameter tied across this rank's stages stays one tensor
     for s in local:
         if state_source is not None:
-            materialized[s] = materialize_stage(staged, s, state_source, dev)
+            materialized[s] = materialize_stage(staged, s, state_source, dev, shared=made)
         elif holds_meta(staged.stages[s].module):
             raise InputError(
                 f"stage {s} holds meta tensors (the model was built on meta): pass state_source="

@@ -44,7 +44,7 @@ Activation memory (``act_bytes``), an approximation of what autograd saves
     through shape-only ops to its base, and each base is counted once, on the first node that
     saves it. Parameters, buffers and the model's inputs (placeholders) are never counted:
     they are resident, held by the module and by the caller for the whole step. Checked against the
-    bytes autograd saves (saved-tensor hooks) in ``benchmarks/bench_activation_memory.py``.
+    bytes autograd saves (saved-tensor hooks) in ``benchmarks/bench_activation_peak.py``.
 """
 
 from __future__ import annotations
@@ -639,7 +639,7 @@ class AnnotateCosts(PassBase):
         if pkt in SAVES_OUTPUT:
             return save([node])
         # ---- begin act_bytes fix (issue 9): what torch saves besides the input, measured with
-        # saved-tensor hooks (benchmarks/bench_activation_memory.py)
+        # saved-tensor hooks (benchmarks/bench_activation_peak.py)
         if pkt in NORM_STATS:  # mean and rstd (fp32 accumulate type) per normalized row / group / channel
             return save(act_in[:1]) + self._norm_stats_bytes(node, pkt)
         if pkt in MAX_POOL:  # the int64 argmax indices, shaped like the output
