@@ -45,9 +45,9 @@ Recomputation (a stage in ``recompute_stages``)
     soon as all are there). The recomputed tensors stay in the stash until the micro-batch's
     last backward ends, so a split backward (``B`` now, ``W`` later) recomputes **once**.
     ``torch.utils.checkpoint`` (non-reentrant) recomputes once per autograd graph task; torch's
-    split backward runs one task for ``B`` and one per parameter group for ``W`` (8 recomputations
-    of a 4-layer stage instead of 1), and its ``GraphExecGroup`` refuses the ``W`` pass (the
-    intermediate nodes are run twice), which is why the stash does it itself. A recomputation
+    split backward runs one task for ``B`` and one per parameter group for ``W`` (measured with
+    torch 2.13 on a stage of 4 ``Linear`` layers: 5 replays of the forward per micro-batch, 1 for
+    ``I`` and 4 for ``W``, instead of 1), which is why the stash does it itself. A recomputation
     that saves tensors of other shapes or fewer tensors than the original forward raises
     :class:`StashError`.
 
