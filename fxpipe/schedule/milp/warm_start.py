@@ -54,7 +54,7 @@ def check_memory_feasible(problem: ScheduleProblem) -> None:
             if len(stages) == 1:
                 s = stages[0]
                 raise InfeasibleError(
-                    f"stage {s}: one micro-batch needs {problem.stash_footprint[s]:g} bytes (its stash, plus the "
+                    f"stage {s}: one micro-batch needs {problem.stash_footprint[s]:g} bytes (its stash mem_f, plus the "
                     f"replayed forward if it recomputes) but mem_limit is {lim:g}; no schedule fits even with "
                     "offloading (the stash of the running op is on the device). Raise the limit, use more stages "
                     "or smaller micro-batches."
