@@ -545,6 +545,7 @@ class Plan:
         timeout_s: float = 600.0,
         loss_rtol: float = 1e-4,
         rtol: float = 1e-5,
+        progress: bool | None = None,
     ) -> dict[str, Any]:
         """Train this plan for a few steps on ``devices`` local gloo processes (CPU) and compare.
 
@@ -568,6 +569,8 @@ class Plan:
         loss_rtol, rtol : float
             Tolerances of the verdict ``ok``: relative loss difference, and gradient /
             parameter / buffer difference relative to the largest reference value of its kind.
+        progress : bool or None
+            A tqdm bar of the pipelined training steps on stderr (None: when stderr is a terminal).
 
         Returns
         -------
@@ -599,7 +602,8 @@ class Plan:
         run = dict(make_model=make_model, stage_of=_PlanStageOf(self.stage_of), orders=self.orders(),
                    num_microbatches=self.microbatches, make_batch=make_batch, steps=steps, lr=lr, loss=loss, seed=seed,
                    recompute_stages=self.recompute_stages())
-        res = spawn_train_many([run], world_size=self.devices, timeout_s=timeout_s, warn_random=rnd is None)[0]
+        res = spawn_train_many([run], world_size=self.devices, timeout_s=timeout_s, warn_random=rnd is None,
+                               progress=progress)[0]
         out: dict[str, Any] = {"pipeline_losses": list(res.losses), "pipeline_wall_s": time.perf_counter() - t0}
         if rnd is None:
             rnd = list(res.meta.get("random_ops", []))

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
 import tempfile
 import time
 import traceback
@@ -296,6 +297,8 @@ def _run_one(rank: int, world: int, run: dict, out_dir: str, idx: int, cache: di
         grads = _grads_of(named)
         if opt is not None:
             opt.step()
+        if rank == 0:
+            _write_progress(out_dir, idx, step + 1)
     wall = time.perf_counter() - t0
     stash = getattr(sched, "fxpipe_stash", None)
     mat = getattr(sched, "fxpipe_materialized", None)
@@ -440,7 +443,7 @@ def spawn_train(
 
 def spawn_train_many(runs: Sequence[Mapping[str, Any]], *, world_size: int, timeout_s: float = 300.0,
                      on_error: str = "raise", run_timeout_s: float | None = None,
-                     warn_random: bool = True) -> list[TrainResult | RunError]:
+                     warn_random: bool = True, progress: bool | None = False) -> list[TrainResult | RunError]:
     """Several :func:`spawn_train` runs in one set of worker processes (start-up paid once).
 
     Runs of the same model (same ``make_model`` object or the same ``model_key``, seed and
@@ -475,6 +478,9 @@ def spawn_train_many(runs: Sequence[Mapping[str, Any]], *, world_size: int, time
         With ``on_error="record"``: limit for one run (default ``timeout_s``).
     warn_random : bool
         Warn (:class:`~fxpipe.codegen.compare.RandomOpsWarning`) for a model with active random ops.
+    progress : bool or None
+        Show a tqdm bar of training steps done over all runs on stderr (None: when stderr is
+        a terminal).
 
     Returns
     -------
@@ -506,7 +512,13 @@ def spawn_train_many(runs: Sequence[Mapping[str, Any]], *, world_size: int, time
         norm_runs.append(run)
     results: dict[int, TrainResult | RunError] = {}
     per_run = run_timeout_s if run_timeout_s is not None else timeout_s
-    with tempfile.TemporaryDirectory(prefix="fxpipe-spawn-") as out_dir:
+    if progress is None:
+        progress = sys.stderr.isatty()
+    from tqdm import tqdm
+
+    bar = tqdm(total=sum(int(r["steps"]) for r in norm_runs), desc=f"pipeline training ({world_size} ranks)",
+               unit="step", disable=not progress, leave=False)
+    with bar, tempfile.TemporaryDirectory(prefix="fxpipe-spawn-") as out_dir:
         t0 = time.perf_counter()
         pending = list(range(len(norm_runs)))
         port_retry = True
@@ -516,7 +528,7 @@ def spawn_train_many(runs: Sequence[Mapping[str, Any]], *, world_size: int, time
                        init_method=f"tcp://127.0.0.1:{free_port()}")
             try:
                 _start_and_join(mp, cfg, world_size, timeout_s if on_error == "raise" else None,
-                                per_run if on_error == "record" else None)
+                                per_run if on_error == "record" else None, None if bar.disable else bar)
                 pending = []
             except _PortTaken:
                 if not port_retry:
@@ -549,6 +561,25 @@ def spawn_train_many(runs: Sequence[Mapping[str, Any]], *, world_size: int, time
     return out
 
 
+def _write_progress(out_dir: str, idx: int, steps_done: int) -> None:
+    """Rank 0 records how many steps of run ``idx`` are done (read by the launcher's bar)."""
+    path = os.path.join(out_dir, f"progress{idx}")
+    with open(path + ".tmp", "w") as f:
+        f.write(str(steps_done))
+    os.replace(path + ".tmp", path)
+
+
+def _steps_done(out_dir: str, runs) -> int:
+    total = 0
+    for i, _ in runs:
+        try:
+            with open(os.path.join(out_dir, f"progress{i}")) as f:
+                total += int(f.read() or 0)
+        except (OSError, ValueError):
+            pass
+    return total
+
+
 class _PortTaken(Exception):
     """Rank 0 could not bind the rendezvous port (taken between free_port() and the bind)."""
 
@@ -571,10 +602,12 @@ def _clear_errors(out_dir: str) -> None:
             os.remove(os.path.join(out_dir, name))
 
 
-def _start_and_join(mp, cfg: dict, world_size: int, timeout_s: float | None, run_timeout_s: float | None) -> None:
+def _start_and_join(mp, cfg: dict, world_size: int, timeout_s: float | None, run_timeout_s: float | None,
+                    bar=None) -> None:
     """Start the workers and wait for them; raise on failure, timeout or a taken port.
 
     ``timeout_s`` limits the whole job; ``run_timeout_s`` the time between two completed runs.
+    ``bar`` (tqdm) is advanced to the number of training steps done (rank 0's progress files).
     """
     out_dir = cfg["out_dir"]
     start = last_progress = time.monotonic()
@@ -583,6 +616,9 @@ def _start_and_join(mp, cfg: dict, world_size: int, timeout_s: float | None, run
     try:
         while not ctx.join(timeout=0.5):
             now = time.monotonic()
+            if bar is not None:
+                bar.n = _steps_done(out_dir, cfg["runs"])
+                bar.refresh()
             if run_timeout_s is not None:
                 done = sum(1 for i, _ in cfg["runs"] if _complete(out_dir, i, world_size))
                 if done != n_done:
@@ -594,6 +630,9 @@ def _start_and_join(mp, cfg: dict, world_size: int, timeout_s: float | None, run
                 raise TimeoutError(
                     f"pipeline run with {world_size} ranks did not finish within {timeout_s:.0f} s" + _errors(out_dir)
                 )
+        if bar is not None:
+            bar.n = _steps_done(out_dir, cfg["runs"])
+            bar.refresh()
     except mp.ProcessRaisedException as exc:
         errs = _errors(out_dir)
         if "EADDRINUSE" in errs or "EADDRINUSE" in str(exc):
