@@ -490,7 +490,12 @@ class Plan:
         self._captured = traced
         return traced
 
-    def build(self, rank: int, *, model=None, args=(), kwargs=None, loss_fn: Callable | None = None, group=None, device="cpu"):
+    def recompute_stages(self) -> tuple[int, ...]:
+        """Stages the schedule problem marks for activation recomputation (``problem.recompute``)."""
+        return tuple(s for s, r in enumerate(getattr(self.problem, "recompute", ()) or ()) if r)
+
+    def build(self, rank: int, *, model=None, args=(), kwargs=None, loss_fn: Callable | None = None, group=None,
+              device="cpu", checkpoint=None, seed: int | None = None, init_fn: Callable | None = None):
         """This rank's ``PipelineStage`` s and schedule runtime, inside an initialised process group.
 
         Call from every worker of ``torchrun`` / ``torch.multiprocessing`` after
@@ -507,6 +512,22 @@ class Plan:
             One micro-batch of example inputs (only for re-capture).
         loss_fn : callable(output, target) -> scalar tensor
             Applied on the last stage to every micro-batch.
+        checkpoint : str, os.PathLike or Mapping[str, Tensor], optional
+            Load this rank's stage parameters and buffers by fully qualified name from a
+            ``.safetensors`` file, a sharded safetensors index, a directory holding either, a
+            torch state dict file or a mapping (only the tensors this rank needs are read;
+            :mod:`fxpipe.codegen.materialize`). Buffers it lacks come from the initializers.
+        seed : int, optional
+            Materialize this rank's stages from the model's initializers under this seed
+            (same values as :class:`fxpipe.codegen.materialize.MetaInit` gives the whole model).
+            Needed (or ``checkpoint``) when the model was captured on ``meta``.
+        init_fn : callable(module) -> None, optional
+            Initializer of every module, replacing the model's own (with ``seed``).
+
+        The stages the schedule problem marks for recomputation (:meth:`recompute_stages`) replay
+        their forward during the backward; the schedule's offload/reload actions are executed
+        (:mod:`fxpipe.codegen.stash`; ``schedule.fxpipe_stash.stats()`` reports the measured
+        activation peaks).
 
         Returns
         -------
@@ -528,6 +549,12 @@ class Plan:
         from fxpipe.codegen import build_pipeline_rank
 
         traced = self.captured(model, args, kwargs)
+        source = None
+        if checkpoint is not None or seed is not None or init_fn is not None:
+            from fxpipe.codegen.materialize import StateSource
+
+            source = StateSource(seed=0 if seed is None else int(seed), checkpoint=checkpoint, init_fn=init_fn,
+                                 model=model if model is not None else getattr(traced, "model", None))
         return build_pipeline_rank(
             traced.gm,
             self.stage_of,
@@ -537,6 +564,8 @@ class Plan:
             loss_fn=loss_fn,
             group=group,
             device=device,
+            recompute_stages=self.recompute_stages(),
+            state_source=source,
         )
 
     def reschedule(self, schedule: str, *, time_limit_s: float = 60.0, progress: bool = False) -> "Plan":
@@ -664,7 +693,8 @@ class Plan:
             random_ops_warning(rnd)
         t0 = time.perf_counter()
         run = dict(make_model=make_model, stage_of=_PlanStageOf(self.stage_of), orders=self.orders(),
-                   num_microbatches=self.microbatches, make_batch=make_batch, steps=steps, lr=lr, loss=loss, seed=seed)
+                   num_microbatches=self.microbatches, make_batch=make_batch, steps=steps, lr=lr, loss=loss, seed=seed,
+                   recompute_stages=self.recompute_stages())
         res = spawn_train_many([run], world_size=self.devices, timeout_s=timeout_s, warn_random=rnd is None,
                                progress=progress)[0]
         out: dict[str, Any] = {"pipeline_losses": list(res.losses), "pipeline_wall_s": time.perf_counter() - t0}
