@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import argparse
 import functools
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from fxpipe.api import PLACEMENTS, SCHEDULES
-from fxpipe.cli.common import check_writable, emit, status
+from fxpipe.cli.common import add_memory_arguments, check_writable, emit, memory_model_from_args, parse_bytes, status
 from fxpipe.cost.hardware import list_hardware
 from fxpipe.errors import InputError
 
@@ -73,10 +74,11 @@ def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="intra-op threads the ops are timed with (default: 1 with --run, whose ranks run one thread each; else torch's setting)")
     p.add_argument("--objective", choices=("training", "inference"), default="training")
     p.add_argument(
-        "--schedule", default=None, choices=SCHEDULES,
-        help="schedule method, one valid for the placement (default: zb-h1 with one stage per device, "
-        "interleaved-1f1b looped, zb-v V-shaped)",
+        "--schedule", default="auto", choices=SCHEDULES,
+        help="schedule method, one valid for the placement (default auto: the fastest that fits device memory among "
+        "the heuristics and the MILP, offloading or recomputing activations only where memory forces it)",
     )
+    add_memory_arguments(p, plan=True)
     p.add_argument("--time-limit", type=float, default=10.0, help="partition search budget in seconds (default 10)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -213,6 +215,8 @@ def run(args: argparse.Namespace) -> int:
         time_limit_s=args.time_limit,
         seed=args.seed,
         name=args.hf,
+        memory=memory_model_from_args(args, math.inf),
+        memory_bytes=None if args.memory is None else parse_bytes(args.memory, allow_inf=True),
     )
     doc: dict[str, Any] = {
         "model": args.hf,

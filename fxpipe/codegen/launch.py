@@ -224,7 +224,7 @@ class _Captured:
 
 
 def _capture_key(run: Mapping[str, Any]):
-    return (run.get("model_key", id(run["make_model"])), run["seed"], run["num_microbatches"])
+    return (run.get("model_key", id(run["make_model"])), run["seed"], run["num_microbatches"], run.get("state") is not None)
 
 
 def _run_one(rank: int, world: int, run: dict, out_dir: str, idx: int, cache: dict, groups: dict) -> None:
@@ -238,12 +238,18 @@ def _run_one(rank: int, world: int, run: dict, out_dir: str, idx: int, cache: di
     S = orders.num_stages
     key = _capture_key(run)
     cap = cache.get("captured")
+    state = run.get("state")  # per-rank materialization: the model is built on meta (fxpipe.codegen.materialize)
     if cap is None or cap.key != key:
         cache["captured"] = None
         torch.manual_seed(run["seed"])
-        model, example = run["make_model"]()
+        if state is not None:
+            with torch.device("meta"):
+                model, example = run["make_model"]()
+        else:
+            model, example = run["make_model"]()
         mb_example = split_microbatches(_as_inputs(example), m)[0]
         cap = _Captured(key, _capture(model, mb_example), mb_example)
+        cap.model = model if state is not None else None
         cache["captured"] = cap
     else:
         cap.reset()
@@ -259,10 +265,16 @@ def _run_one(rank: int, world: int, run: dict, out_dir: str, idx: int, cache: di
         cap.staged[skey] = split_stages(gm, stage_of, S)
     staged = cap.staged[skey]
     loss_fn = _loss_fn(run["loss"])
+    source = None
+    if state is not None:
+        from fxpipe.codegen.materialize import StateSource
+
+        source = StateSource(seed=state.get("seed", 0), checkpoint=state.get("checkpoint"), model=cap.model)
     stages, sched = build_rank(
         staged, rank, orders, num_microbatches=m, loss_fn=loss_fn, example_microbatch_inputs=cap.mb_example,
         fuse=run["fuse"], fused_backward=run["fused_backward"], group_cache=groups, io_cache=cap.io_cache,
         compile_stages=run.get("compile_stages", False),
+        recompute_stages=tuple(run.get("recompute_stages", ())), state_source=source,
     )
     local = [st.stage_index for st in stages]
     named: dict[str, torch.nn.Parameter] = {}
@@ -289,6 +301,14 @@ def _run_one(rank: int, world: int, run: dict, out_dir: str, idx: int, cache: di
         if rank == 0:
             _write_progress(out_dir, idx, step + 1)
     wall = time.perf_counter() - t0
+    stash = getattr(sched, "fxpipe_stash", None)
+    mat = getattr(sched, "fxpipe_materialized", None)
+    if state is not None:
+        from fxpipe.codegen.materialize import real_state_bytes
+
+        held = real_state_bytes(cap.gm, cap.model, *(s.module for s in staged.stages))
+    else:
+        held = None
     bufs: dict[str, torch.Tensor] = {}
     for s in local:
         owned = {fqn for fqn, o in staged.buffer_owner.items() if o == s}
@@ -314,6 +334,9 @@ def _run_one(rank: int, world: int, run: dict, out_dir: str, idx: int, cache: di
                 "compiled_stages": {st.stage_index: getattr(st.submod, "report", None) for st in stages},  # compile_stages (issue 10)
                 "random_ops": cap.random_ops,
                 "train_wall_s": wall,
+                "activation": stash.stats().to_dict() if stash is not None else None,
+                "materialized": {s: r.to_dict() for s, r in mat.items()} if mat else None,
+                "held_state_bytes": held,
             },
             f,
         )
@@ -435,7 +458,16 @@ def spawn_train_many(runs: Sequence[Mapping[str, Any]], *, world_size: int, time
         Each with the keyword arguments of :func:`spawn_train` except ``world_size`` and
         ``timeout_s`` (``make_model``, ``stage_of``, ``orders``, ``num_microbatches`` and
         ``make_batch`` are required), plus optionally ``model_key`` (hashable, names the model
-        for capture reuse).
+        for capture reuse), ``recompute_stages`` (stages that recompute their forward during the
+        backward) and ``state`` (a dict with ``seed`` and optionally ``checkpoint``: every worker
+        builds the model on ``meta`` and materializes only its stages from the model's
+        initializers under that seed and/or the checkpoint; the single-process reference is
+        :class:`fxpipe.codegen.materialize.MetaInit`). The ``Orders`` may carry offload/reload actions
+        (``Action(s, "O", j)`` / ``"R"``; :func:`fxpipe.ir.schedule_to_orders` keeps a
+        schedule's), which the workers execute. ``TrainResult.meta`` then holds,
+        per rank, ``activation`` (the saved-tensor hooks' measurements,
+        :class:`~fxpipe.codegen.stash.ActivationStats`), ``materialized`` and
+        ``held_state_bytes`` (bytes of real parameters and buffers the rank holds).
     world_size : int
         As in :func:`spawn_train`.
     timeout_s : float
@@ -637,6 +669,9 @@ def _gather(out_dir: str, world: int, idx: int, wall: float) -> TrainResult:
     actions: dict[int, list[str]] = {}
     fused: dict[int, bool] = {}
     compiled: dict[int, Any] = {}
+    activation: dict[int, Any] = {}
+    materialized: dict[int, Any] = {}
+    held: dict[int, Any] = {}
     train_wall = 0.0
     for r in range(world):
         with open(os.path.join(out_dir, f"run{idx}_rank{r}.json")) as f:
@@ -646,6 +681,9 @@ def _gather(out_dir: str, world: int, idx: int, wall: float) -> TrainResult:
         actions[r] = info["actions"]
         fused.update({int(s): v for s, v in info["fused_full_backward"].items()})
         compiled.update({int(s): v for s, v in (info.get("compiled_stages") or {}).items()})
+        activation[r] = info.get("activation")
+        materialized[r] = info.get("materialized")
+        held[r] = info.get("held_state_bytes")
         train_wall = max(train_wall, info["train_wall_s"])
         if info["has_last_stage"]:
             losses = info["losses"]
@@ -669,5 +707,6 @@ def _gather(out_dir: str, world: int, idx: int, wall: float) -> TrainResult:
          "relayed": {int(k): v for k, v in info.get("relayed", {}).items()},
          "cloned": {int(k): v for k, v in info.get("cloned", {}).items()},
          "moved_nodes": info.get("moved_nodes", {}), "random_ops": info.get("random_ops", []),
-         "fused_full_backward": fused, "compiled_stages": compiled, "train_wall_s": train_wall, "wall_s": wall},
+         "fused_full_backward": fused, "compiled_stages": compiled, "train_wall_s": train_wall, "wall_s": wall,
+         "activation": activation, "materialized": materialized, "held_state_bytes": held},
     )

@@ -27,9 +27,10 @@ summed and divided by the number of micro-batches (as ``scale_grads=True``; done
 parameter of the rank, see :class:`FxpipeScheduleRuntime`), i.e. the gradient of the mean
 micro-batch loss.
 
-Extension points for later work (not used yet): torch's ``register_custom_function`` accepts a
-callable per action type (a forward under ``saved_tensors_hooks`` for offload/reload, a
-recomputing backward), and the runtime already runs any per-rank stage list torch accepts.
+Activation stash: a stage with ``fxpipe_stash`` set (:class:`~fxpipe.codegen.stash.DeviceStash`)
+runs its forward under that stash's saved-tensor hooks, reports every compute action to it (so the
+device's offload/reload actions are issued where the schedule puts them,
+:mod:`fxpipe.codegen.offload`) and releases a micro-batch's stash when its last backward ends.
 """
 
 from __future__ import annotations
@@ -305,6 +306,42 @@ class FxpipePipelineStage(PipelineStage):
       after this call, instead of node by node.
     """
 
+    # ---- begin activation stash hooks (fxpipe.codegen.stash: live saved bytes, offload/reload, recomputation)
+    #: the rank's :class:`~fxpipe.codegen.stash.DeviceStash` (set by :func:`fxpipe.codegen.rank.build_rank`), or None
+    fxpipe_stash = None
+    _fxpipe_mb = -1
+
+    def forward_one_chunk(self, fwd_chunk_id, args, kwargs=None, save_forward_output=True):
+        self._fxpipe_mb = fwd_chunk_id
+        out = super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
+        if self.fxpipe_stash is not None:
+            self.fxpipe_stash.after(f"{self.stage_index}F{fwd_chunk_id}")
+        return out
+
+    def forward_maybe_with_nosync(self, *args, **kwargs):
+        stash = self.fxpipe_stash
+        if stash is None or not torch.is_grad_enabled():
+            return super().forward_maybe_with_nosync(*args, **kwargs)
+        resident = list(self.submod.parameters()) + list(self.submod.buffers())
+        return stash.forward(self.stage_index, self._fxpipe_mb, self.submod, args, kwargs, resident)
+
+    def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
+        stash = self.fxpipe_stash
+        if stash is not None:
+            stash.before_backward(self.stage_index, bwd_chunk_id)
+        super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward)
+        if stash is not None:
+            if full_backward:
+                stash.release(self.stage_index, bwd_chunk_id)
+            stash.after(f"{self.stage_index}{'B' if full_backward else 'I'}{bwd_chunk_id}")
+
+    def backward_weight_one_chunk(self, bwd_chunk_id, last_backward=False):
+        super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
+        if self.fxpipe_stash is not None:
+            self.fxpipe_stash.release(self.stage_index, bwd_chunk_id)
+            self.fxpipe_stash.after(f"{self.stage_index}W{bwd_chunk_id}")
+    # ---- end activation stash hooks
+
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
         if backward_type == "weight":
             return _stage_backward_weight(self.submod.parameters(), bwd_kwargs["param_groups"], retain_graph=True), None
@@ -433,7 +470,12 @@ class FxpipeScheduleRuntime(_PipelineScheduleRuntime):
         for stage in self._stages:
             stage.has_backward = self._has_backward
             stage.clear_runtime_states()
+        stashes = {id(s.fxpipe_stash): s.fxpipe_stash for s in self._stages if s.fxpipe_stash is not None}.values()
+        for stash in stashes:  # activation stash (fxpipe.codegen.stash): a fresh step
+            stash.begin_step()
         self._step_microbatches(arg_mbs, [{}] * m, target_mbs, losses, return_outputs, loss_kwargs=loss_kwargs)
+        for stash in stashes:
+            stash.end_step()
         if self._has_backward:
             self.scale_local_grads()
             self.sync_shared_grads()
