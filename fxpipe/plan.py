@@ -495,7 +495,8 @@ class Plan:
         return tuple(s for s, r in enumerate(getattr(self.problem, "recompute", ()) or ()) if r)
 
     def build(self, rank: int, *, model=None, args=(), kwargs=None, loss_fn: Callable | None = None, group=None,
-              device="cpu", checkpoint=None, seed: int | None = None, init_fn: Callable | None = None):
+              device="cpu", checkpoint=None, seed: int | None = None, init_fn: Callable | None = None,
+              compile_stages: bool | None = None):
         """This rank's ``PipelineStage`` s and schedule runtime, inside an initialised process group.
 
         Call from every worker of ``torchrun`` / ``torch.multiprocessing`` after
@@ -523,6 +524,10 @@ class Plan:
             Needed (or ``checkpoint``) when the model was captured on ``meta``.
         init_fn : callable(module) -> None, optional
             Initializer of every module, replacing the model's own (with ``seed``).
+        compile_stages : bool, optional
+            Run every stage with Inductor, its backward split into backward-input and
+            backward-weight graphs (:mod:`fxpipe.codegen.compiled`). Default: the
+            ``compile_stages`` option of the ``torch.compile`` backend that made the plan, else False.
 
         The stages the schedule problem marks for recomputation (:meth:`recompute_stages`) replay
         their forward during the backward; the schedule's offload/reload actions are executed
@@ -566,7 +571,15 @@ class Plan:
             device=device,
             recompute_stages=self.recompute_stages(),
             state_source=source,
+            compile_stages=self._compile_stages(compile_stages),
         )
+
+    def _compile_stages(self, compile_stages: bool | None) -> bool:
+        if compile_stages is None:
+            return bool((self.options.get("backend") or {}).get("compile_stages", False))
+        if not isinstance(compile_stages, bool):
+            raise InputError(f"compile_stages must be True, False or None, got {compile_stages!r}")
+        return compile_stages
 
     def reschedule(self, schedule: str, *, time_limit_s: float = 60.0, progress: bool = False) -> "Plan":
         """The same partition and placement with another schedule (``"1f1b"``, ``"zb-h2"``, ``"zb-v"``, ``"milp"``, ...).
@@ -638,6 +651,7 @@ class Plan:
         timeout_s: float = 600.0,
         loss_rtol: float = 1e-4,
         rtol: float = 1e-5,
+        compile_stages: bool | None = None,
         progress: bool | None = None,
     ) -> dict[str, Any]:
         """Train this plan for a few steps on ``devices`` local gloo processes (CPU) and compare.
@@ -662,6 +676,9 @@ class Plan:
         loss_rtol, rtol : float
             Tolerances of the verdict ``ok``: relative loss difference, and gradient /
             parameter / buffer difference relative to the largest reference value of its kind.
+        compile_stages : bool, optional
+            Run the stages with Inductor (:meth:`build`); Inductor reassociates float sums, so
+            compare with ``rtol`` about 1e-4 then.
         progress : bool or None
             A tqdm bar of the pipelined training steps on stderr (None: when stderr is a terminal).
 
@@ -694,7 +711,7 @@ class Plan:
         t0 = time.perf_counter()
         run = dict(make_model=make_model, stage_of=_PlanStageOf(self.stage_of), orders=self.orders(),
                    num_microbatches=self.microbatches, make_batch=make_batch, steps=steps, lr=lr, loss=loss, seed=seed,
-                   recompute_stages=self.recompute_stages())
+                   recompute_stages=self.recompute_stages(), compile_stages=self._compile_stages(compile_stages))
         res = spawn_train_many([run], world_size=self.devices, timeout_s=timeout_s, warn_random=rnd is None,
                                progress=progress)[0]
         out: dict[str, Any] = {"pipeline_losses": list(res.losses), "pipeline_wall_s": time.perf_counter() - t0}

@@ -249,70 +249,16 @@ def run(args: argparse.Namespace) -> int:
     return 1 if args.run and not result["ok"] else 0
 
 
-def _memory_section(plan):
-    """The report's memory section: the memory table and a chart of every device's memory by kind."""
-    import html
-
-    from fxpipe.report import ReportSection, memory_chart
-
-    text = "\n".join(plan.memory_summary())
-    chart = memory_chart([d.to_dict() for d in plan.device_table],
-                         title=f"{plan.name}: memory per device ({plan.memory.precision.name})")
-    return ReportSection("Memory", markdown=f"```\n{text}\n```", html=f"<pre>{html.escape(text)}</pre>",
-                         figures=[("Memory per device by kind against the capacity (offloaded stashes in host memory "
-                                   "beside)", chart)])
-
-
 def _write_report(plan, args: argparse.Namespace) -> dict[str, Any]:
     """HTML + Markdown report of a plan: certificates for its partition and its schedule's Gantt chart."""
-    import html
     import shlex
     import sys
-    import tempfile
-    from pathlib import Path
 
-    from fxpipe.partition.bounds import compute_bounds
-    from fxpipe.report import ReportSection, write_report
-    from fxpipe.schedule.plot import gantt
+    from fxpipe.report import write_plan_report
 
-    bounds = compute_bounds(  # certificates of the per-stage bottleneck of the plan's num_stages stages
-        plan.graph,
-        plan.num_stages,
-        objective=plan.objective,
-        comm=plan.comm,
-        methods=("simple", "chain", "bottleneck", "exact"),
-        time_limit_s=args.bounds_time_limit,
-        warm_start=plan.partition,
-    )
-    with tempfile.TemporaryDirectory() as tmp:
-        png = gantt(plan.problem, plan.schedule, Path(tmp) / "gantt.png", title=f"{plan.name}: {plan.schedule.method} schedule").read_bytes()
-    sched = plan.schedule
-    sections = [
-        ReportSection("Plan", markdown=f"```\n{plan.summary()}\n```", html=f"<pre>{html.escape(plan.summary())}</pre>"),
-        ReportSection(
-            "Schedule",
-            markdown=(
-                f"{sched.method}, {plan.microbatches} micro-batches: makespan {sched.makespan * 1e3:.3f} ms, "
-                f"stage span {sched.stage_span * 1e3:.3f} ms, lower bound {sched.lower_bound_s * 1e3:.3f} ms ({sched.status})"
-            ),
-            figures=[("Gantt chart (compute and copy streams) with per-stage activation memory", png)],
-        ),
-        _memory_section(plan),
-    ]
-    html_path = Path(args.report)
-    written = write_report(
-        plan.graph,
-        plan.partition,
-        bounds,
-        out_html=html_path,
-        out_md=html_path.with_suffix(".md"),
+    return write_plan_report(
+        plan,
+        args.report,
+        bounds_time_limit_s=args.bounds_time_limit,
         command="fxpipe " + shlex.join(sys.argv[1:]) if sys.argv and sys.argv[0].endswith("fxpipe") else None,
-        extra_sections=sections,
-        title=f"fxpipe plan: {plan.name} on {plan.devices} x {plan.hardware}"
-        + (f" ({plan.num_stages} stages, {plan.placement} placement)" if plan.stages_per_device > 1 else ""),
     )
-    return {
-        "html": str(written["html"]),
-        "markdown": str(written["markdown"]),
-        "bounds": {k: v for k, v in bounds.to_dict().items() if k in ("best_lower_bound", "ratio", "lower_bounds")},
-    }

@@ -273,6 +273,7 @@ def _run_one(rank: int, world: int, run: dict, out_dir: str, idx: int, cache: di
     stages, sched = build_rank(
         staged, rank, orders, num_microbatches=m, loss_fn=loss_fn, example_microbatch_inputs=cap.mb_example,
         fuse=run["fuse"], fused_backward=run["fused_backward"], group_cache=groups, io_cache=cap.io_cache,
+        compile_stages=run.get("compile_stages", False),
         recompute_stages=tuple(run.get("recompute_stages", ())), state_source=source,
     )
     local = [st.stage_index for st in stages]
@@ -330,6 +331,7 @@ def _run_one(rank: int, world: int, run: dict, out_dir: str, idx: int, cache: di
                 "moved_nodes": {k: list(v) for k, v in staged.moved_nodes.items()},
                 "actions": sched.fxpipe_actions[rank],
                 "fused_full_backward": {s: bool(v) for s, v in sched.fxpipe_fused_full_backward.items()},
+                "compiled_stages": {st.stage_index: getattr(st.submod, "report", None) for st in stages},  # compile_stages (issue 10)
                 "random_ops": cap.random_ops,
                 "train_wall_s": wall,
                 "activation": stash.stats().to_dict() if stash is not None else None,
@@ -493,7 +495,7 @@ def spawn_train_many(runs: Sequence[Mapping[str, Any]], *, world_size: int, time
         raise InputError(f"world_size must be an integer >= 1, got {world_size!r}")
     if on_error not in ("raise", "record"):
         raise InputError(f"on_error must be 'raise' or 'record', got {on_error!r}")
-    defaults = dict(steps=2, lr=0.1, loss="cross_entropy", seed=0, fuse=True, fused_backward=False)
+    defaults = dict(steps=2, lr=0.1, loss="cross_entropy", seed=0, fuse=True, fused_backward=False, compile_stages=False)
     norm_runs = []
     for i, r in enumerate(runs):
         missing = [k for k in ("make_model", "stage_of", "orders", "num_microbatches", "make_batch") if k not in r]
@@ -666,6 +668,7 @@ def _gather(out_dir: str, world: int, idx: int, wall: float) -> TrainResult:
     info: dict[str, Any] = {}
     actions: dict[int, list[str]] = {}
     fused: dict[int, bool] = {}
+    compiled: dict[int, Any] = {}
     activation: dict[int, Any] = {}
     materialized: dict[int, Any] = {}
     held: dict[int, Any] = {}
@@ -677,6 +680,7 @@ def _gather(out_dir: str, world: int, idx: int, wall: float) -> TrainResult:
         stage_params.update({int(s): v for s, v in info["stage_param_fqns"].items()})
         actions[r] = info["actions"]
         fused.update({int(s): v for s, v in info["fused_full_backward"].items()})
+        compiled.update({int(s): v for s, v in (info.get("compiled_stages") or {}).items()})
         activation[r] = info.get("activation")
         materialized[r] = info.get("materialized")
         held[r] = info.get("held_state_bytes")
@@ -703,6 +707,6 @@ def _gather(out_dir: str, world: int, idx: int, wall: float) -> TrainResult:
          "relayed": {int(k): v for k, v in info.get("relayed", {}).items()},
          "cloned": {int(k): v for k, v in info.get("cloned", {}).items()},
          "moved_nodes": info.get("moved_nodes", {}), "random_ops": info.get("random_ops", []),
-         "fused_full_backward": fused, "train_wall_s": train_wall, "wall_s": wall,
+         "fused_full_backward": fused, "compiled_stages": compiled, "train_wall_s": train_wall, "wall_s": wall,
          "activation": activation, "materialized": materialized, "held_state_bytes": held},
     )

@@ -108,6 +108,7 @@ def build_rank(
     fused_backward: bool = False,
     group_cache: dict | None = None,
     io_cache: dict | None = None,
+    compile_stages: bool = False,
     recompute_stages: Sequence[int] = (),
     track_activations: bool = True,
     state_source: Any = None,
@@ -153,6 +154,10 @@ def build_rank(
     io_cache : dict, optional
         Shape-inference results of earlier builds of the same ``staged`` program and stage
         (they do not depend on the schedule), kept by the caller.
+    compile_stages : bool
+        Run the stage module with Inductor, its backward split into backward-input and
+        backward-weight graphs (:mod:`fxpipe.codegen.compiled`); no blind-parameter fallback is
+        needed then.
     recompute_stages : sequence of int
         Stages that recompute their forward during the backward instead of stashing
         activations (:mod:`fxpipe.codegen.stash`).
@@ -197,6 +202,13 @@ def build_rank(
         )
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < D:
         raise InputError(f"rank must be an integer in 0..{D - 1}, got {rank!r}")
+    if compile_stages and (tuple(recompute_stages) or orders.offloaded()):
+        # the stash offloads / recomputes eager autograd's saved tensors and replays the eager
+        # stage forward; a compiled stage saves its activations inside AOTAutograd's graph
+        raise InputError(
+            "compile_stages=True does not combine with activation recomputation or offload/reload (O/R) yet: "
+            "use a schedule without them (schedule='zb-h1', '1f1b', ...) or compile_stages=False"
+        )
     acts = actions_from_orders(orders, num_microbatches, fuse=fuse)
     if fused_backward:
         acts = fuse_backward(acts)
@@ -218,7 +230,7 @@ def build_rank(
             if io_cache is not None:
                 io_cache[key] = io
         fused_here[s] = bool(fused_backward)
-        if io.blind_params and any(a.startswith(f"{s}I") for a in acts[rank]):
+        if io.blind_params and not compile_stages and any(a.startswith(f"{s}I") for a in acts[rank]):
             # Split backward would drop these parameters' gradients: run full backwards on this
             # stage. Other stages' communication is unaffected (B sends/receives exactly like I).
             names = list(io.blind_params)
@@ -252,8 +264,15 @@ def build_rank(
         modules[s] = module
         ins = tuple(t.to(dev) for t in io.inputs)
         outs = tuple(t.to(dev) for t in io.outputs)
-        pipeline_stages.append(FxpipePipelineStage(module, stage_index=s, num_stages=S, device=dev, input_args=ins,
-                                                   output_args=outs, group=group))
+        stage_cls, run_module = FxpipePipelineStage, module
+        # ---- begin compile_stages (owner: issue 10): Inductor per stage with split backward
+        if compile_stages:
+            from fxpipe.codegen.compiled import CompiledPipelineStage, compile_stage
+
+            stage_cls, run_module = CompiledPipelineStage, compile_stage(module)
+        # ---- end compile_stages
+        pipeline_stages.append(stage_cls(run_module, stage_index=s, num_stages=S, device=dev, input_args=ins,
+                                         output_args=outs, group=group))
     shared = _shared_param_groups(staged, orders.device_of_stage, rank, group, modules, group_cache)
     sched = FxpipeScheduleRuntime(pipeline_stages, num_microbatches, loss_fn=loss_fn, interface=staged.interface,
                                   device_of_stage=orders.device_of_stage, shared_grads=shared)
@@ -284,6 +303,7 @@ def build_pipeline_rank(
     example_microbatch_inputs: Any = None,
     fuse: bool = True,
     fused_backward: bool = False,
+    compile_stages: bool = False,
     recompute_stages: Sequence[int] = (),
     track_activations: bool = True,
     state_source: Any = None,
@@ -307,5 +327,6 @@ def build_pipeline_rank(
     return build_rank(
         staged, rank, orders, num_microbatches=num_microbatches, loss_fn=loss_fn, group=group, device=device,
         example_microbatch_inputs=example_microbatch_inputs, fuse=fuse, fused_backward=fused_backward,
+        compile_stages=compile_stages,
         recompute_stages=recompute_stages, track_activations=track_activations, state_source=state_source,
     )
