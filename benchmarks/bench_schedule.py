@@ -306,7 +306,7 @@ def table_g(quick: bool, limit_s: float) -> None:
             rows = [(1, "looped", ("1f1b", "zb-h1")), (2, "looped", ("interleaved-1f1b",)), (2, "v", ("zb-v", "dualpipe-v"))]
             for v, placement, methods in rows:
                 # one plan per (v, placement) with its default generator; the others reschedule it
-                part, prob, first, _ = plan_graph(graph, devices=p, microbatches=m, stages_per_device=v,
+                part, prob, first, _ = plan_graph(graph, devices=p, microbatches=m, stages_per_device=v, schedule=None,
                                                   placement=placement, time_limit_s=limit_s)
                 for meth in methods:
                     try:
@@ -322,7 +322,7 @@ def table_g(quick: bool, limit_s: float) -> None:
                           f"{s.stage_span * 1e3:>16.3f}{100 * (1 - busy / s.stage_span):>10.1f}"
                           f"{s.makespan / base:>8.3f}", flush=True)
             part, prob, s, _ = plan_graph(graph, devices=p, microbatches=m, stages_per_device="auto", placement="auto",
-                                          time_limit_s=limit_s)
+                                          time_limit_s=limit_s, schedule=None)  # each placement's default generator
             print(f"{name:<9}{p:>3}  auto: kept v={prob.num_stages // p} {placement_name(prob.device_of_stage, p)} "
                   f"{s.method} (predicted step time {s.value * 1e3:.3f} ms)", flush=True)
 

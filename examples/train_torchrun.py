@@ -12,6 +12,10 @@ Every rank rebuilds the same model (same seed), ``plan.build(rank, ...)`` re-cap
 checks it is the graph the plan was made for, and returns this rank's ``PipelineStage`` s and
 the schedule runtime. The rank holding the last stage prints the mean micro-batch loss of every
 step as JSON.
+
+With ``--checkpoint model.safetensors`` (or a torch state dict file) the model is built on
+``meta`` and never exists whole in a process: each rank materializes only its stages' parameters
+and buffers, read from the checkpoint by fully qualified name (``plan.build(rank, checkpoint=...)``).
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--lr", type=float, default=0.01)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--checkpoint", help="build the model on meta and load each rank's stages from this file")
     args = ap.parse_args()
 
     torch.set_num_threads(1)
@@ -49,8 +54,10 @@ def main() -> None:
         raise SystemExit(f"the plan is for {plan.devices} devices; launch {plan.devices} processes, not {world}")
     factory = HFFactory(args.hf, parse_overrides(args.config), plan.microbatches, args.microbatch_size, args.seq_len, args.seed)
     torch.manual_seed(args.seed)
-    model, mb_args, mb_kwargs = factory.one_microbatch()
-    stages, schedule = plan.build(rank, model=model, args=mb_args, kwargs=mb_kwargs, loss_fn=cross_entropy_loss)
+    model, mb_args, mb_kwargs = factory.one_microbatch(device="meta" if args.checkpoint else "cpu")
+    stages, schedule = plan.build(rank, model=model, args=mb_args, kwargs=mb_kwargs, loss_fn=cross_entropy_loss,
+                                  checkpoint=args.checkpoint)
+    held_bytes = sum(p.numel() * p.element_size() for p in schedule.parameters())
     opt = torch.optim.SGD(schedule.parameters(), lr=args.lr)  # this rank's parameters, tied ones once
     first, last = schedule.has_first_stage, schedule.has_last_stage
     losses_per_step = []
@@ -70,7 +77,7 @@ def main() -> None:
         if last:
             losses_per_step.append(sum(float(x.detach()) for x in losses) / len(losses))
     if last:
-        print(json.dumps({"rank": rank, "losses": losses_per_step}), flush=True)
+        print(json.dumps({"rank": rank, "losses": losses_per_step, "param_bytes": held_bytes}), flush=True)
     dist.destroy_process_group()
 
 

@@ -3,7 +3,9 @@
 ``fxpipe.compile(model, args, devices=4, microbatches=8)`` captures the model with
 torch.export, costs every op, partitions the op DAG into pipeline stages (SliceGraph + BRKGA,
 Archer et al. 2024), schedules F / B / W per micro-batch and returns a :class:`Plan` that
-builds a ``torch.distributed.pipelining`` program. Importing fxpipe does not import torch;
+builds a ``torch.distributed.pipelining`` program; ``torch.compile(model, backend="fxpipe",
+options={"devices": 4})`` plans the graph Dynamo captures (``fxpipe.backend``, ``fxpipe.last_plan``).
+Importing fxpipe does not import torch;
 the partitioner and scheduler never do.
 """
 
@@ -11,7 +13,8 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-__all__ = ["compile", "load_plan", "Plan", "OpGraph", "ScheduleProblem", "Schedule", "__version__"]
+__all__ = ["compile", "backend", "last_plan", "load_plan", "Plan", "OpGraph", "ScheduleProblem", "Schedule",
+           "__version__"]
 
 
 def __getattr__(name):  # lazy: keep `import fxpipe` light
@@ -19,6 +22,10 @@ def __getattr__(name):  # lazy: keep `import fxpipe` light
         from fxpipe import api
 
         return api.compile
+    if name in ("backend", "last_plan"):  # the torch.compile backend (torch.compile(m, backend="fxpipe"))
+        from fxpipe.dynamo import compiler as _backend
+
+        return getattr(_backend, name)
     if name in ("load_plan", "Plan"):
         from fxpipe import plan
 

@@ -27,23 +27,22 @@ import numpy as np
 
 from fxpipe.errors import InputError
 from fxpipe.ir import OpGraph, Schedule, ScheduleProblem
+from fxpipe.memory import MemoryModel
 from fxpipe.partition.objective import Partition
 from fxpipe.plan import PLAN_FORMAT, DeviceStats, Plan, StageStats, graph_signature, load_plan  # noqa: F401 (public re-exports)
 
 #: every schedule method (= :data:`fxpipe.schedule.dispatch.METHODS`); which ones a placement
 #: admits: :func:`fxpipe.schedule.dispatch.methods_for_placement`.
 SCHEDULES = ("gpipe", "1f1b", "zb-h1", "zb-h2", "pipeoffload", "adaoffload", "greedy", "interleaved-1f1b", "zb-v",
-             "dualpipe-v", "milp")
+             "dualpipe-v", "milp", "auto")
 #: placements of ``stages_per_device`` stages on every device (``"auto"``: the best by predicted step time).
 PLACEMENTS = ("looped", "v", "auto")
+#: MILP budget (seconds) when ``schedule_time_limit_s`` is not given: ``schedule="milp"`` /
+#: ``schedule="auto"`` (whose MILP only tries to improve a feasible heuristic schedule).
+DEFAULT_MILP_TIME_LIMIT_S = 60.0
+DEFAULT_AUTO_MILP_TIME_LIMIT_S = 5.0
 #: stages per device tried by ``stages_per_device="auto"``.
 AUTO_STAGES_PER_DEVICE = (1, 2)
-
-#: bytes per parameter byte held by a training stage besides the parameters themselves:
-#: gradients (1x) and Adam's two moments (2x), all in the parameters' dtype. Used only for
-#: the per-stage memory column of the plan; the memory-aware partitioner has its own model.
-_TRAINING_STATE_FACTOR = 3.0
-
 
 def _check_count(value: Any, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
@@ -53,83 +52,134 @@ def _check_count(value: Any, what: str) -> int:
     return int(value)
 
 
-def stage_stats(graph: OpGraph, partition: Partition, problem: ScheduleProblem, schedule: Schedule, objective: str) -> list[StageStats]:
-    """Per-stage figures: ops, parameter bytes, F/B/W times, cost, activation peak, total memory."""
-    from fxpipe.schedule.validate import memory_profile
+def resolve_memory(graph: OpGraph | None, memory: MemoryModel | None = None, memory_bytes: float | None = None,
+                   hardware=None) -> MemoryModel:
+    """The :class:`~fxpipe.memory.MemoryModel` a plan is made with.
 
+    ``memory`` (precision policy, ZeRO sharding, reserved fraction; default: the module's
+    defaults) with the capacity ``memory_bytes`` if given (``inf``: no limit), else the
+    capacity of ``memory`` if it has one, else the ``memory_bytes`` of the hardware profile
+    (``hardware``, a :class:`~fxpipe.cost.hardware.HardwareSpec`, or the datasheet spec named
+    by ``graph.meta["hardware"]``), else unlimited.
+
+    Raises
+    ------
+    InputError
+        On a non-positive capacity or a ``memory`` that is not a MemoryModel.
+    """
+    if memory is not None and not isinstance(memory, MemoryModel):
+        raise InputError(f"memory must be a fxpipe.memory.MemoryModel, got {type(memory).__name__}")
+    base = memory if memory is not None else MemoryModel()
+    if memory_bytes is not None:
+        if isinstance(memory_bytes, bool) or not isinstance(memory_bytes, (int, float, np.integer, np.floating)):
+            raise InputError(f"memory_bytes must be a number of bytes, got {memory_bytes!r}")
+        return dataclasses.replace(base, capacity_bytes=float(memory_bytes))
+    if memory is not None and math.isfinite(memory.capacity_bytes):
+        return memory
+    cap = getattr(hardware, "memory_bytes", None)
+    if cap is None and graph is not None:
+        from fxpipe.cost.hardware import HARDWARE
+
+        spec = HARDWARE.get(str(graph.meta.get("hardware", "")))
+        cap = None if spec is None else spec.memory_bytes
+    return base if cap is None else dataclasses.replace(base, capacity_bytes=float(cap))
+
+
+def _memory_fields(row) -> dict[str, Any]:
+    """The memory columns of a stage / device row from a :class:`fxpipe.memory.DeviceMemory`."""
+    return dict(
+        params_bytes=row.params_bytes, grads_bytes=row.grads_bytes, optimizer_bytes=row.optimizer_bytes,
+        activation_peak_bytes=row.activation_peak_bytes, comm_buffer_bytes=row.comm_buffer_bytes,
+        reserved_bytes=row.reserved_bytes, offloaded_peak_bytes=row.offloaded_peak_bytes,
+        memory_bytes=row.total_bytes,
+        capacity_bytes=None if not math.isfinite(row.capacity_bytes) else row.capacity_bytes,
+    )
+
+
+def stage_stats(graph: OpGraph, partition: Partition, problem: ScheduleProblem, schedule: Schedule, objective: str,
+                memory: MemoryModel | None = None) -> list[StageStats]:
+    """Per-stage figures: ops, parameter bytes, F/B/W times, cost, and memory by kind.
+
+    Memory comes from the one memory model (:func:`fxpipe.plan_memory.stage_memory`, each
+    stage as if alone on a device; ``memory`` default: :class:`~fxpipe.memory.MemoryModel`'s
+    defaults without a capacity): parameters, gradients, optimizer state, the activation peak
+    of the stage's curve in ``schedule``, receive buffers, the reserved fraction, and the
+    stashes offloaded at once.
+    """
+    from fxpipe.plan_memory import stage_memory
+
+    model = memory if memory is not None else MemoryModel()
     a = partition.assignment
     k = partition.k
+    rows = stage_memory(graph, a, problem, schedule, model, objective)
     out = []
     for s in range(k):
         mask = a == s
-        _, mem = memory_profile(problem, schedule.ops, s)
-        act_peak = float(np.max(mem)) if len(mem) else 0.0
-        params = float(graph.size_param_bytes[mask].sum())
-        state = params * (1.0 + _TRAINING_STATE_FACTOR) if objective == "training" else params
         out.append(
             StageStats(
                 stage=s,
                 device=int(problem.device_of_stage[s]),
                 num_ops=int(mask.sum()),
-                param_bytes=params,
+                param_bytes=float(graph.size_param_bytes[mask].sum()),
                 t_fwd_s=float(graph.t_fwd_s[mask].sum()),
                 t_bwd_input_s=float(graph.t_bwd_input_s[mask].sum()),
                 t_bwd_weight_s=float(graph.t_bwd_weight_s[mask].sum()),
                 cost_s=float(partition.block_costs[s]),
-                activation_peak_bytes=act_peak,
-                memory_bytes=state + act_peak,
+                recompute=bool(problem.recompute[s]),
+                **_memory_fields(rows[s]),
             )
         )
     return out
 
 
 def device_stats(graph: OpGraph, partition: Partition, problem: ScheduleProblem, schedule: Schedule,
-                 objective: str) -> list[DeviceStats]:
+                 objective: str, memory: MemoryModel | None = None) -> list[DeviceStats]:
     """Per-device figures: the device's stages, ops, parameter bytes, F/B/W times, the per-device
     cost (:func:`fxpipe.partition.placement.device_costs`: its stages' work plus the transfers to
-    other devices), its compute time per step and span in the schedule, activation peak, memory."""
+    other devices), its compute time per step and span in the schedule, and memory by kind
+    (:func:`fxpipe.plan_memory.device_memory`)."""
     from fxpipe.partition.placement import device_costs
-    from fxpipe.schedule.validate import device_busy_s, device_memory_profile, device_spans
+    from fxpipe.plan_memory import device_memory
+    from fxpipe.schedule.validate import device_busy_s, device_spans
 
+    model = memory if memory is not None else MemoryModel()
     dev_of_node = np.asarray(problem.device_of_stage, dtype=np.int64)[partition.assignment]
     costs = device_costs(graph, partition.assignment, problem.device_of_stage, objective, partition.comm,
                          num_devices=problem.num_devices)
     busy = device_busy_s(problem)
     spans = device_spans(problem, schedule.ops)
+    rows = device_memory(graph, partition.assignment, problem, schedule, model, objective)
     out = []
     for d in range(problem.num_devices):
         mask = dev_of_node == d
-        _, mem = device_memory_profile(problem, schedule.ops, d)
-        act_peak = float(np.max(mem)) if len(mem) else 0.0
-        params = float(graph.size_param_bytes[mask].sum())
-        state = params * (1.0 + _TRAINING_STATE_FACTOR) if objective == "training" else params
         out.append(
             DeviceStats(
                 device=d,
                 stages=list(problem.stages_of_device(d)),
                 num_ops=int(mask.sum()),
-                param_bytes=params,
+                param_bytes=float(graph.size_param_bytes[mask].sum()),
                 t_fwd_s=float(graph.t_fwd_s[mask].sum()),
                 t_bwd_input_s=float(graph.t_bwd_input_s[mask].sum()),
                 t_bwd_weight_s=float(graph.t_bwd_weight_s[mask].sum()),
                 cost_s=float(costs[d]),
                 busy_s=float(busy[d]),
                 span_s=float(spans[d]),
-                activation_peak_bytes=act_peak,
-                memory_bytes=state + act_peak,
+                **_memory_fields(rows[d]),
             )
         )
     return out
 
 
-def fill_empty_stages(graph: OpGraph, partition: Partition) -> Partition:
+def fill_empty_stages(graph: OpGraph, partition: Partition, memory=None) -> Partition:
     """Make a partition runnable on exactly ``k`` ranks when the optimum leaves stages empty.
 
     The partitioner minimises the bottleneck over *at most* k blocks and leaves unused blocks
     at the end; but the runtime needs model inputs on stage 0 and the output on stage k-1.
     The last used block is renumbered k-1 (or, if only one block is used, just the output
     node moves there), so the empty stages in between relay tensors. Costs are recomputed
-    (relayed tensors count in the empty stages' io) and ``meta["empty_stages"]`` lists them.
+    (relayed tensors count in the empty stages' io) and ``meta["empty_stages"]`` lists them;
+    with ``memory`` (the partitioner's :class:`~fxpipe.partition.memory.PartitionMemory`) so is
+    ``meta["stage_memory_bytes"]`` (an empty stage holds the receive buffers of what it relays).
     """
     a = np.asarray(partition.assignment)
     k = partition.k
@@ -148,6 +198,11 @@ def fill_empty_stages(graph: OpGraph, partition: Partition) -> Partition:
 
     costs = block_costs(graph, a2, k, partition.objective, partition.comm)
     empty = sorted(set(range(k)) - set(np.unique(a2).tolist()))
+    meta = {**partition.meta, "empty_stages": empty, "bottleneck_before_filling_s": partition.bottleneck}
+    if memory is not None and "stage_memory_bytes" in meta:
+        from fxpipe.partition.memory import stage_memory_bytes
+
+        meta["stage_memory_bytes"] = stage_memory_bytes(graph, a2, k, partition.objective, memory, partition.comm).tolist()
     return Partition(
         k=k,
         assignment=a2,
@@ -156,7 +211,7 @@ def fill_empty_stages(graph: OpGraph, partition: Partition) -> Partition:
         objective=partition.objective,
         comm=partition.comm,
         order=partition.order,
-        meta={**partition.meta, "empty_stages": empty, "bottleneck_before_filling_s": partition.bottleneck},
+        meta=meta,
     )
 
 
@@ -188,15 +243,17 @@ def plan_graph(
     devices: int,
     microbatches: int,
     objective: str = "training",
-    schedule: str | None = None,
+    schedule: str | None = "auto",
     stages_per_device: int | str = 1,
     placement: str = "looped",
     time_limit_s: float = 10.0,
-    schedule_time_limit_s: float = 60.0,
+    schedule_time_limit_s: float | None = None,
     seed: int = 0,
     mem_limit_bytes: float | None = None,
     host_bandwidth_bytes_per_s: float | None = None,
     progress: bool = False,
+    memory_bytes: float | None = None,
+    memory: MemoryModel | None = None,
 ) -> tuple[Partition, ScheduleProblem, Schedule, dict[str, float]]:
     """Partition, place and schedule an OpGraph (the torch-free half of :func:`compile`).
 
@@ -223,14 +280,35 @@ def plan_graph(
     schedule : str, optional
         A method of :data:`SCHEDULES` valid for the placement
         (:func:`fxpipe.schedule.dispatch.methods_for_placement`); with ``placement="auto"``
-        only placements it schedules are candidates.
+        only placements it schedules are candidates. ``"auto"`` (default): the fastest
+        schedule that fits memory among the heuristics and, within ``schedule_time_limit_s``,
+        the MILP, offloading and (in training) recomputing activations only where memory
+        forces it (:func:`fxpipe.schedule.auto.auto_schedule`; the returned problem carries
+        the recomputing stages). ``None``: :func:`fxpipe.schedule.dispatch.default_method`.
     stages_per_device : int or "auto"
         v >= 1 stages on every device, or ``"auto"``: try :data:`AUTO_STAGES_PER_DEVICE`.
     placement : {"looped", "v", "auto"}
         How the ``v * p`` stages are placed (ignored when v = 1).
-    time_limit_s, schedule_time_limit_s, seed, mem_limit_bytes, host_bandwidth_bytes_per_s, progress :
-        Partition search budget (per stage count), MILP budget (per candidate), seed,
-        per-device activation memory limit (bytes), device-host bandwidth, progress bars.
+    time_limit_s, seed, host_bandwidth_bytes_per_s, progress :
+        Partition search budget (per stage count), seed, device-host bandwidth (enables
+        offload), progress bars.
+    schedule_time_limit_s : float, optional
+        MILP budget per candidate in seconds (default :data:`DEFAULT_MILP_TIME_LIMIT_S` for
+        ``"milp"``, :data:`DEFAULT_AUTO_MILP_TIME_LIMIT_S` for ``"auto"``; 0: ``"auto"``
+        without the MILP).
+    mem_limit_bytes : float, optional
+        An extra cap on every device's activation memory (bytes), on top of the capacity's.
+    memory_bytes : float, optional
+        Capacity of one device in bytes (overrides ``memory``'s and the hardware's; ``inf``:
+        no limit). Default: the capacity of the datasheet spec named by
+        ``graph.meta["hardware"]`` (:func:`resolve_memory`), else unlimited.
+    memory : MemoryModel, optional
+        Precision policy, ZeRO sharding, reserved fraction (and capacity) of
+        :mod:`fxpipe.memory` (default mixed-precision Adam, 16 B/param, 10 % reserved).
+        With a finite capacity the partition is memory-aware (every stage's static state
+        plus one micro-batch's stash fits, :class:`fxpipe.partition.memory.PartitionMemory`
+        with the ``"floor"`` rule) and the schedule gets ``mem_limit = capacity - reserved
+        - static state`` per device (:func:`fxpipe.plan_memory.schedule_mem_limit`).
 
     Returns
     -------
@@ -243,7 +321,11 @@ def plan_graph(
         On bad counts, an unknown schedule or placement, a schedule the placement does not
         admit, or more stages than ops.
     InfeasibleError
-        When no candidate's schedule fits the memory limit (the first candidate's error).
+        When nothing fits the device memory (the first candidate's error): from the
+        partitioner (:func:`fxpipe.partition.memory.infeasible_error`: the overflow, the
+        smallest device count that fits, and whether offload, recomputation or ZeRO sharding
+        would help), from the static state of a device with several stages, or from the
+        schedule (:func:`fxpipe.schedule.auto.auto_schedule`).
     """
     from fxpipe.errors import InfeasibleError
     from fxpipe.partition.placement import device_costs, placement_of
@@ -251,8 +333,14 @@ def plan_graph(
     from fxpipe.schedule.dispatch import default_method, make_schedule, methods_for_placement
     from fxpipe.schedule.from_partition import problem_from_partition
 
+    from fxpipe.partition.memory import PartitionMemory
+    from fxpipe.plan_memory import schedule_mem_limit
+    from fxpipe.schedule.auto import auto_schedule
+
     devices = _check_count(devices, "devices")
     microbatches = _check_count(microbatches, "microbatches")
+    model = resolve_memory(graph, memory, memory_bytes)
+    pmem = PartitionMemory(model, microbatches, "floor") if math.isfinite(model.capacity_bytes) else None
     if schedule is not None and schedule not in SCHEDULES:
         raise InputError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
     cands = _placement_candidates(stages_per_device, placement)
@@ -288,21 +376,47 @@ def plan_graph(
             continue
         if k not in parts:
             t0 = time.perf_counter()
-            part = run_partition(graph, k, objective=objective, comm="relay", time_limit_s=time_limit_s, seed=seed,
-                                 progress=progress)
-            parts[k] = fill_empty_stages(graph, part)
-            timings["partition"] += time.perf_counter() - t0
+            try:
+                part = run_partition(graph, k, objective=objective, comm="relay", time_limit_s=time_limit_s, seed=seed,
+                                     progress=progress, memory=pmem)
+            except InfeasibleError as exc:
+                if not several:
+                    raise
+                parts[k] = exc
+            else:
+                parts[k] = fill_empty_stages(graph, part, pmem)
+            finally:
+                timings["partition"] += time.perf_counter() - t0
         part = parts[k]
+        if isinstance(part, Exception):
+            first_error = first_error or part
+            record["skipped"] = str(part)
+            continue
         t0 = time.perf_counter()
+        try:
+            limit = schedule_mem_limit(graph, part.assignment, k, dev, model, microbatches, objective)
+        except InfeasibleError as exc:
+            if not several:
+                raise
+            first_error = first_error or exc
+            record["skipped"] = str(exc)
+            continue
+        if mem_limit_bytes is not None:
+            limit = np.minimum(limit, float(mem_limit_bytes))
         problem = problem_from_partition(
-            graph, part, num_microbatches=microbatches,
-            mem_limit_bytes=math.inf if mem_limit_bytes is None else mem_limit_bytes,
+            graph, part, num_microbatches=microbatches, mem_limit_bytes=limit,
             host_bandwidth_bytes_per_s=host_bandwidth_bytes_per_s, device_of_stage=dev,
         )
         record["device_bottleneck_s"] = float(device_costs(graph, part.assignment, dev, objective, "relay").max())
         record["stage_bottleneck_s"] = float(part.bottleneck)
         try:
-            sched = make_schedule(problem, method, time_limit_s=schedule_time_limit_s, progress=progress)
+            if method == "auto":
+                budget = DEFAULT_AUTO_MILP_TIME_LIMIT_S if schedule_time_limit_s is None else schedule_time_limit_s
+                chosen = auto_schedule(problem, recompute=objective == "training", time_limit_s=budget, progress=progress)
+                problem, sched = chosen.problem, chosen.schedule
+            else:
+                budget = DEFAULT_MILP_TIME_LIMIT_S if schedule_time_limit_s is None else schedule_time_limit_s
+                sched = make_schedule(problem, method, time_limit_s=budget, progress=progress)
         except InfeasibleError as exc:
             if not several:
                 raise
@@ -337,17 +451,19 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     cost_db=None,
     profile_threads: int | None = None,
     objective: str = "training",
-    schedule: str | None = None,
+    schedule: str | None = "auto",
     stages_per_device: int | str = 1,
     placement: str = "looped",
     dtype=None,
     time_limit_s: float = 10.0,
-    schedule_time_limit_s: float = 60.0,
+    schedule_time_limit_s: float | None = None,
     seed: int = 0,
     mem_limit_bytes: float | None = None,
     name: str | None = None,
     progress: bool = False,
     replicate: str = "auto",
+    memory_bytes: float | None = None,
+    memory: MemoryModel | None = None,
 ) -> Plan:
     """Plan pipeline parallelism for ``model``: capture, cost, partition, schedule.
 
@@ -387,8 +503,9 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
         one stage per device: ``gpipe``, ``1f1b``, ``zb-h1``, ``zb-h2``, ``greedy``,
         ``pipeoffload``, ``adaoffload``, ``interleaved-1f1b`` (= 1F1B), ``milp``; looped:
         ``interleaved-1f1b``, ``greedy``, ``milp``; V-shape with 2 stages per device: ``zb-v``,
-        ``dualpipe-v`` (m >= 2 devices), ``greedy``, ``milp``. Default: ``zb-h1`` with one
-        stage per device, ``interleaved-1f1b`` looped, ``zb-v`` V-shaped.
+        ``dualpipe-v`` (m >= 2 devices), ``greedy``, ``milp``; any placement: ``auto``
+        (default; the fastest that fits memory, see :func:`plan_graph`). ``None``: ``zb-h1``
+        with one stage per device, ``interleaved-1f1b`` looped, ``zb-v`` V-shaped.
     stages_per_device : int or "auto"
         v: the model is cut into ``v * devices`` stages, v on every device (default 1).
         ``"auto"``: try v = 1 and v = 2 and keep the best predicted step time.
@@ -405,12 +522,18 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
         Partition search budget (seconds): an upper limit; the search stops as soon as its
         partition is proven optimal (``plan.partition.meta["proven_optimal"]``, e.g. by the
         chain DP on transformer stacks) or stops improving (``meta["stop_reason"]``).
-    schedule_time_limit_s : float
-        MILP budget when ``schedule="milp"``.
+    schedule_time_limit_s : float, optional
+        MILP budget in seconds (default 60 s for ``schedule="milp"``, 5 s for ``"auto"``,
+        whose MILP only tries to improve a feasible heuristic schedule).
     seed : int
         Seed of the partition search.
     mem_limit_bytes : float, optional
-        Per-device memory available for activations (schedule constraint).
+        An extra cap on every device's activation memory (bytes).
+    memory_bytes : float, optional
+        Device capacity in bytes (default: the hardware profile's ``memory_bytes``; ``inf``:
+        no limit). See :func:`plan_graph` for how it bounds the partition and the schedule.
+    memory : MemoryModel, optional
+        Precision policy, ZeRO sharding and reserved fraction (:mod:`fxpipe.memory`).
     name : str, optional
         Model name for reports (default: the class name).
     progress : bool
@@ -433,7 +556,9 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     CaptureError
         The model cannot be exported (the message says which node and what to try).
     InfeasibleError
-        The schedule cannot fit the memory limit.
+        Nothing fits the device memory: the message gives the overflow, the smallest device
+        count that fits and which of offload, recomputation, ZeRO sharding or more devices
+        would help (see :func:`plan_graph`).
     """
     devices = _check_count(devices, "devices")
     microbatches = _check_count(microbatches, "microbatches")
@@ -459,6 +584,7 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
 
         traced = trace_model(model, tuple(args), dict(kwargs or {}), hardware=hardware, dtype=dtype, name=name, replicate=replicate)
     graph = traced.graph
+    model = resolve_memory(graph, memory, memory_bytes, traced.hardware)
     part, problem, sched, timings = plan_graph(
         graph,
         devices=devices,
@@ -473,6 +599,7 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
         mem_limit_bytes=mem_limit_bytes,
         host_bandwidth_bytes_per_s=traced.hardware.host_bytes_per_s,
         progress=progress,
+        memory=model,
     )
     stage_of = {graph.names[i]: int(part.assignment[i]) for i in range(graph.n)}
     from fxpipe.schedule.dispatch import default_method
@@ -490,8 +617,9 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
         stage_of=stage_of,
         problem=problem,
         schedule=sched,
-        stages=stage_stats(graph, part, problem, sched, objective),
-        device_table=device_stats(graph, part, problem, sched, objective),
+        stages=stage_stats(graph, part, problem, sched, objective, model),
+        device_table=device_stats(graph, part, problem, sched, objective, model),
+        memory=model,
         timings_s={"capture": traced.capture_s, "cost": traced.cost_s, "export": traced.export_s, **timings_extra, **timings},
         graph_signature=graph_signature(graph),
         options={"seed": seed, "time_limit_s": time_limit_s, "schedule": resolved, "dtype": str(dtype) if dtype else None,

@@ -205,7 +205,7 @@ def run_matrix(
                     if pl not in by_placement:
                         by_placement[pl] = fxpipe.compile(
                             model, args, kwargs, devices=k, microbatches=microbatches, stages_per_device=stages_per_device,
-                            placement=pl, time_limit_s=partition_time_limit_s,
+                            placement=pl, time_limit_s=partition_time_limit_s, schedule=None,  # rescheduled below
                             schedule_time_limit_s=milp_time_limit_s, name=n)
                     plan = by_placement[pl]
                     plans[s] = plan if s == plan.options.get("schedule") else plan.reschedule(

@@ -37,6 +37,37 @@ The activation budget a schedule may use on a device is therefore
 ``capacity - reserved - (params + grads + optimizer + comm buffers)`` of that device's stages
 (:meth:`MemoryModel.activation_budget_bytes`).
 
+Names (one per quantity, everywhere in fxpipe)
+----------------------------------------------
+``capacity_bytes``
+    Bytes of one device: :attr:`MemoryModel.capacity_bytes`; a hardware profile's
+    ``memory_bytes`` (:class:`fxpipe.cost.hardware.HardwareSpec`) and the ``memory_bytes=``
+    / ``--memory`` override of ``fxpipe.compile``, ``plan_graph`` and ``fxpipe plan`` set it.
+``mem_limit``
+    The activation budget of a device: the schedule problem's ``mem_limit`` (Contract 3),
+    ``capacity - reserved - static``.
+
+Activations before a schedule exists (the partitioner)
+------------------------------------------------------
+The partitioner chooses stages before any schedule, so it counts activations by a rule
+(:data:`ACTIVATION_RULES`, :func:`inflight_stashes`), in stashes of the stage (one
+micro-batch's ``act_bytes``):
+
+``"floor"``
+    one stash: the least any schedule holds. The running forward's stash is on the device
+    (a forward allocates it before any offload), so is a backward's (reloaded, or replayed
+    by recomputation, which holds the stash plus the stage inputs), so *no* schedule,
+    offloading or recomputing, fits a stage whose static state plus one stash exceeds the
+    usable capacity. A partition that meets this rule is not ruled out by memory; whether a
+    schedule fits it (and with how much offload / recomputation) is the schedule's question.
+``"1f1b"``
+    ``min(k - s, m)`` stashes on stage s: what 1F1B (and ZB-H1) hold without offload
+    (Narayanan et al. 2021). A partition that meets it fits a cheap schedule; planners try it
+    first and keep it when it schedules at least as fast (``fxpipe.api.plan_graph``).
+
+Inference keeps no stashes for a backward; both rules count one micro-batch's ``act_bytes``
+there as the working set of the running forward.
+
 Precision policies (bytes per parameter; :data:`POLICIES`):
 
 =================  ======  =====  =========  ======================================================
@@ -75,15 +106,20 @@ import numpy as np
 from fxpipe.errors import InputError
 
 __all__ = [
+    "ACTIVATION_RULES",
     "DEFAULT_POLICY",
     "DEFAULT_RESERVED_FRACTION",
     "KINDS",
     "POLICIES",
+    "DeviceMemory",
     "MemoryModel",
     "PrecisionPolicy",
-    "StageMemory",
     "format_bytes",
+    "inflight_stashes",
 ]
+
+#: Activation rules of the partitioner (module docstring).
+ACTIVATION_RULES = ("floor", "1f1b")
 
 #: Fraction of each device's capacity kept back for the runtime (see the module docstring).
 DEFAULT_RESERVED_FRACTION = 0.10
@@ -158,22 +194,57 @@ def format_bytes(n: float) -> str:
     raise AssertionError("unreachable")  # pragma: no cover
 
 
+def inflight_stashes(k: int, num_microbatches: int, rule: str, objective: str = "training") -> np.ndarray:
+    """Stashes the partitioner counts on each pipeline position (float64 (k,)).
+
+    Parameters
+    ----------
+    k : int
+        Number of stages (>= 1).
+    num_microbatches : int
+        m >= 1.
+    rule : {"floor", "1f1b"}
+        See the module docstring: ``"floor"`` one stash (what every schedule needs),
+        ``"1f1b"`` ``min(k - s, m)`` on stage s.
+    objective : {"training", "inference"}
+        Inference counts one micro-batch everywhere.
+
+    Raises
+    ------
+    InputError
+        On an unknown rule or objective, or counts < 1.
+    """
+    if rule not in ACTIVATION_RULES:
+        raise InputError(f"activation rule must be one of {ACTIVATION_RULES}, got {rule!r}")
+    if objective not in ("training", "inference"):
+        raise InputError(f"objective must be 'training' or 'inference', got {objective!r}")
+    k, m = int(k), int(num_microbatches)
+    if k < 1 or m < 1:
+        raise InputError(f"k and num_microbatches must be >= 1, got {k} and {m}")
+    if rule == "floor" or objective == "inference":
+        return np.ones(k)
+    return np.minimum(np.arange(k, 0, -1, dtype=np.float64), float(m))
+
+
 @dataclass(frozen=True)
-class StageMemory:
-    """Memory of one stage (or one device) by kind, in bytes.
+class DeviceMemory:
+    """Memory of one device by kind, in bytes (the sum over the stages it holds).
 
     Attributes
     ----------
-    stage : int
+    device : int
+    stages : tuple[int, ...]
+        The stages the device holds.
     params_bytes, grads_bytes, optimizer_bytes, activation_peak_bytes, comm_buffer_bytes, reserved_bytes : float
         See the module docstring.
     offloaded_peak_bytes : float
-        Activation bytes held in host memory at the device's worst moment (0 without offload).
+        Most activation bytes the device holds in host memory at once (0 without offload).
     capacity_bytes : float
         The device's capacity (``inf`` when none is set).
     """
 
-    stage: int
+    device: int
+    stages: tuple[int, ...]
     params_bytes: float
     grads_bytes: float
     optimizer_bytes: float
@@ -205,7 +276,8 @@ class StageMemory:
     def to_dict(self) -> dict[str, Any]:
         out = {k: float(getattr(self, k)) for k in KINDS}
         out.update(
-            stage=self.stage,
+            device=self.device,
+            stages=list(self.stages),
             offloaded_peak_bytes=float(self.offloaded_peak_bytes),
             total_bytes=float(self.total_bytes),
             capacity_bytes=None if not math.isfinite(self.capacity_bytes) else float(self.capacity_bytes),
@@ -301,6 +373,19 @@ class MemoryModel:
         return self.capacity_bytes - self.reserved_bytes
 
     # ------------------------------------------------------------------ per stage
+    def comm_buffer_factors(self, num_microbatches: int, objective: str) -> tuple[float, float]:
+        """Receive-buffer bytes per byte of a stage's input and of its output boundary.
+
+        ``(m, m)`` in training (activations forward, their gradients backward), ``(m, 0)`` in
+        inference; see :meth:`comm_buffer_bytes`.
+        """
+        m = int(num_microbatches)
+        if m < 1:
+            raise InputError(f"num_microbatches must be >= 1, got {num_microbatches!r}")
+        if objective not in ("training", "inference"):
+            raise InputError(f"objective must be 'training' or 'inference', got {objective!r}")
+        return float(m), (float(m) if objective == "training" else 0.0)
+
     def comm_buffer_bytes(self, input_bytes, output_bytes, num_microbatches: int, objective: str) -> np.ndarray:
         """Receive buffers of each stage (bytes), float64 (k,).
 
@@ -318,11 +403,8 @@ class MemoryModel:
         out = np.asarray(output_bytes, dtype=np.float64)
         if inp.shape != out.shape or inp.ndim != 1:
             raise InputError(f"input_bytes and output_bytes must be 1-d arrays of equal length, got {inp.shape} and {out.shape}")
-        m = int(num_microbatches)
-        if m < 1:
-            raise InputError(f"num_microbatches must be >= 1, got {num_microbatches!r}")
-        grads = out if objective == "training" else np.zeros_like(out)
-        return m * (inp + grads)
+        f_in, f_out = self.comm_buffer_factors(num_microbatches, objective)
+        return f_in * inp + f_out * out
 
     def static_bytes(self, params_per_stage, objective: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(params, grads, optimizer)`` bytes of every stage, each float64 (k,).
@@ -381,8 +463,8 @@ class MemoryModel:
         *,
         offloaded_peak_bytes=None,
         device_of_stage: Sequence[int] | None = None,
-    ) -> list[StageMemory]:
-        """Memory of every device by kind (one :class:`StageMemory` per device).
+    ) -> list[DeviceMemory]:
+        """Memory of every device by kind (one :class:`DeviceMemory` per device).
 
         Parameters
         ----------
@@ -392,7 +474,8 @@ class MemoryModel:
             offloaded stashes), e.g. :func:`fxpipe.schedule.validate.peak_memory`.
         objective : {"training", "inference"}
         offloaded_peak_bytes : float array (num_devices,), optional
-            Bytes of stashes in host memory at the device's peak.
+            Most bytes of stashes the device holds in host memory at once
+            (:func:`fxpipe.schedule.validate.offloaded_peak`).
         device_of_stage : sequence of int, optional
             Default: stage s on device s (then "device" and "stage" coincide).
         """
@@ -403,9 +486,12 @@ class MemoryModel:
         if act.shape != dev[0].shape:
             raise InputError(f"activation_peak_bytes must have one entry per device ({dev[0].shape[0]}), got {act.shape}")
         off = np.zeros_like(act) if offloaded_peak_bytes is None else np.asarray(offloaded_peak_bytes, dtype=np.float64)
+        n_stages = len(np.asarray(params_per_stage))
+        dev_of = list(range(n_stages)) if device_of_stage is None else [int(x) for x in device_of_stage]
         return [
-            StageMemory(
-                stage=d,
+            DeviceMemory(
+                device=d,
+                stages=tuple(s for s in range(n_stages) if dev_of[s] == d),
                 params_bytes=float(dev[0][d]),
                 grads_bytes=float(dev[1][d]),
                 optimizer_bytes=float(dev[2][d]),
@@ -444,6 +530,11 @@ class MemoryModel:
             policy = pol if isinstance(pol, str) else PrecisionPolicy(
                 str(pol["name"]), float(pol["weight_bytes"]), float(pol["grad_bytes"]), float(pol["optimizer_bytes"])
             )
+            named = POLICIES.get(policy) if isinstance(policy, str) else POLICIES.get(policy.name)
+            if named is not None and not isinstance(policy, str) and (
+                    (named.weight_bytes, named.grad_bytes, named.optimizer_bytes)
+                    == (policy.weight_bytes, policy.grad_bytes, policy.optimizer_bytes)):
+                policy = named.name  # a named policy round-trips as its name
             cap = doc.get("capacity_bytes")
             return cls(
                 capacity_bytes=math.inf if cap is None else float(cap),

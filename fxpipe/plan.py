@@ -22,6 +22,7 @@ import numpy as np
 
 from fxpipe.errors import InputError
 from fxpipe.ir import OpGraph, Orders, Schedule, ScheduleProblem, read_json, schedule_to_orders, write_json_atomic
+from fxpipe.memory import MemoryModel
 from fxpipe.partition.objective import Partition
 
 __all__ = ["Plan", "StageStats", "DeviceStats", "PLAN_FORMAT", "graph_signature", "load_plan"]
@@ -29,9 +30,24 @@ __all__ = ["Plan", "StageStats", "DeviceStats", "PLAN_FORMAT", "graph_signature"
 PLAN_FORMAT = "fxpipe.plan/1"
 
 
+#: Memory columns of a stage / device row (bytes; :mod:`fxpipe.memory`'s names).
+MEMORY_FIELDS = ("params_bytes", "grads_bytes", "optimizer_bytes", "activation_peak_bytes", "comm_buffer_bytes",
+                 "reserved_bytes", "offloaded_peak_bytes", "memory_bytes", "capacity_bytes")
+
+
 @dataclass
 class StageStats:
-    """Per-stage figures of a plan (times in seconds, sizes in bytes); ``device`` holds the stage."""
+    """Per-stage figures of a plan (times in seconds, sizes in bytes); ``device`` holds the stage.
+
+    ``param_bytes`` are the stage's parameters in the captured graph's dtype. The memory
+    columns come from the plan's :class:`fxpipe.memory.MemoryModel`, the stage counted as if
+    alone on its device (:func:`fxpipe.plan_memory.stage_memory`): ``params_bytes``,
+    ``grads_bytes``, ``optimizer_bytes`` (precision policy, ZeRO), ``activation_peak_bytes``
+    (the peak of the stage's curve in the schedule, net of offloaded stashes),
+    ``comm_buffer_bytes`` (receive buffers), ``reserved_bytes``, ``offloaded_peak_bytes``
+    (host memory), ``memory_bytes`` (their total on the device) and ``capacity_bytes`` (None:
+    unlimited). ``recompute``: the stage replays its forward during B.
+    """
 
     stage: int
     device: int
@@ -43,9 +59,22 @@ class StageStats:
     cost_s: float
     activation_peak_bytes: float
     memory_bytes: float
+    params_bytes: float = 0.0
+    grads_bytes: float = 0.0
+    optimizer_bytes: float = 0.0
+    comm_buffer_bytes: float = 0.0
+    reserved_bytes: float = 0.0
+    offloaded_peak_bytes: float = 0.0
+    capacity_bytes: float | None = None
+    recompute: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
+
+    @property
+    def fits(self) -> bool:
+        """``memory_bytes <= capacity_bytes`` (True without a capacity)."""
+        return self.capacity_bytes is None or self.memory_bytes <= self.capacity_bytes * (1 + 1e-12)
 
 
 @dataclass
@@ -66,9 +95,12 @@ class DeviceStats:
         Compute time of one step in the schedule problem (m times the stages' F + B + W).
     span_s : float
         First F to last W of the device in the schedule.
-    activation_peak_bytes, memory_bytes : float
-        Peak activation memory of the device in the schedule; with the training state
-        (parameters, gradients, optimizer moments) for the training objective.
+    activation_peak_bytes, memory_bytes, params_bytes, grads_bytes, optimizer_bytes, comm_buffer_bytes,
+    reserved_bytes, offloaded_peak_bytes, capacity_bytes :
+        Memory by kind (:func:`fxpipe.plan_memory.device_memory`, names of :mod:`fxpipe.memory`):
+        the activation peak of the device's curve in the schedule, the static state of its
+        stages, receive buffers, the reserved fraction, stashes in host memory at once, the
+        total ``memory_bytes`` and the capacity (None: unlimited).
     """
 
     device: int
@@ -83,9 +115,21 @@ class DeviceStats:
     span_s: float
     activation_peak_bytes: float
     memory_bytes: float
+    params_bytes: float = 0.0
+    grads_bytes: float = 0.0
+    optimizer_bytes: float = 0.0
+    comm_buffer_bytes: float = 0.0
+    reserved_bytes: float = 0.0
+    offloaded_peak_bytes: float = 0.0
+    capacity_bytes: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {**self.__dict__, "stages": list(self.stages)}
+
+    @property
+    def fits(self) -> bool:
+        """``memory_bytes <= capacity_bytes`` (True without a capacity)."""
+        return self.capacity_bytes is None or self.memory_bytes <= self.capacity_bytes * (1 + 1e-12)
 
 
 @dataclass
@@ -121,6 +165,9 @@ class Plan:
         Per-stage figures (the stage table).
     device_table : list[DeviceStats]
         Per-device figures (filled by ``fxpipe.compile`` and on load).
+    memory : MemoryModel
+        The memory model the plan was made with (capacity, precision policy, ZeRO, reserved
+        fraction); its activation budget is the schedule problem's ``mem_limit``.
     timings_s : dict[str, float]
         Wall time of each phase (capture, cost, partition, schedule).
     graph_signature : str
@@ -143,6 +190,7 @@ class Plan:
     graph_signature: str = ""
     options: dict[str, Any] = field(default_factory=dict)
     device_table: list[DeviceStats] = field(default_factory=list)
+    memory: MemoryModel = field(default_factory=MemoryModel)
     _captured: Any = field(default=None, repr=False, compare=False)
 
     # ------------------------------------------------------------------ placement
@@ -224,6 +272,7 @@ class Plan:
                     f"{d.cost_s * 1e3:>9.3f} {d.busy_s * 1e3:>9.3f} {d.span_s * 1e3:>9.3f} "
                     f"{_fmt_bytes(d.activation_peak_bytes):>10} {_fmt_bytes(d.memory_bytes):>10}{mark}"
                 )
+        lines += self.memory_summary()
         what = "bottleneck" if v == 1 else "device bottleneck"
         lines.append(
             f"{what} {self.bottleneck_s * 1e3:.3f} ms | makespan {self.makespan_s * 1e3:.3f} ms | "
@@ -248,6 +297,31 @@ class Plan:
             lines.append("time: " + ", ".join(f"{k} {v:.2f} s" for k, v in self.timings_s.items()))
         return "\n".join(lines)
 
+    def memory_summary(self) -> list[str]:
+        """Lines of the memory table: every device's memory by kind against its capacity."""
+        from fxpipe.memory import format_bytes
+
+        m = self.memory
+        cap = format_bytes(m.capacity_bytes)
+        head = (f"memory per device ({m.precision.name}, {m.precision.training_bytes:g} B/param"
+                + (f", ZeRO-{m.zero_stage} over {m.data_parallel}" if m.zero_stage else "")
+                + f"; capacity {cap}, {m.reserved_fraction:.0%} reserved)")
+        rows = [head, f"{'device':>6} {'params':>10} {'grads':>10} {'optimizer':>10} {'act peak':>10} {'offloaded':>10} "
+                      f"{'comm buf':>10} {'reserved':>10} {'total':>10} {'capacity':>10}"]
+        rec = [s.stage for s in self.stages if s.recompute]
+        for d in self.device_table:
+            mark = "" if d.fits else f" <- over by {format_bytes(d.memory_bytes - d.capacity_bytes)}"
+            rows.append(
+                f"{d.device:>6} {format_bytes(d.params_bytes):>10} {format_bytes(d.grads_bytes):>10} "
+                f"{format_bytes(d.optimizer_bytes):>10} {format_bytes(d.activation_peak_bytes):>10} "
+                f"{format_bytes(d.offloaded_peak_bytes):>10} {format_bytes(d.comm_buffer_bytes):>10} "
+                f"{format_bytes(d.reserved_bytes):>10} {format_bytes(d.memory_bytes):>10} {cap:>10}{mark}"
+            )
+        n_off = sum(1 for o in self.schedule.ops if o.type == "O")
+        if rec or n_off:
+            rows.append(f"memory binds: {n_off} stashes offloaded" + (f", stages {rec} recompute their forward" if rec else ""))
+        return rows
+
     # ------------------------------------------------------------------ JSON
     def to_dict(self) -> dict[str, Any]:
         """The ``fxpipe.plan/1`` document."""
@@ -271,6 +345,7 @@ class Plan:
             "timings_s": self.timings_s,
             "stages": [s.to_dict() for s in self.stages],
             "device_table": [d.to_dict() for d in self.device_table],
+            "memory": self.memory.to_dict(),
             "stage_of": self.stage_of,
             "partition": self.partition.to_dict(),
             "problem": self.problem.to_dict(),
@@ -326,7 +401,9 @@ class Plan:
                 graph_signature=str(doc.get("graph_signature", "")),
                 options=dict(doc.get("options", {})),
                 device_table=device_table,
+                memory=MemoryModel.from_dict(doc["memory"]) if "memory" in doc else MemoryModel(),
             )
+            plan._memory_columns = "memory" in doc
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise InputError(f"{source}: malformed plan ({exc!r}); regenerate it with fxpipe.compile") from None
         if "device_of_stage" in doc and list(doc["device_of_stage"]) != list(plan.device_of_stage):
@@ -363,10 +440,13 @@ class Plan:
             raise InputError(f"{source}: the schedule breaks Contract 3: {violations[0]} ({len(violations)} violations)")
         from fxpipe.api import device_stats, stage_stats  # noqa: PLC0415 (api imports this module)
 
-        expected_stages = stage_stats(self.graph, self.partition, self.problem, self.schedule, self.objective)
-        expected_devices = device_stats(self.graph, self.partition, self.problem, self.schedule, self.objective)
+        expected_stages = stage_stats(self.graph, self.partition, self.problem, self.schedule, self.objective, self.memory)
+        expected_devices = device_stats(self.graph, self.partition, self.problem, self.schedule, self.objective,
+                                        self.memory)
         if not self.device_table:  # plans saved before the device table: recompute it
             self.device_table = expected_devices
+        if not getattr(self, "_memory_columns", True):  # plans saved before the memory model: recompute memory
+            self.stages, self.device_table = expected_stages, expected_devices
         if len(self.device_table) != len(expected_devices):
             raise InputError(f"{source}: the device table has {len(self.device_table)} rows for {self.devices} devices")
         tables = [("stage", got.to_dict(), want.to_dict()) for got, want in zip(self.stages, expected_stages)]
@@ -374,7 +454,10 @@ class Plan:
         for kind, got, want in tables:
             for key, val in want.items():
                 mine = got[key]
-                same = mine == val if isinstance(val, list) else np.isclose(float(mine), float(val), rtol=1e-9, atol=0.0)
+                if isinstance(val, (list, bool)) or val is None or mine is None:
+                    same = mine == val
+                else:
+                    same = np.isclose(float(mine), float(val), rtol=1e-9, atol=0.0)
                 if not same:
                     raise InputError(
                         f"{source}: {kind} {want[kind]} {key} is {mine!r} but the plan's graph, partition and schedule give "
@@ -407,7 +490,13 @@ class Plan:
         self._captured = traced
         return traced
 
-    def build(self, rank: int, *, model=None, args=(), kwargs=None, loss_fn: Callable | None = None, group=None, device="cpu"):
+    def recompute_stages(self) -> tuple[int, ...]:
+        """Stages the schedule problem marks for activation recomputation (``problem.recompute``)."""
+        return tuple(s for s, r in enumerate(getattr(self.problem, "recompute", ()) or ()) if r)
+
+    def build(self, rank: int, *, model=None, args=(), kwargs=None, loss_fn: Callable | None = None, group=None,
+              device="cpu", checkpoint=None, seed: int | None = None, init_fn: Callable | None = None,
+              compile_stages: bool | None = None):
         """This rank's ``PipelineStage`` s and schedule runtime, inside an initialised process group.
 
         Call from every worker of ``torchrun`` / ``torch.multiprocessing`` after
@@ -424,6 +513,26 @@ class Plan:
             One micro-batch of example inputs (only for re-capture).
         loss_fn : callable(output, target) -> scalar tensor
             Applied on the last stage to every micro-batch.
+        checkpoint : str, os.PathLike or Mapping[str, Tensor], optional
+            Load this rank's stage parameters and buffers by fully qualified name from a
+            ``.safetensors`` file, a sharded safetensors index, a directory holding either, a
+            torch state dict file or a mapping (only the tensors this rank needs are read;
+            :mod:`fxpipe.codegen.materialize`). Buffers it lacks come from the initializers.
+        seed : int, optional
+            Materialize this rank's stages from the model's initializers under this seed
+            (same values as :class:`fxpipe.codegen.materialize.MetaInit` gives the whole model).
+            Needed (or ``checkpoint``) when the model was captured on ``meta``.
+        init_fn : callable(module) -> None, optional
+            Initializer of every module, replacing the model's own (with ``seed``).
+        compile_stages : bool, optional
+            Run every stage with Inductor, its backward split into backward-input and
+            backward-weight graphs (:mod:`fxpipe.codegen.compiled`). Default: the
+            ``compile_stages`` option of the ``torch.compile`` backend that made the plan, else False.
+
+        The stages the schedule problem marks for recomputation (:meth:`recompute_stages`) replay
+        their forward during the backward; the schedule's offload/reload actions are executed
+        (:mod:`fxpipe.codegen.stash`; ``schedule.fxpipe_stash.stats()`` reports the measured
+        activation peaks).
 
         Returns
         -------
@@ -445,6 +554,12 @@ class Plan:
         from fxpipe.codegen import build_pipeline_rank
 
         traced = self.captured(model, args, kwargs)
+        source = None
+        if checkpoint is not None or seed is not None or init_fn is not None:
+            from fxpipe.codegen.materialize import StateSource
+
+            source = StateSource(seed=0 if seed is None else int(seed), checkpoint=checkpoint, init_fn=init_fn,
+                                 model=model if model is not None else getattr(traced, "model", None))
         return build_pipeline_rank(
             traced.gm,
             self.stage_of,
@@ -454,7 +569,17 @@ class Plan:
             loss_fn=loss_fn,
             group=group,
             device=device,
+            recompute_stages=self.recompute_stages(),
+            state_source=source,
+            compile_stages=self._compile_stages(compile_stages),
         )
+
+    def _compile_stages(self, compile_stages: bool | None) -> bool:
+        if compile_stages is None:
+            return bool((self.options.get("backend") or {}).get("compile_stages", False))
+        if not isinstance(compile_stages, bool):
+            raise InputError(f"compile_stages must be True, False or None, got {compile_stages!r}")
+        return compile_stages
 
     def reschedule(self, schedule: str, *, time_limit_s: float = 60.0, progress: bool = False) -> "Plan":
         """The same partition and placement with another schedule (``"1f1b"``, ``"zb-h2"``, ``"zb-v"``, ``"milp"``, ...).
@@ -463,7 +588,9 @@ class Plan:
         ----------
         schedule : str
             A method of :func:`fxpipe.schedule.dispatch.make_schedule` valid for the plan's
-            placement (:func:`fxpipe.schedule.dispatch.methods_for_placement`).
+            placement (:func:`fxpipe.schedule.dispatch.methods_for_placement`). ``"auto"``
+            is :func:`fxpipe.schedule.auto.auto_schedule` with recomputation in training, as
+            in :func:`fxpipe.compile` (the new plan's problem carries the recomputing stages).
         time_limit_s : float
             MILP budget in seconds (``schedule="milp"``).
 
@@ -491,16 +618,24 @@ class Plan:
                 f"{self.stages_per_device} stages per device; use one of {', '.join(valid)}"
             )
         t0 = time.perf_counter()
-        sched = make_schedule(self.problem, schedule, time_limit_s=time_limit_s, progress=progress)
+        problem = self.problem
+        if schedule == "auto":  # as in compile: recomputation where memory forces it
+            from fxpipe.schedule.auto import auto_schedule
+
+            chosen = auto_schedule(problem, recompute=self.objective == "training", time_limit_s=time_limit_s,
+                                   progress=progress)
+            problem, sched = chosen.problem, chosen.schedule
+        else:
+            sched = make_schedule(problem, schedule, time_limit_s=time_limit_s, progress=progress)
         return Plan(
             name=self.name, devices=self.devices, microbatches=self.microbatches, hardware=self.hardware,
             objective=self.objective, comm=self.comm, graph=self.graph, partition=self.partition,
-            stage_of=dict(self.stage_of), problem=self.problem, schedule=sched,
-            stages=stage_stats(self.graph, self.partition, self.problem, sched, self.objective),
-            device_table=device_stats(self.graph, self.partition, self.problem, sched, self.objective),
+            stage_of=dict(self.stage_of), problem=problem, schedule=sched,
+            stages=stage_stats(self.graph, self.partition, problem, sched, self.objective, self.memory),
+            device_table=device_stats(self.graph, self.partition, problem, sched, self.objective, self.memory),
             timings_s={**self.timings_s, "schedule": time.perf_counter() - t0},
             graph_signature=self.graph_signature, options={**self.options, "schedule": schedule},
-            _captured=self._captured,
+            memory=self.memory, _captured=self._captured,
         )
 
     def train_local(
@@ -516,6 +651,8 @@ class Plan:
         timeout_s: float = 600.0,
         loss_rtol: float = 1e-4,
         rtol: float = 1e-5,
+        compile_stages: bool | None = None,
+        progress: bool | None = None,
     ) -> dict[str, Any]:
         """Train this plan for a few steps on ``devices`` local gloo processes (CPU) and compare.
 
@@ -539,6 +676,11 @@ class Plan:
         loss_rtol, rtol : float
             Tolerances of the verdict ``ok``: relative loss difference, and gradient /
             parameter / buffer difference relative to the largest reference value of its kind.
+        compile_stages : bool, optional
+            Run the stages with Inductor (:meth:`build`); Inductor reassociates float sums, so
+            compare with ``rtol`` about 1e-4 then.
+        progress : bool or None
+            A tqdm bar of the pipelined training steps on stderr (None: when stderr is a terminal).
 
         Returns
         -------
@@ -568,8 +710,10 @@ class Plan:
             random_ops_warning(rnd)
         t0 = time.perf_counter()
         run = dict(make_model=make_model, stage_of=_PlanStageOf(self.stage_of), orders=self.orders(),
-                   num_microbatches=self.microbatches, make_batch=make_batch, steps=steps, lr=lr, loss=loss, seed=seed)
-        res = spawn_train_many([run], world_size=self.devices, timeout_s=timeout_s, warn_random=rnd is None)[0]
+                   num_microbatches=self.microbatches, make_batch=make_batch, steps=steps, lr=lr, loss=loss, seed=seed,
+                   recompute_stages=self.recompute_stages(), compile_stages=self._compile_stages(compile_stages))
+        res = spawn_train_many([run], world_size=self.devices, timeout_s=timeout_s, warn_random=rnd is None,
+                               progress=progress)[0]
         out: dict[str, Any] = {"pipeline_losses": list(res.losses), "pipeline_wall_s": time.perf_counter() - t0}
         if rnd is None:
             rnd = list(res.meta.get("random_ops", []))

@@ -23,7 +23,7 @@ import io
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -31,7 +31,8 @@ from fxpipe.errors import InputError
 from fxpipe.ir import OpGraph, write_text_atomic
 from fxpipe.partition.objective import Partition, block_costs, io_bytes
 
-__all__ = ["ReportSection", "write_report", "stage_table", "render_html", "render_markdown"]
+__all__ = ["ReportSection", "write_report", "write_plan_report", "plan_memory_section", "stage_table", "render_html",
+           "render_markdown"]
 
 
 @dataclass
@@ -184,6 +185,60 @@ def _bounds_chart(rows: list[dict]) -> bytes:
     return _png(fig)
 
 
+#: Device-memory kinds stacked in :func:`memory_chart` (names of :mod:`fxpipe.memory`), with colours.
+MEMORY_CHART_KINDS = (
+    ("params_bytes", "params", "#4c72b0"),
+    ("grads_bytes", "grads", "#55a868"),
+    ("optimizer_bytes", "optimizer", "#c44e52"),
+    ("activation_peak_bytes", "activation peak", "#dd8452"),
+    ("comm_buffer_bytes", "comm buffers", "#8172b3"),
+    ("reserved_bytes", "reserved", "#b0b0b0"),
+)
+
+
+def memory_chart(rows: Sequence[Mapping[str, Any]], *, label: str = "device", title: str = "device memory") -> bytes:
+    """Stacked bars of memory by kind per device (or stage), the capacity as a line, the
+    offloaded peak (host memory) as a hatched bar beside each; a PNG.
+
+    Parameters
+    ----------
+    rows : sequence of mappings
+        One per device: the keys of :data:`MEMORY_CHART_KINDS`, ``offloaded_peak_bytes``,
+        ``capacity_bytes`` (None: unlimited) and ``label`` (``"device"`` / ``"stage"``) as
+        the x label; e.g. ``DeviceStats.to_dict()`` of a plan (:mod:`fxpipe.plan`).
+    """
+    from matplotlib.figure import Figure  # noqa: PLC0415
+
+    fig = Figure(figsize=(max(4.5, 0.55 * len(rows) + 3.0), 3.4))
+    ax = fig.add_subplot(1, 1, 1)
+    x = np.arange(len(rows))
+    most = max([sum(float(r.get(k, 0.0)) for k, _, _ in MEMORY_CHART_KINDS) for r in rows] + [1.0])
+    unit, gib = next((u, float(d)) for u, d in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("B", 1))
+                     if most >= d)
+    bottom = np.zeros(len(rows))
+    for key, name, colour in MEMORY_CHART_KINDS:
+        vals = np.array([float(r.get(key, 0.0)) for r in rows]) / gib
+        ax.bar(x - 0.15, vals, width=0.6, bottom=bottom, color=colour, label=name)
+        bottom += vals
+    off = np.array([float(r.get("offloaded_peak_bytes", 0.0)) for r in rows]) / gib
+    if off.any():
+        ax.bar(x + 0.3, off, width=0.25, color="white", edgecolor="#dd8452", hatch="///", label="offloaded (host)")
+    caps = [r.get("capacity_bytes") for r in rows]
+    top = float(max(bottom.max(initial=0.0), off.max(initial=0.0)))
+    if caps and all(c is not None for c in caps):
+        cap = float(caps[0]) / gib
+        ax.axhline(cap, color="black", linestyle="--", linewidth=1.0, label="capacity")
+        top = max(top, cap)
+    ax.set_xticks(x)
+    ax.set_xticklabels([str(r.get(label, i)) for i, r in enumerate(rows)])
+    ax.set_xlabel(label)
+    ax.set_ylabel(unit)
+    ax.set_title(title)
+    ax.set_ylim(0, top * 1.5 if top > 0 else 1.0)
+    ax.legend(loc="upper right", fontsize=7, ncol=4)
+    return _png(fig)
+
+
 # --------------------------------------------------------------------------------------
 # rendering
 # --------------------------------------------------------------------------------------
@@ -272,7 +327,7 @@ def _content(graph: OpGraph, partition: Partition | None, bounds_report, command
             ("best lower bound", _fmt_s(bounds_report.best_lower_bound)),
             ("ratio (best bound / partition)", _fmt_ratio(bounds_report.ratio)),
             ("solver", str(solver.get("version"))),
-            ("memory capacity", "-" if bounds_report.memory_capacity_bytes is None else _fmt_bytes(bounds_report.memory_capacity_bytes)),
+            ("memory capacity", "-" if bounds_report.capacity_bytes is None else _fmt_bytes(bounds_report.capacity_bytes)),
         ]
         c["bounds_png"] = _bounds_chart(brows) if charts and brows else None
     return c
@@ -392,3 +447,84 @@ def write_report(
     if out_md is not None:
         written["markdown"] = write_text_atomic(out_md, render_markdown(content))
     return written
+
+
+def plan_memory_section(plan) -> ReportSection:
+    """The report's memory section of a :class:`fxpipe.Plan`: its memory table and a chart of every
+    device's memory by kind against the capacity."""
+    text = "\n".join(plan.memory_summary())
+    chart = memory_chart([d.to_dict() for d in plan.device_table],
+                         title=f"{plan.name}: memory per device ({plan.memory.precision.name})")
+    return ReportSection("Memory", markdown=f"```\n{text}\n```", html=f"<pre>{html.escape(text)}</pre>",
+                         figures=[("Memory per device by kind against the capacity (offloaded stashes in host memory "
+                                   "beside)", chart)])
+
+
+def write_plan_report(plan, out_html: str | os.PathLike, *, bounds_time_limit_s: float = 60.0,
+                      command: str | None = None) -> dict[str, Any]:
+    """HTML + Markdown report of a :class:`fxpipe.Plan`: its stage table, lower-bound certificates
+    for its partition (simple, chain, bottleneck and exact MIP bounds), its schedule's Gantt chart
+    and its memory by kind (:func:`plan_memory_section`).
+
+    Parameters
+    ----------
+    plan : fxpipe.Plan
+    out_html : path
+        The HTML file; the Markdown twin is written next to it (``.md``).
+    bounds_time_limit_s : float
+        Time limit of each lower-bound MIP (seconds).
+    command : str, optional
+        The command (or call) that reproduces the report, shown in it.
+
+    Returns
+    -------
+    dict
+        ``html`` and ``markdown`` (paths written) and ``bounds`` (best lower bound, ratio, every bound).
+    """
+    import tempfile
+
+    from fxpipe.partition.bounds import compute_bounds
+    from fxpipe.schedule.plot import gantt
+
+    bounds = compute_bounds(  # certificates of the per-stage bottleneck of the plan's num_stages stages
+        plan.graph,
+        plan.num_stages,
+        objective=plan.objective,
+        comm=plan.comm,
+        methods=("simple", "chain", "bottleneck", "exact"),
+        time_limit_s=bounds_time_limit_s,
+        warm_start=plan.partition,
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        png = gantt(plan.problem, plan.schedule, Path(tmp) / "gantt.png",
+                    title=f"{plan.name}: {plan.schedule.method} schedule").read_bytes()
+    sched = plan.schedule
+    sections = [
+        ReportSection("Plan", markdown=f"```\n{plan.summary()}\n```", html=f"<pre>{html.escape(plan.summary())}</pre>"),
+        ReportSection(
+            "Schedule",
+            markdown=(
+                f"{sched.method}, {plan.microbatches} micro-batches: makespan {sched.makespan * 1e3:.3f} ms, "
+                f"stage span {sched.stage_span * 1e3:.3f} ms, lower bound {sched.lower_bound_s * 1e3:.3f} ms ({sched.status})"
+            ),
+            figures=[("Gantt chart (compute and copy streams) with per-stage activation memory", png)],
+        ),
+        plan_memory_section(plan),
+    ]
+    html_path = Path(out_html)
+    written = write_report(
+        plan.graph,
+        plan.partition,
+        bounds,
+        out_html=html_path,
+        out_md=html_path.with_suffix(".md"),
+        command=command,
+        extra_sections=sections,
+        title=f"fxpipe plan: {plan.name} on {plan.devices} x {plan.hardware}"
+        + (f" ({plan.num_stages} stages, {plan.placement} placement)" if plan.stages_per_device > 1 else ""),
+    )
+    return {
+        "html": str(written["html"]),
+        "markdown": str(written["markdown"]),
+        "bounds": {k: v for k, v in bounds.to_dict().items() if k in ("best_lower_bound", "ratio", "lower_bounds")},
+    }

@@ -29,20 +29,34 @@ def segment_cost(graph: OpGraph, order, l: int, r: int, objective: str, comm: st
     return float(block_costs(graph, a, 3, objective, comm)[1])
 
 
-def _mem_ok(graph, order, l, r, s, mem):
+def segment_io(graph: OpGraph, order, l: int, r: int, comm: str) -> tuple[float, float]:
+    """Contract-2 (in, out) bytes of the block ``order[l..r]`` (3-block assignment as above)."""
+    from fxpipe.partition.objective import io_bytes
+
+    a = np.empty(graph.n, dtype=np.int64)
+    for p, v in enumerate(order):
+        a[v] = 0 if p < l else (1 if p <= r else 2)
+    i, o = io_bytes(graph, a, 3, comm)
+    return float(i[1]), float(o[1])
+
+
+def _mem_ok(graph, order, l, r, s, mem, comm):
+    """``mem = (static bytes per node (n,), inflight (k,), capacity, buf_in, buf_out)``."""
     if mem is None:
         return True
-    factor, inflight, cap = mem
+    static_b, inflight, cap, buf_in, buf_out = mem
     nodes = [order[p] for p in range(l, r + 1)]
-    static = sum(graph.size_param_bytes[v] * factor for v in nodes)
+    static = sum(static_b[v] for v in nodes)
     act = sum(graph.act_bytes[v] for v in nodes)
-    return static + act * inflight[s] <= cap
+    i, o = segment_io(graph, order, l, r, comm)
+    return static + act * inflight[s] + buf_in * i + buf_out * o <= cap
 
 
 def naive_slice(graph: OpGraph, order, k: int, objective: str = "inference", comm: str = "dag", mem=None):
     """O(n^2 k) DP of Archer Algorithm 1 with every segment cost from :func:`segment_cost`.
 
-    ``mem = (factor, inflight (k,), capacity_bytes)`` or None. Returns the optimal bottleneck
+    ``mem = (static bytes per node (n,), inflight (k,), capacity_bytes, buf_in, buf_out)`` or
+    None (see :func:`_mem_ok`). Returns the optimal bottleneck
     over slicings into at most k non-empty segments numbered from the front (inf if none fits).
     """
     n = graph.n
@@ -56,7 +70,7 @@ def naive_slice(graph: OpGraph, order, k: int, objective: str = "inference", com
     for j in range(1, k + 1):
         for m in range(1, n + 1):
             for l in range(j - 1, m):
-                if F[j - 1][l] == math.inf or not _mem_ok(graph, order, l, m - 1, j - 1, mem):
+                if F[j - 1][l] == math.inf or not _mem_ok(graph, order, l, m - 1, j - 1, mem, comm):
                     continue
                 F[j][m] = min(F[j][m], max(F[j - 1][l], cost[l, m - 1]))
     return min(F[j][n] for j in range(1, k + 1))
@@ -77,13 +91,17 @@ def brute_cuts(graph: OpGraph, order, k: int, objective: str = "inference", comm
     return best
 
 
-def brute_force_memory(graph: OpGraph, k: int, objective: str, comm: str, factor: float, inflight, cap: float) -> float:
+def brute_force_memory(graph: OpGraph, k: int, objective: str, comm: str, mem) -> float:
     """Best bottleneck over all acyclic partitions whose stages fit in memory (n <= 8).
 
     Enumerates monotone assignments, compresses the used blocks to 0..j-1 (what
     ``Partition.from_assignment`` does: empty blocks last), and checks stage s's memory
-    ``factor * params + act * inflight[s] <= cap``.
+    ``static + act * inflight[s] + buf_in * in_bytes + buf_out * out_bytes <= cap`` with
+    ``mem = (static bytes per node (n,), inflight (k,), cap, buf_in, buf_out)``.
     """
+    from fxpipe.partition.objective import io_bytes
+
+    static_b, inflight, cap, buf_in, buf_out = mem
     n = graph.n
     edges = graph.edges.tolist()
     best = math.inf
@@ -98,9 +116,11 @@ def brute_force_memory(graph: OpGraph, k: int, objective: str, comm: str, factor
             continue
         seen.add(a)
         ok = True
+        ins, outs = io_bytes(graph, np.array(a), k, comm)
         for s in range(len(used)):
             nodes = [v for v in range(n) if a[v] == s]
-            m = sum(graph.size_param_bytes[v] * factor for v in nodes) + sum(graph.act_bytes[v] for v in nodes) * inflight[s]
+            m = sum(static_b[v] for v in nodes) + sum(graph.act_bytes[v] for v in nodes) * inflight[s]
+            m += buf_in * ins[s] + buf_out * outs[s]
             if m > cap:
                 ok = False
                 break

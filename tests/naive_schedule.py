@@ -223,9 +223,11 @@ def _memory_ok(problem, s, order, events) -> bool:
                     return False
         if g < len(order):
             t, _ = order[g]
-            cur += float(delta[t])
+            tr = float(problem.mem_b_transient[s]) if t == "B" else 0.0
+            cur += float(delta[t]) + tr  # a recomputing B replays its forward while it runs
             if cur > lim + tol:
                 return False
+            cur -= tr
     return True
 
 
@@ -325,7 +327,7 @@ def exhaustive_optimum(problem: ScheduleProblem, *, max_classes: int = 2_000_000
     """
     p = problem
     S, M = p.num_stages, p.num_microbatches
-    if np.any(p.mem_f > p.mem_limit):  # an F allocates its whole stash before any offload
+    if np.any(p.stash_footprint > p.mem_limit):  # an F allocates its whole stash before any offload
         raise InfeasibleError("no valid schedule exists: a stage cannot hold one stash")
     per_stage = stage_orders(M)
     finite = any(math.isfinite(x) for x in p.mem_limit)
@@ -433,9 +435,11 @@ def _device_memory_ok(problem: ScheduleProblem, d: int, seq) -> bool:
     delta = {"F": problem.mem_f, "B": problem.mem_b, "W": problem.mem_w}
     cur = 0.0
     for s, _, t in seq:
-        cur += float(delta[t][s])
+        tr = float(problem.mem_b_transient[s]) if t == "B" else 0.0
+        cur += float(delta[t][s]) + tr
         if cur > lim * (1 + 1e-9) + 1e-12:
             return False
+        cur -= tr
     return True
 
 

@@ -48,12 +48,14 @@ def test_gpt2_pipeline_matches_single_process(devices, schedule):
 
 
 @pytest.mark.slow
-def test_t5_relay_pipeline_matches_single_process():
+def test_t5_relay_pipeline_matches_single_process(capfd):
     factory = HFFactory("t5", T5, microbatches=4, microbatch_size=2, seq_len=8, seed=0)
     plan = _plan(factory, 3, "1f1b")
     # the relay path must be exercised: some tensor is consumed two or more stages after its producer
     a = plan.partition.assignment
     edges = plan.graph.edges
     assert (a[edges[:, 1]] - a[edges[:, 0]] >= 2).any(), "partition has no stage-skipping tensor"
-    result = plan.train_local(factory, _BatchFn(factory), steps=2, lr=0.05, timeout_s=400)
+    result = plan.train_local(factory, _BatchFn(factory), steps=2, lr=0.05, timeout_s=400, progress=True)
     _check(result)
+    err = capfd.readouterr().err  # the step bar of `fxpipe plan --run`
+    assert "pipeline training (3 ranks)" in err and "2/2" in err

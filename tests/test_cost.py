@@ -163,8 +163,10 @@ class _MLP(torch.nn.Module):
 
 
 def _saved_bytes_eager(model, args) -> int:
-    """Bytes autograd really saves (distinct storages, parameters excluded)."""
+    """Bytes autograd really saves (distinct storages; parameters and the model's inputs excluded:
+    they are resident, held by the module and the caller for the whole step)."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    params |= {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
     seen: dict[int, int] = {}
 
     def pack(t):

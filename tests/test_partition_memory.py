@@ -1,4 +1,5 @@
-"""Memory-aware partitioning: kernel vs plain-Python references, infeasibility diagnostics."""
+"""Memory-aware partitioning on fxpipe's one memory model: the partitioner's adapter
+(fxpipe.partition.memory) against plain-Python references, parameter counting, diagnostics."""
 
 import math
 
@@ -10,8 +11,16 @@ from hypothesis import strategies as st
 
 from fxpipe.errors import InfeasibleError, InputError
 from fxpipe.ir import OpGraph
-from fxpipe.partition.memory import TRAINING_STATE_FACTOR, MemoryModel, memory_inputs, stage_memory_bytes
-from fxpipe.partition.objective import validate_partition
+from fxpipe.memory import MemoryModel, inflight_stashes
+from fxpipe.partition.memory import (
+    DEFAULT_PARAM_DTYPE_BYTES,
+    PartitionMemory,
+    as_partition_memory,
+    memory_inputs,
+    num_params,
+    stage_memory_bytes,
+)
+from fxpipe.partition.objective import io_bytes, validate_partition
 from fxpipe.partition.orders import random_order
 from fxpipe.partition.search import partition
 from fxpipe.partition.slicegraph import kernel_inputs, slice_order, slice_order_arrays
@@ -23,43 +32,64 @@ def _close(a, b):
     return a == b or abs(a - b) <= 1e-9 * max(1.0, abs(a), abs(b))
 
 
-def test_memory_model_defaults():
-    m = MemoryModel(capacity_bytes=100)
-    assert m.factor("training") == TRAINING_STATE_FACTOR == 8.0 and m.factor("inference") == 1.0
-    assert m.inflight(4, "training").tolist() == [4, 3, 2, 1]
-    assert m.inflight(4, "inference").tolist() == [1, 1, 1, 1]
-    assert MemoryModel(100, schedule="gpipe", microbatches=6).inflight(3, "training").tolist() == [6, 6, 6]
-    for bad in (dict(capacity_bytes=0), dict(capacity_bytes=float("nan")), dict(capacity_bytes="x"),
-                dict(capacity_bytes=1, schedule="zb"), dict(capacity_bytes=1, state_bytes_per_param_byte=-1)):
-        with pytest.raises(InputError):
-            MemoryModel(**bad)
+def _ref_mem(g, pm, objective, k):
+    """The reference helpers' memory tuple, computed from the model's definitions."""
+    static = num_params(g) * pm.model.static_bytes_per_param(objective)
+    f_in, f_out = pm.model.comm_buffer_factors(pm.num_microbatches, objective)
+    return static, inflight_stashes(k, pm.num_microbatches, pm.activation, objective), pm.usable_bytes, f_in, f_out
+
+
+def test_parameters_are_counted_as_parameters():
+    g = OpGraph.from_arrays(t_fwd_s=[1, 1], size_out_bytes=[1, 1], size_param_bytes=[40, 8], edges=[[0, 1]],
+                            extra=[{"num_params": 10}, {"num_params": 2}])
+    assert num_params(g).tolist() == [10, 2]  # fp32 parameters: 4 bytes each
+    g2 = OpGraph.from_arrays(t_fwd_s=[1, 1], size_out_bytes=[1, 1], size_param_bytes=[40, 8], edges=[[0, 1]],
+                             meta={"param_dtype_bytes": 4})
+    assert num_params(g2).tolist() == [10, 2]
+    g3 = OpGraph.from_arrays(t_fwd_s=[1, 1], size_out_bytes=[1, 1], size_param_bytes=[40, 8], edges=[[0, 1]])
+    assert num_params(g3).tolist() == [40 / DEFAULT_PARAM_DTYPE_BYTES, 8 / DEFAULT_PARAM_DTYPE_BYTES]
+    with pytest.raises(InputError, match="param_dtype_bytes"):
+        num_params(OpGraph.from_arrays(t_fwd_s=[1], size_out_bytes=[1], edges=[], meta={"param_dtype_bytes": 0}))
+    # mixed-precision Adam: 16 bytes per parameter, whatever dtype the parameters are stored in
+    mem = stage_memory_bytes(g, [0, 0], 1, "training", None)
+    assert mem.tolist() == [16 * 12]
 
 
 def test_stage_memory_by_hand():
-    g = OpGraph.from_arrays(t_fwd_s=[1, 1, 1], size_out_bytes=[1, 1, 1], size_param_bytes=[10, 20, 30],
-                            act_bytes=[1, 2, 3], edges=[[0, 1], [1, 2]])
-    mem = stage_memory_bytes(g, [0, 0, 1], 3, "training", 1e9)
-    assert mem.tolist() == [8 * 30 + 3 * 3, 8 * 30 + 3 * 2, 0]
-    assert stage_memory_bytes(g, [0, 0, 1], 3, "inference", 1e9).tolist() == [30 + 3, 30 + 3, 0]
+    # a chain 0 -> 1 -> 2; 8 bytes per parameter (fp32 SGD), nothing reserved
+    g = OpGraph.from_arrays(t_fwd_s=[1, 1, 1], size_out_bytes=[5, 7, 1], size_param_bytes=[40, 80, 120],
+                            act_bytes=[1, 2, 3], edges=[[0, 1], [1, 2]], meta={"param_dtype_bytes": 4})
+    model = MemoryModel(capacity_bytes=1e9, policy="fp32-sgd", reserved_fraction=0.0)
+    floor = PartitionMemory(model, num_microbatches=4)
+    # stage 0 = {0, 1}: 30 params * 8 + 1 stash of 3 + 4 receive buffers of its 7-byte output's gradient
+    # stage 1 = {2}: 30 params * 8 + 3 + 4 buffers of its 7-byte input
+    assert stage_memory_bytes(g, [0, 0, 1], 3, "training", floor).tolist() == [240 + 3 + 28, 240 + 3 + 28, 0]
+    one_f = PartitionMemory(model, num_microbatches=4, activation="1f1b")  # 3 and 2 stashes in flight
+    assert stage_memory_bytes(g, [0, 0, 1], 3, "training", one_f).tolist() == [240 + 9 + 28, 240 + 6 + 28, 0]
+    # inference: weights only (4 bytes per parameter), no gradient buffers
+    assert stage_memory_bytes(g, [0, 0, 1], 3, "inference", floor).tolist() == [120 + 3, 120 + 3 + 28, 0]
+    assert as_partition_memory(MemoryModel()) is None  # unlimited: nothing to check
+    assert as_partition_memory(100.0).usable_bytes == pytest.approx(90.0)
 
 
 @pytest.mark.parametrize("objective", ["inference", "training"])
 @settings(max_examples=15, deadline=None)
-@given(seed=st.integers(0, 10**6), n=st.integers(1, 11), k=st.integers(1, 4), frac=st.floats(0.15, 1.2))
-def test_memory_kernel_equals_naive_dp(objective, seed, n, k, frac):
+@given(seed=st.integers(0, 10**6), n=st.integers(1, 11), k=st.integers(1, 4), frac=st.floats(0.15, 1.2),
+       m=st.integers(1, 5), rule=st.sampled_from(["floor", "1f1b"]), comm=st.sampled_from(["dag", "relay"]))
+def test_memory_kernel_equals_naive_dp(objective, seed, n, k, frac, m, rule, comm):
     g = random_dag(seed, n, 0.3)
     order = random_order(g, np.random.default_rng(seed))
-    model = MemoryModel(capacity_bytes=frac * (g.size_param_bytes.sum() * 8 + g.act_bytes.sum() * k) / k + 1)
-    mp, ma, inflight, cap = memory_inputs(g, k, objective, model)
-    want = naive_slice(g, order, k, objective, "relay", mem=(model.factor(objective), inflight, cap))
-    val, _ = slice_order_arrays(order, kernel_inputs(g, k, objective, "relay", model), math.inf)
+    need = (num_params(g).sum() * 16 + g.act_bytes.sum() * k + m * 2 * g.size_out_bytes.sum()) / k
+    pm = PartitionMemory(MemoryModel(capacity_bytes=frac * need + 1), num_microbatches=m, activation=rule)
+    want = naive_slice(g, order, k, objective, comm, mem=_ref_mem(g, pm, objective, k))
+    val, _ = slice_order_arrays(order, kernel_inputs(g, k, objective, comm, pm), math.inf)
     assert _close(val, want)
-    p = slice_order(g, order, k, objective, "relay", memory=model)
+    p = slice_order(g, order, k, objective, comm, memory=pm)
     if math.isinf(want):
         assert p is None
     else:
         validate_partition(g, p)
-        assert stage_memory_bytes(g, p.assignment, k, objective, model).max() <= model.capacity_bytes
+        assert stage_memory_bytes(g, p.assignment, k, objective, pm, comm).max() <= pm.usable_bytes * (1 + 1e-12)
 
 
 @pytest.mark.parametrize("objective,comm", [("training", "dag"), ("training", "relay"), ("inference", "dag")])
@@ -68,10 +98,10 @@ def test_memory_best_over_all_orders_equals_brute_force(objective, comm):
     for seed in range(6):
         g = random_dag(200 + seed, 6, 0.3)
         k = 3
-        model = MemoryModel(capacity_bytes=(g.size_param_bytes.sum() * 8 + g.act_bytes.sum() * 3) / 2.5)
-        _, _, inflight, cap = memory_inputs(g, k, objective, model)
-        want = brute_force_memory(g, k, objective, comm, model.factor(objective), inflight, cap)
-        inputs = kernel_inputs(g, k, objective, comm, model)
+        need = num_params(g).sum() * 16 + g.act_bytes.sum() * 3 + 6 * g.size_out_bytes.sum()
+        pm = PartitionMemory(MemoryModel(capacity_bytes=need / 2.5), num_microbatches=3, activation="1f1b")
+        want = brute_force_memory(g, k, objective, comm, _ref_mem(g, pm, objective, k))
+        inputs = kernel_inputs(g, k, objective, comm, pm)
         best = min(slice_order_arrays(np.asarray(o, dtype=np.int64), inputs, math.inf)[0] for o in nx.all_topological_sorts(g.to_networkx()))
         assert _close(best, want)
         checked += math.isfinite(want)
@@ -79,44 +109,80 @@ def test_memory_best_over_all_orders_equals_brute_force(objective, comm):
 
 
 def _heavy_chain(n=6, param=100.0, act=10.0):
-    return OpGraph.from_arrays(t_fwd_s=np.ones(n), size_out_bytes=np.ones(n), size_param_bytes=np.full(n, param),
-                               act_bytes=np.full(n, act), edges=[[i, i + 1] for i in range(n - 1)])
+    return OpGraph.from_arrays(t_fwd_s=np.ones(n), size_out_bytes=np.zeros(n), size_param_bytes=np.full(n, param),
+                               act_bytes=np.full(n, act), edges=[[i, i + 1] for i in range(n - 1)],
+                               meta={"param_dtype_bytes": 16.0})  # one parameter = 16 bytes of training state
+
+
+def _model(cap):
+    return MemoryModel(capacity_bytes=cap, reserved_fraction=0.0)
 
 
 def test_result_fits_and_records_stage_memory():
     g = _heavy_chain()
-    p = partition(g, 3, objective="inference", method="orders", time_limit_s=0, memory=250.0)
-    mem = stage_memory_bytes(g, p.assignment, 3, "inference", 250.0)
-    assert mem.max() <= 250 and p.meta["stage_memory_bytes"] == mem.tolist()
-    # the unconstrained optimum is 2-2-2 (220 bytes each): still fits
+    p = partition(g, 3, objective="inference", method="orders", time_limit_s=0, memory=_model(250.0 * 8))
+    mem = stage_memory_bytes(g, p.assignment, 3, "inference", _model(250.0 * 8))
+    assert mem.max() <= 250 * 8 and p.meta["stage_memory_bytes"] == mem.tolist() and p.meta["usable_bytes"] == 2000
+    # the unconstrained optimum is 2-2-2: still fits
     assert p.bottleneck == partition(g, 3, objective="inference", method="orders", time_limit_s=0).bottleneck
 
 
 def test_memory_changes_the_partition_when_binding():
-    # training 1F1B: stage 0 holds 3 micro-batches, stage 2 one; heavy activations push work later
+    # training by the 1F1B rule: stage 0 holds 3 micro-batches, stage 2 one; heavy activations push work later
     g = OpGraph.from_arrays(t_fwd_s=np.ones(6), size_out_bytes=np.zeros(6), size_param_bytes=np.zeros(6),
                             act_bytes=np.full(6, 10.0), edges=[[i, i + 1] for i in range(5)])
     free = partition(g, 3, objective="training", method="orders", time_limit_s=0)
     assert free.bottleneck == 2.0
-    p = partition(g, 3, objective="training", method="orders", time_limit_s=0, memory=40.0)  # stage 0: 1 op, stage 1: <= 2 ops
+    pm = PartitionMemory(_model(40.0), num_microbatches=8, activation="1f1b")  # stage 0: 1 op, stage 1: <= 2 ops
+    p = partition(g, 3, objective="training", method="orders", time_limit_s=0, memory=pm)
     assert np.bincount(p.assignment, minlength=3).tolist() == [1, 2, 3] and p.bottleneck == 3.0
+    # the floor rule (one stash: what any schedule needs) rules out nothing here
+    floor = partition(g, 3, objective="training", method="orders", time_limit_s=0, memory=_model(40.0))
+    assert floor.bottleneck == 2.0
+
+
+def test_receive_buffers_count():
+    # the balanced cut (after node 1) crosses a 100-byte tensor: m receive buffers each way
+    g = OpGraph.from_arrays(t_fwd_s=np.ones(4), size_out_bytes=[1, 100, 1, 0], edges=[[0, 1], [1, 2], [2, 3]],
+                            act_bytes=np.zeros(4), bandwidth_bytes_per_s=1e6)
+    free = partition(g, 2, objective="training", comm="relay", method="orders", time_limit_s=0)
+    assert free.assignment.tolist() == [0, 0, 1, 1]
+    pm = PartitionMemory(_model(4 * 100 - 1), num_microbatches=4)  # that cut needs 4 x 100 bytes of buffers per stage
+    p = partition(g, 2, objective="training", comm="relay", method="orders", time_limit_s=0, memory=pm)
+    assert p.assignment.tolist() != [0, 0, 1, 1] and p.bottleneck > free.bottleneck
+    i, o = io_bytes(g, p.assignment, 2, "relay")
+    assert (4 * (i + o)).max() <= pm.usable_bytes
+    assert p.meta["stage_memory_bytes"] == (4 * (i + o)).tolist()
 
 
 def test_infeasible_reports_overflow_and_what_would_fit():
-    g = _heavy_chain(n=6, param=100.0, act=0.0)
+    g = _heavy_chain(n=6, param=100.0, act=0.0)  # 100 bytes of state per op
     with pytest.raises(InfeasibleError) as exc:
-        partition(g, 2, objective="inference", method="orders", time_limit_s=0, memory=250.0)
+        partition(g, 2, objective="training", method="orders", time_limit_s=0, memory=_model(250.0))
     err = exc.value
     # best partition ignoring memory: 3 + 3 ops -> 300 bytes per stage, 50 over
     assert err.required_capacity_bytes == 300.0 and err.overflow_bytes == 50.0
-    assert err.min_devices == 3
+    assert err.min_devices == 3 and err.stage in (0, 1)
     assert "overflow" in str(err) and "3 devices" in str(err) and "300 bytes" in str(err)
     # the advice is right: 3 devices fit, and so does the suggested capacity
-    partition(g, 3, objective="inference", method="orders", time_limit_s=0, memory=250.0)
-    partition(g, 2, objective="inference", method="orders", time_limit_s=0, memory=err.required_capacity_bytes)
+    partition(g, 3, objective="training", method="orders", time_limit_s=0, memory=_model(250.0))
+    partition(g, 2, objective="training", method="orders", time_limit_s=0, memory=_model(err.required_capacity_bytes))
+    # with a reserved fraction the required capacity covers it
+    with pytest.raises(InfeasibleError) as exc:
+        partition(g, 2, objective="training", method="orders", time_limit_s=0, memory=MemoryModel(capacity_bytes=250.0))
+    assert exc.value.required_capacity_bytes == pytest.approx(300 / 0.9)
 
 
 def test_infeasible_for_every_device_count():
     g = _heavy_chain(n=3, param=100.0)
-    with pytest.raises(InfeasibleError, match="no device count up to 3 fits"):
-        partition(g, 2, objective="training", method="orders", time_limit_s=0, memory=500.0)
+    with pytest.raises(InfeasibleError, match="[Nn]o device count up to 3 fits"):
+        partition(g, 2, objective="training", method="orders", time_limit_s=0, memory=_model(50.0))
+
+
+def test_memory_inputs_match_the_model():
+    g = _heavy_chain(n=4)
+    pm = PartitionMemory(MemoryModel(capacity_bytes=1000.0, data_parallel=4, zero_stage=3), num_microbatches=5, activation="1f1b")
+    mp, ma, infl, cap, bi, bo = memory_inputs(g, 3, "training", pm)
+    assert mp.tolist() == [100.0 / 16 * 4] * 4  # ZeRO-3 over 4: 16 / 4 bytes per parameter
+    assert infl.tolist() == [3, 2, 1] and cap == 900.0 and (bi, bo) == (5.0, 5.0)
+    assert memory_inputs(g, 3, "training", None)[3] == math.inf

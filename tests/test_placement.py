@@ -142,9 +142,9 @@ def test_placement_names_and_errors():
 def test_methods_for_placement():
     assert methods_for_placement(tuple(range(4)))[:3] == ("gpipe", "1f1b", "zb-h1")
     assert "zb-v" not in methods_for_placement(tuple(range(4)))
-    assert methods_for_placement(looped_placement(2, 2)) == ("greedy", "interleaved-1f1b", "milp")
-    assert methods_for_placement(v_placement(2)) == ("greedy", "zb-v", "dualpipe-v", "milp")
-    assert methods_for_placement(v_placement(2, 3)) == ("greedy", "milp")
+    assert methods_for_placement(looped_placement(2, 2)) == ("greedy", "interleaved-1f1b", "milp", "auto")
+    assert methods_for_placement(v_placement(2)) == ("greedy", "zb-v", "dualpipe-v", "milp", "auto")
+    assert methods_for_placement(v_placement(2, 3)) == ("greedy", "milp", "auto")
     assert default_method(tuple(range(3))) == "zb-h1"
     assert default_method(looped_placement(3, 2)) == "interleaved-1f1b"
     assert default_method(v_placement(3)) == "zb-v"
@@ -164,7 +164,7 @@ def _chain(n=12, seed=0):
 def test_plan_graph_places_v_times_p_stages(placement, method):
     g = _chain()
     part, problem, sched, _ = plan_graph(g, devices=2, microbatches=4, stages_per_device=2, placement=placement,
-                                         time_limit_s=0.5)
+                                         time_limit_s=0.5, schedule=None)  # None: the placement's default method
     assert part.k == 4 and problem.num_devices == 2
     assert problem.device_of_stage == placement_of(placement, 2, 2)
     assert sched.method == method

@@ -43,6 +43,27 @@ def test_torchrun_trains_saved_plan_like_single_process(tmp_path):
     ref = reference_train(factory, _BatchFn(factory), num_microbatches=4, steps=2, lr=0.05)
     torch.testing.assert_close(torch.tensor(lines[0]["losses"]), torch.tensor(ref.losses), rtol=1e-4, atol=1e-6)
 
+    # the model built on meta, each rank loading only its stages from a safetensors checkpoint of
+    # the same weights (plan.build(rank, checkpoint=...)): the same training, less than the model per rank
+    pytest.importorskip("safetensors")
+    from safetensors.torch import save_model
+
+    whole, _ = factory()
+    ckpt = tmp_path / "gpt2.safetensors"
+    save_model(whole, str(ckpt))
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(ROOT / "examples" / "train_torchrun.py"), "--plan", str(plan_file), *common, "--steps", "2", "--lr", "0.05",
+         "--checkpoint", str(ckpt)],
+        capture_output=True, text=True, timeout=400,
+    )
+    assert run.returncode == 0, run.stderr[-4000:]
+    lines = [json.loads(x) for x in run.stdout.splitlines() if x.startswith("{")]
+    assert len(lines) == 1
+    torch.testing.assert_close(torch.tensor(lines[0]["losses"]), torch.tensor(ref.losses), rtol=1e-4, atol=1e-6)
+    whole_bytes = sum(p.numel() * p.element_size() for p in whole.parameters())
+    assert 0 < lines[0]["param_bytes"] < whole_bytes
+
     # a plan for 2 stages refuses a launch with another world size, with a clear message
     bad = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",

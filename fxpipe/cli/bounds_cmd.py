@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 
-from fxpipe.cli.common import add_graph_arguments, check_stage_count, emit, load_graph
+from fxpipe.cli.common import add_graph_arguments, add_memory_arguments, check_stage_count, emit, load_graph
 from fxpipe.errors import InputError
 
 DEFAULT_METHODS = "simple,chain,bottleneck,guess,exact"
@@ -45,7 +45,7 @@ def add_bounds_arguments(p: argparse.ArgumentParser, *, time_default: float = 60
                    "MIPs are skipped once the partition is proven optimal)")
     p.add_argument("--time-limit", dest="time_limit", type=float, default=time_default, help=f"seconds per MIP method (default {time_default:g})")
     p.add_argument("--search-time-limit", dest="search_time_limit", type=float, default=None, help="seconds for the warm-start partition search (default min(10, time limit))")
-    p.add_argument("--memory-capacity", dest="memory_capacity", default=None, help="bytes per device, e.g. 80GB or 16GiB")
+    add_memory_arguments(p)
     p.add_argument("--workers", type=int, default=2, help="processes for the guess sub-MIPs (default 2)")
 
 
@@ -70,7 +70,7 @@ def compute_from_args(args: argparse.Namespace):
     -------
     (graph, BoundsReport)
     """
-    from fxpipe.cli.partition_cmd import parse_bytes  # noqa: PLC0415
+    from fxpipe.cli.partition_cmd import partition_memory_from_args  # noqa: PLC0415
     from fxpipe.partition.bounds import compute_bounds  # noqa: PLC0415
 
     if args.k is None or args.k < 1:
@@ -80,7 +80,7 @@ def compute_from_args(args: argparse.Namespace):
     methods = parse_methods(args.methods)
     graph = load_graph(args.graph, args.format)
     check_stage_count(args.k, graph)
-    memory = parse_bytes(args.memory_capacity) if args.memory_capacity is not None else None
+    memory = partition_memory_from_args(args)
     report = compute_bounds(
         graph,
         args.k,
@@ -88,7 +88,7 @@ def compute_from_args(args: argparse.Namespace):
         comm=args.comm,
         methods=methods,
         time_limit_s=args.time_limit,
-        memory_capacity_bytes=memory,
+        memory=memory,
         search_time_limit_s=args.search_time_limit,
         workers=max(1, args.workers),
     )

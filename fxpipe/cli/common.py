@@ -1,9 +1,11 @@
-"""Helpers shared by the CLI sub-commands: graph loading by format, output."""
+"""Helpers shared by the CLI sub-commands: graph loading by format, memory options, output."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import re
 import sys
 from typing import Any
 
@@ -107,3 +109,78 @@ def check_writable(path: str, flag: str) -> None:
 def status(message: str) -> None:
     """One progress line on stderr (stdout stays clean for ``--json``)."""
     print(f"fxpipe: {message}", file=sys.stderr, flush=True)
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str, *, allow_inf: bool = False) -> float:
+    """``"80GB"``, ``"16GiB"``, ``"1.5e9"`` -> bytes (float); ``"inf"`` with ``allow_inf``.
+
+    Raises
+    ------
+    InputError
+        If the text is not a positive number with an optional unit (B, KB, MB, GB, TB,
+        KiB, MiB, GiB, TiB).
+    """
+    if allow_inf and str(text).strip().lower() in ("inf", "none", "unlimited"):
+        return math.inf
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        extra = " (or 'inf' for no limit)" if allow_inf else ""
+        raise InputError(f"memory capacity {text!r} is not a size: write bytes like 8e10, 80GB or 16GiB{extra}")
+    value = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    if value <= 0:
+        raise InputError(f"memory capacity must be positive, got {text!r}")
+    return value
+
+
+def add_memory_arguments(parser: argparse.ArgumentParser, *, plan: bool = False) -> None:
+    """``--memory`` and the memory model's options (:class:`fxpipe.memory.MemoryModel`).
+
+    With ``plan`` the capacity defaults to the hardware profile's and ``inf`` turns memory
+    off; otherwise memory is counted only when ``--memory`` is given (also spelled
+    ``--memory-capacity``), and ``--microbatches`` sets the receive buffers counted.
+    """
+    from fxpipe.memory import DEFAULT_POLICY, DEFAULT_RESERVED_FRACTION, POLICIES  # noqa: PLC0415
+
+    if plan:
+        parser.add_argument("--memory-bytes", "--memory", dest="memory", default=None, metavar="SIZE",
+                            help="bytes per device, e.g. 80GB or 16GiB (default: the hardware profile's memory; 'inf': no "
+                            "limit); the partition keeps every stage within it and the schedule offloads or recomputes "
+                            "activations where it must")
+    else:
+        parser.add_argument("--memory", "--memory-capacity", dest="memory", default=None, metavar="SIZE",
+                            help="bytes per device, e.g. 80GB or 16GiB: stages must fit (default: no memory limit)")
+        parser.add_argument("--microbatches", type=int, default=1, metavar="M",
+                            help="micro-batches whose receive buffers a stage holds, with --memory (default 1)")
+    parser.add_argument("--precision", choices=sorted(POLICIES), default=DEFAULT_POLICY,
+                        help=f"bytes per parameter of weights, grads and optimizer state (default {DEFAULT_POLICY}: 16 B/param)")
+    parser.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=0,
+                        help="ZeRO sharding over --data-parallel: 1 optimizer state, 2 + gradients, 3 + weights (default 0)")
+    parser.add_argument("--data-parallel", type=int, default=1, metavar="D",
+                        help="data-parallel degree the ZeRO stage shards over (default 1)")
+    parser.add_argument("--reserved-fraction", type=float, default=DEFAULT_RESERVED_FRACTION, metavar="F",
+                        help=f"fraction of each device kept for the runtime (default {DEFAULT_RESERVED_FRACTION:g})")
+
+
+def memory_model_from_args(args: argparse.Namespace, default_capacity_bytes: float | None = None):
+    """The :class:`fxpipe.memory.MemoryModel` of the options of :func:`add_memory_arguments`.
+
+    Returns None when there is no capacity (no ``--memory`` and no default).
+
+    Raises
+    ------
+    InputError
+        On a malformed size or model option.
+    """
+    from fxpipe.memory import MemoryModel  # noqa: PLC0415
+
+    if args.memory is not None:
+        cap = parse_bytes(args.memory, allow_inf=default_capacity_bytes is not None)
+    elif default_capacity_bytes is not None:
+        cap = float(default_capacity_bytes)
+    else:
+        return None
+    return MemoryModel(capacity_bytes=cap, policy=args.precision, data_parallel=args.data_parallel,
+                       zero_stage=args.zero_stage, reserved_fraction=args.reserved_fraction)

@@ -7,33 +7,19 @@
 from __future__ import annotations
 
 import argparse
-import re
 
 import numpy as np
 
-from fxpipe.cli.common import add_graph_arguments, check_stage_count, emit, load_graph
+from fxpipe.cli.common import (  # noqa: F401 (parse_bytes: re-exported for older imports)
+    add_graph_arguments,
+    add_memory_arguments,
+    check_stage_count,
+    emit,
+    load_graph,
+    memory_model_from_args,
+    parse_bytes,
+)
 from fxpipe.errors import InputError
-
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def parse_bytes(text: str) -> float:
-    """``"80GB"``, ``"16GiB"``, ``"1.5e9"`` -> bytes (float).
-
-    Raises
-    ------
-    InputError
-        If the text is not a positive number with an optional unit (B, KB, MB, GB, TB,
-        KiB, MiB, GiB, TiB).
-    """
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise InputError(f"memory capacity {text!r} is not a size: write bytes like 8e10, 80GB or 16GiB")
-    value = float(m.group(1)) * _UNITS[m.group(2).lower()]
-    if value <= 0:
-        raise InputError(f"memory capacity must be positive, got {text!r}")
-    return value
-
 
 def register(subparsers) -> None:
     """Add the ``partition`` sub-command."""
@@ -51,7 +37,7 @@ def register(subparsers) -> None:
     p.add_argument("--time-limit", dest="time_limit", type=float, default=10.0, help="seconds (default 10)")
     p.add_argument("--evaluations", type=int, default=None, help="maximum number of orders decoded")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--memory-capacity", dest="memory_capacity", default=None, help="bytes per device, e.g. 80GB or 16GiB")
+    add_memory_arguments(p)
     p.add_argument("--progress", action="store_true", help="show a progress bar on stderr")
     p.add_argument("--json", action="store_true", help="machine-readable output (Contract 4)")
     p.set_defaults(func=run)
@@ -63,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
 
     graph = load_graph(args.graph, args.format)
     check_stage_count(args.k, graph)
-    memory = parse_bytes(args.memory_capacity) if args.memory_capacity is not None else None
+    memory = partition_memory_from_args(args)
     part = partition(
         graph,
         args.k,
@@ -79,6 +65,18 @@ def run(args: argparse.Namespace) -> int:
     doc = part.to_dict()
     emit(args, doc, _table(graph, part))
     return 0
+
+
+def partition_memory_from_args(args: argparse.Namespace):
+    """The :class:`~fxpipe.partition.memory.PartitionMemory` of ``--memory`` and its options (None without)."""
+    from fxpipe.partition.memory import PartitionMemory  # noqa: PLC0415
+
+    model = memory_model_from_args(args)
+    if model is None:
+        return None
+    if args.microbatches < 1:
+        raise InputError(f"--microbatches must be >= 1, got {args.microbatches}")
+    return PartitionMemory(model, num_microbatches=args.microbatches)
 
 
 def _table(graph, part) -> str:

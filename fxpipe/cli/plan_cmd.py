@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import argparse
 import functools
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from fxpipe.api import PLACEMENTS, SCHEDULES
-from fxpipe.cli.common import check_writable, emit, status
+from fxpipe.cli.common import add_memory_arguments, check_writable, emit, memory_model_from_args, parse_bytes, status
 from fxpipe.cost.hardware import list_hardware
 from fxpipe.errors import InputError
 
@@ -73,10 +74,11 @@ def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="intra-op threads the ops are timed with (default: 1 with --run, whose ranks run one thread each; else torch's setting)")
     p.add_argument("--objective", choices=("training", "inference"), default="training")
     p.add_argument(
-        "--schedule", default=None, choices=SCHEDULES,
-        help="schedule method, one valid for the placement (default: zb-h1 with one stage per device, "
-        "interleaved-1f1b looped, zb-v V-shaped)",
+        "--schedule", default="auto", choices=SCHEDULES,
+        help="schedule method, one valid for the placement (default auto: the fastest that fits device memory among "
+        "the heuristics and the MILP, offloading or recomputing activations only where memory forces it)",
     )
+    add_memory_arguments(p, plan=True)
     p.add_argument("--time-limit", type=float, default=10.0, help="partition search budget in seconds (default 10)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -213,6 +215,8 @@ def run(args: argparse.Namespace) -> int:
         time_limit_s=args.time_limit,
         seed=args.seed,
         name=args.hf,
+        memory=memory_model_from_args(args, math.inf),
+        memory_bytes=None if args.memory is None else parse_bytes(args.memory, allow_inf=True),
     )
     doc: dict[str, Any] = {
         "model": args.hf,
@@ -247,53 +251,14 @@ def run(args: argparse.Namespace) -> int:
 
 def _write_report(plan, args: argparse.Namespace) -> dict[str, Any]:
     """HTML + Markdown report of a plan: certificates for its partition and its schedule's Gantt chart."""
-    import html
     import shlex
     import sys
-    import tempfile
-    from pathlib import Path
 
-    from fxpipe.partition.bounds import compute_bounds
-    from fxpipe.report import ReportSection, write_report
-    from fxpipe.schedule.plot import gantt
+    from fxpipe.report import write_plan_report
 
-    bounds = compute_bounds(  # certificates of the per-stage bottleneck of the plan's num_stages stages
-        plan.graph,
-        plan.num_stages,
-        objective=plan.objective,
-        comm=plan.comm,
-        methods=("simple", "chain", "bottleneck", "exact"),
-        time_limit_s=args.bounds_time_limit,
-        warm_start=plan.partition,
-    )
-    with tempfile.TemporaryDirectory() as tmp:
-        png = gantt(plan.problem, plan.schedule, Path(tmp) / "gantt.png", title=f"{plan.name}: {plan.schedule.method} schedule").read_bytes()
-    sched = plan.schedule
-    sections = [
-        ReportSection("Plan", markdown=f"```\n{plan.summary()}\n```", html=f"<pre>{html.escape(plan.summary())}</pre>"),
-        ReportSection(
-            "Schedule",
-            markdown=(
-                f"{sched.method}, {plan.microbatches} micro-batches: makespan {sched.makespan * 1e3:.3f} ms, "
-                f"stage span {sched.stage_span * 1e3:.3f} ms, lower bound {sched.lower_bound_s * 1e3:.3f} ms ({sched.status})"
-            ),
-            figures=[("Gantt chart (compute and copy streams) with per-stage activation memory", png)],
-        ),
-    ]
-    html_path = Path(args.report)
-    written = write_report(
-        plan.graph,
-        plan.partition,
-        bounds,
-        out_html=html_path,
-        out_md=html_path.with_suffix(".md"),
+    return write_plan_report(
+        plan,
+        args.report,
+        bounds_time_limit_s=args.bounds_time_limit,
         command="fxpipe " + shlex.join(sys.argv[1:]) if sys.argv and sys.argv[0].endswith("fxpipe") else None,
-        extra_sections=sections,
-        title=f"fxpipe plan: {plan.name} on {plan.devices} x {plan.hardware}"
-        + (f" ({plan.num_stages} stages, {plan.placement} placement)" if plan.stages_per_device > 1 else ""),
     )
-    return {
-        "html": str(written["html"]),
-        "markdown": str(written["markdown"]),
-        "bounds": {k: v for k, v in bounds.to_dict().items() if k in ("best_lower_bound", "ratio", "lower_bounds")},
-    }

@@ -40,8 +40,10 @@ def reproduce_command(args: argparse.Namespace) -> str:
              "--comm", args.comm, "--methods", args.methods, "--time-limit", f"{args.time_limit:g}", "--workers", str(args.workers)]
     if args.search_time_limit is not None:
         parts += ["--search-time-limit", f"{args.search_time_limit:g}"]
-    if args.memory_capacity is not None:
-        parts += ["--memory-capacity", str(args.memory_capacity)]
+    if args.memory is not None:
+        parts += ["--memory", str(args.memory), "--microbatches", str(args.microbatches), "--precision", args.precision,
+                  "--zero-stage", str(args.zero_stage), "--data-parallel", str(args.data_parallel),
+                  "--reserved-fraction", f"{args.reserved_fraction:g}"]
     parts += ["-o", args.output]
     if args.markdown:
         parts += ["--markdown", args.markdown]

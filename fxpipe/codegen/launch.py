@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
 import tempfile
 import time
 import traceback
@@ -223,7 +224,7 @@ class _Captured:
 
 
 def _capture_key(run: Mapping[str, Any]):
-    return (run.get("model_key", id(run["make_model"])), run["seed"], run["num_microbatches"])
+    return (run.get("model_key", id(run["make_model"])), run["seed"], run["num_microbatches"], run.get("state") is not None)
 
 
 def _run_one(rank: int, world: int, run: dict, out_dir: str, idx: int, cache: dict, groups: dict) -> None:
@@ -237,12 +238,18 @@ def _run_one(rank: int, world: int, run: dict, out_dir: str, idx: int, cache: di
     S = orders.num_stages
     key = _capture_key(run)
     cap = cache.get("captured")
+    state = run.get("state")  # per-rank materialization: the model is built on meta (fxpipe.codegen.materialize)
     if cap is None or cap.key != key:
         cache["captured"] = None
         torch.manual_seed(run["seed"])
-        model, example = run["make_model"]()
+        if state is not None:
+            with torch.device("meta"):
+                model, example = run["make_model"]()
+        else:
+            model, example = run["make_model"]()
         mb_example = split_microbatches(_as_inputs(example), m)[0]
         cap = _Captured(key, _capture(model, mb_example), mb_example)
+        cap.model = model if state is not None else None
         cache["captured"] = cap
     else:
         cap.reset()
@@ -258,9 +265,16 @@ def _run_one(rank: int, world: int, run: dict, out_dir: str, idx: int, cache: di
         cap.staged[skey] = split_stages(gm, stage_of, S)
     staged = cap.staged[skey]
     loss_fn = _loss_fn(run["loss"])
+    source = None
+    if state is not None:
+        from fxpipe.codegen.materialize import StateSource
+
+        source = StateSource(seed=state.get("seed", 0), checkpoint=state.get("checkpoint"), model=cap.model)
     stages, sched = build_rank(
         staged, rank, orders, num_microbatches=m, loss_fn=loss_fn, example_microbatch_inputs=cap.mb_example,
         fuse=run["fuse"], fused_backward=run["fused_backward"], group_cache=groups, io_cache=cap.io_cache,
+        compile_stages=run.get("compile_stages", False),
+        recompute_stages=tuple(run.get("recompute_stages", ())), state_source=source,
     )
     local = [st.stage_index for st in stages]
     named: dict[str, torch.nn.Parameter] = {}
@@ -284,7 +298,17 @@ def _run_one(rank: int, world: int, run: dict, out_dir: str, idx: int, cache: di
         grads = _grads_of(named)
         if opt is not None:
             opt.step()
+        if rank == 0:
+            _write_progress(out_dir, idx, step + 1)
     wall = time.perf_counter() - t0
+    stash = getattr(sched, "fxpipe_stash", None)
+    mat = getattr(sched, "fxpipe_materialized", None)
+    if state is not None:
+        from fxpipe.codegen.materialize import real_state_bytes
+
+        held = real_state_bytes(cap.gm, cap.model, *(s.module for s in staged.stages))
+    else:
+        held = None
     bufs: dict[str, torch.Tensor] = {}
     for s in local:
         owned = {fqn for fqn, o in staged.buffer_owner.items() if o == s}
@@ -307,8 +331,12 @@ def _run_one(rank: int, world: int, run: dict, out_dir: str, idx: int, cache: di
                 "moved_nodes": {k: list(v) for k, v in staged.moved_nodes.items()},
                 "actions": sched.fxpipe_actions[rank],
                 "fused_full_backward": {s: bool(v) for s, v in sched.fxpipe_fused_full_backward.items()},
+                "compiled_stages": {st.stage_index: getattr(st.submod, "report", None) for st in stages},  # compile_stages (issue 10)
                 "random_ops": cap.random_ops,
                 "train_wall_s": wall,
+                "activation": stash.stats().to_dict() if stash is not None else None,
+                "materialized": {s: r.to_dict() for s, r in mat.items()} if mat else None,
+                "held_state_bytes": held,
             },
             f,
         )
@@ -417,7 +445,7 @@ def spawn_train(
 
 def spawn_train_many(runs: Sequence[Mapping[str, Any]], *, world_size: int, timeout_s: float = 300.0,
                      on_error: str = "raise", run_timeout_s: float | None = None,
-                     warn_random: bool = True) -> list[TrainResult | RunError]:
+                     warn_random: bool = True, progress: bool | None = False) -> list[TrainResult | RunError]:
     """Several :func:`spawn_train` runs in one set of worker processes (start-up paid once).
 
     Runs of the same model (same ``make_model`` object or the same ``model_key``, seed and
@@ -430,7 +458,16 @@ def spawn_train_many(runs: Sequence[Mapping[str, Any]], *, world_size: int, time
         Each with the keyword arguments of :func:`spawn_train` except ``world_size`` and
         ``timeout_s`` (``make_model``, ``stage_of``, ``orders``, ``num_microbatches`` and
         ``make_batch`` are required), plus optionally ``model_key`` (hashable, names the model
-        for capture reuse).
+        for capture reuse), ``recompute_stages`` (stages that recompute their forward during the
+        backward) and ``state`` (a dict with ``seed`` and optionally ``checkpoint``: every worker
+        builds the model on ``meta`` and materializes only its stages from the model's
+        initializers under that seed and/or the checkpoint; the single-process reference is
+        :class:`fxpipe.codegen.materialize.MetaInit`). The ``Orders`` may carry offload/reload actions
+        (``Action(s, "O", j)`` / ``"R"``; :func:`fxpipe.ir.schedule_to_orders` keeps a
+        schedule's), which the workers execute. ``TrainResult.meta`` then holds,
+        per rank, ``activation`` (the saved-tensor hooks' measurements,
+        :class:`~fxpipe.codegen.stash.ActivationStats`), ``materialized`` and
+        ``held_state_bytes`` (bytes of real parameters and buffers the rank holds).
     world_size : int
         As in :func:`spawn_train`.
     timeout_s : float
@@ -443,6 +480,9 @@ def spawn_train_many(runs: Sequence[Mapping[str, Any]], *, world_size: int, time
         With ``on_error="record"``: limit for one run (default ``timeout_s``).
     warn_random : bool
         Warn (:class:`~fxpipe.codegen.compare.RandomOpsWarning`) for a model with active random ops.
+    progress : bool or None
+        Show a tqdm bar of training steps done over all runs on stderr (None: when stderr is
+        a terminal).
 
     Returns
     -------
@@ -455,7 +495,7 @@ def spawn_train_many(runs: Sequence[Mapping[str, Any]], *, world_size: int, time
         raise InputError(f"world_size must be an integer >= 1, got {world_size!r}")
     if on_error not in ("raise", "record"):
         raise InputError(f"on_error must be 'raise' or 'record', got {on_error!r}")
-    defaults = dict(steps=2, lr=0.1, loss="cross_entropy", seed=0, fuse=True, fused_backward=False)
+    defaults = dict(steps=2, lr=0.1, loss="cross_entropy", seed=0, fuse=True, fused_backward=False, compile_stages=False)
     norm_runs = []
     for i, r in enumerate(runs):
         missing = [k for k in ("make_model", "stage_of", "orders", "num_microbatches", "make_batch") if k not in r]
@@ -474,7 +514,13 @@ def spawn_train_many(runs: Sequence[Mapping[str, Any]], *, world_size: int, time
         norm_runs.append(run)
     results: dict[int, TrainResult | RunError] = {}
     per_run = run_timeout_s if run_timeout_s is not None else timeout_s
-    with tempfile.TemporaryDirectory(prefix="fxpipe-spawn-") as out_dir:
+    if progress is None:
+        progress = sys.stderr.isatty()
+    from tqdm import tqdm
+
+    bar = tqdm(total=sum(int(r["steps"]) for r in norm_runs), desc=f"pipeline training ({world_size} ranks)",
+               unit="step", disable=not progress, leave=False)
+    with bar, tempfile.TemporaryDirectory(prefix="fxpipe-spawn-") as out_dir:
         t0 = time.perf_counter()
         pending = list(range(len(norm_runs)))
         port_retry = True
@@ -484,7 +530,7 @@ def spawn_train_many(runs: Sequence[Mapping[str, Any]], *, world_size: int, time
                        init_method=f"tcp://127.0.0.1:{free_port()}")
             try:
                 _start_and_join(mp, cfg, world_size, timeout_s if on_error == "raise" else None,
-                                per_run if on_error == "record" else None)
+                                per_run if on_error == "record" else None, None if bar.disable else bar)
                 pending = []
             except _PortTaken:
                 if not port_retry:
@@ -517,6 +563,25 @@ def spawn_train_many(runs: Sequence[Mapping[str, Any]], *, world_size: int, time
     return out
 
 
+def _write_progress(out_dir: str, idx: int, steps_done: int) -> None:
+    """Rank 0 records how many steps of run ``idx`` are done (read by the launcher's bar)."""
+    path = os.path.join(out_dir, f"progress{idx}")
+    with open(path + ".tmp", "w") as f:
+        f.write(str(steps_done))
+    os.replace(path + ".tmp", path)
+
+
+def _steps_done(out_dir: str, runs) -> int:
+    total = 0
+    for i, _ in runs:
+        try:
+            with open(os.path.join(out_dir, f"progress{i}")) as f:
+                total += int(f.read() or 0)
+        except (OSError, ValueError):
+            pass
+    return total
+
+
 class _PortTaken(Exception):
     """Rank 0 could not bind the rendezvous port (taken between free_port() and the bind)."""
 
@@ -539,10 +604,12 @@ def _clear_errors(out_dir: str) -> None:
             os.remove(os.path.join(out_dir, name))
 
 
-def _start_and_join(mp, cfg: dict, world_size: int, timeout_s: float | None, run_timeout_s: float | None) -> None:
+def _start_and_join(mp, cfg: dict, world_size: int, timeout_s: float | None, run_timeout_s: float | None,
+                    bar=None) -> None:
     """Start the workers and wait for them; raise on failure, timeout or a taken port.
 
     ``timeout_s`` limits the whole job; ``run_timeout_s`` the time between two completed runs.
+    ``bar`` (tqdm) is advanced to the number of training steps done (rank 0's progress files).
     """
     out_dir = cfg["out_dir"]
     start = last_progress = time.monotonic()
@@ -551,6 +618,9 @@ def _start_and_join(mp, cfg: dict, world_size: int, timeout_s: float | None, run
     try:
         while not ctx.join(timeout=0.5):
             now = time.monotonic()
+            if bar is not None:
+                bar.n = _steps_done(out_dir, cfg["runs"])
+                bar.refresh()
             if run_timeout_s is not None:
                 done = sum(1 for i, _ in cfg["runs"] if _complete(out_dir, i, world_size))
                 if done != n_done:
@@ -562,6 +632,9 @@ def _start_and_join(mp, cfg: dict, world_size: int, timeout_s: float | None, run
                 raise TimeoutError(
                     f"pipeline run with {world_size} ranks did not finish within {timeout_s:.0f} s" + _errors(out_dir)
                 )
+        if bar is not None:
+            bar.n = _steps_done(out_dir, cfg["runs"])
+            bar.refresh()
     except mp.ProcessRaisedException as exc:
         errs = _errors(out_dir)
         if "EADDRINUSE" in errs or "EADDRINUSE" in str(exc):
@@ -595,6 +668,10 @@ def _gather(out_dir: str, world: int, idx: int, wall: float) -> TrainResult:
     info: dict[str, Any] = {}
     actions: dict[int, list[str]] = {}
     fused: dict[int, bool] = {}
+    compiled: dict[int, Any] = {}
+    activation: dict[int, Any] = {}
+    materialized: dict[int, Any] = {}
+    held: dict[int, Any] = {}
     train_wall = 0.0
     for r in range(world):
         with open(os.path.join(out_dir, f"run{idx}_rank{r}.json")) as f:
@@ -603,6 +680,10 @@ def _gather(out_dir: str, world: int, idx: int, wall: float) -> TrainResult:
         stage_params.update({int(s): v for s, v in info["stage_param_fqns"].items()})
         actions[r] = info["actions"]
         fused.update({int(s): v for s, v in info["fused_full_backward"].items()})
+        compiled.update({int(s): v for s, v in (info.get("compiled_stages") or {}).items()})
+        activation[r] = info.get("activation")
+        materialized[r] = info.get("materialized")
+        held[r] = info.get("held_state_bytes")
         train_wall = max(train_wall, info["train_wall_s"])
         if info["has_last_stage"]:
             losses = info["losses"]
@@ -626,5 +707,6 @@ def _gather(out_dir: str, world: int, idx: int, wall: float) -> TrainResult:
          "relayed": {int(k): v for k, v in info.get("relayed", {}).items()},
          "cloned": {int(k): v for k, v in info.get("cloned", {}).items()},
          "moved_nodes": info.get("moved_nodes", {}), "random_ops": info.get("random_ops", []),
-         "fused_full_backward": fused, "train_wall_s": train_wall, "wall_s": wall},
+         "fused_full_backward": fused, "compiled_stages": compiled, "train_wall_s": train_wall, "wall_s": wall,
+         "activation": activation, "materialized": materialized, "held_state_bytes": held},
     )

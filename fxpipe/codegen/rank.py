@@ -108,6 +108,10 @@ def build_rank(
     fused_backward: bool = False,
     group_cache: dict | None = None,
     io_cache: dict | None = None,
+    compile_stages: bool = False,
+    recompute_stages: Sequence[int] = (),
+    track_activations: bool = True,
+    state_source: Any = None,
 ) -> tuple[tuple[FxpipePipelineStage, ...], FxpipeScheduleRuntime]:
     """This rank's ``PipelineStage`` s and a schedule runtime loaded with their actions.
 
@@ -150,6 +154,20 @@ def build_rank(
     io_cache : dict, optional
         Shape-inference results of earlier builds of the same ``staged`` program and stage
         (they do not depend on the schedule), kept by the caller.
+    compile_stages : bool
+        Run the stage module with Inductor, its backward split into backward-input and
+        backward-weight graphs (:mod:`fxpipe.codegen.compiled`); no blind-parameter fallback is
+        needed then.
+    recompute_stages : sequence of int
+        Stages that recompute their forward during the backward instead of stashing
+        activations (:mod:`fxpipe.codegen.stash`).
+    track_activations : bool
+        Count live saved bytes per stage with the saved-tensor hooks (``sched.fxpipe_stash``),
+        also without offload or recomputation (default).
+    state_source : fxpipe.codegen.materialize.StateSource, optional
+        Where this rank's stage parameters and buffers come from (a checkpoint and/or the
+        model's initializers under a seed). Required when the stages are on ``meta``; then only
+        this rank's stages are materialized (:mod:`fxpipe.codegen.materialize`).
 
     Returns
     -------
@@ -184,6 +202,13 @@ def build_rank(
         )
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < D:
         raise InputError(f"rank must be an integer in 0..{D - 1}, got {rank!r}")
+    if compile_stages and (tuple(recompute_stages) or orders.offloaded()):
+        # the stash offloads / recomputes eager autograd's saved tensors and replays the eager
+        # stage forward; a compiled stage saves its activations inside AOTAutograd's graph
+        raise InputError(
+            "compile_stages=True does not combine with activation recomputation or offload/reload (O/R) yet: "
+            "use a schedule without them (schedule='zb-h1', '1f1b', ...) or compile_stages=False"
+        )
     acts = actions_from_orders(orders, num_microbatches, fuse=fuse)
     if fused_backward:
         acts = fuse_backward(acts)
@@ -196,6 +221,7 @@ def build_rank(
     fused_here: dict[int, bool] = {}
     pipeline_stages: list[FxpipePipelineStage] = []
     modules: dict[int, torch.nn.Module] = {}
+    ios = {}
     for s in local:
         key = (id(staged), s, shape_key)
         io = io_cache.get(key) if io_cache is not None else None
@@ -204,7 +230,7 @@ def build_rank(
             if io_cache is not None:
                 io_cache[key] = io
         fused_here[s] = bool(fused_backward)
-        if io.blind_params and any(a.startswith(f"{s}I") for a in acts[rank]):
+        if io.blind_params and not compile_stages and any(a.startswith(f"{s}I") for a in acts[rank]):
             # Split backward would drop these parameters' gradients: run full backwards on this
             # stage. Other stages' communication is unaffected (B sends/receives exactly like I).
             names = list(io.blind_params)
@@ -215,18 +241,52 @@ def build_rank(
             )
             acts = fuse_backward(acts, stages=[s])
             fused_here[s] = True
+        ios[s] = io
+    # ---- begin per-rank materialization (fxpipe.codegen.materialize): only this rank's stages leave meta,
+    # after shape inference (which runs the stages before this one on fake tensors)
+    from fxpipe.codegen.materialize import holds_meta, materialize_stage
+
+    materialized = {}
+    made: dict = {}  # a parameter tied across this rank's stages stays one tensor
+    for s in local:
+        if state_source is not None:
+            materialized[s] = materialize_stage(staged, s, state_source, dev, shared=made)
+        elif holds_meta(staged.stages[s].module):
+            raise InputError(
+                f"stage {s} holds meta tensors (the model was built on meta): pass state_source="
+                "fxpipe.codegen.materialize.StateSource(seed=..., checkpoint=..., model=...) to materialize it"
+            )
+    # ---- end per-rank materialization
+    for s in local:
+        io = ios[s]
         spec = staged.stages[s]
         module = spec.module.to(dev)
         modules[s] = module
         ins = tuple(t.to(dev) for t in io.inputs)
         outs = tuple(t.to(dev) for t in io.outputs)
-        pipeline_stages.append(FxpipePipelineStage(module, stage_index=s, num_stages=S, device=dev, input_args=ins,
-                                                   output_args=outs, group=group))
+        stage_cls, run_module = FxpipePipelineStage, module
+        # ---- begin compile_stages (owner: issue 10): Inductor per stage with split backward
+        if compile_stages:
+            from fxpipe.codegen.compiled import CompiledPipelineStage, compile_stage
+
+            stage_cls, run_module = CompiledPipelineStage, compile_stage(module)
+        # ---- end compile_stages
+        pipeline_stages.append(stage_cls(run_module, stage_index=s, num_stages=S, device=dev, input_args=ins,
+                                         output_args=outs, group=group))
     shared = _shared_param_groups(staged, orders.device_of_stage, rank, group, modules, group_cache)
     sched = FxpipeScheduleRuntime(pipeline_stages, num_microbatches, loss_fn=loss_fn, interface=staged.interface,
                                   device_of_stage=orders.device_of_stage, shared_grads=shared)
     sched.load_actions(acts)
     sched.fxpipe_fused_full_backward = fused_here
+    # ---- begin activation stash (fxpipe.codegen.stash): live saved bytes, offload/reload, recomputation
+    from fxpipe.codegen.stash import device_stash
+
+    stash = device_stash(rank, orders, acts[rank], recompute_stages, modules, dev, track_activations)
+    for st in pipeline_stages:
+        st.fxpipe_stash = stash
+    sched.fxpipe_stash = stash
+    sched.fxpipe_materialized = materialized or None
+    # ---- end activation stash
     return tuple(pipeline_stages), sched
 
 
@@ -243,13 +303,18 @@ def build_pipeline_rank(
     example_microbatch_inputs: Any = None,
     fuse: bool = True,
     fused_backward: bool = False,
+    compile_stages: bool = False,
+    recompute_stages: Sequence[int] = (),
+    track_activations: bool = True,
+    state_source: Any = None,
 ) -> tuple[tuple[FxpipePipelineStage, ...], FxpipeScheduleRuntime]:
     """Split ``gm`` into ``orders.num_stages`` stages and build this rank's stages and runtime (one call).
 
-    ``orders`` are the per-device :class:`~fxpipe.ir.Orders` (with the placement); see
-    :func:`split_stages` and :func:`build_rank` for the other parameters, the return value and
-    errors. Example inputs default to zeros shaped like ``gm``'s captured example
-    (:func:`example_inputs_from_gm`; ``gm`` must have been captured with one micro-batch).
+    ``orders`` are the per-device :class:`~fxpipe.ir.Orders` (with the placement; their O/R
+    actions are executed); see :func:`split_stages` and :func:`build_rank` for the other
+    parameters, the return value and errors. Example inputs default to zeros shaped like
+    ``gm``'s captured example (:func:`example_inputs_from_gm`; ``gm`` must have been captured
+    with one micro-batch).
     """
     if not isinstance(orders, Orders):
         raise InputError(
@@ -262,4 +327,6 @@ def build_pipeline_rank(
     return build_rank(
         staged, rank, orders, num_microbatches=num_microbatches, loss_fn=loss_fn, group=group, device=device,
         example_microbatch_inputs=example_microbatch_inputs, fuse=fuse, fused_backward=fused_backward,
+        compile_stages=compile_stages,
+        recompute_stages=recompute_stages, track_activations=track_activations, state_source=state_source,
     )

@@ -27,13 +27,15 @@ summed and divided by the number of micro-batches (as ``scale_grads=True``; done
 parameter of the rank, see :class:`FxpipeScheduleRuntime`), i.e. the gradient of the mean
 micro-batch loss.
 
-Extension points for later work (not used yet): torch's ``register_custom_function`` accepts a
-callable per action type (a forward under ``saved_tensors_hooks`` for offload/reload, a
-recomputing backward), and the runtime already runs any per-rank stage list torch accepts.
+Activation stash: a stage with ``fxpipe_stash`` set (:class:`~fxpipe.codegen.stash.DeviceStash`)
+runs its forward under that stash's saved-tensor hooks, reports every compute action to it (so the
+device's offload/reload actions are issued where the schedule puts them,
+:mod:`fxpipe.codegen.offload`) and releases a micro-batch's stash when its last backward ends.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from dataclasses import dataclass
@@ -304,6 +306,42 @@ class FxpipePipelineStage(PipelineStage):
       after this call, instead of node by node.
     """
 
+    # ---- begin activation stash hooks (fxpipe.codegen.stash: live saved bytes, offload/reload, recomputation)
+    #: the rank's :class:`~fxpipe.codegen.stash.DeviceStash` (set by :func:`fxpipe.codegen.rank.build_rank`), or None
+    fxpipe_stash = None
+    _fxpipe_mb = -1
+
+    def forward_one_chunk(self, fwd_chunk_id, args, kwargs=None, save_forward_output=True):
+        self._fxpipe_mb = fwd_chunk_id
+        out = super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
+        if self.fxpipe_stash is not None:
+            self.fxpipe_stash.after(f"{self.stage_index}F{fwd_chunk_id}")
+        return out
+
+    def forward_maybe_with_nosync(self, *args, **kwargs):
+        stash = self.fxpipe_stash
+        if stash is None or not torch.is_grad_enabled():
+            return super().forward_maybe_with_nosync(*args, **kwargs)
+        resident = list(self.submod.parameters()) + list(self.submod.buffers())
+        return stash.forward(self.stage_index, self._fxpipe_mb, self.submod, args, kwargs, resident)
+
+    def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
+        stash = self.fxpipe_stash
+        if stash is not None:
+            stash.before_backward(self.stage_index, bwd_chunk_id)
+        super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward)
+        if stash is not None:
+            if full_backward:
+                stash.release(self.stage_index, bwd_chunk_id)
+            stash.after(f"{self.stage_index}{'B' if full_backward else 'I'}{bwd_chunk_id}")
+
+    def backward_weight_one_chunk(self, bwd_chunk_id, last_backward=False):
+        super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
+        if self.fxpipe_stash is not None:
+            self.fxpipe_stash.release(self.stage_index, bwd_chunk_id)
+            self.fxpipe_stash.after(f"{self.stage_index}W{bwd_chunk_id}")
+    # ---- end activation stash hooks
+
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
         if backward_type == "weight":
             return _stage_backward_weight(self.submod.parameters(), bwd_kwargs["param_groups"], retain_graph=True), None
@@ -432,7 +470,12 @@ class FxpipeScheduleRuntime(_PipelineScheduleRuntime):
         for stage in self._stages:
             stage.has_backward = self._has_backward
             stage.clear_runtime_states()
+        stashes = {id(s.fxpipe_stash): s.fxpipe_stash for s in self._stages if s.fxpipe_stash is not None}.values()
+        for stash in stashes:  # activation stash (fxpipe.codegen.stash): a fresh step
+            stash.begin_step()
         self._step_microbatches(arg_mbs, [{}] * m, target_mbs, losses, return_outputs, loss_kwargs=loss_kwargs)
+        for stash in stashes:
+            stash.end_step()
         if self._has_backward:
             self.scale_local_grads()
             self.sync_shared_grads()
@@ -464,3 +507,134 @@ class FxpipeScheduleRuntime(_PipelineScheduleRuntime):
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=grp)
+
+
+# ---- begin torch.compile backend adapters (owner: issue 10; used by fxpipe/dynamo/* and fxpipe/codegen/compiled.py)
+def dynamo_source_name(node: torch.fx.Node) -> str | None:
+    """Dynamo's source of a placeholder of the graph it hands a backend (``"L['self']._modules['h']..."``), or None."""
+    src = getattr(node, "_dynamo_source", None)
+    if src is None:
+        return None
+    name = src.name
+    return str(name() if callable(name) else name)
+
+
+@dataclass(frozen=True)
+class GraphBreakInfo:
+    """Why Dynamo ended a graph (its ``GraphCompileReason``), as plain data.
+
+    Attributes
+    ----------
+    graph_break : bool
+        True when the graph ends at a graph break (False: it ends at the function's return).
+    reason : str
+        Dynamo's reason (``"return_value"``, or the unsupported construct and Dynamo's hints).
+    user_stack : tuple[str, ...]
+        ``File "...", line N, in fn`` followed by the source line, innermost frame last.
+    """
+
+    graph_break: bool
+    reason: str
+    user_stack: tuple[str, ...]
+
+
+def graph_break_info(gm: torch.fx.GraphModule) -> GraphBreakInfo:
+    """The :class:`GraphBreakInfo` of a graph Dynamo hands a backend (no break when Dynamo recorded none)."""
+    r = getattr(gm, "compile_subgraph_reason", None)
+    if r is None:
+        return GraphBreakInfo(False, "", ())
+    frames = []
+    for fr in getattr(r, "user_stack", None) or ():
+        line = f'File "{fr.filename}", line {fr.lineno}, in {fr.name}'
+        if getattr(fr, "line", None):
+            line += f"\n    {fr.line.strip()}"
+        frames.append(line)
+    return GraphBreakInfo(bool(getattr(r, "graph_break", False)), str(getattr(r, "reason", "")), tuple(frames))
+
+
+def inductor_compile(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, inner_compile: Callable | None = None):
+    """Inductor's ``compile_fx`` (AOTAutograd + Inductor) of ``gm``; ``inner_compile`` replaces the per-graph compiler.
+
+    ``inner_compile(gm, example_inputs, **kwargs)`` receives AOTAutograd's forward graph, then (at the
+    first backward) its backward graph with ``kwargs["is_backward"] = True``; the default is
+    :func:`inductor_compile_graph`. Returns a callable taking ``example_inputs``-like arguments.
+    """
+    import torch._functorch.config as functorch_config
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+    if inner_compile is None:
+        return compile_fx(gm, list(example_inputs), inner_compile=compile_fx_inner)
+    # AOTAutograd's cache returns a whole cached forward+backward without calling inner_compile,
+    # so a custom backward (the B/W split) would silently not happen on a cache hit
+    with functorch_config.patch(enable_autograd_cache=False):
+        return compile_fx(gm, list(example_inputs), inner_compile=inner_compile)
+
+
+def inductor_compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs):
+    """Inductor's code generation for one AOTAutograd graph (``compile_fx_inner``); returns a boxed callable."""
+    from torch._inductor.compile_fx import compile_fx_inner
+
+    return compile_fx_inner(gm, list(example_inputs), **kwargs)
+
+
+def dynamo_frame_owner() -> str | None:
+    """Class name of ``self`` in the frame Dynamo is compiling (the compiled module), if any.
+
+    Only meaningful inside a backend call; None when Dynamo is not tracing a method.
+    """
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        tx = InstructionTranslator.current_tx()
+        owner = tx.f_locals.get("self") if tx is not None else None
+    except Exception:  # noqa: BLE001 - a name is a nicety; never fail a compile for it
+        return None
+    return type(owner).__name__ if isinstance(owner, torch.nn.Module) else None
+
+
+def concrete_int(value: Any) -> Any:
+    """The example value of a symbolic int Dynamo passes (its hint); anything else unchanged."""
+    if isinstance(value, torch.SymInt):
+        hint = value.node.hint
+        return int(hint) if hint is not None else value
+    return value
+
+
+@contextlib.contextmanager
+def outside_dynamo_tracing():
+    """Run code from inside a Dynamo backend as if no graph were being traced.
+
+    A backend is called with Dynamo's ``TracingContext`` (and its fake-tensor mode) installed;
+    ``torch.export`` and fake-tensor shape inference would pick that mode up and meet real
+    parameters. Inside this context there is no tracing context.
+    """
+    with torch._guards.tracing(None):
+        yield
+
+
+@contextlib.contextmanager
+def donated_backward_inputs(allowed: Callable[[int], bool]):
+    """Restrict which inputs of the backward graph being compiled Inductor may reuse in place.
+
+    AOTAutograd lets Inductor write into saved activations the backward no longer needs
+    ("donated buffers", ``fw_metadata.bw_donated_idxs``, indices of backward placeholders). A
+    backward split into B and W graphs must not let B clobber a saved tensor that W reads later:
+    inside this context only the donated indices with ``allowed(i)`` stay donated.
+    """
+    ctx = torch._guards.TracingContext.try_get()
+    meta = getattr(ctx, "fw_metadata", None) if ctx is not None else None
+    old = getattr(meta, "bw_donated_idxs", None)
+    if old:
+        meta.bw_donated_idxs = [i for i in old if allowed(i)]
+    try:
+        yield
+    finally:
+        if old:
+            meta.bw_donated_idxs = old
+
+
+def boxed_callable(fn: Callable[[list], Any]) -> Callable[[list], Any]:
+    """Mark ``fn(args_list)`` as taking AOTAutograd's boxed calling convention (one list argument)."""
+    fn._boxed_call = True  # noqa: SLF001 - AOTAutograd's protocol
+    return fn
+# ---- end torch.compile backend adapters

@@ -172,6 +172,24 @@ class ScheduleProblem:
     pcie_groups : tuple[tuple[int, ...], ...]
         Stages whose host transfers (O/R) must not overlap (on top of the per-device copy
         stream).
+    recompute : tuple[bool, ...], length S
+        Activation recomputation (Chen et al. 2016, "Training Deep Nets with Sublinear Memory
+        Cost"): stage s replays its forward at the start of each B, so its F keeps only the
+        stage's inputs. For such a stage the other per-stage fields already describe the
+        recomputing stage (:meth:`with_recompute` derives them): ``t_b`` includes the
+        replayed forward, ``mem_f`` is the inputs' bytes, ``mem_b`` may be positive (after B
+        the recomputed activations the W needs are held), ``mem_b_transient`` is the replayed
+        stash that B holds only while it runs, and ``offload_bytes`` is 0. Default: no stage
+        recomputes.
+    mem_b_transient : float64 array (S,)
+        Bytes a B of stage s holds only while it runs, ``>= 0`` (default 0): memory rises by
+        ``mem_b + mem_b_transient`` at the start of the B and falls by ``mem_b_transient`` at
+        its end (Contract 3 rule 5). One B runs at a time on a device, so at most one such
+        transient counts per device at any moment.
+    recompute_mem_f : float64 array (S,)
+        Bytes an F of stage s would keep if the stage recomputed (one micro-batch of the
+        stage's inputs), ``> 0``; default ``mem_f`` (recomputing saves nothing). Used by
+        :meth:`with_recompute`; for a recomputing stage it equals ``mem_f``.
     objective : str
         ``"stage_span"`` (default) or ``"makespan"`` (OptPipe Eq. 4). ``stage_span`` is the
         largest *per-device span*: for device d, the end of the last W op of any stage on d
@@ -200,6 +218,9 @@ class ScheduleProblem:
     name: str = "problem"
     num_devices: int = 0
     device_of_stage: tuple[int, ...] = ()
+    recompute: tuple[bool, ...] = ()
+    mem_b_transient: np.ndarray | None = None
+    recompute_mem_f: np.ndarray | None = None
 
     @classmethod
     def create(
@@ -222,20 +243,26 @@ class ScheduleProblem:
         name: str = "problem",
         num_devices: int | None = None,
         device_of_stage: Sequence[int] | None = None,
+        recompute: Sequence[bool] | None = None,
+        mem_b_transient: float | Sequence[float] | None = None,
+        recompute_mem_f: float | Sequence[float] | None = None,
     ) -> "ScheduleProblem":
         """Build and validate a problem; scalars are broadcast to every stage (device).
 
         Defaults: ``mem_b = -mem_f / 2``, ``mem_w = -mem_f - mem_b`` when not given (half of
         the stash freed by B, the rest by W), ``offload_bytes = mem_f``, one stage per
-        device. ``mem_limit`` is per device (D entries, or a scalar).
+        device, no recomputation (``recompute`` all False, ``mem_b_transient = 0``,
+        ``recompute_mem_f = mem_f``). ``mem_limit`` is per device (D entries, or a scalar).
 
         Raises
         ------
         InputError
-            On a negative or non-finite time, ``mem_f <= 0``, positive ``mem_b``/``mem_w``,
-            deltas that do not sum to zero, ``offload_bytes`` outside ``[0, mem_f]``, a
-            non-positive limit, a bad pcie group, an unknown objective, or a placement that
-            names a device outside ``0..D-1`` or leaves a device without a stage.
+            On a negative or non-finite time, ``mem_f <= 0``, positive ``mem_b`` on a stage
+            that does not recompute, positive ``mem_w``, deltas that do not sum to zero,
+            ``offload_bytes`` outside ``[0, mem_f]`` (0 on a recomputing stage), a negative
+            ``mem_b_transient``, ``recompute_mem_f <= 0``, a non-positive limit, a bad pcie
+            group, an unknown objective, or a placement that names a device outside
+            ``0..D-1`` or leaves a device without a stage.
         """
         S = _as_count(num_stages, "num_stages")
         M = _as_count(num_microbatches, "num_microbatches")
@@ -273,8 +300,23 @@ class ScheduleProblem:
                 raise InputError(f"{key} must be finite, got {arr.tolist()}")
         if np.any(mem_f_a <= 0):
             raise InputError(f"mem_f must be > 0 on every stage (F allocates its stash), got {mem_f_a.tolist()}")
-        if np.any(mem_b_a > 0) or np.any(mem_w_a > 0):
-            raise InputError("mem_b and mem_w must be <= 0 (B and W free memory)")
+        if recompute is None:
+            rec = (False,) * S
+        else:
+            if isinstance(recompute, (str, bytes)) or not hasattr(recompute, "__len__") or len(recompute) != S:
+                raise InputError(f"recompute must be a list of {S} booleans (one per stage), got {recompute!r:.200}")
+            if any(not isinstance(x, (bool, np.bool_)) and x not in (0, 1) for x in recompute):
+                raise InputError(f"recompute must list booleans, got {list(recompute)!r:.200}")
+            rec = tuple(bool(x) for x in recompute)
+        rec_a = np.asarray(rec, dtype=bool)
+        trans_a = np.zeros(S) if mem_b_transient is None else vec(mem_b_transient, "mem_b_transient")
+        if not np.all(np.isfinite(trans_a)) or np.any(trans_a < 0):
+            raise InputError(f"mem_b_transient must be finite and >= 0 on every stage, got {trans_a.tolist()}")
+        rmf_a = mem_f_a.copy() if recompute_mem_f is None else vec(recompute_mem_f, "recompute_mem_f")
+        if not np.all(np.isfinite(rmf_a)) or np.any(rmf_a <= 0):
+            raise InputError(f"recompute_mem_f must be finite and > 0 on every stage, got {rmf_a.tolist()}")
+        if np.any(mem_b_a[~rec_a] > 0) or np.any(mem_w_a > 0):
+            raise InputError("mem_b and mem_w must be <= 0 (B and W free memory; only a recomputing stage's B may add)")
         total = mem_f_a + mem_b_a + mem_w_a
         if np.any(np.abs(total) > 1e-9 * np.maximum(1.0, np.abs(mem_f_a))):
             s = int(np.argmax(np.abs(total)))
@@ -284,6 +326,8 @@ class ScheduleProblem:
             )
         if np.any(off_a < 0) or np.any(off_a > mem_f_a * (1 + 1e-12)):
             raise InputError("offload_bytes must lie in [0, mem_f] on every stage")
+        if np.any(off_a[rec_a] > 0):
+            raise InputError("a recomputing stage offloads nothing: offload_bytes must be 0 where recompute is set")
         if np.any(np.isnan(lim_a)) or np.any(lim_a <= 0):
             raise InputError(f"mem_limit must be > 0 on every device, got {lim_a.tolist()}")
         groups = []
@@ -317,7 +361,94 @@ class ScheduleProblem:
             name=str(name),
             num_devices=D,
             device_of_stage=placement,
+            recompute=rec,
+            mem_b_transient=_freeze(trans_a),
+            recompute_mem_f=_freeze(rmf_a),
         )
+
+    # ---------------------------------------------------------------- recomputation
+    @property
+    def recompute_stages(self) -> tuple[int, ...]:
+        """The stages that recompute their forward during B, in increasing order."""
+        return tuple(s for s, r in enumerate(self.recompute) if r)
+
+    @property
+    def mem_b_start(self) -> np.ndarray:
+        """Memory rise at the start of a B of every stage: ``mem_b + mem_b_transient`` (S,)."""
+        return np.asarray(self.mem_b) + np.asarray(self.mem_b_transient)
+
+    @property
+    def stash_footprint(self) -> np.ndarray:
+        """Least activation memory one micro-batch needs on stage s alone (S,), bytes.
+
+        ``max(mem_f, mem_f + mem_b + mem_b_transient)``: an F's own stash is on the device
+        when it starts, and so is the stash when its B starts (a reload ends before), plus
+        the B's rise (the replayed forward of a recomputing stage). No schedule, offloading
+        or not, runs stage s within less.
+        """
+        return np.maximum(self.mem_f, self.mem_f + self.mem_b_start)
+
+    def with_recompute(self, stages: Sequence[int] | Sequence[bool]) -> "ScheduleProblem":
+        """The problem in which ``stages`` (also) recompute their forward during B.
+
+        For a newly recomputing stage s with stash ``a = mem_f[s]`` of which ``p = -mem_w[s]``
+        is what W needs, and inputs ``r = recompute_mem_f[s]``: F keeps ``r``
+        (``mem_f = r``); B replays the forward (``t_b += t_f``) and holds, while it runs,
+        the inputs and the whole replayed stash, ``r + a`` for this micro-batch
+        (``mem_b + mem_b_transient = a``), and afterwards the ``p`` bytes W needs
+        (``mem_b = p - r``, ``mem_b_transient = r - mem_b_old``, where ``mem_b_old =
+        p - a <= 0``); W frees them (``mem_w`` unchanged); nothing is offloaded
+        (``offload_bytes = 0``). Stages that already recompute are left as they are.
+
+        Parameters
+        ----------
+        stages : sequence of int, or sequence of S bools
+            Stage indices, or a flag per stage.
+
+        Returns
+        -------
+        ScheduleProblem
+
+        Raises
+        ------
+        InputError
+            On a stage outside ``0..S-1``.
+
+        References
+        ----------
+        Chen, Xu, Zhang, Guestrin 2016, "Training Deep Nets with Sublinear Memory Cost"
+        (recompute a segment's forward in its backward); Korthikanti et al. 2022, "Reducing
+        Activation Recomputation in Large Transformer Models", Sec. 4 (full recomputation of a
+        transformer layer keeps only its input).
+        """
+        S = self.num_stages
+        if len(stages) == S and all(isinstance(x, (bool, np.bool_)) for x in stages):
+            want = {s for s, x in enumerate(stages) if x}
+        else:
+            want = set()
+            for s in stages:
+                if isinstance(s, (bool, np.bool_)) or not isinstance(s, (int, np.integer)) or not 0 <= s < S:
+                    raise InputError(f"recompute stages must be stage indices in 0..{S - 1}, got {list(stages)!r:.200}")
+                want.add(int(s))
+        new = sorted(want - set(self.recompute_stages))
+        if not new:
+            return self
+        t_b = np.array(self.t_b, dtype=float)
+        mem_f = np.array(self.mem_f, dtype=float)
+        mem_b = np.array(self.mem_b, dtype=float)
+        trans = np.array(self.mem_b_transient, dtype=float)
+        off = np.array(self.offload_bytes, dtype=float)
+        rec = list(self.recompute)
+        for s in new:
+            a, keep_w, r = float(self.mem_f[s]), -float(self.mem_w[s]), float(self.recompute_mem_f[s])
+            t_b[s] += float(self.t_f[s])
+            mem_f[s] = r
+            mem_b[s] = keep_w - r
+            trans[s] = a - keep_w + r  # = r - mem_b_old >= 0
+            off[s] = 0.0
+            rec[s] = True
+        return self.replace(t_b=t_b, mem_f=mem_f, mem_b=mem_b, mem_b_transient=trans, offload_bytes=off,
+                            recompute=tuple(rec))
 
     # ---------------------------------------------------------------- placement views
     def stages_of_device(self, device: int) -> tuple[int, ...]:
@@ -398,12 +529,27 @@ class ScheduleProblem:
             pcie_groups=self.pcie_groups,
             objective=self.objective,
             name=self.name,
+            recompute=self.recompute,
+            mem_b_transient=self.mem_b_transient,
+            recompute_mem_f=self.recompute_mem_f,
         )
 
     def to_dict(self) -> dict[str, Any]:
-        """The ``fxpipe.schedproblem/1`` document; an infinite limit is written as null."""
+        """The ``fxpipe.schedproblem/1`` document; an infinite limit is written as null.
+
+        The recomputation keys are written only when they differ from their defaults, so a
+        problem without recomputation has the same document as before they existed.
+        """
         doc: dict[str, Any] = {"format": SCHEDPROBLEM_FORMAT}
         for key, val in self._create_kwargs().items():
+            if key == "recompute":
+                if not any(val):
+                    continue
+                val = list(val)
+            elif key == "mem_b_transient" and not np.any(val):
+                continue
+            elif key == "recompute_mem_f" and np.array_equal(val, self.mem_f):
+                continue
             if isinstance(val, np.ndarray):
                 val = val.tolist()
             doc[key] = val
@@ -442,6 +588,7 @@ class ScheduleProblem:
         known = {
             "num_stages", "num_microbatches", "num_devices", "device_of_stage", "t_f", "t_b", "t_w", "t_comm",
             "t_offload", "mem_f", "mem_b", "mem_w", "offload_bytes", "mem_limit", "pcie_groups", "objective", "name",
+            "recompute", "mem_b_transient", "recompute_mem_f",
         }
         kwargs = {k: v for k, v in kwargs.items() if k in known}  # unknown keys are ignored
         try:

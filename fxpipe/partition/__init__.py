@@ -10,7 +10,7 @@
 - :mod:`~fxpipe.partition.chain`: the chain of gates of a graph; exact relay DP and the
   ``chain`` lower bound.
 - :mod:`~fxpipe.partition.contract`: exact contraction of trivial ops for the order search.
-- :mod:`~fxpipe.partition.memory`: per-device memory capacity model.
+- :mod:`~fxpipe.partition.memory`: the partitioner's view of fxpipe's memory model (:mod:`fxpipe.memory`).
 - :mod:`~fxpipe.partition.baselines`: equal-layer, parameter-balanced, time-balanced, random-T.
 - :mod:`~fxpipe.partition.loaders`: graphs of other projects (dnn-partitioning, PipeDream).
 - :mod:`~fxpipe.partition.bounds`: MIP lower bounds (SCIP) and certificates.
@@ -18,7 +18,7 @@
 
 from fxpipe.partition.objective import Partition, block_costs, validate_partition
 
-__all__ = ["Partition", "block_costs", "validate_partition", "partition", "slice_order", "MemoryModel", "BRKGAParams"]
+__all__ = ["Partition", "block_costs", "validate_partition", "partition", "slice_order", "PartitionMemory", "BRKGAParams"]
 
 
 def __getattr__(name):  # lazy: importing numba kernels costs time
@@ -30,10 +30,10 @@ def __getattr__(name):  # lazy: importing numba kernels costs time
         from fxpipe.partition.slicegraph import slice_order
 
         return slice_order
-    if name == "MemoryModel":
-        from fxpipe.partition.memory import MemoryModel
+    if name == "PartitionMemory":
+        from fxpipe.partition.memory import PartitionMemory
 
-        return MemoryModel
+        return PartitionMemory
     if name == "BRKGAParams":
         from fxpipe.partition.brkga import BRKGAParams
 

@@ -74,6 +74,8 @@ def decode_population(
     mem_act,
     inflight,
     mem_cap,
+    buf_in,
+    buf_out,
 ):
     """Fitness of every chromosome: Kahn with priorities, then SliceGraph.
 
@@ -102,7 +104,7 @@ def decode_population(
         order = kahn_kernel(keys[i], cls, succ_ptr, succ_idx, pred_ptr)
         best, _cuts = slice_kernel(
             order, succ_ptr, succ_idx, pred_ptr, pred_idx, work, size_out, io_scale, relay, k, bounds[i],
-            mem_param, mem_act, inflight, mem_cap,
+            mem_param, mem_act, inflight, mem_cap, buf_in, buf_out,
         )
         fit[i] = best
     return fit
@@ -116,7 +118,7 @@ class PopulationDecoder:
     graph : OpGraph
     k : int
     objective, comm : str
-    memory : float or MemoryModel or None
+    memory : float, MemoryModel, PartitionMemory or None
     threads : int, optional
         Decoding threads (default: ``numba.config.NUMBA_NUM_THREADS``, the core count).
     """

@@ -1,23 +1,28 @@
-"""Per-device memory model of a pipeline stage, used to make the partitioner memory-aware.
+"""The partitioner's view of fxpipe's one memory model (:mod:`fxpipe.memory`).
 
-A stage at pipeline position ``s`` (0-based) of ``k`` holds
+This module only adapts :class:`fxpipe.memory.MemoryModel` to an :class:`~fxpipe.ir.OpGraph`
+and a pipeline position; every byte count comes from :mod:`fxpipe.memory`. A stage at
+pipeline position ``s`` of ``k`` holding the nodes ``V_s`` needs
 
-* training: ``state_bytes_per_param_byte * size_param_bytes`` of its nodes (weights,
-  gradients, optimizer state) plus the activations of its in-flight micro-batches. Under
-  1F1B (PipeDream-Flush, Narayanan et al. 2021) stage ``s`` keeps ``k - s`` micro-batches in
-  flight, so the activation term is ``(k - s) * sum(act_bytes)``.
-* inference: ``size_param_bytes`` of its nodes (``state_bytes_per_param_byte = 1``) plus one
-  micro-batch of activations ``sum(act_bytes)``.
+``num_params(V_s) * static_bytes_per_param``
+    weights, gradients and optimizer state under the model's precision policy and ZeRO
+    sharding (:meth:`MemoryModel.static_bytes_per_param`, 16 bytes per parameter for the
+    default mixed-precision Adam),
+``+ inflight[s] * act_bytes(V_s)``
+    its stashes by the activation rule (:func:`fxpipe.memory.inflight_stashes`: ``"floor"``,
+    one stash, the default, which no schedule can do without; ``"1f1b"``, ``min(k - s, m)``),
+``+ f_in * in_bytes(V_s) + f_out * out_bytes(V_s)``
+    the receive buffers (:meth:`MemoryModel.comm_buffer_factors`: one per micro-batch for
+    every tensor received forward and, in training, every gradient received backward), of
+    the stage's Contract-2 boundary bytes (``comm="relay"``: everything crossing its two
+    boundaries),
 
-The default training factor is **8.0**: ``size_param_bytes`` is taken to be the bytes of the
-parameters in bf16 (2 bytes per parameter), and mixed-precision Adam keeps per parameter
-bf16 weights (2) + bf16 gradients (2) + fp32 master weights (4) + two fp32 Adam moments
-(4 + 4) = 16 bytes = 8 x the bf16 parameter bytes (Rajbhandari et al., ZeRO, 2020,
-Section 3.1 count 16 bytes per parameter for mixed-precision Adam). For fp32 training with
-plain Adam (weights, grads, 2 moments, all fp32) use 4.0.
+and must fit ``capacity - reserved`` (:attr:`MemoryModel.usable_bytes`). A block that does
+not fit is infeasible: the SliceGraph DP gives it cost ``inf``.
 
-A block whose memory exceeds the device capacity is infeasible: the SliceGraph DP gives it
-cost ``inf`` (it knows each block's position ``s``, on which the in-flight count depends).
+Parameters are counted as parameters (:func:`num_params`): from the per-node ``num_params``
+key of a captured graph (Contract 1 keeps unknown keys), else from ``size_param_bytes``
+divided by ``meta["param_dtype_bytes"]``, else by :data:`DEFAULT_PARAM_DTYPE_BYTES`.
 """
 
 from __future__ import annotations
@@ -29,157 +34,274 @@ import numpy as np
 
 from fxpipe.errors import InfeasibleError, InputError
 from fxpipe.ir import OpGraph
+from fxpipe.memory import ACTIVATION_RULES, MemoryModel, format_bytes, inflight_stashes
 
-__all__ = ["MemoryModel", "as_memory_model", "memory_inputs", "stage_memory_bytes", "TRAINING_STATE_FACTOR", "infeasible_error"]
+__all__ = [
+    "DEFAULT_PARAM_DTYPE_BYTES",
+    "PartitionMemory",
+    "as_partition_memory",
+    "infeasible_error",
+    "memory_remedies",
+    "memory_inputs",
+    "num_params",
+    "stage_memory_bytes",
+]
 
-#: Bytes of weights + gradients + optimizer state per byte of ``size_param_bytes`` for
-#: training (mixed-precision Adam, see the module docstring).
-TRAINING_STATE_FACTOR = 8.0
+#: Bytes per parameter assumed for a graph that records neither ``num_params`` per node nor
+#: ``meta["param_dtype_bytes"]`` (bf16, the dtype large models are planned in).
+DEFAULT_PARAM_DTYPE_BYTES = 2.0
+
+
+def num_params(graph: OpGraph) -> np.ndarray:
+    """Parameters owned by every node (float64 (n,)): see the module docstring.
+
+    Raises
+    ------
+    InputError
+        If ``num_params`` keys are malformed or ``param_dtype_bytes`` is not positive.
+    """
+    extra = graph.extra
+    if extra and len(extra) == graph.n and all("num_params" in e for e in extra):
+        try:
+            out = np.array([float(e["num_params"]) for e in extra], dtype=np.float64)
+        except (TypeError, ValueError):
+            raise InputError("the graph's per-node num_params must be numbers") from None
+        if np.any(out < 0) or not np.all(np.isfinite(out)):
+            raise InputError("the graph's per-node num_params must be finite counts >= 0")
+        return out
+    per = graph.meta.get("param_dtype_bytes", DEFAULT_PARAM_DTYPE_BYTES)
+    try:
+        per = float(per)
+    except (TypeError, ValueError):
+        per = -1.0
+    if not (math.isfinite(per) and per > 0):
+        raise InputError(f"the graph's meta param_dtype_bytes must be a positive number, got {graph.meta.get('param_dtype_bytes')!r}")
+    return np.asarray(graph.size_param_bytes, dtype=np.float64) / per
 
 
 @dataclass(frozen=True)
-class MemoryModel:
-    """Memory capacity of one device and how a stage's memory is counted.
+class PartitionMemory:
+    """How the partitioner counts a stage's memory: a :class:`MemoryModel` plus what it needs
+    to know of the pipeline before there is a schedule.
 
     Attributes
     ----------
-    capacity_bytes : float
-        Bytes available on each device (> 0).
-    state_bytes_per_param_byte : float or None
-        Static bytes per byte of ``size_param_bytes``. ``None``: 8.0 for training
-        (mixed-precision Adam, :data:`TRAINING_STATE_FACTOR`), 1.0 for inference.
-    schedule : {"1f1b", "gpipe"}
-        In-flight micro-batches per stage in training: ``"1f1b"`` keeps ``k - s`` on stage
-        ``s``; ``"gpipe"`` keeps ``microbatches`` on every stage.
-    microbatches : int or None
-        Number of micro-batches (only for ``schedule="gpipe"``).
+    model : MemoryModel
+        Capacity, precision policy, ZeRO sharding, reserved fraction.
+    num_microbatches : int
+        m (receive buffers are one per micro-batch; the ``"1f1b"`` rule caps at m).
+    activation : {"floor", "1f1b"}
+        Activation rule (:func:`fxpipe.memory.inflight_stashes`).
     """
 
-    capacity_bytes: float
-    state_bytes_per_param_byte: float | None = None
-    schedule: str = "1f1b"
-    microbatches: int | None = None
+    model: MemoryModel
+    num_microbatches: int = 1
+    activation: str = "floor"
 
     def __post_init__(self) -> None:
-        try:
-            cap = float(self.capacity_bytes)
-        except (TypeError, ValueError):
-            raise InputError(f"memory capacity must be a number of bytes, got {self.capacity_bytes!r}") from None
-        if not (cap > 0) or math.isnan(cap):
-            raise InputError(f"memory capacity must be a positive number of bytes, got {self.capacity_bytes!r}")
-        if self.state_bytes_per_param_byte is not None and not (float(self.state_bytes_per_param_byte) >= 0):
-            raise InputError(f"state_bytes_per_param_byte must be >= 0, got {self.state_bytes_per_param_byte!r}")
-        if self.schedule not in ("1f1b", "gpipe"):
-            raise InputError(f"schedule must be '1f1b' or 'gpipe', got {self.schedule!r}")
-        if self.schedule == "gpipe" and (self.microbatches is None or int(self.microbatches) < 1):
-            raise InputError("schedule='gpipe' needs microbatches >= 1")
+        if not isinstance(self.model, MemoryModel):
+            raise InputError(f"model must be a fxpipe.memory.MemoryModel, got {type(self.model).__name__}")
+        if isinstance(self.num_microbatches, bool) or not isinstance(self.num_microbatches, (int, np.integer)) \
+                or self.num_microbatches < 1:
+            raise InputError(f"num_microbatches must be an integer >= 1, got {self.num_microbatches!r}")
+        if self.activation not in ACTIVATION_RULES:
+            raise InputError(f"activation must be one of {ACTIVATION_RULES}, got {self.activation!r}")
 
-    def factor(self, objective: str) -> float:
-        """Static bytes per ``size_param_bytes`` byte for ``objective``."""
-        if self.state_bytes_per_param_byte is not None:
-            return float(self.state_bytes_per_param_byte)
-        return TRAINING_STATE_FACTOR if objective == "training" else 1.0
+    @property
+    def capacity_bytes(self) -> float:
+        """Bytes of one device."""
+        return self.model.capacity_bytes
 
-    def inflight(self, k: int, objective: str) -> np.ndarray:
-        """In-flight micro-batches of each stage position, float64 (k,)."""
-        if objective != "training":
-            return np.ones(k)
-        if self.schedule == "gpipe":
-            return np.full(k, float(self.microbatches))
-        return np.arange(k, 0, -1, dtype=np.float64)
+    @property
+    def usable_bytes(self) -> float:
+        """What a stage may hold: ``capacity - reserved``."""
+        return self.model.usable_bytes
+
+    def to_dict(self) -> dict:
+        return {"model": self.model.to_dict(), "num_microbatches": int(self.num_microbatches), "activation": self.activation}
 
 
-def as_memory_model(memory) -> MemoryModel | None:
-    """``None`` -> ``None``; a number -> ``MemoryModel(capacity_bytes=number)``; a model -> itself.
+def as_partition_memory(memory) -> PartitionMemory | None:
+    """``None`` -> ``None``; a number -> the default model with that capacity in bytes; a
+    :class:`MemoryModel` -> counted with one micro-batch and the ``"floor"`` rule; a
+    :class:`PartitionMemory` -> itself. An unlimited capacity gives ``None``.
 
     Raises
     ------
     InputError
         For anything else, or a non-positive capacity.
     """
-    if memory is None or isinstance(memory, MemoryModel):
-        return memory
-    if isinstance(memory, bool) or not isinstance(memory, (int, float, np.integer, np.floating)):
-        raise InputError(f"memory must be None, a capacity in bytes, or a MemoryModel; got {memory!r}")
-    return MemoryModel(capacity_bytes=float(memory))
+    if memory is None:
+        return None
+    if isinstance(memory, PartitionMemory):
+        out = memory
+    elif isinstance(memory, MemoryModel):
+        out = PartitionMemory(memory)
+    elif isinstance(memory, bool) or not isinstance(memory, (int, float, np.integer, np.floating)):
+        raise InputError(f"memory must be None, a capacity in bytes, a MemoryModel or a PartitionMemory; got {memory!r}")
+    else:
+        out = PartitionMemory(MemoryModel(capacity_bytes=float(memory)))
+    return None if not math.isfinite(out.capacity_bytes) else out
 
 
-def memory_inputs(graph: OpGraph, k: int, objective: str, memory) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
-    """Kernel arrays ``(mem_param (n,), mem_act (n,), inflight (k,), capacity_bytes)``.
+def memory_inputs(graph: OpGraph, k: int, objective: str, memory) -> tuple:
+    """Kernel arrays ``(mem_param (n,), mem_act (n,), inflight (k,), usable_bytes, buf_in, buf_out)``.
 
-    Without a memory model: zeros and ``capacity_bytes = inf``.
+    ``mem_param`` are static bytes per node, ``mem_act`` its stash bytes, ``buf_in`` /
+    ``buf_out`` the receive-buffer bytes per byte of a block's input / output boundary.
+    Without a memory model: zeros and ``usable_bytes = inf``.
     """
-    model = as_memory_model(memory)
+    pm = as_partition_memory(memory)
     n = graph.n
-    if model is None:
-        return np.zeros(n), np.zeros(n), np.ones(k), math.inf
+    if pm is None:
+        return np.zeros(n), np.zeros(n), np.ones(k), math.inf, 0.0, 0.0
+    f_in, f_out = pm.model.comm_buffer_factors(pm.num_microbatches, objective)
     return (
-        np.array(graph.size_param_bytes * model.factor(objective), dtype=np.float64),
+        np.array(num_params(graph) * pm.model.static_bytes_per_param(objective), dtype=np.float64),
         np.array(graph.act_bytes, dtype=np.float64),
-        model.inflight(k, objective),
-        float(model.capacity_bytes),
+        inflight_stashes(k, pm.num_microbatches, pm.activation, objective),
+        float(pm.usable_bytes),
+        f_in,
+        f_out,
     )
 
 
-def stage_memory_bytes(graph: OpGraph, assignment, k: int, objective: str, memory) -> np.ndarray:
-    """Memory of every stage (bytes), float64 (k,), for blocks numbered in pipeline order.
+def stage_memory_bytes(graph: OpGraph, assignment, k: int, objective: str, memory, comm: str = "relay") -> np.ndarray:
+    """Bytes every stage needs by the partitioner's rule, float64 (k,), blocks in pipeline order.
 
-    ``memory`` supplies the counting rules (a capacity or a :class:`MemoryModel`; ``None``
-    uses the defaults with no capacity).
+    Static state + ``inflight`` stashes + receive buffers (module docstring); compare with
+    ``as_partition_memory(memory).usable_bytes``. ``memory=None`` counts with the default
+    model (mixed-precision Adam) and no capacity.
     """
-    model = as_memory_model(memory) or MemoryModel(capacity_bytes=1.0)
+    from fxpipe.partition.objective import io_bytes  # noqa: PLC0415
+
+    if isinstance(memory, PartitionMemory):
+        pm = memory
+    else:
+        pm = PartitionMemory(MemoryModel() if memory is None else as_model(memory))
     a = np.asarray(assignment, dtype=np.int64)
-    static = np.bincount(a, weights=graph.size_param_bytes * model.factor(objective), minlength=k)
+    static = np.bincount(a, weights=num_params(graph) * pm.model.static_bytes_per_param(objective), minlength=k)
     act = np.bincount(a, weights=graph.act_bytes, minlength=k)
-    return static + act * model.inflight(k, objective)
+    in_b, out_b = io_bytes(graph, a, k, comm)
+    f_in, f_out = pm.model.comm_buffer_factors(pm.num_microbatches, objective)
+    return static + act * inflight_stashes(k, pm.num_microbatches, pm.activation, objective) + f_in * in_b + f_out * out_b
 
 
-def _fmt_bytes(x: float) -> str:
-    for unit, div in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(x) >= div:
-            return f"{x / div:.2f} {unit}"
-    return f"{x:.0f} B"
+def as_model(memory) -> MemoryModel:
+    """The :class:`MemoryModel` of a capacity, model or :class:`PartitionMemory`."""
+    if isinstance(memory, PartitionMemory):
+        return memory.model
+    if isinstance(memory, MemoryModel):
+        return memory
+    return MemoryModel(capacity_bytes=float(memory))
 
 
 def infeasible_error(graph: OpGraph, k: int, objective: str, comm: str, memory, *, max_k: int | None = None) -> InfeasibleError:
-    """Build the :class:`InfeasibleError` for "no partition into k stages fits in memory".
+    """The :class:`InfeasibleError` for "no partition into k stages fits in memory".
 
-    The message is computed, not guessed: the best partition found ignoring memory (over the
-    structured orders) gives the capacity that partition needs and by how much its biggest
-    stage overflows; the smallest feasible device count is searched by trying ``k+1, k+2,
-    ...`` up to ``max_k`` (default ``min(n, 4k)``) with the structured orders. Note that in
-    training more stages do not always help: stage 0 holds ``k`` micro-batches in flight.
+    Computed, not guessed: the best partition ignoring memory (over the structured orders)
+    gives the bytes its biggest stage needs by the partitioner's rule and by how much that
+    overflows the usable capacity; the smallest feasible stage count is searched by trying
+    ``k+1, k+2, ...`` up to ``max_k`` (default ``min(n, 4k)``) with the structured orders.
+    The search starts at the first count whose usable bytes could hold the whole static state
+    plus one stash of every node. :func:`memory_remedies` says whether offload, activation
+    recomputation or ZeRO sharding would help. The attributes ``overflow_bytes``,
+    ``required_capacity_bytes`` (a capacity whose usable part holds that stage), ``stage``,
+    ``min_devices`` (None if no count up to ``max_k`` fits) and ``remedies`` (dict: ``"devices"``,
+    ``"offload"``, ``"recompute"``, ``"zero"`` -> one sentence each) carry the figures.
     """
     from fxpipe.partition.search import partition as _partition  # noqa: PLC0415 (cycle)
 
-    model = as_memory_model(memory)
+    pm = as_partition_memory(memory)
     quick = dict(method="orders", time_limit_s=0.0, seed=0, chain=False, contract=False)  # structured orders only
     free = _partition(graph, k, objective=objective, comm=comm, **quick)
-    mem = stage_memory_bytes(graph, free.assignment, k, objective, model)
+    mem = stage_memory_bytes(graph, free.assignment, k, objective, pm, comm)
     worst = int(np.argmax(mem))
     need = float(mem.max())
-    over = need - model.capacity_bytes
+    over = need - pm.usable_bytes
+    required = need / (1.0 - pm.model.reserved_fraction)
     if max_k is None:
         max_k = min(graph.n, 4 * k)
+    # every stage holds its static state and one stash: no count below total / usable fits
+    total = float(np.sum(num_params(graph)) * pm.model.static_bytes_per_param(objective) + np.sum(graph.act_bytes))
+    k_lo = max(k + 1, int(math.ceil(total / pm.usable_bytes - 1e-9)))
     fit_k = None
-    for kk in range(k + 1, max_k + 1):
+    for kk in range(k_lo, max_k + 1):
         try:
-            _partition(graph, kk, objective=objective, comm=comm, memory=model, _explain=False, **quick)
+            _partition(graph, kk, objective=objective, comm=comm, memory=pm, _explain=False, **quick)
         except InfeasibleError:
             continue
         fit_k = kk
         break
-    msg = (
-        f"no partition into {k} stages fits in {_fmt_bytes(model.capacity_bytes)} per device "
-        f"({objective}): the best partition ignoring memory needs {_fmt_bytes(need)} on stage {worst} "
-        f"(overflow {_fmt_bytes(over)} = {over:.0f} bytes); "
-    )
+    remedies = memory_remedies(graph, free.assignment, k, objective, comm, pm)
     if fit_k is not None:
-        msg += f"use at least {fit_k} devices, or devices with >= {need:.0f} bytes"
+        remedies["devices"] = (f"More devices would help: use at least {fit_k} devices (the smallest pipeline that "
+                               f"fits), or devices with >= {required:.0f} bytes.")
     else:
-        msg += f"no device count up to {max_k} fits; use devices with >= {need:.0f} bytes"
+        remedies["devices"] = f"No device count up to {max_k} fits; use devices with >= {required:.0f} bytes."
+    msg = (
+        f"no partition into {k} stages fits in {format_bytes(pm.capacity_bytes)} per device "
+        f"({format_bytes(pm.usable_bytes)} usable; {objective}): the best partition ignoring memory needs "
+        f"{format_bytes(need)} on stage {worst} (overflow {format_bytes(over)} = {over:.0f} bytes). "
+    )
+    msg += " ".join(remedies[key] for key in ("devices", "offload", "recompute", "zero"))
     err = InfeasibleError(msg)
     err.overflow_bytes = over
-    err.required_capacity_bytes = need
+    err.required_capacity_bytes = required
+    err.stage = worst
     err.min_devices = fit_k
+    err.remedies = remedies
     return err
+
+
+#: Data-parallel degrees :func:`memory_remedies` tries ZeRO sharding over.
+ZERO_DEGREES = (2, 4, 8, 16, 32, 64)
+
+
+def memory_remedies(graph: OpGraph, assignment, k: int, objective: str, comm: str, memory) -> dict[str, str]:
+    """Which remedy would let ``assignment`` (a partition that overflows) fit, one sentence each.
+
+    Keys ``"offload"``, ``"recompute"``, ``"zero"``, ``"devices"``. Offload and activation
+    recomputation reduce the micro-batches whose stashes are on the device at once, never
+    below one stash (:data:`fxpipe.memory.ACTIVATION_RULES`, ``"floor"``): they help only
+    when static state + one stash of every stage fits. ZeRO sharding (Rajbhandari et al. 2020,
+    Sec. 5) divides the static state over a data-parallel degree: the smallest degree of
+    :data:`ZERO_DEGREES` and the lowest stage (1, 2, 3) at which every stage of ``assignment``
+    fits is named, if any.
+    """
+    import dataclasses as _dc  # noqa: PLC0415
+
+    pm = memory if isinstance(memory, PartitionMemory) else as_partition_memory(memory)
+    floor = _dc.replace(pm, activation="floor")
+    need_floor = stage_memory_bytes(graph, assignment, k, objective, floor, comm)
+    fits_floor = bool(need_floor.max() <= pm.usable_bytes)
+    out: dict[str, str] = {}
+    if fits_floor:
+        out["offload"] = ("Offloading stashes to host memory would help: static state plus one micro-batch's stash "
+                          "fits every stage.")
+        out["recompute"] = ("Activation recomputation would help: it keeps only stage inputs between F and B.")
+    else:
+        s = int(np.argmax(need_floor))
+        out["offload"] = (f"Offload would not help: stage {s}'s static state plus a single micro-batch's stash "
+                          f"({format_bytes(float(need_floor[s]))}) already exceeds the usable {format_bytes(pm.usable_bytes)}.")
+        out["recompute"] = ("Activation recomputation would not help either (a recomputing B holds the whole replayed "
+                            "stash).")
+    zero = None
+    if objective == "training":
+        for d in ZERO_DEGREES:
+            for z in (1, 2, 3):
+                if pm.model.zero_stage >= z and pm.model.data_parallel >= d:
+                    continue
+                m2 = _dc.replace(floor, model=_dc.replace(pm.model, data_parallel=d, zero_stage=z))
+                if stage_memory_bytes(graph, assignment, k, objective, m2, comm).max() <= pm.usable_bytes:
+                    zero = (d, z)
+                    break
+            if zero:
+                break
+    if zero:
+        out["zero"] = (f"ZeRO-{zero[1]} sharding over {zero[0]} data-parallel replicas would fit this partition "
+                       f"(with offload or recomputation where the schedule needs it).")
+    else:
+        out["zero"] = f"ZeRO sharding over up to {ZERO_DEGREES[-1]} data-parallel replicas would not fit this partition."
+    out["devices"] = "More pipeline devices would help (smaller stages)."  # refined by infeasible_error
+    return out

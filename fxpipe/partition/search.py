@@ -38,7 +38,7 @@ import numpy as np
 from fxpipe.errors import InfeasibleError, InputError
 from fxpipe.ir import OpGraph
 from fxpipe.partition.brkga import BRKGAParams, PopulationDecoder, run_brkga
-from fxpipe.partition.memory import as_memory_model, infeasible_error, stage_memory_bytes
+from fxpipe.partition.memory import as_partition_memory, infeasible_error, stage_memory_bytes
 from fxpipe.partition.objective import Partition, block_costs, check_objective
 from fxpipe.partition.orders import keys_from_order, structured_orders
 from fxpipe.partition.slicegraph import _check_k, assignment_from_cuts, check_order, kernel_inputs, slice_order_arrays
@@ -86,8 +86,8 @@ def merge_trivial_stages(graph: OpGraph, part: Partition, objective: str, memory
     Each such stage is merged into the previous or the next stage, whichever gives the
     lower bottleneck, when that bottleneck is not above the current one; the freed stage
     becomes an empty stage at the end. Costs are recomputed from scratch (Contract 2); with
-    ``memory`` (a capacity or :class:`~fxpipe.partition.memory.MemoryModel`) a merge must
-    keep every stage within the capacity.
+    ``memory`` (see :func:`partition`) a merge must keep every stage within the usable
+    capacity.
 
     Returns
     -------
@@ -96,7 +96,7 @@ def merge_trivial_stages(graph: OpGraph, part: Partition, objective: str, memory
         and ``meta["trivial_stages"]`` lists those left (merging would raise the bottleneck).
     """
     k = part.k
-    model = as_memory_model(memory)
+    model = as_partition_memory(memory)
     a = np.asarray(part.assignment, dtype=np.int64).copy()
     work = np.asarray(graph.work_s(objective))
     merged = 0
@@ -120,7 +120,7 @@ def merge_trivial_stages(graph: OpGraph, part: Partition, objective: str, memory
                     used = np.unique(a2)  # positions after empty stages move last
                     remap = np.full(k, k - 1, dtype=np.int64)
                     remap[used] = np.arange(used.size)
-                    if stage_memory_bytes(graph, remap[a2], k, objective, model).max() > model.capacity_bytes:
+                    if stage_memory_bytes(graph, remap[a2], k, objective, model, part.comm).max() > model.usable_bytes:
                         continue
                 c = float(block_costs(graph, a2, k, part.objective, part.comm).max())
                 if best is None or c < best[0]:
@@ -190,9 +190,11 @@ def partition(
         Maximum number of orders decoded by the search. For ``brkga`` without it, the run
         stops after ``brkga_params.max_generations`` (default 100) generations, after
         :data:`STALL_GENERATIONS` generations without improvement, or at the time limit.
-    memory : float or MemoryModel, optional
-        Per-device capacity in bytes (or a :class:`fxpipe.partition.memory.MemoryModel`):
-        stages that do not fit are infeasible.
+    memory : float, MemoryModel or PartitionMemory, optional
+        Per-device capacity in bytes, a :class:`fxpipe.memory.MemoryModel`, or a
+        :class:`fxpipe.partition.memory.PartitionMemory` (model, micro-batches, activation
+        rule): stages whose static state, stashes and receive buffers exceed the usable
+        capacity are infeasible (:mod:`fxpipe.partition.memory`).
     progress : bool
         tqdm progress bar.
     warm_start : Partition or int array (n,), optional
@@ -218,7 +220,7 @@ def partition(
         ``proven_optimal``, ``stop_reason`` (``"bound"``, ``"stall"``, ``"time"``,
         ``"generations"``, ``"evaluations"``, ``"interrupted"``), ``interrupted`` (Ctrl-C),
         ``search_nodes`` (size of the contracted graph) and, with ``memory``,
-        ``stage_memory_bytes``.
+        ``stage_memory_bytes`` (by the partitioner's rule) and ``usable_bytes``.
 
     Raises
     ------
@@ -227,7 +229,7 @@ def partition(
     InfeasibleError
         With ``memory``, when no partition found fits; the message gives the overflow of the
         biggest stage and the device count / capacity that would fit, also available as the
-        attributes ``overflow_bytes``, ``required_capacity_bytes`` and ``min_devices``
+        attributes ``overflow_bytes``, ``required_capacity_bytes``, ``stage`` and ``min_devices``
         (``None`` if no device count up to ``min(n, 4k)`` fits); see
         :func:`fxpipe.partition.memory.infeasible_error`.
 
@@ -254,7 +256,7 @@ def partition(
         evaluations = int(evaluations)
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
         raise InputError(f"seed must be an integer, got {seed!r}")
-    model = as_memory_model(memory)
+    model = as_partition_memory(memory)
     warm_order = None if warm_start is None else _warm_order(graph, warm_start)
 
     t0 = time.perf_counter()
@@ -270,7 +272,7 @@ def partition(
             lower, lower_method = res.lower_bound_s, "chain"
         cand = res.partition
         if cand is not None and model is not None:
-            if stage_memory_bytes(graph, cand.assignment, k, objective, model).max() > model.capacity_bytes:
+            if stage_memory_bytes(graph, cand.assignment, k, objective, model, comm).max() > model.usable_bytes:
                 cand = None
         chain_part = cand
     target = lower * (1.0 + PROVEN_RTOL)
@@ -400,7 +402,7 @@ def partition(
     if not math.isfinite(best_val_kernel) and chain_part is None:
         if model is not None:
             if not _explain:
-                raise InfeasibleError(f"no partition into {k} stages found that fits in {model.capacity_bytes:.0f} bytes")
+                raise InfeasibleError(f"no partition into {k} stages found that fits in {model.usable_bytes:.0f} usable bytes")
             raise infeasible_error(graph, k, objective, comm, model)
         raise AssertionError("SliceGraph found no slicing without a memory limit (bug)")  # pragma: no cover
     meta = {
@@ -416,7 +418,7 @@ def partition(
         **extra_meta,
     }
     if model is not None:
-        meta["memory_capacity_bytes"] = float(model.capacity_bytes)
+        meta["usable_bytes"] = float(model.usable_bytes)
     part = None
     if math.isfinite(best_val_kernel):
         a = assignment_from_cuts(best_order, cuts)
@@ -442,6 +444,6 @@ def partition(
         seconds=time.perf_counter() - t0,
     )
     if model is not None:
-        mem = stage_memory_bytes(graph, part.assignment, k, objective, model)
+        mem = stage_memory_bytes(graph, part.assignment, k, objective, model, comm)
         part.meta["stage_memory_bytes"] = mem.tolist()
     return part

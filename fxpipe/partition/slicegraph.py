@@ -116,6 +116,27 @@ def _ceil_ratio(w, t):
 
 
 @njit(**NJIT)
+def _segment_io(order, l, r, tag, stamp, pred_ptr, pred_idx, last, size_out, relay, cut):
+    """Input and output bytes of segment [l, r] (Contract 2), fresh ``tag``."""
+    if relay:
+        return (cut[l - 1] if l > 0 else 0.0), cut[r]
+    inb = 0.0
+    outb = 0.0
+    for p in range(r, l - 1, -1):
+        v = order[p]
+        if last[v] > r:
+            outb += size_out[v]
+        if stamp[v] == tag:
+            inb -= size_out[v]
+        for e in range(pred_ptr[v], pred_ptr[v + 1]):
+            u = pred_idx[e]
+            if stamp[u] != tag:
+                stamp[u] = tag
+                inb += size_out[u]
+    return inb, outb
+
+
+@njit(**NJIT)
 def _segment_cost(order, l, r, tag, stamp, pred_ptr, pred_idx, last, work, size_out, io_scale, relay, cut):
     """Cost of segment [l, r] by the same right-to-left sweep as the DP (fresh ``tag``)."""
     w = 0.0
@@ -158,6 +179,8 @@ def slice_kernel(
     mem_act,
     inflight,
     mem_cap,
+    buf_in,
+    buf_out,
 ):
     """Optimal slicing of ``order`` into at most ``k`` segments (Archer Alg. 1, 4-5).
 
@@ -186,7 +209,11 @@ def slice_kernel(
         In-flight micro-batches of block position s.
     mem_cap : float
         Bytes per device (``inf``: no limit). A block with ``sum(mem_param) +
-        sum(mem_act) * inflight[s] > mem_cap`` is infeasible.
+        sum(mem_act) * inflight[s] + buf_in * in_bytes + buf_out * out_bytes > mem_cap`` is
+        infeasible.
+    buf_in, buf_out : float
+        Receive-buffer bytes per byte of the block's Contract-2 input / output boundary
+        (:func:`fxpipe.partition.memory.memory_inputs`).
 
     Returns
     -------
@@ -241,7 +268,8 @@ def slice_kernel(
                 for p in range(l, r + 1):
                     pm += mem_param[order[p]]
                     am += mem_act[order[p]]
-                if pm + am * inflight[i] > mem_cap:
+                ib, ob = _segment_io(order, l, r, 2 * n + 2 + i, stamp, pred_ptr, pred_idx, last, size_out, relay, cut)
+                if pm + am * inflight[i] + buf_in * ib + buf_out * ob > mem_cap:
                     c = np.inf
             if c > g:
                 g = c
@@ -270,17 +298,17 @@ def slice_kernel(
         t_try = 2.0 * lb
         while t_try < T:
             best, cuts = _bounded_dp(order, pred_ptr, pred_idx, work, size_out, io_scale, relay, k, t_try,
-                                     mem_param, mem_act, inflight, mem_cap, last, cut, wpre, stamp)
+                                     mem_param, mem_act, inflight, mem_cap, buf_in, buf_out, last, cut, wpre, stamp)
             if best < np.inf:
                 return best, cuts
             t_try *= 4.0
     return _bounded_dp(order, pred_ptr, pred_idx, work, size_out, io_scale, relay, k, T,
-                       mem_param, mem_act, inflight, mem_cap, last, cut, wpre, stamp)
+                       mem_param, mem_act, inflight, mem_cap, buf_in, buf_out, last, cut, wpre, stamp)
 
 
 @njit(**NJIT)
 def _bounded_dp(order, pred_ptr, pred_idx, work, size_out, io_scale, relay, k, T,
-                mem_param, mem_act, inflight, mem_cap, last, cut, wpre, stamp):
+                mem_param, mem_act, inflight, mem_cap, buf_in, buf_out, last, cut, wpre, stamp):
     """The DP of :func:`slice_kernel` restricted to slicings with bottleneck <= T."""
     n = order.shape[0]
     total = wpre[n]
@@ -336,9 +364,15 @@ def _bounded_dp(order, pred_ptr, pred_idx, work, size_out, io_scale, relay, k, T
             c = w + io_scale * io
             if c > T:
                 continue
+            bm = 0.0  # receive buffers of [l, r] (not monotone in l: checked, never a break)
+            if has_mem:
+                if relay:
+                    bm = buf_in * (cut[l - 1] if l > 0 else 0.0) + buf_out * cut[r]
+                else:
+                    bm = buf_in * inb + buf_out * outb
             if l == 0:
                 if lo <= 1:
-                    if has_mem and pm + am * inflight[0] > mem_cap:
+                    if has_mem and pm + am * inflight[0] + bm > mem_cap:
                         continue
                     if c < F[1, r]:
                         F[1, r] = c
@@ -350,7 +384,7 @@ def _bounded_dp(order, pred_ptr, pred_idx, work, size_out, io_scale, relay, k, T
                 prev = F[j - 1, l - 1]
                 if prev >= F[j, r]:
                     continue
-                if has_mem and pm + am * inflight[j - 1] > mem_cap:
+                if has_mem and pm + am * inflight[j - 1] + bm > mem_cap:
                     continue
                 val = prev if prev > c else c
                 if val < F[j, r]:
@@ -402,7 +436,7 @@ def kernel_inputs(graph: OpGraph, k: int, objective: str = "inference", comm: st
     k : int
     objective : {"inference", "training"}
     comm : {"dag", "relay"}
-    memory : float or MemoryModel, optional
+    memory : float, MemoryModel or PartitionMemory, optional
 
     Returns
     -------
@@ -410,8 +444,9 @@ def kernel_inputs(graph: OpGraph, k: int, objective: str = "inference", comm: st
         ``(succ_ptr, succ_idx, pred_ptr, pred_idx, work (n,) s, size_out (n,) bytes,
         io_scale s/byte, relay bool, k)``: the arguments between ``order`` and ``bound``.
     mem : tuple
-        ``(mem_param (n,) bytes, mem_act (n,) bytes, inflight (k,), mem_cap bytes)`` from
-        :func:`fxpipe.partition.memory.memory_inputs`: the arguments after ``bound``.
+        ``(mem_param (n,) bytes, mem_act (n,) bytes, inflight (k,), mem_cap bytes, buf_in,
+        buf_out)`` from :func:`fxpipe.partition.memory.memory_inputs`: the arguments after
+        ``bound``.
 
     Raises
     ------
@@ -512,8 +547,9 @@ def slice_order(
         Contract-2 cost model (DESIGN.md).
     incumbent : float, optional
         Bottleneck (seconds) to beat: slicings with a larger bottleneck are pruned.
-    memory : float or MemoryModel, optional
-        Per-device memory capacity (bytes) or a :class:`fxpipe.partition.memory.MemoryModel`.
+    memory : float, MemoryModel or PartitionMemory, optional
+        Per-device capacity (bytes), a :class:`fxpipe.memory.MemoryModel` or a
+        :class:`fxpipe.partition.memory.PartitionMemory`.
 
     Returns
     -------

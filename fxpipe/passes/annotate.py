@@ -36,9 +36,15 @@ Activation memory (``act_bytes``), an approximation of what autograd saves
     nonlinearities save their input (gelu, silu, pow, ...) or output (tanh, sigmoid, exp,
     relu, rsqrt, softmax); normalisations save their input; dropout saves a 1-byte mask;
     add/sub/cat/copies/reductions save nothing; unknown ops save their tensor inputs.
-    Saved views keep their base alive: a saved tensor is resolved through shape-only ops
-    to its base, and each base is counted once, on the first node that saves it.
-    Parameters are never counted (they are resident).
+    Normalizations also save their fp32 statistics (layer/RMS norm: mean and rstd per row;
+    group norm: per sample and group; batch norm in training: per channel); max-pooling saves
+    its int64 argmax indices, ``topk``/``sort`` their int64 indices; ``matmul``/``linear`` save
+    what autograd saves when run on ``meta`` tensors of the operands' sizes and strides (an
+    operand whose batched reshape is not a view is saved as a fresh copy). Saved views keep their base alive: a saved tensor is resolved
+    through shape-only ops to its base, and each base is counted once, on the first node that
+    saves it. Parameters, buffers and the model's inputs (placeholders) are never counted:
+    they are resident, held by the module and by the caller for the whole step. Checked against the
+    bytes autograd saves (saved-tensor hooks) in ``benchmarks/bench_activation_peak.py``.
 """
 
 from __future__ import annotations
@@ -118,6 +124,20 @@ SAVES_INPUT = _packets(
     "clamp", "clamp_min", "clamp_max", "max", "min", "amax", "amin", "norm", "linalg_vector_norm",
     "var", "std", "var_mean", "gelu_", "silu_", "relu_", "tan", "atan", "asin", "acos", "sinh", "cosh",
 )
+
+LAYER_NORMS = _packets("layer_norm", "native_layer_norm")
+RMS_NORMS = _packets("rms_norm", "_fused_rms_norm")
+GROUP_NORMS = _packets("group_norm", "native_group_norm")
+#: normalizations whose backward also needs per-row / per-group / per-channel statistics
+NORM_STATS = LAYER_NORMS | RMS_NORMS | GROUP_NORMS | _packets("batch_norm", "native_batch_norm")
+#: max-pooling saves its input and the argmax indices (int64, shaped like the output)
+MAX_POOL = _packets("max_pool1d", "max_pool2d", "max_pool3d", "max_pool2d_with_indices", "max_pool3d_with_indices",
+                    "adaptive_max_pool1d", "adaptive_max_pool2d", "adaptive_max_pool3d")
+
+#: shape ops that copy when the input's strides do not allow a view
+COPYING_RESHAPES = _packets("reshape", "flatten")
+#: ops whose backward needs only their int64 indices output
+TOP_K = _packets("topk", "sort")
 
 PRODUCT = _packets("mul", "div", "mul_", "div_")
 DIVISION = _packets("div", "div_")
@@ -248,7 +268,9 @@ class AnnotateCosts(PassBase):
     -----
     After the pass, ``node.meta["fxpipe_cost"]`` holds an :class:`OpCost` for every node
     (placeholders, get_attr and output get zero-time records). ``gm.meta["fxpipe_param_owner"]``
-    maps each get_attr target of a parameter to the name of its owning node.
+    maps each get_attr target of a parameter to the name of its owning node, and
+    ``gm.meta["fxpipe_param_numel"]`` each owning node's name to the number of parameters it
+    owns (what :mod:`fxpipe.memory` counts its bytes per parameter against).
 
     Raises
     ------
@@ -348,6 +370,7 @@ class AnnotateCosts(PassBase):
         param_of: dict[torch.fx.Node, Any] = {}  # get_attr node (or a view of one) -> parameter
         seen_param: set[int] = set()
         owner_bytes: dict[torch.fx.Node, float] = {}
+        owner_numel: dict[str, int] = {}
         param_owner: dict[str, str] = {}
         rg: dict[torch.fx.Node, bool] = {}
         base: dict[torch.fx.Node, torch.fx.Node] = {}
@@ -383,6 +406,7 @@ class AnnotateCosts(PassBase):
                     continue
                 seen_param.add(id(p))
                 owner_bytes[node] = owner_bytes.get(node, 0.0) + self._bytes(p)
+                owner_numel[node.name] = owner_numel.get(node.name, 0) + _numel(p)
                 param_owner[_param_target(inp)] = node.name
             out_ts = _tensors(node.meta.get("val"))
             floating_out = any(t.dtype.is_floating_point or t.dtype.is_complex for t in out_ts)
@@ -393,14 +417,21 @@ class AnnotateCosts(PassBase):
                 rg[node] = floating_out and any(rg.get(i, False) for i in ins)
             if shape_only[node] and ins and not (node.target is operator.getitem and not shape_only.get(ins[0], False)):
                 base[node] = base.get(ins[0], ins[0])
+                # ---- begin act_bytes fix (issue 9): a reshape that cannot be a view (of an expanded
+                # or transposed tensor) makes a fresh tensor, which is what a later op saves
+                if _packet(node.target) in COPYING_RESHAPES and _reshape_copies(node):
+                    base[node] = node
+                # ---- end act_bytes fix
             else:
                 base[node] = node
         for pid, (node, p, inp) in fallback.items():  # only ever viewed, never computed on
             if pid not in seen_param:
                 seen_param.add(pid)
                 owner_bytes[node] = owner_bytes.get(node, 0.0) + self._bytes(p)
+                owner_numel[node.name] = owner_numel.get(node.name, 0) + _numel(p)
                 param_owner[_param_target(inp)] = node.name
         gm.meta["fxpipe_param_owner"] = param_owner
+        gm.meta["fxpipe_param_numel"] = owner_numel
 
         # -------- pass 2: costs
         saved_bases: set[torch.fx.Node] = set()
@@ -563,12 +594,28 @@ class AnnotateCosts(PassBase):
             total = 0.0
             for i in nodes:
                 b = base.get(i, i)
+                # ---- begin act_bytes fix (issue 9): model inputs (held by the caller for the whole
+                # step) and buffers/constants (held by the module) are resident like parameters
+                if b.op in ("placeholder", "get_attr"):
+                    continue
+                # ---- end act_bytes fix
                 if b in saved_bases or i in param_of or b in param_of:
                     continue
                 saved_bases.add(b)
                 total += float(sum(self._bytes(t) for t in _tensors(b.meta.get("val"))))
             return total
 
+        # ---- begin act_bytes fix (issue 9): matmul/linear on operands whose batched reshape is
+        # not a view save fresh copies (rotary q, GQA-expanded k): ask autograd on meta tensors
+        if pkt in MATMUL_COMPOSITE:
+            saved = self._matmul_saved(node, rg)
+            if saved is not None:
+                operands, fresh = saved
+                return save(i for i in operands if i not in param_of) + fresh
+        if pkt in TOP_K:  # the backward scatters through the int64 indices (second output) only
+            outs = _tensors(node.meta.get("val"))
+            return float(sum(_numel(t) * 8 for t in outs[1:2]))
+        # ---- end act_bytes fix
         if kind in ("matmul_param", "matmul", "embedding"):
             return save(act_in)
         if pkt in PRODUCT and len(node.args) >= 2:
@@ -597,9 +644,95 @@ class AnnotateCosts(PassBase):
             return 0.0
         if pkt in SAVES_OUTPUT:
             return save([node])
+        # ---- begin act_bytes fix (issue 9): what torch saves besides the input, measured with
+        # saved-tensor hooks (benchmarks/bench_activation_peak.py)
+        if pkt in NORM_STATS:  # mean and rstd (fp32 accumulate type) per normalized row / group / channel
+            return save(act_in[:1]) + self._norm_stats_bytes(node, pkt)
+        if pkt in MAX_POOL:  # the int64 argmax indices, shaped like the output
+            return save(act_in[:1]) + float(sum(_numel(t) * 8 for t in _tensors(node.meta.get("val"))[:1]))
+        # ---- end act_bytes fix
         if pkt in SAVES_INPUT:
             return save(act_in[:1])
         return save(act_in)
+
+    def _matmul_saved(self, node: torch.fx.Node, rg) -> tuple[list[torch.fx.Node], float] | None:
+        """What ``aten.matmul`` / ``aten.linear`` saves: operands saved as (views of) themselves, and
+        bytes of fresh copies (an operand whose expand + reshape to the batched matmul's 3-D form
+        is not a view is copied, and the copy is saved). Found by running the op on ``meta``
+        tensors with the operands' sizes, strides and ``requires_grad`` under saved-tensor hooks;
+        None when that is not possible (symbolic shapes)."""
+        ops = [a for a in node.args[:3] if isinstance(a, torch.fx.Node)]
+        vals = [a.meta.get("val") for a in ops]
+        if not all(isinstance(v, torch.Tensor) for v in vals):
+            return None
+        try:
+            metas = [torch.empty_strided(tuple(_to_int(d) for d in v.shape), tuple(_to_int(d) for d in v.stride()),
+                                         dtype=v.dtype, device="meta").requires_grad_(bool(rg.get(a, False)) and
+                                                                                      v.dtype.is_floating_point)
+                     for a, v in zip(ops, vals)]
+            saved: list[torch.Tensor] = []
+            args = [metas[ops.index(a)] if isinstance(a, torch.fx.Node) else a for a in node.args]
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+                node.target(*args, **node.kwargs)
+        except Exception:  # noqa: BLE001 - fall back to the table
+            return None
+        operands: list[torch.fx.Node] = []
+        fresh = 0.0
+        seen: set[int] = set()
+        for t in saved:
+            root = t._base if t._base is not None else t
+            if any(root is m for m in metas):
+                operands.append(ops[next(i for i, m in enumerate(metas) if root is m)])
+            elif id(root) not in seen:
+                seen.add(id(root))
+                fresh += self._bytes(root)
+        return operands, fresh
+
+    @staticmethod
+    def _norm_stats_bytes(node: torch.fx.Node, pkt) -> float:
+        """Bytes of the statistics a normalization saves for its backward (fp32, 4 bytes each).
+
+        ``layer_norm``: mean and rstd per normalized row; ``rms_norm``: rstd per row;
+        ``group_norm``: mean and rstd per (sample, group); ``batch_norm`` in training: the batch
+        mean and inverse std per channel (in eval it reads the running statistics, which are buffers).
+        """
+        x = node.args[0].meta.get("val") if node.args and isinstance(node.args[0], torch.fx.Node) else None
+        if not isinstance(x, torch.Tensor):
+            return 0.0
+        n = _numel(x)
+        if pkt in LAYER_NORMS or pkt in RMS_NORMS:
+            shape = node.args[1] if len(node.args) > 1 else node.kwargs.get("normalized_shape", ())
+            inner = 1
+            for d in shape or ():
+                inner *= _to_int(d)
+            rows = n // max(inner, 1)
+            return float(rows * 4 * (1 if pkt in RMS_NORMS else 2))
+        if pkt in GROUP_NORMS:
+            groups = _to_int(node.args[1]) if len(node.args) > 1 else _to_int(node.kwargs.get("num_groups", 1))
+            return float(_to_int(x.shape[0]) * groups * 4 * 2)
+        training = node.args[5] if len(node.args) > 5 else node.kwargs.get("training", False)
+        if training is True and x.dim() >= 2:
+            return float(_to_int(x.shape[1]) * 4 * 2)
+        return 0.0
+
+
+def _reshape_copies(node: torch.fx.Node) -> bool:
+    """True when ``reshape``/``flatten`` of the input's sizes and strides copies (is not a view).
+
+    Fake values do not record view relations, so the reshape is replayed on a ``meta`` tensor
+    with the input's sizes and strides; False when that is not possible.
+    """
+    src = node.args[0].meta.get("val") if node.args and isinstance(node.args[0], torch.fx.Node) else None
+    out = node.meta.get("val")
+    if not isinstance(src, torch.Tensor) or not isinstance(out, torch.Tensor):
+        return False
+    try:
+        t = torch.empty_strided(tuple(_to_int(d) for d in src.shape), tuple(_to_int(d) for d in src.stride()),
+                                dtype=src.dtype, device="meta")
+        r = t.reshape(tuple(_to_int(d) for d in out.shape))
+    except Exception:  # noqa: BLE001 - symbolic shapes: assume a view, as before
+        return False
+    return r._base is None and r is not t
 
 
 def _param_target(node: torch.fx.Node) -> str:

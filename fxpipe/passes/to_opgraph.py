@@ -16,7 +16,8 @@ Node mapping (what codegen and the partition baselines rely on):
   pair of OpGraph nodes; dependencies through ``get_attr`` are not edges.
 * ``extra[i]``: ``{"module": innermost nn_module_stack path with the wrapper prefix
   stripped (e.g. "transformer.h.3.mlp.c_fc"), "target": str(node.target), "flops": float,
-  "kind": OpCost.kind}``.
+  "kind": OpCost.kind, "num_params": int}``; ``num_params`` counts the parameters whose bytes
+  are in ``size_param_bytes`` (what :mod:`fxpipe.memory` charges bytes per parameter for).
 """
 
 from __future__ import annotations
@@ -101,6 +102,7 @@ def to_opgraph(gm: torch.fx.GraphModule, hardware: str | HardwareSpec = "h100-sx
                                                     "size_out_bytes", "size_param_bytes", "act_bytes")}
     extra: list[dict[str, Any]] = []
     edges: list[tuple[int, int]] = []
+    numel = gm.meta.get("fxpipe_param_numel", {})
     for node in nodes:
         cost = node.meta.get(COST_KEY)
         if not isinstance(cost, OpCost):
@@ -110,7 +112,7 @@ def to_opgraph(gm: torch.fx.GraphModule, hardware: str | HardwareSpec = "h100-sx
         for key in cols:
             cols[key].append(float(getattr(cost, key)))
         extra.append({"module": module_path(node, prefix), "target": str(node.target),
-                      "flops": float(cost.flops), "kind": cost.kind})
+                      "flops": float(cost.flops), "kind": cost.kind, "num_params": int(numel.get(node.name, 0))})
         v = index[node]
         for inp in node.all_input_nodes:
             u = index.get(inp)

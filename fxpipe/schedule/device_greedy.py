@@ -65,10 +65,13 @@ def min_device_memory(problem: ScheduleProblem, *, offload: bool = True) -> np.n
     At the start of F(s, j) the stage's own stash ``mem_f[s]`` is on the device, and so is
     the stash of micro-batch j on every earlier stage s' < s of the same device (its B waits
     for B(s, j)), at least ``mem_f[s'] - offload_bytes[s']`` of it if offloaded; other
-    micro-batches hold >= 0. So the peak of device d is at least
-    ``max_{s on d} (mem_f[s] + sum_{s' < s on d} (mem_f[s'] - offload_bytes[s']))``; running
-    one micro-batch at a time (offloading the earlier stashes) attains it. With one stage per
-    device this is ``mem_f[s]``.
+    micro-batches hold >= 0. The same holds at the start of B(s, j), where the stage holds
+    its stash plus the B's rise (``stash_footprint[s]``: a recomputing stage replays its
+    forward). So the peak of device d is at least
+    ``max_{s on d} (stash_footprint[s] + sum_{s' < s on d} (mem_f[s'] - offload_bytes[s']))``;
+    running one micro-batch at a time (offloading the earlier stashes, each W right after its
+    B) attains it. With one stage per device this is ``stash_footprint[s]`` (``mem_f[s]``
+    without recomputation).
 
     Parameters
     ----------
@@ -81,7 +84,7 @@ def min_device_memory(problem: ScheduleProblem, *, offload: bool = True) -> np.n
         held = 0.0
         best = 0.0
         for s in stages:
-            best = max(best, held + float(problem.mem_f[s]))
+            best = max(best, held + float(problem.stash_footprint[s]))
             keep = float(problem.mem_f[s]) - (float(problem.offload_bytes[s]) if offload else 0.0)
             held += keep
         out[d] = best

@@ -20,7 +20,7 @@ from fxpipe.errors import InputError, SolverError
 from fxpipe.ir import Schedule, ScheduleProblem, looped_placement, v_placement
 from fxpipe.schedule.heuristics import ALL_METHODS as HEURISTICS
 
-METHODS = (*HEURISTICS, "milp")
+METHODS = (*HEURISTICS, "milp", "auto")
 
 #: Methods that schedule one stage per device (any placement with D = S).
 _ONE_STAGE = ("gpipe", "1f1b", "zb-h1", "zb-h2", "greedy", "pipeoffload", "adaoffload")
@@ -34,7 +34,8 @@ def methods_for_placement(device_of_stage: Sequence[int], num_devices: int | Non
     * looped (stage s on device ``s mod p``), v >= 2: ``interleaved-1f1b``;
     * V-shape with 2 stages per device: ``zb-v``, ``dualpipe-v`` (the latter also needs
       ``m >= 2p``, checked when it runs);
-    * every placement: ``greedy`` (the device greedy) and ``milp``.
+    * every placement: ``greedy`` (the device greedy), ``milp`` and ``auto``
+      (:func:`fxpipe.schedule.auto.auto_schedule`).
 
     Parameters
     ----------
@@ -46,7 +47,7 @@ def methods_for_placement(device_of_stage: Sequence[int], num_devices: int | Non
     dev = tuple(int(d) for d in device_of_stage)
     p = (max(dev) + 1 if dev else 0) if num_devices is None else int(num_devices)
     S = len(dev)
-    ok = {"greedy", "milp"}
+    ok = {"greedy", "milp", "auto"}
     if p == S:
         ok.update(_ONE_STAGE)
     if p >= 1 and S % p == 0:
@@ -85,7 +86,10 @@ def make_schedule(
     ----------
     problem : ScheduleProblem
     method : str
-        One of :data:`METHODS`.
+        One of :data:`METHODS`. ``"auto"``: the best schedule that fits among the heuristics
+        (offloading only when no plain schedule fits) and, within ``time_limit_s``, the MILP
+        (:func:`fxpipe.schedule.auto.auto_schedule` without recomputation, which would change
+        the problem).
     time_limit_s : float
         MILP budget in seconds (ignored by the heuristics).
     progress : bool
@@ -114,7 +118,11 @@ def make_schedule(
     if method not in METHODS:
         raise InputError(f"schedule method must be one of {METHODS}, got {method!r}")
     t0 = time.perf_counter()
-    if method == "milp":
+    if method == "auto":
+        from fxpipe.schedule.auto import auto_schedule
+
+        sched = auto_schedule(problem, recompute=False, time_limit_s=time_limit_s, progress=progress).schedule
+    elif method == "milp":
         from fxpipe.schedule.milp import solve, warm_start_schedule
 
         sched = solve(problem, time_limit_s=time_limit_s, warm_start=warm_start_schedule(problem), progress=progress, on_incumbent=on_incumbent)

@@ -17,6 +17,9 @@ Per stage:
   both times are 0). This is the simplest documented split; Zero Bubble's transformer
   accounting (Qi et al. 2024 Table 1) frees most activations at B and keeps the inputs of
   linear layers for W;
+* ``recompute_mem_f[s]`` = the relay bytes stage s receives (its inputs, what a stage that
+  recomputes its forward during B keeps from F; :meth:`ScheduleProblem.with_recompute`), at
+  least 1 byte and at most ``mem_f[s]``;
 * ``offload_bytes[s] = mem_f[s]`` and ``t_offload[s] = mem_f[s] / host_bandwidth`` (or the
   given ``t_offload_s``). Without either, offload is disabled: ``offload_bytes = 0``, so an
   offload frees nothing.
@@ -103,7 +106,7 @@ def problem_from_partition(
         if a.size and a.min() < 0:
             raise InputError("block ids must be >= 0")
         k = int(a.max()) + 1 if a.size else 1
-    _, out_b = io_bytes(graph, a, k, "relay")  # raises InputError on a backward edge
+    in_b, out_b = io_bytes(graph, a, k, "relay")  # raises InputError on a backward edge
     t_f = np.bincount(a, weights=graph.t_fwd_s, minlength=k)
     t_b = np.bincount(a, weights=graph.t_bwd_input_s, minlength=k)
     t_w = np.bincount(a, weights=graph.t_bwd_weight_s, minlength=k)
@@ -138,6 +141,7 @@ def problem_from_partition(
         mem_b=mem_b,
         mem_w=mem_w,
         offload_bytes=off_bytes,
+        recompute_mem_f=np.minimum(np.maximum(in_b, MIN_STASH_BYTES), mem_f),
         mem_limit=mem_limit_bytes,
         pcie_groups=pcie_groups,
         objective=objective,

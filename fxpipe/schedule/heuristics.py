@@ -178,20 +178,23 @@ def _stash_budget(problem: ScheduleProblem, count: Sequence[int], per_stage: boo
     device is what is bounded (Qi et al. 2024 Section 2: "the maximum peak memory usage
     over all workers").
     """
-    own = np.asarray(count, dtype=float) * problem.mem_f
+    # count stashes plus the rise of a B (the replayed forward of a recomputing stage)
+    own = np.asarray(count, dtype=float) * problem.mem_f + np.maximum(0.0, problem.mem_b_start)
     if not per_stage:
         own = np.full(problem.num_stages, float(own.max()))
     return np.minimum(own, _stage_limits(problem))
 
 
 def _min_stash_check(problem: ScheduleProblem, method: str) -> None:
-    bad = np.flatnonzero(problem.mem_f > _stage_limits(problem) * (1 + 1e-12))
+    need = problem.stash_footprint  # mem_f, or the stash plus a recomputing B's replay
+    bad = np.flatnonzero(need > _stage_limits(problem) * (1 + 1e-12))
     if bad.size:
         s = int(bad[0])
         raise InfeasibleError(
-            f"{method}: stage {s} cannot hold even one micro-batch's stash without offload "
-            f"(mem_f {problem.mem_f[s]:.6g} > mem_limit {_stage_limits(problem)[s]:.6g}, over by "
-            f"{problem.mem_f[s] - _stage_limits(problem)[s]:.6g}); use pipeoffload/adaoffload/milp or more memory"
+            f"{method}: stage {s} cannot hold even one micro-batch's stash "
+            f"({need[s]:.6g} bytes > mem_limit {_stage_limits(problem)[s]:.6g}, over by "
+            f"{need[s] - _stage_limits(problem)[s]:.6g}); no schedule fits: raise the memory, recompute "
+            "(a smaller stash) or use more stages"
         )
 
 
@@ -349,9 +352,12 @@ def greedy_orders(
     def d(t, s):
         return float(memd[t][s])
 
+    def rise(t, s):  # memory rise at the op's start (a recomputing B replays its forward)
+        return d(t, s) + (float(problem.mem_b_transient[s]) if t == "B" else 0.0)
+
     def place(s: int, t: str) -> None:
         j = cnt[t][s]
-        if mem[s] + d(t, s) > budget[s] + eps * max(1.0, abs(budget[s])):
+        if mem[s] + rise(t, s) > budget[s] + eps * max(1.0, abs(budget[s])):
             raise _GreedyFail(f"stage {s}: {t}{j} exceeds the memory budget")
         end = busy_until[s] + c(t, s)
         tight = end
@@ -374,7 +380,7 @@ def greedy_orders(
         return cnt["W"][s] < cnt["B"][s]
 
     def free_memory_for(s: int, t: str) -> None:
-        while mem[s] + d(t, s) > budget[s] + eps * max(1.0, abs(budget[s])):
+        while mem[s] + rise(t, s) > budget[s] + eps * max(1.0, abs(budget[s])):
             if not pending_w(s):
                 raise _GreedyFail(f"stage {s}: no W left to free memory for {t}{cnt[t][s]}")
             place(s, "W")

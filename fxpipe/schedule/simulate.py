@@ -299,6 +299,9 @@ def simulate(
             est = fit_time(d, est, float(problem.mem_f[s]))
         dur = problem.duration(s, t)
         mem_events[d].append((est, float(delta[t][s])))
+        if t == "B" and problem.mem_b_transient[s]:  # the replayed forward of a recomputing stage
+            mem_events[d].append((est, float(problem.mem_b_transient[s])))
+            mem_events[d].append((est + dur, -float(problem.mem_b_transient[s])))
         end[(s, j, t)] = est + dur
         ops.append(ScheduledOp(s, j, t, est, est + dur))
         free[d] = est + dur

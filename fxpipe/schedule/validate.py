@@ -16,9 +16,11 @@ Rules (numbers as in Contract 3):
    between stages on one device);
 4. ``O(s,j).start >= F(s,j).end``, ``R(s,j).start >= O(s,j).end`` and ``R(s,j).end <= B(s,j).start``;
 5. memory of stage s at time t is the sum of the deltas of its F/B/W ops that have started by
-   t, minus ``offload_bytes[s]`` for every (s, j) with ``O.end <= t < R.start``; memory of a
-   device is the sum over its stages and never exceeds the device's ``mem_limit[d]``
-   (checked at every op start, which is where it can rise).
+   t, plus ``mem_b_transient[s]`` for every B of s running at t (``B.start <= t < B.end``;
+   the replayed forward of a recomputing stage), minus ``offload_bytes[s]`` for every
+   (s, j) with ``O.end <= t < R.start``; memory of a device is the sum over its stages and
+   never exceeds the device's ``mem_limit[d]`` (checked at every op start, which is where it
+   can rise).
 
 Tolerances: times are compared with an absolute tolerance ``tol * max(1, T)`` where ``T`` is
 the largest absolute time in the schedule (so the check is scale-free for times in seconds or
@@ -52,6 +54,7 @@ __all__ = [
     "device_busy_s",
     "device_spans",
     "peak_memory",
+    "offloaded_peak",
 ]
 
 _MAX_REPORTED = 50
@@ -93,7 +96,7 @@ def _time_tol(ops: Sequence[ScheduledOp], tol: float) -> float:
 
 
 def _mem_tol(problem: ScheduleProblem, d: int, tol: float) -> float:
-    scale = max([1.0] + [float(problem.mem_f[s]) for s in problem.stages_of_device(d)])
+    scale = max([1.0] + [float(problem.stash_footprint[s]) for s in problem.stages_of_device(d)])
     lim = float(problem.mem_limit[d])
     if math.isfinite(lim):
         scale = max(scale, abs(lim))
@@ -349,7 +352,10 @@ def _profile(problem: ScheduleProblem, ops: Iterable[ScheduledOp], stages: Seque
         if o.type == "F":
             events.append((o.start_s, float(problem.mem_f[o.stage])))
         elif o.type == "B":
-            events.append((o.start_s, float(problem.mem_b[o.stage])))
+            tr = float(problem.mem_b_transient[o.stage])
+            events.append((o.start_s, float(problem.mem_b[o.stage]) + tr))
+            if tr:
+                events.append((o.end_s, -tr))
         elif o.type == "W":
             events.append((o.start_s, float(problem.mem_w[o.stage])))
     for (s, j), pr in pairs.items():
@@ -382,9 +388,10 @@ def memory_profile(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Activation memory of one stage over time, as a right-continuous step curve.
 
-    Events (Contract 3 rule 5): F start ``+mem_f``, B start ``+mem_b``, W start ``+mem_w``,
-    and for every micro-batch that has both O and R: O end ``-offload_bytes``, R start
-    ``+offload_bytes``. All events at one instant apply together.
+    Events (Contract 3 rule 5): F start ``+mem_f``, B start ``+mem_b + mem_b_transient``,
+    B end ``-mem_b_transient`` (only where it is non-zero: recomputing stages), W start
+    ``+mem_w``, and for every micro-batch that has both O and R: O end ``-offload_bytes``,
+    R start ``+offload_bytes``. All events at one instant apply together.
 
     Parameters
     ----------
@@ -434,4 +441,34 @@ def peak_memory(problem: ScheduleProblem, ops: Schedule | Iterable[ScheduledOp])
     for d in range(problem.num_devices):
         _, mem = device_memory_profile(problem, ops, d)
         out[d] = float(mem.max()) if mem.size else 0.0
+    return out
+
+
+def offloaded_peak(problem: ScheduleProblem, ops: Schedule | Iterable[ScheduledOp]) -> np.ndarray:
+    """Most activation bytes each device has in host memory at once (float64 (D,), bytes).
+
+    A stash of (s, j) is off the device from the end of its O to the start of its R (Contract
+    3 rule 5); this is the host memory the device's offloads need (0 without offload).
+
+    Parameters
+    ----------
+    problem : ScheduleProblem
+    ops : Schedule or iterable of ScheduledOp
+    """
+    pairs: dict[tuple[int, int], dict[str, ScheduledOp]] = defaultdict(dict)
+    for o in _ops_of(ops):
+        if o.type in ("O", "R") and 0 <= o.stage < problem.num_stages:
+            pairs[(o.stage, o.microbatch)][o.type] = o
+    events: list[list[tuple[float, float]]] = [[] for _ in range(problem.num_devices)]
+    for (s, _j), pr in pairs.items():
+        if "O" in pr and "R" in pr and pr["O"].end_s < pr["R"].start_s:
+            b = float(problem.offload_bytes[s])
+            d = problem.device_of_stage[s]
+            events[d] += [(pr["O"].end_s, b), (pr["R"].start_s, -b)]
+    out = np.zeros(problem.num_devices)
+    for d, evs in enumerate(events):
+        cur = 0.0
+        for _t, x in sorted(evs):
+            cur += x
+            out[d] = max(out[d], cur)
     return out

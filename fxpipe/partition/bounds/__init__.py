@@ -30,11 +30,15 @@ methods and returns a :class:`BoundsReport`.
 
 Memory capacity model
 ---------------------
-The capacity model is the partitioner's (:mod:`fxpipe.partition.memory`): the stage at
-pipeline position s holds ``size_param_bytes * state_factor + inflight[s] * act_bytes`` of
-its nodes (training 1F1B: ``inflight[s] = k - s``, state factor 8; inference: 1 and 1).
-``memory_capacity_bytes`` is a number of bytes or a
-:class:`~fxpipe.partition.memory.MemoryModel`.
+The capacity model is the partitioner's (:mod:`fxpipe.partition.memory`, an adapter onto
+fxpipe's one memory model :mod:`fxpipe.memory`): the stage at pipeline position s holds
+``num_params * static_bytes_per_param + inflight[s] * act_bytes`` of its nodes (16 bytes per
+parameter for mixed-precision Adam; ``inflight`` by the activation rule, one stash for the
+default ``"floor"``) plus its receive buffers, within ``capacity - reserved``. ``memory``
+is a capacity in bytes, a :class:`fxpipe.memory.MemoryModel` or a
+:class:`~fxpipe.partition.memory.PartitionMemory`. The MIPs leave the receive buffers out
+(they depend on the cut, not on the nodes alone): they constrain fewer partitions than the
+partitioner, so their dual bounds stay valid for it.
 
 References
 ----------
@@ -73,7 +77,7 @@ from fxpipe.partition.bounds.models import (
 from fxpipe.partition.bounds.chain import chain_certificate
 from fxpipe.partition.bounds.simple import simple_bound, simple_work_bound
 from fxpipe.mip import SolveResult, scip_version, solve_model
-from fxpipe.partition.memory import MemoryModel, as_memory_model, memory_inputs, stage_memory_bytes
+from fxpipe.partition.memory import PartitionMemory, as_partition_memory, memory_inputs, stage_memory_bytes
 from fxpipe.partition.objective import Partition, check_objective
 
 __all__ = [
@@ -85,7 +89,7 @@ __all__ = [
     "bound",
     "make_mip_data",
     "initial_partition",
-    "MemoryModel",
+    "PartitionMemory",
     "write_certificate",
     "read_certificate",
     "simple_bound",
@@ -142,13 +146,14 @@ def make_mip_data(
     objective: str = "inference",
     comm: str = "dag",
     *,
-    memory_capacity_bytes: "float | MemoryModel | None" = None,
+    memory=None,
 ) -> MipData:
     """Convert an OpGraph to the scaled plain data the MIP builders read.
 
-    ``memory_capacity_bytes`` is a capacity in bytes or a
-    :class:`~fxpipe.partition.memory.MemoryModel`. The scale is the Lemma 3.3 bound in seconds (or the largest cost if that is 0), so the
-    model's numbers are of order 1.
+    ``memory`` is a capacity in bytes, a :class:`fxpipe.memory.MemoryModel` or a
+    :class:`~fxpipe.partition.memory.PartitionMemory`; ``capacity_bytes`` of the data is its
+    usable part. The scale is the Lemma 3.3 bound in seconds (or the largest cost if that is
+    0), so the model's numbers are of order 1.
 
     Raises
     ------
@@ -169,9 +174,9 @@ def make_mip_data(
         scale = 1.0
     mem = act = inflight = None
     cap = None
-    model = as_memory_model(memory_capacity_bytes)
+    model = as_partition_memory(memory)
     if model is not None:
-        mem, act, inflight, cap = memory_inputs(graph, int(k), objective, model)
+        mem, act, inflight, cap = memory_inputs(graph, int(k), objective, model)[:4]  # no receive buffers (docstring)
     data = MipData(
         n=graph.n,
         edges=np.asarray(graph.edges, dtype=np.int64).reshape(-1, 2),
@@ -196,13 +201,13 @@ def make_mip_data(
 # --------------------------------------------------------------------------------------
 
 
-def _fits(graph: OpGraph, assignment: np.ndarray, k: int, objective: str, memory) -> bool:
+def _fits(graph: OpGraph, assignment: np.ndarray, k: int, objective: str, memory, comm: str = "relay") -> bool:
     """Whether a pipeline-order assignment meets the capacity (always True without one)."""
-    model = as_memory_model(memory)
+    model = as_partition_memory(memory)
     if model is None:
         return True
-    per = stage_memory_bytes(graph, assignment, k, objective, model)
-    return bool(per.max() <= model.capacity_bytes * (1 + 1e-12))
+    per = stage_memory_bytes(graph, assignment, k, objective, model, comm)
+    return bool(per.max() <= model.usable_bytes * (1 + 1e-12))
 
 
 def _contiguous_split(graph: OpGraph, k: int, objective: str, comm: str) -> Partition:
@@ -255,7 +260,7 @@ def initial_partition(
         except InfeasibleError:
             return None
     part = _contiguous_split(graph, k, objective, comm)
-    return part if _fits(graph, part.assignment, k, objective, memory) else None
+    return part if _fits(graph, part.assignment, k, objective, memory, comm) else None
 
 
 # --------------------------------------------------------------------------------------
@@ -509,9 +514,11 @@ class BoundsReport:
         partition meeting the memory capacity is known.
     certificates : dict[str, Certificate]
         By method, in the order run.
-    memory_capacity_bytes : float or None
+    capacity_bytes : float or None
+        Bytes of one device (its usable part is what a stage may hold).
     capacity_model : dict
-        How node memory is counted.
+        How node memory is counted (:meth:`PartitionMemory.to_dict`, the usable bytes and
+        the in-flight stashes per position).
     graph_summary : dict
         Name, n, m, total work and bytes of the graph.
     interrupted : bool
@@ -523,7 +530,7 @@ class BoundsReport:
     comm: str
     partition: Partition | None
     certificates: dict
-    memory_capacity_bytes: float | None = None
+    capacity_bytes: float | None = None
     capacity_model: dict = field(default_factory=dict)
     graph_summary: dict = field(default_factory=dict)
     interrupted: bool = False
@@ -555,7 +562,7 @@ class BoundsReport:
             "ratio": self.ratio,
             "solver": {
                 "version": versions[0] if versions else scip_version(),
-                "memory_capacity_bytes": self.memory_capacity_bytes,
+                "capacity_bytes": self.capacity_bytes,
                 "capacity_model": self.capacity_model,
                 "interrupted": self.interrupted,
                 "certificates": {m: c.to_dict() for m, c in self.certificates.items()},
@@ -574,7 +581,7 @@ class BoundsReport:
             "k": self.k,
             "objective": self.objective,
             "comm": self.comm,
-            "memory_capacity_bytes": self.memory_capacity_bytes,
+            "capacity_bytes": self.capacity_bytes,
             "capacity_model": self.capacity_model,
             "partition": None if p is None else p.to_dict(),
             "best_lower_bound": self.best_lower_bound,
@@ -638,7 +645,7 @@ def compute_bounds(
     comm: str = "dag",
     methods: Sequence[str] = DEFAULT_METHODS,
     time_limit_s: float = 60.0,
-    memory_capacity_bytes: "float | MemoryModel | None" = None,
+    memory=None,
     warm_start: Partition | np.ndarray | Sequence[int] | None = None,
     search_time_limit_s: float | None = None,
     workers: int = GUESS_WORKERS,
@@ -664,9 +671,9 @@ def compute_bounds(
     time_limit_s : float
         Budget of each MIP method, seconds; a method that runs out returns the best dual
         bound it reached with status ``"timelimit"``.
-    memory_capacity_bytes : float or MemoryModel, optional
-        Per-device capacity in bytes (or a full
-        :class:`~fxpipe.partition.memory.MemoryModel`); every bound then holds for the
+    memory : float, MemoryModel or PartitionMemory, optional
+        Per-device capacity in bytes, a :class:`fxpipe.memory.MemoryModel` or a
+        :class:`~fxpipe.partition.memory.PartitionMemory`; every bound then holds for the
         partitions whose stages all fit (stage memory of :mod:`fxpipe.partition.memory`).
     warm_start : Partition or int array (n,), optional
         Best known partition (used as the incumbent and as the exact MIP's start). If
@@ -708,17 +715,18 @@ def compute_bounds(
         raise InputError(f"unknown bound method(s) {bad}; choose from {', '.join(METHODS)}")
     if not (time_limit_s > 0):
         raise InputError(f"time limit must be > 0 seconds, got {time_limit_s}")
-    data = make_mip_data(graph, k, objective, comm, memory_capacity_bytes=memory_capacity_bytes)
-    mem_model = as_memory_model(memory_capacity_bytes)
+    data = make_mip_data(graph, k, objective, comm, memory=memory)
+    mem_model = as_partition_memory(memory)
     capacity_model = {}
     if mem_model is not None:
+        from fxpipe.memory import inflight_stashes  # noqa: PLC0415
+
         capacity_model = {
-            "kind": "fxpipe.partition.memory",
-            "capacity_bytes": float(mem_model.capacity_bytes),
-            "state_bytes_per_param_byte": mem_model.factor(objective),
-            "schedule": mem_model.schedule,
-            "microbatches": mem_model.microbatches,
-            "inflight": mem_model.inflight(int(k), objective).tolist(),
+            "kind": "fxpipe.memory",
+            **mem_model.to_dict(),
+            "usable_bytes": float(mem_model.usable_bytes),
+            "static_bytes_per_param": mem_model.model.static_bytes_per_param(objective),
+            "inflight": inflight_stashes(int(k), mem_model.num_microbatches, mem_model.activation, objective).tolist(),
         }
     # ---- best known partition
     if warm_start is None:
@@ -732,7 +740,7 @@ def compute_bounds(
             best = warm_start
     else:
         best = Partition.from_assignment(graph, np.asarray(warm_start), k, objective, comm, meta={"method": "warm_start"})
-    if best is not None and not _fits(graph, best.assignment, k, objective, mem_model):
+    if best is not None and not _fits(graph, best.assignment, k, objective, mem_model, comm):
         best = None  # not a feasible partition under the capacity
     certs: dict[str, Certificate] = {}
     if progress is None:
@@ -752,7 +760,7 @@ def compute_bounds(
             continue
         if m == "chain":
             cert, cand = chain_certificate(graph, k, objective, comm)
-            if cand is not None and _fits(graph, cand.assignment, k, objective, mem_model) and (
+            if cand is not None and _fits(graph, cand.assignment, k, objective, mem_model, comm) and (
                 best is None or cand.bottleneck < best.bottleneck * (1 - 1e-12)
             ):
                 best = cand
@@ -788,7 +796,7 @@ def compute_bounds(
             break
         if inc is not None:
             cand = Partition.from_assignment(graph, inc, k, objective, comm, meta={"method": f"scip-{m}"})
-            if _fits(graph, cand.assignment, k, objective, mem_model) and (
+            if _fits(graph, cand.assignment, k, objective, mem_model, comm) and (
                 best is None or cand.bottleneck < best.bottleneck * (1 - 1e-12)
             ):
                 best = cand
@@ -806,7 +814,7 @@ def compute_bounds(
         comm=comm,
         partition=best,
         certificates=certs,
-        memory_capacity_bytes=None if mem_model is None else float(mem_model.capacity_bytes),
+        capacity_bytes=None if mem_model is None else float(mem_model.capacity_bytes),
         capacity_model=capacity_model,
         graph_summary=_graph_summary(graph, objective),
         interrupted=interrupted,

@@ -468,7 +468,7 @@ def build_model(
     for d in range(D):
         lim = float(problem.mem_limit[d])
         stages = problem.stages_of_device(d)
-        if not math.isfinite(lim) or M * float(sum(problem.mem_f[s] for s in stages)) <= lim:
+        if not math.isfinite(lim) or _memory_upper_bound(problem, stages) <= lim:
             continue  # the limit can never bind on this device
         mem_devices.append(d)
         if len(stages) == 1:
@@ -477,6 +477,7 @@ def build_model(
             if any(float(problem.offload_bytes[s]) > 0 for s in stages):
                 V.restricted = "no offload on devices that hold several stages"
             _device_memory(model, V, problem, d, lim, add)
+        _recompute_memory(V, problem, d, lim, add)
     V.mem_devices = tuple(mem_devices)
 
     # ---- pcie groups (Eq. 18-19): copy ops of stages in one group never overlap
@@ -563,6 +564,52 @@ def _stage_pred(o: Op) -> list[Op]:
     elif c == "B":
         out.append((s, j, "F"))
     return out
+
+
+# ---- begin recomputation (issue 9): memory rows at the B starts of recomputing stages --------
+def _memory_upper_bound(problem: ScheduleProblem, stages) -> float:
+    """Most activation memory a device can ever hold (bytes): every micro-batch of each stage
+    at its largest (``mem_f``, or ``-mem_w`` after a recomputing B), plus one B's transient
+    (one B runs at a time on a device)."""
+    M = problem.num_microbatches
+    held = sum(M * max(float(problem.mem_f[s]), -float(problem.mem_w[s])) for s in stages)
+    return held + max(float(problem.mem_b_transient[s]) for s in stages)
+
+
+def _recompute_memory(V: MilpVars, problem: ScheduleProblem, d: int, lim: float, add) -> None:
+    """Memory of device ``d`` at the start of every B that raises it (Contract 3 rule 5).
+
+    Without recomputation memory rises only at F and R starts, which the rows of
+    :func:`_single_stage_memory` / :func:`_device_memory` check. A recomputing stage's B
+    replays its forward: at its start the device holds the deltas of every op started
+    before it (ops of one device do not overlap, so their transients are over) plus
+    ``mem_b + mem_b_transient``. A recomputing stage offloads nothing (``offload_bytes = 0``),
+    but other stages of the device may: their offloaded stashes are counted as on the
+    device here, which only makes these rows stricter than Contract 3 when offload and
+    recomputation share a device (then ``V.restricted`` says so).
+    """
+    ops_d = device_ops(problem, d)
+    delta = {"F": problem.mem_f, "B": problem.mem_b, "W": problem.mem_w}
+    rise = problem.mem_b_start
+    stages = problem.stages_of_device(d)
+    rows = [e for e in ops_d if e[2] == "B" and float(rise[e[0]]) > 0.0]
+    if rows and any(float(problem.offload_bytes[s]) > 0 for s in stages):
+        V.restricted = "offloaded stashes are counted on the device at recomputing B starts"
+    for e in rows:
+        expr = float(rise[e[0]]) / lim
+        for o in ops_d:
+            if o == e:
+                continue
+            coef = float(delta[o[2]][o[0]]) / lim
+            if coef == 0.0:
+                continue
+            lit = order_literal(V, o, e)
+            expr = expr + coef * (lit if isinstance(lit, int) else _lit_expr(lit))
+        if not isinstance(expr, (int, float)):
+            add(expr <= 1.0, f"memB_{d}_{e}")
+        elif expr > 1.0 + 1e-9:
+            add(V.C <= -1.0, f"memB_{d}_{e}")  # pragma: no cover - excluded by check_memory_feasible
+# ---- end recomputation ---------------------------------------------------------------------
 
 
 def _device_memory(model, V: MilpVars, problem: ScheduleProblem, d: int, lim: float, add) -> None:

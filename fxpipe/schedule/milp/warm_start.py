@@ -54,9 +54,10 @@ def check_memory_feasible(problem: ScheduleProblem) -> None:
             if len(stages) == 1:
                 s = stages[0]
                 raise InfeasibleError(
-                    f"stage {s}: one forward needs mem_f = {problem.mem_f[s]:g} but mem_limit is "
-                    f"{lim:g}; no schedule fits even with offloading (the stash of the "
-                    "running forward is on the device). Raise the limit, use more stages or smaller micro-batches."
+                    f"stage {s}: one micro-batch needs {problem.stash_footprint[s]:g} bytes (its stash mem_f="
+                    f"{float(problem.mem_f[s]):g}, plus the replayed forward if it recomputes) but mem_limit is {lim:g}; no schedule fits even with "
+                    "offloading (the stash of the running op is on the device). Raise the limit, use more stages "
+                    "or smaller micro-batches."
                 )
             raise InfeasibleError(
                 f"device {d} (stages {list(stages)}): one micro-batch needs {need_off[d]:g} bytes on it even with "
@@ -73,7 +74,8 @@ def check_memory_feasible(problem: ScheduleProblem) -> None:
 def sequential_schedule(problem: ScheduleProblem) -> Schedule:
     """One micro-batch in flight at a time: the trivial feasible schedule (OptPipe 4.1.3).
 
-    Forward through every stage, backward back, then the W's; comm only between devices.
+    Forward through every stage, then backward back with each W right after its B; comm only
+    between devices.
     Any placement; its peak memory is :func:`fxpipe.schedule.device_greedy.min_device_memory`
     without offload.
     """
@@ -93,7 +95,8 @@ def sequential_schedule(problem: ScheduleProblem) -> Schedule:
             d = problem.duration(s, "B")
             ops.append(ScheduledOp(s, j, "B", t, t + d))
             t += d
-        for s in range(S):
+            # W right after its B: what a recomputing B keeps for W is freed before the next
+            # B's replay, so the peak is min_device_memory (without offload)
             d = problem.duration(s, "W")
             ops.append(ScheduledOp(s, j, "W", t, t + d))
             t += d

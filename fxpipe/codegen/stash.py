@@ -1,0 +1,794 @@
+"""The activation stash of a pipeline rank: saved-tensor hooks, live-byte accounting, offload/reload, recomputation.
+
+Every stage forward that the runtime runs goes through :meth:`DeviceStash.forward`, which
+installs ``torch.autograd.graph.saved_tensors_hooks`` for that (stage, micro-batch). Autograd
+then keeps, instead of each tensor it saves for the backward, a small handle (a *slot*) that
+points into the stash of that micro-batch; the stash groups the slots by storage (views of one
+tensor, e.g. q/k/v split from one projection, share one storage and are counted and moved once).
+
+What counts
+    A micro-batch's stash is every storage autograd saves during that stage's forward, except
+    what stays resident anyway: the stage's parameters and buffers (and views of them) and the
+    stage's inputs (the model inputs on the first stage, torch's receive buffers elsewhere,
+    which :mod:`fxpipe.memory` counts as communication buffers). This is the quantity the cost
+    model's ``act_bytes`` predicts (Contract 1: "what one micro-batch's forward keeps alive for
+    its backward"). The loss computed on the last stage is outside the stage forward and not
+    counted. Live bytes per stage and per device are updated on every save and every release,
+    so the recorded peaks are exact at tensor granularity.
+
+Lifetime
+    A slot dies when autograd drops it (a full backward frees each node's saved tensors as it
+    runs) or, at the latest, when the micro-batch's last backward on the stage ends (the
+    ``W``, or the full ``B``): :meth:`DeviceStash.release` then empties every slot still
+    referenced by a graph that outlives its backward (torch's split backward keeps the graph
+    with ``retain_graph=True``; the last stage's loss keeps it until the end of the step).
+
+Offload / reload (``O`` / ``R``; :mod:`fxpipe.codegen.offload` says when they run)
+    ``O(s, j)`` copies every device storage of the stash to host memory and drops the device
+    references, so the device storage is freed; ``R(s, j)`` allocates device storage, copies
+    back and rebuilds every saved view on it (same dtype, size, stride and offset). On CUDA the
+    host buffers are pinned (kept in a pool of exact sizes for reuse) and both directions run on
+    one copy stream per device (PipeOffload Sec. 4.2): an offload waits for the compute stream
+    (an event), its device storage is released once the copy has finished (polled, never
+    blocking the compute stream); the backward that needs a reloaded stash makes the compute
+    stream wait for the reload's event. On CPU both copies are synchronous copies into separate
+    buffers, so the same code path runs in CI. A backward that needs a stash that is still on the
+    host raises :class:`StashError` naming the stage and micro-batch (never a silent recompute).
+
+Recomputation (a stage in ``recompute_stages``)
+    The stage forward runs with hooks that keep nothing but the resident tensors above (so only
+    the stage inputs stay alive, as with ``torch.utils.checkpoint``); the first time the
+    backward needs a saved tensor of the micro-batch, the stage forward is run again on the same
+    inputs, with the random-number state of the original forward and the stage's mutated
+    buffers (BatchNorm's running statistics, counters) set back to their values before that
+    forward (and restored after), and every saved tensor is filled in by position (stopping as
+    soon as all are there). The recomputed tensors stay in the stash until the micro-batch's
+    last backward ends, so a split backward (``B`` now, ``W`` later) recomputes **once**.
+    ``torch.utils.checkpoint`` (non-reentrant) recomputes once per autograd graph task; torch's
+    split backward runs one task for ``B`` and one per parameter group for ``W`` (measured with
+    torch 2.13 on a stage of 4 ``Linear`` layers: 5 replays of the forward per micro-batch, 1 for
+    ``I`` and 4 for ``W``, instead of 1), which is why the stash does it itself. A recomputation
+    that saves tensors of other shapes or fewer tensors than the original forward raises
+    :class:`StashError`.
+
+Only public torch APIs are used (``saved_tensors_hooks``, ``UntypedStorage``, CUDA streams and
+events).
+
+References
+----------
+Wan et al., "PipeOffload", 2025, Sec. 4 and App. C (offload implementation); Chen et al.,
+"Training Deep Nets with Sublinear Memory Cost", 2016 (recomputation); Qi et al., "Zero Bubble
+Pipeline Parallelism", ICLR 2024 (B/W split).
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import torch
+
+from fxpipe.codegen.offload import OffloadProgram, offload_program, programs_of
+from fxpipe.errors import InputError
+
+__all__ = ["StashError", "StageActivationStats", "ActivationStats", "DeviceStash", "device_stash", "mutated_state"]
+
+
+class StashError(RuntimeError):
+    """A backward needs a stash that is not on the device (never reloaded, already released),
+    or a recomputation did not reproduce the original forward's saved tensors."""
+
+
+@dataclass
+class StageActivationStats:
+    """What the saved-tensor hooks measured on one stage (bytes; counts).
+
+    Attributes
+    ----------
+    stage : int
+    peak_saved_bytes : int
+        Largest live stash of the stage (all micro-batches together) on the device.
+    peak_offloaded_bytes : int
+        Largest amount of the stage's stashes held in host memory at once.
+    max_microbatch_bytes : int
+        Largest stash of one micro-batch right after its forward (the measured counterpart of
+        the cost model's per-micro-batch ``mem_f``).
+    max_input_saved_bytes : int
+        Largest amount of one micro-batch's *stage inputs* that autograd saved (not stashed:
+        they live in torch's receive buffers, or the caller's model inputs, anyway). A cost
+        model that counts what every op saves includes them in the stage's stash.
+    offloads, reloads, recomputes : int
+        Micro-batch stashes offloaded, reloaded and recomputed.
+    offloaded_bytes_total : int
+        Bytes copied to the host, summed over all offloads.
+    recompute : bool
+        The stage recomputes its forward.
+    """
+
+    stage: int
+    peak_saved_bytes: int = 0
+    peak_offloaded_bytes: int = 0
+    max_microbatch_bytes: int = 0
+    max_input_saved_bytes: int = 0
+    offloads: int = 0
+    reloads: int = 0
+    recomputes: int = 0
+    offloaded_bytes_total: int = 0
+    recompute: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class ActivationStats:
+    """Measured activation memory of one rank (device): per stage and the device total."""
+
+    device: str
+    stages: dict[int, StageActivationStats] = field(default_factory=dict)
+    peak_saved_bytes: int = 0
+    peak_offloaded_bytes: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "device": self.device,
+            "peak_saved_bytes": self.peak_saved_bytes,
+            "peak_offloaded_bytes": self.peak_offloaded_bytes,
+            "stages": {int(s): st.to_dict() for s, st in self.stages.items()},
+        }
+
+
+# ----------------------------------------------------------------------------- storage groups and slots
+class _Group:
+    """One storage saved by one micro-batch's forward (every saved view of it shares the group)."""
+
+    __slots__ = ("stash", "ptr", "nbytes", "device", "slots", "live", "state", "host", "event", "pending", "counted")
+
+    def __init__(self, stash: "_MicrobatchStash", ptr: int, nbytes: int, device: torch.device):
+        self.stash = stash
+        self.ptr = ptr
+        self.nbytes = nbytes
+        self.device = device
+        self.slots: list[weakref.ref] = []  # weak: autograd owns the slots, their death is observed
+        self.live = 0
+        self.state = "device"  # device | host | released
+        self.host: torch.Tensor | None = None  # uint8 host copy while offloaded (and during a CUDA reload)
+        self.event = None  # CUDA: the reload's copy has finished
+        self.pending = None  # CUDA: (event, device tensors) of an offload whose copy is in flight
+        self.counted = False
+
+    def alive_slots(self) -> list["_Slot"]:
+        return [s for s in (r() for r in self.slots) if s is not None]
+
+
+class _Slot:
+    """What autograd keeps for one saved tensor: a handle into the stash."""
+
+    __slots__ = ("owner", "group", "tensor", "index", "dtype", "size", "stride", "offset", "__weakref__")
+
+    def __init__(self, owner: "_MicrobatchStash", group: _Group | None, tensor: torch.Tensor | None, index: int,
+                 like: torch.Tensor):
+        self.owner = owner
+        self.group = group
+        self.tensor = tensor
+        self.index = index
+        self.dtype = like.dtype
+        self.size = tuple(like.size())
+        self.stride = tuple(like.stride())
+        self.offset = like.storage_offset()
+
+    def __del__(self):  # autograd dropped the saved tensor
+        g = self.group
+        if g is not None:
+            try:
+                g.stash.owner._slot_died(g)
+            except Exception:  # noqa: BLE001 - never raise from a finalizer (interpreter shutdown)
+                pass
+
+
+class _MicrobatchStash:
+    """The stash of one (stage, micro-batch)."""
+
+    __slots__ = ("owner", "stage", "mb", "groups", "slots", "recompute", "npacks", "state", "inputs", "kwargs", "fn",
+                 "rng", "cuda_rng", "state_before", "recomputed", "__weakref__")
+
+    def __init__(self, owner: "DeviceStash", stage: int, mb: int):
+        self.owner = owner
+        self.stage = stage
+        self.mb = mb
+        self.groups: dict[int, _Group] = {}
+        self.slots: list[weakref.ref] = []  # recompute: the placeholder slots
+        self.recompute = False
+        self.npacks = 0
+        self.state = "forward"  # forward | stashed | offloaded | released
+        self.inputs: tuple = ()
+        self.kwargs: dict = {}
+        self.fn: Callable | None = None
+        self.rng = None
+        self.cuda_rng = None
+        self.state_before: list = []
+        self.recomputed = False
+
+
+class _StopRecompute(Exception):
+    pass
+
+
+def _plain(t: Any) -> bool:
+    """A dense tensor with its own storage that the stash can count and move."""
+    return (type(t) is torch.Tensor or type(t) is torch.nn.Parameter) and t.layout == torch.strided and not t.is_meta
+
+
+def _ptr(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def mutated_state(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The parameters and buffers a stage's forward updates in place (``(target, tensor)``).
+
+    Read from the graph of an fx stage module (:func:`fxpipe.codegen.effects.analyze`): BatchNorm's
+    running statistics and counter, any buffer written by an in-place op. Empty for other modules.
+    """
+    if not isinstance(module, torch.fx.GraphModule):
+        return []
+    from fxpipe.codegen.effects import analyze
+
+    out = []
+    for target in sorted(analyze(module).written_state()):
+        try:
+            t = module.get_buffer(target)
+        except AttributeError:
+            try:
+                t = module.get_parameter(target)
+            except AttributeError:
+                continue
+        out.append((target, t))
+    return out
+
+
+class _HostPool:
+    """Host buffers of exact sizes, kept for reuse (pinned on CUDA: pinning is slow)."""
+
+    def __init__(self, pin: bool):
+        self.pin = pin
+        self.free: dict[int, list[torch.Tensor]] = {}
+
+    def get(self, nbytes: int) -> torch.Tensor:
+        lst = self.free.get(nbytes)
+        if lst:
+            return lst.pop()
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
+
+    def put(self, buf: torch.Tensor) -> None:
+        if self.pin:  # unpinned CPU buffers are cheap: let them go
+            self.free.setdefault(buf.numel(), []).append(buf)
+
+
+# ----------------------------------------------------------------------------- the device stash
+class DeviceStash:
+    """The activation stashes of one device (all its stages): hooks, accounting, O/R, recompute.
+
+    Parameters
+    ----------
+    device : torch.device or str
+        The device the stages compute on.
+    program : OffloadProgram, optional
+        When to issue the device's O/R actions (:func:`fxpipe.codegen.offload.offload_program`).
+    recompute_stages : iterable of int
+        Stages that recompute their forward during the backward instead of stashing.
+    mutated : Mapping[int, sequence of (str, Tensor)], optional
+        Per recomputing stage, the state its forward updates in place (:func:`mutated_state`).
+
+    Notes
+    -----
+    The runtime calls :meth:`forward` around each stage forward, :meth:`after` after every torch
+    compute action (``"0F1"``, ``"0I1"``, ``"0B1"``, ``"0W1"``), :meth:`before_backward` before a
+    backward, :meth:`release` when a micro-batch's last backward on a stage ends, and
+    :meth:`begin_step` / :meth:`end_step` around each step. Measured peaks accumulate over steps
+    (:meth:`stats`).
+    """
+
+    def __init__(self, device, program: OffloadProgram | None = None, recompute_stages: Iterable[int] = (),
+                 mutated: Mapping[int, Sequence[tuple[str, torch.Tensor]]] | None = None):
+        self.device = torch.device(device)
+        self.program = program or OffloadProgram()
+        self.recompute_stages = frozenset(int(s) for s in recompute_stages)
+        self.mutated = {int(k): list(v) for k, v in (mutated or {}).items()}
+        self._lock = threading.RLock()
+        self._stashes: dict[tuple[int, int], _MicrobatchStash] = {}
+        self._stats: dict[int, StageActivationStats] = {}
+        self._saved: dict[int, int] = {}  # stage -> live device bytes
+        self._host: dict[int, int] = {}  # stage -> bytes on the host
+        self._stage_ptrs: dict[int, dict[int, int]] = {}  # stage -> storage ptr -> number of groups holding it
+        self._device_saved = 0
+        self._device_host = 0
+        self._peak_device_saved = 0
+        self._peak_device_host = 0
+        cuda = self.device.type == "cuda"
+        self._cuda = cuda
+        self._copy_stream = torch.cuda.Stream(self.device) if cuda else None
+        self._pool = _HostPool(pin=cuda)
+        self._in_flight: list[_Group] = []  # CUDA offloads whose device memory is not released yet
+
+    # ------------------------------------------------------------------ accounting
+    def _stage_stats(self, stage: int) -> StageActivationStats:
+        st = self._stats.get(stage)
+        if st is None:
+            st = self._stats[stage] = StageActivationStats(stage, recompute=stage in self.recompute_stages)
+        return st
+
+    def _count(self, g: _Group, device_delta: int, host_delta: int) -> None:
+        s = g.stash.stage
+        st = self._stage_stats(s)
+        if device_delta:
+            ptrs = self._stage_ptrs.setdefault(s, {})
+            if device_delta > 0:
+                n = ptrs.get(g.ptr, 0)
+                ptrs[g.ptr] = n + 1
+                if n:  # the storage is already counted on this stage (saved by another micro-batch)
+                    device_delta = 0
+            else:
+                n = ptrs.get(g.ptr, 1) - 1
+                if n > 0:
+                    ptrs[g.ptr] = n
+                    device_delta = 0
+                else:
+                    ptrs.pop(g.ptr, None)
+            self._saved[s] = self._saved.get(s, 0) + device_delta
+            self._device_saved += device_delta
+            st.peak_saved_bytes = max(st.peak_saved_bytes, self._saved[s])
+            self._peak_device_saved = max(self._peak_device_saved, self._device_saved)
+        if host_delta:
+            self._host[s] = self._host.get(s, 0) + host_delta
+            self._device_host += host_delta
+            st.peak_offloaded_bytes = max(st.peak_offloaded_bytes, self._host[s])
+            self._peak_device_host = max(self._peak_device_host, self._device_host)
+
+    def _slot_died(self, g: _Group) -> None:
+        with self._lock:
+            g.live -= 1
+            if g.live <= 0 and g.state != "released":
+                self._drop_group(g)
+
+    def _drop_group(self, g: _Group) -> None:
+        """Stop counting ``g`` and drop its memory (called with the lock held)."""
+        if g.pending is not None:
+            self._finish_offload(g, wait=True)
+        if g.event is not None:  # a reload still reading the host buffer
+            g.event.synchronize()
+            g.event = None
+        if g.counted:
+            if g.state == "host":
+                self._count(g, 0, -g.nbytes)
+            else:
+                self._count(g, -g.nbytes, 0)
+            g.counted = False
+        if g.host is not None:
+            self._pool.put(g.host)
+        g.host = None
+        for slot in g.alive_slots():
+            slot.tensor = None
+        g.state = "released"
+
+    def stats(self) -> ActivationStats:
+        """Measured peaks so far (all steps)."""
+        with self._lock:
+            return ActivationStats(
+                str(self.device), {s: StageActivationStats(**st.to_dict()) for s, st in sorted(self._stats.items())},
+                self._peak_device_saved, self._peak_device_host,
+            )
+
+    def live_saved_bytes(self, stage: int | None = None) -> int:
+        """Bytes of stashes live on the device now (of one stage, or of all)."""
+        with self._lock:
+            return self._device_saved if stage is None else self._saved.get(stage, 0)
+
+    def offloaded_bytes(self, stage: int | None = None) -> int:
+        """Bytes of stashes held in host memory now (of one stage, or of all)."""
+        with self._lock:
+            return self._device_host if stage is None else self._host.get(stage, 0)
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, stage: int, mb: int, fn: Callable, args: tuple, kwargs: dict, resident: Iterable[torch.Tensor]):
+        """Run ``fn(*args, **kwargs)`` (stage ``stage``'s forward of micro-batch ``mb``) under the stash hooks.
+
+        Parameters
+        ----------
+        resident : iterable of Tensor
+            Tensors that stay alive anyway (the stage's parameters and buffers); saved tensors
+            sharing their storage, or the storage of a tensor in ``args``/``kwargs``, are not
+            stashed.
+        """
+        key = (int(stage), int(mb))
+        with self._lock:
+            old = self._stashes.pop(key, None)
+            if old is not None:
+                self._release(old)
+            ms = _MicrobatchStash(self, key[0], key[1])
+            self._stashes[key] = ms
+            self._stage_stats(key[0])
+        ptrs = {_ptr(t) for t in resident if _plain(t)}
+        inputs: dict[int, int] = {}
+        for t in list(args) + list(kwargs.values()):
+            if _plain(t) and _ptr(t) not in ptrs:
+                inputs[_ptr(t)] = t.untyped_storage().nbytes()
+        ptrs |= set(inputs)
+        if stage in self.recompute_stages:
+            return self._forward_recompute(ms, fn, args, kwargs, ptrs)
+        saved_inputs: set[int] = set()
+        with torch.autograd.graph.saved_tensors_hooks(self._packer(ms, ptrs, inputs, saved_inputs), self._unpack):
+            out = fn(*args, **kwargs)
+        self._stashed(ms, sum(inputs[p] for p in saved_inputs))
+        return out
+
+    def _stashed(self, ms: _MicrobatchStash, input_bytes: int = 0) -> None:
+        with self._lock:
+            ms.state = "stashed"
+            n = sum(g.nbytes for g in ms.groups.values() if g.counted)
+            st = self._stage_stats(ms.stage)
+            st.max_microbatch_bytes = max(st.max_microbatch_bytes, n)
+            st.max_input_saved_bytes = max(st.max_input_saved_bytes, int(input_bytes))
+
+    def _new_group(self, ms: _MicrobatchStash, t: torch.Tensor) -> _Group:
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        g = ms.groups.get(ptr)
+        if g is None:
+            g = ms.groups[ptr] = _Group(ms, ptr, storage.nbytes(), t.device)
+            g.counted = True
+            self._count(g, g.nbytes, 0)
+        return g
+
+    def _add_slot(self, ms: _MicrobatchStash, slot: _Slot, t: torch.Tensor) -> None:
+        with self._lock:
+            g = self._new_group(ms, t)
+            slot.group = g
+            slot.tensor = t
+            g.slots.append(weakref.ref(slot))
+            g.live += 1
+
+    def _packer(self, ms: _MicrobatchStash, resident_ptrs: set[int], inputs: Mapping[int, int] | None = None,
+                saved_inputs: set[int] | None = None):
+        inputs = inputs or {}
+
+        def pack(t):
+            ms.npacks += 1
+            if not _plain(t) or _ptr(t) in resident_ptrs:
+                if saved_inputs is not None and _plain(t) and _ptr(t) in inputs:
+                    saved_inputs.add(_ptr(t))
+                return t
+            slot = _Slot(ms, None, None, ms.npacks - 1, t)
+            self._add_slot(ms, slot, t)
+            return slot
+
+        return pack
+
+    def _unpack(self, x):
+        if not isinstance(x, _Slot):
+            return x
+        t = x.tensor
+        if t is not None:
+            g = x.group
+            if g is not None and g.event is not None:  # CUDA reload in flight
+                torch.cuda.current_stream(g.device).wait_event(g.event)
+            return t
+        ms, g = x.owner, x.group
+        where = f"stage {ms.stage}, micro-batch {ms.mb}"
+        if g is not None and g.state == "host":
+            raise StashError(
+                f"{where}: the backward needs activations that were offloaded to host memory and never reloaded: the "
+                f"device program must issue the reload {ms.stage}R{ms.mb} after {ms.stage}O{ms.mb} and before the "
+                "backward of this micro-batch"
+            )
+        if ms.recompute and g is None and ms.state != "released":
+            self._recompute(ms)
+            if x.tensor is not None:
+                return x.tensor
+            raise StashError(f"{where}: recomputing the stage forward did not reproduce saved tensor #{x.index}")
+        raise StashError(
+            f"{where}: the backward needs activations that were already released (a backward of this micro-batch "
+            "after its last one?)"
+        )
+
+    # ------------------------------------------------------------------ recompute
+    def _forward_recompute(self, ms: _MicrobatchStash, fn, args, kwargs, resident_ptrs: set[int]):
+        ms.recompute = True
+        ms.fn, ms.inputs, ms.kwargs = fn, tuple(args), dict(kwargs)
+        ms.rng = torch.get_rng_state()
+        if self._cuda:
+            ms.cuda_rng = torch.cuda.get_rng_state(self.device)
+        with torch.no_grad():
+            ms.state_before = [(t, t.detach().clone()) for _, t in self.mutated.get(ms.stage, ())]
+
+        def pack(t):
+            ms.npacks += 1
+            if not _plain(t) or _ptr(t) in resident_ptrs:
+                return t
+            slot = _Slot(ms, None, None, ms.npacks - 1, t)
+            ms.slots.append(weakref.ref(slot))
+            return slot
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, self._unpack):
+            out = fn(*args, **kwargs)
+        with self._lock:
+            ms.state = "stashed"
+        return out
+
+    def _recompute(self, ms: _MicrobatchStash) -> None:
+        """Run the stage forward again and fill every placeholder slot (once per micro-batch)."""
+        if ms.recomputed:
+            return
+        ms.recomputed = True
+        wanted = {s.index: s for s in (r() for r in ms.slots) if s is not None}
+        last = max(wanted, default=-1)
+        counter = [0]
+
+        def pack(t):
+            i = counter[0]
+            counter[0] += 1
+            slot = wanted.get(i)
+            if slot is not None:
+                if not _plain(t) or tuple(t.shape) != slot.size or t.dtype != slot.dtype:
+                    raise StashError(
+                        f"stage {ms.stage}, micro-batch {ms.mb}: the recomputed forward saved a different tensor at "
+                        f"position {i} ({getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))} "
+                        f"instead of {slot.dtype} {slot.size}): the stage forward is not deterministic; do not "
+                        "recompute this stage"
+                    )
+                self._add_slot(ms, slot, t.detach())
+            if i >= last:
+                raise _StopRecompute
+            return t
+
+        current = []
+        with torch.no_grad():
+            for t, before in ms.state_before:
+                current.append(t.detach().clone())
+                t.copy_(before)
+        try:
+            with torch.random.fork_rng(devices=[self.device] if self._cuda else []):
+                torch.set_rng_state(ms.rng)
+                if self._cuda:
+                    torch.cuda.set_rng_state(ms.cuda_rng, self.device)
+                with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x), torch.enable_grad():
+                    try:
+                        ms.fn(*ms.inputs, **ms.kwargs)
+                    except _StopRecompute:
+                        pass
+        finally:
+            with torch.no_grad():
+                for (t, _), now in zip(ms.state_before, current):
+                    t.copy_(now)
+        with self._lock:
+            self._stage_stats(ms.stage).recomputes += 1
+        missing = [i for i, s in wanted.items() if s.tensor is None]
+        if missing:
+            raise StashError(
+                f"stage {ms.stage}, micro-batch {ms.mb}: the recomputed forward saved fewer tensors than the original "
+                f"({len(missing)} missing, first at position {missing[0]}): the stage forward is not deterministic"
+            )
+
+    # ------------------------------------------------------------------ offload / reload
+    def after(self, torch_action: str) -> None:
+        """Issue the O/R actions anchored after ``torch_action`` (and poll copies in flight)."""
+        self._poll()
+        for a in self.program.memops_after(torch_action):
+            if a.type == "O":
+                self.offload(a.stage, a.microbatch)
+            else:
+                self.reload(a.stage, a.microbatch)
+
+    def _get(self, stage: int, mb: int, what: str) -> _MicrobatchStash:
+        ms = self._stashes.get((int(stage), int(mb)))
+        if ms is None:
+            raise StashError(f"{what} {stage}/{mb}: stage {stage} has no stash of micro-batch {mb} (its forward has not run)")
+        return ms
+
+    def offload(self, stage: int, mb: int) -> None:
+        """``O(stage, mb)``: move the micro-batch's stash to host memory and release the device copies.
+
+        Raises
+        ------
+        StashError
+            When the stash is not on the device (no forward yet, already offloaded or released).
+        """
+        with self._lock:
+            ms = self._get(stage, mb, "offload")
+            if ms.state != "stashed":
+                raise StashError(f"offload {stage}O{mb}: the stash is {ms.state}, expected it on the device after the forward")
+            ms.state = "offloaded"
+            st = self._stage_stats(stage)
+            st.offloads += 1
+            for g in list(ms.groups.values()):
+                slots = g.alive_slots()
+                if g.state != "device" or g.live <= 0 or not slots:
+                    continue
+                src = torch.empty(0, dtype=torch.uint8, device=g.device).set_(slots[0].tensor.untyped_storage())
+                host = self._pool.get(g.nbytes)
+                if self._cuda:
+                    ready = torch.cuda.current_stream(self.device).record_event()
+                    with torch.cuda.stream(self._copy_stream):
+                        self._copy_stream.wait_event(ready)
+                        host.copy_(src, non_blocking=True)
+                        done = self._copy_stream.record_event()
+                    g.pending = (done, [s.tensor for s in slots], src)  # device memory kept until the copy is done
+                    self._in_flight.append(g)
+                else:
+                    host.copy_(src)
+                    self._count(g, -g.nbytes, 0)
+                del src
+                for s in slots:
+                    s.tensor = None
+                g.host = host
+                g.state = "host"
+                self._count(g, 0, g.nbytes)
+                st.offloaded_bytes_total += g.nbytes
+
+    def reload(self, stage: int, mb: int) -> None:
+        """``R(stage, mb)``: copy the micro-batch's stash back to the device and rebuild its saved views.
+
+        Raises
+        ------
+        StashError
+            When the stash is not offloaded.
+        """
+        with self._lock:
+            ms = self._get(stage, mb, "reload")
+            if ms.state != "offloaded":
+                raise StashError(f"reload {stage}R{mb}: the stash is {ms.state}, not offloaded")
+            ms.state = "stashed"
+            self._stage_stats(stage).reloads += 1
+            for g in ms.groups.values():
+                if g.state != "host":
+                    continue
+                dev = torch.empty(g.nbytes, dtype=torch.uint8, device=g.device)
+                if self._cuda:
+                    self._finish_offload(g, wait=True)
+                    ready = torch.cuda.current_stream(self.device).record_event()
+                    with torch.cuda.stream(self._copy_stream):
+                        self._copy_stream.wait_event(ready)
+                        dev.copy_(g.host, non_blocking=True)
+                        g.event = self._copy_stream.record_event()
+                    self._in_flight.append(g)  # the host buffer returns to the pool when the copy is done
+                else:
+                    dev.copy_(g.host)
+                    self._pool.put(g.host)
+                    g.host = None
+                storage = dev.untyped_storage()
+                for s in g.alive_slots():
+                    s.tensor = torch.empty(0, dtype=s.dtype, device=g.device).set_(storage, s.offset, s.size, s.stride)
+                self._count(g, 0, -g.nbytes)
+                g.ptr = storage.data_ptr()  # ms.groups keeps its forward-time keys: freed addresses get reused
+                g.state = "device"
+                self._count(g, g.nbytes, 0)
+
+    def _finish_offload(self, g: _Group, wait: bool) -> bool:
+        """CUDA: release the device memory of an offload whose copy has finished (True when done)."""
+        if g.pending is None:
+            return True
+        done = g.pending[0]
+        if wait:
+            done.synchronize()
+        elif not done.query():
+            return False
+        g.pending = None
+        if g.counted:
+            self._count(g, -g.nbytes, 0)
+        return True
+
+    def _poll(self, wait: bool = False) -> None:
+        """CUDA: release what finished copies no longer need (``wait``: wait for all copies)."""
+        if not self._in_flight:
+            return
+        with self._lock:
+            keep = []
+            for g in self._in_flight:
+                if g.pending is not None:
+                    self._finish_offload(g, wait)
+                if g.event is not None:
+                    if wait:
+                        g.event.synchronize()
+                    if wait or g.event.query():
+                        g.event = None
+                        if g.host is not None and g.state == "device":
+                            self._pool.put(g.host)
+                            g.host = None
+                if g.pending is not None or g.event is not None:
+                    keep.append(g)
+            self._in_flight = keep
+
+    def before_backward(self, stage: int, mb: int) -> None:
+        """Make the compute stream wait for the reload of ``(stage, mb)`` (CUDA; nothing on CPU)."""
+        self._poll()
+        if not self._cuda:
+            return
+        ms = self._stashes.get((int(stage), int(mb)))
+        if ms is None:
+            return
+        stream = torch.cuda.current_stream(self.device)
+        for g in ms.groups.values():
+            if g.event is not None:
+                stream.wait_event(g.event)
+
+    # ------------------------------------------------------------------ release / steps
+    def release(self, stage: int, mb: int) -> None:
+        """The micro-batch's last backward on ``stage`` ended: drop whatever its stash still holds."""
+        with self._lock:
+            ms = self._stashes.pop((int(stage), int(mb)), None)
+            if ms is not None:
+                self._release(ms)
+
+    def _release(self, ms: _MicrobatchStash) -> None:
+        for g in ms.groups.values():
+            if g.state != "released":
+                self._drop_group(g)
+        for r in ms.slots:
+            slot = r()
+            if slot is not None:
+                slot.tensor = None
+        ms.state = "released"
+        ms.inputs, ms.kwargs, ms.fn, ms.state_before = (), {}, None, []
+
+    def begin_step(self) -> None:
+        """Start of a training step: no stash may be left from the previous one."""
+        self.end_step()
+
+    def end_step(self) -> None:
+        """End of a step: finish copies in flight and release every stash (forward-only steps keep theirs until here)."""
+        self._poll(wait=True)
+        with self._lock:
+            for key in list(self._stashes):
+                self._release(self._stashes.pop(key))
+            self._in_flight = []
+
+    # ------------------------------------------------------------------ introspection (tests)
+    def stash_tensors(self, stage: int, mb: int) -> list[torch.Tensor]:
+        """The device tensors the stash of ``(stage, mb)`` holds now (for tests and debugging)."""
+        ms = self._stashes.get((int(stage), int(mb)))
+        if ms is None:
+            return []
+        return [s.tensor for g in ms.groups.values() for s in g.alive_slots() if s.tensor is not None]
+
+
+def device_stash(device_index: int, orders: Any, torch_actions: Sequence[str], recompute_stages: Iterable[int],
+                 modules: Mapping[int, torch.nn.Module], device, track: bool = True) -> DeviceStash | None:
+    """The :class:`DeviceStash` of one device (all its stages; None when it has nothing to do).
+
+    Parameters
+    ----------
+    device_index : int
+        The device (rank) in the placement; its program is ``orders.of_device(device_index)``.
+    orders : fxpipe.ir.Orders or Mapping[int, list[(type, microbatch)]]
+        The device programs with their O/R actions (:func:`fxpipe.ir.schedule_to_orders` keeps
+        them); the per-stage form is read with one stage per device.
+    torch_actions : sequence of str
+        The device's compute actions as the runtime executes them (torch vocabulary, after fusion).
+    recompute_stages : iterable of int
+        Stages (of the whole pipeline) that recompute their forward.
+    modules : Mapping[int, torch.nn.Module]
+        This device's stage modules (their in-place updated state is restored around a recomputation).
+    device : torch.device or str
+    track : bool
+        Create a stash for accounting even without offload or recomputation.
+
+    Raises
+    ------
+    InputError
+        For a recompute stage outside ``0..num_stages-1`` or O/R actions the device cannot run
+        (see :func:`fxpipe.codegen.offload.offload_program`).
+    """
+    programs = programs_of(orders)
+    num_stages = programs.num_stages
+    rec = set()
+    for s in recompute_stages:
+        if isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < num_stages:
+            raise InputError(f"recompute_stages must be stage indices in 0..{num_stages - 1}, got {s!r}")
+        rec.add(int(s))
+    prog = programs.of_device(device_index)
+    program = offload_program(prog, torch_actions) if any(not a.is_compute for a in prog) else None
+    local = {s for s in rec if s in modules}
+    if not track and (program is None or program.empty) and not local:
+        return None
+    return DeviceStash(device, program, local, {s: mutated_state(modules[s]) for s in local})

@@ -1,0 +1,354 @@
+"""``schedule="auto"``: the best schedule that fits memory, offloading and recomputing only
+where memory forces it.
+
+:func:`auto_schedule` is what ``fxpipe.compile`` and ``fxpipe plan`` run by default. It works
+on the Contract-3 problem alone (no graph) and returns the problem it finally schedules (with
+the activation recomputation it chose, :meth:`ScheduleProblem.with_recompute`) and a valid
+schedule of it:
+
+1. **Does memory bind?** Every heuristic that neither offloads nor recomputes and takes the
+   placement (one stage per device: ZB-H2, ZB-H1, 1F1B, the Zero Bubble greedy, GPipe;
+   several stages per device: ZB-V, DualPipe-V, interleaved 1F1B, the device greedy) is
+   generated without a memory limit. If the fastest fits ``mem_limit``, memory costs
+   nothing: it is chosen, nothing is offloaded or recomputed, steps 2-4 are skipped.
+   Otherwise the limit binds and the same heuristics are generated under it (the Zero
+   Bubble greedy adapts its warm-up to the budget; they are candidates like all below).
+2. **Fewer in flight, offload** (memory binds): 1F1B with the largest
+   warm-up that fits (:func:`limited_1f1b`; one micro-batch at a time,
+   :func:`~fxpipe.schedule.milp.warm_start.sequential_schedule`, on other placements);
+   with one stage per device, PipeOffload with the fewest offloads that fit
+   (``minimal=True``, longest-lived stashes first, Wan et al. 2025 Section 2) and
+   AdaOffload (OptPipe Appendix D).
+3. **Recomputation** (memory binds and ``recompute=True``): devices whose 1F1B-family
+   schedule without offload exceeds their limit (:func:`plain_peak`, simulated without a
+   limit) get recomputation on their cheapest stage, the one with the smallest forward time
+   (the replay's cost), among those where recomputing saves memory
+   (``recompute_mem_f < mem_f``); the step-1 heuristics (else the offload ones, else the
+   fewer-in-flight ones) run on the new problem and are candidates; repeated, one more
+   stage per still-overflowing device each round, until 1F1B fits every device or no stage
+   is left.
+4. **Choice.** The schedule with the lowest objective among steps 1-3: fewer micro-batches
+   in flight costs bubbles, offload is free while the copy stream keeps up, recomputation
+   costs one forward per micro-batch of each recomputing stage; the fastest wins.
+5. **MILP.** Within ``time_limit_s`` and for problems of at most ``milp_max_ops`` compute
+   ops, the OptPipe MILP (:mod:`fxpipe.schedule.milp`) is solved for the chosen problem
+   (the recomputation fixed), warm-started from the chosen schedule, unless that schedule
+   already meets the combinatorial lower bound. The MILP keeps the warm start when it finds
+   nothing better.
+
+``lower_bound_s`` of the result is a proven bound for the returned problem, i.e. for the
+chosen recomputation (the flags themselves are not proven optimal).
+
+References
+----------
+Qi et al. 2024 (Zero Bubble), Wan et al. 2025 (PipeOffload), OptPipe (Li et al. 2025)
+Appendix D and Section 3; Chen et al. 2016 (activation recomputation).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from fxpipe.errors import InfeasibleError, InputError, SolverError
+from fxpipe.ir import Schedule, ScheduleProblem
+
+__all__ = ["AutoResult", "auto_schedule", "limited_1f1b", "plain_peak", "PLAIN_METHODS", "PLAIN_MULTI_METHODS", "OFFLOAD_METHODS",
+           "AUTO_MILP_MAX_OPS"]
+
+#: Step 1 with one stage per device (ties: the first).
+PLAIN_METHODS = ("zb-h2", "zb-h1", "1f1b", "greedy", "gpipe")
+#: Step 1 with several stages on a device (each raises on a placement it does not schedule).
+PLAIN_MULTI_METHODS = ("zb-v", "dualpipe-v", "interleaved-1f1b", "greedy")
+#: Step 2 (one stage per device).
+OFFLOAD_METHODS = ("pipeoffload", "adaoffload")
+#: Step 5 runs the MILP only on problems with at most this many compute ops (3 S m).
+AUTO_MILP_MAX_OPS = 240
+
+
+@dataclass(frozen=True)
+class AutoResult:
+    """What :func:`auto_schedule` chose.
+
+    Attributes
+    ----------
+    problem : ScheduleProblem
+        The scheduled problem: the input with the chosen stages recomputing.
+    schedule : Schedule
+        Valid for ``problem``; ``method`` is the generator that made it, ``meta["auto"]``
+        records the choice (also in :attr:`tried`).
+    tried : dict[str, Any]
+        Every candidate: ``"<round>/<method>"`` -> objective value (seconds) or the reason
+        it failed; rounds are ``unlimited`` (step 1 without a limit), ``plain``,
+        ``offload``, ``recompute<i>`` (and ``recompute<i>`` -> the recomputing stages),
+        ``milp``; ``binding`` says whether memory binds.
+    recompute_stages : tuple[int, ...]
+        Stages that recompute their forward during B.
+    """
+
+    problem: ScheduleProblem
+    schedule: Schedule
+    tried: dict[str, Any] = field(default_factory=dict)
+    recompute_stages: tuple[int, ...] = ()
+
+    @property
+    def offloaded(self) -> int:
+        """Number of stashes the schedule offloads."""
+        return sum(1 for o in self.schedule.ops if o.type == "O")
+
+
+def _reason(exc: Exception) -> str:
+    msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return f"{type(exc).__name__}: {msg[:200]}"
+
+
+def _plain_methods(problem: ScheduleProblem) -> tuple[str, ...]:
+    return PLAIN_METHODS if problem.one_stage_per_device else PLAIN_MULTI_METHODS
+
+
+def _degraded(problem: ScheduleProblem, tag: str, tried: dict) -> list[Schedule]:
+    """Plain schedules with fewer micro-batches in flight: 1F1B with a limited warm-up, else
+    one micro-batch at a time (the least memory any schedule without offload needs)."""
+    out = _run(problem, ("1f1b-limited",), tag, tried) if problem.identity_placement else []
+    return out or _run(problem, ("sequential",), tag, tried)
+
+
+def limited_1f1b(problem: ScheduleProblem) -> Schedule:
+    """1F1B with the largest uniform warm-up that fits memory, no offload (method ``1f1b-limited``).
+
+    Stage s runs ``min(w, p - s - 1)`` warm-up forwards for ``w = p - 1, ..., 0`` (PipeOffload
+    Section 3.2's warm-up knob without its offload); the first that fits is returned. ``w = 0``
+    runs one micro-batch at a time per stage, which needs only ``stash_footprint``.
+
+    Raises
+    ------
+    InputError
+        Unless the placement is one stage per device, stage s on device s.
+    InfeasibleError
+        If no warm-up fits.
+    """
+    from fxpipe.schedule.heuristics import orders_1f1b
+    from fxpipe.schedule.simulate import simulate
+    from fxpipe.schedule.validate import check_schedule
+
+    if not problem.identity_placement:
+        raise InputError("1f1b-limited schedules stage s on device s")
+    p, M = problem.num_stages, problem.num_microbatches
+    for w in range(p - 1, -1, -1):
+        warm = [min(w, p - s - 1, M) for s in range(p)]
+        sched = simulate(problem, orders_1f1b(p, M, warm), method="1f1b-limited", meta={"warmup": warm})
+        if not check_schedule(problem, sched):
+            return sched
+    raise InfeasibleError("1f1b-limited: not even one micro-batch at a time fits mem_limit")
+
+
+def _sequential(problem: ScheduleProblem) -> Schedule:
+    from fxpipe.schedule.milp.warm_start import sequential_schedule
+
+    return sequential_schedule(problem)
+
+
+def _run(problem: ScheduleProblem, methods, tag: str, tried: dict) -> list[Schedule]:
+    from fxpipe.schedule import heuristics
+    from fxpipe.schedule.validate import check_schedule
+
+    out = []
+    for m in methods:
+        try:
+            if m == "pipeoffload":
+                sched = heuristics.pipeoffload(problem, minimal=True)
+            elif m == "1f1b-limited":
+                sched = limited_1f1b(problem)
+            elif m == "sequential":
+                sched = _sequential(problem)
+            else:
+                sched = heuristics.generate(problem, m)
+        except (InfeasibleError, InputError) as exc:
+            tried[f"{tag}/{m}"] = _reason(exc)
+            continue
+        bad = check_schedule(problem, sched)
+        if bad:  # over the limit (the sequential fallback), or a generator's bug: never used
+            tried[f"{tag}/{m}"] = f"invalid: {bad[0][:200]}"
+            continue
+        tried[f"{tag}/{m}"] = float(sched.value)
+        out.append(sched)
+    return out
+
+
+def _best(cands: list[tuple[ScheduleProblem, Schedule]]) -> tuple[ScheduleProblem, Schedule] | None:
+    best = None
+    for p, s in cands:
+        if best is None or s.value < best[1].value - 1e-12 * max(1.0, abs(best[1].value)):
+            best = (p, s)
+    return best
+
+
+def _can_offload(problem: ScheduleProblem) -> bool:
+    lim = np.asarray(problem.mem_limit)[np.asarray(problem.device_of_stage)]
+    return problem.one_stage_per_device and bool(np.any((np.asarray(problem.offload_bytes) > 0) & np.isfinite(lim)))
+
+
+def plain_peak(problem: ScheduleProblem) -> np.ndarray:
+    """Activation peak of every device under the 1F1B family without offload (float64 (D,)).
+
+    One stage per device: 1F1B's orders; several: the least peak of the multi-stage
+    generators that take the placement (ZB-V, DualPipe-V, interleaved 1F1B), each timed
+    without a memory limit; when none applies, the one-micro-batch-at-a-time minimum
+    (:func:`fxpipe.schedule.device_greedy.min_device_memory`).
+    """
+    from fxpipe.schedule.device_greedy import min_device_memory
+    from fxpipe.schedule.heuristics import orders_1f1b
+    from fxpipe.schedule.simulate import simulate
+    from fxpipe.schedule.validate import peak_memory
+
+    free = problem.replace(mem_limit=math.inf)
+    if problem.one_stage_per_device and problem.identity_placement:
+        sched = simulate(free, orders_1f1b(problem.num_stages, problem.num_microbatches))
+        return peak_memory(free, sched)
+    from fxpipe.schedule import heuristics
+
+    best = None
+    for m in ("zb-v", "dualpipe-v", "interleaved-1f1b"):
+        try:
+            peak = peak_memory(free, heuristics.generate(free, m))
+        except (InfeasibleError, InputError):
+            continue
+        best = peak if best is None else np.minimum(best, peak)
+    return min_device_memory(problem, offload=False) if best is None else best
+
+
+def _next_recompute(problem: ScheduleProblem) -> list[int]:
+    """One more stage to recompute on every device whose plain peak exceeds its limit."""
+    peak = plain_peak(problem)
+    lim = np.asarray(problem.mem_limit, dtype=float)
+    add = []
+    for d in np.flatnonzero(peak > lim * (1 + 1e-12)):
+        cands = [s for s in problem.stages_of_device(int(d))
+                 if not problem.recompute[s] and problem.recompute_mem_f[s] < problem.mem_f[s]]
+        if cands:
+            add.append(min(cands, key=lambda s: (float(problem.t_f[s]), s)))
+    return add
+
+
+def auto_schedule(
+    problem: ScheduleProblem,
+    *,
+    recompute: bool = True,
+    time_limit_s: float = 10.0,
+    milp_max_ops: int = AUTO_MILP_MAX_OPS,
+    progress: bool = False,
+) -> AutoResult:
+    """The best schedule of ``problem`` that fits its memory limits (module docstring).
+
+    Parameters
+    ----------
+    problem : ScheduleProblem
+        Contract-3 problem; its ``recompute_mem_f`` says what recomputation would save.
+    recompute : bool
+        Allow step 3 (otherwise the returned problem is ``problem`` itself).
+    time_limit_s : float
+        MILP budget of step 5 in seconds (0: no MILP).
+    milp_max_ops : int
+        Largest problem (3 S m compute ops) the MILP is tried on.
+    progress : bool
+        MILP progress bar.
+
+    Returns
+    -------
+    AutoResult
+
+    Raises
+    ------
+    InfeasibleError
+        When no candidate fits: the message names the device that overflows most in the
+        least-memory attempt and by how many bytes, and whether offload / recomputation were
+        tried.
+    """
+    from fxpipe.schedule.bounds import combinatorial_lower_bound
+
+    t0 = time.perf_counter()
+    tried: dict[str, Any] = {}
+    cands: list[tuple[ScheduleProblem, Schedule]] = []
+    free = problem.replace(mem_limit=math.inf)
+    free_best = _best([(problem, s) for s in _run(free, _plain_methods(problem), "unlimited", tried)])
+    from fxpipe.schedule.validate import check_schedule
+
+    if free_best is not None and not check_schedule(problem, free_best[1]):
+        cands.append(free_best)  # memory does not bind: nothing to offload or recompute
+        tried["binding"] = False
+    else:
+        tried["binding"] = True
+        cands += [(problem, s) for s in _run(problem, _plain_methods(problem), "plain", tried)]
+        cands += [(problem, s) for s in _degraded(problem, "plain", tried)]
+        if _can_offload(problem):
+            cands += [(problem, s) for s in _run(problem, OFFLOAD_METHODS, "offload", tried)]
+        if recompute:
+            cur = problem
+            for rnd in range(1, problem.num_stages + 1):
+                add = _next_recompute(cur)
+                if not add:
+                    tried[f"recompute{rnd}"] = "1F1B fits every device, or no stage is left whose recomputation saves memory"
+                    break
+                cur = cur.with_recompute(add)
+                tag = f"recompute{rnd}"
+                tried[tag] = list(cur.recompute_stages)
+                found = [(cur, s) for s in _run(cur, _plain_methods(cur), tag, tried)]
+                if not found and _can_offload(cur):
+                    found = [(cur, s) for s in _run(cur, OFFLOAD_METHODS, tag, tried)]
+                if not found:
+                    found = [(cur, s) for s in _degraded(cur, tag, tried)]
+                cands += found
+    chosen = _best(cands)
+    if chosen is None:
+        need = None
+        from fxpipe.schedule.device_greedy import min_device_memory
+
+        floor = min_device_memory(problem, offload=True)
+        lim = np.asarray(problem.mem_limit, dtype=float)
+        d = int(np.argmax(floor - lim))
+        need = float(floor[d])
+        what = "plain schedules" + (", offload" if _can_offload(problem) else "") + (", recomputation" if recompute else "")
+        if need > lim[d]:
+            msg = (f"no schedule fits: device {d} needs at least {need:.6g} bytes of activations for one micro-batch, "
+                   f"over its limit {lim[d]:.6g} by {need - lim[d]:.6g}")
+        else:
+            peak = plain_peak(problem)
+            d = int(np.argmax(peak - lim))
+            msg = (f"no schedule found that fits: device {d} holds {peak[d]:.6g} bytes of activations under 1F1B, "
+                   f"over its limit {lim[d]:.6g} by {peak[d] - lim[d]:.6g}, and no heuristic fit it")
+        err = InfeasibleError(f"{msg} (tried {what}); raise the memory, use more devices or fewer micro-batches in flight")
+        err.tried = tried
+        raise err
+    best_p, best_s = chosen
+    bound = combinatorial_lower_bound(best_p)
+    n_ops = 3 * best_p.num_stages * best_p.num_microbatches
+    if time_limit_s > 0 and n_ops <= milp_max_ops and best_s.value > bound * (1 + 1e-6):
+        from fxpipe.schedule.milp import solve
+        from fxpipe.schedule.validate import check_schedule
+
+        try:
+            ms = solve(best_p, time_limit_s=time_limit_s, warm_start=best_s, progress=progress)
+            if check_schedule(best_p, ms):
+                raise SolverError("the MILP returned a schedule that breaks Contract 3")
+            tried["milp"] = {"value_s": float(ms.value), "status": ms.status, "lower_bound_s": float(ms.lower_bound_s)}
+            bound = max(bound, float(ms.lower_bound_s))
+            if ms.value < best_s.value - 1e-12 * max(1.0, abs(best_s.value)):
+                best_s = ms
+            elif ms.status == "optimal":  # the MILP proved the heuristic schedule optimal
+                best_s = dataclasses.replace(best_s, status="optimal")
+        except (SolverError, InfeasibleError, InputError) as exc:
+            tried["milp"] = _reason(exc)
+    elif time_limit_s > 0:
+        tried["milp"] = ("skipped: the schedule meets the lower bound" if best_s.value <= bound * (1 + 1e-6)
+                         else f"skipped: {n_ops} compute ops > {milp_max_ops}")
+    rec = best_p.recompute_stages
+    meta = {**best_s.meta, "auto": {"tried": tried, "recompute_stages": list(rec),
+                                     "offloaded": sum(1 for o in best_s.ops if o.type == "O")}}
+    sched = dataclasses.replace(best_s, lower_bound_s=max(float(best_s.lower_bound_s), bound), meta=meta,
+                                solver_time_s=time.perf_counter() - t0, objective=best_p.objective)
+    return AutoResult(problem=best_p, schedule=sched, tried=tried, recompute_stages=rec)
