@@ -35,7 +35,8 @@ Prints three tables (all values are the problem's objective, stage span by defau
 
 Tables (a), (c) and (d) print the memory-blind round-trip bound ("old LB") next to the
 combinatorial bound the MILP now starts from ("comb LB", also an objective cut in the
-model); "bound" is the reported lower bound (max of SCIP's dual bound and comb LB).
+model); "bound" is the reported lower bound (max of SCIP's dual bound, comb LB and, for MILP
+limits >= 60 s, the time-indexed probe bound of ``milp.solve``; see bench_schedule_bounds.py).
 
 Targets (from the issue): (a)/(b) MILP valid and no longer than the baselines, with a bound;
 p=4, m=8 proved optimal within 60 s; p=8, m=16 within 5% of its bound within 300 s.

@@ -54,6 +54,9 @@ def _text(problem: ScheduleProblem, sched: Schedule) -> str:
         f"makespan {sched.makespan:.6g}  stage_span {sched.stage_span:.6g}  lower bound {sched.lower_bound_s:.6g}"
         f"  gap {100 * gap:.2f}%  time {sched.solver_time_s:.3f} s",
     ]
+    if sched.meta.get("bound_method"):
+        lines[-1] += f"  (bound: {sched.meta['bound_method']})"
+
     orders = schedule_to_orders(sched, problem)
     for d, row in enumerate(orders.actions):
         st = problem.stages_of_device(d)

@@ -42,13 +42,18 @@ Solver-level techniques of OptPipe Section 4.1:
 * big-M from the warm start's value: every op of a device lies in a window of length at
   most the objective value ``C <= H`` (``H`` = warm start value), so ``H`` bounds every
   same-device time difference;
+* bound probing before SCIP (:mod:`~fxpipe.schedule.milp.time_indexed`): when all durations
+  lie on a common grid, bisection on the value with per-device time-indexed feasibility
+  models (windows from the pipeline's difference constraints) proves a bound the big-M
+  relaxation never reaches; it becomes the objective cut and the reported bound;
 * the best valid heuristic schedule is given to SCIP as the initial solution (Section 4.1.3);
 * an event handler on ``BESTSOLFOUND`` reports each new incumbent (Section 4.3).
 
 Modules: :mod:`~fxpipe.schedule.milp.builder` (pure model builder),
 :mod:`~fxpipe.schedule.milp.warm_start` (heuristic start and its variable values),
 :mod:`~fxpipe.schedule.milp.extract` (solution to validated ops),
-:mod:`~fxpipe.schedule.milp.solve` (SCIP through :func:`fxpipe.mip.solve_model`). No torch.
+:mod:`~fxpipe.schedule.milp.solve` (SCIP through :func:`fxpipe.mip.solve_model`),
+:mod:`~fxpipe.schedule.milp.time_indexed` (probe bounds). No torch.
 
 References
 ----------
@@ -60,6 +65,7 @@ PipeOffload (``shared/papers/pipeoffload-selective-activation-offload.txt``), Se
 from fxpipe.schedule.milp.builder import MilpVars, build_model, memory_implied_orders, order_literal
 from fxpipe.schedule.milp.extract import extract_schedule
 from fxpipe.schedule.milp.solve import Incumbent, solve
+from fxpipe.schedule.milp.time_indexed import ProbeBound, exact_grid, probe_lower_bound
 from fxpipe.schedule.milp.warm_start import (
     check_memory_feasible,
     sequential_schedule,
@@ -73,11 +79,14 @@ _sequential_schedule = sequential_schedule
 __all__ = [
     "Incumbent",
     "MilpVars",
+    "ProbeBound",
     "build_model",
     "check_memory_feasible",
+    "exact_grid",
     "extract_schedule",
     "memory_implied_orders",
     "order_literal",
+    "probe_lower_bound",
     "sequential_schedule",
     "solve",
     "warm_start_schedule",
