@@ -227,7 +227,7 @@ def with_link_bandwidth(graph, link: LinkModel, *, size_bytes: float | None = No
 
     Contract 2 prices a transfer at ``bytes / B``; a measured link also has a cost per message
     (:class:`LinkModel`). ``B`` is taken as ``link.effective_bytes_per_s(size)`` at ``size`` =
-    the median output size of the graph's call nodes (the tensors a cut can send), so that
+    the bytes-weighted median output size of the graph's call nodes (the tensors a cut can send), so that
     cuts are priced right for typical tensors. ``graph.meta["link_bandwidth"]`` records it.
 
     Raises
@@ -242,7 +242,14 @@ def with_link_bandwidth(graph, link: LinkModel, *, size_bytes: float | None = No
                  if graph.ops[i].startswith("call_") and graph.size_out_bytes[i] > 0]
         if not sizes:
             raise InputError("the graph has no tensor-producing node: pass size_bytes")
-        size_bytes = float(np.median(sizes))
+        # bytes-weighted median: half of all bytes a cut could send are in tensors at least
+        # this large. A cut's time is dominated by its large tensors; the plain median sits
+        # on the many small ones (views, scalars), whose per-message latency made every byte
+        # look slow (gloo loopback: GPT-2 priced at 0.017 GB/s, a UNet at 0.13 GB/s, and the
+        # UNet's cuts avoided although its equal-layer split trained 24% faster)
+        order = np.sort(np.asarray(sizes))
+        cum = np.cumsum(order)
+        size_bytes = float(order[int(np.searchsorted(cum, 0.5 * cum[-1]))])
     bw = link.effective_bytes_per_s(size_bytes)
     doc = graph.to_dict()
     doc["bandwidth_bytes_per_s"] = bw
