@@ -6,8 +6,8 @@ T5 and a U-Net with ``torch.compile(backend="fxpipe")``; the forward runs pipeli
 the same plan on every rank. Then the README's training flow: ``torch.compile`` plans with
 ``compile_stages=True`` and a zero-bubble schedule, ``fxpipe.last_plan().build(rank)`` builds
 Inductor-compiled stages with split backward (I and W actions), and 2 SGD steps must equal
-single-process training within 1e-4. Four ranks (same models) are checked by
-``benchmarks/bench_backend.py --ranks 2 4`` (about a minute per model set; kept out of CI).
+single-process training within 1e-4. A second job runs the same three models pipelined on 4
+ranks.
 """
 
 from __future__ import annotations
@@ -72,3 +72,18 @@ def test_compile_stages_training_through_the_plan_equals_one_process(two_ranks):
     assert last["reports"][0]["signatures"], "the compiled backward never reached fxpipe's B/W split (a cache hit?)"
     assert all(sig["split"] for r in ranks for rep in r["reports"] for sig in rep["signatures"])
 
+
+
+@pytest.fixture(scope="module")
+def four_ranks():
+    return run_local(workers.jobs, 4, args=([["pipelined_inference", [MODELS, {}]]],), timeout_s=800)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_four_ranks_pipelined_inference_equals_eager_on_every_rank(four_ranks, name):
+    per_rank = [r[0][name] for r in four_ranks]
+    for res in per_rank:
+        assert res["pipelined"] and res["stages"] == 4 and res["microbatches"] == 4
+        assert res["type_equal"] and res["shapes_equal"] and res["num_outputs"][0] == res["num_outputs"][1] > 0
+        assert res["max_abs_diff"] <= 1e-5
+    assert len({res["stage_of_digest"] for res in per_rank}) == 1
