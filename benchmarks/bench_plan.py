@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import resource
 import sys
 import time
@@ -82,6 +83,7 @@ def main(argv=None) -> int:
     import torch
 
     import fxpipe
+    from fxpipe.errors import InfeasibleError
     from fxpipe.api import fill_empty_stages, graph_signature, plan_graph
     from fxpipe.models import build_hf_model
     from fxpipe.partition.baselines import equal_layers, parameter_balanced
@@ -115,8 +117,12 @@ def main(argv=None) -> int:
         for k in args.devices or ks:
             if k > graph.n:
                 continue
+            # memory_bytes=inf: the bottleneck comparison is against memory-blind baselines (equal
+            # layers, parameter-balanced, the previous planner); the --compile row plans with the
+            # device's capacity (fxpipe's default)
             part, problem, sched, tim = plan_graph(
-                graph, devices=k, microbatches=args.microbatches, objective="training", schedule="zb-h1", time_limit_s=args.time_limit
+                graph, devices=k, microbatches=args.microbatches, objective="training", schedule="zb-h1",
+                time_limit_s=args.time_limit, memory_bytes=math.inf,
             )
             row = {
                 "model": name, "ops": graph.n, "devices": k, "build_s": build_s,
@@ -157,8 +163,18 @@ def main(argv=None) -> int:
         if args.compile:
             k = max(args.devices or ks)
             t2 = time.perf_counter()
-            plan = fxpipe.compile(model, margs, mkwargs, devices=k, microbatches=args.microbatches, hardware=args.hardware,
-                                  dtype=dtype, objective="training", time_limit_s=args.time_limit, name=name)
+            try:
+                plan = fxpipe.compile(model, margs, mkwargs, devices=k, microbatches=args.microbatches,
+                                      hardware=args.hardware, dtype=dtype, objective="training",
+                                      time_limit_s=args.time_limit, name=name)
+            except InfeasibleError as exc:
+                wall = time.perf_counter() - t2
+                rows.append({"model": name, "devices": k, "compile_wall_s": wall, "compile": True,
+                             "does_not_fit": str(exc)})
+                print(f"# {name}: fxpipe.compile for {k} devices does not fit the device ({wall:.1f} s): {exc}",
+                      file=sys.stderr)
+                del model
+                continue
             wall = time.perf_counter() - t2
             rows.append({"model": name, "devices": k, "compile_wall_s": wall, "compile_timings_s": plan.timings_s,
                          "trivial_stages": trivial_stages(plan.graph, plan.partition),
@@ -190,7 +206,10 @@ def main(argv=None) -> int:
               f"{r.get('baseline_trivial_stages', '-')} | {r['equal_layers_ms']:.3f} | {r['param_balanced_ms']:.3f} | "
               f"{r['speedup_vs_equal']:.2f} | {r['speedup_vs_params']:.2f} |")
     for r in rows:
-        if r.get("compile"):
+        if r.get("does_not_fit"):
+            print(f"\nfxpipe.compile({r['model']}, devices={r['devices']}): does not fit the device "
+                  f"({r['compile_wall_s']:.1f} s): {r['does_not_fit']}")
+        elif r.get("compile"):
             print(f"\nfxpipe.compile({r['model']}, devices={r['devices']}): {r['compile_wall_s']:.1f} s wall "
                   f"({', '.join(f'{a} {b:.2f}' for a, b in r['compile_timings_s'].items())}); "
                   f"trivial-only stages {r['trivial_stages']}; partition proven optimal: {r['proven_optimal']}")

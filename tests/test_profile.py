@@ -554,7 +554,22 @@ def test_link_model_and_fit():
     g, _ = to_opgraph(cap.gm, "cpu")
     g2 = with_link_bandwidth(g, link, size_bytes=65536)
     assert g2.bandwidth_bytes_per_s == pytest.approx(65536 / 2e-3) and g2.meta["link_bandwidth"]["message_bytes"] == 65536
-    assert with_link_bandwidth(g, link).meta["link_bandwidth"]["message_bytes"] > 0
+    # default size: the bytes-weighted median of the call nodes' outputs (half of all bytes a cut
+    # could send are in tensors at least this large), not the plain median of many small tensors
+    sizes = np.array([float(g.size_out_bytes[i]) for i in range(g.n)
+                      if g.ops[i].startswith("call_") and g.size_out_bytes[i] > 0])
+    got = with_link_bandwidth(g, link).meta["link_bandwidth"]
+    srt = np.sort(sizes)
+    weighted = srt[np.searchsorted(np.cumsum(srt), 0.5 * srt.sum())]
+    assert got["message_bytes"] == weighted and (srt[srt >= weighted].sum() >= 0.5 * srt.sum())
+    assert got["bytes_per_s"] == pytest.approx(link.effective_bytes_per_s(weighted))
+    from fxpipe.ir import OpGraph
+
+    skewed = OpGraph.from_arrays(  # 99 scalars and one 1 MB tensor: the big one prices the link
+        t_fwd_s=np.ones(100), t_bwd_input_s=np.ones(100), t_bwd_weight_s=np.ones(100),
+        size_out_bytes=np.array([4.0] * 99 + [1e6]), edges=[(i, i + 1) for i in range(99)], name="skewed",
+    )
+    assert with_link_bandwidth(skewed, link).meta["link_bandwidth"]["message_bytes"] == 1e6
 
 
 @pytest.mark.slow

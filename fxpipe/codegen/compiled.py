@@ -49,6 +49,7 @@ import torch.fx as fx
 from fxpipe.codegen.runtime import (
     FxpipePipelineStage,
     boxed_callable,
+    copy_graph_codegen,
     donated_backward_inputs,
     inductor_compile,
     inductor_compile_graph,
@@ -198,7 +199,7 @@ def _copy_module(module: fx.GraphModule) -> fx.GraphModule:
     """A new GraphModule over a copy of ``module``'s graph, sharing its parameters and buffers
     (Inductor takes ownership of and may rewrite the graph it compiles)."""
     g = fx.Graph()
-    g._codegen = module.graph._codegen  # noqa: SLF001 - keep the calling convention (pytree codegen)
+    copy_graph_codegen(g, module.graph)  # keep the calling convention (pytree codegen)
     env: dict[fx.Node, fx.Node] = {}
     out = g.graph_copy(module.graph, env)
     g.output(out)

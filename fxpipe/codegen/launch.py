@@ -298,7 +298,7 @@ def _run_one(rank: int, world: int, run: dict, out_dir: str, idx: int, cache: di
         grads = _grads_of(named)
         if opt is not None:
             opt.step()
-        if rank == 0:
+        if rank == 0 and run.get("report_progress"):
             _write_progress(out_dir, idx, step + 1)
     wall = time.perf_counter() - t0
     stash = getattr(sched, "fxpipe_stash", None)
@@ -520,6 +520,8 @@ def spawn_train_many(runs: Sequence[Mapping[str, Any]], *, world_size: int, time
 
     bar = tqdm(total=sum(int(r["steps"]) for r in norm_runs), desc=f"pipeline training ({world_size} ranks)",
                unit="step", disable=not progress, leave=False)
+    for run in norm_runs:
+        run["report_progress"] = not bar.disable  # rank 0 writes a file per step only for a shown bar
     with bar, tempfile.TemporaryDirectory(prefix="fxpipe-spawn-") as out_dir:
         t0 = time.perf_counter()
         pending = list(range(len(norm_runs)))
@@ -594,7 +596,8 @@ def _forget(out_dir: str, pending: Sequence[int], world: int) -> None:
     """Remove the files of a failed attempt (pending runs and error reports)."""
     pend = set(pending)
     for name in os.listdir(out_dir):
-        if name.endswith(".err") or name.startswith("run") and int(name[3:].split("_")[0]) in pend:
+        if (name.endswith(".err") or name.startswith("run") and int(name[3:].split("_")[0]) in pend
+                or name.startswith("progress") and name[8:].isdigit() and int(name[8:]) in pend):
             os.remove(os.path.join(out_dir, name))
 
 

@@ -72,6 +72,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import torch
 from torch.overrides import TorchFunctionMode
 
+from fxpipe.codegen.runtime import get_tensor_slot, module_tensor_slots, set_tensor_slot
 from fxpipe.errors import InputError
 
 __all__ = [
@@ -191,17 +192,6 @@ def _alias_groups(model: torch.nn.Module) -> tuple[dict[str, str], dict[str, tor
     return alias, tensors, is_param
 
 
-def _slots(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, str, str, torch.Tensor]]:
-    """Every (module qualname, module, dict name, key, tensor) slot holding a parameter or buffer."""
-    out = []
-    for qual, mod in model.named_modules(remove_duplicate=False):
-        for kind in ("_parameters", "_buffers"):
-            for k, t in getattr(mod, kind).items():
-                if t is not None:
-                    out.append((qual, mod, kind, k, t))
-    return out
-
-
 def _is_pretrained(m: torch.nn.Module) -> bool:
     return callable(getattr(m, "_init_weights", None)) and any(c.__name__ == "PreTrainedModel" for c in type(m).__mro__)
 
@@ -292,7 +282,7 @@ def initialize(model: torch.nn.Module, names: Iterable[str] | None = None, *, se
     by_id = {id(tensors[c]): c for c in tensors}
     swaps = []
     holders: set[str] = set()
-    for qual, mod, kind, k, t in _slots(model):
+    for qual, mod, kind, k, t in module_tensor_slots(model):
         c = by_id.get(id(t))
         if c in wanted:
             swaps.append((mod, kind, k, t))
@@ -318,7 +308,7 @@ def initialize(model: torch.nn.Module, names: Iterable[str] | None = None, *, se
     with torch.random.fork_rng(devices=[]):
         try:
             for mod, kind, k, t in swaps:
-                getattr(mod, kind)[k] = real[by_id[id(t)]]
+                set_tensor_slot(mod, kind, k, real[by_id[id(t)]])
             with torch.no_grad():
                 for q in order:
                     fn = _initializer(q, modules[q], modules, init_fn)
@@ -330,7 +320,7 @@ def initialize(model: torch.nn.Module, names: Iterable[str] | None = None, *, se
             values = {}
             for mod, kind, k, t in swaps:  # an initializer may have replaced the tensor object
                 c = by_id[id(t)]
-                now = getattr(mod, kind)[k]
+                now = get_tensor_slot(mod, kind, k)
                 if now is not real[c] and now is not None and not now.is_meta:
                     values[c] = now
                     mode.written.add(c)
@@ -339,7 +329,7 @@ def initialize(model: torch.nn.Module, names: Iterable[str] | None = None, *, se
                     mode.written.add(c)
         finally:
             for mod, kind, k, t in swaps:
-                getattr(mod, kind)[k] = t
+                set_tensor_slot(mod, kind, k, t)
     missing = sorted(wanted - mode.written)
     if missing:
         owners = []
@@ -499,21 +489,21 @@ def _replace(module: torch.nn.Module, canon_of: Mapping[int, str], values: Mappi
     of the tensors created (``made``, kept by the caller, shares tensors across modules)."""
     made = {} if made is None else made
     pbytes = bbytes = 0
-    for _, mod, kind, k, t in _slots(module):
+    for _, mod, kind, k, t in module_tensor_slots(module):
         c = canon_of.get(id(t))
         if c is None or (c not in values and c not in made):
             continue
         new = made.get(c)
         if new is None:
             data = values[c].detach().to(device=device, dtype=t.dtype).contiguous()
-            if kind == "_parameters":
+            if kind == "parameter":
                 new = torch.nn.Parameter(data, requires_grad=t.requires_grad)
                 pbytes += data.numel() * data.element_size()
             else:
                 new = data
                 bbytes += data.numel() * data.element_size()
             made[c] = new
-        getattr(mod, kind)[k] = new
+        set_tensor_slot(mod, kind, k, new)
     return pbytes, bbytes
 
 

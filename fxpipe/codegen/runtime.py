@@ -638,3 +638,39 @@ def boxed_callable(fn: Callable[[list], Any]) -> Callable[[list], Any]:
     fn._boxed_call = True  # noqa: SLF001 - AOTAutograd's protocol
     return fn
 # ---- end torch.compile backend adapters
+
+
+# ----------------------------------------------------------------------------- module and graph internals
+_SLOT_DICTS = {"parameter": "_parameters", "buffer": "_buffers"}
+
+
+def module_tensor_slots(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, str, str, torch.Tensor]]:
+    """Every ``(module qualname, module, kind, key, tensor)`` slot holding a parameter or buffer.
+
+    ``kind`` is ``"parameter"`` or ``"buffer"``; shared modules and tied tensors appear once per
+    slot (``remove_duplicate=False``), which is what swapping tensors in place needs
+    (:mod:`fxpipe.codegen.materialize`). Reads ``nn.Module._parameters`` / ``_buffers``.
+    """
+    out = []
+    for qual, mod in model.named_modules(remove_duplicate=False):
+        for kind, attr in _SLOT_DICTS.items():
+            for key, t in getattr(mod, attr).items():
+                if t is not None:
+                    out.append((qual, mod, kind, key, t))
+    return out
+
+
+def get_tensor_slot(mod: torch.nn.Module, kind: str, key: str) -> torch.Tensor | None:
+    """The tensor in ``mod``'s ``kind`` (``"parameter"`` / ``"buffer"``) slot ``key``."""
+    return getattr(mod, _SLOT_DICTS[kind])[key]
+
+
+def set_tensor_slot(mod: torch.nn.Module, kind: str, key: str, value: torch.Tensor | None) -> None:
+    """Put ``value`` in ``mod``'s slot without the checks of ``register_parameter`` (a meta
+    placeholder swapped for a real tensor and back, a parameter shared across modules)."""
+    getattr(mod, _SLOT_DICTS[kind])[key] = value
+
+
+def copy_graph_codegen(dst: torch.fx.Graph, src: torch.fx.Graph) -> None:
+    """Give ``dst`` the calling convention of ``src`` (its pytree codegen: ``fx.Graph._codegen``)."""
+    dst._codegen = src._codegen  # noqa: SLF001

@@ -246,7 +246,8 @@ def with_link_bandwidth(graph, link: LinkModel, *, size_bytes: float | None = No
         # this large. A cut's time is dominated by its large tensors; the plain median sits
         # on the many small ones (views, scalars), whose per-message latency made every byte
         # look slow (gloo loopback: GPT-2 priced at 0.017 GB/s, a UNet at 0.13 GB/s, and the
-        # UNet's cuts avoided although its equal-layer split trained 24% faster)
+        # UNet's cuts avoided although its equal-layer split trained 24% faster). The price
+        # one bandwidth can give: a cut of many small tensors is underpriced by their latency
         order = np.sort(np.asarray(sizes))
         cum = np.cumsum(order)
         size_bytes = float(order[int(np.searchsorted(cum, 0.5 * cum[-1]))])

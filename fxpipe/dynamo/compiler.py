@@ -281,6 +281,8 @@ class _GraphCompiler:
                 payload[0] = {"plan": plan.to_dict()}
             except FxpipeError as exc:
                 payload[0] = {"error": (type(exc).__name__, str(exc))}
+            except Exception as exc:  # noqa: BLE001 - any failure must reach the other ranks, or they wait forever
+                payload[0] = {"error": ("CaptureError", f"rank 0 failed while planning: {type(exc).__name__}: {exc}")}
         dist.broadcast_object_list(payload, src=src, group=self.group)
         doc = payload[0]
         if "error" in doc:  # every rank raises rank 0's planning error
@@ -388,6 +390,8 @@ class _GraphCompiler:
                                      group=self.group, compile_stages=self.opts.compile_stages)
         except FxpipeError as exc:
             error = (type(exc).__name__, f"rank {self._rank()}: {exc}")
+        except Exception as exc:  # noqa: BLE001 - any failure must reach the other ranks, or they wait forever
+            error = ("CaptureError", f"rank {self._rank()} failed to build its stages: {type(exc).__name__}: {exc}")
         errors: list[Any] = [None] * self.world
         dist.all_gather_object(errors, error, group=self.group)
         first = next((e for e in errors if e is not None), None)

@@ -230,10 +230,13 @@ def _optimize_interruptible(model) -> bool:
     interrupted = False
     while worker.is_alive():
         try:
+            if interrupted:
+                # again until SCIP stops: a press before SCIPsolve started is reset by it
+                model.interruptSolve()
             worker.join(timeout=0.1)
         except KeyboardInterrupt:
+            # a second press changes nothing: the model must outlive the solve in the worker
             interrupted = True
-            model.interruptSolve()
     if errors:
         raise errors[0]
     return interrupted
@@ -367,6 +370,8 @@ def solve_model(
             bar.close()
     wall = time.perf_counter() - t0
     raw = model.getStatus()
+    # a press is reported as such even when SCIP finished at the same moment (its bounds are
+    # valid either way): callers stop their remaining work on "userinterrupt"
     status = "userinterrupt" if interrupted else normalize_status(raw)
     if status.startswith("unknown:"):
         raise SolverError(f"SCIP ended {model.getProbName()!r} with status {raw!r}; the model may be malformed")

@@ -161,13 +161,17 @@ def solve(
     warm_info = {"method": warm_start.method, "value_s": warm_val,
                  "candidates": warm_start.meta.get("warm_candidates", {})}
 
-    if warm_val <= comb_lb * (1 + 1e-9) + 1e-12:
-        # the warm start meets a proven lower bound: optimal, nothing to search
+    proven = warm_val <= comb_lb * (1 + 1e-9) + 1e-12
+    if proven or (probe_info is not None and probe_info.get("interrupted")):
+        # the warm start meets a proven lower bound: optimal, nothing to search; or Ctrl-C
+        # during probing: the warm start with the bound proven so far
         ms, span = objective_values(problem, warm_start.ops)
+        status = "optimal" if proven else "userinterrupt"
+        gap = 0.0 if proven else (warm_val - comb_lb) / warm_val if warm_val > 0 else 0.0
         return Schedule(
-            ops=warm_start.ops, makespan=ms, stage_span=span, lower_bound_s=min(comb_lb, warm_val), status="optimal",
+            ops=warm_start.ops, makespan=ms, stage_span=span, lower_bound_s=min(comb_lb, warm_val), status=status,
             solver_time_s=time.perf_counter() - t_start, method="milp", objective=problem.objective,
-            meta={"gap": 0.0, "nodes": 0, "status": "optimal", "primal": warm_val, "dual": comb_lb,
+            meta={"gap": gap, "nodes": 0, "status": status, "primal": warm_val, "dual": comb_lb,
                   "combinatorial_bound_s": comb_lb, "scip_version": scip_version(), "pyscipopt_version": scip.__version__,
                   "params": {}, "model": {}, "warm_start": {**warm_info, "accepted": None}, "incumbents": [],
                   "source": f"warm_start:{warm_start.method}", "proof": f"{bound_method} bound", "build_s": 0.0,

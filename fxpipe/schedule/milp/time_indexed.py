@@ -438,6 +438,8 @@ class ProbeBound:
         "unknown", "windows"), ``wall_s``.
     wall_s : float
         Total time.
+    interrupted : bool
+        Ctrl-C stopped a probe (the bound so far is valid; bisection stopped there).
     """
 
     bound_s: float
@@ -445,10 +447,11 @@ class ProbeBound:
     infeasible_T: int | None
     probes: list = field(default_factory=list)
     wall_s: float = 0.0
+    interrupted: bool = False
 
     def to_dict(self) -> dict:
         return {"bound_s": self.bound_s, "grid_s": self.grid_s, "infeasible_T": self.infeasible_T,
-                "probes": len(self.probes), "wall_s": self.wall_s,
+                "probes": len(self.probes), "wall_s": self.wall_s, "interrupted": self.interrupted,
                 "proven": [p for p in self.probes if p["result"] in ("infeasible", "windows")][-3:]}
 
 
@@ -539,6 +542,9 @@ def probe_lower_bound(problem: ScheduleProblem, *, upper_bound_s: float, lower_b
             if model is None:  # pragma: no cover - the windows were feasible above
                 return True
             res = solve_model(model, time_limit_s=max(0.5, min(probe_time_s, left())), presolving="default")
+            if res.status == "userinterrupt":  # Ctrl-C: no more probes
+                out.interrupted = True
+                return False
             result = {"infeasible": "infeasible", "optimal": "feasible"}.get(res.raw_status, "unknown")
             if res.n_solutions > 0:
                 result = "feasible"
@@ -550,7 +556,7 @@ def probe_lower_bound(problem: ScheduleProblem, *, upper_bound_s: float, lower_b
                 feasible_at[d] = min(feasible_at.get(d, T), T)
         return False
 
-    while a <= b and left() > 0.5:
+    while a <= b and left() > 0.5 and not out.interrupted:
         mid = (a + b + 1) // 2
         if probe(mid):
             out.infeasible_T = mid
