@@ -35,8 +35,20 @@ MEMORY_FIELDS = ("params_bytes", "grads_bytes", "optimizer_bytes", "activation_p
                  "reserved_bytes", "offloaded_peak_bytes", "memory_bytes", "capacity_bytes")
 
 
+class _MemoryRow:
+    """The capacity check shared by stage and device rows (``memory_bytes``, ``capacity_bytes``)."""
+
+    memory_bytes: float
+    capacity_bytes: float | None
+
+    @property
+    def fits(self) -> bool:
+        """``memory_bytes <= capacity_bytes`` (True without a capacity)."""
+        return self.capacity_bytes is None or self.memory_bytes <= self.capacity_bytes * (1 + 1e-12)
+
+
 @dataclass
-class StageStats:
+class StageStats(_MemoryRow):
     """Per-stage figures of a plan (times in seconds, sizes in bytes); ``device`` holds the stage.
 
     ``param_bytes`` are the stage's parameters in the captured graph's dtype. The memory
@@ -71,14 +83,9 @@ class StageStats:
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
 
-    @property
-    def fits(self) -> bool:
-        """``memory_bytes <= capacity_bytes`` (True without a capacity)."""
-        return self.capacity_bytes is None or self.memory_bytes <= self.capacity_bytes * (1 + 1e-12)
-
 
 @dataclass
-class DeviceStats:
+class DeviceStats(_MemoryRow):
     """Per-device figures of a plan (times in seconds, sizes in bytes).
 
     Attributes
@@ -125,11 +132,6 @@ class DeviceStats:
 
     def to_dict(self) -> dict[str, Any]:
         return {**self.__dict__, "stages": list(self.stages)}
-
-    @property
-    def fits(self) -> bool:
-        """``memory_bytes <= capacity_bytes`` (True without a capacity)."""
-        return self.capacity_bytes is None or self.memory_bytes <= self.capacity_bytes * (1 + 1e-12)
 
 
 @dataclass
