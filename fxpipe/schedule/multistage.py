@@ -237,52 +237,40 @@ def orders_zbv(num_devices: int, num_microbatches: int) -> Orders:
         row: list[Action] = []
         cnt = {"f0": 0, "f1": 0, "b0": 0, "b1": 0}
 
-        def put(stage: int, kind: str, key: str) -> None:
+        def put(stage: int, kind: str, key: str, advance: bool = True) -> None:
+            """Append the next action of counter ``key``; ``advance=False`` reuses it (a B's W)."""
             row.append(Action(stage, kind, cnt[key]))
+            if advance:
+                cnt[key] += 1
 
         for _ in range(2 * (p - d) - 1):
             put(s0, "F", "f0")
-            cnt["f0"] += 1
         for _ in range(d):
             put(s1, "F", "f1")
-            cnt["f1"] += 1
             put(s0, "F", "f0")
-            cnt["f0"] += 1
         for _ in range(p - d):
             put(s1, "F", "f1")
-            cnt["f1"] += 1
-            put(s1, "B", "b1")
+            put(s1, "B", "b1", advance=False)
             put(s1, "W", "b1")
-            cnt["b1"] += 1
         while cnt["f1"] < cnt["f0"] or cnt["f0"] < n:
             if cnt["f0"] < n:
                 put(s0, "F", "f0")
-                cnt["f0"] += 1
-            put(s0, "B", "b0")
+            put(s0, "B", "b0", advance=False)
             put(s0, "W", "b0")
-            cnt["b0"] += 1
             put(s1, "F", "f1")
-            cnt["f1"] += 1
-            put(s1, "B", "b1")
+            put(s1, "B", "b1", advance=False)
             put(s1, "W", "b1")
-            cnt["b1"] += 1
-        w0, w1 = cnt["b0"], cnt["b1"]
+        cnt["w0"], cnt["w1"] = cnt["b0"], cnt["b1"]
         for _ in range(d):
             put(s0, "B", "b0")
-            cnt["b0"] += 1
             put(s1, "B", "b1")
-            cnt["b1"] += 1
         for _ in range(p - d):
             put(s0, "B", "b0")
-            cnt["b0"] += 1
-            row.append(Action(s0, "W", w0))
-            w0 += 1
-        while w1 < cnt["b1"]:
-            row.append(Action(s1, "W", w1))
-            w1 += 1
-        while w0 < cnt["b0"]:
-            row.append(Action(s0, "W", w0))
-            w0 += 1
+            put(s0, "W", "w0")
+        while cnt["w1"] < cnt["b1"]:
+            put(s1, "W", "w1")
+        while cnt["w0"] < cnt["b0"]:
+            put(s0, "W", "w0")
         rows.append(tuple(a for a in row if a.microbatch < m))
     return Orders(v_placement(p), tuple(rows))
 
