@@ -115,3 +115,29 @@ def test_milp_reports_probe_bound():
     assert probe["bound_s"] > res.meta["combinatorial_bound_s"]
     assert res.lower_bound_s >= probe["bound_s"] - 1e-9
     assert res.lower_bound_s <= res.value + 1e-9
+
+
+def test_ctrl_c_in_a_probe_stops_probing_and_the_milp(monkeypatch):
+    # a probe solve stopped by Ctrl-C (status "userinterrupt") ends the bisection at once, and
+    # milp.solve returns the warm start with the bound proven so far instead of starting SCIP
+    import types
+
+    import fxpipe.mip
+
+    calls = []
+
+    def interrupted_solve(model, **kw):
+        calls.append(kw)
+        return types.SimpleNamespace(status="userinterrupt", raw_status="userinterrupt", n_solutions=0)
+
+    p = ScheduleProblem.create(num_stages=4, num_microbatches=8, t_f=1, t_b=1, t_w=1, t_offload=0.5, mem_f=1,
+                               mem_b=-0.5, mem_w=-0.5, mem_limit=2.0)
+    monkeypatch.setattr(fxpipe.mip, "solve_model", interrupted_solve)
+    pb = probe_lower_bound(p, upper_bound_s=40.0, lower_bound_s=24.0, time_limit_s=30.0)
+    assert pb.interrupted and len(calls) == 1
+    assert pb.bound_s >= 24.0 and pb.to_dict()["interrupted"] is True
+    calls.clear()
+    res = milp.solve(p, time_limit_s=60.0, probe_time_s=10.0)
+    assert len(calls) == 1  # the one interrupted probe; no SCIP solve of the MILP after it
+    assert res.status == "userinterrupt" and res.meta["probe"]["interrupted"]
+    assert 24.0 - 1e-9 <= res.lower_bound_s <= res.value + 1e-9
