@@ -7,6 +7,9 @@ auxiliary loss) train with
 * a schedule that offloads: fxpipe's PipeOffload heuristic on the plan's schedule problem with a
   finite memory limit (its device programs carry O/R actions, which the ranks execute with the
   saved-tensor hooks: every offloaded stash goes to a host buffer and comes back);
+* on 4 ranks also a schedule of fxpipe's offload-aware list-scheduling search
+  (``offload-search``) under 1.5 stashes per stage, whose O/R actions interleave freely with
+  the compute;
 * a schedule that recomputes: the problem with its first stages marked for recomputation
   (:meth:`ScheduleProblem.with_recompute`), scheduled by 1F1B, the marked stages replaying their
   forward during the backward;
@@ -62,6 +65,15 @@ def _offloading(plan):
     return orders, ()
 
 
+def _offload_searching(plan):
+    """fxpipe's offload-aware list-scheduling search under 1.5 stashes per stage: it must offload."""
+    pr = plan.problem
+    limited = dataclasses.replace(pr, mem_limit=1.5 * np.asarray(pr.mem_f, dtype=float))
+    orders = schedule_to_orders(make_schedule(limited, "offload-search"), limited)
+    assert orders.offloaded(), "the schedule must offload for this test to mean anything"
+    return orders, ()
+
+
 def _recomputing(plan):
     rec = tuple(range(plan.devices - 1))
     pr = plan.problem.with_recompute(list(rec))
@@ -76,7 +88,10 @@ def _train(devices: int, with_state: bool, tmp_path=None):
         base = dict(make_model=zm, make_batch=zm.batch, loss=zm.loss, stage_of=_PlanStageOf(plan.stage_of),
                     num_microbatches=M, steps=STEPS, lr=LR, model_key=name)
         ref = reference_train(zm, zm.batch, num_microbatches=M, steps=STEPS, lr=LR, loss=zm.loss)
-        for kind, make in (("offload", _offloading), ("recompute", _recomputing)):
+        kinds = [("offload", _offloading), ("recompute", _recomputing)]
+        if devices == 4:
+            kinds.append(("offload-search", _offload_searching))
+        for kind, make in kinds:
             orders, rec = make(plan)
             runs.append(dict(base, orders=orders, recompute_stages=rec))
             refs.append(ref)
@@ -128,7 +143,7 @@ def _check_equal(res, ref):
 def _check_memops(res, kind, devices):
     act = res.meta["activation"]
     stages = {int(s): st for r in range(devices) for s, st in act[r]["stages"].items()}
-    if kind == "offload":
+    if kind.startswith("offload"):
         assert sum(st["offloads"] for st in stages.values()) > 0
         for st in stages.values():
             assert st["offloads"] == st["reloads"]  # every stash came back
@@ -151,7 +166,7 @@ def test_two_ranks_offload_and_recompute_train_like_one_process(two_ranks, name,
 
 
 @pytest.mark.parametrize("name", MODELS)
-@pytest.mark.parametrize("kind", ["offload", "recompute"])
+@pytest.mark.parametrize("kind", ["offload", "recompute", "offload-search"])
 def test_four_ranks_offload_and_recompute_train_like_one_process(four_ranks, name, kind):
     res, ref = four_ranks[0][(name, kind)]
     _check_equal(res, ref)

@@ -137,7 +137,7 @@ def test_ctrl_c_in_a_probe_stops_probing_and_the_milp(monkeypatch):
     assert pb.interrupted and len(calls) == 1
     assert pb.bound_s >= 24.0 and pb.to_dict()["interrupted"] is True
     calls.clear()
-    res = milp.solve(p, time_limit_s=60.0, probe_time_s=10.0)
+    res = milp.solve(p, time_limit_s=60.0, probe_time_s=10.0, search_time_s=1.0)
     assert len(calls) == 1  # the one interrupted probe; no SCIP solve of the MILP after it
     assert res.status == "userinterrupt" and res.meta["probe"]["interrupted"]
     assert 24.0 - 1e-9 <= res.lower_bound_s <= res.value + 1e-9

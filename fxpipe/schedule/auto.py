@@ -66,7 +66,7 @@ PLAIN_METHODS = ("zb-h2", "zb-h1", "1f1b", "greedy", "gpipe")
 #: Step 1 with several stages on a device (each raises on a placement it does not schedule).
 PLAIN_MULTI_METHODS = ("zb-v", "dualpipe-v", "interleaved-1f1b", "greedy")
 #: Step 2 (one stage per device).
-OFFLOAD_METHODS = ("pipeoffload", "adaoffload")
+OFFLOAD_METHODS = ("pipeoffload", "adaoffload", "offload-search")
 #: Step 5 runs the MILP only on problems with at most this many compute ops (3 S m).
 AUTO_MILP_MAX_OPS = 240
 

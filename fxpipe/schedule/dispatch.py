@@ -23,14 +23,14 @@ from fxpipe.schedule.heuristics import ALL_METHODS as HEURISTICS
 METHODS = (*HEURISTICS, "milp", "auto")
 
 #: Methods that schedule one stage per device (any placement with D = S).
-_ONE_STAGE = ("gpipe", "1f1b", "zb-h1", "zb-h2", "greedy", "pipeoffload", "adaoffload")
+_ONE_STAGE = ("gpipe", "1f1b", "zb-h1", "zb-h2", "greedy", "pipeoffload", "adaoffload", "offload-search")
 
 
 def methods_for_placement(device_of_stage: Sequence[int], num_devices: int | None = None) -> tuple[str, ...]:
     """The methods of :data:`METHODS` defined for a placement, in :data:`METHODS` order.
 
     * one stage per device: GPipe, 1F1B, ZB-H1/H2, the Zero Bubble greedy, PipeOffload,
-      AdaOffload (and ``interleaved-1f1b`` = 1F1B when stage s is on device s);
+      AdaOffload, the offload-aware list-scheduling search (and ``interleaved-1f1b`` = 1F1B when stage s is on device s);
     * looped (stage s on device ``s mod p``), v >= 2: ``interleaved-1f1b``;
     * V-shape with 2 stages per device: ``zb-v``, ``dualpipe-v`` (the latter also needs
       ``m >= 2p``, checked when it runs);

@@ -41,6 +41,11 @@ Methods
 ``interleaved-1f1b``, ``zb-v``, ``dualpipe-v``
     Several stages per device (looped / V placement): :mod:`fxpipe.schedule.multistage`.
     ``greedy`` on such placements is :mod:`fxpipe.schedule.device_greedy`.
+``offload-search``
+    Compute and offload / reload decided together by an offload-aware list scheduler
+    (:mod:`fxpipe.schedule.offload_search`), the best of a seeded parameter search of
+    :data:`OFFLOAD_SEARCH_EVALS` policies (at most :data:`OFFLOAD_SEARCH_TIME_S`): near zero
+    bubble under limits where the order-first offload heuristics fall back to 1F1B.
 ``adaoffload``
     OptPipe Appendix D, Algorithm 1: per stage, as many forwards as fit before the earliest
     start of the stage's first backward (plus a tolerance), every warm-up stash offloaded,
@@ -74,6 +79,7 @@ __all__ = [
     "greedy",
     "pipeoffload",
     "adaoffload",
+    "offload_search_schedule",
     "orders_1f1b",
     "orders_gpipe",
     "greedy_orders",
@@ -82,7 +88,8 @@ __all__ = [
 
 #: Generators that schedule one stage per device (``interleaved-1f1b`` with v = 1 is 1F1B;
 #: ``greedy`` and ``interleaved-1f1b`` also take several stages per device).
-METHODS = ("gpipe", "1f1b", "zb-h1", "zb-h2", "pipeoffload", "adaoffload", "greedy", "interleaved-1f1b")
+METHODS = ("gpipe", "1f1b", "zb-h1", "zb-h2", "pipeoffload", "adaoffload", "offload-search", "greedy",
+           "interleaved-1f1b")
 #: Generators for the V placement (two stages per device: d and 2p-1-d).
 V_METHODS = ("zb-v", "dualpipe-v")
 #: Every heuristic :func:`generate` knows.
@@ -898,6 +905,31 @@ def greedy(problem: ScheduleProblem) -> Schedule:
     return device_greedy(problem, method="greedy")
 
 
+#: Policies :func:`offload_search_schedule` evaluates (deterministic for a given problem) ...
+OFFLOAD_SEARCH_EVALS = 200
+#: ... unless this many seconds pass first.
+OFFLOAD_SEARCH_TIME_S = 2.0
+
+
+def offload_search_schedule(problem: ScheduleProblem) -> Schedule:
+    """:func:`fxpipe.schedule.offload_search.offload_search` with the generator budget.
+
+    Raises
+    ------
+    InputError
+        If a device holds several stages.
+    InfeasibleError
+        If one stash does not fit a stage (the message gives the bytes), or no policy fits.
+    """
+    from fxpipe.schedule.offload_search import offload_search
+
+    require_one_stage_per_device(problem, "offload-search")
+    _min_stash_check(problem, "offload-search")
+    t0 = time.perf_counter()
+    sched = offload_search(problem, time_limit_s=OFFLOAD_SEARCH_TIME_S, max_evals=OFFLOAD_SEARCH_EVALS)
+    return _finish(problem, sched, t0)
+
+
 def _multistage(name: str) -> Callable[[ScheduleProblem], Schedule]:
     def run(problem: ScheduleProblem) -> Schedule:
         from fxpipe.schedule import multistage
@@ -915,6 +947,7 @@ _GENERATORS: dict[str, Callable[[ScheduleProblem], Schedule]] = {
     "greedy": greedy,
     "pipeoffload": pipeoffload,
     "adaoffload": adaoffload,
+    "offload-search": offload_search_schedule,
     "interleaved-1f1b": _multistage("interleaved_1f1b"),
     "zb-v": _multistage("zb_v"),
     "dualpipe-v": _multistage("dualpipe_v"),

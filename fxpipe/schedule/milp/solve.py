@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from fxpipe.errors import InputError
+from fxpipe.errors import InfeasibleError, InputError
 from fxpipe.ir import Schedule, ScheduleProblem
 from fxpipe.schedule.milp.builder import build_model
 from fxpipe.schedule.milp.extract import extract_schedule
@@ -55,6 +55,7 @@ def solve(
     gap_limit: float = 0.0,
     triangle_cuts: bool = True,
     probe_time_s: float | None = None,
+    search_time_s: float | None = None,
 ) -> Schedule:
     """Solve the schedule MILP with SCIP and return the best valid schedule.
 
@@ -87,6 +88,12 @@ def solve(
         proven bound becomes the objective cut of the MILP and the reported bound when it is
         the larger. Default: a quarter of ``time_limit_s`` when ``time_limit_s >= 60``, else
         0 (no probing). ``meta["probe"]`` records the result.
+    search_time_s : float, optional
+        Seconds (out of ``time_limit_s``) for a longer primal search before probing, with one
+        stage per device: :func:`fxpipe.schedule.offload_search.offload_search` (offload-aware
+        list scheduling), whose best schedule replaces the warm start when shorter. Default:
+        a tenth of ``time_limit_s`` when ``time_limit_s >= 60``, else 0 (the warm start's
+        short search only). ``meta["search"]`` records the result.
 
     Returns
     -------
@@ -133,6 +140,10 @@ def solve(
         probe_time_s = 0.25 * float(time_limit_s) if time_limit_s >= 60 else 0.0
     if not (isinstance(probe_time_s, (int, float)) and 0 <= probe_time_s < time_limit_s):
         raise InputError(f"probe_time_s must lie in [0, time_limit_s), got {probe_time_s!r}")
+    if search_time_s is None:
+        search_time_s = 0.1 * float(time_limit_s) if time_limit_s >= 60 else 0.0
+    if not (isinstance(search_time_s, (int, float)) and 0 <= search_time_s and probe_time_s + search_time_s < time_limit_s):
+        raise InputError(f"search_time_s must lie in [0, time_limit_s - probe_time_s), got {search_time_s!r}")
     t_start = time.perf_counter()
     check_memory_feasible(problem)
 
@@ -145,10 +156,31 @@ def solve(
         warm_start = warm_start_schedule(problem)
     warm_val = objective_value(problem, warm_start.ops)
     comb_lb = float(combinatorial_lower_bound(problem))
+    search_info, search_s, interrupted = None, 0.0, False
+    if search_time_s > 0 and problem.one_stage_per_device and warm_val > comb_lb * (1 + 1e-9) + 1e-12:
+        from fxpipe.schedule.offload_search import offload_search
+
+        try:
+            found = offload_search(problem, time_limit_s=float(search_time_s), seed=1, progress=progress)
+        except KeyboardInterrupt:
+            found, interrupted = None, True
+        except InfeasibleError:
+            found = None
+        search_s = time.perf_counter() - t_start
+        if found is not None:
+            interrupted = bool(found.meta.get("interrupted"))
+            search_info = {"value_s": found.value, "evals": found.meta.get("evals"), "wall_s": found.solver_time_s,
+                           "interrupted": interrupted}
+            if not check_schedule(problem, found.ops) and objective_value(problem, found.ops) < warm_val - 1e-12 * max(1.0, warm_val):
+                warm_start = Schedule(ops=found.ops, makespan=found.makespan, stage_span=found.stage_span,
+                                      status="heuristic", method="offload-search", objective=problem.objective,
+                                      meta={"warm_candidates": {**warm_start.meta.get("warm_candidates", {}),
+                                                                "offload-search (long)": found.value}})
+                warm_val = objective_value(problem, warm_start.ops)
     probe_info = None
     probe_s = 0.0
     bound_method = "combinatorial"
-    if probe_time_s > 0 and warm_val > comb_lb * (1 + 1e-9) + 1e-12:
+    if probe_time_s > 0 and not interrupted and warm_val > comb_lb * (1 + 1e-9) + 1e-12:
         from fxpipe.schedule.milp.time_indexed import probe_lower_bound
 
         pb = probe_lower_bound(problem, upper_bound_s=warm_val, lower_bound_s=comb_lb, time_limit_s=float(probe_time_s),
@@ -162,9 +194,9 @@ def solve(
                  "candidates": warm_start.meta.get("warm_candidates", {})}
 
     proven = warm_val <= comb_lb * (1 + 1e-9) + 1e-12
-    if proven or (probe_info is not None and probe_info.get("interrupted")):
+    if proven or interrupted or (probe_info is not None and probe_info.get("interrupted")):
         # the warm start meets a proven lower bound: optimal, nothing to search; or Ctrl-C
-        # during probing: the warm start with the bound proven so far
+        # during the search or probing: the warm start with the bound proven so far
         ms, span = objective_values(problem, warm_start.ops)
         status = "optimal" if proven else "userinterrupt"
         gap = 0.0 if proven else (warm_val - comb_lb) / warm_val if warm_val > 0 else 0.0
@@ -175,7 +207,7 @@ def solve(
                   "combinatorial_bound_s": comb_lb, "scip_version": scip_version(), "pyscipopt_version": scip.__version__,
                   "params": {}, "model": {}, "warm_start": {**warm_info, "accepted": None}, "incumbents": [],
                   "source": f"warm_start:{warm_start.method}", "proof": f"{bound_method} bound", "build_s": 0.0,
-                  "probe": probe_info, "bound_method": bound_method},
+                  "probe": probe_info, "search": search_info, "bound_method": bound_method},
         )
 
     model, V = build_model(problem, warm_start=warm_start, triangle_cuts=triangle_cuts, lower_bound_s=comb_lb)
@@ -223,7 +255,7 @@ def solve(
 
     res = solve_model(
         model,
-        time_limit_s=max(1.0, float(time_limit_s) - probe_s),
+        time_limit_s=max(1.0, float(time_limit_s) - probe_s - search_s),
         params=params,
         warm_start=warm_start_values(problem, V, warm_start),
         warm_start_complete=True,
@@ -271,6 +303,7 @@ def solve(
         "dual": dual_s,
         "combinatorial_bound_s": float(combinatorial_lower_bound(problem)),
         "probe": probe_info,
+        "search": search_info,
         "bound_method": bound_method if lb > dual_s or V.restricted else "scip",
         "scip_version": scip_version(),
         "pyscipopt_version": scip.__version__,

@@ -13,7 +13,7 @@ __all__ = ["check_memory_feasible", "sequential_schedule", "warm_start_schedule"
 
 _COMPUTE = ("F", "B", "W")
 #: Heuristics tried for the warm start, in order of preference on ties.
-WARM_METHODS = ("adaoffload", "zb-h2", "zb-h1", "1f1b", "greedy", "pipeoffload", "gpipe", "zb-v",
+WARM_METHODS = ("adaoffload", "offload-search", "zb-h2", "zb-h1", "1f1b", "greedy", "pipeoffload", "gpipe", "zb-v",
                 "interleaved-1f1b", "dualpipe-v")
 
 

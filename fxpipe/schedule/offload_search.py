@@ -1,0 +1,439 @@
+"""Offload-aware list scheduling with a parameter search: a primal heuristic for tight memory.
+
+The order-based heuristics (1F1B, ZB-H1/H2, PipeOffload, AdaOffload) fix every stage's op
+order first and decide offloads afterwards, so under a tight ``mem_limit`` they fall back to
+few warm-up forwards and leave bubbles; on p = 8, m = 16, F = B = W = 1, offload 0.5 they
+end at 55-62 time units against a lower bound of 48-58. This module decides compute *and*
+copy ops together, walking time forward on every stage (a parallel schedule-generation
+scheme, Kolisch 1996; the Zero Bubble greedy of Qi et al. 2024 Section 3.1 extended with
+PipeOffload's offload / reload, Wan et al. 2025 Sections 2 and 4.2):
+
+* **Compute stream**, whenever a stage is free at time ``t``: its next B if the gradient has
+  arrived and its stash is on the device; else, if the stage holds ``w_first`` or more
+  pending W passes, the oldest W; else its next F if the input has arrived, memory admits it
+  (keeping room for the reload of the next backward once that backward is near) and fewer
+  than ``cap`` forwards are in flight; else the oldest pending W, or (``eager_w`` off) only
+  a W that ends before the next B or F can start; else it waits.
+* **Copy stream** (one per stage, Contract 3 rule 3): a reload of the oldest offloaded stash
+  once its backward is at most ``reload_ahead`` micro-batches away (or its gradient is at
+  most ``reload_stages`` stages away), if memory admits it; else an offload of the stash
+  needed last among those at least ``keep`` micro-batches ahead of the next backward, when
+  the stash count is within ``margin`` of the limit (``margin`` large: offload eagerly).
+* A stage may also delay its first forward by ``delay`` (the ``stage_span`` objective does not
+  count time before a stage's first F, so a late start can remove later idle time).
+
+Each parameter vector gives one schedule; :func:`offload_search` runs a seeded random search
+with local moves over the vectors (per-stage ``cap``, ``keep``, ``w_first``, ``delay``,
+global ``reload_ahead``, ``reload_stages``, ``margin``, ``eager_w``) under a time budget and
+keeps the best schedule that passes the Contract-3 validator. Its result is a *heuristic*
+(no optimality claim); the MILP uses it as a warm start.
+
+One stage per device only (the other placements have :mod:`fxpipe.schedule.device_greedy`).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+import time
+from dataclasses import dataclass, replace
+from typing import Callable
+
+import numpy as np
+
+from fxpipe.errors import InfeasibleError
+from fxpipe.ir import Schedule, ScheduledOp, ScheduleProblem, sort_ops
+from fxpipe.schedule.validate import check_schedule, objective_values
+
+__all__ = ["OffloadParams", "offload_list_schedule", "offload_search"]
+
+_EPS = 1e-9
+
+
+@dataclass(frozen=True)
+class OffloadParams:
+    """One point of the search space of :func:`offload_list_schedule` (see the module docstring).
+
+    Attributes
+    ----------
+    cap : tuple of int, length S
+        Most forwards in flight (F done, B not started) per stage, offloaded ones included.
+    keep : tuple of int, length S
+        Stashes within this many micro-batches of the next backward are never offloaded.
+    w_first : tuple of int, length S
+        With this many pending W passes, a W runs before a forward.
+    delay : tuple of float, length S
+        Seconds the first forward of each stage waits beyond its input's arrival.
+    reload_ahead : int
+        Reload a stash once its backward is at most this many micro-batches away.
+    reload_stages : int
+        ... or once its gradient is at most this many stages away (its B started there).
+    margin : float
+        Offload only while the stage's memory plus ``margin`` stashes exceeds its limit.
+    eager_w : bool
+        Run a pending W whenever nothing else can run (else only if it ends in time).
+    """
+
+    cap: tuple
+    keep: tuple
+    w_first: tuple
+    delay: tuple
+    reload_ahead: int = 1
+    reload_stages: int = 2
+    margin: float = 1.0
+    eager_w: bool = True
+
+
+def default_params(problem: ScheduleProblem) -> OffloadParams:
+    """A Zero-Bubble-like start point: ``2(p - s) - 1`` warm-up forwards, offload under pressure."""
+    S, M = problem.num_stages, problem.num_microbatches
+    return OffloadParams(
+        cap=tuple(max(1, min(M, 2 * (S - s) - 1)) for s in range(S)),
+        keep=tuple(1 for _ in range(S)),
+        w_first=tuple(M for _ in range(S)),
+        delay=tuple(0.0 for _ in range(S)),
+    )
+
+
+def offload_list_schedule(problem: ScheduleProblem, params: OffloadParams) -> list[ScheduledOp] | None:
+    """Timed ops of one run of the offload-aware list scheduler, or None if it deadlocks.
+
+    Parameters
+    ----------
+    problem : ScheduleProblem
+        One stage per device (Contract 3).
+    params : OffloadParams
+        The policy (module docstring).
+
+    Returns
+    -------
+    list of ScheduledOp or None
+        Every F, B, W and the chosen O / R ops (times in the problem's unit, first F at 0);
+        None when memory blocks every stage before all ops ran (the policy deadlocked).
+        The result is *not* validated here (:func:`offload_search` does that).
+    """
+    S, M = problem.num_stages, problem.num_microbatches
+    tF = [problem.duration(s, "F") for s in range(S)]
+    tB = [problem.duration(s, "B") for s in range(S)]
+    tW = [problem.duration(s, "W") for s in range(S)]
+    tO = [float(problem.t_offload[s]) for s in range(S)]
+    comm = [problem.comm(s) for s in range(S - 1)]
+    mF = [float(problem.mem_f[s]) for s in range(S)]
+    mB = [float(problem.mem_b[s]) for s in range(S)]
+    mW = [float(problem.mem_w[s]) for s in range(S)]
+    trB = [float(problem.mem_b_transient[s]) for s in range(S)]
+    off = [float(problem.offload_bytes[s]) for s in range(S)]
+    lim = [float(problem.mem_limit[problem.device_of_stage[s]]) for s in range(S)]
+    can_off = [off[s] > 0 and math.isfinite(lim[s]) for s in range(S)]
+
+    F_end = [[math.inf] * M for _ in range(S)]
+    B_start = [[math.inf] * M for _ in range(S)]
+    B_end = [[math.inf] * M for _ in range(S)]
+    # stash state: 0 resident, 1 offloading (O running), 2 offloaded, 3 reloading, 4 reloaded
+    state = [[0] * M for _ in range(S)]
+    O_end = [[math.inf] * M for _ in range(S)]
+    R_end = [[math.inf] * M for _ in range(S)]
+    nf, nb, nw = [0] * S, [0] * S, [0] * S
+    comp_free = [0.0] * S
+    # copy resources of a stage: its own stream and every pcie group it is in (rule 3)
+    res_of = [[("stage", s)] + [("group", g) for g, grp in enumerate(problem.pcie_groups) if s in set(grp)]
+              for s in range(S)]
+    res_free: dict[tuple[str, int], float] = {r: 0.0 for rs in res_of for r in rs}
+
+    def copy_free(s: int) -> bool:
+        return all(res_free[r] <= t + _EPS for r in res_of[s])
+
+    def copy_busy(s: int, until: float) -> None:
+        for r in res_of[s]:
+            res_free[r] = until
+    mem = [0.0] * S  # memory at the current time, all starts and ends so far applied
+    ops: list[ScheduledOp] = []
+    pend: list[tuple[float, int, int, float]] = []  # (time, kind, stage, delta) memory changes ahead
+    events: list[float] = [0.0]
+    n_total = 3 * S * M
+    n_done = 0
+    t = 0.0
+
+    def push(x: float) -> None:
+        heapq.heappush(events, x)
+
+    def run(s: int, j: int, ty: str, d: float) -> None:
+        ops.append(ScheduledOp(s, j, ty, t, t + d))
+        push(t + d)
+
+    def f_ready(s: int, j: int) -> float:
+        if s == 0:
+            return params.delay[0] if j == 0 else 0.0
+        r = F_end[s - 1][j] + comm[s - 1]
+        return r + params.delay[s] if j == 0 else r
+
+    def b_ready(s: int, j: int) -> float:
+        return F_end[s][j] if s == S - 1 else B_end[s + 1][j] + comm[s]
+
+    def reserve(s: int) -> float:
+        """Room kept for the reload of the next backward once it is near."""
+        j = nb[s]
+        if j >= M or state[s][j] != 2:
+            return 0.0
+        near = j - nb[s] < params.reload_ahead or any(
+            B_start[k][j] <= t for k in range(s + 1, min(S, s + 1 + params.reload_stages)))
+        return off[s] if near else 0.0
+
+    while n_done < n_total:
+        if not events:
+            return None
+        t = heapq.heappop(events)
+        while events and events[0] <= t + _EPS:
+            heapq.heappop(events)
+        # memory changes due by t (offload ends, a recomputing B's transient)
+        while pend and pend[0][0] <= t + _EPS:
+            _, _, s, dm = heapq.heappop(pend)
+            mem[s] += dm
+        for s in range(S):
+            for j in range(nb[s], nf[s]):
+                if state[s][j] == 1 and O_end[s][j] <= t + _EPS:
+                    state[s][j] = 2
+                elif state[s][j] == 3 and R_end[s][j] <= t + _EPS:
+                    state[s][j] = 4
+        progressed = False
+        for s in reversed(range(S)):
+            # ---- compute stream
+            if comp_free[s] <= t + _EPS:
+                choice = None
+                jb = nb[s]
+                if jb < nf[s] and b_ready(s, jb) <= t + _EPS and state[s][jb] in (0, 4):
+                    choice = "B"
+                if choice is None and nw[s] < nb[s] and B_end[s][nw[s]] <= t + _EPS and nb[s] - nw[s] >= params.w_first[s]:
+                    choice = "W"
+                if choice is None and nf[s] < M and f_ready(s, nf[s]) <= t + _EPS and nf[s] - nb[s] < params.cap[s]:
+                    if mem[s] + mF[s] + reserve(s) <= lim[s] * (1 + 1e-12) + _EPS:
+                        choice = "F"
+                if choice is None and nw[s] < nb[s] and B_end[s][nw[s]] <= t + _EPS:
+                    if params.eager_w:
+                        choice = "W"
+                    else:
+                        nxt = min(b_ready(s, jb) if jb < nf[s] else math.inf,
+                                  f_ready(s, nf[s]) if nf[s] < M else math.inf)
+                        if t + tW[s] <= nxt + _EPS:
+                            choice = "W"
+                if choice == "B":
+                    run(s, jb, "B", tB[s])
+                    B_start[s][jb] = t
+                    B_end[s][jb] = t + tB[s]
+                    mem[s] += mB[s] + trB[s]
+                    if trB[s]:
+                        heapq.heappush(pend, (t + tB[s], 0, s, -trB[s]))
+                    nb[s] += 1
+                    comp_free[s] = t + tB[s]
+                elif choice == "W":
+                    run(s, nw[s], "W", tW[s])
+                    mem[s] += mW[s]
+                    nw[s] += 1
+                    comp_free[s] = t + tW[s]
+                elif choice == "F":
+                    j = nf[s]
+                    run(s, j, "F", tF[s])
+                    F_end[s][j] = t + tF[s]
+                    mem[s] += mF[s]
+                    nf[s] += 1
+                    comp_free[s] = t + tF[s]
+                if choice is not None:
+                    progressed = True
+                    n_done += 1
+            # ---- copy stream
+            if can_off[s] and copy_free(s):
+                # reload the oldest offloaded stash whose backward is near
+                jr = next((j for j in range(nb[s], nf[s]) if state[s][j] == 2), None)
+                if jr is not None:
+                    near = jr - nb[s] < params.reload_ahead or any(
+                        B_start[k][jr] <= t for k in range(s + 1, min(S, s + 1 + params.reload_stages)))
+                    if near and mem[s] + off[s] <= lim[s] * (1 + 1e-12) + _EPS:
+                        run(s, jr, "R", tO[s])
+                        state[s][jr] = 3
+                        R_end[s][jr] = t + tO[s]
+                        mem[s] += off[s]
+                        copy_busy(s, t + tO[s])
+                        progressed = True
+                        continue
+                # offload the stash needed last, under memory pressure
+                if mem[s] + params.margin * mF[s] > lim[s] + _EPS:
+                    cands = [j for j in range(nb[s] + params.keep[s], nf[s])
+                             if state[s][j] == 0 and F_end[s][j] <= t + _EPS]
+                    if cands:
+                        jo = max(cands)
+                        run(s, jo, "O", tO[s])
+                        state[s][jo] = 1
+                        O_end[s][jo] = t + tO[s]
+                        heapq.heappush(pend, (t + tO[s], 1, s, -off[s]))
+                        copy_busy(s, t + tO[s])
+                        progressed = True
+        if progressed:
+            push(t)  # a start at t may enable another op at t (e.g. a reload after an offload ends)
+            # avoid an endless loop: the same t is processed again only while something starts
+        # ready times of forwards / backwards that depend on ops ended in the past are events too
+        for s in range(S):
+            if nf[s] < M:
+                r = f_ready(s, nf[s])
+                if math.isfinite(r) and r > t + _EPS:
+                    push(r)
+            if nb[s] < nf[s]:
+                r = b_ready(s, nb[s])
+                if math.isfinite(r) and r > t + _EPS:
+                    push(r)
+    return ops
+
+
+def _evaluate(problem: ScheduleProblem, params: OffloadParams) -> tuple[float, list[ScheduledOp] | None]:
+    ops = offload_list_schedule(problem, params)
+    if ops is None:
+        return math.inf, None
+    ops = _drop_idle_offloads(problem, ops)
+    if check_schedule(problem, ops):
+        return math.inf, None
+    ms, span = objective_values(problem, ops)
+    return float(span if problem.objective == "stage_span" else ms), ops
+
+
+def _drop_idle_offloads(problem: ScheduleProblem, ops: list[ScheduledOp]) -> list[ScheduledOp]:
+    """Remove O/R pairs that never left the device (reload starting when the offload ends)."""
+    o_end = {(o.stage, o.microbatch): o.end_s for o in ops if o.type == "O"}
+    drop = {(o.stage, o.microbatch) for o in ops if o.type == "R" and o.start_s <= o_end[(o.stage, o.microbatch)] + _EPS}
+    return [o for o in ops if not (o.type in ("O", "R") and (o.stage, o.microbatch) in drop)]
+
+
+def _mutate(problem: ScheduleProblem, p: OffloadParams, rng: random.Random) -> OffloadParams:
+    S, M = problem.num_stages, problem.num_microbatches
+    step = min(float(np.min(problem.t_f)), float(np.min(problem.t_b)))
+    half = step / 2
+    k = rng.randrange(8)
+    s = rng.randrange(S)
+
+    def bump(vec, lo, hi, delta):
+        v = list(vec)
+        v[s] = min(hi, max(lo, v[s] + delta))
+        return tuple(v)
+
+    d = rng.choice((-2, -1, 1, 2))
+    if k <= 1:
+        return replace(p, cap=bump(p.cap, 1, M, d))
+    if k == 2:
+        return replace(p, keep=bump(p.keep, 0, M, d))
+    if k == 3:
+        return replace(p, w_first=bump(p.w_first, 1, M, d * rng.choice((1, 4))))
+    if k == 4:
+        return replace(p, delay=bump(p.delay, 0.0, 4 * S * step, d * half))
+    if k == 5:
+        return replace(p, reload_ahead=max(0, min(M, p.reload_ahead + d)), reload_stages=max(0, min(S, p.reload_stages + rng.choice((-1, 1)))))
+    if k == 6:
+        return replace(p, margin=max(0.0, min(4.0 * M, p.margin + d * 0.5)))
+    return replace(p, eager_w=not p.eager_w)
+
+
+def _random_params(problem: ScheduleProblem, rng: random.Random) -> OffloadParams:
+    S, M = problem.num_stages, problem.num_microbatches
+    base = rng.choice((1, 2))
+    return OffloadParams(
+        cap=tuple(max(1, min(M, base * (S - s) - rng.randrange(0, 2) + rng.randrange(0, 3))) for s in range(S)),
+        keep=tuple(rng.randrange(0, 3) for _ in range(S)),
+        w_first=tuple(rng.choice((M, M, 2, 3, 4, 6)) for _ in range(S)),
+        delay=tuple(0.0 for _ in range(S)),
+        reload_ahead=rng.randrange(0, 4),
+        reload_stages=rng.randrange(0, 4),
+        margin=rng.choice((0.0, 1.0, 2.0, 4.0 * M)),
+        eager_w=rng.random() < 0.7,
+    )
+
+
+def offload_search(
+    problem: ScheduleProblem,
+    *,
+    time_limit_s: float = 2.0,
+    seed: int = 0,
+    max_evals: int | None = None,
+    on_improve: Callable[[float, int], None] | None = None,
+    progress: bool = False,
+) -> Schedule:
+    """The best schedule of :func:`offload_list_schedule` over a seeded parameter search.
+
+    Random restarts (a third of the evaluations) and local moves around the best vector
+    (one parameter changed at a time, ties accepted so the search drifts across plateaus),
+    until ``time_limit_s`` or ``max_evals``. Every candidate is checked by the Contract-3
+    validator; only valid schedules are kept.
+
+    Parameters
+    ----------
+    problem : ScheduleProblem
+        One stage per device.
+    time_limit_s : float
+        Wall-clock budget (s).
+    seed : int
+        Seed of the search (the result is deterministic for a given ``max_evals``).
+    max_evals : int, optional
+        Stop after this many schedules (default: only the time limit).
+    on_improve : callable(value, evals), optional
+        Called on every improvement.
+    progress : bool
+        A tqdm bar (stderr) with the evaluations and the best value.
+
+    Ctrl-C stops the search and returns the best schedule so far (``meta["interrupted"]``).
+
+    Returns
+    -------
+    Schedule
+        ``method="offload-search"``, ``status="heuristic"``, ``meta`` with ``evals`` and the
+        best parameters.
+
+    Raises
+    ------
+    InputError
+        If a device holds several stages.
+    InfeasibleError
+        If no evaluated policy produced a valid schedule (e.g. one stash does not fit).
+    """
+    from fxpipe.schedule.heuristics import require_one_stage_per_device
+
+    require_one_stage_per_device(problem, "offload-search")
+    t0 = time.perf_counter()
+    rng = random.Random(seed)
+    best_p = default_params(problem)
+    best_v, best_ops = _evaluate(problem, best_p)
+    evals = 1
+    interrupted = False
+    from tqdm.auto import tqdm  # noqa: PLC0415
+
+    bar = tqdm(desc=f"offload-search {problem.name}", unit="schedule", disable=not progress, leave=False)
+    try:
+        while time.perf_counter() - t0 < time_limit_s and (max_evals is None or evals < max_evals):
+            if best_ops is None or rng.random() < 1 / 3:
+                cand = _random_params(problem, rng)
+            else:
+                cand = _mutate(problem, best_p, rng)
+                for _ in range(rng.randrange(0, 3)):
+                    cand = _mutate(problem, cand, rng)
+            v, ops = _evaluate(problem, cand)
+            evals += 1
+            bar.update(1)
+            if ops is not None and v <= best_v + _EPS:
+                improved = v < best_v - _EPS
+                best_v, best_ops, best_p = v, ops, cand
+                if improved:
+                    bar.set_postfix(best=f"{v:.6g}")
+                    if on_improve is not None:
+                        on_improve(v, evals)
+    except KeyboardInterrupt:
+        interrupted = True
+    finally:
+        bar.close()
+    if best_ops is None:
+        if interrupted:
+            raise KeyboardInterrupt
+        raise InfeasibleError(
+            f"offload-search: cannot fit mem_limit with any of the {evals} list-scheduling policies tried (each "
+            "deadlocked or overflowed a stage); raise the limit, use more stages or the MILP")
+    ops = sort_ops(best_ops)
+    ms, span = objective_values(problem, ops)
+    return Schedule(ops=tuple(ops), makespan=ms, stage_span=span, status="heuristic",
+                    solver_time_s=time.perf_counter() - t0, method="offload-search", objective=problem.objective,
+                    meta={"evals": evals, "interrupted": interrupted, "params": {k: (list(v) if isinstance(v, tuple) else v)
+                                                     for k, v in best_p.__dict__.items()}})

@@ -1,0 +1,133 @@
+"""The offload-aware list-scheduling search (fxpipe.schedule.offload_search).
+
+Oracles: the Contract-3 validator on every result, the exhaustive optimum on tiny problems
+(the search never claims a value below it), the time-indexed probe bound on p = 4, m = 8
+(never above the search's value), and the order-first heuristics it must beat on the tight
+offload instances it exists for. Random problems of every kind go through
+``tests/test_schedule_heuristics.py``'s generator test too (``offload-search`` is in METHODS).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from naive_schedule import exhaustive_optimum
+from test_schedule_bounds import tiny_memory_problems
+
+from fxpipe.errors import InfeasibleError, InputError
+from fxpipe.ir import ScheduleProblem, v_placement
+from fxpipe.schedule import heuristics, milp
+from fxpipe.schedule.bounds import combinatorial_lower_bound
+from fxpipe.schedule.milp.time_indexed import probe_lower_bound
+from fxpipe.schedule.offload_search import default_params, offload_list_schedule, offload_search
+from fxpipe.schedule.validate import check_schedule
+
+
+def _offload_problem(p: int, m: int, limit: float, **kw) -> ScheduleProblem:
+    return ScheduleProblem.create(num_stages=p, num_microbatches=m, t_f=1, t_b=1, t_w=1, t_offload=0.5, mem_f=1,
+                                  mem_b=-0.5, mem_w=-0.5, mem_limit=limit, **kw)
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(tiny_memory_problems())
+def test_never_below_the_exhaustive_optimum(problem):
+    try:
+        opt, _ = exhaustive_optimum(problem)
+    except InfeasibleError:
+        with pytest.raises(InfeasibleError):
+            heuristics.generate(problem, "offload-search")
+        return
+    try:
+        s = offload_search(problem, max_evals=60, time_limit_s=30)
+    except InfeasibleError:
+        return  # a heuristic may fail to fit; it must not claim a value below the optimum
+    assert check_schedule(problem, s.ops) == []
+    assert s.value >= opt - 1e-9
+
+
+@pytest.mark.parametrize("limit", [4.0, 2.0, 1.5])
+def test_beats_the_order_first_heuristics_under_tight_memory(limit):
+    # p = 4, m = 8, F = B = W = 1, offload 0.5: ZB-H1/H2, the ZB greedy, PipeOffload and
+    # AdaOffload end at 27-65 (limit 4: 27, 2: 30, 1.5: 44 at best); the search decides
+    # offloads with the compute order and ends within 1 to 6.5 of the busy time 24
+    p = _offload_problem(4, 8, limit)
+    others = []
+    for method in ("zb-h1", "zb-h2", "greedy", "pipeoffload", "adaoffload", "1f1b"):
+        try:
+            others.append(heuristics.generate(p, method).value)
+        except InfeasibleError:
+            pass
+    s = heuristics.generate(p, "offload-search")
+    assert check_schedule(p, s.ops) == []
+    assert s.method == "offload-search" and s.status == "heuristic"
+    assert s.value < min(others) - 0.5
+    assert s.value >= combinatorial_lower_bound(p) - 1e-9
+    assert any(o.type == "O" for o in s.ops)  # the limit binds: something is offloaded
+
+
+def test_value_above_the_probe_bound():
+    p = _offload_problem(4, 8, 2.0)
+    s = heuristics.generate(p, "offload-search")
+    pb = probe_lower_bound(p, upper_bound_s=s.value, lower_bound_s=combinatorial_lower_bound(p), time_limit_s=20.0)
+    assert pb.bound_s > combinatorial_lower_bound(p)  # the probe proves something here ...
+    assert pb.bound_s <= s.value + 1e-9  # ... and never more than a valid schedule's value
+
+
+def test_deterministic_for_a_seed_and_budget():
+    p = _offload_problem(4, 8, 2.0)
+    a = offload_search(p, max_evals=40, time_limit_s=60, seed=3)
+    b = offload_search(p, max_evals=40, time_limit_s=60, seed=3)
+    assert a.ops == b.ops and a.meta["params"] == b.meta["params"] and a.meta["evals"] == 40
+
+
+def test_pcie_group_shares_one_copy_stream():
+    # all four stages' host copies go through one pcie link: their O/R never overlap
+    p = _offload_problem(4, 8, 2.0, pcie_groups=[[0, 1, 2, 3]])
+    s = offload_search(p, max_evals=80, time_limit_s=60)
+    assert check_schedule(p, s.ops) == []
+    copies = sorted((o.start_s, o.end_s) for o in s.ops if o.type in ("O", "R"))
+    assert copies and all(b[0] >= a[1] - 1e-9 for a, b in zip(copies, copies[1:]))
+
+
+def test_one_policy_run_covers_every_op_and_unlimited_memory_needs_no_offload():
+    p = _offload_problem(3, 5, math.inf)
+    ops = offload_list_schedule(p, default_params(p))
+    assert ops is not None and check_schedule(p, ops) == []
+    assert not any(o.type in ("O", "R") for o in ops)
+    assert sorted((o.stage, o.microbatch, o.type) for o in ops) == sorted(
+        (s, j, t) for s in range(3) for j in range(5) for t in "FBW")
+
+
+def test_ctrl_c_returns_the_best_so_far():
+    p = _offload_problem(4, 8, 2.0)
+    seen = []
+
+    def stop(value, evals):
+        seen.append(value)
+        raise KeyboardInterrupt
+
+    s = offload_search(p, time_limit_s=60, on_improve=stop)
+    assert s.meta["interrupted"] is True and seen and s.value == seen[-1]
+    assert check_schedule(p, s.ops) == []
+
+
+def test_errors():
+    with pytest.raises(InputError, match="one stage per device"):
+        offload_search(ScheduleProblem.create(num_stages=4, num_microbatches=4, t_f=1, t_b=1, t_w=1,
+                                              device_of_stage=v_placement(2, 2)))
+    # one stash larger than the limit: no schedule at all, and the message says by how much
+    p = _offload_problem(2, 2, 0.5)
+    with pytest.raises(InfeasibleError, match="over by"):
+        heuristics.generate(p, "offload-search")
+
+
+def test_milp_starts_from_the_longer_search():
+    p = _offload_problem(4, 8, 2.0)
+    res = milp.solve(p, time_limit_s=8.0, search_time_s=2.0)
+    assert res.meta["search"]["evals"] > 1
+    assert res.value <= res.meta["search"]["value_s"] + 1e-9
+    assert check_schedule(p, res.ops) == []
+    with pytest.raises(InputError, match="search_time_s"):
+        milp.solve(p, time_limit_s=8.0, search_time_s=8.0)
