@@ -64,7 +64,7 @@ from fxpipe.schedule import heuristics, milp  # noqa: E402
 from fxpipe.schedule.bounds import combinatorial_lower_bound, round_trip_lower_bound  # noqa: E402
 from fxpipe.schedule.validate import check_schedule, device_busy_s, device_spans  # noqa: E402
 
-BASELINES = ("gpipe", "1f1b", "zb-h1", "zb-h2", "pipeoffload", "adaoffload")
+BASELINES = ("gpipe", "1f1b", "zb-h1", "zb-h2", "pipeoffload", "adaoffload", "offload-search")
 
 
 def zb_instances() -> list[tuple[str, ScheduleProblem, float]]:
@@ -131,7 +131,7 @@ def table_a(limit_s: float) -> None:
 def table_b(limit_s: float) -> None:
     p = offload_case()
     print(f"\n(b) offload case p=4 m=16 F=B=W=1 offload 0.5 limit 2, MILP time limit {limit_s:g} s")
-    vals = {m: baseline(p, m) for m in ("1f1b", "zb-h1", "pipeoffload", "adaoffload")}
+    vals = {m: baseline(p, m) for m in ("1f1b", "zb-h1", "pipeoffload", "adaoffload", "offload-search")}
     r = run_milp(p, limit_s)
     print("  " + "  ".join(f"{k}={fmt(v)}" for k, v in vals.items()))
     print(f"  old LB={fmt(r['old_lb'])} comb LB={fmt(r['comb_lb'])} milp={fmt(r['value'])} bound={fmt(r['bound'])} "
@@ -164,7 +164,7 @@ def table_c(quick: bool, limit_s: float, big_limit_s: float, sizes=None) -> None
 def table_d(limit_s: float, sizes=None) -> None:
     sizes = sizes or [(4, 8)]
     print(f"\n(d) memory-limited, slow or no offload, F=B=W=1, mem_f=1; MILP limit {limit_s:g} s")
-    base_names = ("1f1b", "zb-h1", "pipeoffload", "adaoffload")
+    base_names = ("1f1b", "zb-h1", "pipeoffload", "adaoffload", "offload-search")
     head = "".join(f"{b:>12}" for b in base_names)
     print(f"{'p':>3}{'m':>4}{'limit':>7}{'offload':>9}{head}{'old LB':>8}{'comb LB':>8}{'milp':>9}{'bound':>9}{'gap%':>7}"
           f"{'status':>11}{'wall s':>8}")

@@ -33,8 +33,8 @@ from fxpipe.plan import PLAN_FORMAT, DeviceStats, Plan, StageStats, graph_signat
 
 #: every schedule method (= :data:`fxpipe.schedule.dispatch.METHODS`); which ones a placement
 #: admits: :func:`fxpipe.schedule.dispatch.methods_for_placement`.
-SCHEDULES = ("gpipe", "1f1b", "zb-h1", "zb-h2", "pipeoffload", "adaoffload", "greedy", "interleaved-1f1b", "zb-v",
-             "dualpipe-v", "milp", "auto")
+SCHEDULES = ("gpipe", "1f1b", "zb-h1", "zb-h2", "pipeoffload", "adaoffload", "offload-search", "greedy",
+             "interleaved-1f1b", "zb-v", "dualpipe-v", "milp", "auto")
 #: placements of ``stages_per_device`` stages on every device (``"auto"``: the best by predicted step time).
 PLACEMENTS = ("looped", "v", "auto")
 #: MILP budget (seconds) when ``schedule_time_limit_s`` is not given: ``schedule="milp"`` /

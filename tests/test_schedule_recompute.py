@@ -128,7 +128,7 @@ def recompute_problems(draw, multi=False):
 def test_heuristics_with_recompute_are_valid_and_fit(p):
     bound = combinatorial_lower_bound(p)
     found = 0
-    for method in ("gpipe", "1f1b", "zb-h1", "zb-h2", "greedy", "pipeoffload", "adaoffload"):
+    for method in ("gpipe", "1f1b", "zb-h1", "zb-h2", "greedy", "pipeoffload", "adaoffload", "offload-search"):
         try:
             sched = generate(p, method)
         except InfeasibleError:

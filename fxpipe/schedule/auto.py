@@ -17,8 +17,9 @@ schedule of it:
    warm-up that fits (:func:`limited_1f1b`; one micro-batch at a time,
    :func:`~fxpipe.schedule.milp.warm_start.sequential_schedule`, on other placements);
    with one stage per device, PipeOffload with the fewest offloads that fit
-   (``minimal=True``, longest-lived stashes first, Wan et al. 2025 Section 2) and
-   AdaOffload (OptPipe Appendix D).
+   (``minimal=True``, longest-lived stashes first, Wan et al. 2025 Section 2),
+   AdaOffload (OptPipe Appendix D) and the offload-aware list-scheduling search
+   (:mod:`fxpipe.schedule.offload_search`), which decides offloads with the compute order.
 3. **Recomputation** (memory binds and ``recompute=True``): devices whose 1F1B-family
    schedule without offload exceeds their limit (:func:`plain_peak`, simulated without a
    limit) get recomputation on their cheapest stage, the one with the smallest forward time

@@ -9,7 +9,7 @@ scheme, Kolisch 1996; the Zero Bubble greedy of Qi et al. 2024 Section 3.1 exten
 PipeOffload's offload / reload, Wan et al. 2025 Sections 2 and 4.2):
 
 * **Compute stream**, whenever a stage is free at time ``t``: its next B if the gradient has
-  arrived and its stash is on the device; else, if the stage holds ``w_first`` or more
+  arrived, its stash is on the device and memory admits a recomputing B's replay; else, if the stage holds ``w_first`` or more
   pending W passes, the oldest W; else its next F if the input has arrived, memory admits it
   (keeping room for the reload of the next backward once that backward is near) and fewer
   than ``cap`` forwards are in flight; else the oldest pending W, or (``eager_w`` off) only
@@ -203,7 +203,9 @@ def offload_list_schedule(problem: ScheduleProblem, params: OffloadParams) -> li
                 choice = None
                 jb = nb[s]
                 if jb < nf[s] and b_ready(s, jb) <= t + _EPS and state[s][jb] in (0, 4):
-                    choice = "B"
+                    rise = mB[s] + trB[s]  # > 0 only for a recomputing B replaying its forward
+                    if rise <= 0 or mem[s] + rise <= lim[s] * (1 + 1e-12) + _EPS:
+                        choice = "B"
                 if choice is None and nw[s] < nb[s] and B_end[s][nw[s]] <= t + _EPS and nb[s] - nw[s] >= params.w_first[s]:
                     choice = "W"
                 if choice is None and nf[s] < M and f_ready(s, nf[s]) <= t + _EPS and nf[s] - nb[s] < params.cap[s]:
