@@ -131,3 +131,23 @@ def test_milp_starts_from_the_longer_search():
     assert check_schedule(p, res.ops) == []
     with pytest.raises(InputError, match="search_time_s"):
         milp.solve(p, time_limit_s=8.0, search_time_s=8.0)
+
+
+def test_ctrl_c_in_the_milp_search_returns_the_warm_start(monkeypatch):
+    # Ctrl-C while milp.solve searches: no probing, no SCIP; the warm start comes back,
+    # labelled userinterrupt, with the combinatorial bound
+    import fxpipe.schedule.offload_search as mod
+
+    original = mod.offload_search
+
+    def interrupted(problem, **kw):
+        if kw.get("seed", 0) == 1:  # the long search of milp.solve (the warm start's runs with seed 0)
+            raise KeyboardInterrupt
+        return original(problem, **kw)
+
+    p = _offload_problem(4, 8, 2.0)
+    monkeypatch.setattr(mod, "offload_search", interrupted)
+    res = milp.solve(p, time_limit_s=60.0, probe_time_s=10.0, search_time_s=5.0)
+    assert res.status == "userinterrupt" and res.meta["probe"] is None and res.meta["nodes"] == 0
+    assert check_schedule(p, res.ops) == []
+    assert res.lower_bound_s == pytest.approx(combinatorial_lower_bound(p))
