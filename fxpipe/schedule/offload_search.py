@@ -46,7 +46,7 @@ from fxpipe.errors import InfeasibleError
 from fxpipe.ir import Schedule, ScheduledOp, ScheduleProblem, sort_ops
 from fxpipe.schedule.validate import check_schedule, objective_values
 
-__all__ = ["OffloadParams", "offload_list_schedule", "offload_search"]
+__all__ = ["OffloadParams", "default_params", "offload_list_schedule", "offload_search"]
 
 _EPS = 1e-9
 
@@ -102,14 +102,14 @@ def offload_list_schedule(problem: ScheduleProblem, params: OffloadParams) -> li
     Parameters
     ----------
     problem : ScheduleProblem
-        One stage per device (Contract 3).
+        One stage per device (Contract 3; not checked here, :func:`offload_search` checks).
     params : OffloadParams
         The policy (module docstring).
 
     Returns
     -------
     list of ScheduledOp or None
-        Every F, B, W and the chosen O / R ops (times in the problem's unit, first F at 0);
+        Every F, B, W and the chosen O / R ops (times in the problem's unit from 0);
         None when memory blocks every stage before all ops ran (the policy deadlocked).
         The result is *not* validated here (:func:`offload_search` does that).
     """
