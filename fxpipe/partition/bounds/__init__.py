@@ -729,10 +729,16 @@ def compute_bounds(
             "inflight": inflight_stashes(int(k), mem_model.num_microbatches, mem_model.activation, objective).tolist(),
         }
     # ---- best known partition
+    search_interrupted = False
     if warm_start is None:
-        best = initial_partition(
-            graph, k, objective, comm, time_limit_s=min(10.0, time_limit_s) if search_time_limit_s is None else search_time_limit_s, memory=mem_model
-        )
+        try:
+            best = initial_partition(
+                graph, k, objective, comm, time_limit_s=min(10.0, time_limit_s) if search_time_limit_s is None else search_time_limit_s, memory=mem_model
+            )
+        except KeyboardInterrupt:
+            # Ctrl-C outside the search's own handling (its setup, a first-run kernel compile):
+            # no partition, only the instant bounds
+            best, search_interrupted = None, True
     elif isinstance(warm_start, Partition):
         if warm_start.k != k or warm_start.objective != objective or warm_start.comm != comm:
             best = Partition.from_assignment(graph, warm_start.assignment, k, objective, comm, meta=dict(warm_start.meta))
@@ -750,61 +756,65 @@ def compute_bounds(
     bar = tqdm(methods, desc="bounds", disable=not progress, leave=False)
     # Ctrl-C during the partition search stops the whole run: the search returns its best
     # partition so far, and only the instant bounds are computed
-    interrupted = best is not None and bool(best.meta.get("interrupted"))
-    for m in bar:
-        if interrupted and m not in ("simple",):
-            break
-        bar.set_postfix_str(m)
-        if m == "simple":
-            certs[m] = simple_bound(graph, k, objective, comm)
-            continue
-        if m == "chain":
-            cert, cand = chain_certificate(graph, k, objective, comm)
-            if cand is not None and _fits(graph, cand.assignment, k, objective, mem_model, comm) and (
-                best is None or cand.bottleneck < best.bottleneck * (1 - 1e-12)
-            ):
-                best = cand
+    interrupted = search_interrupted or (best is not None and bool(best.meta.get("interrupted")))
+    try:
+        for m in bar:
+            if interrupted and m not in ("simple",):
+                break
+            bar.set_postfix_str(m)
+            if m == "simple":
+                certs[m] = simple_bound(graph, k, objective, comm)
+                continue
+            if m == "chain":
+                cert, cand = chain_certificate(graph, k, objective, comm)
+                if cand is not None and _fits(graph, cand.assignment, k, objective, mem_model, comm) and (
+                    best is None or cand.bottleneck < best.bottleneck * (1 - 1e-12)
+                ):
+                    best = cand
+                certs[m] = cert
+                continue
+            known = max((c.lower_bound for mm, c in certs.items() if _RANK[mm] < _RANK[m]), default=0.0)
+            proven = max((c.lower_bound for c in certs.values()), default=0.0)
+            if stop_when_proven and best is not None and proven >= best.bottleneck * (1 - PROVEN_RTOL):
+                # "stop when done": the partition is already proven optimal, no MIP can say more
+                by = max(certs, key=lambda mm: certs[mm].lower_bound)
+                certs[m] = Certificate(
+                    method=m, lower_bound=known, status="skipped", wall_time_s=0.0,
+                    details={"reason": f"the partition is already proven optimal by {by}", "start_lower_bound_s": known},
+                )
+                continue
+            try:
+                cert, inc = bound(
+                    m,
+                    data,
+                    time_limit_s=time_limit_s,
+                    warm_start=None if best is None else best.assignment,
+                    params=params,
+                    workers=workers,
+                    heuristics=heuristics,
+                    emphasis=emphasis,
+                    separating=separating,
+                    known_lower_bound_s=known,
+                )
+            except KeyboardInterrupt:
+                # Ctrl-C outside SCIP (SCIP itself stops with status "userinterrupt" and a
+                # valid bound): keep the methods finished so far
+                interrupted = True
+                break
+            if inc is not None:
+                cand = Partition.from_assignment(graph, inc, k, objective, comm, meta={"method": f"scip-{m}"})
+                if _fits(graph, cand.assignment, k, objective, mem_model, comm) and (
+                    best is None or cand.bottleneck < best.bottleneck * (1 - 1e-12)
+                ):
+                    best = cand
             certs[m] = cert
-            continue
-        known = max((c.lower_bound for mm, c in certs.items() if _RANK[mm] < _RANK[m]), default=0.0)
-        proven = max((c.lower_bound for c in certs.values()), default=0.0)
-        if stop_when_proven and best is not None and proven >= best.bottleneck * (1 - PROVEN_RTOL):
-            # "stop when done": the partition is already proven optimal, no MIP can say more
-            by = max(certs, key=lambda mm: certs[mm].lower_bound)
-            certs[m] = Certificate(
-                method=m, lower_bound=known, status="skipped", wall_time_s=0.0,
-                details={"reason": f"the partition is already proven optimal by {by}", "start_lower_bound_s": known},
-            )
-            continue
-        try:
-            cert, inc = bound(
-                m,
-                data,
-                time_limit_s=time_limit_s,
-                warm_start=None if best is None else best.assignment,
-                params=params,
-                workers=workers,
-                heuristics=heuristics,
-                emphasis=emphasis,
-                separating=separating,
-                known_lower_bound_s=known,
-            )
-        except KeyboardInterrupt:
-            # Ctrl-C outside SCIP (SCIP itself stops with status "userinterrupt" and a
-            # valid bound): keep the methods finished so far
-            interrupted = True
-            break
-        if inc is not None:
-            cand = Partition.from_assignment(graph, inc, k, objective, comm, meta={"method": f"scip-{m}"})
-            if _fits(graph, cand.assignment, k, objective, mem_model, comm) and (
-                best is None or cand.bottleneck < best.bottleneck * (1 - 1e-12)
-            ):
-                best = cand
-        certs[m] = cert
-        if cert.status == "userinterrupt":
-            # Ctrl-C inside a SCIP solve: SCIP stopped with a valid bound; stop the whole run
-            interrupted = True
-            break
+            if cert.status == "userinterrupt":
+                # Ctrl-C inside a SCIP solve: SCIP stopped with a valid bound; stop the whole run
+                interrupted = True
+                break
+    except KeyboardInterrupt:
+        # Ctrl-C in an instant bound or a first-run kernel compile: keep the methods finished so far
+        interrupted = True
     primal = None if best is None else best.bottleneck
     certs = {m: c.with_primal(primal) for m, c in certs.items()}
     bar.close()

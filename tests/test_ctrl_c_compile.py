@@ -1,0 +1,86 @@
+"""Ctrl-C while numba compiles a kernel (a first run) and in the search before any bound.
+
+numba's compiler turns a KeyboardInterrupt raised inside it into its own errors (a
+RuntimeError from the cache writer, a typing error) or loses it: a first ``fxpipe bounds`` run
+interrupted while compiling printed a numba traceback (exit 1) or went on to the 60 s MIP as if
+nothing was pressed. ``fxpipe.partition._numba`` holds the press to the end of the compile.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+
+import numpy as np
+import pytest
+from numba import njit
+from numba.core import event
+
+import fxpipe.partition.bounds as bounds_mod
+from fxpipe.ir import OpGraph
+from fxpipe.partition._numba import DeferSigintDuringCompile
+
+
+@pytest.fixture
+def default_sigint():
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, old)
+
+
+def test_listener_holds_a_press_until_the_outermost_compile_ends(default_sigint):
+    lst = DeferSigintDuringCompile()
+    lst.on_start(None)
+    signal.raise_signal(signal.SIGINT)  # recorded, not raised inside the compile
+    lst.on_start(None)  # a nested compile (a kernel calling another)
+    lst.on_end(None)  # ... ends: still held
+    with pytest.raises(KeyboardInterrupt):
+        lst.on_end(None)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    lst.on_start(None)  # no press: nothing raised
+    lst.on_end(None)
+
+
+def test_a_press_inside_a_real_compile_comes_out_as_keyboardinterrupt(default_sigint):
+    class PressDuringCompile(event.Listener):  # registered after fxpipe's listener: runs inside its window
+        returned = False
+
+        def on_start(self, ev):
+            signal.raise_signal(signal.SIGINT)
+            self.returned = True  # without fxpipe's listener the press raises right here
+
+        def on_end(self, ev):
+            pass
+
+    @njit(cache=False)
+    def kernel(x):
+        s = 0.0
+        for v in x:
+            s += v * v
+        return s
+
+    presser = PressDuringCompile()
+    event.register("numba:compile", presser)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            kernel(np.arange(4.0))
+    finally:
+        event.unregister("numba:compile", presser)
+    assert presser.returned  # the compile went on after the press ...
+    assert kernel.signatures  # ... to its end: the KeyboardInterrupt came after it
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert kernel(np.arange(4.0)) == 14.0
+
+
+def test_ctrl_c_before_the_search_found_anything_stops_the_bounds_run(monkeypatch):
+    g = OpGraph.from_arrays(t_fwd_s=[1, 2, 3, 4], t_bwd_input_s=[1, 1, 1, 1], t_bwd_weight_s=[1, 1, 1, 1],
+                            size_out_bytes=[1, 1, 1, 1], edges=[[0, 1], [1, 2], [2, 3]])
+
+    def pressed(*a, **kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(bounds_mod, "initial_partition", pressed)
+    rep = bounds_mod.compute_bounds(g, 2, objective="training", methods=("simple", "exact", "guess"), time_limit_s=5)
+    assert rep.interrupted and rep.partition is None
+    assert list(rep.certificates) == ["simple"]  # the instant bound only; no MIP ran
+    json.dumps(rep.to_dict())  # still a complete, serializable report
