@@ -162,9 +162,14 @@ def test_ctrl_c_in_cli_keeps_stdout_pure_json(tmp_path):
     import time
 
     path = _random_dag().save(tmp_path / "g.json")
-    cmd = [sys.executable, "-m", "fxpipe.cli", "bounds", str(path), "-k", "16", "--objective", "training",
-           "--methods", "simple,exact,guess", "--time-limit", "60", "--search-time-limit", "0.5", "--json"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    argv = ["fxpipe", "bounds", str(path), "-k", "16", "--objective", "training",
+            "--methods", "simple,exact,guess", "--time-limit", "60", "--search-time-limit", "0.5", "--json"]
+    # a terminal's Ctrl-C reaches a process whose SIGINT is not ignored; a test run started in
+    # the background by a non-interactive shell inherits SIGINT ignored (bash does that to
+    # `cmd &`) and Python then keeps it ignored, so the child restores Python's handler first
+    boot = ("import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+            f"sys.argv = {argv!r}; runpy.run_module('fxpipe.cli', run_name='__main__')")
+    proc = subprocess.Popen([sys.executable, "-c", boot], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     time.sleep(15.0)  # imports, numba compile, search and simple bound done: inside the 60 s exact solve
     proc.send_signal(signal.SIGINT)
     t0 = time.perf_counter()
