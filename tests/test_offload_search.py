@@ -68,9 +68,13 @@ def test_beats_the_order_first_heuristics_under_tight_memory(limit):
 
 
 def test_value_above_the_probe_bound():
+    # the probe bisects up to PipeOffload's 30, independently of the search: its proven bound
+    # must not exceed the search's value (a search claiming less than the optimum fails here)
     p = _offload_problem(4, 8, 2.0)
     s = heuristics.generate(p, "offload-search")
-    pb = probe_lower_bound(p, upper_bound_s=s.value, lower_bound_s=combinatorial_lower_bound(p), time_limit_s=20.0)
+    upper = heuristics.generate(p, "pipeoffload").value
+    assert upper > s.value
+    pb = probe_lower_bound(p, upper_bound_s=upper, lower_bound_s=combinatorial_lower_bound(p), time_limit_s=30.0)
     assert pb.bound_s > combinatorial_lower_bound(p)  # the probe proves something here ...
     assert pb.bound_s <= s.value + 1e-9  # ... and never more than a valid schedule's value
 
@@ -121,6 +125,26 @@ def test_errors():
     p = _offload_problem(2, 2, 0.5)
     with pytest.raises(InfeasibleError, match="over by"):
         heuristics.generate(p, "offload-search")
+
+
+def test_no_policy_fits_and_ctrl_c_before_any_schedule(monkeypatch):
+    import fxpipe.schedule.offload_search as mod
+
+    p = _offload_problem(3, 4, 2.0)
+    monkeypatch.setattr(mod, "offload_list_schedule", lambda problem, params: None)  # every policy deadlocks
+    with pytest.raises(InfeasibleError, match="cannot fit mem_limit with any of the 5"):
+        offload_search(p, max_evals=5, time_limit_s=60)
+    calls = []
+
+    def deadlock_then_press(problem, params):
+        calls.append(params)
+        if len(calls) > 1:
+            raise KeyboardInterrupt
+        return None
+
+    monkeypatch.setattr(mod, "offload_list_schedule", deadlock_then_press)
+    with pytest.raises(KeyboardInterrupt):  # nothing to return: the press goes on to the caller
+        offload_search(p, max_evals=5, time_limit_s=60)
 
 
 def test_milp_starts_from_the_longer_search():

@@ -171,14 +171,17 @@ def offload_list_schedule(problem: ScheduleProblem, params: OffloadParams) -> li
     def b_ready(s: int, j: int) -> float:
         return F_end[s][j] if s == S - 1 else B_end[s + 1][j] + comm[s]
 
+    def near(s: int, j: int) -> bool:
+        """The backward of stash j is at most ``reload_ahead`` micro-batches or ``reload_stages`` stages away."""
+        return j - nb[s] < params.reload_ahead or any(
+            B_start[k][j] <= t for k in range(s + 1, min(S, s + 1 + params.reload_stages)))
+
     def reserve(s: int) -> float:
         """Room kept for the reload of the next backward once it is near."""
         j = nb[s]
         if j >= M or state[s][j] != 2:
             return 0.0
-        near = j - nb[s] < params.reload_ahead or any(
-            B_start[k][j] <= t for k in range(s + 1, min(S, s + 1 + params.reload_stages)))
-        return off[s] if near else 0.0
+        return off[s] if near(s, j) else 0.0
 
     while n_done < n_total:
         if not events:
@@ -248,9 +251,7 @@ def offload_list_schedule(problem: ScheduleProblem, params: OffloadParams) -> li
                 # reload the oldest offloaded stash whose backward is near
                 jr = next((j for j in range(nb[s], nf[s]) if state[s][j] == 2), None)
                 if jr is not None:
-                    near = jr - nb[s] < params.reload_ahead or any(
-                        B_start[k][jr] <= t for k in range(s + 1, min(S, s + 1 + params.reload_stages)))
-                    if near and mem[s] + off[s] <= lim[s] * (1 + 1e-12) + _EPS:
+                    if near(s, jr) and mem[s] + off[s] <= lim[s] * (1 + 1e-12) + _EPS:
                         run(s, jr, "R", tO[s])
                         state[s][jr] = 3
                         R_end[s][jr] = t + tO[s]
@@ -286,18 +287,24 @@ def offload_list_schedule(problem: ScheduleProblem, params: OffloadParams) -> li
     return ops
 
 
-def _evaluate(problem: ScheduleProblem, params: OffloadParams) -> tuple[float, list[ScheduledOp] | None]:
+def _evaluate(problem: ScheduleProblem, params: OffloadParams,
+              accept_at_most: float = math.inf) -> tuple[float, list[ScheduledOp] | None]:
+    """Value and ops of one policy; (inf, None) if it deadlocks, is invalid or exceeds ``accept_at_most``.
+
+    The validator runs only on schedules that would be kept (value <= ``accept_at_most``).
+    """
     ops = offload_list_schedule(problem, params)
     if ops is None:
         return math.inf, None
-    ops = _drop_idle_offloads(problem, ops)
-    if check_schedule(problem, ops):
-        return math.inf, None
+    ops = _drop_idle_offloads(ops)
     ms, span = objective_values(problem, ops)
-    return float(span if problem.objective == "stage_span" else ms), ops
+    value = float(span if problem.objective == "stage_span" else ms)
+    if value > accept_at_most + _EPS or check_schedule(problem, ops):
+        return math.inf, None
+    return value, ops
 
 
-def _drop_idle_offloads(problem: ScheduleProblem, ops: list[ScheduledOp]) -> list[ScheduledOp]:
+def _drop_idle_offloads(ops: list[ScheduledOp]) -> list[ScheduledOp]:
     """Remove O/R pairs that never left the device (reload starting when the offload ends)."""
     o_end = {(o.stage, o.microbatch): o.end_s for o in ops if o.type == "O"}
     drop = {(o.stage, o.microbatch) for o in ops if o.type == "R" and o.start_s <= o_end[(o.stage, o.microbatch)] + _EPS}
@@ -413,7 +420,7 @@ def offload_search(
                 cand = _mutate(problem, best_p, rng)
                 for _ in range(rng.randrange(0, 3)):
                     cand = _mutate(problem, cand, rng)
-            v, ops = _evaluate(problem, cand)
+            v, ops = _evaluate(problem, cand, best_v)
             evals += 1
             bar.update(1)
             if ops is not None and v <= best_v + _EPS:
