@@ -326,3 +326,37 @@ def test_private_torch_apis_only_in_codegen_runtime():
     bad = {str(p.relative_to(root)): uses for p in files if (uses := _private_torch_uses(p))}
     assert not bad, bad
     assert _private_torch_uses(root / "codegen" / "runtime.py")  # the check can fail
+
+
+class _DeadCode(torch.nn.Module):
+    """Builds a tensor it never reads (as transformers 5.24's mask helper does), beside a
+    dropout (random: impure) and an in-place update of a buffer (mutation: impure)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.unused = torch.nn.Linear(8, 8)  # a parameter no op reads stays a parameter
+        self.register_buffer("count", torch.zeros(()))
+
+    def forward(self, x):
+        dead = torch.arange(x.shape[1]).unsqueeze(0).unsqueeze(2)  # noqa: F841
+        self.count.add_(1)
+        return torch.nn.functional.dropout(self.lin(x), p=0.1, training=True)
+
+
+def test_capture_removes_dead_pure_ops_only():
+    from fxpipe.passes.capture import remove_dead_code
+
+    cap = capture(_DeadCode(), (torch.randn(2, 8),), replicate="never")
+    nodes = list(cap.gm.graph.nodes)
+    targets = [str(n.target) for n in nodes if n.op == "call_function"]
+    assert not any("arange" in t or "unsqueeze" in t for t in targets), targets
+    assert any("dropout" in t or "bernoulli" in t or "native_dropout" in t for t in targets), targets
+    assert any("add_" in t or "copy_" in t for t in targets), targets  # the buffer update stays
+    dead = [n.name for n in nodes if n.op == "call_function" and not n.users and not n.is_impure()]
+    assert dead == []
+    assert remove_dead_code(cap.gm) == 0  # a fixed point
+    assert set(dict(cap.gm.named_parameters())) >= {"lin.weight", "unused.weight"}
+    # the exported program itself keeps the dead ops: the removal is fxpipe's, and can fail
+    exported_targets = [str(n.target) for n in cap.exported.graph.nodes if n.op == "call_function"]
+    assert any("arange" in t for t in exported_targets)

@@ -234,6 +234,7 @@ def capture(
         gm = exported.module(check_guards=False)
     except TypeError:  # older torch without check_guards
         gm = exported.module()
+    remove_dead_code(gm)
     capture_s = time.perf_counter() - t0
     prefix = _is_wrapper(model)
     gm.meta[MODULE_PREFIX_KEY] = prefix
@@ -245,6 +246,28 @@ def capture(
         )
     return Captured(exported=exported, gm=gm, example_args=args, example_kwargs=kwargs,
                     capture_s=capture_s, module_prefix=prefix)
+
+
+def remove_dead_code(gm: torch.fx.GraphModule) -> int:
+    """Delete the pure ``call_function`` nodes whose value nobody uses; returns how many.
+
+    ``torch.export`` keeps dead computations that a model's Python code builds and drops
+    (transformers 5.24's causal-mask helper builds an ``arange`` and three ``unsqueeze`` it
+    never reads). Left in the graph they are real kernels of some stage, dead weight for the
+    partition's cost and a node that the chain bound (:mod:`fxpipe.partition.chain`, Lemma D)
+    must ignore, so a graph with one of them can never be proven optimal. A node is kept if
+    torch says it is impure (asserts, in-place and random ops: ``Node.is_impure``); only
+    ``call_function`` nodes are candidates (parameters, buffers and inputs stay, used or not).
+    Runs to a fixed point in one reverse sweep (users are visited before their producers).
+    """
+    removed = 0
+    for node in reversed(list(gm.graph.nodes)):
+        if node.op == "call_function" and not node.users and not node.is_impure():
+            gm.graph.erase_node(node)
+            removed += 1
+    if removed:
+        gm.recompile()
+    return removed
 
 
 def _capture_replicated(model: torch.nn.Module, args: tuple, kwargs: dict, *, min_layers: int) -> Captured | None:
