@@ -30,11 +30,11 @@ from fxpipe.ir import OpGraph, Schedule, ScheduleProblem
 from fxpipe.memory import MemoryModel
 from fxpipe.partition.objective import Partition
 from fxpipe.plan import PLAN_FORMAT, DeviceStats, Plan, StageStats, graph_signature, load_plan  # noqa: F401 (public re-exports)
+from fxpipe.schedule import registry as _schedule_registry
 
 #: every schedule method (= :data:`fxpipe.schedule.dispatch.METHODS`); which ones a placement
 #: admits: :func:`fxpipe.schedule.dispatch.methods_for_placement`.
-SCHEDULES = ("gpipe", "1f1b", "zb-h1", "zb-h2", "pipeoffload", "adaoffload", "offload-search", "greedy",
-             "interleaved-1f1b", "zb-v", "dualpipe-v", "milp", "auto")
+SCHEDULES = _schedule_registry.names()
 #: placements of ``stages_per_device`` stages on every device (``"auto"``: the best by predicted step time).
 PLACEMENTS = ("looped", "v", "auto")
 #: MILP budget (seconds) when ``schedule_time_limit_s`` is not given: ``schedule="milp"`` /

@@ -58,16 +58,17 @@ import numpy as np
 
 from fxpipe.errors import InfeasibleError, InputError, SolverError
 from fxpipe.ir import Schedule, ScheduleProblem
+from fxpipe.schedule import registry
 
 __all__ = ["AutoResult", "auto_schedule", "limited_1f1b", "plain_peak", "PLAIN_METHODS", "PLAIN_MULTI_METHODS", "OFFLOAD_METHODS",
            "AUTO_MILP_MAX_OPS"]
 
-#: Step 1 with one stage per device (ties: the first).
-PLAIN_METHODS = ("zb-h2", "zb-h1", "1f1b", "greedy", "gpipe")
+#: Step 1 with one stage per device (ties: the first); from :mod:`fxpipe.schedule.registry`.
+PLAIN_METHODS = registry.auto_candidates("plain", one_stage_per_device=True)
 #: Step 1 with several stages on a device (each raises on a placement it does not schedule).
-PLAIN_MULTI_METHODS = ("zb-v", "dualpipe-v", "interleaved-1f1b", "greedy")
+PLAIN_MULTI_METHODS = registry.auto_candidates("plain", one_stage_per_device=False)
 #: Step 2 (one stage per device).
-OFFLOAD_METHODS = ("pipeoffload", "adaoffload", "offload-search")
+OFFLOAD_METHODS = registry.auto_candidates("offload", one_stage_per_device=True)
 #: Step 5 runs the MILP only on problems with at most this many compute ops (3 S m).
 AUTO_MILP_MAX_OPS = 240
 
@@ -214,7 +215,9 @@ def plain_peak(problem: ScheduleProblem) -> np.ndarray:
     from fxpipe.schedule import heuristics
 
     best = None
-    for m in ("zb-v", "dualpipe-v", "interleaved-1f1b"):
+    for m in PLAIN_MULTI_METHODS:
+        if "any" in registry.get(m).placements:  # the placement-specific ones (not the device greedy)
+            continue
         try:
             peak = peak_memory(free, heuristics.generate(free, m))
         except (InfeasibleError, InputError):

@@ -18,12 +18,32 @@ from typing import Sequence
 
 from fxpipe.errors import InputError, SolverError
 from fxpipe.ir import Schedule, ScheduleProblem, looped_placement, v_placement
-from fxpipe.schedule.heuristics import ALL_METHODS as HEURISTICS
+from fxpipe.schedule import registry
 
-METHODS = (*HEURISTICS, "milp", "auto")
+#: Every schedule method (:data:`fxpipe.schedule.registry.REGISTRY`, heuristics first).
+METHODS = (*registry.names("heuristic"), *registry.names("milp"), *registry.names("auto"))
 
-#: Methods that schedule one stage per device (any placement with D = S).
-_ONE_STAGE = ("gpipe", "1f1b", "zb-h1", "zb-h2", "greedy", "pipeoffload", "adaoffload", "offload-search")
+
+def placement_kinds(device_of_stage: Sequence[int], num_devices: int | None = None) -> frozenset[str]:
+    """The placement kinds (:data:`fxpipe.schedule.registry.PLACEMENT_KINDS`) of a placement.
+
+    ``"any"`` always; ``"one"`` with one stage per device; ``"looped"`` when stage s is on
+    device ``s mod p`` (the identity placement included); ``"v"`` for the V placement with
+    two stages per device.
+    """
+    dev = tuple(int(d) for d in device_of_stage)
+    p = (max(dev) + 1 if dev else 0) if num_devices is None else int(num_devices)
+    S = len(dev)
+    kinds = {"any"}
+    if p == S:
+        kinds.add("one")
+    if p >= 1 and S % p == 0:
+        v = S // p
+        if dev == looped_placement(p, v):
+            kinds.add("looped")
+        if v == 2 and dev == v_placement(p, 2):
+            kinds.add("v")
+    return frozenset(kinds)
 
 
 def methods_for_placement(device_of_stage: Sequence[int], num_devices: int | None = None) -> tuple[str, ...]:
@@ -44,19 +64,8 @@ def methods_for_placement(device_of_stage: Sequence[int], num_devices: int | Non
     num_devices : int, optional
         Default ``max(device_of_stage) + 1``.
     """
-    dev = tuple(int(d) for d in device_of_stage)
-    p = (max(dev) + 1 if dev else 0) if num_devices is None else int(num_devices)
-    S = len(dev)
-    ok = {"greedy", "milp", "auto"}
-    if p == S:
-        ok.update(_ONE_STAGE)
-    if p >= 1 and S % p == 0:
-        v = S // p
-        if dev == looped_placement(p, v):
-            ok.add("interleaved-1f1b")
-        if v == 2 and dev == v_placement(p, 2):
-            ok.update(("zb-v", "dualpipe-v"))
-    return tuple(m for m in METHODS if m in ok)
+    kinds = placement_kinds(device_of_stage, num_devices)
+    return tuple(m for m in METHODS if registry.get(m).admits(kinds))
 
 
 def default_method(device_of_stage: Sequence[int], num_devices: int | None = None) -> str:
@@ -65,11 +74,7 @@ def default_method(device_of_stage: Sequence[int], num_devices: int | None = Non
     ``zb-h1`` with one stage per device, ``interleaved-1f1b`` on looped placements,
     ``zb-v`` on the V placement with 2 stages per device, ``greedy`` otherwise.
     """
-    ok = methods_for_placement(device_of_stage, num_devices)
-    for m in ("zb-h1", "zb-v", "interleaved-1f1b"):
-        if m in ok:
-            return m
-    return "greedy"
+    return registry.default_for(methods_for_placement(device_of_stage, num_devices))
 
 
 def make_schedule(

@@ -63,6 +63,7 @@ import numpy as np
 
 from fxpipe.errors import InfeasibleError, InputError
 from fxpipe.ir import Schedule, ScheduleProblem
+from fxpipe.schedule import registry as _registry
 from fxpipe.schedule.simulate import simulate
 from fxpipe.schedule.validate import InvalidScheduleError, check_schedule, memory_profile
 
@@ -86,13 +87,12 @@ __all__ = [
     "require_one_stage_per_device",
 ]
 
+#: Generators for the V placement (two stages per device: d and 2p-1-d); from the registry.
+V_METHODS = _registry.heuristic_names("v")
 #: Generators that schedule one stage per device (``interleaved-1f1b`` with v = 1 is 1F1B;
-#: ``greedy`` and ``interleaved-1f1b`` also take several stages per device).
-METHODS = ("gpipe", "1f1b", "zb-h1", "zb-h2", "pipeoffload", "adaoffload", "offload-search", "greedy",
-           "interleaved-1f1b")
-#: Generators for the V placement (two stages per device: d and 2p-1-d).
-V_METHODS = ("zb-v", "dualpipe-v")
-#: Every heuristic :func:`generate` knows.
+#: ``greedy`` and ``interleaved-1f1b`` also take several stages per device); from the registry.
+METHODS = tuple(m for m in _registry.heuristic_names() if m not in V_METHODS)
+#: Every heuristic :func:`generate` knows (:data:`fxpipe.schedule.registry.REGISTRY`).
 ALL_METHODS = METHODS + V_METHODS
 
 #: The per-stage order form ``{stage: [(type, microbatch), ...]}`` (one stage per device).
@@ -930,30 +930,6 @@ def offload_search_schedule(problem: ScheduleProblem) -> Schedule:
     return _finish(problem, sched, t0)
 
 
-def _multistage(name: str) -> Callable[[ScheduleProblem], Schedule]:
-    def run(problem: ScheduleProblem) -> Schedule:
-        from fxpipe.schedule import multistage
-
-        return getattr(multistage, name)(problem)
-
-    return run
-
-
-_GENERATORS: dict[str, Callable[[ScheduleProblem], Schedule]] = {
-    "gpipe": gpipe,
-    "1f1b": one_f_one_b,
-    "zb-h1": zb_h1,
-    "zb-h2": zb_h2,
-    "greedy": greedy,
-    "pipeoffload": pipeoffload,
-    "adaoffload": adaoffload,
-    "offload-search": offload_search_schedule,
-    "interleaved-1f1b": _multistage("interleaved_1f1b"),
-    "zb-v": _multistage("zb_v"),
-    "dualpipe-v": _multistage("dualpipe_v"),
-}
-
-
 def generate(problem: ScheduleProblem, method: str) -> Schedule:
     """A valid heuristic schedule of ``problem`` by ``method`` (one of :data:`ALL_METHODS`).
 
@@ -970,6 +946,6 @@ def generate(problem: ScheduleProblem, method: str) -> Schedule:
         If the method cannot fit ``mem_limit`` (the message says by how much).
     """
     key = str(method).lower()
-    if key not in _GENERATORS:
+    if key not in ALL_METHODS:
         raise InputError(f"unknown schedule method {method!r}; choose one of {', '.join(ALL_METHODS)}")
-    return _GENERATORS[key](problem)
+    return _registry.get(key).generate(problem)

@@ -7,14 +7,14 @@ from typing import Any
 
 from fxpipe.errors import InfeasibleError, InputError
 from fxpipe.ir import Schedule, ScheduledOp, ScheduleProblem, schedule_to_orders, sort_ops
+from fxpipe.schedule import registry
 from fxpipe.schedule.milp.builder import MilpVars, durations
 
 __all__ = ["check_memory_feasible", "sequential_schedule", "warm_start_schedule", "warm_start_values", "objective_value"]
 
 _COMPUTE = ("F", "B", "W")
 #: Heuristics tried for the warm start, in order of preference on ties.
-WARM_METHODS = ("adaoffload", "offload-search", "zb-h2", "zb-h1", "1f1b", "greedy", "pipeoffload", "gpipe", "zb-v",
-                "interleaved-1f1b", "dualpipe-v")
+WARM_METHODS = registry.warm_start_order()
 
 
 def objective_value(problem: ScheduleProblem, ops) -> float:
