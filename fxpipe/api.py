@@ -328,6 +328,7 @@ def plan_graph(
         schedule (:func:`fxpipe.schedule.auto.auto_schedule`).
     """
     from fxpipe.errors import InfeasibleError
+    from fxpipe.partition.colocate import check_no_forbidden_cuts
     from fxpipe.partition.placement import device_costs, placement_of
     from fxpipe.partition.search import partition as run_partition
     from fxpipe.schedule.dispatch import default_method, make_schedule, methods_for_placement
@@ -379,12 +380,15 @@ def plan_graph(
             try:
                 part = run_partition(graph, k, objective=objective, comm="relay", time_limit_s=time_limit_s, seed=seed,
                                      progress=progress, memory=pmem)
+                part = fill_empty_stages(graph, part, pmem)
+                # data-dependent sizes never cross stages (the search honours it; filling may not)
+                check_no_forbidden_cuts(graph, part.assignment, what=f"the partition into {k} stages")
             except InfeasibleError as exc:
                 if not several:
                     raise
                 parts[k] = exc
             else:
-                parts[k] = fill_empty_stages(graph, part, pmem)
+                parts[k] = part
             finally:
                 timings["partition"] += time.perf_counter() - t0
         part = parts[k]
