@@ -176,8 +176,8 @@ def fill_empty_stages(graph: OpGraph, partition: Partition, memory=None) -> Part
     The partitioner minimises the bottleneck over *at most* k blocks and leaves unused blocks
     at the end; but the runtime needs model inputs on stage 0 and the output on stage k-1.
     The last used block is renumbered k-1 (or, if only one block is used, just the output
-    node moves there, with the ops whose data-dependent-size tensors it consumes when
-    nothing else uses them), so the empty stages in between relay tensors. Costs are recomputed
+    node moves there, with the ops whose data-dependent-size tensors it consumes and all
+    they feed), so the empty stages in between relay tensors. Costs are recomputed
     (relayed tensors count in the empty stages' io) and ``meta["empty_stages"]`` lists them;
     with ``memory`` (the partitioner's :class:`~fxpipe.partition.memory.PartitionMemory`) so is
     ``meta["stage_memory_bytes"]`` (an empty stage holds the receive buffers of what it relays).
@@ -196,17 +196,21 @@ def fill_empty_stages(graph: OpGraph, partition: Partition, memory=None) -> Part
             if op == "output":
                 a2[i] = k - 1
         if graph.data_dependent.any():
-            # the output consumes a data-dependent-size tensor: move its whole group (ops that
-            # must share a stage, fxpipe.partition.colocate) when nothing else consumes it
+            # the output may consume a data-dependent-size tensor: move the ops that must share
+            # its stage (fxpipe.partition.colocate) and everything they feed (stays monotone)
             from fxpipe.partition.colocate import colocation_groups
 
             group = colocation_groups(graph)
             if group is not None:
                 out = [i for i, op in enumerate(graph.ops) if op == "output"]
-                members = np.isin(group, group[out])
-                e = np.asarray(graph.edges, dtype=np.int64).reshape(-1, 2)
-                if not (members[e[:, 0]] & ~members[e[:, 1]]).any():
-                    a2[members] = k - 1
+                moved = np.isin(group, group[out])
+                stack = np.flatnonzero(moved).tolist()
+                while stack:
+                    for w in graph.successors(stack.pop()).tolist():
+                        if not moved[w]:
+                            moved[w] = True
+                            stack.append(w)
+                a2[moved] = k - 1
     from fxpipe.partition.objective import block_costs
 
     costs = block_costs(graph, a2, k, partition.objective, partition.comm)

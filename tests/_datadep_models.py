@@ -33,6 +33,19 @@ class MaskedMLP(torch.nn.Module):
         return self.d(h + pooled)
 
 
+class MaskedRows(torch.nn.Module):
+    """Returns the rows of ``b(relu(a(x)))`` whose first feature is positive (a data-dependent count)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(D, D)
+        self.b = torch.nn.Linear(D, D)
+
+    def forward(self, x):
+        h = self.b(torch.relu(self.a(x)))
+        return h[h[:, 0] > 0]
+
+
 def _x(shape, seed):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 

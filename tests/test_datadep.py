@@ -62,6 +62,7 @@ def test_partition_honours_forbidden_cuts_and_bounds_stay_valid():
     exact contraction prices every partition like the original graph."""
     rng = np.random.default_rng(0)
     proven = bites = 0
+    exactness = set()
     for trial in range(12):
         g = _random_graph(rng, 8)
         k = 2 + trial % 2
@@ -85,6 +86,7 @@ def test_partition_honours_forbidden_cuts_and_bounds_stay_valid():
             assert part.bottleneck == pytest.approx(opt, rel=1e-6)
         # the contraction: groups are unions of forbidden edges closed under paths, exact pricing
         con = contract_colocated(g)
+        exactness.add(con.exact)
         grp = colocation_groups(g)
         assert (grp == con.group).all() and (grp[g.edges[f, 0]] == grp[g.edges[f, 1]]).all()
         assert (grp[g.edges[:, 0]] <= grp[g.edges[:, 1]]).all()  # numbered in a topological order
@@ -95,7 +97,7 @@ def test_partition_honours_forbidden_cuts_and_bounds_stay_valid():
                 np.testing.assert_allclose(mine, orig, rtol=1e-12)
             else:
                 assert (mine >= orig - 1e-12).all()
-    assert proven >= 3 and bites >= 3
+    assert proven >= 3 and bites >= 3 and exactness == {True, False}  # both pricing cases met
 
 
 def test_colocation_group_takes_nodes_between_members():
@@ -114,6 +116,20 @@ def test_colocation_group_takes_nodes_between_members():
     assert colocation_groups(OpGraph.from_arrays(t_fwd_s=np.ones(3), size_out_bytes=np.ones(3), edges=[(0, 1), (1, 2)])) is None
     part = partition(g, 4, objective="inference", comm="relay", time_limit_s=0.2)
     assert len({int(part.assignment[v]) for v in (1, 2, 3, 4)}) == 1
+
+
+def test_plan_keeps_a_data_dependent_model_output_on_the_last_stage():
+    """The output consumes ``b = x[mask]``: when the best partition uses one block, filling the
+    empty stage moves ``b`` with the output (moving the output alone would cut ``b -> output``)."""
+    from fxpipe.api import plan_graph
+
+    extra = [{}, {}, {"data_dependent": True, "target": "aten.index.Tensor"}, {}]
+    g = OpGraph.from_arrays(t_fwd_s=np.array([0.0, 1.0, 1.0, 0.0]), size_out_bytes=np.array([1e12, 1e12, 1e12, 0.0]),
+                            edges=[(0, 1), (1, 2), (2, 3)], bandwidth_bytes_per_s=1.0,
+                            ops=["placeholder", "call_function", "call_function", "output"], extra=extra)
+    assert (partition(g, 2, objective="training", comm="relay", time_limit_s=0.1).assignment == 0).all()
+    part, _, _, _ = plan_graph(g, devices=2, microbatches=2, schedule="1f1b", time_limit_s=0.1)
+    assert part.assignment.tolist() == [0, 0, 1, 1]
 
 
 def test_forbidden_cut_error_names_op_and_source():
@@ -185,6 +201,25 @@ def test_pinned_cut_on_data_dependent_tensor_is_refused():
     stage_of = {nm: int(i > names.index("sum_1")) for i, nm in enumerate(names)}  # after the reduction: fine
     staged = split_stages(gm, stage_of, 2)
     torch.testing.assert_close(staged.run(mb), gm(mb))
+
+
+def test_model_returning_masked_rows_splits_and_merges():
+    """A model whose output is ``h[mask]``: captured output shape has a data-dependent dim
+    (main failed reading it as an int), every stage boundary is fixed size, and the merged
+    micro-batch outputs equal the model's output."""
+    import torch
+
+    import _datadep_models as M
+    import fxpipe
+    from fxpipe.codegen.split import split_stages
+
+    torch.manual_seed(0)
+    model, x = M.MaskedRows(), torch.randn(8, M.D)
+    plan = fxpipe.compile(model, (x[:4],), devices=3, microbatches=2, time_limit_s=0.2, schedule="1f1b")
+    staged = split_stages(plan.captured().gm, plan.stage_of, 3)
+    assert staged.interface.output_shapes[0][0] == -1
+    out = staged.interface.merge([staged.run(x[:4]), staged.run(x[4:])])
+    torch.testing.assert_close(out, model(x))
 
 
 @pytest.mark.slow
