@@ -90,9 +90,9 @@ def test_partition_honours_forbidden_cuts_and_bounds_stay_valid():
         grp = colocation_groups(g)
         assert (grp == con.group).all() and (grp[g.edges[f, 0]] == grp[g.edges[f, 1]]).all()
         assert (grp[g.edges[:, 0]] <= grp[g.edges[:, 1]]).all()  # numbered in a topological order
-        for b in _monotone_assignments(con.graph, k)[:: 7]:
-            mine = block_costs(con.graph, b, k, "training", "relay")
-            orig = block_costs(g, con.expand(b), k, "training", "relay")
+        for b, comm in itertools.product(_monotone_assignments(con.graph, k)[:: 7], ("relay", "dag")):
+            mine = block_costs(con.graph, b, k, "training", comm)
+            orig = block_costs(g, con.expand(b), k, "training", comm)
             if con.exact:
                 np.testing.assert_allclose(mine, orig, rtol=1e-12)
             else:

@@ -48,6 +48,7 @@ __all__ = [
     "contract_colocated",
     "crossing_forbidden_edges",
     "check_no_forbidden_cuts",
+    "describe_node",
 ]
 
 
