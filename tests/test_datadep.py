@@ -179,6 +179,8 @@ def test_capture_flags_data_dependent_ops_with_user_source_line():
     for i in np.flatnonzero(g.data_dependent):  # the user's line, not torch's F.linear inside nn.Linear
         assert "_datadep_models.py" in g.extra[i]["source"], g.extra[i]
     assert "sel = h[mask]" in g.extra[g.names.index("index")]["source"]
+    # costed as if every candidate row were kept (the upper end of u0's range), not as one row
+    assert g.size_out_bytes[g.names.index("index")] == mb.numel() * mb.element_size()
     assert OpGraph.from_dict(g.to_dict()).data_dependent.tolist() == g.data_dependent.tolist()  # survives the file
 
 
