@@ -144,6 +144,19 @@ def test_forbidden_cut_error_names_op_and_source():
     assert isinstance(info.value, InfeasibleError) and isinstance(info.value, InputError)
 
 
+def test_memory_infeasible_error_mentions_the_constraint():
+    """Two 10-byte ops that must share a stage cannot fit 14 usable bytes: the memory error says
+    the data-dependent constraint took part (and keeps its attributes)."""
+    extra = [{}, {"data_dependent": True}, {}, {}]
+    g = OpGraph.from_arrays(t_fwd_s=np.ones(4), size_out_bytes=np.ones(4), act_bytes=np.array([0.0, 10.0, 10.0, 0.0]),
+                            edges=[(0, 1), (1, 2), (2, 3)], ops=["placeholder", "call_function", "call_function", "output"],
+                            extra=extra)
+    assert partition(g, 2, objective="training", comm="relay", memory=15.0, colocate=False).bottleneck > 0
+    with pytest.raises(InfeasibleError, match="stay on one stage with their consumers") as info:
+        partition(g, 2, objective="training", comm="relay", memory=15.0)
+    assert info.value.overflow_bytes > 0 and info.value.stage == 0
+
+
 # ----------------------------------------------------------------------------- models (torch)
 def _masked_model():
     pytest.importorskip("torch")

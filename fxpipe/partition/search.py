@@ -475,8 +475,16 @@ def _partition_colocated(graph: OpGraph, con, k: int, warm_order, *, objective: 
 
     t0 = time.perf_counter()
     sub_warm = None if warm_order is None else con.order_from_original(warm_order)
-    sub = partition(con.graph, k, objective=objective, comm=comm, memory=memory, warm_start=sub_warm, colocate=False,
-                    **kwargs)
+    try:
+        sub = partition(con.graph, k, objective=objective, comm=comm, memory=memory, warm_start=sub_warm, colocate=False,
+                        **kwargs)
+    except InfeasibleError as exc:  # say that the constraint took part (attributes of exc are kept)
+        work = np.bincount(con.group, weights=graph.work_s(objective), minlength=con.graph.n)
+        big = int(np.argmax(work))
+        exc.args = (f"{exc} (ops whose output size depends on the data stay on one stage with their consumers: "
+                    f"{graph.n} ops in {con.graph.n} groups, the largest starting at {con.graph.names[big]!r})",
+                    *exc.args[1:])
+        raise
     a = con.expand(sub.assignment)
     order = con.order_to_original(sub.order) if sub.order is not None else _order_of_assignment(graph, a)
     meta = dict(sub.meta)
