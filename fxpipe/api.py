@@ -176,7 +176,8 @@ def fill_empty_stages(graph: OpGraph, partition: Partition, memory=None) -> Part
     The partitioner minimises the bottleneck over *at most* k blocks and leaves unused blocks
     at the end; but the runtime needs model inputs on stage 0 and the output on stage k-1.
     The last used block is renumbered k-1 (or, if only one block is used, just the output
-    node moves there), so the empty stages in between relay tensors. Costs are recomputed
+    node moves there, with the ops whose data-dependent-size tensors it consumes and all
+    they feed), so the empty stages in between relay tensors. Costs are recomputed
     (relayed tensors count in the empty stages' io) and ``meta["empty_stages"]`` lists them;
     with ``memory`` (the partitioner's :class:`~fxpipe.partition.memory.PartitionMemory`) so is
     ``meta["stage_memory_bytes"]`` (an empty stage holds the receive buffers of what it relays).
@@ -194,6 +195,22 @@ def fill_empty_stages(graph: OpGraph, partition: Partition, memory=None) -> Part
         for i, op in enumerate(graph.ops):
             if op == "output":
                 a2[i] = k - 1
+        if graph.data_dependent.any():
+            # the output may consume a data-dependent-size tensor: move the ops that must share
+            # its stage (fxpipe.partition.colocate) and everything they feed (stays monotone)
+            from fxpipe.partition.colocate import colocation_groups
+
+            group = colocation_groups(graph)
+            if group is not None:
+                out = [i for i, op in enumerate(graph.ops) if op == "output"]
+                moved = np.isin(group, group[out])
+                stack = np.flatnonzero(moved).tolist()
+                while stack:
+                    for w in graph.successors(stack.pop()).tolist():
+                        if not moved[w]:
+                            moved[w] = True
+                            stack.append(w)
+                a2[moved] = k - 1
     from fxpipe.partition.objective import block_costs
 
     costs = block_costs(graph, a2, k, partition.objective, partition.comm)
@@ -328,6 +345,7 @@ def plan_graph(
         schedule (:func:`fxpipe.schedule.auto.auto_schedule`).
     """
     from fxpipe.errors import InfeasibleError
+    from fxpipe.partition.colocate import check_no_forbidden_cuts
     from fxpipe.partition.placement import device_costs, placement_of
     from fxpipe.partition.search import partition as run_partition
     from fxpipe.schedule.dispatch import default_method, make_schedule, methods_for_placement
@@ -379,12 +397,15 @@ def plan_graph(
             try:
                 part = run_partition(graph, k, objective=objective, comm="relay", time_limit_s=time_limit_s, seed=seed,
                                      progress=progress, memory=pmem)
+                part = fill_empty_stages(graph, part, pmem)
+                # data-dependent sizes never cross stages (the search honours it; filling may not)
+                check_no_forbidden_cuts(graph, part.assignment, what=f"the partition into {k} stages")
             except InfeasibleError as exc:
                 if not several:
                     raise
                 parts[k] = exc
             else:
-                parts[k] = fill_empty_stages(graph, part, pmem)
+                parts[k] = part
             finally:
                 timings["partition"] += time.perf_counter() - t0
         part = parts[k]

@@ -29,3 +29,10 @@ class SolverError(FxpipeError):
 
 class MissingDependencyError(FxpipeError, ImportError):
     """An optional dependency is not installed; the message names the extra to install."""
+
+
+class DataDependentCutError(InfeasibleError, InputError):
+    """A tensor whose size depends on the data (``x[mask]``, ``nonzero``, ``unique``, ...) would
+    cross a pipeline stage boundary; the message names the op, the user's source line and what
+    to do. An :class:`InfeasibleError` when no partition into the requested stages avoids it,
+    an :class:`InputError` when given stages (a pinned ``stage_of``) cut it."""

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from fxpipe.codegen.interface import ModelInputs, as_call
 from fxpipe.codegen.split import StagedProgram
-from fxpipe.errors import InputError
+from fxpipe.errors import DataDependentCutError, InputError
 
 __all__ = ["InferencePipeline", "run_stages", "merged_output_meta", "stage_runner"]
 
@@ -68,6 +68,12 @@ def merged_output_meta(staged: StagedProgram, last_outputs: Sequence[torch.Tenso
     out = []
     for i, t in enumerate(last_outputs):
         shape = iface.output_shapes[i] if i < len(iface.output_shapes) else tuple(t.shape)
+        if any(d < 0 for d in shape):
+            raise DataDependentCutError(
+                f"model output {i} has a size that depends on the data (captured shape {shape}, -1 = data "
+                "dependent): the forward-only pipeline allocates the merged output in advance; return a "
+                "fixed-size tensor (e.g. torch.where(mask, x, 0) instead of x[mask]) or run the model without it"
+            )
         batched = iface.microbatch_size is not None and len(shape) >= 1 and shape[0] == iface.microbatch_size
         full = (shape[0] * num_microbatches, *shape[1:]) if batched else (num_microbatches, *shape)
         out.append(_TensorMeta(tuple(int(d) for d in full), t.dtype))

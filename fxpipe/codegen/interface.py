@@ -168,7 +168,8 @@ class ModelInterface:
     microbatch_size : int or None
         Dim 0 of the first tensor input with a dimension (the captured micro-batch size).
     output_shapes : tuple
-        Captured shape of each tensor output (for :meth:`merge`).
+        Captured shape of each tensor output (for :meth:`merge`); ``-1`` marks a size that
+        depends on the data.
     """
 
     in_spec: Any
@@ -314,7 +315,8 @@ class ModelInterface:
         for i in range(self.num_tensor_outputs):
             parts = [c[i] for c in chunks]
             shape = self.output_shapes[i] if i < len(self.output_shapes) else tuple(parts[0].shape)
-            batched = self.microbatch_size is not None and len(shape) >= 1 and shape[0] == self.microbatch_size
+            # a data-dependent dim 0 (-1: rows selected from the micro-batch) is concatenated too
+            batched = self.microbatch_size is not None and len(shape) >= 1 and shape[0] in (self.microbatch_size, -1)
             merged.append(torch.cat(parts, dim=0) if batched else torch.stack(parts, dim=0))
         return self.output(merged)
 
@@ -361,13 +363,21 @@ class ModelInterface:
             if isinstance(leaf, torch.fx.Node) and _tensor_valued(leaf):
                 outs.append(("tensor", k))
                 v = leaf.meta.get("val", leaf.meta.get("example_value"))
-                shapes.append(tuple(int(d) for d in v.shape) if isinstance(v, torch.Tensor) else ())
+                shapes.append(_static_shape(v) if isinstance(v, torch.Tensor) else ())
                 k += 1
             elif isinstance(leaf, torch.fx.Node):
                 outs.append(("const", leaf.meta.get("val")))
             else:
                 outs.append(("const", leaf))
         return cls(in_spec, out_spec, tuple(leaves), tuple(outs), mb_size, tuple(shapes))
+
+
+def _static_shape(v: torch.Tensor) -> tuple[int, ...]:
+    """Sizes of a captured tensor; ``-1`` for a size that depends on the data (an unbacked
+    symbol, e.g. the rows of ``x[mask]``), which ``int()`` could not read without a guard."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    return tuple(-1 if isinstance(d, torch.SymInt) and free_unbacked_symbols(d) else int(d) for d in v.shape)
 
 
 def _tensor_valued(node: torch.fx.Node) -> bool:

@@ -519,6 +519,32 @@ def _boundaries(nodes, st, rep, eff: GraphEffects, num_stages: int) -> list[list
     return boundaries
 
 
+def _check_static_boundaries(boundaries: list[list[fx.Node]], st: dict[fx.Node, int]) -> None:
+    """Refuse a boundary tensor whose size depends on the data (``x[mask]``, ``nonzero``, ...):
+    receive buffers are sized from the example micro-batch (issue 17; the partitioner never
+    cuts such edges, :mod:`fxpipe.partition.colocate`, but a given ``stage_of`` may)."""
+    from fxpipe.errors import DataDependentCutError
+    from fxpipe.passes.capture import has_data_dependent_size, user_source_line
+
+    for b, cross in enumerate(boundaries):
+        bad = [n for n in cross if has_data_dependent_size(n)]
+        if bad:
+            n = bad[0]
+            src = user_source_line(n)
+            users = sorted((u for u in n.users if st.get(u, -1) > b), key=lambda u: st[u])
+            raise DataDependentCutError(
+                f"the stage assignment puts a stage boundary on a tensor whose size depends on the data: "
+                f"{n.name!r} ({n.target}, shape {tuple(getattr(_value_of(n), 'shape', ()))})"
+                + (f" at {src}" if src else "")
+                + f" is computed on stage {st[n]} and used on stage {st[users[0]] if users else b + 1}"
+                + (f" by {users[0].name!r}" if users else "")
+                + f" (boundary {b}/{b + 1}). The pipeline runtime sizes receive buffers from the example "
+                "micro-batch, so such a tensor cannot cross stages. What to do: put the op and its consumers "
+                "on one stage (let fxpipe.compile choose the partition, or move the pinned boundary), use fewer "
+                "stages, or make the size static (e.g. torch.where(mask, x, 0) instead of x[mask])."
+            )
+
+
 # ----------------------------------------------------------------------------- pass 5: stage graphs
 def _build_stage(gm, s, nodes, st, rep, boundaries, eff: GraphEffects, out_node, inputs):
     """One stage's ``GraphModule`` and the names of its cloned inputs."""
@@ -655,6 +681,9 @@ def split_stages(
     ------
     InputError
         If ``stage_of`` is out of range or not monotone, or a boundary carries no tensor.
+    DataDependentCutError
+        (an InputError) If a boundary would carry a tensor whose size depends on the data
+        (``x[mask]``, ``nonzero``, ...); the message names the op and the user's source line.
 
     Notes
     -----
@@ -686,6 +715,7 @@ def split_stages(
     out_node = next(n for n in nodes if n.op == "output")
     rep = _replicas(nodes, st, eff, S)
     boundaries = _boundaries(nodes, st, rep, eff, S)
+    _check_static_boundaries(boundaries, st)
 
     modules, metas = [], []
     for s in range(S):

@@ -318,6 +318,15 @@ class OpGraph:
             return self.t_train_s
         raise InputError(f"objective must be 'inference' or 'training', got {objective!r}")
 
+    @property
+    def data_dependent(self) -> np.ndarray:
+        """Bool array (n,): nodes whose output size depends on the data (``extra[i]["data_dependent"]``,
+        set by :func:`fxpipe.passes.to_opgraph.to_opgraph` for ``x[mask]``, ``nonzero``, ...); their
+        tensors must not cross a stage boundary (:mod:`fxpipe.partition.colocate`)."""
+        if not self.extra:
+            return np.zeros(self.n, dtype=bool)
+        return np.array([bool(e.get("data_dependent", False)) for e in self.extra], dtype=bool)
+
     def successors(self, v: int) -> np.ndarray:
         """Consumers of node ``v`` (int64 array)."""
         return self.succ_idx[self.succ_ptr[v] : self.succ_ptr[v + 1]]

@@ -10,6 +10,8 @@
 - :mod:`~fxpipe.partition.chain`: the chain of gates of a graph; exact relay DP and the
   ``chain`` lower bound.
 - :mod:`~fxpipe.partition.contract`: exact contraction of trivial ops for the order search.
+- :mod:`~fxpipe.partition.colocate`: ops with data-dependent output sizes stay on their
+  consumers' stage (contraction for the search, the check and its error).
 - :mod:`~fxpipe.partition.memory`: the partitioner's view of fxpipe's memory model (:mod:`fxpipe.memory`).
 - :mod:`~fxpipe.partition.baselines`: equal-layer, parameter-balanced, time-balanced, random-T.
 - :mod:`~fxpipe.partition.loaders`: graphs of other projects (dnn-partitioning, PipeDream).

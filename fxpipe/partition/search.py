@@ -162,6 +162,7 @@ def partition(
     contract: bool = True,
     chain: bool = True,
     merge_trivial: bool = True,
+    colocate: bool = True,
     _explain: bool = True,
 ) -> Partition:
     """Partition ``graph`` into at most ``k`` pipeline stages minimising the bottleneck.
@@ -208,6 +209,14 @@ def partition(
     merge_trivial : bool
         Merge stages holding only zero-work ops into a neighbour
         (:func:`merge_trivial_stages`).
+    colocate : bool
+        Never cut the output edges of ops whose output size depends on the data
+        (:attr:`OpGraph.data_dependent <fxpipe.ir.OpGraph.data_dependent>`): the search runs on
+        the graph with those ops contracted with their consumers
+        (:mod:`fxpipe.partition.colocate`) and the result is expanded; ``meta["colocated"]``
+        says how many groups were contracted and whether the contraction is exact (then the
+        lower bound, computed on the contracted graph, is a bound of the constrained problem;
+        otherwise the work bound of the contracted graph is used). False: ignore the flags.
 
     Returns
     -------
@@ -258,6 +267,15 @@ def partition(
         raise InputError(f"seed must be an integer, got {seed!r}")
     model = as_partition_memory(memory)
     warm_order = None if warm_start is None else _warm_order(graph, warm_start)
+    if colocate and graph.data_dependent.any():
+        from fxpipe.partition.colocate import contract_colocated  # noqa: PLC0415
+
+        con = contract_colocated(graph)
+        if con is not None:
+            return _partition_colocated(
+                graph, con, k, warm_order, objective=objective, comm=comm, method=method, time_limit_s=time_limit_s,
+                seed=seed, evaluations=evaluations, memory=model, progress=progress, brkga_params=brkga_params,
+                contract=contract, chain=chain, merge_trivial=merge_trivial, _explain=_explain)
 
     t0 = time.perf_counter()
     from fxpipe.partition.bounds.simple import simple_work_bound  # noqa: PLC0415
@@ -447,3 +465,53 @@ def partition(
         mem = stage_memory_bytes(graph, part.assignment, k, objective, model, comm)
         part.meta["stage_memory_bytes"] = mem.tolist()
     return part
+
+
+def _partition_colocated(graph: OpGraph, con, k: int, warm_order, *, objective: str, comm: str, memory, **kwargs) -> Partition:
+    """:func:`partition` of ``graph`` whose data-dependent groups ``con``
+    (:class:`fxpipe.partition.colocate.ColocatedContraction`) must each stay on one stage:
+    search the contracted graph, expand, re-score on ``graph`` (Contract 2)."""
+    from fxpipe.partition.bounds.simple import simple_work_bound  # noqa: PLC0415
+
+    t0 = time.perf_counter()
+    sub_warm = None if warm_order is None else con.order_from_original(warm_order)
+    try:
+        sub = partition(con.graph, k, objective=objective, comm=comm, memory=memory, warm_start=sub_warm, colocate=False,
+                        **kwargs)
+    except InfeasibleError as exc:  # say that the constraint took part (attributes of exc are kept)
+        work = np.bincount(con.group, weights=graph.work_s(objective), minlength=con.graph.n)
+        big = int(np.argmax(work))
+        exc.args = (f"{exc} (ops whose output size depends on the data stay on one stage with their consumers: "
+                    f"{graph.n} ops in {con.graph.n} groups, the largest starting at {con.graph.names[big]!r})",
+                    *exc.args[1:])
+        raise
+    a = con.expand(sub.assignment)
+    order = con.order_to_original(sub.order) if sub.order is not None else _order_of_assignment(graph, a)
+    meta = dict(sub.meta)
+    lower, method = float(meta["lower_bound_s"]), meta["lower_bound_method"]
+    if not con.exact:
+        # only work-based bounds of the contracted graph bound the constrained problem (module colocate)
+        lower, method = simple_work_bound(con.graph.work_s(objective), k), "simple"
+    part = Partition.from_assignment(graph, a, k, objective, comm, order=order)
+    proven = part.bottleneck <= lower * (1.0 + PROVEN_RTOL)
+    meta.update(
+        order=order.tolist(),
+        lower_bound_s=float(lower),
+        lower_bound_method=method,
+        proven_optimal=bool(proven),
+        stop_reason="bound" if proven else meta["stop_reason"],
+        gap=float(max(0.0, (part.bottleneck - lower) / part.bottleneck)) if part.bottleneck > 0 else 0.0,
+        seconds=time.perf_counter() - t0,
+        colocated={"groups": int(con.graph.n), "nodes": int(graph.n), "exact": bool(con.exact),
+                   "forbidden_edges": int(_forbidden_count(graph))},
+    )
+    if memory is not None:
+        meta["stage_memory_bytes"] = stage_memory_bytes(graph, part.assignment, k, objective, memory, comm).tolist()
+    return Partition(k=part.k, assignment=part.assignment, block_costs=part.block_costs, bottleneck=part.bottleneck,
+                     objective=objective, comm=comm, order=order, meta=meta)
+
+
+def _forbidden_count(graph: OpGraph) -> int:
+    from fxpipe.partition.colocate import forbidden_cut_edges  # noqa: PLC0415
+
+    return int(forbidden_cut_edges(graph).sum())

@@ -156,15 +156,30 @@ for _name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnu
 
 
 def _to_int(x: Any) -> int:
+    """A concrete size: the example's (hinted) value of a symbolic size; a data-dependent
+    (unbacked) size such as the rows of ``x[mask]`` or ``nonzero`` is costed at the upper end of
+    its value range (every candidate row kept: time and memory are not under-estimated), or 1
+    when that range is unbounded."""
     if isinstance(x, int):
         return x
     if isinstance(x, torch.SymInt):
         hint = getattr(x.node, "hint", None)
         if hint is not None:
             return int(hint)
+        from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+        env = x.node.shape_env
+        if free_unbacked_symbols(x):
+            try:
+                upper = env.bound_sympy(x.node.expr).upper
+                if upper.is_finite:
+                    return int(upper)
+            except Exception:  # noqa: BLE001 - no range known
+                pass
+            return 1
         try:
-            return int(x.node.shape_env.size_hint(x.node.expr))
-        except Exception:  # unbacked symbol without a hint: assume 1
+            return int(env.size_hint(x.node.expr))
+        except Exception:  # a symbol without a hint: assume 1
             return 1
     return int(x)
 

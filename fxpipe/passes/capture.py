@@ -322,3 +322,43 @@ def getattr_path(root: torch.nn.Module, target: str) -> Any:
             return None
         obj = getattr(obj, part)
     return obj
+
+
+def has_data_dependent_size(node: torch.fx.Node) -> bool:
+    """True when the node's value (``meta["val"]``: a tensor's sizes/strides, a symbolic
+    int/bool, or a tuple of them) involves an *unbacked* symbol, i.e. a size or value known
+    only at run time: ``x[mask]``, ``nonzero``, ``unique``, ``masked_select``, ``.item()``,
+    and everything computed from them that keeps the symbol. Backed dynamic sizes
+    (``dynamic=True`` inputs) do not count."""
+    val = node.meta.get("val", node.meta.get("example_value"))
+    if val is None:
+        return False
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    from fxpipe.passes.annotate import _leaves  # noqa: PLC0415
+
+    for leaf in _leaves(val):
+        if isinstance(leaf, (torch.Tensor, torch.SymInt, torch.SymFloat, torch.SymBool)):
+            try:
+                if free_unbacked_symbols(leaf):
+                    return True
+            except Exception:  # noqa: BLE001 - a value symbolic_shapes cannot inspect
+                continue
+    return False
+
+
+def user_source_line(node: torch.fx.Node) -> str:
+    """The user's source line of a node from ``meta["stack_trace"]``: its innermost frame
+    outside torch (a call of ``nn.Linear`` names the user's line, not torch's
+    ``F.linear``), e.g. ``'File "model.py", line 30, in forward: sel = h[mask]'``; ``""`` when
+    unknown."""
+    import os
+
+    trace = node.meta.get("stack_trace") or ""
+    frames = re.findall(r'File "([^"]+)", line (\d+), in (\S+)\n[ \t]*(.*)', str(trace))
+    if not frames:
+        return ""
+    torch_dir = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+    user = [f for f in frames if not os.path.abspath(f[0]).startswith(torch_dir)]
+    fn, line, func, code = (user or frames)[-1]
+    return f'File "{fn}", line {line}, in {func}: {code.strip()}'

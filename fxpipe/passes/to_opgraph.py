@@ -18,6 +18,10 @@ Node mapping (what codegen and the partition baselines rely on):
   stripped (e.g. "transformer.h.3.mlp.c_fc"), "target": str(node.target), "flops": float,
   "kind": OpCost.kind, "num_params": int}``; ``num_params`` counts the parameters whose bytes
   are in ``size_param_bytes`` (what :mod:`fxpipe.memory` charges bytes per parameter for).
+  A node whose output size depends on the data (an unbacked symbolic size: ``x[mask]``,
+  ``nonzero``, ``unique``, ...; :func:`~fxpipe.passes.capture.has_data_dependent_size`) also
+  has ``"data_dependent": True`` and ``"source"`` (the user's source line); the partitioner
+  never cuts its output edges (:mod:`fxpipe.partition.colocate`).
 """
 
 from __future__ import annotations
@@ -34,7 +38,14 @@ from fxpipe.cost.roofline import OpCost
 from fxpipe.errors import InputError
 from fxpipe.ir import OpGraph
 from fxpipe.passes.annotate import COST_KEY, AnnotateCosts
-from fxpipe.passes.capture import MODULE_PREFIX_KEY, Captured, capture, getattr_path
+from fxpipe.passes.capture import (
+    MODULE_PREFIX_KEY,
+    Captured,
+    capture,
+    getattr_path,
+    has_data_dependent_size,
+    user_source_line,
+)
 
 #: fx ops that become OpGraph nodes.
 OPGRAPH_FX_OPS = ("placeholder", "call_function", "call_module", "call_method", "output")
@@ -113,6 +124,8 @@ def to_opgraph(gm: torch.fx.GraphModule, hardware: str | HardwareSpec = "h100-sx
             cols[key].append(float(getattr(cost, key)))
         extra.append({"module": module_path(node, prefix), "target": str(node.target),
                       "flops": float(cost.flops), "kind": cost.kind, "num_params": int(numel.get(node.name, 0))})
+        if has_data_dependent_size(node):  # must not cross a stage boundary (fxpipe.partition.colocate)
+            extra[-1].update(data_dependent=True, source=user_source_line(node))
         v = index[node]
         for inp in node.all_input_nodes:
             u = index.get(inp)
