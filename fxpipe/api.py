@@ -575,6 +575,12 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     -------
     Plan
 
+    Warns
+    -----
+    PlanWarning
+        For a plan that wastes devices (:meth:`Plan.waste_warnings`: fewer micro-batches than
+        devices, stages with almost no work), naming the better choice.
+
     Raises
     ------
     InputError
@@ -659,4 +665,10 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
                  "costs": costs, "stages_per_device": stages_per_device, "placement": placement},
         _captured=traced,
     )
+    import warnings
+
+    from fxpipe.errors import PlanWarning
+
+    for message in plan.waste_warnings():
+        warnings.warn(message, PlanWarning, stacklevel=2)
     return plan

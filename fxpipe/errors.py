@@ -29,3 +29,9 @@ class SolverError(FxpipeError):
 
 class MissingDependencyError(FxpipeError, ImportError):
     """An optional dependency is not installed; the message names the extra to install."""
+
+
+class PlanWarning(UserWarning):
+    """A plan that runs but wastes devices (stages with almost no work, fewer micro-batches than
+    devices); the message says what would be better. ``fxpipe.compile`` warns with it and
+    ``Plan.summary()`` repeats it (``Plan.waste_warnings()``)."""

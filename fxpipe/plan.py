@@ -30,6 +30,10 @@ __all__ = ["Plan", "StageStats", "DeviceStats", "PLAN_FORMAT", "graph_signature"
 PLAN_FORMAT = "fxpipe.plan/1"
 
 
+#: A stage whose work is under this share of the bottleneck stage's cost counts as idle
+#: (:meth:`Plan.waste_warnings`).
+IDLE_STAGE_SHARE = 0.05
+
 #: Memory columns of a stage / device row (bytes; :mod:`fxpipe.memory`'s names).
 MEMORY_FIELDS = ("params_bytes", "grads_bytes", "optimizer_bytes", "activation_peak_bytes", "comm_buffer_bytes",
                  "reserved_bytes", "offloaded_peak_bytes", "memory_bytes", "capacity_bytes")
@@ -304,6 +308,40 @@ class Plan:
         self.__dict__["_optimality"] = (sched, out)
         return out
 
+    def waste_warnings(self) -> list[str]:
+        """Sentences about devices the plan wastes, each with the better choice (empty: none).
+
+        * Fewer micro-batches than devices: the pipeline never fills; use at least ``devices``
+          micro-batches (4x amortises the warm-up) or fewer devices.
+        * Stages with almost no work (under :data:`IDLE_STAGE_SHARE` of the bottleneck's
+          cost), while the work would fill fewer devices at the plan's bottleneck: one op or
+          stage sets the bottleneck and the other devices idle; the device count that the
+          total work fills at this bottleneck, ``ceil(total work / bottleneck / v)``, is
+          suggested.
+        """
+        out = []
+        p, m, v = self.devices, self.microbatches, self.stages_per_device
+        if m < p:
+            out.append(f"{m} micro-batches for {p} devices: the pipeline never fills, so devices idle through most of "
+                       f"the step (bubble ratio {self.bubble_ratio:.0%}); use at least {p} micro-batches "
+                       f"(e.g. {4 * p}) or at most {m} devices")
+        if not self.stages or self.num_stages < 2:
+            return out
+        work = np.array([s.t_fwd_s + (s.t_bwd_input_s + s.t_bwd_weight_s if self.objective == "training" else 0.0)
+                         for s in self.stages])
+        bottleneck = float(max(s.cost_s for s in self.stages))
+        if bottleneck <= 0:
+            return out
+        idle = [s.stage for s, w in zip(self.stages, work) if w < IDLE_STAGE_SHARE * bottleneck]
+        fill_stages = max(1, int(np.ceil(float(work.sum()) / bottleneck - 1e-9)))
+        fill_devices = max(1, int(np.ceil(fill_stages / v)))
+        if idle and fill_devices < p:
+            shown = ", ".join(map(str, idle[:8])) + (", ..." if len(idle) > 8 else "")
+            out.append(f"{len(idle)} of {self.num_stages} stages hold almost no work (stages {shown}: under "
+                       f"{IDLE_STAGE_SHARE:.0%} of the bottleneck stage's {bottleneck * 1e3:.3f} ms); the work would fill "
+                       f"about {fill_devices} devices at this bottleneck: plan for {fill_devices} devices instead of {p}")
+        return out
+
     def summary(self) -> str:
         """A readable stage table (and device table with several stages per device), the memory
         table, and what the schedule minimises: the per-device span and the makespan, each
@@ -364,6 +402,7 @@ class Plan:
                 f"note: stages {empty} hold no ops and only relay tensors: the best partition found uses "
                 f"{self.num_stages - len(empty)} stages; fewer would do as well"
             )
+        lines += [f"warning: {w}" for w in self.waste_warnings()]
         if self.timings_s:
             lines.append("time: " + ", ".join(f"{k} {v:.2f} s" for k, v in self.timings_s.items()))
         return "\n".join(lines)

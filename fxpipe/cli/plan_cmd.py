@@ -198,6 +198,11 @@ def run(args: argparse.Namespace) -> int:
     progress = not args.json and stderr_is_terminal()  # phases over 2 s on stderr, for people only
     overrides = parse_overrides(args.config)
     factory = HFFactory(args.hf, overrides, args.microbatches, args.microbatch_size, args.seq_len, args.seed)
+    import warnings
+
+    from fxpipe.errors import PlanWarning
+
+    warnings.simplefilter("ignore", PlanWarning)  # the summary and --json carry them (doc["warnings"])
     t0 = time.perf_counter()
     # planning needs shapes only: without --run the model is built on the meta device (no weight memory)
     model, margs, mkwargs = factory.one_microbatch("cpu" if args.run else "meta")
@@ -228,6 +233,7 @@ def run(args: argparse.Namespace) -> int:
         "config": overrides,
         "build_s": build_s,
         "plan": {k: v for k, v in plan.to_dict().items() if k not in ("graph", "problem", "schedule", "stage_of")},
+        "warnings": plan.waste_warnings(),
     }
     text = [plan.summary()]
     if args.out:
