@@ -314,10 +314,10 @@ class Plan:
         * Fewer micro-batches than devices: the pipeline never fills; use at least ``devices``
           micro-batches (4x amortises the warm-up) or fewer devices.
         * Stages with almost no work (under :data:`IDLE_STAGE_SHARE` of the bottleneck's
-          cost), while the work would fill fewer devices at the plan's bottleneck: one op or
-          stage sets the bottleneck and the other devices idle; the device count that the
-          total work fills at this bottleneck, ``ceil(total work / bottleneck / v)``, is
-          suggested.
+          cost) or stages holding on average under half the bottleneck's work, while the work
+          would fill fewer devices at the plan's bottleneck: a few large ops set the bottleneck
+          and the other devices idle; the device count that the total work fills at this
+          bottleneck, ``ceil(total work / bottleneck / v)``, is suggested.
         """
         out = []
         p, m, v = self.devices, self.microbatches, self.stages_per_device
@@ -333,12 +333,15 @@ class Plan:
         if bottleneck <= 0:
             return out
         idle = [s.stage for s, w in zip(self.stages, work) if w < IDLE_STAGE_SHARE * bottleneck]
+        share = float(work.sum()) / (self.num_stages * bottleneck)  # average stage work / bottleneck
         fill_stages = max(1, int(np.ceil(float(work.sum()) / bottleneck - 1e-9)))
         fill_devices = max(1, int(np.ceil(fill_stages / v)))
-        if idle and fill_devices < p:
+        if fill_devices < p and (idle or share < 0.5):
             shown = ", ".join(map(str, idle[:8])) + (", ..." if len(idle) > 8 else "")
-            out.append(f"{len(idle)} of {self.num_stages} stages hold almost no work (stages {shown}: under "
-                       f"{IDLE_STAGE_SHARE:.0%} of the bottleneck stage's {bottleneck * 1e3:.3f} ms); the work would fill "
+            out.append(f"the stages hold on average {share:.0%} of the bottleneck stage's {bottleneck * 1e3:.3f} ms"
+                       + (f", {len(idle)} of {self.num_stages} almost none (under {IDLE_STAGE_SHARE:.0%}: stages {shown})"
+                          if idle else "")
+                       + f"; the bottleneck is set by a few large ops, so the other devices idle: the work would fill "
                        f"about {fill_devices} devices at this bottleneck: plan for {fill_devices} devices instead of {p}")
         return out
 
@@ -414,8 +417,7 @@ class Plan:
 
         m = self.memory
         cap = format_bytes(m.capacity_bytes)
-        head = (f"memory per device ({m.precision.name}, {m.precision.training_bytes:g} B/param: params "
-                f"{m.precision.weight_bytes:g}, grads {m.precision.grad_bytes:g}, optimizer {m.precision.optimizer_bytes:g}"
+        head = (f"memory per device ({m.precision.name}, {m.precision.training_bytes:g} B/param"
                 + (f", ZeRO-{m.zero_stage} over {m.data_parallel}" if m.zero_stage else "")
                 + f"; capacity {cap}, {m.reserved_fraction:.0%} reserved)")
         rows = [head, f"{'device':>6} {'params':>10} {'grads':>10} {'optimizer':>10} {'act peak':>10} {'offloaded':>10} "

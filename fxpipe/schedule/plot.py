@@ -26,7 +26,7 @@ from pathlib import Path
 from fxpipe.errors import InputError
 from fxpipe.ir import Schedule, ScheduleProblem, write_json_atomic, write_text_atomic
 
-__all__ = ["COLORS", "gantt", "chrome_trace"]
+__all__ = ["COLORS", "gantt", "gantt_rows", "chrome_trace"]
 
 #: Colour of each op type (F blue, B green, W orange, O purple, R pink).
 COLORS = {"F": "#4C72B0", "B": "#55A868", "W": "#DD8452", "O": "#8172B3", "R": "#DA8BC3"}
@@ -85,18 +85,7 @@ def gantt(problem: ScheduleProblem, schedule: Schedule, path: str | os.PathLike,
     t_beg = min((o.start_s for o in schedule.ops), default=0.0)
     # time in ms below 1 s, so that tick labels stay plain numbers (no offset or 1e-3 factor)
     tscale, tunit = (1e3, "ms") if max(abs(t_end), abs(t_beg)) < 1.0 else (1.0, "s")
-    # rows that carry data only: a device's copy stream gets a row when it offloads or reloads
-    copies = sorted({dev[o.stage] for o in schedule.ops if o.type in ("O", "R")})
-    lanes: dict[tuple[int, int], int] = {}
-    labels = []
-    for d in range(D):
-        st = problem.stages_of_device(d)
-        name = f"stage {st[0]}" if not multi and problem.identity_placement else f"device {d} (stages {','.join(map(str, st))})"
-        lanes[(d, 0)] = len(labels)
-        labels.append(name)
-        if d in copies:
-            lanes[(d, 1)] = len(labels)
-            labels.append(f"{name} copy")
+    lanes, labels = gantt_rows(problem, schedule)
     height = 1.2 + 0.5 * len(labels) + 2.5
     fig, (ax, axm) = plt.subplots(2, 1, figsize=(12, height), sharex=True,
                                   gridspec_kw={"height_ratios": [max(len(labels), 2), 5]})
@@ -158,6 +147,28 @@ def gantt(problem: ScheduleProblem, schedule: Schedule, path: str | os.PathLike,
     finally:
         plt.close(fig)
     return write_text_atomic(path, buf.getvalue())
+
+
+def gantt_rows(problem: ScheduleProblem, schedule: Schedule) -> tuple[dict[tuple[int, int], int], list[str]]:
+    """The Gantt chart's rows: only those that carry data.
+
+    Every device gets a compute row; its copy row (O/R) only when the device offloads or
+    reloads in ``schedule``. Returns ``({(device, 0 compute | 1 copy): row}, row labels)``.
+    """
+    dev = problem.device_of_stage
+    multi = not problem.one_stage_per_device
+    copies = {dev[o.stage] for o in schedule.ops if o.type in ("O", "R")}
+    lanes: dict[tuple[int, int], int] = {}
+    labels: list[str] = []
+    for d in range(problem.num_devices):
+        st = problem.stages_of_device(d)
+        name = f"stage {st[0]}" if not multi and problem.identity_placement else f"device {d} (stages {','.join(map(str, st))})"
+        lanes[(d, 0)] = len(labels)
+        labels.append(name)
+        if d in copies:
+            lanes[(d, 1)] = len(labels)
+            labels.append(f"{name} copy")
+    return lanes, labels
 
 
 def chrome_trace(schedule: Schedule, path: str | os.PathLike, device_of_stage=None) -> Path:
