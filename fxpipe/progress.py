@@ -13,6 +13,7 @@ Nothing here imports torch, so the partitioner and the scheduler may use it.
 from __future__ import annotations
 
 import contextlib
+import shutil
 import sys
 import threading
 import time
@@ -65,16 +66,19 @@ class _Line:
         with self.lock:
             if self.stop.is_set():
                 return
-            self.bar = tqdm(total=None, desc=f"fxpipe: {self.desc}", file=self.file, leave=False, dynamic_ncols=True,
-                            bar_format="{desc} {elapsed}{postfix}", mininterval=0)
+            # the terminal's size, 100 x 20 where it reports none (tqdm hides its line on a 0 x 0 pty)
+            size = shutil.get_terminal_size((100, 20))
+            self.bar = tqdm(total=None, desc=f"fxpipe: {self.desc}", file=self.file, leave=False, ncols=size.columns,
+                            nrows=size.lines, bar_format="{desc}", mininterval=0)
             self._draw()
         while not self.stop.wait(self.interval_s):
             with self.lock:
                 self._draw()
 
     def _draw(self) -> None:
-        if self.bar is not None:
-            self.bar.set_postfix_str(self.note, refresh=False)
+        if self.bar is not None:  # seconds since the phase began (tqdm's own clock starts after the delay)
+            self.bar.set_description_str(f"fxpipe: {self.desc} {time.perf_counter() - self.t0:.0f} s{self.note}",
+                                         refresh=False)
             self.bar.refresh()
 
     def set_note(self, note: str) -> None:

@@ -240,6 +240,36 @@ def test_phase_progress_shows_long_phases_only_when_enabled():
     assert off.getvalue() == ""
 
 
+@pytest.mark.skipif(not hasattr(os, "openpty"), reason="needs a pseudo-terminal")
+def test_phase_progress_reaches_a_terminal_without_a_size():
+    """A pty that reports 0 x 0 (as under `script`, CI runners): tqdm hid the line there."""
+    import select
+    import subprocess
+    import sys
+
+    master, slave = os.openpty()
+    code = "import time\nfrom fxpipe.progress import phase\nwith phase('long phase', on=True, delay_s=0.1):\n    time.sleep(0.6)\n"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=slave, env=env)
+    os.close(slave)
+    out = b""
+    while True:
+        ready, _, _ = select.select([master], [], [], 1.0)
+        if ready:
+            try:
+                chunk = os.read(master, 4096)
+            except OSError:
+                break
+            if not chunk:
+                break
+            out += chunk
+        elif proc.poll() is not None:
+            break
+    os.close(master)
+    assert proc.wait(timeout=30) == 0
+    assert b"fxpipe: long phase" in out, out
+
+
 def test_cli_progress_only_for_a_terminal_without_json(monkeypatch):
     import argparse
 
