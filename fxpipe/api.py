@@ -72,6 +72,30 @@ def _check_count(value: Any, what: str) -> int:
     return int(value)
 
 
+def _check_example_inputs(args: Any, kwargs: Any) -> None:
+    """``args`` must be a tuple (or list) of positional inputs and ``kwargs`` a mapping or None.
+
+    Raises
+    ------
+    InputError
+        Saying what to pass: a bare tensor as ``args`` (``(x,)``), a dict as ``args``
+        (``kwargs=``), or ``kwargs`` that is not a mapping.
+    """
+    if hasattr(args, "shape") and hasattr(args, "dtype"):
+        raise InputError(f"args must be a tuple of the model's positional inputs, got a bare {type(args).__name__}: "
+                         "pass args=(x,) for a model called as model(x)")
+    if isinstance(args, Mapping):
+        raise InputError("args must be a tuple of the model's positional inputs, got a dict: pass keyword inputs as "
+                         "kwargs={...} (fxpipe.compile(model, (), {...}) or kwargs=...)")
+    if not isinstance(args, (tuple, list)):
+        raise InputError(f"args must be a tuple of the model's positional inputs, got {type(args).__name__}: "
+                         "pass args=(x,) for one input, () for none")
+    if kwargs is not None and not isinstance(kwargs, Mapping):
+        what = "a tensor" if hasattr(kwargs, "shape") else type(kwargs).__name__
+        raise InputError(f"kwargs must be a dict of the model's keyword inputs, got {what}: put positional inputs in "
+                         "args, e.g. fxpipe.compile(model, (x, y))")
+
+
 def resolve_memory(graph: OpGraph | None, memory: MemoryModel | None = None, memory_bytes: float | None = None,
                    hardware=None) -> MemoryModel:
     """The :class:`~fxpipe.memory.MemoryModel` a plan is made with.
@@ -594,6 +618,7 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
         count that fits and which of offload, recomputation, ZeRO sharding or more devices
         would help (see :func:`plan_graph`).
     """
+    _check_example_inputs(args, kwargs)
     devices = _check_count(devices, "devices")
     microbatches = _check_count(microbatches, "microbatches")
     if objective not in ("training", "inference"):

@@ -347,3 +347,22 @@ def test_submodules_are_attributes_of_the_package():
     assert fxpipe.__getattr__("models").build_hf_model is build_hf_model
     with pytest.raises(AttributeError):
         fxpipe.__getattr__("no_such_thing")
+
+
+# ------------------------------------------------------------------------- 7. common API mistakes
+
+
+@pytest.mark.parametrize("args, kwargs, needle", [
+    ("tensor", None, "pass args=(x,)"),
+    ("dict", None, "kwargs={...}"),
+    ((), "tensor", "kwargs must be a dict"),
+])
+def test_compile_says_what_to_pass_for_common_mistakes(args, kwargs, needle):
+    from fxpipe.errors import InputError
+
+    x = torch.randn(2, 4)
+    model = torch.nn.Linear(4, 4)
+    args = {"tensor": x, "dict": {"input": x}}.get(args, args) if isinstance(args, str) else args
+    kwargs = x if kwargs == "tensor" else kwargs
+    with pytest.raises(InputError, match=re.escape(needle)):
+        fxpipe.compile(model, args, kwargs, devices=2, microbatches=2)
