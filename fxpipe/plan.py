@@ -384,7 +384,8 @@ class Plan:
         lines += self.memory_summary().splitlines()
         what = "bottleneck" if v == 1 else "device bottleneck"
         lines += _objective_lines(opt)
-        lines.append(f"{what} {self.bottleneck_s * 1e3:.3f} ms (partition objective, per micro-batch) | "
+        how = ("the partition's objective" if v == 1 else "a device's stages' work and transfers")
+        lines.append(f"{what} {self.bottleneck_s * 1e3:.3f} ms ({how}, per micro-batch) | "
                      f"bubble ratio {self.bubble_ratio:.1%} (idle share of devices x makespan)")
         search = self.schedule.meta.get("placement_search")
         if search:
