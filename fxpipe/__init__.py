@@ -17,7 +17,17 @@ __all__ = ["compile", "backend", "last_plan", "load_plan", "Plan", "OpGraph", "S
            "__version__"]
 
 
+#: Submodules reachable as attributes of the package without importing them first
+#: (``import fxpipe; fxpipe.models.build_hf_model(...)``); each is imported on first access.
+_SUBMODULES = ("models", "memory", "report", "errors", "ir", "io", "api", "zoo", "matrix", "progress", "partition",
+               "schedule", "cost", "codegen", "passes", "dynamo", "mip", "cli")
+
+
 def __getattr__(name):  # lazy: keep `import fxpipe` light
+    if name in _SUBMODULES:
+        import importlib
+
+        return importlib.import_module(f"fxpipe.{name}")
     if name == "compile":
         from fxpipe import api
 

@@ -41,6 +41,26 @@ PLACEMENTS = ("looped", "v", "auto")
 #: ``schedule="auto"`` (whose MILP only tries to improve a feasible heuristic schedule).
 DEFAULT_MILP_TIME_LIMIT_S = 60.0
 DEFAULT_AUTO_MILP_TIME_LIMIT_S = 5.0
+#: smallest share of :data:`DEFAULT_AUTO_MILP_TIME_LIMIT_S` :func:`auto_milp_budget_s` gives a small problem.
+AUTO_MILP_MIN_SHARE = 0.2
+
+
+def auto_milp_budget_s(problem: ScheduleProblem) -> float:
+    """MILP budget (seconds) of ``schedule="auto"`` when none is given, scaled to the problem.
+
+    :data:`DEFAULT_AUTO_MILP_TIME_LIMIT_S` times the problem's share of the largest problem
+    the auto MILP takes (``3 S m`` compute ops against
+    :data:`fxpipe.schedule.auto.AUTO_MILP_MAX_OPS`), at least :data:`AUTO_MILP_MIN_SHARE` of
+    it: a toy of 2 stages and 4 micro-batches gets 1 s, a problem of 240 compute ops the full
+    5 s. (Larger problems skip the MILP.)
+    """
+    from fxpipe.schedule.auto import AUTO_MILP_MAX_OPS
+
+    n_ops = 3 * problem.num_stages * problem.num_microbatches
+    share = min(1.0, max(AUTO_MILP_MIN_SHARE, n_ops / AUTO_MILP_MAX_OPS))
+    return DEFAULT_AUTO_MILP_TIME_LIMIT_S * share
+
+
 #: stages per device tried by ``stages_per_device="auto"``.
 AUTO_STAGES_PER_DEVICE = (1, 2)
 
@@ -50,6 +70,30 @@ def _check_count(value: Any, what: str) -> int:
     if value < 1:
         raise InputError(f"{what} must be >= 1, got {value}")
     return int(value)
+
+
+def _check_example_inputs(args: Any, kwargs: Any) -> None:
+    """``args`` must be a tuple (or list) of positional inputs and ``kwargs`` a mapping or None.
+
+    Raises
+    ------
+    InputError
+        Saying what to pass: a bare tensor as ``args`` (``(x,)``), a dict as ``args``
+        (``kwargs=``), or ``kwargs`` that is not a mapping.
+    """
+    if hasattr(args, "shape") and hasattr(args, "dtype"):
+        raise InputError(f"args must be a tuple of the model's positional inputs, got a bare {type(args).__name__}: "
+                         "pass args=(x,) for a model called as model(x)")
+    if isinstance(args, Mapping):
+        raise InputError("args must be a tuple of the model's positional inputs, got a dict: pass keyword inputs as "
+                         "kwargs={...} (fxpipe.compile(model, (), {...}) or kwargs=...)")
+    if not isinstance(args, (tuple, list)):
+        raise InputError(f"args must be a tuple of the model's positional inputs, got {type(args).__name__}: "
+                         "pass args=(x,) for one input, () for none")
+    if kwargs is not None and not isinstance(kwargs, Mapping):
+        what = "a tensor" if hasattr(kwargs, "shape") else type(kwargs).__name__
+        raise InputError(f"kwargs must be a dict of the model's keyword inputs, got {what}: put positional inputs in "
+                         "args, e.g. fxpipe.compile(model, (x, y))")
 
 
 def resolve_memory(graph: OpGraph | None, memory: MemoryModel | None = None, memory_bytes: float | None = None,
@@ -311,8 +355,9 @@ def plan_graph(
         offload), progress bars.
     schedule_time_limit_s : float, optional
         MILP budget per candidate in seconds (default :data:`DEFAULT_MILP_TIME_LIMIT_S` for
-        ``"milp"``, :data:`DEFAULT_AUTO_MILP_TIME_LIMIT_S` for ``"auto"``; 0: ``"auto"``
-        without the MILP).
+        ``"milp"``, :func:`auto_milp_budget_s` for ``"auto"``: up to
+        :data:`DEFAULT_AUTO_MILP_TIME_LIMIT_S`, less for small problems; 0: ``"auto"`` without
+        the MILP).
     mem_limit_bytes : float, optional
         An extra cap on every device's activation memory (bytes), on top of the capacity's.
     memory_bytes : float, optional
@@ -353,6 +398,7 @@ def plan_graph(
 
     from fxpipe.partition.memory import PartitionMemory
     from fxpipe.plan_memory import schedule_mem_limit
+    from fxpipe.progress import phase
     from fxpipe.schedule.auto import auto_schedule
 
     devices = _check_count(devices, "devices")
@@ -395,8 +441,9 @@ def plan_graph(
         if k not in parts:
             t0 = time.perf_counter()
             try:
-                part = run_partition(graph, k, objective=objective, comm="relay", time_limit_s=time_limit_s, seed=seed,
-                                     progress=progress, memory=pmem)
+                with phase(f"partition into {k} stages (up to {time_limit_s:g} s)", on=progress):
+                    part = run_partition(graph, k, objective=objective, comm="relay", time_limit_s=time_limit_s,
+                                         seed=seed, progress=progress, memory=pmem)
                 part = fill_empty_stages(graph, part, pmem)
                 # data-dependent sizes never cross stages (the search honours it; filling may not)
                 check_no_forbidden_cuts(graph, part.assignment, what=f"the partition into {k} stages")
@@ -432,12 +479,15 @@ def plan_graph(
         record["stage_bottleneck_s"] = float(part.bottleneck)
         try:
             if method == "auto":
-                budget = DEFAULT_AUTO_MILP_TIME_LIMIT_S if schedule_time_limit_s is None else schedule_time_limit_s
-                chosen = auto_schedule(problem, recompute=objective == "training", time_limit_s=budget, progress=progress)
+                budget = auto_milp_budget_s(problem) if schedule_time_limit_s is None else schedule_time_limit_s
+                with phase(f"schedule {k} stages x {microbatches} micro-batches (auto, MILP up to {budget:g} s)", on=progress):
+                    chosen = auto_schedule(problem, recompute=objective == "training", time_limit_s=budget,
+                                           progress=progress)
                 problem, sched = chosen.problem, chosen.schedule
             else:
                 budget = DEFAULT_MILP_TIME_LIMIT_S if schedule_time_limit_s is None else schedule_time_limit_s
-                sched = make_schedule(problem, method, time_limit_s=budget, progress=progress)
+                with phase(f"schedule {k} stages x {microbatches} micro-batches ({method})", on=progress):
+                    sched = make_schedule(problem, method, time_limit_s=budget, progress=progress)
         except InfeasibleError as exc:
             if not several:
                 raise
@@ -446,7 +496,8 @@ def plan_graph(
             continue
         finally:
             timings["schedule"] += time.perf_counter() - t0
-        record["step_time_s"] = float(sched.value)
+        record["step_time_s"] = float(sched.value)  # the schedule objective's value (stage_span: largest device span)
+        record["stage_span_s"], record["makespan_s"] = float(sched.stage_span), float(sched.makespan)
         if best is None or sched.value < best[2].value * (1 - 1e-9):
             best = (part, problem, sched, record)
     if best is None:
@@ -544,8 +595,9 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
         partition is proven optimal (``plan.partition.meta["proven_optimal"]``, e.g. by the
         chain DP on transformer stacks) or stops improving (``meta["stop_reason"]``).
     schedule_time_limit_s : float, optional
-        MILP budget in seconds (default 60 s for ``schedule="milp"``, 5 s for ``"auto"``,
-        whose MILP only tries to improve a feasible heuristic schedule).
+        MILP budget in seconds (default 60 s for ``schedule="milp"``; for ``"auto"``, whose MILP
+        only tries to improve a feasible heuristic schedule, 5 s scaled down to the problem's
+        size, at least 1 s: :func:`auto_milp_budget_s`).
     seed : int
         Seed of the partition search.
     mem_limit_bytes : float, optional
@@ -568,6 +620,12 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     -------
     Plan
 
+    Warns
+    -----
+    PlanWarning
+        For a plan that wastes devices (:meth:`Plan.waste_warnings`: fewer micro-batches than
+        devices, stages with almost no work), naming the better choice.
+
     Raises
     ------
     InputError
@@ -581,6 +639,7 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
         count that fits and which of offload, recomputation, ZeRO sharding or more devices
         would help (see :func:`plan_graph`).
     """
+    _check_example_inputs(args, kwargs)
     devices = _check_count(devices, "devices")
     microbatches = _check_count(microbatches, "microbatches")
     if objective not in ("training", "inference"):
@@ -594,16 +653,21 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
         hardware = "measured" if costs == "measured" else "h100-sxm"
     hardware_name = getattr(hardware, "name", None) or str(hardware)
     timings_extra: dict[str, float] = {}
+    from fxpipe.progress import phase
+
     if costs == "measured":
         from fxpipe.cost.profile import trace_measured
 
-        traced, report = trace_measured(model, tuple(args), dict(kwargs or {}), hardware=hardware, dtype=dtype, name=name,
-                                        db=cost_db, threads=profile_threads, progress=progress)
+        with phase("capture with torch.export and time every op on this machine", on=progress):
+            traced, report = trace_measured(model, tuple(args), dict(kwargs or {}), hardware=hardware, dtype=dtype,
+                                            name=name, db=cost_db, threads=profile_threads, progress=progress)
         timings_extra["profile"] = report.wall_s
     else:
         from fxpipe.passes import trace_model
 
-        traced = trace_model(model, tuple(args), dict(kwargs or {}), hardware=hardware, dtype=dtype, name=name, replicate=replicate)
+        with phase("capture with torch.export and cost every op", on=progress):
+            traced = trace_model(model, tuple(args), dict(kwargs or {}), hardware=hardware, dtype=dtype, name=name,
+                                 replicate=replicate)
     graph = traced.graph
     model = resolve_memory(graph, memory, memory_bytes, traced.hardware)
     part, problem, sched, timings = plan_graph(
@@ -647,4 +711,10 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
                  "costs": costs, "stages_per_device": stages_per_device, "placement": placement},
         _captured=traced,
     )
+    import warnings
+
+    from fxpipe.errors import PlanWarning
+
+    for message in plan.waste_warnings():
+        warnings.warn(message, PlanWarning, stacklevel=2)
     return plan

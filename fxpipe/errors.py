@@ -36,3 +36,9 @@ class DataDependentCutError(InfeasibleError, InputError):
     cross a pipeline stage boundary; the message names the op, the user's source line and what
     to do. An :class:`InfeasibleError` when no partition into the requested stages avoids it,
     an :class:`InputError` when given stages (a pinned ``stage_of``) cut it."""
+
+
+class PlanWarning(UserWarning):
+    """A plan that runs but wastes devices (stages with almost no work, fewer micro-batches than
+    devices); the message says what would be better. ``fxpipe.compile`` warns with it and
+    ``Plan.summary()`` repeats it (``Plan.waste_warnings()``)."""

@@ -210,7 +210,7 @@ def build_hf_model(
     except ImportError:
         raise MissingDependencyError(
             "building Hugging Face architectures needs the transformers package, which is not installed: "
-            'pip install "fxpipe[hf]"'
+            'from a checkout of fxpipe, pip install -e ".[hf]" (fxpipe is not on PyPI)'
         ) from None
 
     if arch not in ARCHS:

@@ -30,6 +30,10 @@ __all__ = ["Plan", "StageStats", "DeviceStats", "PLAN_FORMAT", "graph_signature"
 PLAN_FORMAT = "fxpipe.plan/1"
 
 
+#: A stage whose work is under this share of the bottleneck stage's cost counts as idle
+#: (:meth:`Plan.waste_warnings`).
+IDLE_STAGE_SHARE = 0.05
+
 #: Memory columns of a stage / device row (bytes; :mod:`fxpipe.memory`'s names).
 MEMORY_FIELDS = ("params_bytes", "grads_bytes", "optimizer_bytes", "activation_peak_bytes", "comm_buffer_bytes",
                  "reserved_bytes", "offloaded_peak_bytes", "memory_bytes", "capacity_bytes")
@@ -243,64 +247,173 @@ class Plan:
         span = self.makespan_s
         return 0.0 if span <= 0 else max(0.0, 1.0 - busy / (self.devices * span))
 
+    def optimality(self) -> dict[str, Any]:
+        """What the schedule minimises, and every step-time figure beside its own lower bound.
+
+        The schedule generators minimise the problem's objective (``plan.schedule.objective``,
+        normally ``"stage_span"``: the largest per-device span, first F to last W on one device,
+        the step time when consecutive steps overlap; OptPipe Eq. 3). The makespan (first op to
+        last op of one step, OptPipe Eq. 4) is a different quantity with its own bound
+        (:func:`fxpipe.schedule.bounds.combinatorial_lower_bound` of the makespan objective,
+        and never below the stage-span bound since every device span lies inside the makespan).
+
+        Returns
+        -------
+        dict
+            ``schedule_objective`` (``"stage_span"`` or ``"makespan"``), ``schedule_method``,
+            ``stage_span`` and ``makespan``: each ``{"value_s", "lower_bound_s", "status",
+            "above_bound"}`` with ``status`` ``"optimal"`` (meets its bound, or proven by the
+            MILP), the schedule's own status (``"heuristic"``, ``"timelimit"``, ...) for the
+            minimised figure, or ``"not minimised"``; ``above_bound`` is ``value / bound - 1``
+            (None without a bound): the figure is at most that fraction above its optimum.
+            ``devices``: per device ``{"device", "span_s", "span_lower_bound_s"}``
+            (:func:`fxpipe.schedule.bounds.device_span_bounds`). Times in seconds.
+        """
+        cached = self.__dict__.get("_optimality")
+        if cached is not None and cached[0] is self.schedule:
+            return cached[1]
+        from fxpipe.schedule.bounds import combinatorial_lower_bound, device_span_bounds
+        from fxpipe.schedule.validate import device_spans
+
+        sched, problem = self.schedule, self.problem
+        minimised = sched.objective
+        bounds: dict[str, float] = {}
+        for name in ("stage_span", "makespan"):
+            mine = float(sched.lower_bound_s) if name == minimised else 0.0
+            try:
+                comb = combinatorial_lower_bound(problem.with_objective(name))
+            except Exception:  # noqa: BLE001 - a bound is a courtesy; a figure without one is still shown
+                comb = 0.0
+            bounds[name] = max(mine, float(comb))
+        bounds["makespan"] = max(bounds["makespan"], bounds["stage_span"])  # every device span lies in the makespan
+        out: dict[str, Any] = {"schedule_objective": minimised, "schedule_method": sched.method}
+        for name, value in (("stage_span", float(sched.stage_span)), ("makespan", float(sched.makespan))):
+            lb = bounds[name]
+            above = (value / lb - 1.0) if lb > 0 else None
+            if lb > 0 and value <= lb * (1 + 1e-6):
+                status = "optimal"
+            elif name == minimised:
+                status = "optimal" if sched.status == "optimal" else (sched.status or "heuristic")
+            else:
+                status = "not minimised"
+            out[name] = {"value_s": value, "lower_bound_s": lb, "status": status,
+                         "above_bound": None if above is None else max(0.0, above)}
+        try:
+            dev_lb = device_span_bounds(problem)
+        except Exception:  # noqa: BLE001
+            dev_lb = np.zeros(problem.num_devices)
+        spans = device_spans(problem, sched.ops)
+        out["devices"] = [{"device": d, "span_s": float(spans[d]), "span_lower_bound_s": float(dev_lb[d])}
+                          for d in range(problem.num_devices)]
+        self.__dict__["_optimality"] = (sched, out)
+        return out
+
+    def waste_warnings(self) -> list[str]:
+        """Sentences about devices the plan wastes, each with the better choice (empty: none).
+
+        * Fewer micro-batches than devices: the pipeline never fills; use at least ``devices``
+          micro-batches (4x amortises the warm-up) or fewer devices.
+        * Stages with almost no work (under :data:`IDLE_STAGE_SHARE` of the bottleneck's
+          cost) or stages holding on average under half the bottleneck's work, while the work
+          would fill fewer devices at the plan's bottleneck: a few large ops set the bottleneck
+          and the other devices idle; the device count that the total work fills at this
+          bottleneck, ``ceil(total work / bottleneck / v)``, is suggested.
+        """
+        out = []
+        p, m, v = self.devices, self.microbatches, self.stages_per_device
+        if m < p:
+            out.append(f"{m} micro-batches for {p} devices: the pipeline never fills, so devices idle through most of "
+                       f"the step (bubble ratio {self.bubble_ratio:.0%}); use at least {p} micro-batches "
+                       f"(e.g. {4 * p}) or at most {m} devices")
+        if not self.stages or self.num_stages < 2:
+            return out
+        work = np.array([s.t_fwd_s + (s.t_bwd_input_s + s.t_bwd_weight_s if self.objective == "training" else 0.0)
+                         for s in self.stages])
+        bottleneck = float(max(s.cost_s for s in self.stages))
+        if bottleneck <= 0:
+            return out
+        idle = [s.stage for s, w in zip(self.stages, work) if w < IDLE_STAGE_SHARE * bottleneck]
+        share = float(work.sum()) / (self.num_stages * bottleneck)  # average stage work / bottleneck
+        fill_stages = max(1, int(np.ceil(float(work.sum()) / bottleneck - 1e-9)))
+        fill_devices = max(1, int(np.ceil(fill_stages / v)))
+        if fill_devices < p and (idle or share < 0.5):
+            shown = ", ".join(map(str, idle[:8])) + (", ..." if len(idle) > 8 else "")
+            out.append(f"the stages hold on average {share:.0%} of the bottleneck stage's {bottleneck * 1e3:.3f} ms"
+                       + (f", {len(idle)} of {self.num_stages} almost none (under {IDLE_STAGE_SHARE:.0%}: stages {shown})"
+                          if idle else "")
+                       + f"; the bottleneck is set by a few large ops, so the other devices idle: the work would fill "
+                       f"about {fill_devices} devices at this bottleneck: plan for {fill_devices} devices instead of {p}")
+        return out
+
     def summary(self) -> str:
-        """A readable stage table (and device table with several stages per device) with the
-        bottleneck, makespan and bubble ratio."""
+        """A readable stage table (and device table with several stages per device), the memory
+        table, and what the schedule minimises: the per-device span and the makespan, each
+        beside its own lower bound and status (:meth:`optimality`), the bottleneck and bubble
+        ratio. Parameter sizes are the memory model's (the plan's precision policy)."""
         v = self.stages_per_device
         where = (f"{self.devices} devices" if v == 1 else
                  f"{self.num_stages} stages on {self.devices} devices ({v} per device, {self.placement} placement)")
+        params = "params"  # the memory model's weights (precision policy), as in the memory table
         lines = [
             f"fxpipe plan for {self.name!r}: {where}, {self.microbatches} micro-batches, "
             f"hardware {self.hardware}, objective {self.objective}, schedule {self.schedule.method}",
-            f"{'stage':>5} {'device':>6} {'ops':>6} {'params':>10} {'F ms':>9} {'B ms':>9} {'W ms':>9} {'cost ms':>9} "
+            f"{'stage':>5} {'device':>6} {'ops':>6} {params:>10} {'F ms':>9} {'B ms':>9} {'W ms':>9} {'cost ms':>9} "
             f"{'memory':>10}",
         ]
         worst = int(np.argmax([s.cost_s for s in self.stages])) if self.stages and v == 1 else -1
         for s in self.stages:
             mark = " <- bottleneck" if s.stage == worst else ""
             lines.append(
-                f"{s.stage:>5} {s.device:>6} {s.num_ops:>6} {_fmt_bytes(s.param_bytes):>10} {s.t_fwd_s * 1e3:>9.3f} "
+                f"{s.stage:>5} {s.device:>6} {s.num_ops:>6} {_fmt_bytes(s.params_bytes):>10} {s.t_fwd_s * 1e3:>9.3f} "
                 f"{s.t_bwd_input_s * 1e3:>9.3f} {s.t_bwd_weight_s * 1e3:>9.3f} {s.cost_s * 1e3:>9.3f} "
                 f"{_fmt_bytes(s.memory_bytes):>10}{mark}"
             )
+        opt = self.optimality()
         if v > 1 and self.device_table:
-            lines.append(f"{'device':>6} {'stages':>10} {'ops':>6} {'params':>10} {'cost ms':>9} {'busy ms':>9} "
-                         f"{'span ms':>9} {'act peak':>10} {'memory':>10}")
+            lines.append(f"{'device':>6} {'stages':>10} {'ops':>6} {params:>10} {'cost ms':>9} {'busy ms':>9} "
+                         f"{'span ms':>9} {'span LB ms':>10} {'act peak':>10} {'memory':>10}")
             worst_d = int(np.argmax([d.cost_s for d in self.device_table]))
-            for d in self.device_table:
+            for d, dv in zip(self.device_table, opt["devices"]):
                 mark = " <- bottleneck" if d.device == worst_d else ""
                 lines.append(
-                    f"{d.device:>6} {','.join(map(str, d.stages)):>10} {d.num_ops:>6} {_fmt_bytes(d.param_bytes):>10} "
+                    f"{d.device:>6} {','.join(map(str, d.stages)):>10} {d.num_ops:>6} {_fmt_bytes(d.params_bytes):>10} "
                     f"{d.cost_s * 1e3:>9.3f} {d.busy_s * 1e3:>9.3f} {d.span_s * 1e3:>9.3f} "
+                    f"{dv['span_lower_bound_s'] * 1e3:>10.3f} "
                     f"{_fmt_bytes(d.activation_peak_bytes):>10} {_fmt_bytes(d.memory_bytes):>10}{mark}"
                 )
-        lines += self.memory_summary()
+        lines += self.memory_summary().splitlines()
         what = "bottleneck" if v == 1 else "device bottleneck"
-        lines.append(
-            f"{what} {self.bottleneck_s * 1e3:.3f} ms | makespan {self.makespan_s * 1e3:.3f} ms | "
-            f"bubble ratio {self.bubble_ratio:.1%} | schedule lower bound {self.schedule.lower_bound_s * 1e3:.3f} ms "
-            f"({self.schedule.status})"
-        )
+        lines += _objective_lines(opt)
+        how = ("the partition's objective" if v == 1 else "a device's stages' work and transfers")
+        lines.append(f"{what} {self.bottleneck_s * 1e3:.3f} ms ({how}, per micro-batch) | "
+                     f"bubble ratio {self.bubble_ratio:.1%} (idle share of devices x makespan)")
         search = self.schedule.meta.get("placement_search")
         if search:
             parts = []
             for c in search:
                 label = f"v={c['stages_per_device']} {c['placement']}" + (f" {c['schedule']}" if "schedule" in c else "")
-                parts.append(f"{label}: " + (f"{c['step_time_s'] * 1e3:.3f} ms" if "step_time_s" in c else "skipped")
-                             + (" (chosen)" if c.get("chosen") else ""))
-            lines.append("placement search (predicted step time): " + "; ".join(parts))
+                span = c.get("stage_span_s", c.get("step_time_s"))
+                if span is None:
+                    parts.append(f"{label}: skipped")
+                    continue
+                fig = f"span {span * 1e3:.3f} ms" + (f", makespan {c['makespan_s'] * 1e3:.3f} ms" if "makespan_s" in c else "")
+                parts.append(f"{label}: {fig}" + (" (chosen)" if c.get("chosen") else ""))
+            lines.append("placement search (largest per-device span, what the schedule minimises; makespan beside): "
+                         + "; ".join(parts))
         empty = self.partition.meta.get("empty_stages") or []
         if empty:
             lines.append(
                 f"note: stages {empty} hold no ops and only relay tensors: the best partition found uses "
                 f"{self.num_stages - len(empty)} stages; fewer would do as well"
             )
+        lines += [f"warning: {w}" for w in self.waste_warnings()]
         if self.timings_s:
             lines.append("time: " + ", ".join(f"{k} {v:.2f} s" for k, v in self.timings_s.items()))
         return "\n".join(lines)
 
-    def memory_summary(self) -> list[str]:
-        """Lines of the memory table: every device's memory by kind against its capacity."""
+    def memory_summary(self) -> str:
+        """The memory table as text (lines joined by newlines, like :meth:`summary`): every
+        device's memory by kind against its capacity."""
         from fxpipe.memory import format_bytes
 
         m = self.memory
@@ -322,7 +435,7 @@ class Plan:
         n_off = sum(1 for o in self.schedule.ops if o.type == "O")
         if rec or n_off:
             rows.append(f"memory binds: {n_off} stashes offloaded" + (f", stages {rec} recompute their forward" if rec else ""))
-        return rows
+        return "\n".join(rows)
 
     # ------------------------------------------------------------------ JSON
     def to_dict(self) -> dict[str, Any]:
@@ -344,6 +457,7 @@ class Plan:
             "bottleneck_s": self.bottleneck_s,
             "makespan_s": self.makespan_s,
             "bubble_ratio": self.bubble_ratio,
+            "optimality": self.optimality(),
             "timings_s": self.timings_s,
             "stages": [s.to_dict() for s in self.stages],
             "device_table": [d.to_dict() for d in self.device_table],
@@ -782,3 +896,30 @@ def _fmt_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} TiB"
+
+
+#: What each step-time figure of :meth:`Plan.optimality` measures (summary wording).
+_FIGURE_TEXT = {
+    "stage_span": ("per-device span", "the largest per-device span (first F to last W on one device; the step time "
+                                      "when consecutive steps overlap)"),
+    "makespan": ("makespan", "the makespan (first op to last op of one step)"),
+}
+
+
+def _objective_lines(opt: Mapping[str, Any]) -> list[str]:
+    """Summary lines of :meth:`Plan.optimality`: the minimised figure named, then each figure
+    beside its own lower bound and status."""
+    minimised = opt["schedule_objective"]
+    lines = [f"schedule {opt['schedule_method'] or '?'} minimises {_FIGURE_TEXT.get(minimised, (minimised, minimised))[1]}:"]
+    for name in (minimised, *(n for n in ("stage_span", "makespan") if n != minimised)):
+        f = opt[name]
+        if f["status"] == "optimal":
+            verdict = "optimal" + (" (meets its lower bound)" if f["above_bound"] is not None and f["above_bound"] <= 1e-6
+                                   else " (proven by the MILP)")
+        elif f["above_bound"] is None:
+            verdict = f"{f['status']}, no lower bound"
+        else:
+            verdict = f"{f['status']}: at most {f['above_bound']:.1%} above its optimum"
+        lines.append(f"  {_FIGURE_TEXT[name][0]:<15} {f['value_s'] * 1e3:9.3f} ms | lower bound "
+                     f"{f['lower_bound_s'] * 1e3:9.3f} ms | {verdict}")
+    return lines

@@ -102,25 +102,57 @@ def _graph_stats(graph: OpGraph, objective: str) -> list[tuple[str, str]]:
         ("nodes (ops)", str(graph.n)),
         ("edges", str(graph.m)),
         ("op kinds", top or "-"),
-        (f"total work ({objective})", _fmt_s(float(np.sum(graph.work_s(objective))))),
-        ("total forward time", _fmt_s(float(np.sum(graph.t_fwd_s)))),
-        ("total output bytes", _fmt_bytes(float(np.sum(graph.size_out_bytes)))),
-        ("total parameter bytes", _fmt_bytes(float(np.sum(graph.size_param_bytes)))),
-        ("bandwidth", f"{graph.bandwidth_bytes_per_s:.4g} bytes/s"),
+        (f"total work per micro-batch ({objective})", _fmt_s(float(np.sum(graph.work_s(objective))))),
+        ("total forward time per micro-batch", _fmt_s(float(np.sum(graph.t_fwd_s)))),
+        ("total output bytes (graph dtype)", _fmt_bytes(float(np.sum(graph.size_out_bytes)))),
+        ("total parameter bytes (graph dtype)", _fmt_bytes(float(np.sum(graph.size_param_bytes)))),
+        ("link bandwidth between devices", _fmt_bandwidth(graph.bandwidth_bytes_per_s)),
     ]
 
 
+def _fixed(x: float, digits: int = 3) -> str:
+    """``x`` in positional notation (never ``1e-05``): ``digits`` decimals, more for small values
+    so that about four significant digits show."""
+    x = float(x)
+    if not np.isfinite(x):
+        return "unlimited" if x > 0 else "-"
+    if x != 0 and abs(x) < 1:
+        digits = max(digits, min(12, 3 - int(np.floor(np.log10(abs(x))))))
+    return f"{x:,.{digits}f}".replace(",", " ") if abs(x) >= 1e4 else f"{x:.{digits}f}"
+
+
 def _fmt_s(x: float | None) -> str:
+    """Seconds as milliseconds, positional notation (``0.570 ms``, ``12.345 ms``)."""
     if x is None:
         return "-"
-    return f"{x:.6g} s"
+    return f"{_fixed(float(x) * 1e3)} ms"
 
 
 def _fmt_bytes(x: float) -> str:
-    for unit, div in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+    """Bytes in binary units with two decimals (``1.50 GiB``), never scientific notation."""
+    for unit, div in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(x) >= div:
             return f"{x / div:.2f} {unit}"
-    return f"{x:.4g} B"
+    return f"{x:.0f} B"
+
+
+def _fmt_bandwidth(x: float) -> str:
+    """Bytes per second as GB/s (decimal, as datasheets give it)."""
+    return f"{_fixed(float(x) / 1e9, 1)} GB/s"
+
+
+def _bytes_unit(values: Sequence[float]) -> tuple[str, float]:
+    """One binary unit for a column of byte counts (the largest value's)."""
+    most = max([abs(float(v)) for v in values] + [0.0])
+    return next(((u, float(d)) for u, d in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
+                 if most >= d), ("B", 1.0))
+
+
+def _ms_column(values_s: Sequence[float]) -> list[str]:
+    """A column of seconds as milliseconds with one number of decimals for all its rows."""
+    most = max([abs(float(v)) for v in values_s] + [0.0]) * 1e3
+    digits = 3 if most >= 0.1 or most == 0 else min(9, 3 - int(np.floor(np.log10(most))))
+    return [f"{float(v) * 1e3:.{digits}f}" for v in values_s]
 
 
 def _fmt_ratio(x: float | None) -> str:
@@ -147,20 +179,21 @@ def _stage_chart(rows: list[dict], lower_bound: float | None) -> bytes:
     fig = Figure(figsize=(max(4.0, 0.5 * len(rows) + 2.5), 3.2))
     ax = fig.add_subplot(1, 1, 1)
     x = np.arange(len(rows))
-    work = np.array([r["work_s"] for r in rows])
-    iot = np.array([r["io_s"] for r in rows])
+    work = np.array([r["work_s"] for r in rows]) * 1e3  # ms
+    iot = np.array([r["io_s"] for r in rows]) * 1e3
     ax.bar(x, work, color="#4c72b0", label="work")
     ax.bar(x, iot, bottom=work, color="#dd8452", label="communication")
     if lower_bound is not None and np.isfinite(lower_bound):
-        ax.axhline(lower_bound, color="#2ca02c", linestyle="--", label="best lower bound")
+        ax.axhline(lower_bound * 1e3, color="#2ca02c", linestyle="--", label="best lower bound")
     ax.set_xticks(x)
     ax.set_xticklabels([str(r["stage"]) for r in rows])
     ax.set_xlabel("stage")
-    ax.set_ylabel("cost (s)")
+    ax.set_ylabel("cost per micro-batch (ms)")
+    ax.ticklabel_format(axis="y", style="plain", useOffset=False)
     ax.set_title("stage costs")
     top = float(np.max(work + iot)) if len(rows) else 1.0
     ax.set_ylim(0, top * 1.3 if top > 0 else 1.0)
-    ax.legend(loc="upper right", fontsize=8, ncol=3)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, borderaxespad=0.0)
     return _png(fig)
 
 
@@ -170,11 +203,13 @@ def _bounds_chart(rows: list[dict]) -> bytes:
     fig = Figure(figsize=(5.0, 0.45 * len(rows) + 1.2))
     ax = fig.add_subplot(1, 1, 1)
     names = [r["method"] for r in rows]
-    ratios = [r["ratio"] if r["ratio"] is not None else 0.0 for r in rows]
+    skipped = [r["status"] == "skipped" or r["ratio"] is None for r in rows]
+    ratios = [0.0 if sk else float(r["ratio"]) for r, sk in zip(rows, skipped)]
     y = np.arange(len(rows))
-    ax.barh(y, ratios, color="#55a868")
-    for yi, r in zip(y, ratios):
-        ax.text(r, yi, f" {r:.4f}", va="center", fontsize=8)
+    ax.barh(y, ratios, color=["none" if sk else "#55a868" for sk in skipped])  # skipped methods: no bar
+    for yi, r, sk in zip(y, ratios, skipped):
+        ax.text(r, yi, " skipped (not run)" if sk else f" {r:.4f}", va="center", fontsize=8,
+                color="#777777" if sk else "black")
     ax.set_yticks(y)
     ax.set_yticklabels(names)
     ax.invert_yaxis()
@@ -234,14 +269,29 @@ def memory_chart(rows: Sequence[Mapping[str, Any]], *, label: str = "device", ti
     ax.set_xlabel(label)
     ax.set_ylabel(unit)
     ax.set_title(title)
-    ax.set_ylim(0, top * 1.5 if top > 0 else 1.0)
-    ax.legend(loc="upper right", fontsize=7, ncol=4)
+    ax.set_ylim(0, top * 1.15 if top > 0 else 1.0)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7, borderaxespad=0.0)  # beside: covers no bar
     return _png(fig)
 
 
 # --------------------------------------------------------------------------------------
 # rendering
 # --------------------------------------------------------------------------------------
+
+#: One sentence per certificate method and the result of Archer et al. (2024) it cites.
+BOUND_METHOD_TEXT = {
+    "simple": "Lemma 3.3: some stage holds the most expensive op and some stage holds at least the average work, "
+              "so the bottleneck is at least the larger of the two (closed form, no solver).",
+    "chain": "a dynamic program over the graph's chain of gates (ops that come before or after every other op) "
+             "that bounds every relay-communication partition and, on chain-structured models, finds an optimal one.",
+    "lp": "the linear-programming relaxation of the exact MIP, a quick but weaker bound.",
+    "bottleneck": "Eq. 14, a MIP that models only the bottleneck stage and what lies before and after it "
+                  "(three superblocks), smaller than the exact MIP.",
+    "guess": "Section 3.3, one three-superblock MIP per position of the bottleneck stage; the smallest of their "
+             "bounds holds.",
+    "exact": "Figure 3, the MIP of the whole partition problem; its dual bound holds even when it stops at the "
+             "time limit.",
+}
 
 _CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;color:#222}
@@ -277,7 +327,8 @@ def _img_md(png: bytes, alt: str) -> str:
     return f"![{alt}](data:image/png;base64,{base64.b64encode(png).decode('ascii')})"
 
 
-def _content(graph: OpGraph, partition: Partition | None, bounds_report, command: str | None, extra_sections: Sequence[ReportSection], title: str | None, charts: bool):
+def _content(graph: OpGraph, partition: Partition | None, bounds_report, command: str | None, extra_sections: Sequence[ReportSection], title: str | None, charts: bool,
+             stage_params_bytes: Sequence[float] | None = None, params_label: str = "", capacity_note: str = ""):
     """Everything both renderers need, as plain strings and images."""
     objective = partition.objective if partition is not None else (bounds_report.objective if bounds_report is not None else "inference")
     comm = partition.comm if partition is not None else (bounds_report.comm if bounds_report is not None else "dag")
@@ -292,21 +343,28 @@ def _content(graph: OpGraph, partition: Partition | None, bounds_report, command
     lb = None if bounds_report is None else bounds_report.best_lower_bound
     if partition is not None:
         rows = stage_table(graph, partition)
-        c["stage_header"] = ["stage", "ops", "work", "io", "cost", "in bytes", "out bytes", "params", "cost / bottleneck"]
+        if stage_params_bytes is not None:
+            for r, b in zip(rows, stage_params_bytes):
+                r["param_bytes"] = float(b)
         bn = partition.bottleneck
+        io_unit, io_div = _bytes_unit([r[key] for r in rows for key in ("in_bytes", "out_bytes")])
+        p_unit, p_div = _bytes_unit([r["param_bytes"] for r in rows])
+        c["stage_header"] = ["stage", "ops", "work ms", "io ms", "cost ms", f"in {io_unit}", f"out {io_unit}",
+                             f"params {p_unit}" + (f" ({params_label})" if params_label else ""), "cost / bottleneck"]
+        cols = {key: _ms_column([r[key] for r in rows]) for key in ("work_s", "io_s", "cost_s")}
         c["stage_rows"] = [
             [
                 str(r["stage"]),
                 str(r["ops"]),
-                _fmt_s(r["work_s"]),
-                _fmt_s(r["io_s"]),
-                _fmt_s(r["cost_s"]),
-                _fmt_bytes(r["in_bytes"]),
-                _fmt_bytes(r["out_bytes"]),
-                _fmt_bytes(r["param_bytes"]),
+                cols["work_s"][i],
+                cols["io_s"][i],
+                cols["cost_s"][i],
+                f"{r['in_bytes'] / io_div:.2f}",
+                f"{r['out_bytes'] / io_div:.2f}",
+                f"{r['param_bytes'] / p_div:.2f}",
                 _fmt_ratio(r["cost_s"] / bn if bn else None),
             ]
-            for r in rows
+            for i, r in enumerate(rows)
         ]
         c["stage_bn"] = ["bn" if r["bottleneck"] else "" for r in rows]
         c["partition_facts"] = [
@@ -317,20 +375,32 @@ def _content(graph: OpGraph, partition: Partition | None, bounds_report, command
         c["stage_png"] = _stage_chart(rows, lb) if charts else None
     if bounds_report is not None:
         brows = bounds_report.table_rows()
-        c["bounds_header"] = ["method", "lower bound", "ratio to partition", "status", "time (s)", "B&B nodes"]
+        c["bounds_header"] = ["method", "lower bound ms", "ratio to partition", "status", "time s", "B&B nodes"]
+        reasons = {m: cert.details.get("reason", "") for m, cert in bounds_report.certificates.items()}
         c["bounds_rows"] = [
-            [r["method"], _fmt_s(r["lower_bound_s"]), _fmt_ratio(r["ratio"]), r["status"], f"{r['wall_time_s']:.2f}", str(r["nodes"])]
+            [r["method"], "-", "-", "skipped: " + (reasons.get(r["method"]) or "not needed"), "-", "-"]
+            if r["status"] == "skipped" else
+            [r["method"], _fixed(r["lower_bound_s"] * 1e3), _fmt_ratio(r["ratio"]), r["status"], f"{r['wall_time_s']:.2f}",
+             str(r["nodes"])]
             for r in brows
         ]
         solver = bounds_report.to_dict()["solver"]
+        cap = bounds_report.capacity_bytes
         c["bounds_facts"] = [
             ("best lower bound", _fmt_s(bounds_report.best_lower_bound)),
             ("ratio (best bound / partition)", _fmt_ratio(bounds_report.ratio)),
             ("solver", str(solver.get("version"))),
-            ("memory capacity", "-" if bounds_report.capacity_bytes is None else _fmt_bytes(bounds_report.capacity_bytes)),
+            ("memory capacity of the bounds", _fmt_bytes(cap) if cap is not None and np.isfinite(cap) else
+             "none: each bound holds for every partition, memory or not" + (f" (the plan's device capacity is {capacity_note})"
+                                                                          if capacity_note else "")),
         ]
         c["bounds_png"] = _bounds_chart(brows) if charts and brows else None
     return c
+
+
+def _cited(content: dict) -> list[tuple[str, str]]:
+    """(method, sentence) for the methods in the report's certificate table, in its order."""
+    return [(row[0], BOUND_METHOD_TEXT[row[0]]) for row in content.get("bounds_rows", []) if row[0] in BOUND_METHOD_TEXT]
 
 
 def render_html(content: dict) -> str:
@@ -354,11 +424,10 @@ def render_html(content: dict) -> str:
     if "bounds_rows" in content:
         parts += [
             "<h2>Lower-bound certificates</h2>",
-            "<p>Each bound is proven for every acyclic partition into k stages (Archer et al. 2024, Section 3): "
-            "simple = Lemma 3.3, bottleneck = three-superblock MIP (Eq. 14), guess = guess-the-bottleneck-block "
-            "(Section 3.3), exact = the MIP of Figure 3, lp = its LP relaxation, chain = dynamic programming over "
-            "the graph's chain of gates (relay communication; fxpipe.partition.chain). "
-            "A ratio of 1 proves the partition optimal.</p>",
+            "<p>Each bound is a proven lower bound on the bottleneck (the costliest stage) of every acyclic "
+            "partition of the graph into k stages (Archer et al. 2024, Section 3). A ratio of 1 proves the partition "
+            "optimal; a method marked skipped was not run because an earlier one had already proved that.</p>",
+            "<ul>" + "".join(f"<li><b>{e(m)}</b>: {e(t)}</li>" for m, t in _cited(content)) + "</ul>",
             _html_table(["property", "value"], [list(r) for r in content["bounds_facts"]], left=2),
             _html_table(content["bounds_header"], content["bounds_rows"], left=1),
         ]
@@ -383,7 +452,11 @@ def render_markdown(content: dict) -> str:
         if content.get("stage_png"):
             parts += [_img_md(content["stage_png"], "stage costs"), ""]
     if "bounds_rows" in content:
-        parts += ["## Lower-bound certificates", "", _md_table(["property", "value"], content["bounds_facts"]), "", _md_table(content["bounds_header"], content["bounds_rows"]), ""]
+        parts += ["## Lower-bound certificates", "",
+                  "Each bound is a proven lower bound on the bottleneck of every acyclic partition into k stages "
+                  "(Archer et al. 2024, Section 3); a ratio of 1 proves the partition optimal.", ""]
+        parts += [f"- **{m}**: {t}" for m, t in _cited(content)] + [""]
+        parts += [_md_table(["property", "value"], content["bounds_facts"]), "", _md_table(content["bounds_header"], content["bounds_rows"]), ""]
         if content.get("bounds_png"):
             parts += [_img_md(content["bounds_png"], "certificate hierarchy"), ""]
     for sec in content["extra"]:
@@ -406,6 +479,9 @@ def write_report(
     extra_sections: Sequence[ReportSection] = (),
     title: str | None = None,
     charts: bool = True,
+    stage_params_bytes: Sequence[float] | None = None,
+    params_label: str = "",
+    capacity_note: str = "",
 ) -> dict[str, Path]:
     """Write a self-contained HTML report (and optionally Markdown) for a partition.
 
@@ -425,6 +501,11 @@ def write_report(
     title : str, optional
     charts : bool
         Embed matplotlib charts (base64 PNG).
+    stage_params_bytes : sequence of float, optional
+        Per-stage parameter bytes shown in the stage table instead of the graph's (e.g. a
+        plan's memory-model figure in its precision), labelled ``params_label``.
+    capacity_note : str, optional
+        The device capacity to mention beside bounds computed without one.
 
     Returns
     -------
@@ -440,7 +521,8 @@ def write_report(
     for sec in extra_sections:
         if not isinstance(sec, ReportSection):
             raise InputError(f"extra_sections must be ReportSection objects, got {type(sec).__name__}")
-    content = _content(graph, partition, bounds_report, command, extra_sections, title, charts)
+    content = _content(graph, partition, bounds_report, command, extra_sections, title, charts, stage_params_bytes,
+                       params_label, capacity_note)
     written: dict[str, Path] = {}
     if out_html is not None:
         written["html"] = write_text_atomic(out_html, render_html(content))
@@ -452,7 +534,7 @@ def write_report(
 def plan_memory_section(plan) -> ReportSection:
     """The report's memory section of a :class:`fxpipe.Plan`: its memory table and a chart of every
     device's memory by kind against the capacity."""
-    text = "\n".join(plan.memory_summary())
+    text = plan.memory_summary()
     chart = memory_chart([d.to_dict() for d in plan.device_table],
                          title=f"{plan.name}: memory per device ({plan.memory.precision.name})")
     return ReportSection("Memory", markdown=f"```\n{text}\n```", html=f"<pre>{html.escape(text)}</pre>",
@@ -461,9 +543,10 @@ def plan_memory_section(plan) -> ReportSection:
 
 
 def write_plan_report(plan, out_html: str | os.PathLike, *, bounds_time_limit_s: float = 60.0,
-                      command: str | None = None) -> dict[str, Any]:
+                      command: str | None = None, trace: str | os.PathLike | None = None) -> dict[str, Any]:
     """HTML + Markdown report of a :class:`fxpipe.Plan`: its stage table, lower-bound certificates
-    for its partition (simple, chain, bottleneck and exact MIP bounds), its schedule's Gantt chart
+    for its partition (simple, chain, bottleneck and exact MIP bounds), what its schedule
+    minimises beside each figure's bound, its Gantt chart, a link to its Chrome/Perfetto trace,
     and its memory by kind (:func:`plan_memory_section`).
 
     Parameters
@@ -475,16 +558,24 @@ def write_plan_report(plan, out_html: str | os.PathLike, *, bounds_time_limit_s:
         Time limit of each lower-bound MIP (seconds).
     command : str, optional
         The command (or call) that reproduces the report, shown in it.
+    trace : path, optional
+        Where to write the schedule's Chrome/Perfetto trace
+        (:func:`fxpipe.schedule.plot.chrome_trace`); default: next to the report,
+        ``<report>.trace.json``. The report links to it.
 
     Returns
     -------
     dict
-        ``html`` and ``markdown`` (paths written) and ``bounds`` (best lower bound, ratio, every bound).
+        ``html``, ``markdown`` and ``trace`` (paths written) and ``bounds`` (best lower bound,
+        ratio, every bound, and ``rows``: one per method as
+        :meth:`fxpipe.partition.bounds.BoundsReport.table_rows`).
     """
+    import math
     import tempfile
 
+    from fxpipe.memory import format_bytes
     from fxpipe.partition.bounds import compute_bounds
-    from fxpipe.schedule.plot import gantt
+    from fxpipe.schedule.plot import chrome_trace, gantt
 
     bounds = compute_bounds(  # certificates of the per-stage bottleneck of the plan's num_stages stages
         plan.graph,
@@ -494,24 +585,36 @@ def write_plan_report(plan, out_html: str | os.PathLike, *, bounds_time_limit_s:
         methods=("simple", "chain", "bottleneck", "exact"),
         time_limit_s=bounds_time_limit_s,
         warm_start=plan.partition,
+        progress=False,  # the caller shows the phase (fxpipe.progress)
     )
+    html_path = Path(out_html)
+    trace_path = Path(trace) if trace is not None else html_path.with_name(html_path.stem + ".trace.json")
+    chrome_trace(plan.schedule, trace_path, plan.problem)
     with tempfile.TemporaryDirectory() as tmp:
         png = gantt(plan.problem, plan.schedule, Path(tmp) / "gantt.png",
                     title=f"{plan.name}: {plan.schedule.method} schedule").read_bytes()
-    sched = plan.schedule
+    from fxpipe.plan import _objective_lines
+
+    objective_text = "\n".join(_objective_lines(plan.optimality()))
+    try:
+        link = os.path.relpath(trace_path.resolve(), html_path.resolve().parent)
+    except ValueError:  # another drive (Windows)
+        link = str(trace_path.resolve())
+    link = link.replace(os.sep, "/")
+    trace_sentence = ("The schedule as an interactive timeline (F/B/W compute and O/R copy streams per device): "
+                      "open the trace file in ui.perfetto.dev (Open trace file) or chrome://tracing.")
+    sched_md = (f"{plan.schedule.method}, {plan.microbatches} micro-batches.\n\n```\n{objective_text}\n```\n\n"
+                f"{trace_sentence} Trace: [{link}]({link})")
+    sched_html = (f"<p>{html.escape(plan.schedule.method)}, {plan.microbatches} micro-batches.</p>"
+                  f"<pre>{html.escape(objective_text)}</pre>"
+                  f'<p>{html.escape(trace_sentence)} Trace: <a href="{html.escape(link)}">{html.escape(link)}</a></p>')
     sections = [
         ReportSection("Plan", markdown=f"```\n{plan.summary()}\n```", html=f"<pre>{html.escape(plan.summary())}</pre>"),
-        ReportSection(
-            "Schedule",
-            markdown=(
-                f"{sched.method}, {plan.microbatches} micro-batches: makespan {sched.makespan * 1e3:.3f} ms, "
-                f"stage span {sched.stage_span * 1e3:.3f} ms, lower bound {sched.lower_bound_s * 1e3:.3f} ms ({sched.status})"
-            ),
-            figures=[("Gantt chart (compute and copy streams) with per-stage activation memory", png)],
-        ),
+        ReportSection("Schedule", markdown=sched_md, html=sched_html,
+                      figures=[("Gantt chart (compute and copy streams) with per-device activation memory", png)]),
         plan_memory_section(plan),
     ]
-    html_path = Path(out_html)
+    cap = plan.memory.capacity_bytes
     written = write_report(
         plan.graph,
         plan.partition,
@@ -522,9 +625,15 @@ def write_plan_report(plan, out_html: str | os.PathLike, *, bounds_time_limit_s:
         extra_sections=sections,
         title=f"fxpipe plan: {plan.name} on {plan.devices} x {plan.hardware}"
         + (f" ({plan.num_stages} stages, {plan.placement} placement)" if plan.stages_per_device > 1 else ""),
+        stage_params_bytes=[s.params_bytes for s in plan.stages],
+        params_label=f"{plan.memory.precision.name} weights",
+        capacity_note=format_bytes(cap) if math.isfinite(cap) else "",
     )
+    out_bounds = {k: v for k, v in bounds.to_dict().items() if k in ("best_lower_bound", "ratio", "lower_bounds")}
+    out_bounds["rows"] = bounds.table_rows()
     return {
         "html": str(written["html"]),
         "markdown": str(written["markdown"]),
-        "bounds": {k: v for k, v in bounds.to_dict().items() if k in ("best_lower_bound", "ratio", "lower_bounds")},
+        "trace": str(trace_path),
+        "bounds": out_bounds,
     }

@@ -134,7 +134,7 @@ def test_missing_hf_extra_names_the_extra(monkeypatch, capsys):
     monkeypatch.setattr(builtins, "__import__", no_transformers)
     code, out, err = _run(["plan", "--hf", "gpt2", "--devices", "2"], capsys)
     assert code == 2
-    assert 'pip install "fxpipe[hf]"' in err and "Traceback" not in err
+    assert 'pip install -e ".[hf]"' in err and "Traceback" not in err
 
 
 # ----------------------------------------------------------------------------- Ctrl-C and --json

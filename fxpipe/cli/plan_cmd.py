@@ -26,6 +26,7 @@ from fxpipe.api import PLACEMENTS, SCHEDULES
 from fxpipe.cli.common import add_memory_arguments, check_writable, emit, memory_model_from_args, parse_bytes, status
 from fxpipe.cost.hardware import list_hardware
 from fxpipe.errors import InputError
+from fxpipe.progress import phase, stderr_is_terminal
 
 
 
@@ -89,6 +90,8 @@ def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--out", metavar="PLAN.json", help="save the plan as JSON")
     p.add_argument("--report", metavar="REPORT.html", help="write an HTML report (and REPORT.md): stages, lower-bound certificates, Gantt chart")
     p.add_argument("--bounds-time-limit", type=float, default=60.0, metavar="S", help="time limit per lower-bound MIP for --report (default 60)")
+    p.add_argument("--trace", metavar="TRACE.json", help="write the schedule as a Chrome/Perfetto trace (F/B/W/O/R per stage and "
+                   "device; open in ui.perfetto.dev or chrome://tracing); linked from --report")
     p.add_argument("--run", action="store_true", help="train a few steps on local gloo ranks next to a single-process reference")
     p.add_argument("--steps", type=int, default=2, help="training steps with --run (default 2)")
     p.add_argument("--lr", type=float, default=0.01, help="SGD learning rate with --run")
@@ -189,11 +192,17 @@ def run(args: argparse.Namespace) -> int:
         raise InputError("--meta builds a model without weights, which cannot be trained: drop --meta or --run")
     if args.report and args.bounds_time_limit <= 0:
         raise InputError(f"--bounds-time-limit must be > 0 seconds, got {args.bounds_time_limit}")
-    for flag, path in (("--out", args.out), ("--report", args.report)):
+    for flag, path in (("--out", args.out), ("--report", args.report), ("--trace", args.trace)):
         if path:
             check_writable(path, flag)
+    progress = not args.json and stderr_is_terminal()  # phases over 2 s on stderr, for people only
     overrides = parse_overrides(args.config)
     factory = HFFactory(args.hf, overrides, args.microbatches, args.microbatch_size, args.seq_len, args.seed)
+    import warnings
+
+    from fxpipe.errors import PlanWarning
+
+    warnings.simplefilter("ignore", PlanWarning)  # the summary and --json carry them (doc["warnings"])
     t0 = time.perf_counter()
     # planning needs shapes only: without --run the model is built on the meta device (no weight memory)
     model, margs, mkwargs = factory.one_microbatch("cpu" if args.run else "meta")
@@ -217,21 +226,30 @@ def run(args: argparse.Namespace) -> int:
         name=args.hf,
         memory=memory_model_from_args(args, math.inf),
         memory_bytes=None if args.memory is None else parse_bytes(args.memory, allow_inf=True),
+        progress=progress,
     )
     doc: dict[str, Any] = {
         "model": args.hf,
         "config": overrides,
         "build_s": build_s,
         "plan": {k: v for k, v in plan.to_dict().items() if k not in ("graph", "problem", "schedule", "stage_of")},
+        "warnings": plan.waste_warnings(),
     }
     text = [plan.summary()]
     if args.out:
         plan.save(args.out)
         doc["plan_file"] = args.out
         text.append(f"plan written to {args.out}")
+    if args.trace:
+        from fxpipe.schedule.plot import chrome_trace
+
+        doc["trace_file"] = str(chrome_trace(plan.schedule, args.trace, plan.problem))
+        text.append(f"schedule trace written to {args.trace} (open in ui.perfetto.dev or chrome://tracing)")
     if args.report:
-        doc["report"] = _write_report(plan, args)
-        text.append(f"report written to {doc['report']['html']} (bounds: {doc['report']['bounds']})")
+        with phase(f"report: lower-bound MIPs (up to {args.bounds_time_limit:g} s each) and charts", on=progress):
+            doc["report"] = _write_report(plan, args)
+        text.append(f"report written to {doc['report']['html']} and {doc['report']['markdown']}")
+        text.append(format_bounds_table(doc["report"]["bounds"], plan.partition.bottleneck))
     if args.run:
         from fxpipe.codegen.compare import TrainingComparison
 
@@ -260,5 +278,33 @@ def _write_report(plan, args: argparse.Namespace) -> dict[str, Any]:
         plan,
         args.report,
         bounds_time_limit_s=args.bounds_time_limit,
+        trace=args.trace,
         command="fxpipe " + shlex.join(sys.argv[1:]) if sys.argv and sys.argv[0].endswith("fxpipe") else None,
     )
+
+
+def format_bounds_table(bounds: dict[str, Any], bottleneck_s: float) -> str:
+    """The report's lower-bound certificates as a text table (ms), one row per method.
+
+    Parameters
+    ----------
+    bounds : dict
+        ``write_plan_report(...)["bounds"]``: ``best_lower_bound``, ``ratio`` and ``rows``
+        (:meth:`fxpipe.partition.bounds.BoundsReport.table_rows`: method, lower_bound_s, ratio,
+        status, wall_time_s).
+    bottleneck_s : float
+        The partition's per-stage bottleneck the bounds are for (seconds).
+    """
+    lines = [f"partition lower bounds (per-stage bottleneck {bottleneck_s * 1e3:.3f} ms; a ratio of 1 proves it optimal):",
+             f"  {'method':<11} {'bound ms':>10} {'ratio':>7}  {'status':<22} {'time s':>7}"]
+    for r in bounds.get("rows", []):
+        skipped = r["status"] == "skipped"
+        bound = "-" if skipped else f"{r['lower_bound_s'] * 1e3:.3f}"
+        ratio = "-" if skipped or r["ratio"] is None else f"{r['ratio']:.4f}"
+        lines.append(f"  {r['method']:<11} {bound:>10} {ratio:>7}  {r['status']:<22} {r['wall_time_s']:>7.2f}")
+    best, ratio = bounds.get("best_lower_bound"), bounds.get("ratio")
+    if best is not None:
+        verdict = "proven optimal" if ratio is not None and ratio >= 1 - 1e-6 else (
+            "" if ratio is None else f"at most {1 / ratio - 1:.1%} above the optimum" if ratio > 0 else "no bound")
+        lines.append(f"  best bound {best * 1e3:.3f} ms" + (f": the partition is {verdict}" if verdict else ""))
+    return "\n".join(lines)

@@ -415,7 +415,7 @@ def load_tensors(checkpoint: Any, wanted: Mapping[str, Sequence[str]]) -> tuple[
     except ImportError:
         raise InputError(
             f"checkpoint {path} is a safetensors file but the safetensors package is not installed: "
-            "pip install 'fxpipe[checkpoint]'"
+            'from a checkout of fxpipe, pip install -e ".[checkpoint]"'
         ) from None
 
     if kind == "index":

@@ -110,6 +110,40 @@ def _device(device: str | torch.device | None) -> torch.device:
     return dev
 
 
+def device_memory_bytes(device: str | torch.device | None = None) -> float | None:
+    """Memory of the profiling device in bytes, read from the machine (None if unknown).
+
+    CUDA: ``torch.cuda.get_device_properties(device).total_memory``. CPU: the physical
+    memory (``SC_PAGE_SIZE * SC_PHYS_PAGES``), or the process's cgroup memory limit
+    (``/sys/fs/cgroup/memory.max``, v1 ``memory.limit_in_bytes``) where that is smaller.
+    """
+    dev = _device(device)
+    if dev.type == "cuda":
+        return float(torch.cuda.get_device_properties(dev).total_memory)
+    sizes = []
+    try:
+        sizes.append(float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")))
+    except (ValueError, OSError, AttributeError):  # not POSIX
+        pass
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(path, encoding="ascii") as fh:
+                text = fh.read().strip()
+        except OSError:
+            continue
+        if text.isdigit() and 0 < int(text) < 2**60:  # "max" or a huge number: no limit
+            sizes.append(float(text))
+    return min(sizes) if sizes else None
+
+
+def _with_device_memory(spec: HardwareSpec, device: str | torch.device | None) -> HardwareSpec:
+    """``spec`` with the capacity of this machine's device (never more than it physically has)."""
+    mem = device_memory_bytes(device)
+    if mem is None:
+        return spec
+    return dataclasses.replace(spec, memory_bytes=float(mem))
+
+
 def _cpu_name() -> str:
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as fh:
@@ -462,7 +496,8 @@ def measured_hardware(db: CostDatabase | str | os.PathLike | None = None, *, dev
     Returns
     -------
     HardwareSpec
-        Named ``"measured"``; ``.profile`` holds the :class:`CostProfile`.
+        Named ``"measured"``; ``.profile`` holds the :class:`CostProfile`; ``memory_bytes`` is
+        the device's memory read from the machine (:func:`device_memory_bytes`).
     """
     info = device_info(device, threads)
     if not isinstance(db, CostDatabase):
@@ -473,7 +508,9 @@ def measured_hardware(db: CostDatabase | str | os.PathLike | None = None, *, dev
         from fxpipe.cost.suite import run_suite
 
         run_suite(db, device=device, threads=info.threads, progress=progress)
-    return measured_profile(db, device=device, threads=info.threads, name="measured").hardware()
+    # the capacity is this machine's memory, not the roofline base's datasheet figure
+    return _with_device_memory(measured_profile(db, device=device, threads=info.threads, name="measured").hardware(),
+                               device)
 
 
 def trace_measured(model: torch.nn.Module, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None, *,
@@ -558,7 +595,7 @@ def trace_measured(model: torch.nn.Module, args: Sequence[Any] = (), kwargs: Map
     prof = CostProfile.from_measurements(measurements.values(), device=info, base=base,
                                          name=given.name if given is not None else "measured",
                                          autograd_call_overhead_s=report.autograd_call_overhead_s, **extra)
-    spec = prof.hardware()
+    spec = _with_device_memory(prof.hardware(), device)  # this machine's memory, not the base's datasheet figure
     AnnotateCosts(spec, dtype)(traced.gm)
     graph, names = to_opgraph(traced.gm, spec, name=traced.graph.name)
     cost_s = traced.cost_s + report.wall_s + (time.perf_counter() - t0)
