@@ -39,7 +39,7 @@ import numpy as np
 
 from fxpipe.errors import DataDependentCutError, InputError
 from fxpipe.ir import OpGraph
-from fxpipe.partition.contract import Contraction
+from fxpipe.partition.contract import Contraction, _find  # one union-find for both contractions
 
 __all__ = [
     "ColocatedContraction",
@@ -59,15 +59,6 @@ def forbidden_cut_edges(graph: OpGraph) -> np.ndarray:
     if not dd.any() or e.shape[0] == 0:
         return np.zeros(e.shape[0], dtype=bool)
     return dd[e[:, 0]]
-
-
-def _find(parent: np.ndarray, x: int) -> int:
-    root = x
-    while parent[root] != root:
-        root = parent[root]
-    while parent[x] != root:
-        parent[x], x = root, parent[x]
-    return root
 
 
 def colocation_groups(graph: OpGraph, forbidden: np.ndarray | None = None) -> np.ndarray | None:
