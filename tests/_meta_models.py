@@ -89,7 +89,16 @@ def class_loss(out, target):
     return F.cross_entropy(logits.float(), target)
 
 
-META_MODELS = {"swin": (make_swin, batch_swin), "inception": (make_inception, batch_inception)}
+
+
+def _wire(t: torch.Tensor) -> list:
+    """A tensor as JSON-able ``[values, dtype name]`` (bf16 values are exact in Python floats)."""
+    return [t.detach().tolist(), str(t.dtype).removeprefix("torch.")]
+
+
+def unwire(v) -> torch.Tensor | None:
+    """Inverse of :func:`_wire` (None stays None)."""
+    return None if v is None else torch.tensor(v[0], dtype=getattr(torch, v[1]))
 
 
 def train_meta_build(rank: int, world: int, runs: list, steps: int, lr: float) -> dict:
@@ -107,12 +116,11 @@ def train_meta_build(rank: int, world: int, runs: list, steps: int, lr: float) -
     torch.set_num_threads(1)
     out = {}
     for name, plan_path, state in runs:
-        make, batch = META_MODELS[name]
+        make, batch, _, loss = META_MODELS[name]
         with torch.device("meta"):
             model, example = make()
         plan = fxpipe.load_plan(plan_path)
-        stages, sched = plan.build(rank, model=model, args=example.args, kwargs=example.kwargs, loss_fn=class_loss,
-                                   **state)
+        stages, sched = plan.build(rank, model=model, args=example.args, kwargs=example.kwargs, loss_fn=loss, **state)
         named = {}
         for st in stages:
             for n, p in st.submod.named_parameters():
@@ -127,13 +135,55 @@ def train_meta_build(rank: int, world: int, runs: list, steps: int, lr: float) -
             sched.step(*args, target=target, losses=mb_losses, return_outputs=False, **kwargs)
             if sched.has_last_stage:
                 losses.append(sum(float(v.detach()) for v in mb_losses) / len(mb_losses))
-            grads = {n: (p.grad.tolist() if p.grad is not None else None) for n, p in named.items()}
+            grads = {n: (_wire(p.grad) if p.grad is not None else None) for n, p in named.items()}
             opt.step()
         out[name] = {
             "losses": losses,
             "grads": grads,
-            "params": {n: p.detach().tolist() for n, p in named.items()},
-            "buffers": {n: [b.detach().tolist(), str(b.dtype)] for st in stages for n, b in st.submod.named_buffers()},
+            "params": {n: _wire(p) for n, p in named.items()},
+            "buffers": {n: _wire(b) for st in stages for n, b in st.submod.named_buffers()},
             "held_param_bytes": sum(p.numel() * p.element_size() for p in named.values() if not p.is_meta),
         }
     return out
+
+
+class MixedDtypeNet(nn.Module):
+    """fp32 input projection, a bf16 middle (two linears and a GELU), fp32 norm and head."""
+
+    def __init__(self, d: int = 16):
+        super().__init__()
+        self.inp = nn.Linear(8, d)
+        self.mid1 = nn.Linear(d, 2 * d).to(torch.bfloat16)
+        self.mid2 = nn.Linear(2 * d, d).to(torch.bfloat16)
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, 4)
+
+    def forward(self, x):
+        h = self.inp(x).to(torch.bfloat16)
+        h = self.mid2(F.gelu(self.mid1(h))).float()
+        return self.head(self.norm(h))
+
+
+def make_mixed():
+    g = torch.Generator().manual_seed(3)
+    return MixedDtypeNet(), ModelInputs((torch.randn(MB, 8, generator=g),), {})
+
+
+MIXED_MICROBATCHES = 3  # not a power of two: scaling the summed micro-batch gradients by 1/3 rounds
+
+
+def batch_mixed(step: int):
+    g = torch.Generator().manual_seed(300 + step)
+    n = MB * MIXED_MICROBATCHES
+    return ModelInputs((torch.randn(n, 8, generator=g),), {}), torch.randn(n, 4, generator=g)
+
+
+def mse_loss(out, target):
+    """Mean squared error in fp32."""
+    return F.mse_loss(out.float(), target)
+
+
+#: name -> (make_model, make_batch, micro-batches, loss)
+META_MODELS = {"swin": (make_swin, batch_swin, MICROBATCHES, class_loss),
+               "inception": (make_inception, batch_inception, MICROBATCHES, class_loss),
+               "mixed": (make_mixed, batch_mixed, MIXED_MICROBATCHES, mse_loss)}
