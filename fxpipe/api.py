@@ -52,6 +52,43 @@ def _check_count(value: Any, what: str) -> int:
     return int(value)
 
 
+def check_call_inputs(args: Any, kwargs: Any) -> tuple[tuple, dict]:
+    """Validate example inputs given as ``(args, kwargs)``; returns them as ``(tuple, dict)``.
+
+    ``args`` must be a tuple (or list) of the model's positional inputs and ``kwargs`` a mapping
+    of its keyword inputs (or None). A bare tensor as ``args`` would otherwise be iterated
+    along its first dimension into several positional inputs (and fail in the capture with an
+    error about the model's signature).
+
+    Raises
+    ------
+    InputError
+        ``args`` not a tuple / list (the message says how to wrap it), ``kwargs`` not a mapping
+        with string keys.
+    """
+    if not isinstance(args, (tuple, list)):
+        kind = type(args).__module__ + "." + type(args).__qualname__ if type(args).__module__ != "builtins" \
+            else type(args).__name__
+        if hasattr(args, "shape") and hasattr(args, "dtype"):  # a tensor (torch is not imported here)
+            hint = f"wrap it: args=(x,) for one tensor of shape {tuple(args.shape)}"
+        elif isinstance(args, Mapping):
+            hint = "pass keyword inputs as kwargs={...} (args=() or the positional inputs as a tuple)"
+        else:
+            hint = "wrap a single input: args=(x,)"
+        raise InputError(f"args must be a tuple of the model's positional inputs, got a {kind}: {hint}")
+    if kwargs is None:
+        kwargs = {}
+    if not isinstance(kwargs, Mapping):
+        raise InputError(
+            f"kwargs must be a dict of the model's keyword inputs (name -> value), got a {type(kwargs).__name__}: "
+            "pass positional inputs as args=(...)"
+        )
+    bad = [k for k in kwargs if not isinstance(k, str)]
+    if bad:
+        raise InputError(f"kwargs keys must be argument names (str), got {bad[:3]!r}")
+    return tuple(args), dict(kwargs)
+
+
 def resolve_memory(graph: OpGraph | None, memory: MemoryModel | None = None, memory_bytes: float | None = None,
                    hardware=None) -> MemoryModel:
     """The :class:`~fxpipe.memory.MemoryModel` a plan is made with.
@@ -471,8 +508,9 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     ----------
     model : torch.nn.Module
         The model; may live on the ``meta`` device (nothing is allocated).
-    args, kwargs :
-        Example inputs of ONE micro-batch (costs are per micro-batch).
+    args, kwargs : tuple, dict
+        Example inputs of ONE micro-batch (costs are per micro-batch): a tuple of the
+        positional inputs (one tensor ``x`` is ``(x,)``) and a dict of the keyword inputs.
     devices : int
         Devices p = pipeline ranks, >= 1; ``stages_per_device * devices`` must not exceed the
         number of ops.
@@ -550,6 +588,7 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     Raises
     ------
     InputError
+        ``args`` not a tuple (e.g. a bare tensor: wrap it, ``(x,)``), ``kwargs`` not a dict,
         devices < 1, microbatches < 1, more stages than ops, unknown hardware/schedule/costs/
         placement, a schedule the placement does not admit, ``costs="measured"`` with the
         datasheet spec or profile of another device.
@@ -562,6 +601,7 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     """
     devices = _check_count(devices, "devices")
     microbatches = _check_count(microbatches, "microbatches")
+    args, kwargs = check_call_inputs(args, kwargs)
     if objective not in ("training", "inference"):
         raise InputError(f"objective must be 'training' or 'inference', got {objective!r}")
     if schedule is not None and schedule not in SCHEDULES:
