@@ -598,6 +598,13 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
         Nothing fits the device memory: the message gives the overflow, the smallest device
         count that fits and which of offload, recomputation, ZeRO sharding or more devices
         would help (see :func:`plan_graph`).
+
+    Warns
+    -----
+    DeviceBranchWarning
+        A model captured on ``meta`` holds an op that this process's CPU (or CUDA) backend
+        cannot run with its traced dtypes, e.g. a dtype picked by a branch on the device
+        (:mod:`fxpipe.codegen.devicecheck` says what is and is not detected).
     """
     devices = _check_count(devices, "devices")
     microbatches = _check_count(microbatches, "microbatches")
@@ -623,6 +630,10 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
         from fxpipe.passes import trace_model
 
         traced = trace_model(model, tuple(args), dict(kwargs or {}), hardware=hardware, dtype=dtype, name=name, replicate=replicate)
+    # a capture on meta may have taken a device branch's non-CPU path (issue 17): say so now, not on a rank
+    from fxpipe.codegen.devicecheck import warn_meta_kernel_gaps
+
+    warn_meta_kernel_gaps(traced.gm, stacklevel=3)
     graph = traced.graph
     model = resolve_memory(graph, memory, memory_bytes, traced.hardware)
     part, problem, sched, timings = plan_graph(

@@ -187,3 +187,23 @@ def mse_loss(out, target):
 META_MODELS = {"swin": (make_swin, batch_swin, MICROBATCHES, class_loss),
                "inception": (make_inception, batch_inception, MICROBATCHES, class_loss),
                "mixed": (make_mixed, batch_mixed, MIXED_MICROBATCHES, mse_loss)}
+
+
+class DeviceBranchRouter(nn.Module):
+    """A router that counts tokens per expert with ``histc`` in a dtype picked by device, as
+    transformers' GraniteMoE / Jamba do: float32 on CPU, int32 elsewhere (``meta`` included),
+    which has no CPU kernel."""
+
+    def __init__(self, d: int = 8, experts: int = 4):
+        super().__init__()
+        self.experts = experts
+        self.router = nn.Linear(d, experts)
+        self.out = nn.Linear(d, d)
+
+    def forward(self, x):
+        logits = self.router(x)
+        chosen = logits.argmax(dim=-1)
+        dtype = torch.float32 if x.device.type in ("cpu", "mps") else torch.int32
+        counts = torch.histc(chosen.reshape(-1).to(dtype), bins=self.experts, min=0, max=self.experts)
+        balance = (counts.float() / chosen.numel() * logits.softmax(-1).mean(dim=0)).sum()
+        return self.out(x), balance
