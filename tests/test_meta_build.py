@@ -161,3 +161,5 @@ def test_fp32_verdict_is_unchanged_and_mismatched_dtypes_are_reported():
         assert (got.checks[0].kind, got.checks[0].dtype, got.checks[0].worst) == ("grad", "float32", "b")
     cast = compare_training(TrainResult([1.0], {"a": g["a"].bfloat16(), "b": g["b"]}, p), ref)
     assert not cast.ok and any("bfloat16 in the pipeline" in q for q in cast.problems)
+    again = type(got)(**got.to_dict())  # the CLI rebuilds the comparison from its JSON form
+    assert again.checks == got.checks and again.summary() == got.summary()

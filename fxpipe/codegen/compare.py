@@ -208,6 +208,11 @@ class TrainingComparison:
     tolerances: dict = field(default_factory=dict)
     checks: list[DtypeCheck] = field(default_factory=list)
 
+    def __post_init__(self):
+        # TrainingComparison(**cmp.to_dict()) (the CLI's JSON round trip) gives the checks as dicts
+        self.checks = [DtypeCheck(**{**c, "lowered": tuple(c.get("lowered", ()))}) if isinstance(c, dict) else c
+                       for c in self.checks]
+
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able dict."""
         return asdict(self)
