@@ -207,3 +207,16 @@ class DeviceBranchRouter(nn.Module):
         counts = torch.histc(chosen.reshape(-1).to(dtype), bins=self.experts, min=0, max=self.experts)
         balance = (counts.float() / chosen.numel() * logits.softmax(-1).mean(dim=0)).sum()
         return self.out(x), balance
+
+
+class MaskedRows(nn.Module):
+    """Keeps the rows whose first feature is positive (``h[mask]``: a data-dependent row count)."""
+
+    def __init__(self, d: int = 8):
+        super().__init__()
+        self.a = nn.Linear(d, d)
+        self.b = nn.Linear(d, d)
+
+    def forward(self, x):
+        h = self.a(x)
+        return self.b(h[h[:, 0] > 0]).sum()

@@ -71,6 +71,23 @@ def test_stage_shapes_of_a_meta_model_from_cpu_inputs_are_static_and_exact():
     assert all(p.is_meta for p in gm.parameters())  # shape inference materialized nothing
 
 
+def test_meta_model_that_needs_data_for_its_shapes_gets_a_clear_error():
+    """A data-dependent row count cannot be inferred without data: a clear InputError, not a
+    device-mismatch traceback."""
+    from fxpipe.errors import InputError
+    from fxpipe.passes.capture import capture
+
+    with torch.device("meta"):
+        model, x = mm.MaskedRows(), torch.randn(6, 8)
+    gm = capture(model, (x,), {}).gm
+    names = [n.name for n in gm.graph.nodes if n.op != "get_attr"]
+    staged = split_stages(gm, {n: int(i >= 2) for i, n in enumerate(names)}, 2)
+    flat = staged.interface.example_inputs(example_inputs_from_gm(gm))
+    assert stage_io(staged, 0, flat).static
+    with pytest.raises(InputError, match="depends on data .* build such a model on a real device"):
+        stage_io(staged, 1, flat)
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     from safetensors.torch import save_model

@@ -9,6 +9,14 @@ touches real state, in particular never advances BatchNorm running statistics or
 ``num_batches_tracked``. When a graph cannot run on fake tensors (data-dependent output shapes)
 it runs for real on *clones* of the state, with the same guarantee.
 
+Shape inference is device-agnostic: the example inputs, parameters and buffers may live on
+different devices (a model built on ``meta`` whose rank materializes only its own stages, after
+shape inference, with example inputs on CPU). Every tensor becomes a fake tensor on one device
+(the inputs' device, else CPU) under one ``FakeTensorMode``, and a graph captured on meta, whose
+``_assert_tensor_metadata`` checks and factory calls name the meta device, runs as if they named
+that device (as :func:`fxpipe.codegen.materialize.retarget_meta_devices` will make them for the
+rank's own stages). A meta model whose graph cannot run on fake tensors runs on meta copies.
+
 It also finds the parameters whose gradient torch's split backward (I then W) would silently
 drop: on a stage other than the first, ``stage_backward_input`` only keeps the autograd nodes
 where a parameter's path meets a path from a grad-requiring stage input, and W back-propagates
@@ -235,9 +243,10 @@ def stage_io(staged: StagedProgram, stage: int, flat_inputs: Sequence[Any], *, f
         from fxpipe.errors import InputError
 
         raise InputError(
-            f"shape inference of stage {stage} failed: the model is on meta and its stages up to {stage} run neither on "
-            f"fake tensors ({fake_exc}) nor on meta tensors ({exc}). Build the model on a real device for this "
-            "rank, or pass example inputs whose shapes the graph was captured with"
+            f"shape inference of stage {stage} failed: the model's weights are on meta and stages 0..{stage} run "
+            f"neither on fake tensors ({type(fake_exc).__name__}: {fake_exc}) nor on meta tensors ({exc}). An op whose output size depends on "
+            "data (nonzero, masked_select, unique) cannot run without data: build such a model on a real device "
+            "(meta builds do not support it yet)"
         ) from exc
     return StageIO(tuple(_zeros_like_meta(t) for t in ins), tuple(_zeros_like_meta(t) for t in outs), blind, False)
 
