@@ -56,7 +56,8 @@ import torch
 
 from fxpipe.errors import InputError
 
-__all__ = ["TrainingComparison", "DtypeCheck", "compare_training", "gradient_precision", "output_precision", "RandomOpsWarning", "random_ops_warning"]
+__all__ = ["TrainingComparison", "DtypeCheck", "compare_training", "gradient_precision", "output_precision",
+           "RandomOpsWarning", "random_ops_warning"]
 
 
 class RandomOpsWarning(UserWarning):
