@@ -72,28 +72,41 @@ def _check_count(value: Any, what: str) -> int:
     return int(value)
 
 
-def _check_example_inputs(args: Any, kwargs: Any) -> None:
-    """``args`` must be a tuple (or list) of positional inputs and ``kwargs`` a mapping or None.
+def check_call_inputs(args: Any, kwargs: Any) -> tuple[tuple, dict]:
+    """Validate example inputs given as ``(args, kwargs)``; returns them as ``(tuple, dict)``.
+
+    ``args`` must be a tuple (or list) of the model's positional inputs and ``kwargs`` a mapping
+    of its keyword inputs (or None). A bare tensor as ``args`` would otherwise be iterated
+    along its first dimension into several positional inputs (and fail in the capture with an
+    error about the model's signature).
 
     Raises
     ------
     InputError
-        Saying what to pass: a bare tensor as ``args`` (``(x,)``), a dict as ``args``
-        (``kwargs=``), or ``kwargs`` that is not a mapping.
+        ``args`` not a tuple / list (the message says how to wrap it), ``kwargs`` not a mapping
+        with string keys.
     """
-    if hasattr(args, "shape") and hasattr(args, "dtype"):
-        raise InputError(f"args must be a tuple of the model's positional inputs, got a bare {type(args).__name__}: "
-                         "pass args=(x,) for a model called as model(x)")
-    if isinstance(args, Mapping):
-        raise InputError("args must be a tuple of the model's positional inputs, got a dict: pass keyword inputs as "
-                         "kwargs={...} (fxpipe.compile(model, (), {...}) or kwargs=...)")
     if not isinstance(args, (tuple, list)):
-        raise InputError(f"args must be a tuple of the model's positional inputs, got {type(args).__name__}: "
-                         "pass args=(x,) for one input, () for none")
-    if kwargs is not None and not isinstance(kwargs, Mapping):
-        what = "a tensor" if hasattr(kwargs, "shape") else type(kwargs).__name__
-        raise InputError(f"kwargs must be a dict of the model's keyword inputs, got {what}: put positional inputs in "
-                         "args, e.g. fxpipe.compile(model, (x, y))")
+        kind = type(args).__module__ + "." + type(args).__qualname__ if type(args).__module__ != "builtins" \
+            else type(args).__name__
+        if hasattr(args, "shape") and hasattr(args, "dtype"):  # a tensor (torch is not imported here)
+            hint = f"wrap it: args=(x,) for one tensor of shape {tuple(args.shape)}"
+        elif isinstance(args, Mapping):
+            hint = "pass keyword inputs as kwargs={...} (args=() or the positional inputs as a tuple)"
+        else:
+            hint = "wrap a single input: args=(x,)"
+        raise InputError(f"args must be a tuple of the model's positional inputs, got a {kind}: {hint}")
+    if kwargs is None:
+        kwargs = {}
+    if not isinstance(kwargs, Mapping):
+        raise InputError(
+            f"kwargs must be a dict of the model's keyword inputs (name -> value), got a {type(kwargs).__name__}: "
+            "pass positional inputs as args=(...)"
+        )
+    bad = [k for k in kwargs if not isinstance(k, str)]
+    if bad:
+        raise InputError(f"kwargs keys must be argument names (str), got {bad[:3]!r}")
+    return tuple(args), dict(kwargs)
 
 
 def resolve_memory(graph: OpGraph | None, memory: MemoryModel | None = None, memory_bytes: float | None = None,
@@ -543,8 +556,9 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     ----------
     model : torch.nn.Module
         The model; may live on the ``meta`` device (nothing is allocated).
-    args, kwargs :
-        Example inputs of ONE micro-batch (costs are per micro-batch).
+    args, kwargs : tuple, dict
+        Example inputs of ONE micro-batch (costs are per micro-batch): a tuple of the
+        positional inputs (one tensor ``x`` is ``(x,)``) and a dict of the keyword inputs.
     devices : int
         Devices p = pipeline ranks, >= 1; ``stages_per_device * devices`` must not exceed the
         number of ops.
@@ -629,6 +643,7 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     Raises
     ------
     InputError
+        ``args`` not a tuple (e.g. a bare tensor: wrap it, ``(x,)``), ``kwargs`` not a dict,
         devices < 1, microbatches < 1, more stages than ops, unknown hardware/schedule/costs/
         placement, a schedule the placement does not admit, ``costs="measured"`` with the
         datasheet spec or profile of another device.
@@ -638,10 +653,17 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
         Nothing fits the device memory: the message gives the overflow, the smallest device
         count that fits and which of offload, recomputation, ZeRO sharding or more devices
         would help (see :func:`plan_graph`).
+
+    Warns
+    -----
+    DeviceBranchWarning
+        A model captured on ``meta`` holds an op that this process's CPU (or CUDA) backend
+        cannot run with its traced dtypes, e.g. a dtype picked by a branch on the device
+        (:mod:`fxpipe.codegen.devicecheck` says what is and is not detected).
     """
-    _check_example_inputs(args, kwargs)
     devices = _check_count(devices, "devices")
     microbatches = _check_count(microbatches, "microbatches")
+    args, kwargs = check_call_inputs(args, kwargs)
     if objective not in ("training", "inference"):
         raise InputError(f"objective must be 'training' or 'inference', got {objective!r}")
     if schedule is not None and schedule not in SCHEDULES:
@@ -668,6 +690,10 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
         with phase("capture with torch.export and cost every op", on=progress):
             traced = trace_model(model, tuple(args), dict(kwargs or {}), hardware=hardware, dtype=dtype, name=name,
                                  replicate=replicate)
+    # a capture on meta may have taken a device branch's non-CPU path (issue 17): say so now, not on a rank
+    from fxpipe.codegen.devicecheck import warn_meta_kernel_gaps
+
+    warn_meta_kernel_gaps(traced.gm, stacklevel=3)
     graph = traced.graph
     model = resolve_memory(graph, memory, memory_bytes, traced.hardware)
     part, problem, sched, timings = plan_graph(

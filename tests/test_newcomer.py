@@ -353,7 +353,7 @@ def test_submodules_are_attributes_of_the_package():
 
 
 @pytest.mark.parametrize("args, kwargs, needle", [
-    ("tensor", None, "pass args=(x,)"),
+    ("tensor", None, "args=(x,)"),
     ("dict", None, "kwargs={...}"),
     ((), "tensor", "kwargs must be a dict"),
 ])

@@ -67,6 +67,8 @@ class TrainResult:
         Extra information: ``stage_params`` (canonical parameter names of every stage),
         ``shared_params``, ``actions`` (per rank), ``device_of_stage``, ``relayed``,
         ``cloned``, ``fused_full_backward`` (per stage), ``random_ops``, ``moved_nodes``,
+        ``grad_precision`` and ``output_precision`` (:func:`fxpipe.codegen.compare.gradient_precision`,
+        the tolerances per dtype),
         ``train_wall_s``, ``wall_s``.
     """
 
@@ -210,6 +212,8 @@ class _Captured:
         self.gm = gm
         self.mb_example = mb_example
         self.random_ops = None
+        self.grad_precision = None
+        self.output_precision = None
         tensors = {id(t): t for _, t in list(gm.named_parameters()) + list(gm.named_buffers())}
         self._state = [(t, t.detach().clone()) for t in tensors.values()]
         self.staged: dict = {}  # (world, stage map) -> StagedProgram
@@ -257,6 +261,11 @@ def _run_one(rank: int, world: int, run: dict, out_dir: str, idx: int, cache: di
     gm = cap.gm
     if cap.random_ops is None:
         cap.random_ops = [str(o) for o in random_ops(gm)]
+    if cap.grad_precision is None:  # tolerances per dtype of fxpipe.codegen.compare
+        from fxpipe.codegen.compare import gradient_precision, output_precision
+
+        cap.grad_precision = gradient_precision(gm)
+        cap.output_precision = output_precision(gm)
     stage_of = run["stage_of"]
     if callable(stage_of):
         stage_of = stage_of(gm)
@@ -333,6 +342,8 @@ def _run_one(rank: int, world: int, run: dict, out_dir: str, idx: int, cache: di
                 "fused_full_backward": {s: bool(v) for s, v in sched.fxpipe_fused_full_backward.items()},
                 "compiled_stages": {st.stage_index: getattr(st.submod, "report", None) for st in stages},  # compile_stages (issue 10)
                 "random_ops": cap.random_ops,
+                "grad_precision": cap.grad_precision,
+                "output_precision": cap.output_precision,
                 "train_wall_s": wall,
                 "activation": stash.stats().to_dict() if stash is not None else None,
                 "materialized": {s: r.to_dict() for s, r in mat.items()} if mat else None,
@@ -710,6 +721,7 @@ def _gather(out_dir: str, world: int, idx: int, wall: float) -> TrainResult:
          "relayed": {int(k): v for k, v in info.get("relayed", {}).items()},
          "cloned": {int(k): v for k, v in info.get("cloned", {}).items()},
          "moved_nodes": info.get("moved_nodes", {}), "random_ops": info.get("random_ops", []),
+         "grad_precision": info.get("grad_precision") or {}, "output_precision": info.get("output_precision"),
          "fused_full_backward": fused, "compiled_stages": compiled, "train_wall_s": train_wall, "wall_s": wall,
          "activation": activation, "materialized": materialized, "held_state_bytes": held},
     )

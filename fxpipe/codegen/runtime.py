@@ -7,7 +7,8 @@ everything torch-version specific lives here, behind small adapters that the res
 * pytrees (``torch.utils._pytree``, which knows Hugging Face ``ModelOutput`` and every type
   registered with torch): :func:`tree_flatten`, :func:`tree_unflatten`, :func:`graph_pytree_specs`;
 * op schemas (``OpOverload._schema``): :func:`op_aliasing`;
-* fake tensors (``torch._subclasses.fake_tensor``): :func:`fake_tensor_mode`;
+* fake tensors (``torch._subclasses.fake_tensor``): :func:`fake_tensor_mode`, :func:`fake_on`,
+  :func:`meta_literals_as` (a ``TorchDispatchMode``);
 * autograd-graph walks of ``torch.distributed.pipelining._backward``: :func:`grad_fn_or_grad_acc`,
   :func:`construct_reverse_graph`, :func:`reverse_closure`;
 * the stage and schedule runtime (``PipelineStage`` internals, ``_PipelineScheduleRuntime``,
@@ -65,6 +66,8 @@ __all__ = [
     "OpAliasing",
     "op_aliasing",
     "fake_tensor_mode",
+    "fake_on",
+    "meta_literals_as",
     "grad_fn_or_grad_acc",
     "construct_reverse_graph",
     "reverse_closure",
@@ -177,6 +180,53 @@ def fake_tensor_mode():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def _retarget_device(a, device: torch.device):
+    if isinstance(a, torch.device) and a.type == "meta":
+        return device
+    if isinstance(a, str) and a == "meta":
+        return str(device)
+    if isinstance(a, (list, tuple)):
+        return type(a)(_retarget_device(x, device) for x in a)
+    if isinstance(a, dict):
+        return {k: _retarget_device(v, device) for k, v in a.items()}
+    return a
+
+
+def meta_literals_as(device: str | torch.device):
+    """A dispatch mode that runs every op as if its ``meta`` device arguments said ``device``.
+
+    A graph captured on ``meta`` carries ``device=meta`` in ``_assert_tensor_metadata`` checks
+    and factory calls; :func:`fxpipe.codegen.materialize.retarget_meta_devices` rewrites them to
+    the run device when a rank materializes its stage. Shape inference runs the stages before
+    (which stay on meta on this rank) under this mode, so it sees the program as it will run,
+    without editing any graph. Enter it inside the ``FakeTensorMode``.
+    """
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    dev = torch.device(device)
+
+    class _MetaLiteralsAs(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*_retarget_device(tuple(args), dev), **_retarget_device(dict(kwargs or {}), dev))
+
+    return _MetaLiteralsAs()
+
+
+def fake_on(mode, t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A fake tensor of ``mode`` with ``t``'s shape, strides and dtype on ``device`` (a detached leaf).
+
+    ``mode.from_tensor`` keeps ``t``'s device, so a model whose parameters are on ``meta`` and
+    whose example inputs are on CPU would propagate tensors of two devices and fail on the first op
+    that mixes them (``addmm``). Re-homing every tensor on one device makes shape inference
+    independent of where the weights live. A tensor already on ``device`` goes through
+    ``from_tensor`` (which keeps the constants of small CPU tensors).
+    """
+    if t.device == device:
+        return mode.from_tensor(t)
+    with mode:
+        return torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device=device)
 
 
 # ----------------------------------------------------------------------------- autograd graph

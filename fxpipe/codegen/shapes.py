@@ -9,6 +9,14 @@ touches real state, in particular never advances BatchNorm running statistics or
 ``num_batches_tracked``. When a graph cannot run on fake tensors (data-dependent output shapes)
 it runs for real on *clones* of the state, with the same guarantee.
 
+Shape inference is device-agnostic: the example inputs, parameters and buffers may live on
+different devices (a model built on ``meta`` whose rank materializes only its own stages, after
+shape inference, with example inputs on CPU). Every tensor becomes a fake tensor on one device
+(the inputs' device, else CPU) under one ``FakeTensorMode``, and a graph captured on meta, whose
+``_assert_tensor_metadata`` checks and factory calls name the meta device, runs as if they named
+that device (as :func:`fxpipe.codegen.materialize.retarget_meta_devices` will make them for the
+rank's own stages). A meta model whose graph cannot run on fake tensors runs on meta copies.
+
 It also finds the parameters whose gradient torch's split backward (I then W) would silently
 drop: on a stage other than the first, ``stage_backward_input`` only keeps the autograd nodes
 where a parameter's path meets a path from a grad-requiring stage input, and W back-propagates
@@ -22,6 +30,7 @@ The fake-tensor mode and the autograd-graph walks come from :mod:`fxpipe.codegen
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -123,41 +132,122 @@ def _zeros_like_meta(t: Any) -> Any:
     return z.requires_grad_(True) if t.requires_grad else z
 
 
-def stage_io(staged: StagedProgram, stage: int, flat_inputs: Sequence[Any], *, fake: bool = True) -> StageIO:
+def _inference_device(staged: StagedProgram, stage: int, flat_inputs: Sequence[Any], device) -> torch.device:
+    """The one device shape inference simulates: ``device`` if given, else the first non-meta
+    device of the example inputs, else CPU (parameters and buffers may be anywhere, ``meta``
+    included: they are re-homed on this device as fake tensors)."""
+    if device is not None:
+        return torch.device(device)
+    for t in flat_inputs:
+        if isinstance(t, torch.Tensor) and t.device.type != "meta":
+            return t.device
+    return torch.device("cpu")
+
+
+def _holds_meta(staged: StagedProgram, stage: int, flat_inputs: Sequence[Any]) -> bool:
+    tensors = [t for spec in staged.stages[: stage + 1] for t in _state_names(spec.module).values()]
+    tensors += [t for t in flat_inputs if isinstance(t, torch.Tensor)]
+    return any(t.device.type == "meta" for t in tensors)
+
+
+def _meta_literals(staged: StagedProgram, stage: int) -> bool:
+    """Whether the graphs of stages ``0..stage`` name the ``meta`` device (a capture on meta)."""
+    def named(a) -> bool:
+        if isinstance(a, torch.device):
+            return a.type == "meta"
+        if isinstance(a, str):
+            return a == "meta"
+        if isinstance(a, (list, tuple)):
+            return any(named(x) for x in a)
+        if isinstance(a, dict):
+            return any(named(x) for x in a.values())
+        return False
+
+    return any(named(n.args) or named(n.kwargs) for spec in staged.stages[: stage + 1] for n in spec.module.graph.nodes
+               if n.op == "call_function")
+
+
+def stage_io(staged: StagedProgram, stage: int, flat_inputs: Sequence[Any], *, fake: bool = True,
+             device: str | torch.device | None = None) -> StageIO:
     """Example inputs/outputs of ``stage`` and its split-backward-blind parameters.
 
     Parameters
     ----------
     staged : StagedProgram
+        Its parameters and buffers may live on any device, ``meta`` included (a model built on
+        meta whose ranks materialize only their stages).
     stage : int
         Stage index.
     flat_inputs : sequence of tensors
-        One micro-batch of stage 0's inputs (``staged.interface.flatten_inputs(...)``).
+        One micro-batch of stage 0's inputs (``staged.interface.flatten_inputs(...)``), on any
+        device (``meta`` included).
     fake : bool
-        Propagate on fake tensors (the default; falls back to a real run on cloned state when
-        the graph cannot run on fake tensors). ``False`` always runs for real on cloned state.
+        Propagate on fake tensors (the default). Every input, parameter and buffer becomes a fake
+        tensor on one device (``device``) under one ``FakeTensorMode``, so where the weights live
+        does not matter. When the graph cannot run on fake tensors (data-dependent output shapes)
+        it runs for real on cloned state; when that state (or an input) is on ``meta``, for real
+        on ``meta`` copies of everything. ``False`` always runs for real.
+    device : str or torch.device, optional
+        The device fake propagation simulates (default: the first non-meta device of
+        ``flat_inputs``, else CPU).
 
     Returns
     -------
     StageIO
         Never mutates the real parameters or buffers of any stage.
-    """
-    if fake:
-        from fxpipe.codegen.runtime import fake_tensor_mode
 
+    Raises
+    ------
+    InputError
+        When the stage's state or inputs are on ``meta`` and neither fake nor meta propagation
+        can run the stages up to ``stage`` (the message says why and what to do).
+    """
+    target = _inference_device(staged, stage, flat_inputs, device)
+    fake_exc: Exception | None = None
+    if fake:
+        from fxpipe.codegen.runtime import fake_on, fake_tensor_mode, meta_literals_as
+
+        retarget = contextlib.nullcontext()
+        if target.type != "meta" and _meta_literals(staged, stage):
+            retarget = meta_literals_as(target)
         try:
-            with fake_tensor_mode() as mode:
-                fake_in = tuple(mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in flat_inputs)
-                ins, outs, blind = _propagate(staged, stage, fake_in, mode.from_tensor)
+            with fake_tensor_mode() as mode, retarget:
+                def to_fake(t):
+                    return fake_on(mode, t, target)
+
+                fake_in = tuple(to_fake(t).detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t
+                                for t in flat_inputs)
+                ins, outs, blind = _propagate(staged, stage, fake_in, to_fake)
                 meta_in = [(tuple(t.shape), t.dtype, t.requires_grad) if isinstance(t, torch.Tensor) else t for t in ins]
                 meta_out = [(tuple(t.shape), t.dtype, t.requires_grad) if isinstance(t, torch.Tensor) else t for t in outs]
             return StageIO(tuple(_from_meta(m) for m in meta_in), tuple(_from_meta(m) for m in meta_out), blind, True)
         except Exception as exc:  # noqa: BLE001 - any failure of fake propagation: compute for real
-            logger.info("stage %d: fake-tensor shape inference failed (%s); running the prefix for real on copies",
-                        stage, exc)
-    with torch.random.fork_rng(devices=[]):
-        ins, outs, blind = _propagate(staged, stage, tuple(_leaf_like(t) for t in flat_inputs),
-                                      lambda t: t.detach().clone())
+            fake_exc = exc
+            logger.info("stage %d: fake-tensor shape inference on %s failed (%s); running the prefix for real on copies",
+                        stage, target, exc)
+    on_meta = _holds_meta(staged, stage, flat_inputs)
+    if on_meta:
+        # real state does not exist: run on meta copies of everything (no data, no compute)
+        def copy(t):
+            return t.detach().to("meta")
+    else:
+        def copy(t):
+            return t.detach().clone()
+    try:
+        with torch.random.fork_rng(devices=[]):
+            real_in = tuple(copy(t).requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t for t in flat_inputs)
+            ins, outs, blind = _propagate(staged, stage, real_in, copy)
+    except Exception as exc:
+        if not on_meta:
+            raise
+        from fxpipe.errors import InputError
+
+        raise InputError(
+            f"shape inference of stage {stage} failed: the model's weights are on meta and stages 0..{stage} run "
+            f"neither on fake tensors ({type(fake_exc).__name__}: {fake_exc}) nor on meta tensors ({exc}). An op whose output size depends on "
+            "data (nonzero, masked_select, unique) cannot run without data: build such a model on a real device "
+            "(meta builds do not support it yet)"
+        ) from exc
     return StageIO(tuple(_zeros_like_meta(t) for t in ins), tuple(_zeros_like_meta(t) for t in outs), blind, False)
 
 
