@@ -29,3 +29,36 @@ class SolverError(FxpipeError):
 
 class MissingDependencyError(FxpipeError, ImportError):
     """An optional dependency is not installed; the message names the extra to install."""
+
+
+class WorkerError(FxpipeError, RuntimeError):
+    """A pipeline worker process failed (:func:`fxpipe.codegen.launch.spawn_train_many`).
+
+    The message leads with the first real failure: the rank, its stages, the action or phase it
+    was running and the cause (exception type and message), then that rank's traceback; the
+    secondary failures of the other ranks (a closed connection to the failed peer) follow in one
+    line each.
+
+    Attributes
+    ----------
+    rank : int or None
+        Pipeline rank that failed first.
+    stages : tuple[int, ...]
+        Stages of that rank (the failing action's stage first when known).
+    action : str or None
+        The schedule action it was running (torch's text form, e.g. ``"1F3"``), if any.
+    phase : str or None
+        What the worker was doing (``"capturing the model"``, ``"training step 2"``, ...).
+    cause_type, cause : str or None
+        Type name and message of the worker's exception.
+    """
+
+    def __init__(self, message: str, *, rank=None, stages=(), action=None, phase=None, cause_type=None,
+                 cause=None):
+        super().__init__(message)
+        self.rank = rank
+        self.stages = tuple(stages)
+        self.action = action
+        self.phase = phase
+        self.cause_type = cause_type
+        self.cause = cause
