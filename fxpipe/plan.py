@@ -817,11 +817,11 @@ def graph_signature(graph: OpGraph) -> str:
     that do no work (a ``contiguous`` a meta trace adds). Otherwise (plans saved before the keys,
     hand-made graphs) a hash of the names, kinds and edges.
     """
-    from fxpipe.passes.structure import SKEY, structure_signature
+    from fxpipe.passes.structure import SKEY, graph_preds, structure_signature
 
     ext = graph.extra or ()
     if len(ext) == graph.n and all(SKEY in e for e in ext):
-        return structure_signature([str(e[SKEY]) for e in ext])
+        return structure_signature([str(e[SKEY]) for e in ext], graph_preds(graph))
     h = hashlib.sha256()
     h.update("\x00".join(graph.names).encode())
     h.update("\x00".join(graph.ops).encode())

@@ -21,8 +21,8 @@ structure. This module does that in three steps:
    ``view`` / ``reshape`` / ``expand`` to the same shape, all of one input with the input's
    shape and dtype) get no key; every reference to one is read as a reference to its input.
    The keys do not depend on names or on the order of independent nodes.
-2. :func:`structure_signature`: the hash of the sorted keys, the identity of the graph
-   (:func:`fxpipe.plan.graph_signature` of a graph that carries the keys).
+2. :func:`structure_signature`: the hash of the sorted keys and of the edges as key pairs, the
+   identity of the graph (:func:`fxpipe.plan.graph_signature` of a graph that carries the keys).
 3. :func:`match_nodes` / :func:`map_stage_of`: a one-to-one matching of a plan's nodes (its
    :class:`~fxpipe.ir.OpGraph` with the keys in ``extra[i]["skey"]``) to another capture's
    nodes: equal keys, ties broken in topological order by the already matched inputs, every
@@ -58,6 +58,7 @@ __all__ = [
     "is_trivial",
     "structural_keys",
     "structure_signature",
+    "graph_preds",
     "match_nodes",
     "map_stage_of",
 ]
@@ -225,11 +226,42 @@ def structural_keys(gm: torch.fx.GraphModule) -> dict[str, str]:
     return {n.name: v.keys[n] for n in v.nodes}
 
 
-def structure_signature(keys: Sequence[str]) -> str:
-    """The identity of a graph: a hash of its sorted non-empty structural keys (16 hex digits)."""
+def _through_trivial(keys: Sequence[str], preds: Sequence[Sequence[int]]) -> list[int | None]:
+    """For every node id, the non-trivial node it stands for (a trivial op has at most one input; None
+    for a trivial op of a parameter). ``preds`` lists OpGraph predecessors; ids are topological."""
+    rep: list[int | None] = []
+    for i, k in enumerate(keys):
+        rep.append(i if k else (rep[preds[i][0]] if preds[i] else None))
+    return rep
+
+
+def structure_signature(keys: Sequence[str], preds: Sequence[Sequence[int]]) -> str:
+    """The identity of a graph (16 hex digits), independent of names, node order and trivial ops.
+
+    A hash of the sorted non-empty structural keys and of the sorted data edges between them as
+    key pairs (seen through trivial ops), so an edited edge list changes it too.
+
+    Parameters
+    ----------
+    keys : sequence of str
+        Structural key of every OpGraph node (``""`` for a trivial op), in id order.
+    preds : sequence of sequences of int
+        OpGraph predecessors of every node; ids are a topological order.
+    """
+    rep = _through_trivial(keys, preds)
+    pairs = sorted(f"{keys[r]}>{k}" for i, k in enumerate(keys) if k
+                   for r in {rep[p] for p in preds[i]} if r is not None)
     h = hashlib.sha256(STRUCTURE_VERSION.encode())
     h.update("\x00".join(sorted(k for k in keys if k)).encode())
+    h.update(b"\x01")
+    h.update("\x00".join(pairs).encode())
     return h.hexdigest()[:16]
+
+
+def graph_preds(graph) -> tuple[tuple[int, ...], ...]:
+    """OpGraph predecessors of every node (ids), from its CSR arrays."""
+    return tuple(tuple(int(x) for x in graph.pred_idx[graph.pred_ptr[i]:graph.pred_ptr[i + 1]])
+                 for i in range(graph.n))
 
 
 @dataclass(frozen=True)
@@ -262,8 +294,7 @@ class PlanStructure:
         ext = graph.extra or ()
         if len(ext) != graph.n or not all(SKEY in e for e in ext):
             return None
-        preds = tuple(tuple(int(x) for x in graph.pred_idx[graph.pred_ptr[i]:graph.pred_ptr[i + 1]])
-                      for i in range(graph.n))
+        preds = graph_preds(graph)
         labels = tuple(_label(e.get("target", ""), e.get("module", "")) for e in ext)
         inputs = tuple((graph.names[i], float(graph.size_out_bytes[i])) for i in range(graph.n)
                        if graph.ops[i] == "placeholder")
@@ -351,13 +382,7 @@ def match_nodes(plan: PlanStructure, gm: torch.fx.GraphModule) -> dict[str, str]
             "(same config, same micro-batch shapes), or run fxpipe.compile again"
         )
 
-    # the plan's nodes seen through its trivial ops (a trivial op has at most one OpGraph input)
-    rep: list[int | None] = []
-    for i, k in enumerate(plan.keys):
-        if k:
-            rep.append(i)
-        else:
-            rep.append(rep[plan.preds[i][0]] if plan.preds[i] else None)
+    rep = _through_trivial(plan.keys, plan.preds)  # the plan's nodes seen through its trivial ops
     used: set = set()
     image: dict[int, torch.fx.Node] = {}
     for i, k in enumerate(plan.keys):  # ids are a topological order
