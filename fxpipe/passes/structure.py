@@ -53,6 +53,7 @@ if TYPE_CHECKING:  # torch is imported where a graph is read: loading a plan's s
 
 __all__ = [
     "SKEY",
+    "OPKEY",
     "STRUCTURE_VERSION",
     "PlanStructure",
     "is_trivial",
@@ -65,6 +66,8 @@ __all__ = [
 
 #: ``OpGraph.extra[i]`` key holding node i's structural key (``""``: a trivial op).
 SKEY = "skey"
+#: ``OpGraph.extra[i]`` key holding node i's op key (the node without its wiring).
+OPKEY = "sop"
 #: Bumped whenever the keys change meaning (part of every signature).
 STRUCTURE_VERSION = "fxpipe.structure/1"
 
@@ -155,6 +158,7 @@ class _GraphView:
     keys: dict              # node -> key ("" for a trivial op)
     preds: dict             # node -> frozenset of resolved non-get_attr OpGraph input nodes
     resolve: dict           # node -> the node it stands for (itself unless trivial)
+    ops: dict               # node -> op key: the node alone, its inputs' wiring left out ("" for a trivial op)
 
 
 def _view(gm: torch.fx.GraphModule) -> _GraphView:
@@ -165,6 +169,7 @@ def _view(gm: torch.fx.GraphModule) -> _GraphView:
     for n in nodes:
         resolve[n] = resolve.get(n.args[0], n.args[0]) if _kept(n) and is_trivial(n) else n
     fwd: dict = {}
+    ops: dict = {}
     uses: dict = defaultdict(list)  # resolved node -> [(consumer, position)]
     n_ph = 0
     for n in nodes:
@@ -178,17 +183,19 @@ def _view(gm: torch.fx.GraphModule) -> _GraphView:
             continue
         pos = [0]
 
-        def norm(a, _n=n, _pos=pos):
+        def norm(a, _n=n, _pos=pos, _deep=True):
             if isinstance(a, torch.fx.Node):
                 r = resolve.get(a, a)
+                if not _deep:  # the op key: a parameter by name, any other input as a bare reference
+                    return ("@", fwd.get(r, "?")) if r.op == "get_attr" else ("@",)
                 i = _pos[0]
                 _pos[0] += 1
                 uses[r].append((_n, i))
                 return ("@", fwd.get(r, "?"))
             if isinstance(a, (list, tuple)):
-                return (type(a).__name__, tuple(norm(x) for x in a))
+                return (type(a).__name__, tuple(norm(x, _deep=_deep) for x in a))
             if isinstance(a, dict):
-                return ("dict", tuple((str(k), norm(v)) for k, v in a.items()))
+                return ("dict", tuple((str(k), norm(v, _deep=_deep)) for k, v in a.items()))
             return _const(a)
 
         if n.op == "placeholder":
@@ -199,6 +206,11 @@ def _view(gm: torch.fx.GraphModule) -> _GraphView:
         else:
             label = (n.op, str(n.target), norm(n.args), norm(dict(n.kwargs)), _tensor_sig(n.meta.get("val")))
         fwd[n] = _hash(label)
+        if n.op in ("call_function", "call_module", "call_method"):
+            ops[n] = _hash((n.op, str(n.target), norm(n.args, _deep=False), norm(dict(n.kwargs), _deep=False),
+                            _tensor_sig(n.meta.get("val"))))
+        else:
+            ops[n] = fwd[n]
     keys: dict = {}
     bwd: dict = {}
     for n in reversed(nodes):
@@ -212,18 +224,21 @@ def _view(gm: torch.fx.GraphModule) -> _GraphView:
         keys[n] = bwd[n] if resolve[n] is n else ""
         preds[n] = frozenset(resolve.get(p, p) for p in n.all_input_nodes
                              if resolve.get(p, p).op != "get_attr" and _kept(resolve.get(p, p)))
-    return _GraphView(nodes=tuple(n for n in nodes if _kept(n)), keys=keys, preds=preds, resolve=resolve)
+    return _GraphView(nodes=tuple(n for n in nodes if _kept(n)), keys=keys, preds=preds, resolve=resolve,
+                      ops={n: ops.get(n, "") if keys[n] else "" for n in keys})
 
 
-def structural_keys(gm: torch.fx.GraphModule) -> dict[str, str]:
-    """The structural key of every OpGraph node of ``gm`` (fx node name -> 16 hex digits, ``""`` for a trivial op).
+def structural_keys(gm: torch.fx.GraphModule) -> dict[str, tuple[str, str]]:
+    """The structural key and the op key of every OpGraph node of ``gm`` (fx node name -> pair).
 
     ``gm`` is a captured graph module (:func:`fxpipe.passes.capture.capture`) whose nodes carry
-    ``meta["val"]``. Keys do not depend on node names or on the order of independent nodes; see
-    the module docstring for what they do depend on.
+    ``meta["val"]``. The structural key (16 hex digits, ``""`` for a trivial op) identifies the
+    node with its wiring (see the module docstring); the op key hashes the node alone (fx op,
+    target, constant arguments, parameter names, shapes and dtypes), for saying which ops differ
+    when two graphs do. Neither depends on node names or on the order of independent nodes.
     """
     v = _view(gm)
-    return {n.name: v.keys[n] for n in v.nodes}
+    return {n.name: (v.keys[n], v.ops[n]) for n in v.nodes}
 
 
 def _through_trivial(keys: Sequence[str], preds: Sequence[Sequence[int]]) -> list[int | None]:
@@ -280,6 +295,8 @@ class PlanStructure:
         ``"target in module"`` of each node, for error messages.
     input_bytes : tuple[tuple[str, float], ...]
         Name and bytes (one micro-batch) of every placeholder, for error messages.
+    ops : tuple[str, ...]
+        Op key of each node (``extra[i]["sop"]``; empty for plans without it), for error messages.
     """
 
     names: tuple
@@ -287,6 +304,7 @@ class PlanStructure:
     preds: tuple
     labels: tuple
     input_bytes: tuple = ()
+    ops: tuple = ()
 
     @classmethod
     def from_graph(cls, graph) -> "PlanStructure | None":
@@ -298,7 +316,8 @@ class PlanStructure:
         labels = tuple(_label(e.get("target", ""), e.get("module", "")) for e in ext)
         inputs = tuple((graph.names[i], float(graph.size_out_bytes[i])) for i in range(graph.n)
                        if graph.ops[i] == "placeholder")
-        return cls(tuple(graph.names), tuple(str(e[SKEY]) for e in ext), preds, labels, inputs)
+        return cls(tuple(graph.names), tuple(str(e[SKEY]) for e in ext), preds, labels, inputs,
+                   tuple(str(e.get(OPKEY, "")) for e in ext))
 
 
 def _label(target: str, module: str) -> str:
@@ -306,6 +325,13 @@ def _label(target: str, module: str) -> str:
     m = re.match(r"<(?:built-in )?function (\w+)", target)
     target = m.group(1) if m else target.replace("aten.", "").replace(".default", "")
     return f"{target} in {module}" if module else target
+
+
+def _shape_text(v: Any) -> str:
+    sig = _tensor_sig(v)
+    if isinstance(sig, tuple) and sig and sig[0] == "T":
+        return f"{list(sig[1])} {sig[2].replace('torch.', '')}"
+    return str(sig)
 
 
 def _bytes(v: Any) -> float:
@@ -322,29 +348,38 @@ def _node_label(n: torch.fx.Node) -> str:
 
 
 def _difference(plan: PlanStructure, view: _GraphView) -> str:
-    """What differs, in words: the counts, the ops one side lacks (by target and module), else
-    the example inputs' sizes, else shapes / parameters / wiring of the same ops."""
+    """What differs, in words: the counts, then the example inputs' sizes, else the ops one side
+    lacks (by target and module), else the ops that differ alone (this capture's shapes and dtypes),
+    the first in program order first."""
     plan_ops = Counter(plan.labels[i] for i, k in enumerate(plan.keys) if k)
     here_ops = Counter(_node_label(n) for n in view.nodes if view.keys[n])
-    only_plan, only_here = plan_ops - here_ops, here_ops - plan_ops
 
     def show(c: Counter) -> str:
-        items = [f"{k} (x{v})" if v > 1 else k for k, v in c.most_common(4)]
+        items = [f"{k} (x{v})" if v > 1 else k for k, v in list(c.items())[:4]]
         return f"{sum(c.values())} ops: " + ", ".join(items) + (f" and {len(c) - 4} more kinds" if len(c) > 4 else "")
 
     text = (f"the plan's graph has {sum(plan_ops.values())} ops, this capture {sum(here_ops.values())} (not counting "
             "ops that do no work, such as contiguous)")
-    if only_plan or only_here:
-        parts = ([f"the plan has {show(only_plan)} that this capture lacks"] if only_plan else []) + \
-                ([f"this capture has {show(only_here)} that the plan lacks"] if only_here else [])
-        return f"{text}; no counterpart for some: " + "; ".join(parts)
     here_in = [(n.name, _bytes(n.meta.get("val"))) for n in view.nodes if n.op == "placeholder"]
     sizes = [f"input {a!r} has {int(y)} bytes per micro-batch here, {int(x)} in the plan"
              for (a, x), (_, y) in zip(plan.input_bytes, here_in) if x != y]
     if sizes:
         return f"{text}; other example input shapes: " + "; ".join(sizes[:3])
-    return (f"{text}; no counterpart for some: the same ops with other shapes, dtypes, parameter names or wiring "
-            "(another width or config?)")
+    only_plan, only_here = plan_ops - here_ops, here_ops - plan_ops
+    with_ops = len(plan.ops) == len(plan.keys) and all(o for o, k in zip(plan.ops, plan.keys) if k)
+    if not (only_plan or only_here) and with_ops:
+        # the same ops by target and module: compare them alone (shapes, dtypes, arguments, parameters)
+        mine = Counter(view.ops[n] for n in view.nodes if view.keys[n])
+        theirs = Counter(o for o, k in zip(plan.ops, plan.keys) if k)
+        extra, missing = mine - theirs, theirs - mine
+        only_plan = Counter(plan.labels[i] for i, o in enumerate(plan.ops) if plan.keys[i] and o in missing)
+        only_here = Counter(f"{_node_label(n)} -> {_shape_text(n.meta.get('val'))}" for n in view.nodes
+                            if view.keys[n] and view.ops[n] in extra)
+    if only_plan or only_here:
+        parts = ([f"the plan has {show(only_plan)} that this capture lacks"] if only_plan else []) + \
+                ([f"this capture has {show(only_here)} that the plan lacks"] if only_here else [])
+        return f"{text}; no counterpart for some: " + "; ".join(parts)
+    return f"{text}; the same ops, wired differently"
 
 
 def match_nodes(plan: PlanStructure, gm: torch.fx.GraphModule) -> dict[str, str]:

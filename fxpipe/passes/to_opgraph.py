@@ -16,10 +16,11 @@ Node mapping (what codegen and the partition baselines rely on):
   pair of OpGraph nodes; dependencies through ``get_attr`` are not edges.
 * ``extra[i]``: ``{"module": innermost nn_module_stack path with the wrapper prefix
   stripped (e.g. "transformer.h.3.mlp.c_fc"), "target": str(node.target), "flops": float,
-  "kind": OpCost.kind, "num_params": int, "skey": str}``; ``num_params`` counts the parameters whose bytes
-  are in ``size_param_bytes`` (what :mod:`fxpipe.memory` charges bytes per parameter for);
-  ``skey`` is the node's structural key (:func:`fxpipe.passes.structure.structural_keys`,
-  ``""`` for an op that does no work), the graph's identity independent of node names.
+  "kind": OpCost.kind, "num_params": int, "skey": str, "sop": str}``; ``num_params`` counts the
+  parameters whose bytes are in ``size_param_bytes`` (what :mod:`fxpipe.memory` charges bytes per
+  parameter for); ``skey`` and ``sop`` are the node's structural key and op key
+  (:func:`fxpipe.passes.structure.structural_keys`, ``""`` for an op that does no work): the
+  graph's identity independent of node names, and what names the ops that differ.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from fxpipe.errors import InputError
 from fxpipe.ir import OpGraph
 from fxpipe.passes.annotate import COST_KEY, AnnotateCosts
 from fxpipe.passes.capture import MODULE_PREFIX_KEY, Captured, capture, getattr_path
-from fxpipe.passes.structure import SKEY, structural_keys
+from fxpipe.passes.structure import OPKEY, SKEY, structural_keys
 
 #: fx ops that become OpGraph nodes.
 OPGRAPH_FX_OPS = ("placeholder", "call_function", "call_module", "call_method", "output")
@@ -117,7 +118,7 @@ def to_opgraph(gm: torch.fx.GraphModule, hardware: str | HardwareSpec = "h100-sx
             cols[key].append(float(getattr(cost, key)))
         extra.append({"module": module_path(node, prefix), "target": str(node.target),
                       "flops": float(cost.flops), "kind": cost.kind, "num_params": int(numel.get(node.name, 0)),
-                      SKEY: skeys[node.name]})
+                      SKEY: skeys[node.name][0], OPKEY: skeys[node.name][1]})
         v = index[node]
         for inp in node.all_input_nodes:
             u = index.get(inp)
