@@ -161,3 +161,27 @@ def test_worker_failure_names_rank_stage_action_and_cause():
     assert (err.rank, err.stages[0], err.action, err.cause_type) == (1, 1, "1F0", "ValueError")
     assert "traceback of rank 1" in str(err)
 
+
+
+def test_the_real_failure_leads_even_when_a_lost_connection_came_first(tmp_path):
+    """Rank 0's lost connection is reported before rank 1's real error: rank 1 leads. A rank killed
+    without a report (a signal) leads over the others' lost connections."""
+    import json
+
+    from fxpipe.codegen.launch import _worker_error
+
+    def report(rank, t, typ, msg, **kw):
+        doc = {"rank": rank, "run": 0, "phase": "training step 1", "stages": [rank], "action": None, "type": typ,
+               "message": msg, "traceback": f"Traceback ...\n{typ}: {msg}", "time": t, **kw}
+        (tmp_path / f"rank{rank}.err").write_text(json.dumps(doc))
+
+    report(0, 1.0, "RuntimeError", "[../gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:1234")
+    report(1, 2.0, "InputError", "stage_of is not monotone", action="1B3")
+    err = _worker_error(str(tmp_path), 0, "fallback")
+    first = str(err).splitlines()[0]
+    assert first == ("pipeline worker rank 1 (stage 1, action 1B3 of training step 1, run 0) failed: "
+                     "InputError: stage_of is not monotone")
+    assert "rank 0 lost its connection" in str(err)
+    (tmp_path / "rank1.err").unlink()
+    err = _worker_error(str(tmp_path), 1, "the process exited abnormally: process 1 terminated with signal SIGKILL")
+    assert str(err).startswith("pipeline worker rank 1 failed: the process exited abnormally") and err.rank == 1

@@ -744,8 +744,11 @@ def _worker_error(out_dir: str, failed_rank: int | None, fallback: str) -> Worke
     the earliest first; the other ranks' causes follow in one line each.
     """
     reports = _reports(out_dir)
-    if not reports:
-        return WorkerError(f"pipeline worker rank {failed_rank} failed: {fallback}", rank=failed_rank)
+    if all(_secondary(r) and r.get("rank") != failed_rank for r in reports):
+        # the failed rank left no report (killed by a signal, out of memory): it is the first failure
+        lost = f"; ranks {', '.join(str(r['rank']) for r in reports)} lost their connection to it" if reports else ""
+        return WorkerError(f"pipeline worker rank {failed_rank} failed: {fallback}{lost}", rank=failed_rank,
+                           cause=fallback)
     primary = min(reports, key=lambda r: (_secondary(r), r.get("time", 0.0)))
     where, stages = _describe(primary)
     cause = f"{primary['type']}: {primary['message']}".strip()
