@@ -18,9 +18,9 @@ structure. This module does that in three steps:
      (backward hash), so two equal computations feeding different consumers differ.
 
    Ops that do no work (:func:`is_trivial`: ``contiguous``, ``alias``, ``clone``, a
-   ``view`` / ``reshape`` / ``expand`` to the same shape, all of one input with the input's
-   shape and dtype) get no key; every reference to one is read as a reference to its input.
-   The keys do not depend on names or on the order of independent nodes.
+   ``view`` / ``reshape`` / ``expand`` to the same shape, a ``to`` that keeps the dtype, all of
+   one input with the input's shape and dtype) get no key; every reference to one is read as a
+   reference to its input. The keys do not depend on names or on the order of independent nodes.
 2. :func:`structure_signature`: the hash of the sorted keys and of the edges as key pairs, the
    identity of the graph (:func:`fxpipe.plan.graph_signature` of a graph that carries the keys).
 3. :func:`match_nodes` / :func:`map_stage_of`: a one-to-one matching of a plan's nodes (its
@@ -87,8 +87,10 @@ def _trivial_ops() -> frozenset:
     the output shape equals the input's."""
     import torch
 
-    names = ("contiguous", "alias", "clone", "lift_fresh_copy", "view", "reshape", "_unsafe_view", "expand")
-    ops = (getattr(getattr(torch.ops.aten, n, None), "default", None) for n in names)
+    names = [(n, "default") for n in ("contiguous", "alias", "clone", "lift_fresh_copy", "view", "reshape",
+                                       "_unsafe_view", "expand")]
+    names += [("to", o) for o in ("dtype", "device", "dtype_layout")]  # a no-op or a move between devices
+    ops = (getattr(getattr(torch.ops.aten, n, None), o, None) for n, o in names)
     return frozenset(op for op in ops if op is not None)
 
 
@@ -109,10 +111,10 @@ def _tensor_sig(v: Any) -> Any:
 def is_trivial(node: torch.fx.Node) -> bool:
     """True for an op that does no work on its value (see the module docstring).
 
-    A ``call_function`` of ``contiguous`` / ``alias`` / ``clone`` / ``lift_fresh_copy`` or of a
-    ``view`` / ``reshape`` / ``_unsafe_view`` / ``expand`` whose output has its input's shape,
-    with exactly one node input whose recorded value (``meta["val"]``) has the same shape and
-    dtype as the output's.
+    A ``call_function`` of ``contiguous`` / ``alias`` / ``clone`` / ``lift_fresh_copy``, of a
+    ``view`` / ``reshape`` / ``_unsafe_view`` / ``expand`` or of a ``to`` (``dtype``, ``device``,
+    ``dtype_layout``) with exactly one node input whose recorded value (``meta["val"]``) has the
+    output's shape and dtype (a ``to`` may move between devices: not a different model).
     """
     import torch
 
