@@ -51,11 +51,14 @@ class WorkerError(FxpipeError, RuntimeError):
         What the worker was doing (``"capturing the model"``, ``"training step 2"``, ...).
     cause_type, cause : str or None
         Type name and message of the worker's exception.
+    summary : str
+        The message without the traceback (what the CLI prints).
     """
 
     def __init__(self, message: str, *, rank=None, stages=(), action=None, phase=None, cause_type=None,
-                 cause=None):
+                 cause=None, summary: str | None = None):
         super().__init__(message)
+        self.summary = summary if summary is not None else message
         self.rank = rank
         self.stages = tuple(stages)
         self.action = action

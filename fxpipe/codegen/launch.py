@@ -759,9 +759,11 @@ def _worker_error(out_dir: str, failed_rank: int | None, fallback: str) -> Worke
             f"rank {r['rank']} " + ("lost its connection to the failed rank" if _secondary(r) else
                                     f"failed too ({r['type']}: {str(r['message']).splitlines()[0][:200] if r['message'] else ''})")
             for r in others))
+    summary = "\n".join(lines)
     lines.append(f"--- traceback of rank {primary['rank']} ---\n{primary['traceback'].rstrip()}")
     return WorkerError("\n".join(lines), rank=primary.get("rank"), stages=stages, action=primary.get("action"),
-                       phase=primary.get("phase"), cause_type=primary.get("type"), cause=primary.get("message"))
+                       phase=primary.get("phase"), cause_type=primary.get("type"), cause=primary.get("message"),
+                       summary=summary)
 
 
 def _gather(out_dir: str, world: int, idx: int, wall: float) -> TrainResult:
