@@ -42,3 +42,39 @@ class PlanWarning(UserWarning):
     """A plan that runs but wastes devices (stages with almost no work, fewer micro-batches than
     devices); the message says what would be better. ``fxpipe.compile`` warns with it and
     ``Plan.summary()`` repeats it (``Plan.waste_warnings()``)."""
+
+
+class WorkerError(FxpipeError, RuntimeError):
+    """A pipeline worker process failed (:func:`fxpipe.codegen.launch.spawn_train_many`).
+
+    The message leads with the first real failure: the rank, its stages, the action or phase it
+    was running and the cause (exception type and message), then that rank's traceback; the
+    secondary failures of the other ranks (a closed connection to the failed peer) follow in one
+    line each.
+
+    Attributes
+    ----------
+    rank : int or None
+        Pipeline rank that failed first.
+    stages : tuple[int, ...]
+        Stages of that rank (the failing action's stage first when known).
+    action : str or None
+        The schedule action it was running (torch's text form, e.g. ``"1F3"``), if any.
+    phase : str or None
+        What the worker was doing (``"capturing the model"``, ``"training step 2"``, ...).
+    cause_type, cause : str or None
+        Type name and message of the worker's exception.
+    summary : str
+        The message without the traceback (what the CLI prints).
+    """
+
+    def __init__(self, message: str, *, rank=None, stages=(), action=None, phase=None, cause_type=None,
+                 cause=None, summary: str | None = None):
+        super().__init__(message)
+        self.summary = summary if summary is not None else message
+        self.rank = rank
+        self.stages = tuple(stages)
+        self.action = action
+        self.phase = phase
+        self.cause_type = cause_type
+        self.cause = cause

@@ -176,7 +176,6 @@ def run_matrix(
     from fxpipe import zoo
     from fxpipe.codegen.compare import compare_training
     from fxpipe.codegen.launch import RunError, reference_train, spawn_train_many
-    from fxpipe.plan import _PlanStageOf
 
     say = log or (lambda msg: None)
     names = list(models) if models is not None else zoo.names()
@@ -216,7 +215,7 @@ def run_matrix(
                 continue
             for s in schedules:
                 runs.append(dict(make_model=zm, make_batch=zm.batch, loss=zm.loss,
-                                 stage_of=_PlanStageOf(plans[s].stage_of), orders=plans[s].orders(),
+                                 stage_of=plans[s].worker_stage_of(), orders=plans[s].orders(),
                                  num_microbatches=microbatches, steps=steps, lr=lr, model_key=n))
                 keys.append((n, s))
             planned.append(n)

@@ -198,6 +198,7 @@ class Plan:
     device_table: list[DeviceStats] = field(default_factory=list)
     memory: MemoryModel = field(default_factory=MemoryModel)
     _captured: Any = field(default=None, repr=False, compare=False)
+    _captured_stage_of: Any = field(default=None, repr=False, compare=False)  # stage map by _captured's names
 
     # ------------------------------------------------------------------ placement
     @property
@@ -598,13 +599,53 @@ class Plan:
         from fxpipe.passes import trace_model
 
         traced = trace_model(model, tuple(args), dict(kwargs or {}), hardware=self.hardware, name=self.name)
-        if graph_signature(traced.graph) != self.graph_signature:
-            raise InputError(
-                "the model's captured graph differs from the one this plan was made for "
-                "(different model, config or example input shapes): run fxpipe.compile again"
-            )
-        self._captured = traced
+        self.adopt_capture(traced)
         return traced
+
+    def adopt_capture(self, traced) -> None:
+        """Use ``traced`` (another process's or device's capture of the model) for :meth:`build`.
+
+        The plan's nodes are matched to ``traced``'s by structure
+        (:func:`fxpipe.passes.structure.match_nodes`): node names, the order of independent
+        nodes (a model iterating over a ``set``, traced under another ``PYTHONHASHSEED``) and ops
+        that do no work (a ``contiguous`` a ``meta`` trace adds) may differ; :meth:`build` then
+        runs exactly the planned partition on ``traced``'s nodes.
+
+        Raises
+        ------
+        InputError
+            If ``traced`` is not the graph the plan was made for (another layer count, width,
+            input shape...): the message names the ops that differ.
+        """
+        from fxpipe.passes.structure import PlanStructure, map_stage_of
+
+        structure = PlanStructure.from_graph(self.graph)
+        if structure is None:  # a plan saved before structural keys: names must agree
+            if graph_signature(traced.graph) != self.graph_signature:
+                raise InputError(
+                    "the model's captured graph differs from the one this plan was made for "
+                    "(different model, config or example input shapes): run fxpipe.compile again"
+                )
+            stage_map = dict(self.stage_of)
+        else:
+            stage_map = map_stage_of(structure, self.stage_of, traced.gm)
+        self._captured = traced
+        self._captured_stage_of = stage_map
+
+    def captured_stage_of(self) -> dict[str, int]:
+        """The stage map keyed by the node names of :meth:`captured` (``stage_of`` for the plan's own capture)."""
+        return dict(self._captured_stage_of) if self._captured_stage_of is not None else dict(self.stage_of)
+
+    def worker_stage_of(self) -> "_PlanStageOf":
+        """A picklable ``gm -> stage map`` for worker processes that capture the model themselves.
+
+        Matches each worker's capture to the plan by structure (:meth:`adopt_capture`), so every
+        worker runs exactly the planned partition whatever its hash seed or device; use it as the
+        ``stage_of`` of :func:`fxpipe.codegen.launch.spawn_train_many` runs.
+        """
+        from fxpipe.passes.structure import PlanStructure
+
+        return _PlanStageOf(dict(self.stage_of), PlanStructure.from_graph(self.graph))
 
     def recompute_stages(self) -> tuple[int, ...]:
         """Stages the schedule problem marks for activation recomputation (``problem.recompute``)."""
@@ -678,7 +719,7 @@ class Plan:
                                  model=model if model is not None else getattr(traced, "model", None))
         return build_pipeline_rank(
             traced.gm,
-            self.stage_of,
+            self.captured_stage_of(),
             int(rank),
             self.orders(),
             num_microbatches=self.microbatches,
@@ -751,7 +792,7 @@ class Plan:
             device_table=device_stats(self.graph, self.partition, problem, sched, self.objective, self.memory),
             timings_s={**self.timings_s, "schedule": time.perf_counter() - t0},
             graph_signature=self.graph_signature, options={**self.options, "schedule": schedule},
-            memory=self.memory, _captured=self._captured,
+            memory=self.memory, _captured=self._captured, _captured_stage_of=self._captured_stage_of,
         )
 
     def train_local(
@@ -825,7 +866,7 @@ class Plan:
             rnd = [str(o) for o in random_ops(self._captured.gm)]
             random_ops_warning(rnd)
         t0 = time.perf_counter()
-        run = dict(make_model=make_model, stage_of=_PlanStageOf(self.stage_of), orders=self.orders(),
+        run = dict(make_model=make_model, stage_of=self.worker_stage_of(), orders=self.orders(),
                    num_microbatches=self.microbatches, make_batch=make_batch, steps=steps, lr=lr, loss=loss, seed=seed,
                    recompute_stages=self.recompute_stages(), compile_stages=self._compile_stages(compile_stages))
         res = spawn_train_many([run], world_size=self.devices, timeout_s=timeout_s, warn_random=rnd is None,
@@ -853,11 +894,22 @@ class Plan:
 
 @dataclass(frozen=True)
 class _PlanStageOf:
-    """Picklable ``gm -> stage_of`` for workers: checks the worker's capture matches the plan."""
+    """Picklable ``gm -> stage_of`` for workers: the plan's stage map for the worker's own capture.
+
+    With the plan's structure (:meth:`Plan.worker_stage_of`), the worker's nodes are matched to
+    the plan's by structure (:func:`fxpipe.passes.structure.map_stage_of`): node names and the
+    order of independent nodes may differ between processes (``PYTHONHASHSEED``). Without it,
+    the names must agree.
+    """
 
     stage_of: dict
+    structure: Any = None
 
     def __call__(self, gm) -> dict:
+        if self.structure is not None:
+            from fxpipe.passes.structure import map_stage_of
+
+            return map_stage_of(self.structure, self.stage_of, gm)
         names = {n.name for n in gm.graph.nodes if n.op != "get_attr"}
         missing = sorted(set(self.stage_of) - names)
         extra = sorted(names - set(self.stage_of))
@@ -871,7 +923,19 @@ class _PlanStageOf:
 
 
 def graph_signature(graph: OpGraph) -> str:
-    """A short hash of the graph's structure (names, kinds, edges); costs are not included."""
+    """A short hash of the graph's structure; costs are not included.
+
+    For a graph exported by :func:`fxpipe.passes.to_opgraph.to_opgraph` (every node has a
+    structural key, ``extra[i]["skey"]``): :func:`fxpipe.passes.structure.structure_signature`,
+    independent of node names, of the order of independent nodes (``PYTHONHASHSEED``) and of ops
+    that do no work (a ``contiguous`` a meta trace adds). Otherwise (plans saved before the keys,
+    hand-made graphs) a hash of the names, kinds and edges.
+    """
+    from fxpipe.passes.structure import SKEY, graph_preds, structure_signature
+
+    ext = graph.extra or ()
+    if len(ext) == graph.n and all(SKEY in e for e in ext):
+        return structure_signature([str(e[SKEY]) for e in ext], graph_preds(graph))
     h = hashlib.sha256()
     h.update("\x00".join(graph.names).encode())
     h.update("\x00".join(graph.ops).encode())

@@ -94,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
             sys.stdout.flush()
         return code
     except FxpipeError as exc:
-        print(f"fxpipe {args.command}: error: {exc}", file=sys.stderr)
+        # a worker failure: its rank, stage, action and cause, without the worker's traceback
+        print(f"fxpipe {args.command}: error: {getattr(exc, 'summary', None) or exc}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # output piped into `head` and closed: not an error of ours
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -19,7 +19,9 @@ tensors for gradients/parameters/buffers; test plumbing only, never an fxpipe ou
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
 import socket
 import sys
 import tempfile
@@ -33,7 +35,7 @@ import torch
 
 from fxpipe.codegen.actions import check_orders
 from fxpipe.codegen.interface import ModelInputs, as_call, call_model, split_microbatches
-from fxpipe.errors import InputError
+from fxpipe.errors import InputError, WorkerError
 from fxpipe.ir.schedule import Orders
 
 __all__ = [
@@ -231,15 +233,22 @@ def _capture_key(run: Mapping[str, Any]):
     return (run.get("model_key", id(run["make_model"])), run["seed"], run["num_microbatches"], run.get("state") is not None)
 
 
-def _run_one(rank: int, world: int, run: dict, out_dir: str, idx: int, cache: dict, groups: dict) -> None:
-    """One training run inside an initialised process group (this rank runs its stages of the placement)."""
+def _run_one(rank: int, world: int, run: dict, out_dir: str, idx: int, cache: dict, groups: dict,
+             where: dict | None = None) -> None:
+    """One training run inside an initialised process group (this rank runs its stages of the placement).
+
+    ``where`` is updated with what the worker is doing (``phase``, ``stages``), for its error report.
+    """
     from fxpipe.codegen.effects import random_ops
     from fxpipe.codegen.rank import build_rank
     from fxpipe.codegen.split import split_stages
 
+    where = where if where is not None else {}
     m = run["num_microbatches"]
     orders = run["orders"]
     S = orders.num_stages
+    where["stages"] = [s for s in range(S) if orders.device_of_stage[s] == rank]
+    where["phase"] = "capturing the model"
     key = _capture_key(run)
     cap = cache.get("captured")
     state = run.get("state")  # per-rank materialization: the model is built on meta (fxpipe.codegen.materialize)
@@ -268,11 +277,14 @@ def _run_one(rank: int, world: int, run: dict, out_dir: str, idx: int, cache: di
         cap.output_precision = output_precision(gm)
     stage_of = run["stage_of"]
     if callable(stage_of):
+        where["phase"] = "matching its capture to the plan"
         stage_of = stage_of(gm)
     skey = (S, tuple(sorted(stage_of.items())))
+    where["phase"] = "splitting the graph into stages"
     if skey not in cap.staged:
         cap.staged[skey] = split_stages(gm, stage_of, S)
     staged = cap.staged[skey]
+    where["phase"] = "building its stages and schedule"
     loss_fn = _loss_fn(run["loss"])
     source = None
     if state is not None:
@@ -296,6 +308,7 @@ def _run_one(rank: int, world: int, run: dict, out_dir: str, idx: int, cache: di
     grads: dict[str, torch.Tensor | None] = {}
     t0 = time.perf_counter()
     for step in range(run["steps"]):
+        where["phase"] = f"training step {step}"
         inputs, target = run["make_batch"](step)
         if opt is not None:
             opt.zero_grad(set_to_none=True)
@@ -310,6 +323,7 @@ def _run_one(rank: int, world: int, run: dict, out_dir: str, idx: int, cache: di
         if rank == 0 and run.get("report_progress"):
             _write_progress(out_dir, idx, step + 1)
     wall = time.perf_counter() - t0
+    where["phase"] = "writing its results"
     stash = getattr(sched, "fxpipe_stash", None)
     mat = getattr(sched, "fxpipe_materialized", None)
     if state is not None:
@@ -353,6 +367,19 @@ def _run_one(rank: int, world: int, run: dict, out_dir: str, idx: int, cache: di
         )
 
 
+class _ActionLog(logging.Handler):
+    """Keeps the action torch's schedule runtime reports when an action raises (and silences its schedule dump)."""
+
+    def __init__(self):
+        super().__init__(logging.ERROR)
+        self.action: str | None = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        msg = str(record.msg)
+        if "caught" in msg and "action" in msg and record.args and isinstance(record.args, tuple):
+            self.action = str(record.args[-1])
+
+
 def _worker(rank: int, cfg: dict) -> None:
     import torch.distributed as dist
 
@@ -360,6 +387,11 @@ def _worker(rank: int, cfg: dict) -> None:
     out_dir = cfg["out_dir"]
     world = cfg["world_size"]
     idx = -1
+    where: dict = {"phase": "joining the process group", "stages": []}
+    actions = _ActionLog()
+    sched_log = logging.getLogger("torch.distributed.pipelining.schedules")
+    sched_log.addHandler(actions)
+    sched_log.propagate = False  # the worker's error report names the action; no schedule dump on stderr
     try:
         dist.init_process_group(
             "gloo", init_method=cfg["init_method"], rank=rank, world_size=world,
@@ -369,11 +401,16 @@ def _worker(rank: int, cfg: dict) -> None:
         cache: dict = {}
         groups: dict = {}
         for idx, run in cfg["runs"]:
-            _run_one(rank, world, run, out_dir, idx, cache, groups)
+            actions.action = None
+            _run_one(rank, world, run, out_dir, idx, cache, groups, where)
+            where["phase"] = "waiting for the other ranks at the end of the run"
             dist.barrier()
-    except BaseException:
+    except BaseException as exc:
+        report = {"rank": rank, "run": idx, "phase": where.get("phase"), "stages": list(where.get("stages", [])),
+                  "action": actions.action, "type": type(exc).__name__, "message": str(exc),
+                  "traceback": traceback.format_exc(), "time": time.time()}
         with open(os.path.join(out_dir, f"rank{rank}.err"), "w") as f:
-            f.write(f"run {idx}\n{traceback.format_exc()}")
+            json.dump(report, f)
         raise
     finally:
         if dist.is_initialized():
@@ -441,8 +478,10 @@ def spawn_train(
     InputError
         Before any worker starts: orders that are not :class:`~fxpipe.ir.Orders`, are
         incomplete or deadlock, or whose number of devices is not ``world_size``.
-    RuntimeError
-        If a worker fails (the message carries its traceback).
+    WorkerError
+        If a worker fails (:class:`fxpipe.errors.WorkerError`, also a ``RuntimeError``): the
+        message leads with the first real failure (rank, stage, action or phase, cause), not
+        the lost connections of the other ranks, and carries its traceback.
     TimeoutError
         If the run exceeds ``timeout_s``.
     """
@@ -653,9 +692,9 @@ def _start_and_join(mp, cfg: dict, world_size: int, timeout_s: float | None, run
         errs = _errors(out_dir)
         if "EADDRINUSE" in errs or "EADDRINUSE" in str(exc):
             raise _PortTaken() from None
-        raise RuntimeError(f"a pipeline worker failed:{errs}\n{exc}") from None
+        raise _worker_error(out_dir, exc.error_index, str(exc)) from None
     except mp.ProcessExitedException as exc:
-        raise RuntimeError(f"a pipeline worker exited abnormally: {exc}{_errors(out_dir)}") from None
+        raise _worker_error(out_dir, exc.error_index, f"the process exited abnormally: {exc}") from None
     finally:
         for p in ctx.processes:
             if p.is_alive():
@@ -664,13 +703,78 @@ def _start_and_join(mp, cfg: dict, world_size: int, timeout_s: float | None, run
             p.join(5)
 
 
-def _errors(out_dir: str) -> str:
-    msgs = []
+def _reports(out_dir: str) -> list[dict]:
+    """The workers' error reports (``rank{r}.err``, written by :func:`_worker`), by rank."""
+    out = []
     for name in sorted(os.listdir(out_dir)):
         if name.endswith(".err"):
-            with open(os.path.join(out_dir, name)) as f:
-                msgs.append(f"\n--- {name[:-4]} ---\n{f.read()}")
-    return "".join(msgs)
+            try:
+                with open(os.path.join(out_dir, name)) as f:
+                    out.append(json.load(f))
+            except (OSError, ValueError):  # a report being written as the worker was stopped
+                continue
+    return sorted(out, key=lambda r: r.get("rank", 0))
+
+
+def _errors(out_dir: str) -> str:
+    """Every worker's error report, its traceback included (for time-outs and retries)."""
+    return "".join(f"\n--- rank {r['rank']} ---\n{r['traceback']}" for r in _reports(out_dir))
+
+
+#: Worker errors that follow another rank's failure (its process closed the connection).
+_SECONDARY = re.compile(r"connection closed by peer|connection reset by peer|broken pipe|econnreset|"
+                        r"socket closed|read error|enotconn|epipe", re.I)
+
+
+def _secondary(report: Mapping[str, Any]) -> bool:
+    return bool(_SECONDARY.search(f"{report.get('type', '')}: {report.get('message', '')}"))
+
+
+def _describe(report: Mapping[str, Any]) -> tuple[str, tuple[int, ...]]:
+    """``"rank 1 (stage 3, action 3F0 of training step 0, run 0)"`` and the stages (the action's first)."""
+    stages = tuple(int(s) for s in report.get("stages") or ())
+    action = report.get("action")
+    m = re.match(r"\s*(\d+)", str(action or ""))
+    if m:
+        stages = (int(m.group(1)),) + tuple(s for s in stages if s != int(m.group(1)))
+    parts = []
+    if stages:
+        parts.append(("stage " if action or len(stages) == 1 else "stages ")
+                     + (str(stages[0]) if action else ", ".join(map(str, stages))))
+    what = f"action {action} of {report.get('phase')}" if action else str(report.get("phase") or "starting")
+    parts.append(what)
+    if int(report.get("run", -1)) >= 0:
+        parts.append(f"run {report['run']}")
+    return f"rank {report.get('rank')} ({', '.join(parts)})", stages
+
+
+def _worker_error(out_dir: str, failed_rank: int | None, fallback: str) -> WorkerError:
+    """The first real worker failure as a :class:`~fxpipe.errors.WorkerError`.
+
+    Among the ranks' reports, a failure that is not a lost connection to a failed peer wins,
+    the earliest first; the other ranks' causes follow in one line each.
+    """
+    reports = _reports(out_dir)
+    if all(_secondary(r) and r.get("rank") != failed_rank for r in reports):
+        # the failed rank left no report (killed by a signal, out of memory): it is the first failure
+        lost = f"; ranks {', '.join(str(r['rank']) for r in reports)} lost their connection to it" if reports else ""
+        return WorkerError(f"pipeline worker rank {failed_rank} failed: {fallback}{lost}", rank=failed_rank,
+                           cause=fallback)
+    primary = min(reports, key=lambda r: (_secondary(r), r.get("time", 0.0)))
+    where, stages = _describe(primary)
+    cause = f"{primary['type']}: {primary['message']}".strip()
+    lines = [f"pipeline worker {where} failed: {cause}"]
+    others = [r for r in reports if r is not primary]
+    if others:
+        lines.append("other ranks: " + "; ".join(
+            f"rank {r['rank']} " + ("lost its connection to the failed rank" if _secondary(r) else
+                                    f"failed too ({r['type']}: {str(r['message']).splitlines()[0][:200] if r['message'] else ''})")
+            for r in others))
+    summary = "\n".join(lines)
+    lines.append(f"--- traceback of rank {primary['rank']} ---\n{primary['traceback'].rstrip()}")
+    return WorkerError("\n".join(lines), rank=primary.get("rank"), stages=stages, action=primary.get("action"),
+                       phase=primary.get("phase"), cause_type=primary.get("type"), cause=primary.get("message"),
+                       summary=summary)
 
 
 def _gather(out_dir: str, world: int, idx: int, wall: float) -> TrainResult:

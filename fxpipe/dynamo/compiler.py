@@ -268,7 +268,7 @@ class _GraphCompiler:
 
         import fxpipe
         from fxpipe.passes import trace_model
-        from fxpipe.plan import Plan, graph_signature
+        from fxpipe.plan import Plan
 
         rank = self._rank()
         src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
@@ -291,10 +291,12 @@ class _GraphCompiler:
             plan = Plan.from_dict(doc["plan"], source="the plan broadcast by rank 0")
             with torch.enable_grad():
                 traced = trace_model(self.lifted, mb, {}, hardware=_hardware_for_capture(plan), name=plan.name)
-            if graph_signature(traced.graph) != plan.graph_signature:
+            try:  # by structure: node names may differ between ranks (PYTHONHASHSEED, meta vs real tensors)
+                plan.adopt_capture(traced)
+            except InputError as exc:
                 raise InputError(f"rank {rank} captured a different graph than rank 0 (other input shapes or another "
-                                 "model?): every rank must run the same model on inputs of the same shapes")
-            plan._captured = traced
+                                 f"model?): every rank must run the same model on inputs of the same shapes ({exc})"
+                                 ) from None
         return plan
 
     # ------------------------------------------------------------------ execution
@@ -377,7 +379,7 @@ class _GraphCompiler:
         from fxpipe.codegen.inference import InferencePipeline, stage_runner
         from fxpipe.codegen.split import split_stages
 
-        staged = split_stages(plan.captured().gm, plan.stage_of, plan.num_stages)
+        staged = split_stages(plan.captured().gm, plan.captured_stage_of(), plan.num_stages)
         if not self.pipelined:
             modules = [stage_runner(staged, s, compile_stages=self.opts.compile_stages) for s in range(staged.num_stages)]
             return ("stages", staged, modules, plan.microbatches)

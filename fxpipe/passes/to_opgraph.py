@@ -16,8 +16,11 @@ Node mapping (what codegen and the partition baselines rely on):
   pair of OpGraph nodes; dependencies through ``get_attr`` are not edges.
 * ``extra[i]``: ``{"module": innermost nn_module_stack path with the wrapper prefix
   stripped (e.g. "transformer.h.3.mlp.c_fc"), "target": str(node.target), "flops": float,
-  "kind": OpCost.kind, "num_params": int}``; ``num_params`` counts the parameters whose bytes
-  are in ``size_param_bytes`` (what :mod:`fxpipe.memory` charges bytes per parameter for).
+  "kind": OpCost.kind, "num_params": int, "skey": str, "sop": str}``; ``num_params`` counts the
+  parameters whose bytes are in ``size_param_bytes`` (what :mod:`fxpipe.memory` charges bytes per
+  parameter for); ``skey`` and ``sop`` are the node's structural key and op key
+  (:func:`fxpipe.passes.structure.structural_keys`, ``""`` for an op that does no work): the
+  graph's identity independent of node names, and what names the ops that differ.
   A node whose output size depends on the data (an unbacked symbolic size: ``x[mask]``,
   ``nonzero``, ``unique``, ...; :func:`~fxpipe.passes.capture.has_data_dependent_size`) also
   has ``"data_dependent": True`` and ``"source"`` (the user's source line); the partitioner
@@ -46,6 +49,7 @@ from fxpipe.passes.capture import (
     has_data_dependent_size,
     user_source_line,
 )
+from fxpipe.passes.structure import OPKEY, SKEY, structural_keys
 
 #: fx ops that become OpGraph nodes.
 OPGRAPH_FX_OPS = ("placeholder", "call_function", "call_module", "call_method", "output")
@@ -114,6 +118,7 @@ def to_opgraph(gm: torch.fx.GraphModule, hardware: str | HardwareSpec = "h100-sx
     extra: list[dict[str, Any]] = []
     edges: list[tuple[int, int]] = []
     numel = gm.meta.get("fxpipe_param_numel", {})
+    skeys = structural_keys(gm)
     for node in nodes:
         cost = node.meta.get(COST_KEY)
         if not isinstance(cost, OpCost):
@@ -123,7 +128,8 @@ def to_opgraph(gm: torch.fx.GraphModule, hardware: str | HardwareSpec = "h100-sx
         for key in cols:
             cols[key].append(float(getattr(cost, key)))
         extra.append({"module": module_path(node, prefix), "target": str(node.target),
-                      "flops": float(cost.flops), "kind": cost.kind, "num_params": int(numel.get(node.name, 0))})
+                      "flops": float(cost.flops), "kind": cost.kind, "num_params": int(numel.get(node.name, 0)),
+                      SKEY: skeys[node.name][0], OPKEY: skeys[node.name][1]})
         if has_data_dependent_size(node):  # must not cross a stage boundary (fxpipe.partition.colocate)
             extra[-1].update(data_dependent=True, source=user_source_line(node))
         v = index[node]
