@@ -43,13 +43,12 @@ def _plan_runs(name: str, ranks: int, m: int, offload: bool):
     import fxpipe
     from fxpipe import zoo
     from fxpipe.ir import schedule_to_orders
-    from fxpipe.plan import _PlanStageOf
     from fxpipe.schedule.dispatch import make_schedule
 
     zm = zoo.get(name, microbatches=m)
     model, args, kwargs = zm.one_microbatch()
     plan = fxpipe.compile(model, args, kwargs, devices=ranks, microbatches=m, time_limit_s=0.5, name=name)
-    base = dict(make_model=zm, make_batch=zm.batch, loss=zm.loss, stage_of=_PlanStageOf(plan.stage_of),
+    base = dict(make_model=zm, make_batch=zm.batch, loss=zm.loss, stage_of=plan.worker_stage_of(),
                 num_microbatches=m, steps=1, lr=0.01, model_key=name)
     out = []
     pr = plan.problem

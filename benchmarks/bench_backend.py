@@ -166,7 +166,6 @@ def train_schedules(names: list, microbatches: int = 4, steps: int = 2, lr: floa
     import fxpipe.zoo as zoo
     from fxpipe.codegen.compare import compare_training
     from fxpipe.codegen.launch import reference_train, spawn_train_many
-    from fxpipe.plan import _PlanStageOf
 
     runs, meta = [], []
     for name in names:
@@ -180,7 +179,7 @@ def train_schedules(names: list, microbatches: int = 4, steps: int = 2, lr: floa
                                   stages_per_device=v, placement=placement)
             for sched in schedules:
                 p = plan if plan.options["schedule"] == sched else plan.reschedule(sched)
-                runs.append(dict(make_model=zm, make_batch=zm.batch, loss=zm.loss, stage_of=_PlanStageOf(p.stage_of),
+                runs.append(dict(make_model=zm, make_batch=zm.batch, loss=zm.loss, stage_of=p.worker_stage_of(),
                                  orders=p.orders(), num_microbatches=microbatches, steps=steps, lr=lr, model_key=name,
                                  compile_stages=True))
                 meta.append((name, sched, zm))

@@ -24,7 +24,6 @@ from fxpipe import zoo  # noqa: E402
 from fxpipe.codegen.compare import compare_training  # noqa: E402
 from fxpipe.codegen.launch import TrainResult, reference_train, spawn_train_many  # noqa: E402
 from fxpipe.ir import looped_placement, v_placement  # noqa: E402
-from fxpipe.plan import _PlanStageOf  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -57,7 +56,7 @@ def trained():
         plan = plans[key]
         if plan.options["schedule"] != schedule:
             plan = plan.reschedule(schedule)
-        runs.append(dict(make_model=zm, make_batch=zm.batch, loss=zm.loss, stage_of=_PlanStageOf(plan.stage_of),
+        runs.append(dict(make_model=zm, make_batch=zm.batch, loss=zm.loss, stage_of=plan.worker_stage_of(),
                          orders=plan.orders(), num_microbatches=M, steps=STEPS, lr=LR, model_key=name))
     results = spawn_train_many(runs, world_size=2, timeout_s=800)
     refs = {}

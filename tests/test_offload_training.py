@@ -40,7 +40,6 @@ from fxpipe.codegen.launch import TrainResult, reference_train, spawn_train_many
 from fxpipe.codegen.materialize import MetaInit  # noqa: E402
 from fxpipe.codegen.offload import offload_all  # noqa: E402
 from fxpipe.ir import schedule_to_orders  # noqa: E402
-from fxpipe.plan import _PlanStageOf  # noqa: E402
 from fxpipe.schedule.dispatch import make_schedule  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -85,7 +84,7 @@ def _train(devices: int, with_state: bool, tmp_path=None):
     runs, refs, labels, extra = [], [], [], {}
     for name in MODELS:
         zm, plan = _plan(name, devices)
-        base = dict(make_model=zm, make_batch=zm.batch, loss=zm.loss, stage_of=_PlanStageOf(plan.stage_of),
+        base = dict(make_model=zm, make_batch=zm.batch, loss=zm.loss, stage_of=plan.worker_stage_of(),
                     num_microbatches=M, steps=STEPS, lr=LR, model_key=name)
         ref = reference_train(zm, zm.batch, num_microbatches=M, steps=STEPS, lr=LR, loss=zm.loss)
         kinds = [("offload", _offloading), ("recompute", _recomputing)]
@@ -114,7 +113,7 @@ def _train(devices: int, with_state: bool, tmp_path=None):
             model, args, kwargs = zm.one_microbatch()
             vplan = fxpipe.compile(model, args, kwargs, devices=2, microbatches=M, stages_per_device=2, placement="v",
                                    time_limit_s=0.5, name=name).reschedule("zb-v")
-            runs.append(dict(base, stage_of=_PlanStageOf(vplan.stage_of), orders=offload_all(vplan.orders()),
+            runs.append(dict(base, stage_of=vplan.worker_stage_of(), orders=offload_all(vplan.orders()),
                              state={"seed": 3}, model_key=(name, "v")))
             refs.append(refs[labels.index((name, "meta-seed"))])
             labels.append((name, "v-offload-meta"))
