@@ -347,7 +347,7 @@ def run(args: argparse.Namespace) -> int:
                 raise InputError(f"{flag} applies to --hf models; with --model your factory builds the model as you want it")
         factory: Any = ModelFactory(args.model, tuple(args.input_shape), tuple(args.input_dtype), args.microbatches, args.seed,
                                     dtype=args.dtype)
-        name = args.model.rpartition(":")[2]
+        name = args.model
     else:
         if args.input_shape or args.input_dtype:
             raise InputError("--input-shape / --input-dtype apply to --model; --hf models build their own inputs")
