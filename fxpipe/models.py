@@ -318,7 +318,8 @@ def _build_preset(
     model = logits_only(hf).eval()
     model.fxpipe_info = {"source": "preset", "model_type": base, "model_class": model_cls.__name__,
                          "task": "seq2seq" if base == "t5" else "causal-lm", "sizes": "preset",
-                         "dtype": str(dtype).replace("torch.", ""), "attn_implementation": attn, "weights": "random",
+                         "dtype": str(dtype).replace("torch.", ""), "attn_implementation": attn,
+                         "weights": "random" if device != "meta" else "none (meta)",
                          "inputs": ["input_ids", "decoder_input_ids"] if base == "t5" else ["input_ids"]}
 
     vocab = int(config.vocab_size)
@@ -365,7 +366,7 @@ def resolve_dtype(dtype: Any, config: Any = None) -> torch.dtype:
     explicit = parse_dtype(dtype)
     if explicit is not None:
         return explicit
-    for attr in ("dtype", "torch_dtype"):
+    for attr in ("dtype",) if hasattr(config, "dtype") else ("torch_dtype",):  # torch_dtype: older configs
         val = getattr(config, attr, None) if config is not None else None
         if val is not None:
             try:
