@@ -523,14 +523,19 @@ def _is_config(obj: Any) -> bool:
     return hasattr(obj, "to_dict") and hasattr(obj, "model_type") and not isinstance(obj, type)
 
 
-def _shrink_dict(d: dict[str, Any], sub: Mapping[str, Any], depth_only: bool) -> dict[str, Any]:
-    """Apply :data:`TINY` to one config's dict (sub-configs given as dicts in ``sub``)."""
+def _shrink_dict(d: dict[str, Any], sub: Mapping[str, Any], depth_only: bool,
+                 over: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Apply :data:`TINY` to one config's dict (sub-configs given as dicts in ``sub``); the
+    user's ``over`` fields are kept as given, and per-layer lists follow the final depth."""
+    over = dict(over or {})
     out = dict(d)
     old_layers = {k: d[k] for k in _LAYER_FIELDS if isinstance(d.get(k), int) and not isinstance(d.get(k), bool)}
-    heads = d.get("num_attention_heads", d.get("n_head"))
+    heads = over.get("num_attention_heads", over.get("n_head", d.get("num_attention_heads", d.get("n_head"))))
     for key, val in d.items():
         if key in sub:
             out[key] = sub[key]
+            continue
+        if key in over:
             continue
         rule = TINY.get(key)
         if isinstance(val, bool) or rule is None and key not in _KV_FIELDS and key not in ("hidden_sizes", "depths",
@@ -556,16 +561,19 @@ def _shrink_dict(d: dict[str, Any], sub: Mapping[str, Any], depth_only: bool) ->
     # heads per stage (Swin-like) follow a narrower embedding
     if isinstance(d.get("num_heads"), list) and isinstance(d.get("embed_dim"), int) and out.get("embed_dim") != d["embed_dim"]:
         out["num_heads"] = [max(1, int(h) * int(out["embed_dim"]) // int(d["embed_dim"])) for h in d["num_heads"]]
-    # per-layer lists (layer_types, ...) follow the new depth; backbone outputs are recomputed
+    out.update({k: v for k, v in over.items() if not isinstance(v, dict)})
+    # per-layer lists (layer_types, ...) follow the new depth (cut, or repeated as a pattern);
+    # backbone outputs are recomputed
     for lk, old in old_layers.items():
         new = out.get(lk)
-        if new == old:
+        if new == old or not isinstance(new, int) or new < 1:
             continue
         for key in ("out_features", "out_indices"):
             out.pop(key, None)
         for key, val in d.items():
-            if key not in sub and isinstance(val, list) and len(val) == old and old > 1:
-                out[key] = list(out[key])[:new]
+            if key not in sub and key not in over and isinstance(val, list) and len(val) == old and old > 1:
+                src = list(out[key])
+                out[key] = (src * (new // len(src) + 1))[:new] if src else src
     if not depth_only:
         # multimodal rope sections must sum to half the (new) head dimension
         rope = out.get("rope_parameters") or out.get("rope_scaling")
@@ -581,16 +589,19 @@ def _shrink_dict(d: dict[str, Any], sub: Mapping[str, Any], depth_only: bool) ->
     return out
 
 
-def _config_to_kwargs(cfg: Any, depth_only: bool) -> dict[str, Any]:
-    """The constructor keywords of a shrunk copy of ``cfg`` (sub-configs shrunk recursively)."""
+def _config_to_kwargs(cfg: Any, depth_only: bool, over: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The constructor keywords of a shrunk copy of ``cfg`` (sub-configs shrunk recursively;
+    ``over``: the user's overrides, nested by sub-config, kept as given)."""
+    over = dict(over or {})
     d = cfg.to_dict()
     sub = {}
     for key, val in vars(cfg).items():
         if _is_config(val):
-            sub[key] = _config_to_kwargs(val, depth_only)
+            sub_over = over.get(key) if isinstance(over.get(key), dict) else None
+            sub[key] = _config_to_kwargs(val, depth_only, sub_over)
     for key in ("_name_or_path", "transformers_version", "architectures", "_commit_hash", "model_type"):
         d.pop(key, None)
-    return _shrink_dict(d, sub, depth_only)
+    return _shrink_dict(d, sub, depth_only, over)
 
 
 def _special_token_ids(kw: Mapping[str, Any], vocab: int) -> dict[str, Any]:
@@ -626,12 +637,14 @@ def _fix_token_ids(kw: dict[str, Any], vocab: int | None) -> dict[str, Any]:
     return kw
 
 
-def _set_nested(kw: dict[str, Any], key: str, val: Any) -> None:
+def _set_nested(kw: dict[str, Any], key: str, val: Any, create: bool = False) -> None:
     """``text_config.hidden_size`` -> ``kw["text_config"]["hidden_size"]``."""
     parts = key.split(".")
     d = kw
     for p in parts[:-1]:
         nxt = d.get(p)
+        if nxt is None and create:
+            nxt = {}
         if not isinstance(nxt, dict):
             raise InputError(f"config override {key!r}: {p!r} is not a sub-config of this model")
         d[p] = nxt = dict(nxt)
@@ -920,6 +933,17 @@ def _unknown_name_error(arch: str) -> InputError:
 
 
 def _check_generic_overrides(model_type: str, default_cfg: Any, overrides: Mapping[str, Any]) -> None:
+    nested: dict[str, dict[str, Any]] = {}
+    for key, val in overrides.items():
+        if "." in key:
+            head, _, rest = key.partition(".")
+            nested.setdefault(head, {})[rest] = val
+    for head, sub_over in nested.items():
+        sub = getattr(default_cfg, head, None)
+        if not _is_config(sub):
+            subs = sorted(k for k, v in vars(default_cfg).items() if _is_config(v))
+            raise InputError(f"config override {head}.*: {model_type} has no sub-config {head!r}; its sub-configs: {subs or 'none'}")
+        _check_generic_overrides(f"{model_type}.{head}", sub, sub_over)
     known = set(default_cfg.to_dict())
     unknown = [k for k in overrides if "." not in k and k not in known and not hasattr(default_cfg, k)]
     if unknown:
@@ -989,10 +1013,16 @@ def _build_generic(arch: str, overrides: Mapping[str, Any], device: str, dtype: 
 
     errors: list[str] = []
     for sizes in ladder:
-        kw = dict(base_kw) if base_kw is not None else _config_to_kwargs(default_cfg, depth_only=sizes == "shallow")
+        if base_kw is not None:
+            kw = dict(base_kw)
+            for key, val in cfg_over.items():
+                _set_nested(kw, key, val)
+        else:
+            nested: dict[str, Any] = {}
+            for key, val in cfg_over.items():
+                _set_nested(nested, key, val, create=True)
+            kw = _config_to_kwargs(default_cfg, sizes == "shallow", nested)
         kw.pop("use_cache", None)
-        for key, val in cfg_over.items():
-            _set_nested(kw, key, val)
         if base_kw is None:
             kw = _fix_token_ids(kw, None)
         try:
