@@ -247,6 +247,7 @@ def test_unknown_names_tasks_and_paths_are_clear_errors(capsys, tmp_path):
         (["--hf", str(bad_json)], 'has no "model_type"'),
         (["--hf", "qwen3", "--config", "num_hiden_layers=2"], "did you mean num_hidden_layers"),
         (["--hf", "qwen3", "--input-shape", "2,3"], "--input-shape / --input-dtype apply to --model"),
+        (["--hf", "qwen3", "--checkpoint"], "'qwen3' is not a folder"),
     ]:
         code, out, err = _cli(["plan", *argv, "--devices", "2"], capsys)
         assert code == 2 and needle in err and "Traceback" not in err, (argv, err)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import functools
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,7 +34,7 @@ from typing import Any
 from fxpipe.api import PLACEMENTS, SCHEDULES
 from fxpipe.cli.common import add_memory_arguments, check_writable, emit, memory_model_from_args, parse_bytes, status
 from fxpipe.cost.hardware import list_hardware
-from fxpipe.errors import InputError
+from fxpipe.errors import CaptureError, InputError
 
 
 
@@ -351,6 +352,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         if args.input_shape or args.input_dtype:
             raise InputError("--input-shape / --input-dtype apply to --model; --hf models build their own inputs")
+        if args.checkpoint and not os.path.isdir(args.hf):
+            raise InputError(f"--checkpoint loads the weights of a checkpoint folder given with --hf; {args.hf!r} is not a folder")
         factory = HFFactory(args.hf, overrides, args.microbatches, args.microbatch_size, args.seq_len, args.seed,
                             task=args.task, dtype=args.dtype, attn_implementation=args.attn_implementation)
         name = args.hf
@@ -361,26 +364,17 @@ def run(args: argparse.Namespace) -> int:
     info = {k: v for k, v in getattr(model, "fxpipe_info", {}).items() if k != "input_specs"}
     if info.get("source") not in (None, "preset"):
         name = info.get("model_type", name)
-    plan = fxpipe.compile(
-        model,
-        margs,
-        mkwargs,
-        devices=args.devices,
-        microbatches=args.microbatches,
-        hardware=args.hardware,
-        costs=args.costs,
-        cost_db=args.cost_db,
-        profile_threads=1 if (args.profile_threads is None and args.run) else args.profile_threads,
-        objective=args.objective,
-        schedule=args.schedule,
-        stages_per_device=args.stages_per_device,
-        placement=args.placement,
-        time_limit_s=args.time_limit,
-        seed=args.seed,
-        name=name,
-        memory=memory_model_from_args(args, math.inf),
-        memory_bytes=None if args.memory is None else parse_bytes(args.memory, allow_inf=True),
-    )
+    try:
+        plan = _compile(fxpipe, model, margs, mkwargs, args, name)
+    except CaptureError as exc:
+        if info.get("source") in (None, "preset"):
+            raise
+        hint = (f" [fxpipe built {info.get('model_class')} with the inputs {info.get('inputs')} from its config"
+                + (f"; at fxpipe's tiny sizes its forward failed first ({info['fallback_reason'][:200]})"
+                   if info.get("fallback_reason") else "")
+                + ": if it needs other inputs (image sizes, grids, masks), pass the model and its inputs with "
+                "--model package.module:factory, see `fxpipe models`]")
+        raise CaptureError(str(exc) + hint) from None
     doc: dict[str, Any] = {
         "model": args.hf if args.model is None else args.model,
         "config": overrides,
@@ -412,6 +406,30 @@ def run(args: argparse.Namespace) -> int:
     emit(args, doc, "\n".join(text))
     # a pipelined run that does not match single-process training is a failure of fxpipe, not of the input
     return 1 if args.run and not result["ok"] else 0
+
+
+def _compile(fxpipe, model, margs, mkwargs, args: argparse.Namespace, name: str):
+    """``fxpipe.compile`` with the command's options."""
+    return fxpipe.compile(
+        model,
+        margs,
+        mkwargs,
+        devices=args.devices,
+        microbatches=args.microbatches,
+        hardware=args.hardware,
+        costs=args.costs,
+        cost_db=args.cost_db,
+        profile_threads=1 if (args.profile_threads is None and args.run) else args.profile_threads,
+        objective=args.objective,
+        schedule=args.schedule,
+        stages_per_device=args.stages_per_device,
+        placement=args.placement,
+        time_limit_s=args.time_limit,
+        seed=args.seed,
+        name=name,
+        memory=memory_model_from_args(args, math.inf),
+        memory_bytes=None if args.memory is None else parse_bytes(args.memory, allow_inf=True),
+    )
 
 
 def _model_line(info: dict[str, Any], args: argparse.Namespace) -> str:
