@@ -790,8 +790,9 @@ def input_recipe(config: Any, model_cls: Any, task: str, seq_len: int, decoder_s
     * audio: ``input_values`` ``(seq_len * total conv stride,)`` samples, or ``input_features``
       ``(mel bins, 2 * max_source_positions)`` (Whisper) / ``(seq_len, features)``;
     * encoder-decoders: ``decoder_input_ids`` ``(decoder_seq_len,)``;
-    * vision-language: ``input_ids`` holding one image placeholder token per image feature,
-      counted by running the vision tower of ``hf`` (on meta: free) on one image.
+    * vision-language: ``input_ids`` of ``seq_len`` text tokens plus one image placeholder
+      token per image feature (after the first token), counted by running the vision tower of
+      ``hf`` on one image (on meta: free).
 
     Raises
     ------
