@@ -52,6 +52,17 @@ def plan_one(model_type: str, extra: list[str]) -> dict:
             "ops": sum(s["num_ops"] for s in plan["stages"]), "params": sum(s["param_bytes"] for s in plan["stages"]) / 4}
 
 
+def _short(error: str) -> str:
+    """The cause of a failure in one line: torch's message and where it was raised, or fxpipe's."""
+    import re
+
+    says = re.search(r"torch says: (.*?)(?: \| |$)", error)
+    where = re.search(r"raised at: File \"[^\"]*/(transformers/[^\"]+)\", line (\d+), in (\w+)", error)
+    if says:
+        return says.group(1)[:160] + (f" ({where.group(1)}:{where.group(2)}, {where.group(3)})" if where else "")
+    return error.removeprefix("fxpipe plan: error: ")[:240]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--types", nargs="*", default=None, help="model types (default: the families' lists)")
@@ -83,7 +94,7 @@ def main(argv=None) -> int:
     ok = len(rows) - len(fails)
     print(f"\n{ok} of {len(rows)} model types planned; total {sum(r['wall_s'] for r in rows):.0f} s")
     for r in fails:
-        print(f"- {r['model_type']} ({r['family']}): {r['error']}")
+        print(f"- {r['model_type']} ({r['family']}): {_short(r['error'])}")
     return 0
 
 

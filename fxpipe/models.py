@@ -523,10 +523,15 @@ def _is_config(obj: Any) -> bool:
     return hasattr(obj, "to_dict") and hasattr(obj, "model_type") and not isinstance(obj, type)
 
 
+#: learned position tables: raised to the example's length (plus the two offsets RoBERTa-like models add)
+_POSITION_FIELDS = ("max_position_embeddings", "n_positions", "max_target_positions")
+
+
 def _shrink_dict(d: dict[str, Any], sub: Mapping[str, Any], depth_only: bool,
-                 over: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                 over: Mapping[str, Any] | None = None, min_positions: int = 0) -> dict[str, Any]:
     """Apply :data:`TINY` to one config's dict (sub-configs given as dicts in ``sub``); the
-    user's ``over`` fields are kept as given, and per-layer lists follow the final depth."""
+    user's ``over`` fields are kept as given, per-layer lists follow the final depth, and
+    position tables hold at least ``min_positions``."""
     over = dict(over or {})
     out = dict(d)
     old_layers = {k: d[k] for k in _LAYER_FIELDS if isinstance(d.get(k), int) and not isinstance(d.get(k), bool)}
@@ -562,6 +567,10 @@ def _shrink_dict(d: dict[str, Any], sub: Mapping[str, Any], depth_only: bool,
     if isinstance(d.get("num_heads"), list) and isinstance(d.get("embed_dim"), int) and out.get("embed_dim") != d["embed_dim"]:
         out["num_heads"] = [max(1, int(h) * int(out["embed_dim"]) // int(d["embed_dim"])) for h in d["num_heads"]]
     out.update({k: v for k, v in over.items() if not isinstance(v, dict)})
+    for key in _POSITION_FIELDS:
+        val = out.get(key)
+        if key not in over and isinstance(val, int) and not isinstance(val, bool) and 0 < val < min_positions:
+            out[key] = min_positions
     # per-layer lists (layer_types, ...) follow the new depth (cut, or repeated as a pattern);
     # backbone outputs are recomputed
     for lk, old in old_layers.items():
@@ -589,7 +598,8 @@ def _shrink_dict(d: dict[str, Any], sub: Mapping[str, Any], depth_only: bool,
     return out
 
 
-def _config_to_kwargs(cfg: Any, depth_only: bool, over: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def _config_to_kwargs(cfg: Any, depth_only: bool, over: Mapping[str, Any] | None = None,
+                      min_positions: int = 0) -> dict[str, Any]:
     """The constructor keywords of a shrunk copy of ``cfg`` (sub-configs shrunk recursively;
     ``over``: the user's overrides, nested by sub-config, kept as given)."""
     over = dict(over or {})
@@ -598,10 +608,10 @@ def _config_to_kwargs(cfg: Any, depth_only: bool, over: Mapping[str, Any] | None
     for key, val in vars(cfg).items():
         if _is_config(val):
             sub_over = over.get(key) if isinstance(over.get(key), dict) else None
-            sub[key] = _config_to_kwargs(val, depth_only, sub_over)
+            sub[key] = _config_to_kwargs(val, depth_only, sub_over, min_positions)
     for key in ("_name_or_path", "transformers_version", "architectures", "_commit_hash", "model_type"):
         d.pop(key, None)
-    return _shrink_dict(d, sub, depth_only, over)
+    return _shrink_dict(d, sub, depth_only, over, min_positions)
 
 
 def _special_token_ids(kw: Mapping[str, Any], vocab: int) -> dict[str, Any]:
@@ -1022,7 +1032,7 @@ def _build_generic(arch: str, overrides: Mapping[str, Any], device: str, dtype: 
             nested: dict[str, Any] = {}
             for key, val in cfg_over.items():
                 _set_nested(nested, key, val, create=True)
-            kw = _config_to_kwargs(default_cfg, sizes == "shallow", nested)
+            kw = _config_to_kwargs(default_cfg, sizes == "shallow", nested, min_positions=max(sl, dsl) + 2)
         kw.pop("use_cache", None)
         if base_kw is None:
             kw = _fix_token_ids(kw, None)
