@@ -37,7 +37,6 @@ import dataclasses
 import difflib
 import importlib
 import inspect
-import json
 import math
 import os
 import sys

@@ -11,6 +11,8 @@ worker start-up); the training checks share one set of gloo workers
 from __future__ import annotations
 
 import json
+import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -143,9 +145,6 @@ def test_a_handful_of_architectures_train_like_one_process():
     from fxpipe.codegen.compare import compare_training
     from fxpipe.codegen.launch import reference_train, spawn_train_many
     from fxpipe.plan import _PlanStageOf
-
-    import os
-    import sys
 
     if str(REPO) not in sys.path:
         sys.path.insert(0, str(REPO))
