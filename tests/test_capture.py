@@ -16,16 +16,19 @@ from fxpipe.passes.annotate import AnnotateCosts
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
+# eager attention: the oracles below (autograd's saved bytes, FlopCounterMode, meta == cpu costs)
+# check the cost model op by op on explicit matmul/softmax attention; build_hf_model's default is
+# SDPA, whose fused op is costed by its own rule (tests/test_cost.py)
 SMALL = {
     "gpt2": dict(n_layer=2, n_embd=64, n_head=2, vocab_size=128, n_positions=64, seq_len=8, batch_size=2,
-                 bos_token_id=0, eos_token_id=0),
+                 bos_token_id=0, eos_token_id=0, attn_implementation="eager"),
     "t5": dict(num_layers=1, num_decoder_layers=1, d_model=64, d_ff=128, num_heads=2, d_kv=32,
-               vocab_size=128, seq_len=8, batch_size=2, decoder_seq_len=6),
+               vocab_size=128, seq_len=8, batch_size=2, decoder_seq_len=6, attn_implementation="eager"),
     "llama": dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=2, num_key_value_heads=2,
-                  intermediate_size=128, vocab_size=128, seq_len=8, batch_size=2),
+                  intermediate_size=128, vocab_size=128, seq_len=8, batch_size=2, attn_implementation="eager"),
     "mixtral": dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=2, num_key_value_heads=1,
                     intermediate_size=96, vocab_size=128, num_local_experts=4, num_experts_per_tok=2,
-                    seq_len=8, batch_size=2),
+                    seq_len=8, batch_size=2, attn_implementation="eager"),
 }
 
 
@@ -190,8 +193,8 @@ def test_model_builders_errors():
         "n_layer": 8, "act": "gelu_new", "x": 0.5, "flag": True, "s": "a"}
     with pytest.raises(InputError):
         parse_overrides(["n_layer"])
-    with pytest.raises(InputError, match="known"):
-        build_hf_model("bert", {})
+    with pytest.raises(InputError, match="unknown model 'no-such-arch'"):
+        build_hf_model("no-such-arch", {})
     with pytest.raises(InputError, match="config field"):
         build_hf_model("gpt2", {"n_layers_typo": 2})
     with pytest.raises(InputError):

@@ -16,7 +16,7 @@ import sys
 
 from fxpipe.errors import FxpipeError
 
-COMMANDS = ("partition", "bounds", "schedule", "plan", "report")
+COMMANDS = ("partition", "bounds", "schedule", "plan", "report", "models")
 
 
 class _Parser(argparse.ArgumentParser):

@@ -1,4 +1,12 @@
-"""``fxpipe plan``: the whole pass on a Hugging Face architecture built from its config.
+"""``fxpipe plan``: the whole pass on a model built from its config, or on the user's own module.
+
+Three ways in (``fxpipe models`` lists them)::
+
+    fxpipe plan --hf llama-3-70b --seq-len 4096 --devices 32     # a preset (bf16, as published)
+    fxpipe plan --hf qwen3 --devices 2                            # any transformers model type, small sizes
+    fxpipe plan --hf whisper --task speech-seq2seq --devices 2    # ... with the head of a task
+    fxpipe plan --hf path/to/config.json --devices 8              # a config file or checkpoint folder
+    fxpipe plan --model mypkg.models:build --devices 2            # your own nn.Module (factory)
 
 Example::
 
@@ -18,6 +26,7 @@ from __future__ import annotations
 import argparse
 import functools
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,7 +34,7 @@ from typing import Any
 from fxpipe.api import PLACEMENTS, SCHEDULES
 from fxpipe.cli.common import add_memory_arguments, check_writable, emit, memory_model_from_args, parse_bytes, status
 from fxpipe.cost.hardware import list_hardware
-from fxpipe.errors import InputError
+from fxpipe.errors import CaptureError, InputError
 from fxpipe.progress import phase, stderr_is_terminal
 
 
@@ -37,9 +46,33 @@ def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument(
-        "--hf", required=True, metavar="ARCH", help="architecture built from its config: gpt2, t5, llama, mixtral or llama-2-7b"
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument(
+        "--hf", metavar="MODEL",
+        help="a preset (gpt2, t5, llama, mixtral, llama-2-7b, llama-3-70b), any transformers model type (qwen3, bert, "
+        "whisper, llava, ...: built from its default config at small sizes), or a config.json / checkpoint folder "
+        "(sizes as written; weights from its safetensors with --run or --checkpoint). See `fxpipe models`",
     )
+    src.add_argument(
+        "--model", metavar="PKG.MODULE:FACTORY",
+        help="your own model: a callable returning (model, args, kwargs) of one micro-batch, or a plain nn.Module "
+        "with --input-shape (see `fxpipe models`)",
+    )
+    p.add_argument("--task", default=None, metavar="TASK",
+                   help="head of a --hf model type or config: causal-lm, seq2seq, speech-seq2seq, image-text-to-text, "
+                   "masked-lm, ctc, image-classification, audio-classification, sequence-classification, "
+                   "token-classification, base (default: inferred from the heads the architecture has)")
+    p.add_argument("--dtype", default=None, metavar="DTYPE",
+                   help="parameter dtype: float32, bfloat16 or float16 (default: the config's dtype, e.g. bfloat16 for "
+                   "llama-3-70b; float32 when it names none)")
+    p.add_argument("--attn-implementation", choices=("sdpa", "eager"), default=None,
+                   help="attention kernel of --hf models (default: Hugging Face's, SDPA where supported)")
+    p.add_argument("--checkpoint", action="store_true",
+                   help="with --hf CHECKPOINT_FOLDER: build on cpu with the folder's safetensors weights, also without --run")
+    p.add_argument("--input-shape", action="append", type=_shape, default=[], metavar="D0,D1,...",
+                   help="with --model returning a plain nn.Module: shape of one input of one micro-batch (repeat per input)")
+    p.add_argument("--input-dtype", action="append", default=[], metavar="DTYPE",
+                   help="with --input-shape: dtype of each input, by position (default float32; int64 inputs are drawn from {0, 1})")
     p.add_argument(
         "--config", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
         help="config overrides, e.g. n_layer=8 n_embd=256 (repeat the flag to add more; a later value of the same key wins)",
@@ -100,6 +133,16 @@ def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     return p
 
 
+def _shape(text: str):
+    """argparse type of --input-shape."""
+    from fxpipe.models import parse_shape
+
+    try:
+        return parse_shape(text)
+    except InputError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _stages_per_device(text: str):
     """argparse type of --stages-per-device: an integer or 'auto'."""
     if text == "auto":
@@ -115,8 +158,10 @@ class HFFactory:
     """Picklable model factory for worker processes: builds the model and a full batch.
 
     ``__call__() -> (model, full_batch_inputs)`` with ``microbatches * microbatch_size``
-    sequences; ``batch(step) -> (inputs, target)`` gives step ``step``'s batch, the target
-    being next-token ids (random tokens, fixed by the seed).
+    samples; ``batch(step) -> (inputs, target)`` gives step ``step``'s batch. For the presets
+    the target is next-token ids (random tokens, fixed by the seed); for other models it is one
+    seed per sample, from which :func:`fxpipe.models.seeded_cross_entropy` draws class ids of
+    the output's shape (:attr:`loss`).
     """
 
     arch: str
@@ -125,12 +170,33 @@ class HFFactory:
     microbatch_size: int = 1
     seq_len: int = 16
     seed: int = 0
+    task: str | None = None
+    dtype: str | None = None
+    attn_implementation: str | None = None
+
+    @property
+    def is_preset(self) -> bool:
+        from fxpipe.models import ARCHS
+
+        return self.arch in ARCHS
+
+    def _overrides(self) -> dict:
+        over = {**self.overrides, "batch_size": self.microbatch_size, "seq_len": self.seq_len}
+        if self.attn_implementation is not None:
+            over["attn_implementation"] = self.attn_implementation
+        return over
 
     def one_microbatch(self, device: str = "cpu"):
         from fxpipe.models import build_hf_model
 
-        over = {**self.overrides, "batch_size": self.microbatch_size, "seq_len": self.seq_len}
-        return build_hf_model(self.arch, over, device=device, seed=self.seed)
+        return build_hf_model(self.arch, self._overrides(), device=device, dtype=self.dtype, seed=self.seed, task=self.task)
+
+    @property
+    def loss(self):
+        """The training loss for :meth:`fxpipe.plan.Plan.train_local` (picklable)."""
+        from fxpipe.models import seeded_cross_entropy
+
+        return "cross_entropy" if self.is_preset else seeded_cross_entropy
 
     def __post_init__(self):
         clash = sorted({"batch_size", "seq_len"} & set(self.overrides))
@@ -141,23 +207,99 @@ class HFFactory:
         return _vocab_size(self.arch, tuple(sorted(self.overrides.items())))
 
     def __call__(self):
-        model, _, _ = self.one_microbatch()
+        model, _, _ = self.one_microbatch("cpu")
         inputs, _ = self.batch(0)
         return model, inputs
 
     def batch(self, step: int, model=None):
-        """Step ``step``'s full batch: ``(inputs, target)``, next-token targets (``model`` is unused)."""
+        """Step ``step``'s full batch: ``(inputs, target)`` (``model`` is unused)."""
         import torch
 
-        vocab = self.vocab_size()
         g = torch.Generator().manual_seed(self.seed * 1000 + step)
         b = self.microbatches * self.microbatch_size
+        if not self.is_preset:
+            from fxpipe.models import InputSpec, parse_dtype
+
+            specs, dtype = _input_specs(self.arch, tuple(sorted((k, repr(v)) for k, v in self._overrides().items())),
+                                        self.task, self.dtype)
+            inputs = tuple(InputSpec(**{**s, "shape": tuple(s["shape"])}).draw(b, g, parse_dtype(dtype)) for s in specs)
+            return inputs, torch.randint(0, 2**31 - 1, (b,), generator=g)
+        vocab = self.vocab_size()
         ids = torch.randint(0, vocab, (b, self.seq_len + 1), generator=g)
         if self.arch == "t5":
             dec_len = int(self.overrides.get("decoder_seq_len") or self.seq_len)
             dec = torch.randint(0, vocab, (b, dec_len + 1), generator=g)
             return (ids[:, :-1], dec[:, :-1]), dec[:, 1:]
         return (ids[:, :-1],), ids[:, 1:]
+
+
+@functools.lru_cache(maxsize=8)
+def _input_specs(arch: str, overrides: tuple, task: str | None, dtype: str | None) -> tuple[list, str]:
+    """Input recipe and dtype of a generic model (built once per process, on meta)."""
+    import ast
+
+    from fxpipe.models import build_hf_model
+
+    over = {k: ast.literal_eval(v) for k, v in overrides}
+    model, _, _ = build_hf_model(arch, {**over, "batch_size": 1}, device="meta", dtype=dtype, task=task)
+    return model.fxpipe_info["input_specs"], model.fxpipe_info["dtype"]
+
+
+@dataclass(frozen=True)
+class ModelFactory:
+    """Picklable factory of the user's ``--model package.module:factory`` for ``--run``.
+
+    One micro-batch comes from the user's factory; a step's batch repeats it ``microbatches``
+    times along dim 0 (every tensor input), and the loss is the mean square of the output's
+    floating-point tensors (:func:`fxpipe.models.output_square_loss`): a training signal that
+    every output structure has, enough to check pipelined against single-process training.
+    """
+
+    spec: str
+    input_shapes: tuple = ()
+    input_dtypes: tuple = ()
+    microbatches: int = 1
+    seed: int = 0
+    dtype: str | None = None
+
+    def one_microbatch(self, device: str = "cpu"):
+        """The factory's ``(model, args, kwargs)``, cast to ``dtype`` when set (``device`` is the factory's choice)."""
+        from fxpipe.models import cast_floating, load_model_factory, parse_dtype
+
+        model, args, kwargs = load_model_factory(self.spec, self.input_shapes, self.input_dtypes, seed=self.seed)
+        if self.dtype is not None:
+            dt = parse_dtype(self.dtype)
+            model = model.to(dtype=dt)
+            args, kwargs = cast_floating(args, dt), cast_floating(kwargs, dt)
+        return model, args, kwargs
+
+    @property
+    def loss(self):
+        from fxpipe.models import output_square_loss
+
+        return output_square_loss
+
+    def __call__(self):
+        model, _, _ = self.one_microbatch()
+        inputs, _ = self.batch(0)
+        return model, inputs
+
+    def batch(self, step: int, model=None):
+        import torch
+
+        from fxpipe.codegen.interface import ModelInputs
+
+        _, args, kwargs = self.one_microbatch()
+        rep = self.microbatches
+
+        def tile(x):
+            return torch.cat([x] * rep, dim=0) if isinstance(x, torch.Tensor) and x.dim() >= 1 else x
+
+        args = tuple(tile(a) for a in args)
+        kwargs = {k: tile(v) for k, v in kwargs.items()}
+        first = next((a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor) and a.dim() >= 1), None)
+        b = first.shape[0] if first is not None else rep
+        return ModelInputs(args, kwargs), torch.zeros(b)
 
 
 @functools.lru_cache(maxsize=8)
@@ -171,7 +313,7 @@ def _vocab_size(arch: str, overrides: tuple) -> int:
 
 @dataclass(frozen=True)
 class _BatchFn:
-    factory: HFFactory
+    factory: Any
 
     def __call__(self, step: int):
         return self.factory.batch(step)
@@ -190,6 +332,8 @@ def run(args: argparse.Namespace) -> int:
             raise InputError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.meta and args.run:
         raise InputError("--meta builds a model without weights, which cannot be trained: drop --meta or --run")
+    if args.meta and args.checkpoint:
+        raise InputError("--meta builds a model without weights and --checkpoint loads them: drop one")
     if args.report and args.bounds_time_limit <= 0:
         raise InputError(f"--bounds-time-limit must be > 0 seconds, got {args.bounds_time_limit}")
     for flag, path in (("--out", args.out), ("--report", args.report), ("--trace", args.trace)):
@@ -197,7 +341,26 @@ def run(args: argparse.Namespace) -> int:
             check_writable(path, flag)
     progress = not args.json and stderr_is_terminal()  # phases over 2 s on stderr, for people only
     overrides = parse_overrides(args.config)
-    factory = HFFactory(args.hf, overrides, args.microbatches, args.microbatch_size, args.seq_len, args.seed)
+    if args.dtype is not None:
+        from fxpipe.models import parse_dtype
+
+        parse_dtype(args.dtype)  # a bad name fails here, before any model is built
+    if args.model is not None:
+        for flag, val in (("--config", args.config), ("--task", args.task), ("--attn-implementation", args.attn_implementation),
+                          ("--checkpoint", args.checkpoint)):
+            if val:
+                raise InputError(f"{flag} applies to --hf models; with --model your factory builds the model as you want it")
+        factory: Any = ModelFactory(args.model, tuple(args.input_shape), tuple(args.input_dtype), args.microbatches, args.seed,
+                                    dtype=args.dtype)
+        name = args.model
+    else:
+        if args.input_shape or args.input_dtype:
+            raise InputError("--input-shape / --input-dtype apply to --model; --hf models build their own inputs")
+        if args.checkpoint and not os.path.isdir(args.hf):
+            raise InputError(f"--checkpoint loads the weights of a checkpoint folder given with --hf; {args.hf!r} is not a folder")
+        factory = HFFactory(args.hf, overrides, args.microbatches, args.microbatch_size, args.seq_len, args.seed,
+                            task=args.task, dtype=args.dtype, attn_implementation=args.attn_implementation)
+        name = args.hf
     import warnings
 
     from fxpipe.errors import PlanWarning
@@ -205,37 +368,32 @@ def run(args: argparse.Namespace) -> int:
     warnings.simplefilter("ignore", PlanWarning)  # the summary and --json carry them (doc["warnings"])
     t0 = time.perf_counter()
     # planning needs shapes only: without --run the model is built on the meta device (no weight memory)
-    model, margs, mkwargs = factory.one_microbatch("cpu" if args.run else "meta")
+    model, margs, mkwargs = factory.one_microbatch("cpu" if args.run or args.checkpoint else "meta")
     build_s = time.perf_counter() - t0
-    plan = fxpipe.compile(
-        model,
-        margs,
-        mkwargs,
-        devices=args.devices,
-        microbatches=args.microbatches,
-        hardware=args.hardware,
-        costs=args.costs,
-        cost_db=args.cost_db,
-        profile_threads=1 if (args.profile_threads is None and args.run) else args.profile_threads,
-        objective=args.objective,
-        schedule=args.schedule,
-        stages_per_device=args.stages_per_device,
-        placement=args.placement,
-        time_limit_s=args.time_limit,
-        seed=args.seed,
-        name=args.hf,
-        memory=memory_model_from_args(args, math.inf),
-        memory_bytes=None if args.memory is None else parse_bytes(args.memory, allow_inf=True),
-        progress=progress,
-    )
+    info = {k: v for k, v in getattr(model, "fxpipe_info", {}).items() if k != "input_specs"}
+    if info.get("source") not in (None, "preset"):
+        name = info.get("model_type", name)
+    try:
+        plan = _compile(fxpipe, model, margs, mkwargs, args, name, progress)
+    except CaptureError as exc:
+        if info.get("source") in (None, "preset"):
+            raise
+        hint = (f" [fxpipe built {info.get('model_class')} with the inputs {info.get('inputs')} from its config"
+                + (f"; at fxpipe's tiny sizes its forward failed first ({info['fallback_reason'][:200]})"
+                   if info.get("fallback_reason") else "")
+                + ": if it needs other inputs (image sizes, grids, masks), pass the model and its inputs with "
+                "--model package.module:factory, see `fxpipe models`]")
+        raise CaptureError(str(exc) + hint) from None
     doc: dict[str, Any] = {
-        "model": args.hf,
+        "model": args.hf if args.model is None else args.model,
         "config": overrides,
+        "model_info": info,
         "build_s": build_s,
         "plan": {k: v for k, v in plan.to_dict().items() if k not in ("graph", "problem", "schedule", "stage_of")},
         "warnings": plan.waste_warnings(),
     }
-    text = [plan.summary()]
+    text = [_model_line(info, args)] if info else []
+    text.append(plan.summary())
     if args.out:
         plan.save(args.out)
         doc["plan_file"] = args.out
@@ -254,7 +412,7 @@ def run(args: argparse.Namespace) -> int:
         from fxpipe.codegen.compare import TrainingComparison
 
         status(f"training {args.steps} steps on {plan.devices} local gloo ranks, then a single-process reference ...")
-        result = plan.train_local(factory, _BatchFn(factory), steps=args.steps, lr=args.lr, reference=True)
+        result = plan.train_local(factory, _BatchFn(factory), steps=args.steps, lr=args.lr, loss=factory.loss, reference=True)
         doc["run"] = {k: v for k, v in result.items() if k != "results"}
         text.append(
             "pipeline losses:  " + ", ".join(f"{x:.6f}" for x in result["pipeline_losses"])
@@ -265,6 +423,41 @@ def run(args: argparse.Namespace) -> int:
     emit(args, doc, "\n".join(text))
     # a pipelined run that does not match single-process training is a failure of fxpipe, not of the input
     return 1 if args.run and not result["ok"] else 0
+
+
+def _compile(fxpipe, model, margs, mkwargs, args: argparse.Namespace, name: str, progress: bool):
+    """``fxpipe.compile`` with the command's options."""
+    return fxpipe.compile(
+        model,
+        margs,
+        mkwargs,
+        devices=args.devices,
+        microbatches=args.microbatches,
+        hardware=args.hardware,
+        costs=args.costs,
+        cost_db=args.cost_db,
+        profile_threads=1 if (args.profile_threads is None and args.run) else args.profile_threads,
+        objective=args.objective,
+        schedule=args.schedule,
+        stages_per_device=args.stages_per_device,
+        placement=args.placement,
+        time_limit_s=args.time_limit,
+        seed=args.seed,
+        name=name,
+        memory=memory_model_from_args(args, math.inf),
+        memory_bytes=None if args.memory is None else parse_bytes(args.memory, allow_inf=True),
+        progress=progress,
+    )
+
+
+def _model_line(info: dict[str, Any], args: argparse.Namespace) -> str:
+    """One line naming what was built: type, task and class, sizes, dtype, attention, weights."""
+    sizes = {"tiny": "small default sizes", "shallow": "default widths, 2 layers", "preset": "preset sizes",
+             "as configured": "sizes as configured"}.get(info.get("sizes"), info.get("sizes"))
+    parts = [f"model: {info.get('model_type', args.hf)} ({info.get('task')}, {info.get('model_class')})", sizes,
+             info.get("dtype"), f"{info.get('attn_implementation') or 'default'} attention", f"weights {info.get('weights')}",
+             "inputs " + ", ".join(info.get("inputs", []))]
+    return ", ".join(str(p) for p in parts if p)
 
 
 def _write_report(plan, args: argparse.Namespace) -> dict[str, Any]:

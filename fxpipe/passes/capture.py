@@ -199,6 +199,7 @@ def capture(
     if replicate != "never" and not dynamic:
         rep = _capture_replicated(model, args, kwargs, min_layers=REPLICATE_MIN_LAYERS if replicate == "auto" else 4)
         if rep is not None:
+            drop_layout_contiguous(rep.gm)
             return rep
     dynamic_shapes = None
     if dynamic:
@@ -234,6 +235,7 @@ def capture(
         gm = exported.module(check_guards=False)
     except TypeError:  # older torch without check_guards
         gm = exported.module()
+    drop_layout_contiguous(gm)
     remove_dead_code(gm)
     capture_s = time.perf_counter() - t0
     prefix = _is_wrapper(model)
@@ -266,6 +268,42 @@ def remove_dead_code(gm: torch.fx.GraphModule) -> int:
             gm.graph.erase_node(node)
             removed += 1
     if removed:
+        gm.recompile()
+    return removed
+
+
+_VIEW_TARGETS = ("aten.reshape.default", "aten.view.default", "aten.transpose.int", "aten.permute.default")
+
+
+def drop_layout_contiguous(gm: torch.fx.GraphModule) -> int:
+    """Remove ``contiguous`` calls on attention outputs that exist only on some devices.
+
+    ``F.scaled_dot_product_attention`` returns its output in the layout of the kernel that
+    runs: the CPU and CUDA flash kernels write ``(batch, seq, heads, dim)`` memory, so Hugging
+    Face's ``out.transpose(1, 2).contiguous()`` is a no-op that torch.export leaves out, while
+    on ``meta`` (the math layout) the same line exports a copy. A plan made on meta would then
+    name one node more per layer than the graph a CPU or GPU worker captures. The copy is
+    removed where its input is a view chain of an attention output and every user reshapes it
+    (``reshape`` copies when it must, so values and shapes are unchanged); the graph is then the
+    same on every device. Returns the number of nodes removed.
+    """
+    removed = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or str(node.target) != "aten.contiguous.default":
+            continue
+        if not node.users or not all(u.op == "call_function" and str(u.target) == "aten.reshape.default" for u in node.users):
+            continue
+        src = node.args[0] if node.args else None
+        while isinstance(src, torch.fx.Node) and src.op == "call_function" and str(src.target) in _VIEW_TARGETS:
+            src = src.args[0]
+        if not (isinstance(src, torch.fx.Node) and src.op == "call_function"
+                and "scaled_dot_product" in str(src.target)):
+            continue
+        node.replace_all_uses_with(node.args[0])
+        gm.graph.erase_node(node)
+        removed += 1
+    if removed:
+        gm.graph.lint()
         gm.recompile()
     return removed
 
