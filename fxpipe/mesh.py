@@ -1,0 +1,193 @@
+"""The device mesh of a plan: pipeline parallelism x data parallelism (torch-free, plain data).
+
+A plan runs ``dp = dp_replicate * dp_shard`` identical pipelines (data-parallel replicas), each
+over ``pp`` devices; ``devices = pp * dp_shard * dp_replicate``. The dimension names are
+torchtitan's (``ParallelDims``): ``pp`` pipeline stages, ``dp_shard`` FSDP2 sharding
+(``torch.distributed.fsdp.fully_shard``, ZeRO-3), ``dp_replicate`` replication (DDP-style
+``replicate``; HSDP together with ``dp_shard``).
+
+Rank mapping (one function, :func:`rank_coords`, used by the runtime and the docs): the ranks
+form a row-major grid over the dimensions :data:`MESH_DIMS` = ``("dp_replicate", "dp_shard",
+"pp")``, pipeline rank innermost::
+
+    rank = (dp_replicate_index * dp_shard + dp_shard_index) * pp + pp_rank
+
+so the ``pp`` consecutive ranks ``r * pp .. r * pp + pp - 1`` form data-parallel replica ``r``
+(``replica = dp_replicate_index * dp_shard + dp_shard_index``), and a pure pipeline
+(``dp = 1``) keeps rank = pipeline rank. (torchtitan puts ``pp`` outermost instead, to keep
+the chatty FSDP collectives inside a node; placing dimensions on a topology is left to the
+planner's later mesh search, see ``docs/``.)
+
+``microbatches`` of a mesh plan is the global number of micro-batches per optimizer step;
+every replica runs ``microbatches // dp`` of them (:func:`microbatches_per_replica`) on its
+slice of the global batch.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any, Mapping
+
+from fxpipe.errors import InputError
+
+__all__ = [
+    "MESH_DIMS",
+    "normalize_mesh",
+    "pure_pipeline",
+    "mesh_dp",
+    "is_pure_pipeline",
+    "microbatches_per_replica",
+    "rank_coords",
+    "rank_of",
+    "parse_mesh",
+    "format_mesh",
+]
+
+#: Mesh dimension names, outermost first (the order of :func:`rank_coords`).
+MESH_DIMS = ("dp_replicate", "dp_shard", "pp")
+
+
+def pure_pipeline(devices: int) -> dict[str, int]:
+    """The mesh of a pure pipeline over ``devices`` devices: ``{"pp": devices, "dp_shard": 1, "dp_replicate": 1}``."""
+    return {"pp": int(devices), "dp_shard": 1, "dp_replicate": 1}
+
+
+def normalize_mesh(mesh: Any, devices: int | None = None) -> dict[str, int]:
+    """Validate a mesh and fill in missing dimensions (= 1).
+
+    Parameters
+    ----------
+    mesh : Mapping[str, int], "auto" or None
+        Degrees by torchtitan name (``"pp"``, ``"dp_shard"``, ``"dp_replicate"``); missing
+        names are 1. ``"auto"`` and None: the pure pipeline ``{"pp": devices}`` (the joint
+        mesh search is not implemented yet).
+    devices : int, optional
+        The number of devices; the product of the degrees must equal it.
+
+    Returns
+    -------
+    dict[str, int]
+        ``{"pp": a, "dp_shard": b, "dp_replicate": c}`` (all three keys, this order).
+
+    Raises
+    ------
+    InputError
+        For an unknown dimension name, a degree that is not an integer >= 1, a product that is
+        not ``devices``, or ``"auto"`` without ``devices``.
+    """
+    if mesh is None or (isinstance(mesh, str) and mesh == "auto"):
+        if devices is None:
+            raise InputError("mesh='auto' needs the number of devices")
+        return pure_pipeline(devices)
+    if isinstance(mesh, str):
+        mesh = parse_mesh(mesh)
+    if not isinstance(mesh, Mapping):
+        raise InputError(
+            f"mesh must be 'auto' or a dict of degrees such as {{'pp': 2, 'dp_shard': 2}}, got {mesh!r}"
+        )
+    unknown = sorted(str(k) for k in mesh if k not in MESH_DIMS)
+    if unknown:
+        raise InputError(f"mesh: unknown dimension(s) {unknown}; the dimensions are {list(reversed(MESH_DIMS))}")
+    out = {}
+    for name in ("pp", "dp_shard", "dp_replicate"):
+        v = mesh.get(name, 1)
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+            raise InputError(f"mesh[{name!r}] must be an integer >= 1, got {v!r}")
+        v = int(v)
+        if v < 1:
+            raise InputError(f"mesh[{name!r}] must be an integer >= 1, got {v}")
+        out[name] = v
+    if devices is not None:
+        prod = math.prod(out.values())
+        if prod != int(devices):
+            raise InputError(
+                f"mesh {format_mesh(out)} has {prod} devices but devices={devices}: the product "
+                "pp * dp_shard * dp_replicate must equal devices"
+            )
+    return out
+
+
+def mesh_dp(mesh: Mapping[str, int]) -> int:
+    """Number of data-parallel replicas: ``dp_shard * dp_replicate``."""
+    return int(mesh.get("dp_shard", 1)) * int(mesh.get("dp_replicate", 1))
+
+
+def is_pure_pipeline(mesh: Mapping[str, int] | None) -> bool:
+    """True for None or a mesh without data parallelism."""
+    return mesh is None or mesh_dp(mesh) == 1
+
+
+def microbatches_per_replica(microbatches: int, mesh: Mapping[str, int]) -> int:
+    """Micro-batches each data-parallel replica runs per step: ``microbatches / dp``.
+
+    Raises
+    ------
+    InputError
+        If ``dp_shard * dp_replicate`` does not divide ``microbatches``.
+    """
+    dp = mesh_dp(mesh)
+    if microbatches % dp:
+        raise InputError(
+            f"microbatches={microbatches} (the global number per optimizer step) is not divisible by the "
+            f"{dp} data-parallel replicas of mesh {format_mesh(mesh)} (dp_shard * dp_replicate): use a multiple of {dp}"
+        )
+    return microbatches // dp
+
+
+def rank_coords(rank: int, mesh: Mapping[str, int]) -> dict[str, int]:
+    """Coordinates of a global rank on the mesh (see the module docstring for the layout).
+
+    Returns
+    -------
+    dict
+        ``{"dp_replicate": i, "dp_shard": j, "pp": k, "replica": i * dp_shard + j}``.
+
+    Raises
+    ------
+    InputError
+        For a rank outside ``0 .. devices - 1``.
+    """
+    pp, ds, dr = int(mesh["pp"]), int(mesh.get("dp_shard", 1)), int(mesh.get("dp_replicate", 1))
+    world = pp * ds * dr
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world:
+        raise InputError(f"rank must be an integer in 0..{world - 1} for mesh {format_mesh(mesh)}, got {rank!r}")
+    replica, k = divmod(rank, pp)
+    i, j = divmod(replica, ds)
+    return {"dp_replicate": i, "dp_shard": j, "pp": k, "replica": replica}
+
+
+def rank_of(mesh: Mapping[str, int], *, pp: int, replica: int) -> int:
+    """The global rank of pipeline rank ``pp`` in data-parallel replica ``replica`` (inverse of :func:`rank_coords`)."""
+    return int(replica) * int(mesh["pp"]) + int(pp)
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+    """Parse the CLI form ``"pp=4,dp_shard=8"`` (missing dimensions = 1).
+
+    Raises
+    ------
+    InputError
+        For an item that is not ``name=integer`` or an unknown name.
+    """
+    out: dict[str, int] = {}
+    for item in str(text).split(","):
+        item = item.strip()
+        if not item:
+            continue
+        name, sep, value = item.partition("=")
+        name = name.strip()
+        if not sep or not value.strip().lstrip("-").isdigit():
+            raise InputError(f"mesh: {item!r} is not name=integer (example: pp=4,dp_shard=8)")
+        if name in out:
+            raise InputError(f"mesh: {name!r} given twice")
+        out[name] = int(value)
+    if not out:
+        raise InputError("mesh: empty; write e.g. pp=4,dp_shard=8")
+    return normalize_mesh(out)
+
+
+def format_mesh(mesh: Mapping[str, int]) -> str:
+    """``"pp=2 x dp_shard=2"`` (dimensions of degree 1 left out, except a lone ``pp``)."""
+    parts = [f"{k}={int(mesh.get(k, 1))}" for k in ("pp", "dp_shard", "dp_replicate") if int(mesh.get(k, 1)) > 1]
+    return " x ".join(parts) if parts else f"pp={int(mesh.get('pp', 1))}"
