@@ -464,6 +464,7 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     replicate: str = "auto",
     memory_bytes: float | None = None,
     memory: MemoryModel | None = None,
+    mesh: Any = "auto",
 ) -> Plan:
     """Plan pipeline parallelism for ``model``: capture, cost, partition, schedule.
 
@@ -474,10 +475,11 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     args, kwargs :
         Example inputs of ONE micro-batch (costs are per micro-batch).
     devices : int
-        Devices p = pipeline ranks, >= 1; ``stages_per_device * devices`` must not exceed the
-        number of ops.
+        Devices, >= 1: with a pure pipeline (the default mesh) the pipeline ranks p;
+        ``stages_per_device * p`` must not exceed the number of ops.
     microbatches : int
-        Micro-batches per step, >= 1.
+        Micro-batches per optimizer step (global: divided among the data-parallel replicas
+        of ``mesh``), >= 1.
     hardware : str, path or HardwareSpec, optional
         What the costs are for: a datasheet spec name (``"a100-80gb"``, ``"h100-sxm"``,
         ``"h200"``, ``"cpu"``), ``"measured"`` (this machine's device, calibrated from measured
@@ -542,6 +544,18 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
         Capture a deep stack of identical layers by exporting three and replicating one
         (:func:`fxpipe.passes.capture.capture`; same graph as a full export, much faster for
         70B-class models). ``"never"`` forces a full ``torch.export``.
+    mesh : "auto" or dict
+        Pipeline x data parallelism, torchtitan's names: ``{"pp": a, "dp_shard": b,
+        "dp_replicate": c}`` (missing = 1, ``a * b * c == devices``): ``b * c`` replicas of a
+        pipeline over ``a`` devices, each stage wrapped by FSDP2 ``fully_shard`` over
+        ``dp_shard`` (HSDP with ``dp_replicate``) or ``replicate`` over ``dp_replicate``
+        (:mod:`fxpipe.codegen.mesh`). ``b * c`` must divide ``microbatches``; the pipeline is
+        planned for ``a`` devices and ``microbatches / (b * c)`` micro-batches (``plan.devices``
+        and ``plan.microbatches`` are those of one pipeline; ``plan.mesh`` the mesh,
+        ``plan.world_size`` all devices). With ``dp_shard > 1`` the memory model shards the
+        optimizer state over it (:func:`fxpipe.mesh.mesh_memory`). ``"auto"`` (default): for now
+        the pure pipeline ``{"pp": devices}``; the joint search over meshes is not implemented
+        yet.
 
     Returns
     -------
@@ -552,7 +566,8 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     InputError
         devices < 1, microbatches < 1, more stages than ops, unknown hardware/schedule/costs/
         placement, a schedule the placement does not admit, ``costs="measured"`` with the
-        datasheet spec or profile of another device.
+        datasheet spec or profile of another device, a mesh whose degrees do not multiply to
+        ``devices`` or whose replicas do not divide ``microbatches``.
     CaptureError
         The model cannot be exported (the message says which node and what to try).
     InfeasibleError
@@ -562,6 +577,12 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     """
     devices = _check_count(devices, "devices")
     microbatches = _check_count(microbatches, "microbatches")
+    from fxpipe.mesh import mesh_memory, microbatches_per_replica, normalize_mesh
+
+    mesh_degrees = normalize_mesh(mesh, devices)
+    pipe_devices, pipe_microbatches = mesh_degrees["pp"], microbatches_per_replica(microbatches, mesh_degrees)
+    if isinstance(memory, MemoryModel):
+        mesh_memory(memory, mesh_degrees)  # a conflicting ZeRO degree fails before the capture
     if objective not in ("training", "inference"):
         raise InputError(f"objective must be 'training' or 'inference', got {objective!r}")
     if schedule is not None and schedule not in SCHEDULES:
@@ -584,11 +605,11 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
 
         traced = trace_model(model, tuple(args), dict(kwargs or {}), hardware=hardware, dtype=dtype, name=name, replicate=replicate)
     graph = traced.graph
-    model = resolve_memory(graph, memory, memory_bytes, traced.hardware)
+    model = mesh_memory(resolve_memory(graph, memory, memory_bytes, traced.hardware), mesh_degrees)
     part, problem, sched, timings = plan_graph(
         graph,
-        devices=devices,
-        microbatches=microbatches,
+        devices=pipe_devices,
+        microbatches=pipe_microbatches,
         objective=objective,
         schedule=schedule,
         stages_per_device=stages_per_device,
@@ -604,11 +625,12 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     stage_of = {graph.names[i]: int(part.assignment[i]) for i in range(graph.n)}
     from fxpipe.schedule.dispatch import default_method
 
-    resolved = schedule if schedule is not None else default_method(problem.device_of_stage, devices)
+    resolved = schedule if schedule is not None else default_method(problem.device_of_stage, pipe_devices)
     plan = Plan(
         name=graph.name,
-        devices=devices,
-        microbatches=microbatches,
+        devices=pipe_devices,
+        microbatches=pipe_microbatches,
+        mesh=mesh_degrees,
         hardware=hardware_name,
         objective=objective,
         comm="relay",
@@ -623,7 +645,8 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
         timings_s={"capture": traced.capture_s, "cost": traced.cost_s, "export": traced.export_s, **timings_extra, **timings},
         graph_signature=graph_signature(graph),
         options={"seed": seed, "time_limit_s": time_limit_s, "schedule": resolved, "dtype": str(dtype) if dtype else None,
-                 "costs": costs, "stages_per_device": stages_per_device, "placement": placement},
+                 "costs": costs, "stages_per_device": stages_per_device, "placement": placement,
+                 "mesh": mesh if isinstance(mesh, str) else dict(mesh_degrees)},
         _captured=traced,
     )
     return plan

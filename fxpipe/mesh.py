@@ -191,3 +191,36 @@ def format_mesh(mesh: Mapping[str, int]) -> str:
     """``"pp=2 x dp_shard=2"`` (dimensions of degree 1 left out, except a lone ``pp``)."""
     parts = [f"{k}={int(mesh.get(k, 1))}" for k in ("pp", "dp_shard", "dp_replicate") if int(mesh.get(k, 1)) > 1]
     return " x ".join(parts) if parts else f"pp={int(mesh.get('pp', 1))}"
+
+
+def mesh_memory(memory, mesh: Mapping[str, int]):
+    """The :class:`~fxpipe.memory.MemoryModel` of one device of a mesh plan.
+
+    fxpipe wraps every pipeline stage as one FSDP2 unit and torch's pipelining runtime keeps a
+    stage's parameters unsharded from its first compute action of the step to its
+    ``REDUCE_GRAD`` (gradient sync is deferred to the step's end, so the unsharded gradients
+    accumulate too): during the step a device holds its stages' full parameters and gradients
+    and only the optimizer state is sharded over ``dp_shard``, i.e. ZeRO-1's memory. So a mesh
+    with ``dp_shard > 1`` gives a memory model with ``zero_stage=1, data_parallel=dp_shard``
+    unless ``memory`` already names ``data_parallel == dp_shard`` (kept as given).
+    ``dp_replicate`` shards nothing. (Not counted yet: the sharded copies of parameters and
+    gradients, ``1 / dp_shard`` of each.)
+
+    Raises
+    ------
+    InputError
+        If ``memory.data_parallel`` is neither 1 nor ``dp_shard``.
+    """
+    import dataclasses
+
+    ds = int(mesh.get("dp_shard", 1))
+    if ds == 1:
+        return memory
+    if memory.data_parallel == ds:
+        return memory
+    if memory.data_parallel != 1:
+        raise InputError(
+            f"the memory model shards over data_parallel={memory.data_parallel} but mesh {format_mesh(mesh)} shards "
+            f"over dp_shard={ds}: leave data_parallel at 1 (the mesh sets it) or make them equal"
+        )
+    return dataclasses.replace(memory, zero_stage=1, data_parallel=ds)

@@ -43,7 +43,14 @@ def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "--config", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
         help="config overrides, e.g. n_layer=8 n_embd=256 (repeat the flag to add more; a later value of the same key wins)",
     )
-    p.add_argument("--devices", type=int, default=4, help="devices = pipeline ranks (default 4)")
+    p.add_argument("--devices", type=int, default=None,
+                   help="devices (default 4, or the product of --mesh); without --mesh they are the pipeline ranks")
+    p.add_argument(
+        "--mesh", default=None, metavar="pp=A,dp_shard=B,dp_replicate=C",
+        help="pipeline x data parallelism (torchtitan's names, missing = 1, product = devices): dp_shard * dp_replicate "
+        "replicas of a pipeline over pp devices, FSDP2 over dp_shard (HSDP with dp_replicate), replicate over "
+        "dp_replicate; --microbatches is then the global count, divided among the replicas (default: a pure pipeline)",
+    )
     p.add_argument(
         "--stages-per-device", type=_stages_per_device, default=1, metavar="V",
         help="pipeline stages on every device (the model is cut into V x devices stages), or 'auto': try 1 and 2 "
@@ -180,6 +187,15 @@ def run(args: argparse.Namespace) -> int:
 
     if args.profile_threads is not None and args.profile_threads < 1:
         raise InputError(f"--profile-threads must be >= 1, got {args.profile_threads}")
+    mesh = "auto"
+    if args.mesh is not None:
+        from fxpipe.mesh import parse_mesh
+
+        mesh = parse_mesh(args.mesh)
+        if args.devices is None:
+            args.devices = math.prod(mesh.values())
+    if args.devices is None:
+        args.devices = 4
     if args.stages_per_device != "auto" and args.stages_per_device < 1:
         raise InputError(f"--stages-per-device must be >= 1 or 'auto', got {args.stages_per_device}")
     for name in ("devices", "microbatches", "microbatch_size", "seq_len", "steps"):
@@ -217,6 +233,7 @@ def run(args: argparse.Namespace) -> int:
         name=args.hf,
         memory=memory_model_from_args(args, math.inf),
         memory_bytes=None if args.memory is None else parse_bytes(args.memory, allow_inf=True),
+        mesh=mesh,
     )
     doc: dict[str, Any] = {
         "model": args.hf,
@@ -235,7 +252,7 @@ def run(args: argparse.Namespace) -> int:
     if args.run:
         from fxpipe.codegen.compare import TrainingComparison
 
-        status(f"training {args.steps} steps on {plan.devices} local gloo ranks, then a single-process reference ...")
+        status(f"training {args.steps} steps on {plan.world_size} local gloo ranks, then a single-process reference ...")
         result = plan.train_local(factory, _BatchFn(factory), steps=args.steps, lr=args.lr, reference=True)
         doc["run"] = {k: v for k, v in result.items() if k != "results"}
         text.append(
