@@ -116,18 +116,23 @@ def test_fsdp_and_replicate_pipelines_match_single_process():
 
     fac = _factory()
     runs, names = [], []
-    for mesh in ({"pp": 2, "dp_shard": 2}, {"pp": 2, "dp_replicate": 2}):
-        for schedule in ("1f1b", "zb-h1"):
-            plan = _plan(mesh, schedule)
-            names.append(f"{format_mesh(plan.mesh)} {schedule}")
-            # the run plan.train_local launches (world_size = pp * dp ranks, the global micro-batch count)
-            runs.append(dict(make_model=fac, stage_of=_PlanStageOf(plan.stage_of), orders=plan.orders(),
-                             num_microbatches=plan.global_microbatches, make_batch=_BatchFn(fac), steps=2, lr=0.05,
-                             mesh=plan.mesh, model_key="gpt2"))
+    cases = [(mesh, schedule, {}) for mesh in ({"pp": 2, "dp_shard": 2}, {"pp": 2, "dp_replicate": 2})
+             for schedule in ("1f1b", "zb-h1")]
+    # ZB-V: stages 0 and 3 (the tied embedding) on rank 0, split backward on stages 1-3
+    cases.append(({"pp": 2, "dp_shard": 2}, "zb-v", {"stages_per_device": 2, "placement": "v"}))
+    for mesh, schedule, extra in cases:
+        plan = _plan(mesh, schedule, **extra)
+        names.append(f"{format_mesh(plan.mesh)} {schedule}")
+        # the run plan.train_local launches (world_size = pp * dp ranks, the global micro-batch count)
+        runs.append(dict(make_model=fac, stage_of=_PlanStageOf(plan.stage_of), orders=plan.orders(),
+                         num_microbatches=plan.global_microbatches, make_batch=_BatchFn(fac), steps=2, lr=0.05,
+                         mesh=plan.mesh, model_key="gpt2"))
     results = spawn_train_many(runs, world_size=4, timeout_s=600)
     ref = reference_train(fac, _BatchFn(fac), num_microbatches=GLOBAL_MB, steps=2, lr=0.05)
     assert ref.losses[1] != ref.losses[0]
     for res, what in zip(results, names):
         _assert_same_training(res, ref, what)
-    # every rank ran its own pipeline rank's actions: split backward (I/W) under ZB-H1
-    assert any("I" in a for a in results[1].meta["actions"][0])
+    # split backward (I/W) ran under FSDP2 on both pipeline ranks of the V placement
+    zbv = results[-1]
+    assert all(any("I" in a for a in zbv.meta["actions"][r]) for r in range(4))
+    assert [zbv.meta["fused_full_backward"][s] for s in (1, 2, 3)] == [False] * 3

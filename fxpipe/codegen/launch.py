@@ -297,7 +297,9 @@ def _run_one(rank: int, world: int, run: dict, out_dir: str, idx: int, cache: di
     for s in local:  # stages of one rank share tied parameter objects: each once
         for fqn, prm in staged.stages[s].named_parameters().items():
             named.setdefault(fqn, prm)
-    opt = torch.optim.SGD(list(named.values()), lr=run["lr"]) if named else None  # pure relay stages: no params
+    # every parameter object of the rank (with data parallelism a tied parameter has one copy per stage)
+    opt_params = sched.parameters() if mesh is not None else list(named.values())
+    opt = torch.optim.SGD(opt_params, lr=run["lr"]) if opt_params else None  # pure relay stages: no params
     first, last = sched.has_first_stage, sched.has_last_stage
     losses: list[float] = []
     grads: dict[str, torch.Tensor | None] = {}

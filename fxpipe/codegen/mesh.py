@@ -31,9 +31,12 @@ Batches: every replica trains on its slice of the global batch,
 of ``microbatches`` x micro-batch size along dim 0 replica ``r`` runs the global micro-batches
 ``r * m .. r * m + m - 1`` (``m = microbatches / dp``), exactly those of the single-process run.
 
-Not yet supported with data parallelism (clear errors): activation offload / recomputation,
-``compile_stages``, and a tied parameter held by two stages of one rank (GPT-2's embedding on a
-V placement: FSDP2 cannot shard one parameter in two modules).
+A tied parameter held by two stages of one rank (GPT-2's embedding on a V placement) becomes
+one copy per stage (FSDP2 cannot manage one parameter in two modules) whose gradients are
+summed; the optimizer must then take ``schedule.parameters()`` (every copy).
+
+Not yet supported with data parallelism (clear errors): activation offload / recomputation and
+``compile_stages``.
 """
 
 from __future__ import annotations
@@ -201,14 +204,6 @@ def _check_supported(staged, orders: Orders, mr: MeshRank, recompute_stages, com
             f"{what}: activation recomputation and offload/reload (O/R) are not supported with data parallelism yet: "
             "plan with a schedule that keeps every stash (schedule='1f1b', 'zb-h1', 'zb-v', ...) or a pure pipeline mesh"
         )
-    for fqn, stages in staged.shared_params.items():
-        here = [s for s in stages if int(orders.device_of_stage[s]) == mr.pp_rank]
-        if len(here) > 1:
-            raise InputError(
-                f"{what}: parameter {fqn!r} is tied between stages {here}, which the placement puts on one device; "
-                "FSDP2 cannot shard one parameter held by two stage modules: use another placement "
-                "(placement='looped') or untie the weights"
-            )
 
 
 def build_mesh_rank(
@@ -275,13 +270,60 @@ def build_mesh_rank(
     _check_supported(staged, orders, mr, build_kwargs.get("recompute_stages", ()),
                      build_kwargs.get("compile_stages", False))
     cache = make_shared_param_groups(staged, orders.device_of_stage, m, group_cache)
+    wrap = data_parallel_wrapper(mr)
+    if wrap is not None:
+        wrap = _untie_then(wrap, staged)
     stages, sched = build_rank(
         staged, mr.pp_rank, orders, num_microbatches=num_microbatches, loss_fn=loss_fn, group=mr.pp_group,
         device=device, example_microbatch_inputs=example_microbatch_inputs, group_cache=cache,
-        wrap_module=data_parallel_wrapper(mr), **build_kwargs,
+        wrap_module=wrap, **build_kwargs,
     )
+    if wrap is not None:
+        sched.set_shared_grads(_tied_copies(staged, orders.device_of_stage, mr, cache))
     sched.fxpipe_mesh_rank = mr
     return stages, sched, mr
+
+
+def _untie_then(wrap: Callable[[int, torch.nn.Module], None], staged) -> Callable[[int, torch.nn.Module], None]:
+    """``wrap`` after giving a stage its own copy of every tied parameter an earlier stage of this rank holds.
+
+    Stages of one rank share a tied parameter object (GPT-2's embedding on a V placement), but
+    FSDP2 cannot manage one parameter in two ``fully_shard`` modules. Each stage gets its own
+    copy (same value); :func:`_tied_copies` keeps the copies' gradients summed, so an optimizer
+    over all of them (``schedule.parameters()``) keeps them equal.
+    """
+    tied = set(staged.shared_params)
+    seen: set[int] = set()
+
+    def untie_and_wrap(stage: int, module: torch.nn.Module) -> None:
+        for fqn, target in staged.stages[stage].param_targets.items():
+            p = module.get_parameter(target)
+            if fqn in tied and id(p) in seen:
+                owner, _, name = target.rpartition(".")
+                setattr(module.get_submodule(owner) if owner else module, name,
+                        torch.nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad))
+            seen.add(id(p))
+        wrap(stage, module)
+
+    return untie_and_wrap
+
+
+def _tied_copies(staged, device_of_stage: Sequence[int], mr: MeshRank, cache: Mapping) -> list:
+    """``(copies on this rank, group of the other pipeline ranks holding it or None)`` per tied parameter."""
+    out = []
+    for fqn, holders in sorted(staged.shared_params.items()):
+        local = [s for s in holders if int(device_of_stage[s]) == mr.pp_rank]
+        if not local:
+            continue
+        copies = {}
+        for s in local:
+            p = staged.stages[s].module.get_parameter(staged.stages[s].param_targets[fqn])
+            copies.setdefault(id(p), p)
+        ranks = sorted({int(device_of_stage[s]) for s in holders})
+        grp = cache[tuple(rank_of(mr.mesh, pp=r, replica=mr.replica) for r in ranks)] if len(ranks) > 1 else None
+        if len(copies) > 1 or grp is not None:
+            out.append((tuple(copies.values()), grp))
+    return out
 
 
 def replica_slice(tree: Any, replica: int, dp: int, what: str = "inputs") -> Any:

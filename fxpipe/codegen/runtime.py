@@ -509,14 +509,34 @@ class FxpipeScheduleRuntime(_PipelineScheduleRuntime):
             if p.grad is not None:
                 p.grad.div_(m)
 
+    def set_shared_grads(self, shared_grads) -> None:
+        """Replace the tied-parameter entries: ``(Parameter or tuple of copies, ProcessGroup or None)``.
+
+        A tuple lists copies of one tied parameter held by this rank's stages (data parallelism
+        gives every stage its own copy, :mod:`fxpipe.codegen.mesh`): their gradients are summed,
+        all-reduced over the group if any, and every copy gets the total.
+        """
+        self._shared_grads = list(shared_grads)
+
     def sync_shared_grads(self) -> None:
         """All-reduce (sum) the gradients of tied parameters over the ranks that hold them."""
-        for p, grp in self._shared_grads:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
+        for entry, grp in self._shared_grads:
+            copies = (entry,) if isinstance(entry, torch.Tensor) else tuple(entry)
+            for p in copies:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            total = copies[0].grad
+            if len(copies) > 1:
+                total = total.clone()
+                for p in copies[1:]:
+                    total.add_(p.grad)
             # a sharded (FSDP2) parameter: every pipeline rank holding it shards it the same way over
             # its own data-parallel group, so the local shards of one replica line up
-            dist.all_reduce(local_tensor(p.grad), op=dist.ReduceOp.SUM, group=grp)
+            if grp is not None:
+                dist.all_reduce(local_tensor(total), op=dist.ReduceOp.SUM, group=grp)
+            if len(copies) > 1:
+                for p in copies:
+                    p.grad.copy_(total)
 
 
 # ---- begin data parallelism adapters (used by fxpipe/codegen/mesh.py)
