@@ -42,6 +42,9 @@ __all__ = [
     "rank_of",
     "parse_mesh",
     "format_mesh",
+    "mesh_memory",
+    "dp_sync_time_s",
+    "candidate_meshes",
 ]
 
 #: Mesh dimension names, outermost first (the order of :func:`rank_coords`).
@@ -224,3 +227,62 @@ def mesh_memory(memory, mesh: Mapping[str, int]):
             f"over dp_shard={ds}: leave data_parallel at 1 (the mesh sets it) or make them equal"
         )
     return dataclasses.replace(memory, zero_stage=1, data_parallel=ds)
+
+
+def dp_sync_time_s(param_bytes: float, mesh: Mapping[str, int], bandwidth_bytes_per_s: float,
+                   latency_s: float = 0.0) -> float:
+    """Data-parallel communication of one device per optimizer step (seconds), not overlapped.
+
+    What fxpipe's runtime does per step for a device whose stages hold ``param_bytes`` of
+    parameters (gradients in the same dtype): with ``dp_shard = s > 1`` one all-gather of the
+    parameters (a stage is unsharded once per step) and one reduce-scatter of the gradients
+    over ``s`` ranks; with ``dp_replicate = r > 1`` one all-reduce over ``r`` ranks of the
+    gradients (of their ``1 / s`` shard under HSDP). Ring collectives (Thakur, Rabenseifner and
+    Gropp 2005): all-gather and reduce-scatter of ``n`` bytes over ``k`` ranks move
+    ``(k - 1) / k * n`` bytes per rank, all-reduce twice that; each adds ``(k - 1) * latency_s``.
+
+    Parameters
+    ----------
+    param_bytes : float
+        Parameter bytes of the device's stages.
+    mesh : Mapping[str, int]
+        The plan's mesh.
+    bandwidth_bytes_per_s : float
+        Per-rank link bandwidth of the data-parallel group (one bandwidth for now; a topology
+        with intra- and inter-node links is a later step).
+    latency_s : float
+        Per-hop latency.
+
+    Returns
+    -------
+    float
+        0 without data parallelism.
+    """
+    if bandwidth_bytes_per_s <= 0:
+        raise InputError(f"bandwidth_bytes_per_s must be > 0, got {bandwidth_bytes_per_s!r}")
+    s, r = int(mesh.get("dp_shard", 1)), int(mesh.get("dp_replicate", 1))
+    t = 0.0
+    if s > 1:  # all-gather of the parameters + reduce-scatter of the gradients
+        t += 2 * ((s - 1) / s * param_bytes / bandwidth_bytes_per_s + (s - 1) * latency_s)
+    if r > 1:  # all-reduce of the gradients (their shard under HSDP)
+        t += 2 * (r - 1) / r * (param_bytes / s) / bandwidth_bytes_per_s + 2 * (r - 1) * latency_s
+    return t
+
+
+def candidate_meshes(devices: int, microbatches: int, *, replicate: bool = False) -> list[dict[str, int]]:
+    """Every mesh of ``devices`` devices whose replicas divide ``microbatches`` (pure pipeline first).
+
+    The pinned meshes a joint search would compare: ``pp * dp_shard = devices`` with
+    ``dp_shard | microbatches`` and, with ``replicate=True``, also every split of the
+    data-parallel degree into ``dp_shard * dp_replicate``. Ordered by decreasing ``pp``.
+    """
+    out = []
+    for pp in range(int(devices), 0, -1):
+        if devices % pp:
+            continue
+        dp = devices // pp
+        if microbatches % dp:
+            continue
+        splits = [(dp, 1)] + ([(dp // r, r) for r in range(2, dp + 1) if dp % r == 0] if replicate else [])
+        out += [{"pp": pp, "dp_shard": ds, "dp_replicate": dr} for ds, dr in splits]
+    return out

@@ -227,8 +227,23 @@ class Plan:
         """Micro-batches per optimizer step over all replicas (``microbatches * dp``)."""
         return self.microbatches * self.dp
 
+    @property
+    def dp_sync_s(self) -> float:
+        """Data-parallel communication per step of the busiest device (seconds; 0 for a pure pipeline).
+
+        :func:`fxpipe.mesh.dp_sync_time_s` of every device's parameter bytes at the graph's
+        bandwidth, the largest; not overlapped with the pipeline and not in the schedule.
+        """
+        if self.dp == 1:
+            return 0.0
+        from fxpipe.mesh import dp_sync_time_s
+
+        dev = np.asarray(self.problem.device_of_stage, dtype=np.int64)[self.partition.assignment]
+        per_device = np.bincount(dev, weights=self.graph.size_param_bytes, minlength=self.devices)
+        return float(max(dp_sync_time_s(b, self.mesh, self.graph.bandwidth_bytes_per_s) for b in per_device))
+
     def mesh_summary(self) -> list[str]:
-        """One summary line for a plan with data parallelism (none for a pure pipeline)."""
+        """Summary lines for a plan with data parallelism (none for a pure pipeline)."""
         from fxpipe.mesh import format_mesh
 
         if self.dp == 1:
@@ -236,8 +251,12 @@ class Plan:
         ds, dr = self.mesh["dp_shard"], self.mesh["dp_replicate"]
         how = ("FSDP2 fully_shard over dp_shard" + (", HSDP with dp_replicate" if dr > 1 else "")) if ds > 1 else \
             "replicate (DDP) over dp_replicate"
+        coll = ("all-gather + reduce-scatter" if ds > 1 else "") + (" + " if ds > 1 and dr > 1 else "") + \
+            ("all-reduce" if dr > 1 else "")
         return [f"mesh {format_mesh(self.mesh)} on {self.world_size} devices: {self.dp} data-parallel replicas of this "
-                f"pipeline, {self.global_microbatches} micro-batches per step ({self.microbatches} per replica); {how}"]
+                f"pipeline, {self.global_microbatches} micro-batches per step ({self.microbatches} per replica); {how}",
+                f"data-parallel sync per step: {self.dp_sync_s * 1e3:.3f} ms on the busiest device ({coll} at "
+                f"{self.graph.bandwidth_bytes_per_s / 1e9:g} GB/s, not overlapped, not in the makespan)"]
 
     # ------------------------------------------------------------------ placement
     @property
@@ -377,6 +396,7 @@ class Plan:
             "name": self.name,
             "devices": self.devices,
             "mesh": dict(self.mesh),
+            "dp_sync_s": self.dp_sync_s,
             "num_stages": self.num_stages,
             "stages_per_device": self.stages_per_device,
             "placement": self.placement,

@@ -18,7 +18,16 @@ import fxpipe  # noqa: E402
 from fxpipe.memory import MemoryModel  # noqa: E402
 from fxpipe.cli.plan_cmd import HFFactory, _BatchFn  # noqa: E402
 from fxpipe.errors import InputError  # noqa: E402
-from fxpipe.mesh import format_mesh, microbatches_per_replica, normalize_mesh, parse_mesh, rank_coords, rank_of  # noqa: E402
+from fxpipe.mesh import (  # noqa: E402
+    candidate_meshes,
+    dp_sync_time_s,
+    format_mesh,
+    microbatches_per_replica,
+    normalize_mesh,
+    parse_mesh,
+    rank_coords,
+    rank_of,
+)
 from fxpipe.plan import Plan, _PlanStageOf, load_plan  # noqa: E402
 
 GPT2 = {"n_layer": 2, "n_embd": 16, "n_head": 2, "vocab_size": 32, "n_positions": 16}
@@ -67,6 +76,19 @@ def test_rank_mapping_is_a_bijection_with_pipeline_rank_innermost():
         rank_coords(12, mesh)
 
 
+def test_dp_sync_time_and_candidate_meshes():
+    b, bw = 8e9, 1e11  # ring collectives: all-gather / reduce-scatter move (k-1)/k of the bytes, all-reduce twice that
+    assert dp_sync_time_s(b, {"pp": 4}, bw) == 0.0
+    assert dp_sync_time_s(b, {"pp": 1, "dp_shard": 2}, bw) == pytest.approx(b / bw)
+    assert dp_sync_time_s(b, {"pp": 1, "dp_replicate": 4}, bw) == pytest.approx(1.5 * b / bw)
+    assert dp_sync_time_s(b, {"pp": 1, "dp_shard": 2, "dp_replicate": 2}, bw) == pytest.approx(1.5 * b / bw)
+    assert dp_sync_time_s(b, {"pp": 1, "dp_shard": 2}, bw, latency_s=1e-3) == pytest.approx(b / bw + 2e-3)
+    assert candidate_meshes(8, 4) == [{"pp": 8, "dp_shard": 1, "dp_replicate": 1}, {"pp": 4, "dp_shard": 2, "dp_replicate": 1},
+                                      {"pp": 2, "dp_shard": 4, "dp_replicate": 1}]  # dp=8 does not divide 4
+    assert {"pp": 2, "dp_shard": 2, "dp_replicate": 2} in candidate_meshes(8, 8, replicate=True)
+    assert all(normalize_mesh(m, 12) == m for m in candidate_meshes(12, 12, replicate=True))
+
+
 def test_compile_mesh_plan_round_trip_and_errors(tmp_path):
     plan = _plan({"pp": 2, "dp_shard": 2}, "1f1b")
     assert plan.mesh == {"pp": 2, "dp_shard": 2, "dp_replicate": 1}
@@ -74,6 +96,9 @@ def test_compile_mesh_plan_round_trip_and_errors(tmp_path):
     assert plan.problem.num_microbatches == 2 and plan.problem.num_devices == 2  # one pipeline of the mesh
     assert (plan.memory.zero_stage, plan.memory.data_parallel) == (1, 2)  # sharded optimizer state (mesh_memory)
     assert "mesh pp=2 x dp_shard=2 on 4 devices" in plan.summary()
+    busiest = max(d.param_bytes for d in plan.device_table)  # all-gather + reduce-scatter over 2: its bytes once
+    assert plan.dp_sync_s == pytest.approx(busiest / plan.graph.bandwidth_bytes_per_s) and plan.dp_sync_s > 0
+    assert "data-parallel sync per step" in plan.summary()
     path = plan.save(tmp_path / "plan.json")
     loaded = load_plan(path)
     assert loaded.mesh == plan.mesh and loaded.world_size == 4 and loaded.memory == plan.memory
