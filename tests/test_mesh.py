@@ -1,9 +1,11 @@
 """Pipeline x data parallelism (issue 18): the mesh in the API and its runtime on 4 gloo ranks.
 
 A tiny GPT-2 (tied embedding on the first and last stage) planned as pp=2 x dp_shard=2
-(FSDP2 ``fully_shard``) and pp=2 x dp_replicate=2 (``replicate``) under 1F1B and ZB-H1 (split
-backward) must train to the losses, gradients and parameters of one process on the same
-global batch. The data-parallel runs share one set of 4 worker processes.
+(FSDP2 ``fully_shard``) and pp=2 x dp_replicate=2 (``replicate``) under 1F1B and ZB-H1, as
+pp=2 x dp_shard=2 under ZB-V (split backward, the tied embedding twice on rank 0) and as
+pp=1 x dp_shard=2 x dp_replicate=2 (HSDP) must train to the losses, gradients and parameters
+of one process on the same global batch. The data-parallel runs share one set of 4 worker
+processes.
 """
 
 from __future__ import annotations
@@ -145,6 +147,8 @@ def test_fsdp_and_replicate_pipelines_match_single_process():
              for schedule in ("1f1b", "zb-h1")]
     # ZB-V: stages 0 and 3 (the tied embedding) on rank 0, split backward on stages 1-3
     cases.append(({"pp": 2, "dp_shard": 2}, "zb-v", {"stages_per_device": 2, "placement": "v"}))
+    # HSDP (fully_shard over the 2-D (dp_replicate, dp_shard) sub-mesh) of a one-stage pipeline
+    cases.append(({"pp": 1, "dp_shard": 2, "dp_replicate": 2}, "1f1b", {}))
     for mesh, schedule, extra in cases:
         plan = _plan(mesh, schedule, **extra)
         names.append(f"{format_mesh(plan.mesh)} {schedule}")
@@ -158,7 +162,7 @@ def test_fsdp_and_replicate_pipelines_match_single_process():
     for res, what in zip(results, names):
         _assert_same_training(res, ref, what)
     # split backward (I/W) ran under FSDP2 on both pipeline ranks of the V placement
-    zbv = results[-1]
+    zbv = results[4]
     assert all(any("I" in a for a in zbv.meta["actions"][r]) for r in range(4))
     assert [zbv.meta["fused_full_backward"][s] for s in (1, 2, 3)] == [False] * 3
 
