@@ -91,6 +91,16 @@ def test_dp_sync_time_and_candidate_meshes():
     assert all(normalize_mesh(m, 12) == m for m in candidate_meshes(12, 12, replicate=True))
 
 
+def test_cli_mesh_errors_exit_2(capsys):
+    from fxpipe.cli import main
+
+    for argv, what in ((["--mesh", "pp=3", "--devices", "4"], "product"), (["--mesh", "pp=2,dp=2"], "unknown dimension"),
+                       (["--mesh", "pp=2,dp_shard=2", "--microbatches", "3"], "not divisible")):
+        code = main(["plan", "--hf", "gpt2", "--config", "n_layer=1", "n_embd=16", "n_head=2", "--seq-len", "4", *argv])
+        err = capsys.readouterr().err
+        assert code == 2 and what in err and "Traceback" not in err, err
+
+
 def test_compile_mesh_plan_round_trip_and_errors(tmp_path):
     plan = _plan({"pp": 2, "dp_shard": 2}, "1f1b")
     assert plan.mesh == {"pp": 2, "dp_shard": 2, "dp_replicate": 1}

@@ -191,9 +191,12 @@ def run(args: argparse.Namespace) -> int:
     if args.mesh is not None:
         from fxpipe.mesh import parse_mesh
 
+        from fxpipe.mesh import microbatches_per_replica, normalize_mesh
+
         mesh = parse_mesh(args.mesh)
         if args.devices is None:
             args.devices = math.prod(mesh.values())
+        microbatches_per_replica(args.microbatches, normalize_mesh(mesh, args.devices))  # fail before the model is built
     if args.devices is None:
         args.devices = 4
     if args.stages_per_device != "auto" and args.stages_per_device < 1:

@@ -490,7 +490,12 @@ def spawn_train_many(runs: Sequence[Mapping[str, Any]], *, world_size: int, time
         backward) and ``state`` (a dict with ``seed`` and optionally ``checkpoint``: every worker
         builds the model on ``meta`` and materializes only its stages from the model's
         initializers under that seed and/or the checkpoint; the single-process reference is
-        :class:`fxpipe.codegen.materialize.MetaInit`). The ``Orders`` may carry offload/reload actions
+        :class:`fxpipe.codegen.materialize.MetaInit`), and ``mesh`` (``{"pp", "dp_shard",
+        "dp_replicate"}``, :mod:`fxpipe.codegen.mesh`: ``world_size = pp * dp`` ranks run ``dp``
+        replicas of the ``pp``-device orders, stages wrapped by FSDP2; ``num_microbatches`` is
+        then the global count, ``num_microbatches / dp`` per replica, every replica training on
+        its slice of the batch; results hold the full parameters and gradients, the losses are
+        the mean over the replicas). The ``Orders`` may carry offload/reload actions
         (``Action(s, "O", j)`` / ``"R"``; :func:`fxpipe.ir.schedule_to_orders` keeps a
         schedule's), which the workers execute. ``TrainResult.meta`` then holds,
         per rank, ``activation`` (the saved-tensor hooks' measurements,
