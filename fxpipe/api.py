@@ -544,7 +544,7 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
         Capture a deep stack of identical layers by exporting three and replicating one
         (:func:`fxpipe.passes.capture.capture`; same graph as a full export, much faster for
         70B-class models). ``"never"`` forces a full ``torch.export``.
-    mesh : "auto" or dict
+    mesh : "auto", "search" or dict
         Pipeline x data parallelism, torchtitan's names: ``{"pp": a, "dp_shard": b,
         "dp_replicate": c}`` (missing = 1, ``a * b * c == devices``): ``b * c`` replicas of a
         pipeline over ``a`` devices, each stage wrapped by FSDP2 ``fully_shard`` over
@@ -554,8 +554,12 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
         and ``plan.microbatches`` are those of one pipeline; ``plan.mesh`` the mesh,
         ``plan.world_size`` all devices). With ``dp_shard > 1`` the memory model shards the
         optimizer state over it (:func:`fxpipe.mesh.mesh_memory`). ``"auto"`` (default): for now
-        the pure pipeline ``{"pp": devices}``; the joint search over meshes is not implemented
-        yet.
+        the pure pipeline ``{"pp": devices}``. ``"search"``: a first joint search
+        (:func:`fxpipe.mesh_search.search_mesh`): every ``pp x dp_shard`` of ``devices`` whose
+        replicas divide ``microbatches`` is planned and the smallest predicted step (schedule +
+        data-parallel sync) that fits memory kept; ``plan.options["mesh_search"]`` and the
+        summary list the candidates. (Making it the default, a topology and overlap are later
+        steps.)
 
     Returns
     -------
@@ -579,10 +583,16 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     microbatches = _check_count(microbatches, "microbatches")
     from fxpipe.mesh import mesh_memory, microbatches_per_replica, normalize_mesh
 
-    mesh_degrees = normalize_mesh(mesh, devices)
-    pipe_devices, pipe_microbatches = mesh_degrees["pp"], microbatches_per_replica(microbatches, mesh_degrees)
-    if isinstance(memory, MemoryModel):
-        mesh_memory(memory, mesh_degrees)  # a conflicting ZeRO degree fails before the capture
+    searching = isinstance(mesh, str) and mesh == "search"
+    if searching:  # fxpipe.mesh_search: chosen after the capture
+        if isinstance(memory, MemoryModel) and memory.data_parallel != 1:
+            raise InputError("mesh='search' sets the data-parallel degree of the memory model: leave data_parallel at 1")
+        mesh_degrees = None
+    else:
+        mesh_degrees = normalize_mesh(mesh, devices)
+        pipe_devices, pipe_microbatches = mesh_degrees["pp"], microbatches_per_replica(microbatches, mesh_degrees)
+        if isinstance(memory, MemoryModel):
+            mesh_memory(memory, mesh_degrees)  # a conflicting ZeRO degree fails before the capture
     if objective not in ("training", "inference"):
         raise InputError(f"objective must be 'training' or 'inference', got {objective!r}")
     if schedule is not None and schedule not in SCHEDULES:
@@ -605,11 +615,7 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
 
         traced = trace_model(model, tuple(args), dict(kwargs or {}), hardware=hardware, dtype=dtype, name=name, replicate=replicate)
     graph = traced.graph
-    model = mesh_memory(resolve_memory(graph, memory, memory_bytes, traced.hardware), mesh_degrees)
-    part, problem, sched, timings = plan_graph(
-        graph,
-        devices=pipe_devices,
-        microbatches=pipe_microbatches,
+    plan_kwargs = dict(
         objective=objective,
         schedule=schedule,
         stages_per_device=stages_per_device,
@@ -620,8 +626,19 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
         mem_limit_bytes=mem_limit_bytes,
         host_bandwidth_bytes_per_s=traced.hardware.host_bytes_per_s,
         progress=progress,
-        memory=model,
     )
+    base_memory = resolve_memory(graph, memory, memory_bytes, traced.hardware)
+    mesh_table = None
+    if searching:
+        from fxpipe.mesh_search import search_mesh
+
+        mesh_degrees, model, (part, problem, sched, timings), mesh_table = search_mesh(
+            graph, devices=devices, microbatches=microbatches, memory=base_memory, **plan_kwargs)
+        pipe_devices, pipe_microbatches = mesh_degrees["pp"], microbatches_per_replica(microbatches, mesh_degrees)
+    else:
+        model = mesh_memory(base_memory, mesh_degrees)
+        part, problem, sched, timings = plan_graph(graph, devices=pipe_devices, microbatches=pipe_microbatches,
+                                                   memory=model, **plan_kwargs)
     stage_of = {graph.names[i]: int(part.assignment[i]) for i in range(graph.n)}
     from fxpipe.schedule.dispatch import default_method
 
@@ -646,7 +663,8 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
         graph_signature=graph_signature(graph),
         options={"seed": seed, "time_limit_s": time_limit_s, "schedule": resolved, "dtype": str(dtype) if dtype else None,
                  "costs": costs, "stages_per_device": stages_per_device, "placement": placement,
-                 "mesh": mesh if isinstance(mesh, str) else dict(mesh_degrees)},
+                 "mesh": mesh if isinstance(mesh, str) else dict(mesh_degrees),
+                 **({"mesh_search": mesh_table} if mesh_table is not None else {})},
         _captured=traced,
     )
     return plan

@@ -286,3 +286,19 @@ def candidate_meshes(devices: int, microbatches: int, *, replicate: bool = False
         splits = [(dp, 1)] + ([(dp // r, r) for r in range(2, dp + 1) if dp % r == 0] if replicate else [])
         out += [{"pp": pp, "dp_shard": ds, "dp_replicate": dr} for ds, dr in splits]
     return out
+
+
+def pipeline_dp_sync_s(graph, assignment, device_of_stage, mesh: Mapping[str, int]) -> float:
+    """:func:`dp_sync_time_s` of the busiest device of a partitioned, placed pipeline (seconds).
+
+    ``graph`` is the :class:`~fxpipe.ir.OpGraph` (its ``size_param_bytes`` and
+    ``bandwidth_bytes_per_s``), ``assignment`` the stage of every node, ``device_of_stage`` the
+    placement.
+    """
+    import numpy as np
+
+    if mesh_dp(mesh) == 1:
+        return 0.0
+    dev = np.asarray(device_of_stage, dtype=np.int64)[np.asarray(assignment, dtype=np.int64)]
+    per_device = np.bincount(dev, weights=graph.size_param_bytes, minlength=int(mesh["pp"]))
+    return float(max(dp_sync_time_s(float(b), mesh, graph.bandwidth_bytes_per_s) for b in per_device))

@@ -234,20 +234,22 @@ class Plan:
         :func:`fxpipe.mesh.dp_sync_time_s` of every device's parameter bytes at the graph's
         bandwidth, the largest; not overlapped with the pipeline and not in the schedule.
         """
-        if self.dp == 1:
-            return 0.0
-        from fxpipe.mesh import dp_sync_time_s
+        from fxpipe.mesh import pipeline_dp_sync_s
 
-        dev = np.asarray(self.problem.device_of_stage, dtype=np.int64)[self.partition.assignment]
-        per_device = np.bincount(dev, weights=self.graph.size_param_bytes, minlength=self.devices)
-        return float(max(dp_sync_time_s(b, self.mesh, self.graph.bandwidth_bytes_per_s) for b in per_device))
+        return pipeline_dp_sync_s(self.graph, self.partition.assignment, self.device_of_stage, self.mesh)
 
     def mesh_summary(self) -> list[str]:
         """Summary lines for a plan with data parallelism (none for a pure pipeline)."""
         from fxpipe.mesh import format_mesh
 
+        search = self.options.get("mesh_search") or []
+        lines = []
+        if search:
+            parts = [f"{c['mesh_text']}: " + (f"{c['predicted_step_s'] * 1e3:.3f} ms" if "predicted_step_s" in c else "skipped")
+                     + (" (chosen)" if c.get("chosen") else "") for c in search]
+            lines.append("mesh search (predicted step = schedule + data-parallel sync): " + "; ".join(parts))
         if self.dp == 1:
-            return []
+            return lines
         ds, dr = self.mesh["dp_shard"], self.mesh["dp_replicate"]
         how = ("FSDP2 fully_shard over dp_shard" + (", HSDP with dp_replicate" if dr > 1 else "")) if ds > 1 else \
             "replicate (DDP) over dp_replicate"
@@ -256,7 +258,7 @@ class Plan:
         return [f"mesh {format_mesh(self.mesh)} on {self.world_size} devices: {self.dp} data-parallel replicas of this "
                 f"pipeline, {self.global_microbatches} micro-batches per step ({self.microbatches} per replica); {how}",
                 f"data-parallel sync per step: {self.dp_sync_s * 1e3:.3f} ms on the busiest device ({coll} at "
-                f"{self.graph.bandwidth_bytes_per_s / 1e9:g} GB/s, not overlapped, not in the makespan)"]
+                f"{self.graph.bandwidth_bytes_per_s / 1e9:g} GB/s, not overlapped, not in the makespan)", *lines]
 
     # ------------------------------------------------------------------ placement
     @property

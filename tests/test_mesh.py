@@ -220,3 +220,25 @@ def test_cli_mesh_plan_trains_with_torchrun_from_a_checkpoint(tmp_path):
     torch.testing.assert_close(torch.tensor(mean), torch.tensor(ref.losses), rtol=1e-6, atol=0)
     whole_bytes = sum(p.numel() * p.element_size() for p in whole.parameters())
     assert 0 < lines[0]["param_bytes"] < whole_bytes / 2  # half the stages, each sharded over 2 ranks
+
+
+def test_mesh_search_keeps_the_fastest_mesh_that_fits():
+    model, args, kwargs = _factory().one_microbatch()
+    plan = fxpipe.compile(model, args, kwargs, devices=4, microbatches=4, mesh="search", schedule="zb-h1", time_limit_s=0.5,
+                          memory_bytes=float("inf"))
+    table = plan.options["mesh_search"]
+    assert [r["mesh_text"] for r in table] == ["pp=4", "pp=2 x dp_shard=2", "dp_shard=4"]
+    chosen = [r for r in table if r.get("chosen")]
+    assert len(chosen) == 1 and chosen[0]["mesh"] == plan.mesh
+    assert all(chosen[0]["predicted_step_s"] <= r["predicted_step_s"] for r in table)
+    assert plan.schedule.value + plan.dp_sync_s == pytest.approx(chosen[0]["predicted_step_s"])
+    assert "mesh search (predicted step = schedule + data-parallel sync)" in plan.summary()
+    # the same prediction as the pinned mesh
+    pinned = fxpipe.compile(model, args, kwargs, devices=4, microbatches=4, mesh=table[1]["mesh"], schedule="zb-h1",
+                            time_limit_s=0.5, memory_bytes=float("inf"))
+    assert pinned.schedule.value + pinned.dp_sync_s == pytest.approx(table[1]["predicted_step_s"])
+    # 50 kB: a capacity only the 4-stage pipeline of this tiny GPT-2 fits; the other meshes are skipped with the reason
+    tight = fxpipe.compile(model, args, kwargs, devices=4, microbatches=4, mesh="search", schedule="zb-h1",
+                           time_limit_s=0.5, memory_bytes=50e3)
+    assert tight.mesh == {"pp": 4, "dp_shard": 1, "dp_replicate": 1}
+    assert ["skipped" in r for r in tight.options["mesh_search"]] == [False, True, True]

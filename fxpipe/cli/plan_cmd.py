@@ -46,10 +46,11 @@ def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--devices", type=int, default=None,
                    help="devices (default 4, or the product of --mesh); without --mesh they are the pipeline ranks")
     p.add_argument(
-        "--mesh", default=None, metavar="pp=A,dp_shard=B,dp_replicate=C",
+        "--mesh", default=None, metavar="pp=A,dp_shard=B,dp_replicate=C|auto|search",
         help="pipeline x data parallelism (torchtitan's names, missing = 1, product = devices): dp_shard * dp_replicate "
         "replicas of a pipeline over pp devices, FSDP2 over dp_shard (HSDP with dp_replicate), replicate over "
-        "dp_replicate; --microbatches is then the global count, divided among the replicas (default: a pure pipeline)",
+        "dp_replicate; --microbatches is then the global count, divided among the replicas; 'search': plan every "
+        "pp x dp_shard and keep the smallest predicted step that fits (default auto: a pure pipeline)",
     )
     p.add_argument(
         "--stages-per-device", type=_stages_per_device, default=1, metavar="V",
@@ -188,10 +189,10 @@ def run(args: argparse.Namespace) -> int:
     if args.profile_threads is not None and args.profile_threads < 1:
         raise InputError(f"--profile-threads must be >= 1, got {args.profile_threads}")
     mesh = "auto"
-    if args.mesh is not None:
-        from fxpipe.mesh import parse_mesh
-
-        from fxpipe.mesh import microbatches_per_replica, normalize_mesh
+    if args.mesh in ("auto", "search"):
+        mesh = args.mesh
+    elif args.mesh is not None:
+        from fxpipe.mesh import microbatches_per_replica, normalize_mesh, parse_mesh
 
         mesh = parse_mesh(args.mesh)
         if args.devices is None:
