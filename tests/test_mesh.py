@@ -179,7 +179,8 @@ def test_fsdp_and_replicate_pipelines_match_single_process():
 
 @pytest.mark.slow
 def test_cli_mesh_plan_trains_with_torchrun_from_a_checkpoint(tmp_path):
-    """`fxpipe plan --mesh` -> plan file -> torchrun: plan.build on 4 ranks (FSDP2, ZB-V), weights from a checkpoint."""
+    """`fxpipe plan --mesh --run` (plan.train_local on 4 ranks) -> plan file -> torchrun: plan.build on 4 ranks
+    (FSDP2, ZB-V), the weights read from a checkpoint."""
     import subprocess
     import sys
     from pathlib import Path
@@ -195,11 +196,13 @@ def test_cli_mesh_plan_trains_with_torchrun_from_a_checkpoint(tmp_path):
     plan_file = tmp_path / "mesh.plan.json"
     out = subprocess.run(
         [sys.executable, "-m", "fxpipe.cli", "plan", *common, "--mesh", "pp=2,dp_shard=2", "--microbatches", str(GLOBAL_MB),
-         "--stages-per-device", "2", "--placement", "v", "--schedule", "zb-v", "--time-limit", "0.5", "--out", str(plan_file)],
-        capture_output=True, text=True, timeout=300,
+         "--stages-per-device", "2", "--placement", "v", "--schedule", "zb-v", "--time-limit", "0.5", "--out", str(plan_file),
+         "--run", "--steps", "1", "--json"],
+        capture_output=True, text=True, timeout=600,
     )
-    assert out.returncode == 0, out.stderr
-    assert "mesh pp=2 x dp_shard=2 on 4 devices" in out.stdout
+    assert out.returncode == 0, out.stderr[-4000:]  # --run: plan.train_local on 4 ranks agrees with one process
+    doc = json.loads(out.stdout)
+    assert doc["run"]["ok"] and doc["plan"]["mesh"] == {"pp": 2, "dp_shard": 2, "dp_replicate": 1}
     assert load_plan(plan_file).mesh == {"pp": 2, "dp_shard": 2, "dp_replicate": 1}
     fac = _factory()
     whole, _ = fac()
