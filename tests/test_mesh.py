@@ -111,6 +111,17 @@ def test_compile_mesh_plan_round_trip_and_errors(tmp_path):
     busiest = max(d.param_bytes for d in plan.device_table)  # all-gather + reduce-scatter over 2: its bytes once
     assert plan.dp_sync_s == pytest.approx(busiest / plan.graph.bandwidth_bytes_per_s) and plan.dp_sync_s > 0
     assert "data-parallel sync per step" in plan.summary()
+    # what data parallelism does not run yet fails before any worker starts
+    from fxpipe.codegen.launch import spawn_train_many
+
+    run = dict(make_model=_factory(), stage_of=plan.stage_of, orders=plan.orders(), num_microbatches=GLOBAL_MB,
+               make_batch=_BatchFn(_factory()), mesh=plan.mesh)
+    with pytest.raises(InputError, match="recomputation"):
+        spawn_train_many([{**run, "recompute_stages": (0,)}], world_size=4)
+    with pytest.raises(InputError, match="compile_stages"):
+        spawn_train_many([{**run, "compile_stages": True}], world_size=4)
+    with pytest.raises(InputError, match="not divisible"):
+        spawn_train_many([{**run, "num_microbatches": 5}], world_size=4)
     path = plan.save(tmp_path / "plan.json")
     loaded = load_plan(path)
     assert loaded.mesh == plan.mesh and loaded.world_size == 4 and loaded.memory == plan.memory

@@ -540,10 +540,10 @@ def spawn_train_many(runs: Sequence[Mapping[str, Any]], *, world_size: int, time
             if run.get("mesh") is not None:
                 from fxpipe.mesh import is_pure_pipeline, microbatches_per_replica, normalize_mesh
 
+                from fxpipe.codegen.mesh import check_mesh_run
+
                 mesh = normalize_mesh(run["mesh"], world_size)
-                if mesh["pp"] != run["orders"].num_devices:
-                    raise InputError(f"the orders place the stages on {run['orders'].num_devices} devices but the "
-                                     f"mesh has pp={mesh['pp']}")
+                check_mesh_run(mesh, run["orders"], tuple(run.get("recompute_stages", ())), run["compile_stages"])
                 m_pipe = microbatches_per_replica(run["num_microbatches"], mesh)
                 run["mesh"] = None if is_pure_pipeline(mesh) else mesh
             check_orders(run["orders"], m_pipe)

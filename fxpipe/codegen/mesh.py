@@ -58,6 +58,7 @@ __all__ = [
     "data_parallel_wrapper",
     "make_shared_param_groups",
     "build_mesh_rank",
+    "check_mesh_run",
     "replica_slice",
     "full_tensors",
 ]
@@ -195,8 +196,23 @@ def make_shared_param_groups(staged, device_of_stage: Sequence[int], mesh: Mappi
     return cache
 
 
-def _check_supported(staged, orders: Orders, mr: MeshRank, recompute_stages, compile_stages) -> None:
-    what = f"mesh {format_mesh(mr.mesh)}"
+def check_mesh_run(mesh: Mapping[str, int], orders: Orders, recompute_stages: Sequence[int] = (),
+                   compile_stages: bool = False) -> None:
+    """Refuse, before any process group is touched, what data parallelism does not support yet.
+
+    Raises
+    ------
+    InputError
+        With ``dp > 1``: ``compile_stages``, activation recomputation or offload/reload actions
+        in ``orders``; a ``pp`` other than the orders' number of devices.
+    """
+    m = normalize_mesh(mesh)
+    if orders.num_devices != m["pp"]:
+        raise InputError(f"the orders place the stages on {orders.num_devices} devices but mesh {format_mesh(m)} has "
+                         f"pp={m['pp']}")
+    if mesh_dp(m) == 1:
+        return
+    what = f"mesh {format_mesh(m)}"
     if compile_stages:
         raise InputError(f"{what}: compile_stages=True with data parallelism is not supported yet; use compile_stages=False")
     if tuple(recompute_stages) or orders.offloaded():
@@ -263,12 +279,8 @@ def build_mesh_rank(
     from fxpipe.codegen.rank import build_rank
 
     m = normalize_mesh(mesh)
-    if orders.num_devices != m["pp"]:
-        raise InputError(f"the orders place the stages on {orders.num_devices} devices but mesh {format_mesh(m)} has "
-                         f"pp={m['pp']}")
+    check_mesh_run(m, orders, build_kwargs.get("recompute_stages", ()), build_kwargs.get("compile_stages", False))
     mr = mesh_rank(m, rank, device_mesh, torch.device(device).type)
-    _check_supported(staged, orders, mr, build_kwargs.get("recompute_stages", ()),
-                     build_kwargs.get("compile_stages", False))
     cache = make_shared_param_groups(staged, orders.device_of_stage, m, group_cache)
     wrap = data_parallel_wrapper(mr)
     if wrap is not None:
