@@ -214,11 +214,13 @@ def check_mesh_run(mesh: Mapping[str, int], orders: Orders, recompute_stages: Se
         return
     what = f"mesh {format_mesh(m)}"
     if compile_stages:
-        raise InputError(f"{what}: compile_stages=True with data parallelism is not supported yet; use compile_stages=False")
+        raise InputError(f"{what}: compile_stages=True with data parallelism is not supported yet; "
+                         "use compile_stages=False")
     if tuple(recompute_stages) or orders.offloaded():
         raise InputError(
-            f"{what}: activation recomputation and offload/reload (O/R) are not supported with data parallelism yet: "
-            "plan with a schedule that keeps every stash (schedule='1f1b', 'zb-h1', 'zb-v', ...) or a pure pipeline mesh"
+            f"{what}: activation recomputation and offload/reload (O/R) are not supported with data parallelism "
+            "yet: plan with a schedule that keeps every stash (schedule='1f1b', 'zb-h1', 'zb-v', ...) or without "
+            "data parallelism"
         )
 
 
