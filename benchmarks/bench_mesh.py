@@ -11,6 +11,7 @@ step (the pipeline schedule's makespan; data-parallel gradient sync is not in th
 yet).
 
     python benchmarks/bench_mesh.py [--microbatches 8] [--steps 3] [--hardware profile:cpu]
+    python benchmarks/bench_mesh.py --all-schedules   # equality only: every schedule method on both meshes
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ def main() -> None:
     ap.add_argument("--microbatches", type=int, default=8, help="global micro-batches per step")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--hardware", default="profile:cpu")
+    ap.add_argument("--all-schedules", action="store_true",
+                    help="instead: GPipe, ZB-H2, greedy, interleaved 1F1B (looped), DualPipe-V and the MILP (V) on "
+                    "pp=2 x dp_shard=2 and pp=2 x dp_replicate=2")
     args = ap.parse_args()
 
     import torch
@@ -45,11 +49,17 @@ def main() -> None:
     cases = [({"pp": 4}, s, {}) for s in ("1f1b", "zb-h1")]
     cases += [(m, s, {}) for m in ({"pp": 2, "dp_shard": 2}, {"pp": 2, "dp_replicate": 2}) for s in ("1f1b", "zb-h1")]
     cases.append(({"pp": 2, "dp_shard": 2}, "zb-v", {"stages_per_device": 2, "placement": "v"}))
+    if args.all_schedules:
+        more = [("gpipe", {}), ("zb-h2", {}), ("greedy", {}),
+                ("interleaved-1f1b", {"stages_per_device": 2, "placement": "looped"}),
+                ("dualpipe-v", {"stages_per_device": 2, "placement": "v"}),
+                ("milp", {"stages_per_device": 2, "placement": "v"})]
+        cases = [(m, s, e) for m in ({"pp": 2, "dp_shard": 2}, {"pp": 2, "dp_replicate": 2}) for s, e in more]
     plans, runs = [], []
     t0 = time.perf_counter()
     for mesh, sched, extra in cases:
         plan = fxpipe.compile(model, a, k, devices=4, microbatches=args.microbatches, mesh=mesh, schedule=sched,
-                              hardware=args.hardware, time_limit_s=1.0, **extra)
+                              hardware=args.hardware, time_limit_s=1.0, schedule_time_limit_s=5.0, **extra)
         plans.append(plan)
         runs.append(dict(make_model=fac, stage_of=_PlanStageOf(plan.stage_of), orders=plan.orders(),
                          num_microbatches=plan.global_microbatches, make_batch=_BatchFn(fac), steps=args.steps, lr=0.05,
