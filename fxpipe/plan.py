@@ -314,6 +314,8 @@ class Plan:
         v = self.stages_per_device
         where = (f"{self.devices} devices" if v == 1 else
                  f"{self.num_stages} stages on {self.devices} devices ({v} per device, {self.placement} placement)")
+        if self.dp > 1:  # mesh (fxpipe.mesh): the table is one pipeline of the replicas
+            where = f"a pipeline of {where} x {self.dp} data-parallel replicas"
         lines = [
             f"fxpipe plan for {self.name!r}: {where}, {self.microbatches} micro-batches, "
             f"hardware {self.hardware}, objective {self.objective}, schedule {self.schedule.method}",
