@@ -41,6 +41,7 @@ Not yet supported with data parallelism (clear errors): activation offload / rec
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
@@ -153,6 +154,11 @@ def data_parallel_wrapper(mr: MeshRank) -> Callable[[int, torch.nn.Module], None
     kind = mr.data_parallel
     if kind is None:
         return None
+    # FSDP2 warns when a wrapped module returns a view: an in-place op on that output would drop its
+    # pre-backward hook. A stage's outputs are never modified in place: the next stage gets them through
+    # send/recv or, on the same rank, detached (torch's PipelineStage), and the unshard before a backward
+    # is an explicit UNSHARD action of the runtime. The warning is noise here.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor", category=UserWarning)
     dm = mr.device_mesh
     if kind == "replicate":
         from fxpipe.codegen.runtime import replicate_module
