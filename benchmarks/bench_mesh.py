@@ -12,6 +12,7 @@ yet).
 
     python benchmarks/bench_mesh.py [--microbatches 8] [--steps 3] [--hardware profile:cpu]
     python benchmarks/bench_mesh.py --all-schedules   # equality only: every schedule method on both meshes
+    python benchmarks/bench_mesh.py --zoo mixtral unet tied_deep   # fxpipe.zoo models (equality only)
 """
 
 from __future__ import annotations
@@ -32,7 +33,12 @@ def main() -> None:
     ap.add_argument("--all-schedules", action="store_true",
                     help="instead: GPipe, ZB-H2, greedy, interleaved 1F1B (looped), DualPipe-V and the MILP (V) on "
                     "pp=2 x dp_shard=2 and pp=2 x dp_replicate=2")
+    ap.add_argument("--zoo", nargs="+", default=None, metavar="NAME",
+                    help="instead: these fxpipe.zoo models as pp=2 x dp_shard=2 and pp=2 x dp_replicate=2 under 1F1B "
+                    "and ZB-H1 (ZB-V with --all-schedules)")
     args = ap.parse_args()
+    if args.zoo:
+        return _zoo(args)
 
     import torch
 
@@ -76,6 +82,40 @@ def main() -> None:
         step_s = res.meta["train_wall_s"] / args.steps
         print(f"| {format_mesh(plan.mesh)} | {sched} | {max(abs(x - y) for x, y in zip(res.losses, ref.losses)):.1e} | "
               f"{cmp.max_grad_rel_diff:.1e} | {cmp.max_param_rel_diff:.1e} | {step_s:.3f} | {plan.makespan_s:.3f} |")
+
+
+def _zoo(args) -> None:
+    import fxpipe
+    from fxpipe import zoo
+    from fxpipe.codegen.compare import compare_training
+    from fxpipe.codegen.launch import reference_train, spawn_train_many
+    from fxpipe.mesh import format_mesh
+    from fxpipe.plan import _PlanStageOf
+
+    print(f"fxpipe.zoo models, {args.microbatches} micro-batches of 2 per step, {args.steps} SGD steps, 4 gloo ranks")
+    print("| model | mesh | schedule | ok | loss diff | grad diff | param diff | buffer diff |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name in args.zoo:
+        zm = zoo.get(name, microbatches=args.microbatches, microbatch_size=2)
+        model, a, k = zm.one_microbatch()
+        cases, runs = [], []
+        for mesh in ({"pp": 2, "dp_shard": 2}, {"pp": 2, "dp_replicate": 2}):
+            for sched, extra in (("1f1b", {}), ("zb-h1", {})):
+                plan = fxpipe.compile(model, a, k, devices=4, microbatches=args.microbatches, mesh=mesh, schedule=sched,
+                                      time_limit_s=1.0, **extra)
+                cases.append((format_mesh(plan.mesh), sched))
+                runs.append(dict(make_model=zm, stage_of=_PlanStageOf(plan.stage_of), orders=plan.orders(),
+                                 num_microbatches=plan.global_microbatches, make_batch=zm.batch, loss=zm.loss,
+                                 steps=args.steps, lr=0.05, mesh=plan.mesh, model_key=name))
+        results = spawn_train_many(runs, world_size=4, timeout_s=1800, on_error="record")
+        ref = reference_train(zm, zm.batch, num_microbatches=args.microbatches, steps=args.steps, lr=0.05, loss=zm.loss)
+        for (mesh, sched), res in zip(cases, results):
+            if not hasattr(res, "losses"):
+                print(f"| {name} | {mesh} | {sched} | error: {res.message.splitlines()[-1][:100]} | | | | |")
+                continue
+            c = compare_training(res, ref)
+            print(f"| {name} | {mesh} | {sched} | {c.ok} | {max(abs(x - y) for x, y in zip(res.losses, ref.losses)):.1e} | "
+                  f"{c.max_grad_rel_diff:.1e} | {c.max_param_rel_diff:.1e} | {c.max_buffer_rel_diff:.1e} |", flush=True)
 
 
 if __name__ == "__main__":
