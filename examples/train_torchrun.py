@@ -13,6 +13,12 @@ checks it is the graph the plan was made for, and returns this rank's ``Pipeline
 the schedule runtime. The rank holding the last stage prints the mean micro-batch loss of every
 step as JSON.
 
+A plan with data parallelism (``fxpipe plan ... --devices 4 --mesh pp=2,dp_shard=2``) runs on
+``plan.world_size`` processes: ``plan.build`` wraps every stage with FSDP2 over its
+data-parallel group, each rank trains on its replica's slice of the global batch
+(``plan.replica_batch``) and the last stage of every replica prints its replica's losses (the
+global loss is their mean).
+
 With ``--checkpoint model.safetensors`` (or a torch state dict file) the model is built on
 ``meta`` and never exists whole in a process: each rank materializes only its stages' parameters
 and buffers, read from the checkpoint by fully qualified name (``plan.build(rank, checkpoint=...)``).
@@ -50,19 +56,21 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     plan = fxpipe.load_plan(args.plan)
-    if world != plan.devices:
-        raise SystemExit(f"the plan is for {plan.devices} devices; launch {plan.devices} processes, not {world}")
-    factory = HFFactory(args.hf, parse_overrides(args.config), plan.microbatches, args.microbatch_size, args.seq_len, args.seed)
+    if world != plan.world_size:
+        raise SystemExit(f"the plan is for {plan.world_size} devices; launch {plan.world_size} processes, not {world}")
+    factory = HFFactory(args.hf, parse_overrides(args.config), plan.global_microbatches, args.microbatch_size,
+                        args.seq_len, args.seed)
     torch.manual_seed(args.seed)
     model, mb_args, mb_kwargs = factory.one_microbatch(device="meta" if args.checkpoint else "cpu")
     stages, schedule = plan.build(rank, model=model, args=mb_args, kwargs=mb_kwargs, loss_fn=cross_entropy_loss,
                                   checkpoint=args.checkpoint)
-    held_bytes = sum(p.numel() * p.element_size() for p in schedule.parameters())
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in schedule.parameters()]  # FSDP2: this rank's shard
+    held_bytes = sum(p.numel() * p.element_size() for p in local)
     opt = torch.optim.SGD(schedule.parameters(), lr=args.lr)  # this rank's parameters, tied ones once
     first, last = schedule.has_first_stage, schedule.has_last_stage
     losses_per_step = []
     for step in range(args.steps):
-        inputs, target = factory.batch(step)
+        inputs, target = plan.replica_batch(rank, *factory.batch(step))  # this rank's replica's slice
         opt.zero_grad()
         losses: list[torch.Tensor] = []
         if first and last:

@@ -549,6 +549,7 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     replicate: str = "auto",
     memory_bytes: float | None = None,
     memory: MemoryModel | None = None,
+    mesh: Any = "auto",
 ) -> Plan:
     """Plan pipeline parallelism for ``model``: capture, cost, partition, schedule.
 
@@ -560,10 +561,11 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
         Example inputs of ONE micro-batch (costs are per micro-batch): a tuple of the
         positional inputs (one tensor ``x`` is ``(x,)``) and a dict of the keyword inputs.
     devices : int
-        Devices p = pipeline ranks, >= 1; ``stages_per_device * devices`` must not exceed the
-        number of ops.
+        Devices, >= 1: with a pure pipeline (the default mesh) the pipeline ranks p;
+        ``stages_per_device * p`` must not exceed the number of ops.
     microbatches : int
-        Micro-batches per step, >= 1.
+        Micro-batches per optimizer step (global: divided among the data-parallel replicas
+        of ``mesh``), >= 1.
     hardware : str, path or HardwareSpec, optional
         What the costs are for: a datasheet spec name (``"a100-80gb"``, ``"h100-sxm"``,
         ``"h200"``, ``"cpu"``), ``"measured"`` (this machine's device, calibrated from measured
@@ -629,6 +631,22 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
         Capture a deep stack of identical layers by exporting three and replicating one
         (:func:`fxpipe.passes.capture.capture`; same graph as a full export, much faster for
         70B-class models). ``"never"`` forces a full ``torch.export``.
+    mesh : "auto", "search" or dict
+        Pipeline x data parallelism, torchtitan's names: ``{"pp": a, "dp_shard": b,
+        "dp_replicate": c}`` (missing = 1, ``a * b * c == devices``): ``b * c`` replicas of a
+        pipeline over ``a`` devices, each stage wrapped by FSDP2 ``fully_shard`` over
+        ``dp_shard`` (HSDP with ``dp_replicate``) or ``replicate`` over ``dp_replicate``
+        (:mod:`fxpipe.codegen.mesh`). ``b * c`` must divide ``microbatches``; the pipeline is
+        planned for ``a`` devices and ``microbatches / (b * c)`` micro-batches (``plan.devices``
+        and ``plan.microbatches`` are those of one pipeline; ``plan.mesh`` the mesh,
+        ``plan.world_size`` all devices). With ``dp_shard > 1`` the memory model shards the
+        optimizer state over it (:func:`fxpipe.mesh.mesh_memory`). ``"auto"`` (default): for now
+        the pure pipeline ``{"pp": devices}``. ``"search"``: a first joint search
+        (:func:`fxpipe.mesh_search.search_mesh`): every ``pp x dp_shard`` of ``devices`` whose
+        replicas divide ``microbatches`` is planned and the smallest predicted step (schedule +
+        data-parallel sync) that fits memory kept; ``plan.options["mesh_search"]`` and the
+        summary list the candidates. (Making it the default, a topology and overlap are later
+        steps.)
 
     Returns
     -------
@@ -646,7 +664,8 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
         ``args`` not a tuple (e.g. a bare tensor: wrap it, ``(x,)``), ``kwargs`` not a dict,
         devices < 1, microbatches < 1, more stages than ops, unknown hardware/schedule/costs/
         placement, a schedule the placement does not admit, ``costs="measured"`` with the
-        datasheet spec or profile of another device.
+        datasheet spec or profile of another device, a mesh whose degrees do not multiply to
+        ``devices`` or whose replicas do not divide ``microbatches``.
     CaptureError
         The model cannot be exported (the message says which node and what to try).
     InfeasibleError
@@ -664,6 +683,18 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     devices = _check_count(devices, "devices")
     microbatches = _check_count(microbatches, "microbatches")
     args, kwargs = check_call_inputs(args, kwargs)
+    from fxpipe.mesh import mesh_memory, microbatches_per_replica, normalize_mesh
+
+    searching = isinstance(mesh, str) and mesh == "search"
+    if searching:  # fxpipe.mesh_search: chosen after the capture
+        if isinstance(memory, MemoryModel) and memory.data_parallel != 1:
+            raise InputError("mesh='search' sets the data-parallel degree of the memory model: leave data_parallel at 1")
+        mesh_degrees = None
+    else:
+        mesh_degrees = normalize_mesh(mesh, devices)
+        pipe_devices, pipe_microbatches = mesh_degrees["pp"], microbatches_per_replica(microbatches, mesh_degrees)
+        if isinstance(memory, MemoryModel):
+            mesh_memory(memory, mesh_degrees)  # a conflicting ZeRO degree fails before the capture
     if objective not in ("training", "inference"):
         raise InputError(f"objective must be 'training' or 'inference', got {objective!r}")
     if schedule is not None and schedule not in SCHEDULES:
@@ -695,11 +726,7 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
 
     warn_meta_kernel_gaps(traced.gm, stacklevel=3)
     graph = traced.graph
-    model = resolve_memory(graph, memory, memory_bytes, traced.hardware)
-    part, problem, sched, timings = plan_graph(
-        graph,
-        devices=devices,
-        microbatches=microbatches,
+    plan_kwargs = dict(
         objective=objective,
         schedule=schedule,
         stages_per_device=stages_per_device,
@@ -710,16 +737,28 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
         mem_limit_bytes=mem_limit_bytes,
         host_bandwidth_bytes_per_s=traced.hardware.host_bytes_per_s,
         progress=progress,
-        memory=model,
     )
+    base_memory = resolve_memory(graph, memory, memory_bytes, traced.hardware)
+    mesh_table = None
+    if searching:
+        from fxpipe.mesh_search import search_mesh
+
+        mesh_degrees, model, (part, problem, sched, timings), mesh_table = search_mesh(
+            graph, devices=devices, microbatches=microbatches, memory=base_memory, **plan_kwargs)
+        pipe_devices, pipe_microbatches = mesh_degrees["pp"], microbatches_per_replica(microbatches, mesh_degrees)
+    else:
+        model = mesh_memory(base_memory, mesh_degrees)
+        part, problem, sched, timings = plan_graph(graph, devices=pipe_devices, microbatches=pipe_microbatches,
+                                                   memory=model, **plan_kwargs)
     stage_of = {graph.names[i]: int(part.assignment[i]) for i in range(graph.n)}
     from fxpipe.schedule.dispatch import default_method
 
-    resolved = schedule if schedule is not None else default_method(problem.device_of_stage, devices)
+    resolved = schedule if schedule is not None else default_method(problem.device_of_stage, pipe_devices)
     plan = Plan(
         name=graph.name,
-        devices=devices,
-        microbatches=microbatches,
+        devices=pipe_devices,
+        microbatches=pipe_microbatches,
+        mesh=mesh_degrees,
         hardware=hardware_name,
         objective=objective,
         comm="relay",
@@ -734,7 +773,9 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
         timings_s={"capture": traced.capture_s, "cost": traced.cost_s, "export": traced.export_s, **timings_extra, **timings},
         graph_signature=graph_signature(graph),
         options={"seed": seed, "time_limit_s": time_limit_s, "schedule": resolved, "dtype": str(dtype) if dtype else None,
-                 "costs": costs, "stages_per_device": stages_per_device, "placement": placement},
+                 "costs": costs, "stages_per_device": stages_per_device, "placement": placement,
+                 "mesh": mesh if isinstance(mesh, str) else dict(mesh_degrees),
+                 **({"mesh_search": mesh_table} if mesh_table is not None else {})},
         _captured=traced,
     )
     import warnings

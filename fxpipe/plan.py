@@ -147,10 +147,12 @@ class Plan:
     name : str
         Model name.
     devices : int
-        Number of devices p (pipeline ranks); the plan has ``num_stages = v * p`` stages,
-        ``stages_per_device`` = v on each, placed by ``problem.device_of_stage``.
+        Number of devices p of the pipeline (pipeline ranks, ``mesh["pp"]``); the plan has
+        ``num_stages = v * p`` stages, ``stages_per_device`` = v on each, placed by
+        ``problem.device_of_stage``. A mesh plan runs on :attr:`world_size` devices.
     microbatches : int
-        Micro-batches per training step.
+        Micro-batches per training step of the pipeline (of one data-parallel replica; the
+        global number per optimizer step is :attr:`global_microbatches`).
     hardware : str
         Hardware profile the costs are for (see :mod:`fxpipe.cost.hardware`).
     objective, comm : str
@@ -178,6 +180,10 @@ class Plan:
         Wall time of each phase (capture, cost, partition, schedule).
     graph_signature : str
         Hash of the op graph's structure, checked when a loaded plan is rebuilt.
+    mesh : dict
+        ``{"pp": p, "dp_shard": b, "dp_replicate": c}`` (:mod:`fxpipe.mesh`): ``b * c``
+        data-parallel replicas of this pipeline; default (and plans saved before meshes) the
+        pure pipeline ``{"pp": devices, "dp_shard": 1, "dp_replicate": 1}``.
     """
 
     name: str
@@ -199,6 +205,65 @@ class Plan:
     memory: MemoryModel = field(default_factory=MemoryModel)
     _captured: Any = field(default=None, repr=False, compare=False)
     _captured_stage_of: Any = field(default=None, repr=False, compare=False)  # stage map by _captured's names
+    mesh: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        from fxpipe.mesh import normalize_mesh, pure_pipeline
+
+        self.mesh = pure_pipeline(self.devices) if not self.mesh else normalize_mesh(self.mesh)
+        if self.mesh["pp"] != self.devices:
+            raise InputError(f"plan mesh {self.mesh} disagrees with its {self.devices} pipeline devices (pp)")
+
+    # ------------------------------------------------------------------ mesh (fxpipe.mesh)
+    @property
+    def dp(self) -> int:
+        """Data-parallel replicas of the pipeline (``dp_shard * dp_replicate``)."""
+        from fxpipe.mesh import mesh_dp
+
+        return mesh_dp(self.mesh)
+
+    @property
+    def world_size(self) -> int:
+        """All devices of the plan: ``pp * dp_shard * dp_replicate`` (= ``devices`` for a pure pipeline)."""
+        return self.devices * self.dp
+
+    @property
+    def global_microbatches(self) -> int:
+        """Micro-batches per optimizer step over all replicas (``microbatches * dp``)."""
+        return self.microbatches * self.dp
+
+    @property
+    def dp_sync_s(self) -> float:
+        """Data-parallel communication per step of the busiest device (seconds; 0 for a pure pipeline).
+
+        :func:`fxpipe.mesh.dp_sync_time_s` of every device's parameter bytes at the graph's
+        bandwidth, the largest; not overlapped with the pipeline and not in the schedule.
+        """
+        from fxpipe.mesh import pipeline_dp_sync_s
+
+        return pipeline_dp_sync_s(self.graph, self.partition.assignment, self.device_of_stage, self.mesh)
+
+    def mesh_summary(self) -> list[str]:
+        """Summary lines for a plan with data parallelism (none for a pure pipeline)."""
+        from fxpipe.mesh import format_mesh
+
+        search = self.options.get("mesh_search") or []
+        lines = []
+        if search:
+            parts = [f"{c['mesh_text']}: " + (f"{c['predicted_step_s'] * 1e3:.3f} ms" if "predicted_step_s" in c else "skipped")
+                     + (" (chosen)" if c.get("chosen") else "") for c in search]
+            lines.append("mesh search (predicted step = schedule + data-parallel sync): " + "; ".join(parts))
+        if self.dp == 1:
+            return lines
+        ds, dr = self.mesh["dp_shard"], self.mesh["dp_replicate"]
+        how = ("FSDP2 fully_shard over dp_shard" + (", HSDP with dp_replicate" if dr > 1 else "")) if ds > 1 else \
+            "replicate (DDP) over dp_replicate"
+        coll = ("all-gather + reduce-scatter" if ds > 1 else "") + (" + " if ds > 1 and dr > 1 else "") + \
+            ("all-reduce" if dr > 1 else "")
+        return [f"mesh {format_mesh(self.mesh)} on {self.world_size} devices: {self.dp} data-parallel replicas of this "
+                f"pipeline, {self.global_microbatches} micro-batches per step ({self.microbatches} per replica); {how}",
+                f"data-parallel sync per step: {self.dp_sync_s * 1e3:.3f} ms on the busiest device ({coll} at "
+                f"{self.graph.bandwidth_bytes_per_s / 1e9:g} GB/s, not overlapped, not in the makespan)", *lines]
 
     # ------------------------------------------------------------------ placement
     @property
@@ -354,11 +419,13 @@ class Plan:
         v = self.stages_per_device
         where = (f"{self.devices} devices" if v == 1 else
                  f"{self.num_stages} stages on {self.devices} devices ({v} per device, {self.placement} placement)")
-        params = "params"  # the memory model's weights (precision policy), as in the memory table
+        if self.dp > 1:  # mesh (fxpipe.mesh): the table is one pipeline of the replicas
+            where = f"a pipeline of {where} x {self.dp} data-parallel replicas"
         lines = [
             f"fxpipe plan for {self.name!r}: {where}, {self.microbatches} micro-batches, "
             f"hardware {self.hardware}, objective {self.objective}, schedule {self.schedule.method}",
-            f"{'stage':>5} {'device':>6} {'ops':>6} {params:>10} {'F ms':>9} {'B ms':>9} {'W ms':>9} {'cost ms':>9} "
+            *self.mesh_summary(),
+            f"{'stage':>5} {'device':>6} {'ops':>6} {'params':>10} {'F ms':>9} {'B ms':>9} {'W ms':>9} {'cost ms':>9} "
             f"{'memory':>10}",
         ]
         worst = int(np.argmax([s.cost_s for s in self.stages])) if self.stages and v == 1 else -1
@@ -445,6 +512,8 @@ class Plan:
             "format": PLAN_FORMAT,
             "name": self.name,
             "devices": self.devices,
+            "mesh": dict(self.mesh),
+            "dp_sync_s": self.dp_sync_s,
             "num_stages": self.num_stages,
             "stages_per_device": self.stages_per_device,
             "placement": self.placement,
@@ -519,6 +588,7 @@ class Plan:
                 options=dict(doc.get("options", {})),
                 device_table=device_table,
                 memory=MemoryModel.from_dict(doc["memory"]) if "memory" in doc else MemoryModel(),
+                mesh=_mesh_from_doc(doc, source),  # plans saved before meshes: a pure pipeline
             )
             plan._memory_columns = "memory" in doc
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
@@ -657,13 +727,22 @@ class Plan:
         """This rank's ``PipelineStage`` s and schedule runtime, inside an initialised process group.
 
         Call from every worker of ``torchrun`` / ``torch.multiprocessing`` after
-        ``torch.distributed.init_process_group`` with ``world_size == plan.devices``.
+        ``torch.distributed.init_process_group`` with ``world_size == plan.world_size``
+        (``plan.devices`` for a pure pipeline).
+
+        With data parallelism (``plan.dp > 1``) the ranks form the mesh of
+        :func:`fxpipe.mesh.rank_coords` (``rank = replica * pp + pipeline rank``); the call is
+        collective (it creates the ``DeviceMesh`` and process groups), every stage module is
+        wrapped by ``fully_shard`` / ``replicate`` over its data-parallel sub-mesh
+        (:mod:`fxpipe.codegen.mesh`), and ``schedule.step`` takes this rank's replica slice of
+        the global batch (:meth:`replica_batch`); ``schedule.fxpipe_mesh_rank`` holds the rank's
+        coordinates. Gradients are those of the mean loss over all ``global_microbatches``.
 
         Parameters
         ----------
         rank : int
-            Pipeline rank = device, 0..devices-1; it runs the stages ``plan.device_of_stage``
-            puts on it.
+            Global rank, 0..world_size-1; its pipeline rank (= ``rank`` for a pure pipeline)
+            runs the stages ``plan.device_of_stage`` puts on it.
         model : nn.Module, optional
             Needed only for a plan loaded from a file (it is re-captured and checked).
         args, kwargs :
@@ -704,10 +783,11 @@ class Plan:
         Raises
         ------
         InputError
-            On a rank outside 0..devices-1 or a model that does not match the plan.
+            On a rank outside 0..world_size-1, a model that does not match the plan, or (with
+            data parallelism) what :func:`fxpipe.codegen.mesh.build_mesh_rank` does not support yet.
         """
-        if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or not 0 <= int(rank) < self.devices:
-            raise InputError(f"rank must be an integer in 0..{self.devices - 1}, got {rank!r}")
+        if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or not 0 <= int(rank) < self.world_size:
+            raise InputError(f"rank must be an integer in 0..{self.world_size - 1}, got {rank!r}")
         from fxpipe.codegen import build_pipeline_rank
 
         traced = self.captured(model, args, kwargs)
@@ -717,6 +797,18 @@ class Plan:
 
             source = StateSource(seed=0 if seed is None else int(seed), checkpoint=checkpoint, init_fn=init_fn,
                                  model=model if model is not None else getattr(traced, "model", None))
+        if self.dp > 1:  # ---- mesh (fxpipe.codegen.mesh): pipeline x data parallelism
+            from fxpipe.codegen.mesh import build_mesh_rank
+            from fxpipe.codegen.rank import example_inputs_from_gm
+            from fxpipe.codegen.split import split_stages
+
+            stages, sched, _ = build_mesh_rank(
+                split_stages(traced.gm, self.captured_stage_of(), self.num_stages), int(rank), self.orders(), mesh=self.mesh,
+                num_microbatches=self.microbatches, loss_fn=loss_fn, device=device,
+                example_microbatch_inputs=example_inputs_from_gm(traced.gm), recompute_stages=self.recompute_stages(),
+                state_source=source, compile_stages=self._compile_stages(compile_stages),
+            )
+            return stages, sched
         return build_pipeline_rank(
             traced.gm,
             self.captured_stage_of(),
@@ -730,6 +822,25 @@ class Plan:
             state_source=source,
             compile_stages=self._compile_stages(compile_stages),
         )
+
+    def replica_batch(self, rank: int, inputs: Any, target: Any = None) -> tuple[Any, Any]:
+        """Global rank ``rank``'s part of a global batch: its replica's slice (all of it without data parallelism).
+
+        ``inputs`` (a tuple of positional inputs, a dict of keywords or
+        :class:`~fxpipe.codegen.interface.ModelInputs`) and ``target`` hold
+        :attr:`global_microbatches` micro-batches along dim 0; replica ``r`` gets the ``r``-th
+        of ``dp`` equal slices (:func:`fxpipe.codegen.mesh.replica_slice`), i.e. the global
+        micro-batches ``r * microbatches .. (r + 1) * microbatches - 1``. Returns
+        ``(inputs, target)`` in the same forms.
+        """
+        from fxpipe.mesh import rank_coords
+
+        replica = rank_coords(int(rank), self.mesh)["replica"]
+        if self.dp == 1:
+            return inputs, target
+        from fxpipe.codegen.mesh import replica_slice
+
+        return replica_slice(inputs, replica, self.dp), replica_slice(target, replica, self.dp, "target")
 
     def _compile_stages(self, compile_stages: bool | None) -> bool:
         if compile_stages is None:
@@ -792,7 +903,7 @@ class Plan:
             device_table=device_stats(self.graph, self.partition, problem, sched, self.objective, self.memory),
             timings_s={**self.timings_s, "schedule": time.perf_counter() - t0},
             graph_signature=self.graph_signature, options={**self.options, "schedule": schedule},
-            memory=self.memory, _captured=self._captured, _captured_stage_of=self._captured_stage_of,
+            memory=self.memory, _captured=self._captured, _captured_stage_of=self._captured_stage_of, mesh=dict(self.mesh),
         )
 
     def train_local(
@@ -811,7 +922,7 @@ class Plan:
         compile_stages: bool | None = None,
         progress: bool | None = None,
     ) -> dict[str, Any]:
-        """Train this plan for a few steps on ``devices`` local gloo processes (CPU) and compare.
+        """Train this plan for a few steps on ``world_size`` local gloo processes (CPU) and compare.
 
         Every worker builds the model with ``make_model()`` under the same seed, captures
         its first micro-batch, checks the graph against this plan, and runs its stages of the
@@ -826,7 +937,9 @@ class Plan:
             Inputs in the model's calling form: a tuple (positional), a dict (keywords) or
             :class:`fxpipe.codegen.interface.ModelInputs`, of any pytree structure.
         make_batch : picklable callable(step) -> (inputs, target)
-            The full batch (``microbatches`` micro-batches along dim 0) of each step.
+            The full batch (``global_microbatches`` micro-batches along dim 0) of each step;
+            with data parallelism every replica trains on its slice (:meth:`replica_batch`) and
+            the reference on the whole batch.
         steps, lr, loss, seed :
             SGD steps and learning rate, loss (``"cross_entropy"``, ``"mse"`` or a picklable
             callable(output, target) receiving the model's output structure), weight/data seed.
@@ -867,16 +980,17 @@ class Plan:
             random_ops_warning(rnd)
         t0 = time.perf_counter()
         run = dict(make_model=make_model, stage_of=self.worker_stage_of(), orders=self.orders(),
-                   num_microbatches=self.microbatches, make_batch=make_batch, steps=steps, lr=lr, loss=loss, seed=seed,
-                   recompute_stages=self.recompute_stages(), compile_stages=self._compile_stages(compile_stages))
-        res = spawn_train_many([run], world_size=self.devices, timeout_s=timeout_s, warn_random=rnd is None,
+                   num_microbatches=self.global_microbatches, make_batch=make_batch, steps=steps, lr=lr, loss=loss,
+                   seed=seed, recompute_stages=self.recompute_stages(), compile_stages=self._compile_stages(compile_stages),
+                   mesh=dict(self.mesh))
+        res = spawn_train_many([run], world_size=self.world_size, timeout_s=timeout_s, warn_random=rnd is None,
                                progress=progress)[0]
         out: dict[str, Any] = {"pipeline_losses": list(res.losses), "pipeline_wall_s": time.perf_counter() - t0}
         if rnd is None:
             rnd = list(res.meta.get("random_ops", []))
         out["random_ops"] = rnd
         if reference:
-            ref = reference_train(make_model, make_batch, num_microbatches=self.microbatches, steps=steps, lr=lr,
+            ref = reference_train(make_model, make_batch, num_microbatches=self.global_microbatches, steps=steps, lr=lr,
                                   loss=loss, seed=seed)
             cmp = compare_training(res, ref, loss_rtol=loss_rtol, rtol=rtol, random_ops=rnd)
             out["reference_losses"] = list(ref.losses)
@@ -941,6 +1055,20 @@ def graph_signature(graph: OpGraph) -> str:
     h.update("\x00".join(graph.ops).encode())
     h.update(np.ascontiguousarray(graph.edges, dtype=np.int64).tobytes())
     return h.hexdigest()[:16]
+
+
+def _mesh_from_doc(doc: Mapping[str, Any], source: str) -> dict:
+    from fxpipe.mesh import normalize_mesh, pure_pipeline
+
+    if doc.get("mesh") is None:
+        return pure_pipeline(int(doc["devices"]))
+    try:
+        mesh = normalize_mesh(doc["mesh"])
+    except InputError as exc:
+        raise InputError(f"{source}: {exc}") from None
+    if mesh["pp"] != int(doc["devices"]):
+        raise InputError(f"{source}: mesh {mesh} disagrees with the plan's {doc['devices']} pipeline devices (pp)")
+    return mesh
 
 
 def load_plan(path: str | Path) -> Plan:

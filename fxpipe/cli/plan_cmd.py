@@ -77,7 +77,15 @@ def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "--config", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
         help="config overrides, e.g. n_layer=8 n_embd=256 (repeat the flag to add more; a later value of the same key wins)",
     )
-    p.add_argument("--devices", type=int, default=4, help="devices = pipeline ranks (default 4)")
+    p.add_argument("--devices", type=int, default=None,
+                   help="devices (default 4, or the product of --mesh); without --mesh they are the pipeline ranks")
+    p.add_argument(
+        "--mesh", default=None, metavar="pp=A,dp_shard=B,dp_replicate=C|auto|search",
+        help="pipeline x data parallelism (torchtitan's names, missing = 1, product = devices): dp_shard * dp_replicate "
+        "replicas of a pipeline over pp devices, FSDP2 over dp_shard (HSDP with dp_replicate), replicate over "
+        "dp_replicate; --microbatches is then the global count, divided among the replicas; 'search': plan every "
+        "pp x dp_shard and keep the smallest predicted step that fits (default auto: a pure pipeline)",
+    )
     p.add_argument(
         "--stages-per-device", type=_stages_per_device, default=1, metavar="V",
         help="pipeline stages on every device (the model is cut into V x devices stages), or 'auto': try 1 and 2 "
@@ -325,6 +333,18 @@ def run(args: argparse.Namespace) -> int:
 
     if args.profile_threads is not None and args.profile_threads < 1:
         raise InputError(f"--profile-threads must be >= 1, got {args.profile_threads}")
+    mesh = "auto"
+    if args.mesh in ("auto", "search"):
+        mesh = args.mesh
+    elif args.mesh is not None:
+        from fxpipe.mesh import microbatches_per_replica, normalize_mesh, parse_mesh
+
+        mesh = parse_mesh(args.mesh)
+        if args.devices is None:
+            args.devices = math.prod(mesh.values())
+        microbatches_per_replica(args.microbatches, normalize_mesh(mesh, args.devices))  # fail before the model is built
+    if args.devices is None:
+        args.devices = 4
     if args.stages_per_device != "auto" and args.stages_per_device < 1:
         raise InputError(f"--stages-per-device must be >= 1 or 'auto', got {args.stages_per_device}")
     for name in ("devices", "microbatches", "microbatch_size", "seq_len", "steps"):
@@ -374,7 +394,7 @@ def run(args: argparse.Namespace) -> int:
     if info.get("source") not in (None, "preset"):
         name = info.get("model_type", name)
     try:
-        plan = _compile(fxpipe, model, margs, mkwargs, args, name, progress)
+        plan = _compile(fxpipe, model, margs, mkwargs, args, name, progress, mesh)
     except CaptureError as exc:
         if info.get("source") in (None, "preset"):
             raise
@@ -411,7 +431,7 @@ def run(args: argparse.Namespace) -> int:
     if args.run:
         from fxpipe.codegen.compare import TrainingComparison
 
-        status(f"training {args.steps} steps on {plan.devices} local gloo ranks, then a single-process reference ...")
+        status(f"training {args.steps} steps on {plan.world_size} local gloo ranks, then a single-process reference ...")
         result = plan.train_local(factory, _BatchFn(factory), steps=args.steps, lr=args.lr, loss=factory.loss, reference=True)
         doc["run"] = {k: v for k, v in result.items() if k != "results"}
         text.append(
@@ -425,7 +445,7 @@ def run(args: argparse.Namespace) -> int:
     return 1 if args.run and not result["ok"] else 0
 
 
-def _compile(fxpipe, model, margs, mkwargs, args: argparse.Namespace, name: str, progress: bool):
+def _compile(fxpipe, model, margs, mkwargs, args: argparse.Namespace, name: str, progress: bool, mesh: Any):
     """``fxpipe.compile`` with the command's options."""
     return fxpipe.compile(
         model,
@@ -447,6 +467,7 @@ def _compile(fxpipe, model, margs, mkwargs, args: argparse.Namespace, name: str,
         memory=memory_model_from_args(args, math.inf),
         memory_bytes=None if args.memory is None else parse_bytes(args.memory, allow_inf=True),
         progress=progress,
+        mesh=mesh,
     )
 
 

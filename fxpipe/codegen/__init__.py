@@ -15,6 +15,8 @@ Small passes, one job each:
   schemas, fake tensors, ``_PipelineScheduleRuntime``) and :class:`FxpipeScheduleRuntime`.
 - :mod:`fxpipe.codegen.rank`: :func:`build_rank` / :func:`build_pipeline_rank` (this rank's
   ``PipelineStage`` s - several with looped or V placements - and the schedule runtime).
+- :mod:`fxpipe.codegen.mesh`: pipeline x data parallelism on a ``DeviceMesh`` (a rank's stages
+  wrapped by FSDP2 ``fully_shard`` / ``replicate`` over its data-parallel group, :func:`build_mesh_rank`).
 - :mod:`fxpipe.codegen.launch`: :func:`spawn_train` (multi-process gloo training on this
   machine) and :func:`reference_train` (single-process oracle).
 - :mod:`fxpipe.codegen.compare`: :func:`compare_training` (losses, gradients, parameters, buffers).

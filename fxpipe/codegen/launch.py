@@ -244,8 +244,10 @@ def _run_one(rank: int, world: int, run: dict, out_dir: str, idx: int, cache: di
     from fxpipe.codegen.split import split_stages
 
     where = where if where is not None else {}
-    m = run["num_microbatches"]
+    m = run["num_microbatches"]  # global micro-batches per step: the capture's micro-batch shape
     orders = run["orders"]
+    mesh = run.get("mesh")  # pipeline x data parallelism (fxpipe.codegen.mesh); None: a pure pipeline
+    dp = 1 if mesh is None else mesh["dp_shard"] * mesh["dp_replicate"]
     S = orders.num_stages
     where["stages"] = [s for s in range(S) if orders.device_of_stage[s] == rank]
     where["phase"] = "capturing the model"
@@ -281,9 +283,12 @@ def _run_one(rank: int, world: int, run: dict, out_dir: str, idx: int, cache: di
         stage_of = stage_of(gm)
     skey = (S, tuple(sorted(stage_of.items())))
     where["phase"] = "splitting the graph into stages"
-    if skey not in cap.staged:
-        cap.staged[skey] = split_stages(gm, stage_of, S)
-    staged = cap.staged[skey]
+    if mesh is not None:  # data parallelism wraps the stage modules in place: a fresh split per run
+        staged = split_stages(gm, stage_of, S)
+    else:
+        if skey not in cap.staged:
+            cap.staged[skey] = split_stages(gm, stage_of, S)
+        staged = cap.staged[skey]
     where["phase"] = "building its stages and schedule"
     loss_fn = _loss_fn(run["loss"])
     source = None
@@ -291,18 +296,31 @@ def _run_one(rank: int, world: int, run: dict, out_dir: str, idx: int, cache: di
         from fxpipe.codegen.materialize import StateSource
 
         source = StateSource(seed=state.get("seed", 0), checkpoint=state.get("checkpoint"), model=cap.model)
-    stages, sched = build_rank(
-        staged, rank, orders, num_microbatches=m, loss_fn=loss_fn, example_microbatch_inputs=cap.mb_example,
+    build_kwargs = dict(
+        num_microbatches=m // dp, loss_fn=loss_fn, example_microbatch_inputs=cap.mb_example,
         fuse=run["fuse"], fused_backward=run["fused_backward"], group_cache=groups, io_cache=cap.io_cache,
         compile_stages=run.get("compile_stages", False),
         recompute_stages=tuple(run.get("recompute_stages", ())), state_source=source,
     )
+    replica, pp_rank = 0, rank
+    if mesh is None:
+        stages, sched = build_rank(staged, rank, orders, **build_kwargs)
+    else:
+        from fxpipe.codegen.mesh import build_mesh_rank, init_mesh
+
+        mkey = ("device_mesh", tuple(sorted(mesh.items())))
+        if mkey not in groups:
+            groups[mkey] = init_mesh(mesh)
+        stages, sched, mr = build_mesh_rank(staged, rank, orders, mesh=mesh, device_mesh=groups[mkey], **build_kwargs)
+        replica, pp_rank = mr.replica, mr.pp_rank
     local = [st.stage_index for st in stages]
     named: dict[str, torch.nn.Parameter] = {}
     for s in local:  # stages of one rank share tied parameter objects: each once
         for fqn, prm in staged.stages[s].named_parameters().items():
             named.setdefault(fqn, prm)
-    opt = torch.optim.SGD(list(named.values()), lr=run["lr"]) if named else None  # pure relay stages: no params
+    # every parameter object of the rank (with data parallelism a tied parameter has one copy per stage)
+    opt_params = sched.parameters() if mesh is not None else list(named.values())
+    opt = torch.optim.SGD(opt_params, lr=run["lr"]) if opt_params else None  # pure relay stages: no params
     first, last = sched.has_first_stage, sched.has_last_stage
     losses: list[float] = []
     grads: dict[str, torch.Tensor | None] = {}
@@ -310,6 +328,11 @@ def _run_one(rank: int, world: int, run: dict, out_dir: str, idx: int, cache: di
     for step in range(run["steps"]):
         where["phase"] = f"training step {step}"
         inputs, target = run["make_batch"](step)
+        if dp > 1:  # this replica's slice of the global batch
+            from fxpipe.codegen.mesh import replica_slice
+
+            inputs = replica_slice(_as_inputs(inputs), replica, dp)
+            target = replica_slice(target, replica, dp, "target")
         if opt is not None:
             opt.zero_grad(set_to_none=True)
         mb_losses: list[torch.Tensor] = []
@@ -336,15 +359,20 @@ def _run_one(rank: int, world: int, run: dict, out_dir: str, idx: int, cache: di
     for s in local:
         owned = {fqn for fqn, o in staged.buffer_owner.items() if o == s}
         bufs.update({k: b.detach().clone() for k, b in staged.stages[s].named_buffers().items() if k in owned})
-    torch.save(
-        {"grads": grads, "params": {k: p.detach().clone() for k, p in named.items()}, "buffers": bufs},
-        os.path.join(out_dir, f"run{idx}_rank{rank}.pt"),
-    )
+    params = {k: p.detach().clone() for k, p in named.items()}
+    if dp > 1:  # sharded / replicated DTensors: full values (collective over each stage's data-parallel group)
+        from fxpipe.codegen.mesh import full_tensors
+
+        grads, params = full_tensors(grads), full_tensors(params)
+        if replica:  # replica 0 reports the model state; the others only their losses
+            grads, params, bufs = {}, {}, {}
+    torch.save({"grads": grads, "params": params, "buffers": bufs}, os.path.join(out_dir, f"run{idx}_rank{rank}.pt"))
     with open(os.path.join(out_dir, f"run{idx}_rank{rank}.json"), "w") as f:
         json.dump(
             {
                 "losses": losses,
                 "has_last_stage": last,
+                "replica": replica,
                 "stages": local,
                 "stage_param_fqns": {s: list(staged.stages[s].param_fqns) for s in local},
                 "device_of_stage": list(orders.device_of_stage),
@@ -352,7 +380,7 @@ def _run_one(rank: int, world: int, run: dict, out_dir: str, idx: int, cache: di
                 "relayed": {s.index: list(s.relayed_names) for s in staged.stages},
                 "cloned": {s.index: list(s.cloned_inputs) for s in staged.stages},
                 "moved_nodes": {k: list(v) for k, v in staged.moved_nodes.items()},
-                "actions": sched.fxpipe_actions[rank],
+                "actions": sched.fxpipe_actions[pp_rank],
                 "fused_full_backward": {s: bool(v) for s, v in sched.fxpipe_fused_full_backward.items()},
                 "compiled_stages": {st.stage_index: getattr(st.submod, "report", None) for st in stages},  # compile_stages (issue 10)
                 "random_ops": cap.random_ops,
@@ -512,7 +540,12 @@ def spawn_train_many(runs: Sequence[Mapping[str, Any]], *, world_size: int, time
         backward) and ``state`` (a dict with ``seed`` and optionally ``checkpoint``: every worker
         builds the model on ``meta`` and materializes only its stages from the model's
         initializers under that seed and/or the checkpoint; the single-process reference is
-        :class:`fxpipe.codegen.materialize.MetaInit`). The ``Orders`` may carry offload/reload actions
+        :class:`fxpipe.codegen.materialize.MetaInit`), and ``mesh`` (``{"pp", "dp_shard",
+        "dp_replicate"}``, :mod:`fxpipe.codegen.mesh`: ``world_size = pp * dp`` ranks run ``dp``
+        replicas of the ``pp``-device orders, stages wrapped by FSDP2; ``num_microbatches`` is
+        then the global count, ``num_microbatches / dp`` per replica, every replica training on
+        its slice of the batch; results hold the full parameters and gradients, the losses are
+        the mean over the replicas). The ``Orders`` may carry offload/reload actions
         (``Action(s, "O", j)`` / ``"R"``; :func:`fxpipe.ir.schedule_to_orders` keeps a
         schedule's), which the workers execute. ``TrainResult.meta`` then holds,
         per rank, ``activation`` (the saved-tensor hooks' measurements,
@@ -553,10 +586,20 @@ def spawn_train_many(runs: Sequence[Mapping[str, Any]], *, world_size: int, time
             raise InputError(f"run {i} lacks {missing}")
         run = {**defaults, **dict(r)}
         try:  # fail here, before any worker starts
-            check_orders(run["orders"], run["num_microbatches"])
+            m_pipe = run["num_microbatches"]
+            if run.get("mesh") is not None:
+                from fxpipe.mesh import is_pure_pipeline, microbatches_per_replica, normalize_mesh
+
+                from fxpipe.codegen.mesh import check_mesh_run
+
+                mesh = normalize_mesh(run["mesh"], world_size)
+                check_mesh_run(mesh, run["orders"], tuple(run.get("recompute_stages", ())), run["compile_stages"])
+                m_pipe = microbatches_per_replica(run["num_microbatches"], mesh)
+                run["mesh"] = None if is_pure_pipeline(mesh) else mesh
+            check_orders(run["orders"], m_pipe)
         except InputError as exc:
             raise InputError(f"run {i}: {exc}") from None
-        if run["orders"].num_devices != world_size:
+        if run.get("mesh") is None and run["orders"].num_devices != world_size:
             raise InputError(
                 f"run {i}: the orders place the stages on {run['orders'].num_devices} devices but world_size is "
                 f"{world_size}: one process per device"
@@ -782,7 +825,7 @@ def _gather(out_dir: str, world: int, idx: int, wall: float) -> TrainResult:
     params: dict[str, torch.Tensor] = {}
     buffers: dict[str, torch.Tensor] = {}
     stage_params: dict[int, list[str]] = {}
-    losses: list[float] = []
+    replica_losses: list[list[float]] = []
     info: dict[str, Any] = {}
     actions: dict[int, list[str]] = {}
     fused: dict[int, bool] = {}
@@ -803,8 +846,8 @@ def _gather(out_dir: str, world: int, idx: int, wall: float) -> TrainResult:
         materialized[r] = info.get("materialized")
         held[r] = info.get("held_state_bytes")
         train_wall = max(train_wall, info["train_wall_s"])
-        if info["has_last_stage"]:
-            losses = info["losses"]
+        if info["has_last_stage"]:  # one per data-parallel replica
+            replica_losses.append(info["losses"])
         buffers.update(blob["buffers"])
         for k, g in blob["grads"].items():
             if k in params:
@@ -817,6 +860,8 @@ def _gather(out_dir: str, world: int, idx: int, wall: float) -> TrainResult:
                 continue
             grads[k] = g
             params[k] = blob["params"][k]
+    # the step's loss: the mean over every micro-batch of every replica (equal-sized replicas)
+    losses = [sum(v) / len(v) for v in zip(*replica_losses)] if replica_losses else []
     return TrainResult(
         losses, grads, params, buffers,
         {"stage_params": [stage_params[s] for s in sorted(stage_params)],

@@ -112,6 +112,7 @@ def build_rank(
     recompute_stages: Sequence[int] = (),
     track_activations: bool = True,
     state_source: Any = None,
+    wrap_module: Callable[[int, torch.nn.Module], None] | None = None,
 ) -> tuple[tuple[FxpipePipelineStage, ...], FxpipeScheduleRuntime]:
     """This rank's ``PipelineStage`` s and a schedule runtime loaded with their actions.
 
@@ -168,6 +169,10 @@ def build_rank(
         Where this rank's stage parameters and buffers come from (a checkpoint and/or the
         model's initializers under a seed). Required when the stages are on ``meta``; then only
         this rank's stages are materialized (:mod:`fxpipe.codegen.materialize`).
+    wrap_module : callable(stage, module) -> None, optional
+        Applied in place to every stage module of this rank once it holds real tensors on
+        ``device``, before the ``PipelineStage`` s and the tied-parameter groups are made (data
+        parallelism: ``fully_shard`` / ``replicate``, :mod:`fxpipe.codegen.mesh`).
 
     Returns
     -------
@@ -261,6 +266,8 @@ def build_rank(
         io = ios[s]
         spec = staged.stages[s]
         module = spec.module.to(dev)
+        if wrap_module is not None:
+            wrap_module(s, module)
         modules[s] = module
         ins = tuple(t.to(dev) for t in io.inputs)
         outs = tuple(t.to(dev) for t in io.outputs)

@@ -75,6 +75,8 @@ __all__ = [
     "merge_param_groups",
     "FxpipePipelineStage",
     "FxpipeScheduleRuntime",
+    "local_tensor",
+    "replicate_module",
 ]
 
 logger = logging.getLogger(__name__)
@@ -543,7 +545,13 @@ class FxpipeScheduleRuntime(_PipelineScheduleRuntime):
         return self._loss_fn(self._interface.output(output), target, **(loss_kwargs or {}))
 
     def scale_local_grads(self) -> None:
-        """Divide the gradient of every parameter of this rank by the number of micro-batches, once."""
+        """Divide the gradient of every parameter of this rank by the number of micro-batches, once.
+
+        With data parallelism (stages wrapped by ``fully_shard`` / ``replicate``,
+        :mod:`fxpipe.codegen.mesh`) this runs after torch's ``REDUCE_GRAD`` action averaged the
+        summed micro-batch gradients over the replicas, so the result is the gradient of the mean
+        loss over every micro-batch of every replica (the sharded gradient, a DTensor).
+        """
         m = self._n_microbatches
         if m == 1:
             return
@@ -551,12 +559,58 @@ class FxpipeScheduleRuntime(_PipelineScheduleRuntime):
             if p.grad is not None:
                 p.grad.div_(m)
 
+    def set_shared_grads(self, shared_grads) -> None:
+        """Replace the tied-parameter entries: ``(Parameter or tuple of copies, ProcessGroup or None)``.
+
+        A tuple lists copies of one tied parameter held by this rank's stages (data parallelism
+        gives every stage its own copy, :mod:`fxpipe.codegen.mesh`): their gradients are summed,
+        all-reduced over the group if any, and every copy gets the total.
+        """
+        self._shared_grads = list(shared_grads)
+
     def sync_shared_grads(self) -> None:
         """All-reduce (sum) the gradients of tied parameters over the ranks that hold them."""
-        for p, grp in self._shared_grads:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=grp)
+        for entry, grp in self._shared_grads:
+            copies = (entry,) if isinstance(entry, torch.Tensor) else tuple(entry)
+            for p in copies:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            total = copies[0].grad
+            if len(copies) > 1:
+                total = total.clone()
+                for p in copies[1:]:
+                    total.add_(p.grad)
+            # a sharded (FSDP2) parameter: every pipeline rank holding it shards it the same way over
+            # its own data-parallel group, so the local shards of one replica line up
+            if grp is not None:
+                dist.all_reduce(local_tensor(total), op=dist.ReduceOp.SUM, group=grp)
+            if len(copies) > 1:
+                for p in copies:
+                    p.grad.copy_(total)
+
+
+# ---- begin data parallelism adapters (used by fxpipe/codegen/mesh.py)
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor (sharing its storage: in-place ops write the DTensor), else ``t``."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(t, DTensor):
+        with torch.no_grad():
+            return t.to_local()
+    return t
+
+
+def replicate_module(module: torch.nn.Module, mesh) -> torch.nn.Module:
+    """Replicate ``module`` in place over the 1-D ``mesh`` (FSDP2-based DDP: ``replicate_with_fsdp.replicate``).
+
+    The module becomes an ``FSDPModule`` (torch's pipelining runtime accumulates the
+    micro-batches' gradients unsynchronised and all-reduces them once, in its ``REDUCE_GRAD``
+    action); its parameters become replicated DTensors.
+    """
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+
+    return replicate(module, mesh=mesh)
+# ---- end data parallelism adapters
 
 
 # ---- begin torch.compile backend adapters (owner: issue 10; used by fxpipe/dynamo/* and fxpipe/codegen/compiled.py)

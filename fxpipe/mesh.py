@@ -1,0 +1,304 @@
+"""The device mesh of a plan: pipeline parallelism x data parallelism (torch-free, plain data).
+
+A plan runs ``dp = dp_replicate * dp_shard`` identical pipelines (data-parallel replicas), each
+over ``pp`` devices; ``devices = pp * dp_shard * dp_replicate``. The dimension names are
+torchtitan's (``ParallelDims``): ``pp`` pipeline stages, ``dp_shard`` FSDP2 sharding
+(``torch.distributed.fsdp.fully_shard``, ZeRO-3), ``dp_replicate`` replication (DDP-style
+``replicate``; HSDP together with ``dp_shard``).
+
+Rank mapping (one function, :func:`rank_coords`, used by the runtime and the docs): the ranks
+form a row-major grid over the dimensions :data:`MESH_DIMS` = ``("dp_replicate", "dp_shard",
+"pp")``, pipeline rank innermost::
+
+    rank = (dp_replicate_index * dp_shard + dp_shard_index) * pp + pp_rank
+
+so the ``pp`` consecutive ranks ``r * pp .. r * pp + pp - 1`` form data-parallel replica ``r``
+(``replica = dp_replicate_index * dp_shard + dp_shard_index``), and a pure pipeline
+(``dp = 1``) keeps rank = pipeline rank. (torchtitan puts ``pp`` outermost instead, to keep
+the chatty FSDP collectives inside a node; placing dimensions on a topology is left to the
+planner's later mesh search, see ``docs/``.)
+
+``microbatches`` of a mesh plan is the global number of micro-batches per optimizer step;
+every replica runs ``microbatches // dp`` of them (:func:`microbatches_per_replica`) on its
+slice of the global batch.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any, Mapping
+
+from fxpipe.errors import InputError
+
+__all__ = [
+    "MESH_DIMS",
+    "normalize_mesh",
+    "pure_pipeline",
+    "mesh_dp",
+    "is_pure_pipeline",
+    "microbatches_per_replica",
+    "rank_coords",
+    "rank_of",
+    "parse_mesh",
+    "format_mesh",
+    "mesh_memory",
+    "dp_sync_time_s",
+    "candidate_meshes",
+]
+
+#: Mesh dimension names, outermost first (the order of :func:`rank_coords`).
+MESH_DIMS = ("dp_replicate", "dp_shard", "pp")
+
+
+def pure_pipeline(devices: int) -> dict[str, int]:
+    """The mesh of a pure pipeline over ``devices`` devices: ``{"pp": devices, "dp_shard": 1, "dp_replicate": 1}``."""
+    return {"pp": int(devices), "dp_shard": 1, "dp_replicate": 1}
+
+
+def normalize_mesh(mesh: Any, devices: int | None = None) -> dict[str, int]:
+    """Validate a mesh and fill in missing dimensions (= 1).
+
+    Parameters
+    ----------
+    mesh : Mapping[str, int], "auto" or None
+        Degrees by torchtitan name (``"pp"``, ``"dp_shard"``, ``"dp_replicate"``); missing
+        names are 1. ``"auto"`` and None: the pure pipeline ``{"pp": devices}`` (the joint
+        mesh search is not implemented yet).
+    devices : int, optional
+        The number of devices; the product of the degrees must equal it.
+
+    Returns
+    -------
+    dict[str, int]
+        ``{"pp": a, "dp_shard": b, "dp_replicate": c}`` (all three keys, this order).
+
+    Raises
+    ------
+    InputError
+        For an unknown dimension name, a degree that is not an integer >= 1, a product that is
+        not ``devices``, or ``"auto"`` without ``devices``.
+    """
+    if mesh is None or (isinstance(mesh, str) and mesh == "auto"):
+        if devices is None:
+            raise InputError("mesh='auto' needs the number of devices")
+        return pure_pipeline(devices)
+    if isinstance(mesh, str):
+        mesh = parse_mesh(mesh)
+    if not isinstance(mesh, Mapping):
+        raise InputError(
+            f"mesh must be 'auto' or a dict of degrees such as {{'pp': 2, 'dp_shard': 2}}, got {mesh!r}"
+        )
+    unknown = sorted(str(k) for k in mesh if k not in MESH_DIMS)
+    if unknown:
+        raise InputError(f"mesh: unknown dimension(s) {unknown}; the dimensions are {list(reversed(MESH_DIMS))}")
+    out = {}
+    for name in ("pp", "dp_shard", "dp_replicate"):
+        v = mesh.get(name, 1)
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+            raise InputError(f"mesh[{name!r}] must be an integer >= 1, got {v!r}")
+        v = int(v)
+        if v < 1:
+            raise InputError(f"mesh[{name!r}] must be an integer >= 1, got {v}")
+        out[name] = v
+    if devices is not None:
+        prod = math.prod(out.values())
+        if prod != int(devices):
+            raise InputError(
+                f"mesh {format_mesh(out)} has {prod} devices but devices={devices}: the product "
+                "pp * dp_shard * dp_replicate must equal devices"
+            )
+    return out
+
+
+def mesh_dp(mesh: Mapping[str, int]) -> int:
+    """Number of data-parallel replicas: ``dp_shard * dp_replicate``."""
+    return int(mesh.get("dp_shard", 1)) * int(mesh.get("dp_replicate", 1))
+
+
+def is_pure_pipeline(mesh: Mapping[str, int] | None) -> bool:
+    """True for None or a mesh without data parallelism."""
+    return mesh is None or mesh_dp(mesh) == 1
+
+
+def microbatches_per_replica(microbatches: int, mesh: Mapping[str, int]) -> int:
+    """Micro-batches each data-parallel replica runs per step: ``microbatches / dp``.
+
+    Raises
+    ------
+    InputError
+        If ``dp_shard * dp_replicate`` does not divide ``microbatches``.
+    """
+    dp = mesh_dp(mesh)
+    if microbatches % dp:
+        raise InputError(
+            f"microbatches={microbatches} (the global number per optimizer step) is not divisible by the "
+            f"{dp} data-parallel replicas of mesh {format_mesh(mesh)} (dp_shard * dp_replicate): use a multiple of {dp}"
+        )
+    return microbatches // dp
+
+
+def rank_coords(rank: int, mesh: Mapping[str, int]) -> dict[str, int]:
+    """Coordinates of a global rank on the mesh (see the module docstring for the layout).
+
+    Returns
+    -------
+    dict
+        ``{"dp_replicate": i, "dp_shard": j, "pp": k, "replica": i * dp_shard + j}``.
+
+    Raises
+    ------
+    InputError
+        For a rank outside ``0 .. devices - 1``.
+    """
+    pp, ds, dr = int(mesh["pp"]), int(mesh.get("dp_shard", 1)), int(mesh.get("dp_replicate", 1))
+    world = pp * ds * dr
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world:
+        raise InputError(f"rank must be an integer in 0..{world - 1} for mesh {format_mesh(mesh)}, got {rank!r}")
+    replica, k = divmod(rank, pp)
+    i, j = divmod(replica, ds)
+    return {"dp_replicate": i, "dp_shard": j, "pp": k, "replica": replica}
+
+
+def rank_of(mesh: Mapping[str, int], *, pp: int, replica: int) -> int:
+    """The global rank of pipeline rank ``pp`` in data-parallel replica ``replica`` (inverse of :func:`rank_coords`)."""
+    return int(replica) * int(mesh["pp"]) + int(pp)
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+    """Parse the CLI form ``"pp=4,dp_shard=8"`` (missing dimensions = 1).
+
+    Raises
+    ------
+    InputError
+        For an item that is not ``name=integer`` or an unknown name.
+    """
+    out: dict[str, int] = {}
+    for item in str(text).split(","):
+        item = item.strip()
+        if not item:
+            continue
+        name, sep, value = item.partition("=")
+        name = name.strip()
+        if not sep or not value.strip().lstrip("-").isdigit():
+            raise InputError(f"mesh: {item!r} is not name=integer (example: pp=4,dp_shard=8)")
+        if name in out:
+            raise InputError(f"mesh: {name!r} given twice")
+        out[name] = int(value)
+    if not out:
+        raise InputError("mesh: empty; write e.g. pp=4,dp_shard=8")
+    return normalize_mesh(out)
+
+
+def format_mesh(mesh: Mapping[str, int]) -> str:
+    """``"pp=2 x dp_shard=2"`` (dimensions of degree 1 left out, except a lone ``pp``)."""
+    parts = [f"{k}={int(mesh.get(k, 1))}" for k in ("pp", "dp_shard", "dp_replicate") if int(mesh.get(k, 1)) > 1]
+    return " x ".join(parts) if parts else f"pp={int(mesh.get('pp', 1))}"
+
+
+def mesh_memory(memory, mesh: Mapping[str, int]):
+    """The :class:`~fxpipe.memory.MemoryModel` of one device of a mesh plan.
+
+    fxpipe wraps every pipeline stage as one FSDP2 unit and torch's pipelining runtime keeps a
+    stage's parameters unsharded from its first compute action of the step to its
+    ``REDUCE_GRAD`` (gradient sync is deferred to the step's end, so the unsharded gradients
+    accumulate too): during the step a device holds its stages' full parameters and gradients
+    and only the optimizer state is sharded over ``dp_shard``, i.e. ZeRO-1's memory. So a mesh
+    with ``dp_shard > 1`` gives a memory model with ``zero_stage=1, data_parallel=dp_shard``
+    unless ``memory`` already names ``data_parallel == dp_shard`` (kept as given).
+    ``dp_replicate`` shards nothing. (Not counted yet: the sharded copies of parameters and
+    gradients, ``1 / dp_shard`` of each.)
+
+    Raises
+    ------
+    InputError
+        If ``memory.data_parallel`` is neither 1 nor ``dp_shard``.
+    """
+    import dataclasses
+
+    ds = int(mesh.get("dp_shard", 1))
+    if ds == 1:
+        return memory
+    if memory.data_parallel == ds:
+        return memory
+    if memory.data_parallel != 1:
+        raise InputError(
+            f"the memory model shards over data_parallel={memory.data_parallel} but mesh {format_mesh(mesh)} shards "
+            f"over dp_shard={ds}: leave data_parallel at 1 (the mesh sets it) or make them equal"
+        )
+    return dataclasses.replace(memory, zero_stage=1, data_parallel=ds)
+
+
+def dp_sync_time_s(param_bytes: float, mesh: Mapping[str, int], bandwidth_bytes_per_s: float,
+                   latency_s: float = 0.0) -> float:
+    """Data-parallel communication of one device per optimizer step (seconds), not overlapped.
+
+    What fxpipe's runtime does per step for a device whose stages hold ``param_bytes`` of
+    parameters (gradients in the same dtype): with ``dp_shard = s > 1`` one all-gather of the
+    parameters (a stage is unsharded once per step) and one reduce-scatter of the gradients
+    over ``s`` ranks; with ``dp_replicate = r > 1`` one all-reduce over ``r`` ranks of the
+    gradients (of their ``1 / s`` shard under HSDP). Ring collectives (Thakur, Rabenseifner and
+    Gropp 2005): all-gather and reduce-scatter of ``n`` bytes over ``k`` ranks move
+    ``(k - 1) / k * n`` bytes per rank, all-reduce twice that; each adds ``(k - 1) * latency_s``.
+
+    Parameters
+    ----------
+    param_bytes : float
+        Parameter bytes of the device's stages.
+    mesh : Mapping[str, int]
+        The plan's mesh.
+    bandwidth_bytes_per_s : float
+        Per-rank link bandwidth of the data-parallel group (one bandwidth for now; a topology
+        with intra- and inter-node links is a later step).
+    latency_s : float
+        Per-hop latency.
+
+    Returns
+    -------
+    float
+        0 without data parallelism.
+    """
+    if bandwidth_bytes_per_s <= 0:
+        raise InputError(f"bandwidth_bytes_per_s must be > 0, got {bandwidth_bytes_per_s!r}")
+    s, r = int(mesh.get("dp_shard", 1)), int(mesh.get("dp_replicate", 1))
+    t = 0.0
+    if s > 1:  # all-gather of the parameters + reduce-scatter of the gradients
+        t += 2 * ((s - 1) / s * param_bytes / bandwidth_bytes_per_s + (s - 1) * latency_s)
+    if r > 1:  # all-reduce of the gradients (their shard under HSDP)
+        t += 2 * (r - 1) / r * (param_bytes / s) / bandwidth_bytes_per_s + 2 * (r - 1) * latency_s
+    return t
+
+
+def candidate_meshes(devices: int, microbatches: int, *, replicate: bool = False) -> list[dict[str, int]]:
+    """Every mesh of ``devices`` devices whose replicas divide ``microbatches`` (pure pipeline first).
+
+    The pinned meshes a joint search would compare: ``pp * dp_shard = devices`` with
+    ``dp_shard | microbatches`` and, with ``replicate=True``, also every split of the
+    data-parallel degree into ``dp_shard * dp_replicate``. Ordered by decreasing ``pp``.
+    """
+    out = []
+    for pp in range(int(devices), 0, -1):
+        if devices % pp:
+            continue
+        dp = devices // pp
+        if microbatches % dp:
+            continue
+        splits = [(dp, 1)] + ([(dp // r, r) for r in range(2, dp + 1) if dp % r == 0] if replicate else [])
+        out += [{"pp": pp, "dp_shard": ds, "dp_replicate": dr} for ds, dr in splits]
+    return out
+
+
+def pipeline_dp_sync_s(graph, assignment, device_of_stage, mesh: Mapping[str, int]) -> float:
+    """:func:`dp_sync_time_s` of the busiest device of a partitioned, placed pipeline (seconds).
+
+    ``graph`` is the :class:`~fxpipe.ir.OpGraph` (its ``size_param_bytes`` and
+    ``bandwidth_bytes_per_s``), ``assignment`` the stage of every node, ``device_of_stage`` the
+    placement.
+    """
+    import numpy as np
+
+    if mesh_dp(mesh) == 1:
+        return 0.0
+    dev = np.asarray(device_of_stage, dtype=np.int64)[np.asarray(assignment, dtype=np.int64)]
+    per_device = np.bincount(dev, weights=graph.size_param_bytes, minlength=int(mesh["pp"]))
+    return float(max(dp_sync_time_s(float(b), mesh, graph.bandwidth_bytes_per_s) for b in per_device))

@@ -1,0 +1,258 @@
+"""Pipeline x data parallelism (issue 18): the mesh in the API and its runtime on 4 gloo ranks.
+
+A tiny GPT-2 (tied embedding on the first and last stage) planned as pp=2 x dp_shard=2
+(FSDP2 ``fully_shard``) and pp=2 x dp_replicate=2 (``replicate``) under 1F1B and ZB-H1, as
+pp=2 x dp_shard=2 under ZB-V (split backward, the tied embedding twice on rank 0) and as
+pp=1 x dp_shard=2 x dp_replicate=2 (HSDP) must train to the losses, gradients and parameters
+of one process on the same global batch. The data-parallel runs share one set of 4 worker
+processes.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import fxpipe  # noqa: E402
+from fxpipe.memory import MemoryModel  # noqa: E402
+from fxpipe.cli.plan_cmd import HFFactory, _BatchFn  # noqa: E402
+from fxpipe.errors import InputError  # noqa: E402
+from fxpipe.mesh import (  # noqa: E402
+    candidate_meshes,
+    dp_sync_time_s,
+    format_mesh,
+    microbatches_per_replica,
+    normalize_mesh,
+    parse_mesh,
+    rank_coords,
+    rank_of,
+)
+from fxpipe.plan import Plan, _PlanStageOf, load_plan  # noqa: E402
+
+GPT2 = {"n_layer": 2, "n_embd": 16, "n_head": 2, "vocab_size": 32, "n_positions": 16}
+GLOBAL_MB = 8  # global micro-batches per step: 4 per replica (ZB-H1 then differs from 1F1B)
+
+
+def _factory() -> HFFactory:
+    return HFFactory("gpt2", GPT2, microbatches=GLOBAL_MB, microbatch_size=1, seq_len=4, seed=0)
+
+
+def _plan(mesh, schedule, **kw):
+    model, args, kwargs = _factory().one_microbatch()
+    return fxpipe.compile(model, args, kwargs, devices=4, microbatches=GLOBAL_MB, mesh=mesh, schedule=schedule,
+                          time_limit_s=0.5, seed=0, **kw)
+
+
+# ----------------------------------------------------------------------------- plain data (no torch.distributed)
+def test_normalize_and_parse_mesh():
+    assert normalize_mesh({"pp": 2, "dp_shard": 2}, 4) == {"pp": 2, "dp_shard": 2, "dp_replicate": 1}
+    assert normalize_mesh("auto", 8) == {"pp": 8, "dp_shard": 1, "dp_replicate": 1}
+    assert parse_mesh("pp=4, dp_shard=8") == {"pp": 4, "dp_shard": 8, "dp_replicate": 1}
+    assert format_mesh(parse_mesh("dp_replicate=2,pp=2")) == "pp=2 x dp_replicate=2"
+    assert microbatches_per_replica(8, {"pp": 1, "dp_shard": 2, "dp_replicate": 2}) == 2
+    for bad, what in [({"pp": 3}, "product"), ({"pp": 2, "dp": 2}, "unknown dimension"), ({"pp": 0, "dp_shard": 4}, ">= 1"),
+                      ({"pp": 2.0, "dp_shard": 2}, "integer"), ([2, 2], "dict of degrees")]:
+        with pytest.raises(InputError, match=what):
+            normalize_mesh(bad, 4)
+    for bad in ("pp=4,dp_shard", "pp=x", "pp=2,pp=2", ""):
+        with pytest.raises(InputError):
+            parse_mesh(bad)
+    with pytest.raises(InputError, match="not divisible by the 4 data-parallel replicas"):
+        microbatches_per_replica(6, {"pp": 1, "dp_shard": 2, "dp_replicate": 2})
+
+
+def test_rank_mapping_is_a_bijection_with_pipeline_rank_innermost():
+    mesh = {"pp": 3, "dp_shard": 2, "dp_replicate": 2}
+    seen = set()
+    for rank in range(12):
+        c = rank_coords(rank, mesh)
+        assert rank_of(mesh, pp=c["pp"], replica=c["replica"]) == rank
+        assert c["replica"] == c["dp_replicate"] * 2 + c["dp_shard"]
+        seen.add((c["dp_replicate"], c["dp_shard"], c["pp"]))
+    assert len(seen) == 12
+    assert [rank_coords(r, mesh)["pp"] for r in range(3)] == [0, 1, 2]  # a replica's ranks are consecutive
+    with pytest.raises(InputError, match="rank must be"):
+        rank_coords(12, mesh)
+
+
+def test_dp_sync_time_and_candidate_meshes():
+    b, bw = 8e9, 1e11  # ring collectives: all-gather / reduce-scatter move (k-1)/k of the bytes, all-reduce twice that
+    assert dp_sync_time_s(b, {"pp": 4}, bw) == 0.0
+    assert dp_sync_time_s(b, {"pp": 1, "dp_shard": 2}, bw) == pytest.approx(b / bw)
+    assert dp_sync_time_s(b, {"pp": 1, "dp_replicate": 4}, bw) == pytest.approx(1.5 * b / bw)
+    assert dp_sync_time_s(b, {"pp": 1, "dp_shard": 2, "dp_replicate": 2}, bw) == pytest.approx(1.5 * b / bw)
+    assert dp_sync_time_s(b, {"pp": 1, "dp_shard": 2}, bw, latency_s=1e-3) == pytest.approx(b / bw + 2e-3)
+    assert candidate_meshes(8, 4) == [{"pp": 8, "dp_shard": 1, "dp_replicate": 1}, {"pp": 4, "dp_shard": 2, "dp_replicate": 1},
+                                      {"pp": 2, "dp_shard": 4, "dp_replicate": 1}]  # dp=8 does not divide 4
+    assert {"pp": 2, "dp_shard": 2, "dp_replicate": 2} in candidate_meshes(8, 8, replicate=True)
+    assert all(normalize_mesh(m, 12) == m for m in candidate_meshes(12, 12, replicate=True))
+
+
+def test_cli_mesh_errors_exit_2(capsys):
+    from fxpipe.cli import main
+
+    for argv, what in ((["--mesh", "pp=3", "--devices", "4"], "product"), (["--mesh", "pp=2,dp=2"], "unknown dimension"),
+                       (["--mesh", "pp=2,dp_shard=2", "--microbatches", "3"], "not divisible")):
+        code = main(["plan", "--hf", "gpt2", "--config", "n_layer=1", "n_embd=16", "n_head=2", "--seq-len", "4", *argv])
+        err = capsys.readouterr().err
+        assert code == 2 and what in err and "Traceback" not in err, err
+
+
+def test_compile_mesh_plan_round_trip_and_errors(tmp_path):
+    plan = _plan({"pp": 2, "dp_shard": 2}, "1f1b")
+    assert plan.mesh == {"pp": 2, "dp_shard": 2, "dp_replicate": 1}
+    assert (plan.devices, plan.microbatches, plan.world_size, plan.global_microbatches) == (2, 4, 4, 8)
+    assert plan.problem.num_microbatches == 4 and plan.problem.num_devices == 2  # one pipeline of the mesh
+    assert (plan.memory.zero_stage, plan.memory.data_parallel) == (1, 2)  # sharded optimizer state (mesh_memory)
+    assert "mesh pp=2 x dp_shard=2 on 4 devices" in plan.summary()
+    busiest = max(d.param_bytes for d in plan.device_table)  # all-gather + reduce-scatter over 2: its bytes once
+    assert plan.dp_sync_s == pytest.approx(busiest / plan.graph.bandwidth_bytes_per_s) and plan.dp_sync_s > 0
+    assert "data-parallel sync per step" in plan.summary()
+    # what data parallelism does not run yet fails before any worker starts
+    from fxpipe.codegen.launch import spawn_train_many
+
+    run = dict(make_model=_factory(), stage_of=plan.stage_of, orders=plan.orders(), num_microbatches=GLOBAL_MB,
+               make_batch=_BatchFn(_factory()), mesh=plan.mesh)
+    with pytest.raises(InputError, match="recomputation"):
+        spawn_train_many([{**run, "recompute_stages": (0,)}], world_size=4)
+    with pytest.raises(InputError, match="compile_stages"):
+        spawn_train_many([{**run, "compile_stages": True}], world_size=4)
+    with pytest.raises(InputError, match="not divisible"):
+        spawn_train_many([{**run, "num_microbatches": 5}], world_size=4)
+    path = plan.save(tmp_path / "plan.json")
+    loaded = load_plan(path)
+    assert loaded.mesh == plan.mesh and loaded.world_size == 4 and loaded.memory == plan.memory
+    assert loaded.reschedule("zb-h1").mesh == plan.mesh
+    # files saved before meshes (no "mesh" key) load as a pure pipeline
+    doc = json.loads(path.read_text())
+    del doc["mesh"]
+    old = Plan.from_dict(doc)
+    assert old.mesh == {"pp": 2, "dp_shard": 1, "dp_replicate": 1} and old.world_size == 2
+    doc["mesh"] = {"pp": 4}
+    with pytest.raises(InputError, match="disagrees"):
+        Plan.from_dict(doc)
+    model, args, kwargs = _factory().one_microbatch()
+    with pytest.raises(InputError, match="product"):
+        fxpipe.compile(model, args, kwargs, devices=4, mesh={"pp": 2})
+    with pytest.raises(InputError, match="not divisible"):
+        fxpipe.compile(model, args, kwargs, devices=4, microbatches=3, mesh={"pp": 2, "dp_replicate": 2})
+    with pytest.raises(InputError, match="data_parallel=4"):
+        fxpipe.compile(model, args, kwargs, devices=4, microbatches=4, mesh={"pp": 2, "dp_shard": 2},
+                       memory=MemoryModel(data_parallel=4, zero_stage=3))
+    # the default mesh ("auto", for now) is the pure pipeline
+    assert fxpipe.compile(model, args, kwargs, devices=2, microbatches=2, schedule="1f1b",
+                          time_limit_s=0.5).mesh == {"pp": 2, "dp_shard": 1, "dp_replicate": 1}
+
+
+# ----------------------------------------------------------------------------- runtime on 4 gloo ranks
+def _assert_same_training(res, ref, what):
+    torch.testing.assert_close(torch.tensor(res.losses), torch.tensor(ref.losses), rtol=1e-6, atol=0,
+                               msg=lambda m: f"{what}: losses: {m}")
+    assert set(res.grads) == set(ref.grads), what
+    for name, g in ref.grads.items():
+        torch.testing.assert_close(res.grads[name], g, rtol=1e-5, atol=1e-7, msg=lambda m, n=name: f"{what} {n}: {m}")
+    for name, p in ref.params.items():
+        torch.testing.assert_close(res.params[name], p, rtol=1e-5, atol=1e-7, msg=lambda m, n=name: f"{what} {n}: {m}")
+
+
+@pytest.mark.slow
+def test_fsdp_and_replicate_pipelines_match_single_process():
+    from fxpipe.codegen.launch import reference_train, spawn_train_many
+
+    fac = _factory()
+    runs, names = [], []
+    cases = [(mesh, schedule, {}) for mesh in ({"pp": 2, "dp_shard": 2}, {"pp": 2, "dp_replicate": 2})
+             for schedule in ("1f1b", "zb-h1")]
+    # ZB-V: stages 0 and 3 (the tied embedding) on rank 0, split backward on stages 1-3
+    cases.append(({"pp": 2, "dp_shard": 2}, "zb-v", {"stages_per_device": 2, "placement": "v"}))
+    # HSDP (fully_shard over the 2-D (dp_replicate, dp_shard) sub-mesh) of a one-stage pipeline
+    cases.append(({"pp": 1, "dp_shard": 2, "dp_replicate": 2}, "1f1b", {}))
+    for mesh, schedule, extra in cases:
+        plan = _plan(mesh, schedule, **extra)
+        names.append(f"{format_mesh(plan.mesh)} {schedule}")
+        # the run plan.train_local launches (world_size = pp * dp ranks, the global micro-batch count)
+        runs.append(dict(make_model=fac, stage_of=_PlanStageOf(plan.stage_of), orders=plan.orders(),
+                         num_microbatches=plan.global_microbatches, make_batch=_BatchFn(fac), steps=2, lr=0.05,
+                         mesh=plan.mesh, model_key="gpt2"))
+    results = spawn_train_many(runs, world_size=4, timeout_s=600)
+    ref = reference_train(fac, _BatchFn(fac), num_microbatches=GLOBAL_MB, steps=2, lr=0.05)
+    assert ref.losses[1] != ref.losses[0]
+    for res, what in zip(results, names):
+        _assert_same_training(res, ref, what)
+    # ZB-H1 ran its own order (not 1F1B's): rank 0 defers work behind later forwards
+    assert results[1].meta["actions"][0] != results[0].meta["actions"][0]
+    # split backward (I/W) ran under FSDP2 on both pipeline ranks of the V placement
+    zbv = results[4]
+    assert all(any("I" in a for a in zbv.meta["actions"][r]) for r in range(4))
+    assert [zbv.meta["fused_full_backward"][s] for s in (1, 2, 3)] == [False] * 3
+
+
+@pytest.mark.slow
+def test_cli_mesh_plan_trains_with_torchrun_from_a_checkpoint(tmp_path):
+    """`fxpipe plan --mesh --run` (plan.train_local on 4 ranks) -> plan file -> torchrun: plan.build on 4 ranks
+    (FSDP2, ZB-V), the weights read from a checkpoint."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("safetensors")
+    from safetensors.torch import save_model
+
+    root = Path(__file__).resolve().parents[1]
+    config = [f"{k}={v}" for k, v in GPT2.items()]
+    common = ["--hf", "gpt2", "--config", *config, "--seq-len", "4"]
+    plan_file = tmp_path / "mesh.plan.json"
+    out = subprocess.run(
+        [sys.executable, "-m", "fxpipe.cli", "plan", *common, "--mesh", "pp=2,dp_shard=2", "--microbatches", str(GLOBAL_MB),
+         "--stages-per-device", "2", "--placement", "v", "--schedule", "zb-v", "--time-limit", "0.5", "--out", str(plan_file),
+         "--run", "--steps", "2", "--lr", "0.05", "--json"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-4000:]  # --run: plan.train_local on 4 ranks agrees with one process
+    doc = json.loads(out.stdout)
+    assert doc["run"]["ok"] and doc["plan"]["mesh"] == {"pp": 2, "dp_shard": 2, "dp_replicate": 1}
+    assert load_plan(plan_file).mesh == {"pp": 2, "dp_shard": 2, "dp_replicate": 1}
+    fac = _factory()
+    whole, _ = fac()
+    ckpt = tmp_path / "gpt2.safetensors"
+    save_model(whole, str(ckpt))
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+         str(root / "examples" / "train_torchrun.py"), "--plan", str(plan_file), *common, "--steps", "2", "--lr", "0.05",
+         "--checkpoint", str(ckpt)],
+        capture_output=True, text=True, timeout=400,
+    )
+    assert run.returncode == 0, run.stderr[-4000:]
+    lines = sorted((json.loads(x) for x in run.stdout.splitlines() if x.startswith("{")), key=lambda d: d["rank"])
+    assert [d["rank"] for d in lines] == [0, 2]  # the last stage (V: pipeline rank 0) of each replica
+    ref_losses = doc["run"]["reference_losses"]  # the single-process run of `fxpipe plan --run`, same batches
+    mean = [(a + b) / 2 for a, b in zip(lines[0]["losses"], lines[1]["losses"])]
+    assert lines[0]["losses"] != lines[1]["losses"]  # each replica trained on its own half of the batch
+    torch.testing.assert_close(torch.tensor(mean), torch.tensor(ref_losses), rtol=1e-6, atol=0)
+    whole_bytes = sum(p.numel() * p.element_size() for p in whole.parameters())
+    assert 0 < lines[0]["param_bytes"] < whole_bytes / 2  # half the stages, each sharded over 2 ranks
+
+
+def test_mesh_search_keeps_the_fastest_mesh_that_fits():
+    model, args, kwargs = _factory().one_microbatch()
+    plan = fxpipe.compile(model, args, kwargs, devices=4, microbatches=4, mesh="search", schedule="zb-h1", time_limit_s=0.5,
+                          memory_bytes=float("inf"))
+    table = plan.options["mesh_search"]
+    assert [r["mesh_text"] for r in table] == ["pp=4", "pp=2 x dp_shard=2", "dp_shard=4"]
+    chosen = [r for r in table if r.get("chosen")]
+    assert len(chosen) == 1 and chosen[0]["mesh"] == plan.mesh
+    assert all(chosen[0]["predicted_step_s"] <= r["predicted_step_s"] for r in table)
+    assert plan.schedule.value + plan.dp_sync_s == pytest.approx(chosen[0]["predicted_step_s"])
+    assert "mesh search (predicted step = schedule + data-parallel sync)" in plan.summary()
+    # the same prediction as the pinned mesh
+    pinned = fxpipe.compile(model, args, kwargs, devices=4, microbatches=4, mesh=table[1]["mesh"], schedule="zb-h1",
+                            time_limit_s=0.5, memory_bytes=float("inf"))
+    assert pinned.schedule.value + pinned.dp_sync_s == pytest.approx(table[1]["predicted_step_s"])
+    # 50 kB: a capacity only the 4-stage pipeline of this tiny GPT-2 fits; the other meshes are skipped with the reason
+    tight = fxpipe.compile(model, args, kwargs, devices=4, microbatches=4, mesh="search", schedule="zb-h1",
+                           time_limit_s=0.5, memory_bytes=50e3)
+    assert tight.mesh == {"pp": 4, "dp_shard": 1, "dp_replicate": 1}
+    assert ["skipped" in r for r in tight.options["mesh_search"]] == [False, True, True]
