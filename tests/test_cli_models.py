@@ -144,7 +144,6 @@ def test_a_handful_of_architectures_train_like_one_process():
     from fxpipe.cli.plan_cmd import HFFactory, ModelFactory, _BatchFn
     from fxpipe.codegen.compare import compare_training
     from fxpipe.codegen.launch import reference_train, spawn_train_many
-    from fxpipe.plan import _PlanStageOf
 
     if str(REPO) not in sys.path:
         sys.path.insert(0, str(REPO))
@@ -158,7 +157,7 @@ def test_a_handful_of_architectures_train_like_one_process():
         for fac in factories:
             model, args, kwargs = fac.one_microbatch("meta" if isinstance(fac, HFFactory) else "cpu")
             plan = fxpipe.compile(model, args, kwargs, devices=2, microbatches=2, time_limit_s=0.1)
-            runs.append(dict(make_model=fac, stage_of=_PlanStageOf(plan.stage_of), orders=plan.orders(),
+            runs.append(dict(make_model=fac, stage_of=plan.worker_stage_of(), orders=plan.orders(),
                              num_microbatches=2, make_batch=_BatchFn(fac), steps=1, lr=0.05, loss=fac.loss,
                              recompute_stages=plan.recompute_stages()))
             refs.append(reference_train(fac, _BatchFn(fac), num_microbatches=2, steps=1, lr=0.05, loss=fac.loss))

@@ -185,3 +185,19 @@ def test_the_real_failure_leads_even_when_a_lost_connection_came_first(tmp_path)
     (tmp_path / "rank1.err").unlink()
     err = _worker_error(str(tmp_path), 1, "the process exited abnormally: process 1 terminated with signal SIGKILL")
     assert str(err).startswith("pipeline worker rank 1 failed: the process exited abnormally") and err.rank == 1
+
+
+def test_keys_do_not_depend_on_the_process():
+    """A Python-function target (``torch.sym_ite``, ``operator.ge``) prints with its address,
+    which differs in every worker; keys and op names use its module and name instead (LLaVA's
+    image-token count goes through ``sym_ite``: its workers refused the plan)."""
+    import operator
+
+    import torch
+
+    from fxpipe.passes.structure import target_name
+
+    for fn in (torch.sym_ite, operator.ge, len):
+        assert "0x" not in target_name(fn) and target_name(fn).endswith(fn.__name__)
+    assert target_name(torch.ops.aten.add.Tensor) == "aten.add.Tensor"
+    assert target_name("submod_0") == "submod_0"

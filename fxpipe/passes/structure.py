@@ -101,10 +101,10 @@ def _tensor_sig(v: Any) -> Any:
         return ("T", tuple(int(d) if isinstance(d, int) else "sym" for d in v.shape), str(v.dtype))
     if isinstance(v, (list, tuple)):
         return tuple(_tensor_sig(x) for x in v)
-    if isinstance(v, (bool, int, float)):
-        return type(v).__name__
-    if v is None:
-        return None
+    # a scalar, whether a capture keeps it symbolic, specialises it or records no value (LLaVA's
+    # image-token count: a SymInt on CPU, no recorded value on meta), is the same kind of value
+    if v is None or isinstance(v, (bool, int, float, torch.SymBool, torch.SymInt, torch.SymFloat)):
+        return "scalar"
     return type(v).__name__
 
 
@@ -131,6 +131,24 @@ def is_trivial(node: torch.fx.Node) -> bool:
 
 def _hash(obj: Any) -> str:
     return hashlib.blake2b(repr(obj).encode(), digest_size=8).hexdigest()
+
+
+def target_name(target: Any) -> str:
+    """A process-independent name of an fx node's target.
+
+    ``str()`` of an aten overload is its name (``aten.add.Tensor``) but that of a Python function
+    (``torch.sym_ite``, ``operator.ge``) is ``<function sym_ite at 0x7f...>``, whose address
+    differs in every process: a worker would see another model. Functions are named by module
+    and qualified name instead.
+    """
+    if isinstance(target, str):
+        return target
+    text = str(target)
+    if " at 0x" in text or text.startswith("<"):
+        mod = getattr(target, "__module__", None) or ""
+        qual = getattr(target, "__qualname__", None) or getattr(target, "__name__", None) or type(target).__name__
+        return f"{mod}.{qual}" if mod else qual
+    return text
 
 
 def _const(a: Any) -> Any:
@@ -206,10 +224,10 @@ def _view(gm: torch.fx.GraphModule) -> _GraphView:
         elif n.op == "output":
             label = ("output", norm(n.args))
         else:
-            label = (n.op, str(n.target), norm(n.args), norm(dict(n.kwargs)), _tensor_sig(n.meta.get("val")))
+            label = (n.op, target_name(n.target), norm(n.args), norm(dict(n.kwargs)), _tensor_sig(n.meta.get("val")))
         fwd[n] = _hash(label)
         if n.op in ("call_function", "call_module", "call_method"):
-            ops[n] = _hash((n.op, str(n.target), norm(n.args, _deep=False), norm(dict(n.kwargs), _deep=False),
+            ops[n] = _hash((n.op, target_name(n.target), norm(n.args, _deep=False), norm(dict(n.kwargs), _deep=False),
                             _tensor_sig(n.meta.get("val"))))
         else:
             ops[n] = fwd[n]
@@ -345,7 +363,7 @@ def _bytes(v: Any) -> float:
 def _node_label(n: torch.fx.Node) -> str:
     from fxpipe.passes.to_opgraph import module_path
 
-    return _label(str(n.target), module_path(n, n.graph.owning_module.meta.get("fxpipe_module_prefix", "")
+    return _label(target_name(n.target), module_path(n, n.graph.owning_module.meta.get("fxpipe_module_prefix", "")
                                               if n.graph.owning_module is not None else ""))
 
 
