@@ -29,6 +29,8 @@ the result with :func:`fxpipe.schedule.validate.check_schedule`.
 
 from __future__ import annotations
 
+import bisect
+import heapq
 import math
 import time
 from typing import Iterable, Mapping, Sequence
@@ -49,6 +51,12 @@ class CopyCalendar:
     copy stream per device) or of a stage that shares a pcie group with s (Contract 3
     rule 3).
 
+    Every stage keeps the union of the busy intervals of its peers as sorted, disjoint
+    closed components, updated on each :meth:`book` (bisection), so :meth:`earliest` and
+    :meth:`latest` start at the first component that can matter instead of re-merging every
+    interval on each query; the answers are those of merging from scratch (the components of
+    a union of closed intervals do not depend on the order they were added in).
+
     Parameters
     ----------
     num_stages : int
@@ -65,26 +73,31 @@ class CopyCalendar:
             for a in g:
                 self.peers[a].update(g)
         if device_of_stage is not None:
+            by_dev: dict[int, list[int]] = {}
+            for b in range(num_stages):
+                by_dev.setdefault(device_of_stage[b], []).append(b)
             for a in range(num_stages):
-                self.peers[a].update(b for b in range(num_stages) if device_of_stage[b] == device_of_stage[a])
+                self.peers[a].update(by_dev[device_of_stage[a]])
+        # watchers[p]: stages whose calendar holds p's bookings (p is one of their peers)
+        self._watchers: list[list[int]] = [[] for _ in range(num_stages)]
+        for a in range(num_stages):
+            for p in self.peers[a]:
+                self._watchers[p].append(a)
+        self._starts: list[list[float]] = [[] for _ in range(num_stages)]
+        self._ends: list[list[float]] = [[] for _ in range(num_stages)]
 
     def _merged(self, stage: int) -> list[tuple[float, float]]:
-        ivs = sorted(iv for p in self.peers[stage] for iv in self.busy[p] if iv[1] > iv[0])
-        out: list[tuple[float, float]] = []
-        for a, b in ivs:
-            if out and a <= out[-1][1]:
-                if b > out[-1][1]:
-                    out[-1] = (out[-1][0], b)
-            else:
-                out.append((a, b))
-        return out
+        """Disjoint busy components of ``stage`` and its peers, sorted (touching ones merged)."""
+        return list(zip(self._starts[stage], self._ends[stage]))
 
     def earliest(self, stage: int, ready: float, dur: float) -> float:
         """Earliest start ``>= ready`` of a free slot of length ``dur`` for ``stage``."""
         cur = ready
         if dur <= 0:
             return cur
-        for a, b in self._merged(stage):
+        st, en = self._starts[stage], self._ends[stage]
+        for k in range(bisect.bisect_right(en, cur), len(st)):  # components ending by `ready` never matter
+            a, b = st[k], en[k]
             if b <= cur:
                 continue
             if a >= cur + dur:
@@ -99,7 +112,9 @@ class CopyCalendar:
             return None
         if dur <= 0:
             return x
-        for a, b in reversed(self._merged(stage)):
+        st, en = self._starts[stage], self._ends[stage]
+        for k in range(bisect.bisect_left(st, x + dur) - 1, -1, -1):  # those starting after the slot never matter
+            a, b = st[k], en[k]
             if a >= x + dur:
                 continue
             if b <= x:
@@ -112,6 +127,19 @@ class CopyCalendar:
     def book(self, stage: int, start: float, end: float) -> None:
         """Mark ``[start, end)`` busy on ``stage``'s copy stream."""
         self.busy[stage].append((start, end))
+        if not end > start:  # zero-length ops never block anything
+            return
+        for w in self._watchers[stage]:
+            st, en = self._starts[w], self._ends[w]
+            i = bisect.bisect_left(en, start)  # first component ending at or after `start`
+            k = bisect.bisect_right(st, end) - 1  # last component starting at or before `end`
+            if i <= k:
+                a, b = min(start, st[i]), max(end, en[k])
+                st[i:k + 1] = [a]
+                en[i:k + 1] = [b]
+            else:
+                st.insert(i, start)
+                en.insert(i, end)
 
 
 def as_orders(problem: ScheduleProblem, orders: Orders | Mapping[int, Order]) -> Orders:
@@ -208,36 +236,62 @@ def simulate(
     reload as late as possible); OptPipe Section 3 / Eq. 18-19 (pcie groups).
     """
     t0 = time.perf_counter()
-    S, D = problem.num_stages, problem.num_devices
+    S, D, M = problem.num_stages, problem.num_devices, problem.num_microbatches
     dev = problem.device_of_stage
-    checked = as_orders(problem, orders)
-    seqs = [[a for a in row if a.is_compute] for row in checked.actions]
-    off = set(checked.offloaded())
+    seqs, off = _compute_programs(problem, orders)
     for s, j in offload or ():
         s, j = int(s), int(j)
-        if not (0 <= s < S and 0 <= j < problem.num_microbatches):
+        if not (0 <= s < S and 0 <= j < M):
             raise InputError(f"offload names (stage {s}, micro-batch {j}) outside the problem")
         off.add((s, j))
 
-    end: dict[tuple[int, int, str], float] = {}
+    # ASAP list scheduling. The next op timed is always the device head with the earliest
+    # start (ties: the lowest device): a head's start max(device free, data ready) is fixed
+    # once its inputs have ended, so the ready heads wait in a heap keyed (start, device) and
+    # only the heads of the devices next to a finished op are re-examined. This is the order
+    # (and so the copy-stream and memory decisions) of scanning every device at every step.
+    dur_of = {"F": [float(x) for x in problem.t_f], "B": [float(x) for x in problem.t_b],
+              "W": [float(x) for x in problem.t_w]}
+    t_copy = [float(x) for x in problem.t_offload]
+    comm = [problem.comm(s) for s in range(S - 1)]
+    end_f: list[list[float | None]] = [[None] * M for _ in range(S)]
+    end_b: list[list[float | None]] = [[None] * M for _ in range(S)]
     ops: list[ScheduledOp] = []
     pos = [0] * D
     free = [0.0] * D
     cal = CopyCalendar(S, problem.pcie_groups, dev)
     off_end: dict[tuple[int, int], float] = {}
-    mem_events: list[list[tuple[float, float]]] = [[] for _ in range(D)]  # per device: (time, delta)
     delta = {"F": problem.mem_f, "B": problem.mem_b, "W": problem.mem_w}
+    lims = [float(x) for x in problem.mem_limit]
+    watch_mem = respect_memory and any(math.isfinite(x) for x in lims)
+    # per device: memory events (time, delta) kept sorted, with their times and deltas apart
+    ev_keys: list[list[tuple[float, float]]] = [[] for _ in range(D)]
+    ev_t: list[list[float]] = [[] for _ in range(D)]
+    ev_x: list[list[float]] = [[] for _ in range(D)]
+
+    def add_event(d: int, te: float, x: float) -> None:
+        if not watch_mem:
+            return
+        i = bisect.bisect_right(ev_keys[d], (te, x))
+        ev_keys[d].insert(i, (te, x))
+        ev_t[d].insert(i, te)
+        ev_x[d].insert(i, x)
 
     def fit_time(d: int, est: float, need: float) -> float:
-        lim = float(problem.mem_limit[d])
+        """Earliest event time >= est at which `need` more bytes fit (sums as the events sorted)."""
+        lim = lims[d]
         if not math.isfinite(lim):
             return est
         tol = 1e-9 * max(1.0, abs(lim))
-        evs = sorted(mem_events[d])
-        cands = [est] + sorted({t for t, _ in evs if t > est})
-        for t in cands:
-            cur = sum(x for te, x in evs if te <= t)
-            if cur + need <= lim + tol:
+        times, xs = ev_t[d], ev_x[d]
+        k = bisect.bisect_right(times, est)
+        if sum(xs[:k]) + need <= lim + tol:
+            return est
+        n = len(times)
+        while k < n:
+            t = times[k]
+            k = bisect.bisect_right(times, t, k)
+            if sum(xs[:k]) + need <= lim + tol:
                 return t
         return est
 
@@ -246,74 +300,84 @@ def simulate(
         if t == "F":
             if s == 0:
                 return 0.0
-            e = end.get((s - 1, j, "F"))
-            return None if e is None else e + problem.comm(s - 1)
+            e = end_f[s - 1][j]
+            return None if e is None else e + comm[s - 1]
         if t == "B":
             if s == S - 1:
-                return end.get((s, j, "F"))
-            e = end.get((s + 1, j, "B"))
-            if e is None or (s, j, "F") not in end:
+                return end_f[s][j]
+            e = end_b[s + 1][j]
+            if e is None or end_f[s][j] is None:
                 return None
-            return e + problem.comm(s)
-        return end.get((s, j, "B"))
+            return e + comm[s]
+        return end_b[s][j]
 
+    heap: list[tuple[float, int]] = []
+    queued = [False] * D
+
+    def offer(d: int) -> None:
+        if queued[d] or pos[d] >= len(seqs[d]):
+            return
+        s, t, j = seqs[d][pos[d]]
+        r = dep_ready(s, t, j)
+        if r is not None:
+            queued[d] = True
+            heapq.heappush(heap, (max(free[d], r), d))
+
+    for d in range(D):
+        offer(d)
     total = sum(len(v) for v in seqs)
     done = 0
     while done < total:
-        best = None
-        for d in range(D):
-            if pos[d] >= len(seqs[d]):
-                continue
-            a = seqs[d][pos[d]]
-            r = dep_ready(a.stage, a.type, a.microbatch)
-            if r is None:
-                continue
-            est = max(free[d], r)
-            if best is None or est < best[0]:
-                best = (est, d)
-        if best is None:
+        if not heap:
             blocked = [
-                f"{'stage ' + str(seqs[d][pos[d]].stage) if len(problem.stages_of_device(d)) == 1 else 'device ' + str(d)}: "
-                f"{seqs[d][pos[d]]}"
+                f"{'stage ' + str(seqs[d][pos[d]][0]) if len(problem.stages_of_device(d)) == 1 else 'device ' + str(d)}: "
+                f"{seqs[d][pos[d]][0]}{seqs[d][pos[d]][1]}{seqs[d][pos[d]][2]}"
                 for d in range(D) if pos[d] < len(seqs[d])
             ]
             raise InputError(
                 "the orders deadlock: every device waits for an op another device runs later "
                 f"(next ops: {', '.join(blocked[:8])}); fix the per-device orders"
             )
-        est, d = best
-        a = seqs[d][pos[d]]
-        s, t, j = a.stage, a.type, a.microbatch
+        est, d = heapq.heappop(heap)
+        queued[d] = False
+        s, t, j = seqs[d][pos[d]]
         if t == "B" and (s, j) in off:
-            dur = problem.duration(s, "R")
+            dur = t_copy[s]
             lo = off_end[(s, j)]
             x = cal.latest(s, lo, est, dur)
             if x is None:
                 x = cal.earliest(s, lo, dur)
             cal.book(s, x, x + dur)
-            mem_events[d].append((x, float(problem.offload_bytes[s])))
-            end[(s, j, "R")] = x + dur
+            add_event(d, x, float(problem.offload_bytes[s]))
             ops.append(ScheduledOp(s, j, "R", x, x + dur))
             est = max(est, x + dur)
-        if respect_memory and t == "F":
+        if watch_mem and t == "F":
             est = fit_time(d, est, float(problem.mem_f[s]))
-        dur = problem.duration(s, t)
-        mem_events[d].append((est, float(delta[t][s])))
+        dur = dur_of[t][s]
+        add_event(d, est, float(delta[t][s]))
         if t == "B" and problem.mem_b_transient[s]:  # the replayed forward of a recomputing stage
-            mem_events[d].append((est, float(problem.mem_b_transient[s])))
-            mem_events[d].append((est + dur, -float(problem.mem_b_transient[s])))
-        end[(s, j, t)] = est + dur
+            add_event(d, est, float(problem.mem_b_transient[s]))
+            add_event(d, est + dur, -float(problem.mem_b_transient[s]))
+        if t == "F":
+            end_f[s][j] = est + dur
+        elif t == "B":
+            end_b[s][j] = est + dur
         ops.append(ScheduledOp(s, j, t, est, est + dur))
         free[d] = est + dur
         pos[d] += 1
         done += 1
         if t == "F" and (s, j) in off:
-            dd = problem.duration(s, "O")
+            dd = t_copy[s]
             x = cal.earliest(s, est + dur, dd)
             cal.book(s, x, x + dd)
-            mem_events[d].append((x + dd, -float(problem.offload_bytes[s])))
+            add_event(d, x + dd, -float(problem.offload_bytes[s]))
             off_end[(s, j)] = x + dd
             ops.append(ScheduledOp(s, j, "O", x, x + dd))
+        offer(d)  # its next op; then the ops that waited for this one
+        if s > 0:
+            offer(dev[s - 1])
+        if s + 1 < S:
+            offer(dev[s + 1])
 
     t_min = min((o.start_s for o in ops), default=0.0)
     if t_min != 0.0 and math.isfinite(t_min):
@@ -330,3 +394,39 @@ def simulate(
         objective=problem.objective,
         meta=dict(meta or {}),
     )
+
+
+def _compute_programs(problem: ScheduleProblem, orders) -> tuple[list[list[tuple[int, str, int]]], set[tuple[int, int]]]:
+    """The compute ops ``(stage, type, microbatch)`` of every device in program order, and the
+    stashes the orders offload; checked as :func:`as_orders` checks them.
+
+    The per-stage form with one stage per device, plain ``(str, int)`` pairs and every stage
+    complete (what the generators pass) is read directly; anything else goes through
+    :func:`as_orders`, which raises its errors.
+    """
+    S, M = problem.num_stages, problem.num_microbatches
+    dev = problem.device_of_stage
+    if (isinstance(orders, Mapping) and not isinstance(orders, Orders) and problem.one_stage_per_device
+            and len(orders) == S and all(type(k) is int and 0 <= k < S for k in orders)):
+        seqs: list[list[tuple[int, str, int]]] = [[] for _ in range(problem.num_devices)]
+        ok = True
+        for s, seq in orders.items():
+            row = []
+            for item in seq:
+                if type(item) is not tuple or len(item) != 2:
+                    ok = False
+                    break
+                t, j = item
+                if type(j) is not int or not 0 <= j < M or t not in ("F", "B", "W") or type(t) is not str:
+                    ok = False
+                    break
+                row.append((s, t, j))
+            if not ok or len(row) != 3 * M or len({(t, j) for _, t, j in row}) != 3 * M:
+                ok = False
+                break
+            seqs[dev[s]] = row
+        if ok:
+            return seqs, set()
+    checked = as_orders(problem, orders)
+    seqs = [[(a.stage, a.type, a.microbatch) for a in row if a.is_compute] for row in checked.actions]
+    return seqs, set(checked.offloaded())
