@@ -122,3 +122,38 @@ def test_bad_per_stage_orders_raise_as_before():
         with pytest.raises(InputError) as old:
             _ref_simulate.simulate(p, bad)
         assert str(new.value) == str(old.value)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(sim_cases(), st.data())
+def test_vectorised_check_matches_the_full_check(case, data):
+    from fxpipe.ir import ScheduledOp
+    from fxpipe.schedule.validate import _check_schedule, check_schedule, memory_profile, stage_peaks
+
+    problem, rows, offload, respect = case
+    orders = Orders(problem.device_of_stage, tuple(tuple(Action(s, t, j) for s, t, j in row) for row in rows))
+    try:
+        sched = simulate(problem, orders, offload=offload, respect_memory=respect)
+    except InputError:
+        return
+    ops = list(sched.ops)
+    # perturb: shift an op, stretch one, drop one, duplicate one (each may break a rule)
+    for _ in range(data.draw(st.integers(0, 2))):
+        k = data.draw(st.integers(0, len(ops) - 1))
+        o = ops[k]
+        what = data.draw(st.sampled_from(["shift", "stretch", "drop", "dup"]))
+        dt = data.draw(st.sampled_from([-1.0, -0.5, 0.5, 1.0]))
+        if what == "shift":
+            ops[k] = ScheduledOp(o.stage, o.microbatch, o.type, o.start_s + dt, o.end_s + dt)
+        elif what == "stretch":
+            ops[k] = ScheduledOp(o.stage, o.microbatch, o.type, o.start_s, o.end_s + abs(dt))
+        elif what == "drop":
+            ops.pop(k)
+        else:
+            ops.append(o)
+    assert check_schedule(problem, ops) == _check_schedule(problem, ops, 1e-9)
+    want = []
+    for s in range(problem.num_stages):
+        _, mem = memory_profile(problem, ops, s)
+        want.append(float(mem.max()) if mem.size else None)
+    assert stage_peaks(problem, ops) == want
