@@ -37,6 +37,7 @@ References
 from __future__ import annotations
 
 import math
+import operator
 from collections import defaultdict
 from typing import Iterable, Sequence
 
@@ -157,17 +158,20 @@ _CODE = {t: i for i, t in enumerate(OP_TYPES)}  # F 0, B 1, W 2, O 3, R 4
 
 def _op_arrays(ops: Sequence[ScheduledOp]) -> tuple[np.ndarray, ...] | None:
     """stage, micro-batch, type code, start, end of every op (None if a field is not plain)."""
+    if not ops:
+        return None
+    st, mb, ty, t0, t1 = zip(*map(_FIELDS, ops))
+    if set(map(type, st)) != {int} or set(map(type, mb)) != {int} or not set(ty) <= _CODE.keys():
+        return None
     try:
-        st = np.fromiter((o.stage for o in ops), dtype=np.int64, count=len(ops))
-        mb = np.fromiter((o.microbatch for o in ops), dtype=np.int64, count=len(ops))
-        ty = np.fromiter((_CODE[o.type] for o in ops), dtype=np.int64, count=len(ops))
-        t0 = np.fromiter((o.start_s for o in ops), dtype=np.float64, count=len(ops))
-        t1 = np.fromiter((o.end_s for o in ops), dtype=np.float64, count=len(ops))
-    except (KeyError, TypeError, ValueError, OverflowError):
+        return (np.array(st, dtype=np.int64), np.array(mb, dtype=np.int64),
+                np.array([_CODE[t] for t in ty], dtype=np.int64), np.array(t0, dtype=np.float64),
+                np.array(t1, dtype=np.float64))
+    except (TypeError, ValueError, OverflowError):
         return None
-    if not all(type(o.stage) is int and type(o.microbatch) is int for o in ops):
-        return None
-    return st, mb, ty, t0, t1
+
+
+_FIELDS = operator.attrgetter("stage", "microbatch", "type", "start_s", "end_s")
 
 
 def _events(problem: ScheduleProblem, st: np.ndarray, mb: np.ndarray, ty: np.ndarray, t0: np.ndarray,
