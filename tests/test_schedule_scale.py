@@ -136,6 +136,7 @@ def test_vectorised_check_matches_the_full_check(case, data):
         sched = simulate(problem, orders, offload=offload, respect_memory=respect)
     except InputError:
         return
+    assert check_schedule(problem, sched) == _check_schedule(problem, list(sched.ops), 1e-9)
     ops = list(sched.ops)
     # perturb: shift an op, stretch one, drop one, duplicate one (each may break a rule)
     for _ in range(data.draw(st.integers(0, 2))):

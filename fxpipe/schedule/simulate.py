@@ -30,13 +30,17 @@ the result with :func:`fxpipe.schedule.validate.check_schedule`.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import heapq
 import math
 import time
 from typing import Iterable, Mapping, Sequence
 
 from fxpipe.errors import InputError
+import numpy as np
+
 from fxpipe.ir import Orders, Schedule, ScheduledOp, ScheduleProblem
+from fxpipe.schedule.validate import remember_op_arrays
 
 __all__ = ["simulate", "as_orders", "CopyCalendar"]
 
@@ -420,10 +424,15 @@ def _simulate(problem: ScheduleProblem, seqs: list[list[tuple[int, str, int]]], 
     if t_min != 0.0 and math.isfinite(t_min):
         recs = [(r[0] - t_min, r[1], r[2], r[3], r[4], r[5] - t_min) for r in recs]
     recs.sort(key=lambda r: r[:4])  # sort_ops' canonical order (start, stage, type, micro-batch)
-    ops = [ScheduledOp(s, j, t, a, e) for a, s, _, j, t, e in recs]
+    ops = tuple(_make_ops(recs))
+    if recs:
+        a, s, rk, j, _, e = zip(*recs)
+        remember_op_arrays(ops, (np.array(s, dtype=np.int64), np.array(j, dtype=np.int64),
+                                 np.array(rk, dtype=np.int64), np.array(a, dtype=np.float64),
+                                 np.array(e, dtype=np.float64)))
     makespan, stage_span = _objectives(problem, recs)
     return Schedule(
-        ops=tuple(ops),
+        ops=ops,
         makespan=makespan,
         stage_span=stage_span,
         lower_bound_s=0.0,
@@ -433,6 +442,24 @@ def _simulate(problem: ScheduleProblem, seqs: list[list[tuple[int, str, int]]], 
         objective=problem.objective,
         meta=dict(meta or {}),
     )
+
+
+_FIELDS = ("stage", "microbatch", "type", "start_s", "end_s")
+_PLAIN_OP = (not hasattr(ScheduledOp, "__slots__") and not hasattr(ScheduledOp, "__post_init__")
+             and tuple(f.name for f in dataclasses.fields(ScheduledOp)) == _FIELDS)
+
+
+def _make_ops(recs) -> list[ScheduledOp]:
+    """The ScheduledOp of every record, built without the frozen dataclass's per-field setattr."""
+    if not _PLAIN_OP:
+        return [ScheduledOp(s, j, t, a, e) for a, s, _, j, t, e in recs]
+    new, put = object.__new__, object.__setattr__
+    out = []
+    for a, s, _, j, t, e in recs:
+        o = new(ScheduledOp)
+        put(o, "__dict__", {"stage": s, "microbatch": j, "type": t, "start_s": a, "end_s": e})
+        out.append(o)
+    return out
 
 
 def _objectives(problem: ScheduleProblem, recs) -> tuple[float, float]:

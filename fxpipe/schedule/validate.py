@@ -138,7 +138,7 @@ def check_schedule(
             if prob_seen is problem and ops_seen is ops_key and tol_seen == tol:
                 return list(errs_seen)
     ops = _ops_of(schedule_or_ops)
-    errs = _fast_check(problem, ops, tol)
+    errs = _fast_check(problem, ops, tol, _arrays_of(ops_key, ops))
     if errs is None:  # something the vectorised pass does not settle: the rule-by-rule check
         errs = _check_schedule(problem, ops, tol)
     if isinstance(ops_key, tuple):
@@ -172,6 +172,26 @@ def _op_arrays(ops: Sequence[ScheduledOp]) -> tuple[np.ndarray, ...] | None:
 
 
 _FIELDS = operator.attrgetter("stage", "microbatch", "type", "start_s", "end_s")
+
+#: (ops tuple, its _op_arrays) of the last schedules the simulator made (identity-matched).
+_ARRAYS: list[tuple[tuple, tuple[np.ndarray, ...]]] = []
+
+
+def remember_op_arrays(ops: tuple, arrays: tuple[np.ndarray, ...]) -> None:
+    """Record the field arrays (stage, micro-batch, type code F0 B1 W2 O3 R4, start, end) of an
+    immutable ops tuple, so the checks of that very tuple need not read them op by op."""
+    _ARRAYS.append((ops, arrays))
+    del _ARRAYS[:-32]
+
+
+def _arrays_of(ops_obj, ops: Sequence[ScheduledOp]) -> tuple[np.ndarray, ...] | None:
+    if isinstance(ops_obj, Schedule):
+        ops_obj = ops_obj.ops
+    if isinstance(ops_obj, tuple):
+        for seen, arrays in reversed(_ARRAYS):
+            if seen is ops_obj:
+                return arrays
+    return _op_arrays(ops)
 
 
 def _events(problem: ScheduleProblem, st: np.ndarray, mb: np.ndarray, ty: np.ndarray, t0: np.ndarray,
@@ -211,9 +231,9 @@ def stage_peaks(problem: ScheduleProblem, ops: Schedule | Iterable[ScheduledOp])
     events summed in the same order), for schedules with at most one op per (stage,
     micro-batch, type); otherwise computed stage by stage.
     """
-    ops = _ops_of(ops)
+    given, ops = ops, _ops_of(ops)
     S = problem.num_stages
-    arrs = _op_arrays(ops)
+    arrs = _arrays_of(given, ops)
     ok = arrs is not None
     if ok:
         st, mb, ty, t0, t1 = arrs
@@ -242,7 +262,8 @@ def stage_peaks(problem: ScheduleProblem, ops: Schedule | Iterable[ScheduledOp])
     return out
 
 
-def _fast_check(problem: ScheduleProblem, ops: list[ScheduledOp], tol: float) -> list[str] | None:
+def _fast_check(problem: ScheduleProblem, ops: list[ScheduledOp], tol: float,
+                arrs: tuple[np.ndarray, ...] | None = None) -> list[str] | None:
     """:func:`check_schedule` vectorised for well-formed schedules: [] when every rule holds,
     only rule-5 messages when only memory is over (exactly those of the full check), None
     when anything else may be wrong (then the full check runs and words the messages).
@@ -252,7 +273,8 @@ def _fast_check(problem: ScheduleProblem, ops: list[ScheduledOp], tol: float) ->
     the merged one), and devices over their limit are re-profiled exactly.
     """
     S, M = problem.num_stages, problem.num_microbatches
-    arrs = _op_arrays(ops)
+    if arrs is None:
+        arrs = _op_arrays(ops)
     if arrs is None or len(ops) == 0:
         return None
     st, mb, ty, t0, t1 = arrs
