@@ -95,7 +95,7 @@ def _run(mod, problem, orders, offload, respect):
         return str(exc)
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(sim_cases())
 def test_fast_simulator_matches_the_reference(case):
     problem, rows, offload, respect = case
@@ -124,7 +124,7 @@ def test_bad_per_stage_orders_raise_as_before():
         assert str(new.value) == str(old.value)
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(sim_cases(), st.data())
 def test_vectorised_check_matches_the_full_check(case, data):
     from fxpipe.ir import ScheduledOp
@@ -158,3 +158,64 @@ def test_vectorised_check_matches_the_full_check(case, data):
         _, mem = memory_profile(problem, ops, s)
         want.append(float(mem.max()) if mem.size else None)
     assert stage_peaks(problem, ops) == want
+
+
+@st.composite
+def tight_problems(draw):
+    S, M = draw(st.integers(2, 5)), draw(st.integers(1, 8))
+    mf = [float(draw(st.sampled_from([1, 2]))) for _ in range(S)]
+    return ScheduleProblem.create(
+        num_stages=S, num_microbatches=M,
+        t_f=[float(draw(st.integers(1, 3))) for _ in range(S)], t_b=[float(draw(st.integers(0, 4))) for _ in range(S)],
+        t_w=[float(draw(st.integers(0, 2))) for _ in range(S)],
+        t_comm=[float(draw(st.sampled_from([0.0, 0.5]))) for _ in range(S - 1)],
+        t_offload=float(draw(st.sampled_from([0.5, 1.0, 3.0]))), mem_f=mf, mem_b=[-x / 2 for x in mf],
+        mem_w=[-x / 2 for x in mf], mem_limit=[draw(st.sampled_from([2.0, 3.0, 4.0, 6.0, math.inf])) for _ in range(S)],
+        recompute_mem_f=[x / 2 for x in mf], objective=draw(st.sampled_from(["stage_span", "makespan"])),
+    )
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(tight_problems())
+def test_limited_1f1b_bound_below_every_smaller_warmup(problem):
+    from fxpipe.schedule.auto import limited_1f1b_bound
+    from fxpipe.schedule.heuristics import orders_1f1b
+
+    p, M = problem.num_stages, problem.num_microbatches
+    free = problem.replace(mem_limit=math.inf)
+    vals = [simulate(free, orders_1f1b(p, M, [min(w, p - s - 1, M) for s in range(p)])).value for w in range(p)]
+    for w in range(p):
+        assert limited_1f1b_bound(problem, w) <= min(vals[: w + 1]) + 1e-9
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(tight_problems())
+def test_auto_choice_unchanged_by_the_early_exit(problem):
+    import fxpipe.schedule.auto as auto
+    from fxpipe.errors import InfeasibleError
+
+    def run():
+        try:
+            r = auto.auto_schedule(problem, time_limit_s=0.0)
+        except InfeasibleError as exc:
+            return str(exc).split(" (tried")[0]
+        return r.schedule.method, r.schedule.ops, r.recompute_stages
+
+    from fxpipe.schedule import heuristics
+
+    saved = heuristics.OFFLOAD_SEARCH_TIME_S, heuristics.OFFLOAD_SEARCH_EVALS
+    # the offload search stops at a wall-clock limit: bound it by evaluations only, so it is repeatable
+    heuristics.OFFLOAD_SEARCH_TIME_S, heuristics.OFFLOAD_SEARCH_EVALS = 1e9, 8
+    try:
+        fast = run()
+    finally:
+        heuristics.OFFLOAD_SEARCH_TIME_S, heuristics.OFFLOAD_SEARCH_EVALS = saved
+    real = auto.limited_1f1b_bound
+    auto.limited_1f1b_bound = lambda problem, w: 0.0  # never prunes: the search as it was
+    heuristics.OFFLOAD_SEARCH_TIME_S, heuristics.OFFLOAD_SEARCH_EVALS = 1e9, 8
+    try:
+        slow = run()
+    finally:
+        auto.limited_1f1b_bound = real
+        heuristics.OFFLOAD_SEARCH_TIME_S, heuristics.OFFLOAD_SEARCH_EVALS = saved
+    assert fast == slow
