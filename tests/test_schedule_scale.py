@@ -219,3 +219,25 @@ def test_auto_choice_unchanged_by_the_early_exit(problem):
         auto.limited_1f1b_bound = real
         heuristics.OFFLOAD_SEARCH_TIME_S, heuristics.OFFLOAD_SEARCH_EVALS = saved
     assert fast == slow
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(tight_problems())
+def test_auto_never_worse_than_1f1b_with_full_recomputation(problem):
+    # issue 19 item 5: when 1F1B with every stage recomputing fits, auto is at least as fast
+    import fxpipe.schedule.auto as auto
+    from fxpipe.errors import InfeasibleError
+    from fxpipe.schedule import heuristics
+
+    full = problem.with_recompute([s for s in range(problem.num_stages) if problem.recompute_mem_f[s] < problem.mem_f[s]])
+    try:
+        ref = heuristics.generate(full, "1f1b")
+    except InfeasibleError:
+        return
+    saved = heuristics.OFFLOAD_SEARCH_TIME_S, heuristics.OFFLOAD_SEARCH_EVALS
+    heuristics.OFFLOAD_SEARCH_TIME_S, heuristics.OFFLOAD_SEARCH_EVALS = 1e9, 8
+    try:
+        got = auto.auto_schedule(problem, time_limit_s=0.0)
+    finally:
+        heuristics.OFFLOAD_SEARCH_TIME_S, heuristics.OFFLOAD_SEARCH_EVALS = saved
+    assert got.schedule.value <= ref.value * (1 + 1e-9)
