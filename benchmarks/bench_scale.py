@@ -47,6 +47,7 @@ MODELS = {
 
 _RUNNER = r"""
 import hashlib, json, sys, time
+import fxpipe
 from fxpipe.ir import ScheduleProblem
 from fxpipe.schedule.auto import auto_schedule
 prob = ScheduleProblem.load(sys.argv[1])
@@ -55,7 +56,7 @@ r = auto_schedule(prob, recompute=True, time_limit_s=0.0)
 dt = time.perf_counter() - t
 s = r.schedule
 h = hashlib.sha1(repr([(o.stage, o.microbatch, o.type, o.start_s, o.end_s) for o in s.ops]).encode()).hexdigest()[:12]
-print(json.dumps({"time_s": dt, "method": s.method, "value": s.value, "hash": h, "offloaded": r.offloaded,
+print(json.dumps({"fxpipe": fxpipe.__file__, "time_s": dt, "method": s.method, "value": s.value, "hash": h, "offloaded": r.offloaded,
                   "recompute": len(r.recompute_stages)}))
 """
 
@@ -65,10 +66,12 @@ def _load() -> str:
 
 
 def _auto_in(path: str, problem_file: str, timeout_s: float) -> dict:
+    """``auto_schedule`` of the problem in a fresh interpreter importing fxpipe from ``path``
+    (run from the problem's folder, so the working directory's fxpipe cannot shadow it)."""
     env = {**os.environ, "PYTHONPATH": path}
     try:
         out = subprocess.run([sys.executable, "-c", _RUNNER, problem_file], env=env, capture_output=True, text=True,
-                             timeout=timeout_s, check=True)
+                             timeout=timeout_s, check=True, cwd=os.path.dirname(problem_file))
     except subprocess.TimeoutExpired:
         return {"error": f"over {timeout_s:g} s"}
     except subprocess.CalledProcessError as exc:
@@ -156,6 +159,10 @@ def main(argv=None) -> int:
                     captured["problem"].save(pf)
                     row["now"] = _auto_in(here, pf, args.baseline_timeout)
                     row["baseline"] = _auto_in(base_path, pf, args.baseline_timeout)
+                    for who, where in (("now", here), ("baseline", base_path)):
+                        got = row[who].get("fxpipe", "")
+                        if got and not os.path.realpath(got).startswith(os.path.realpath(where)):
+                            raise SystemExit(f"{who} imported fxpipe from {got}, not from {where}")
                     same = all(row["now"].get(f) == row["baseline"].get(f) for f in ("method", "value", "hash"))
                     row["same_schedule"] = same and "error" not in row["now"]
                 rows.append(row)
