@@ -36,9 +36,9 @@ import math
 import time
 from typing import Iterable, Mapping, Sequence
 
-from fxpipe.errors import InputError
 import numpy as np
 
+from fxpipe.errors import InputError
 from fxpipe.ir import Orders, Schedule, ScheduledOp, ScheduleProblem
 from fxpipe.schedule.validate import remember_op_arrays
 
@@ -239,8 +239,7 @@ def simulate(
     reload as late as possible); OptPipe Section 3 / Eq. 18-19 (pcie groups).
     """
     t0 = time.perf_counter()
-    S, D, M = problem.num_stages, problem.num_devices, problem.num_microbatches
-    dev = problem.device_of_stage
+    S, M = problem.num_stages, problem.num_microbatches
     seqs, off = _compute_programs(problem, orders)
     for s, j in offload or ():
         s, j = int(s), int(j)
@@ -283,7 +282,6 @@ def _simulate(problem: ScheduleProblem, seqs: list[list[tuple[int, str, int]]], 
     comm = [problem.comm(s) for s in range(S - 1)]
     end_f: list[list[float | None]] = [[None] * M for _ in range(S)]
     end_b: list[list[float | None]] = [[None] * M for _ in range(S)]
-    ops: list[ScheduledOp] = []
     pos = [0] * D
     free = [0.0] * D
     cal = CopyCalendar(S, problem.pcie_groups, dev)
