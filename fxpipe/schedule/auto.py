@@ -113,26 +113,91 @@ def _plain_methods(problem: ScheduleProblem) -> tuple[str, ...]:
     return PLAIN_METHODS if problem.one_stage_per_device else PLAIN_MULTI_METHODS
 
 
-def _degraded(problem: ScheduleProblem, tag: str, tried: dict) -> list[Schedule]:
+def _degraded(problem: ScheduleProblem, tag: str, tried: dict, beat: float | None = None) -> list[Schedule]:
     """Plain schedules with fewer micro-batches in flight: 1F1B with a limited warm-up, else
-    one micro-batch at a time (the least memory any schedule without offload needs)."""
-    out = _run(problem, ("1f1b-limited",), tag, tried) if problem.identity_placement else []
-    return out or _run(problem, ("sequential",), tag, tried)
+    one micro-batch at a time (the least memory any schedule without offload needs).
+
+    ``beat``: the best value found elsewhere; warm-ups whose :func:`limited_1f1b_bound` is
+    above it are not timed (nor, when that stops the search, the one-at-a-time fallback,
+    whose value is at least the bound of warm-up 0).
+    """
+    if problem.identity_placement:
+        try:
+            return [_checked(problem, limited_1f1b(problem, beat=beat), tag, "1f1b-limited", tried)]
+        except _CannotBeat as exc:
+            tried[f"{tag}/1f1b-limited"] = str(exc)
+            return []
+        except (InfeasibleError, InputError) as exc:
+            tried[f"{tag}/1f1b-limited"] = _reason(exc)
+        except _Invalid:
+            pass
+    return _run(problem, ("sequential",), tag, tried)
 
 
-def limited_1f1b(problem: ScheduleProblem) -> Schedule:
+class _CannotBeat(InfeasibleError):
+    """A candidate skipped because its lower bound is above a schedule already found."""
+
+
+class _Invalid(Exception):
+    pass
+
+
+def _checked(problem: ScheduleProblem, sched: Schedule, tag: str, m: str, tried: dict) -> Schedule:
+    from fxpipe.schedule.validate import check_schedule
+
+    bad = check_schedule(problem, sched)
+    if bad:
+        tried[f"{tag}/{m}"] = f"invalid: {bad[0][:200]}"
+        raise _Invalid
+    tried[f"{tag}/{m}"] = float(sched.value)
+    return sched
+
+
+def limited_1f1b_bound(problem: ScheduleProblem, w: int) -> float:
+    """Lower bound (seconds, both objectives) on 1F1B with warm-up ``w`` or less, no offload.
+
+    With ``k = min(w, p - s - 1, m) + 1`` micro-batches in flight on stage s, its program runs
+    ``F(j + k)`` right after ``W(j)``, so ``B(s, j + k)`` starts at least one round trip
+    ``C_s`` after ``B(s, j)`` does: B and W of s, the forwards of stages s..p-1, the backwards
+    of s+1..p-1 and the transfers between them both ways. Hence the span of device s is at
+    least ``t_f + floor((m - 1) / k) C_s + t_b + t_w``; fewer in flight only lengthens it.
+    """
+    p, M = problem.num_stages, problem.num_microbatches
+    tf, tb, tw = problem.t_f, problem.t_b, problem.t_w
+    comm = [problem.comm(s) for s in range(p - 1)]
+    best = 0.0
+    fwd = back = cm = 0.0  # suffix sums over stages s..p-1 (backwards over s+1..p-1)
+    for s in range(p - 1, -1, -1):
+        fwd += float(tf[s])
+        if s < p - 1:
+            back += float(tb[s + 1])
+            cm += comm[s]
+        k = min(w, p - s - 1, M) + 1
+        cycle = float(tb[s]) + float(tw[s]) + fwd + back + 2.0 * cm
+        best = max(best, float(tf[s]) + ((M - 1) // k) * cycle + float(tb[s]) + float(tw[s]))
+    return best
+
+
+def limited_1f1b(problem: ScheduleProblem, *, beat: float | None = None) -> Schedule:
     """1F1B with the largest uniform warm-up that fits memory, no offload (method ``1f1b-limited``).
 
     Stage s runs ``min(w, p - s - 1)`` warm-up forwards for ``w = p - 1, ..., 0`` (PipeOffload
     Section 3.2's warm-up knob without its offload); the first that fits is returned. ``w = 0``
     runs one micro-batch at a time per stage, which needs only ``stash_footprint``.
 
+    Parameters
+    ----------
+    problem : ScheduleProblem
+    beat : float, optional
+        Stop (raising InfeasibleError) at the first warm-up whose :func:`limited_1f1b_bound`
+        exceeds this value: neither it nor any smaller warm-up can do better.
+
     Raises
     ------
     InputError
         Unless the placement is one stage per device, stage s on device s.
     InfeasibleError
-        If no warm-up fits.
+        If no warm-up fits (or none can beat ``beat``).
     """
     from fxpipe.schedule.heuristics import orders_1f1b
     from fxpipe.schedule.simulate import simulate
@@ -142,6 +207,11 @@ def limited_1f1b(problem: ScheduleProblem) -> Schedule:
         raise InputError("1f1b-limited schedules stage s on device s")
     p, M = problem.num_stages, problem.num_microbatches
     for w in range(p - 1, -1, -1):
+        if beat is not None:
+            lb = limited_1f1b_bound(problem, w)
+            if lb > beat * (1 + 1e-9) + 1e-12:
+                raise _CannotBeat(f"skipped: warm-up {w} or less is at least {lb:.6g} s (its lower bound), "
+                                  f"more than the {beat:.6g} s found")
         warm = [min(w, p - s - 1, M) for s in range(p)]
         sched = simulate(problem, orders_1f1b(p, M, warm), method="1f1b-limited", meta={"warmup": warm})
         if not check_schedule(problem, sched):
@@ -288,7 +358,10 @@ def auto_schedule(
     else:
         tried["binding"] = True
         cands += [(problem, s) for s in _run(problem, _plain_methods(problem), "plain", tried)]
-        cands += [(problem, s) for s in _degraded(problem, "plain", tried)]
+        # fewer in flight (1F1B with a smaller warm-up) is tried last, against the best of the
+        # others: warm-ups that provably cannot beat it are not timed; results keep their order
+        at, tried_head = len(cands), dict(tried)
+        tried.clear()
         if _can_offload(problem):
             cands += [(problem, s) for s in _run(problem, OFFLOAD_METHODS, "offload", tried)]
         if recompute:
@@ -307,6 +380,12 @@ def auto_schedule(
                 if not found:
                     found = [(cur, s) for s in _degraded(cur, tag, tried)]
                 cands += found
+        tried_rest = dict(tried)
+        tried.clear()
+        tried.update(tried_head)
+        beat = min((s.value for _, s in cands), default=None)
+        cands[at:at] = [(problem, s) for s in _degraded(problem, "plain", tried, beat=beat)]
+        tried.update(tried_rest)
     chosen = _best(cands)
     if chosen is None:
         need = None

@@ -65,7 +65,7 @@ from fxpipe.errors import InfeasibleError, InputError
 from fxpipe.ir import Schedule, ScheduleProblem
 from fxpipe.schedule import registry as _registry
 from fxpipe.schedule.simulate import simulate
-from fxpipe.schedule.validate import InvalidScheduleError, check_schedule, memory_profile
+from fxpipe.schedule.validate import InvalidScheduleError, check_schedule
 
 __all__ = [
     "METHODS",
@@ -125,13 +125,19 @@ def require_one_stage_per_device(problem: ScheduleProblem, method: str) -> None:
         )
 
 
+def _stage_peaks(problem: ScheduleProblem, ops) -> list[float | None]:
+    """Peak of :func:`~fxpipe.schedule.validate.memory_profile` of every stage (None: no events)."""
+    from fxpipe.schedule.validate import stage_peaks
+
+    return stage_peaks(problem, ops)
+
+
 def _overflow(problem: ScheduleProblem, sched: Schedule) -> tuple[float, int]:
     """Largest excess of peak memory over the limit (bytes, <= 0 if it fits) and its stage."""
     worst, where = -math.inf, 0
-    for s in range(problem.num_stages):
-        _, mem = memory_profile(problem, sched.ops, s)
-        peak = float(mem.max()) if mem.size else 0.0
-        ex = peak - float(_stage_limits(problem)[s])
+    lims = _stage_limits(problem)
+    for s, peak in enumerate(_stage_peaks(problem, sched.ops)):
+        ex = (0.0 if peak is None else peak) - float(lims[s])
         if ex > worst:
             worst, where = ex, s
     return worst, where
@@ -692,9 +698,8 @@ def _selective_offload(
         return best_s, best_e
     # every micro-batch of the stages that overflow, whatever its gap
     over = set()
-    for s in range(problem.num_stages):
-        _, mem = memory_profile(problem, full_s.ops, s)
-        if mem.size and mem.max() > _stage_limits(problem)[s]:
+    for s, peak in enumerate(_stage_peaks(problem, full_s.ops)):
+        if peak is not None and peak > _stage_limits(problem)[s]:
             over.add(s)
     allk = force | set(cand) | {(s, j) for s in over for j in range(problem.num_microbatches)}
     s_all = simulate(problem, orders, offload=allk, method=method, respect_memory=True)
@@ -857,9 +862,8 @@ def adaoffload(problem: ScheduleProblem, *, tolerance_s: float = 0.0) -> Schedul
             break
         least = min(least, ex)
         over = []
-        for s in range(p):
-            _, mem = memory_profile(problem, sched.ops, s)
-            if mem.size and mem.max() > _stage_limits(problem)[s] * (1 + 1e-12) and cur[s] > 1:
+        for s, peak in enumerate(_stage_peaks(problem, sched.ops)):
+            if peak is not None and peak > _stage_limits(problem)[s] * (1 + 1e-12) and cur[s] > 1:
                 over.append(s)
         if not over:
             break

@@ -29,13 +29,18 @@ the result with :func:`fxpipe.schedule.validate.check_schedule`.
 
 from __future__ import annotations
 
+import bisect
+import dataclasses
+import heapq
 import math
 import time
 from typing import Iterable, Mapping, Sequence
 
+import numpy as np
+
 from fxpipe.errors import InputError
-from fxpipe.ir import Orders, Schedule, ScheduledOp, ScheduleProblem, sort_ops
-from fxpipe.schedule.validate import objective_values
+from fxpipe.ir import Orders, Schedule, ScheduledOp, ScheduleProblem
+from fxpipe.schedule.validate import remember_op_arrays
 
 __all__ = ["simulate", "as_orders", "CopyCalendar"]
 
@@ -48,6 +53,12 @@ class CopyCalendar:
     A copy op of stage s must not overlap any copy op of a stage on the same device (one
     copy stream per device) or of a stage that shares a pcie group with s (Contract 3
     rule 3).
+
+    Every stage keeps the union of the busy intervals of its peers as sorted, disjoint
+    closed components, updated on each :meth:`book` (bisection), so :meth:`earliest` and
+    :meth:`latest` start at the first component that can matter instead of re-merging every
+    interval on each query; the answers are those of merging from scratch (the components of
+    a union of closed intervals do not depend on the order they were added in).
 
     Parameters
     ----------
@@ -65,26 +76,31 @@ class CopyCalendar:
             for a in g:
                 self.peers[a].update(g)
         if device_of_stage is not None:
+            by_dev: dict[int, list[int]] = {}
+            for b in range(num_stages):
+                by_dev.setdefault(device_of_stage[b], []).append(b)
             for a in range(num_stages):
-                self.peers[a].update(b for b in range(num_stages) if device_of_stage[b] == device_of_stage[a])
+                self.peers[a].update(by_dev[device_of_stage[a]])
+        # watchers[p]: stages whose calendar holds p's bookings (p is one of their peers)
+        self._watchers: list[list[int]] = [[] for _ in range(num_stages)]
+        for a in range(num_stages):
+            for p in self.peers[a]:
+                self._watchers[p].append(a)
+        self._starts: list[list[float]] = [[] for _ in range(num_stages)]
+        self._ends: list[list[float]] = [[] for _ in range(num_stages)]
 
     def _merged(self, stage: int) -> list[tuple[float, float]]:
-        ivs = sorted(iv for p in self.peers[stage] for iv in self.busy[p] if iv[1] > iv[0])
-        out: list[tuple[float, float]] = []
-        for a, b in ivs:
-            if out and a <= out[-1][1]:
-                if b > out[-1][1]:
-                    out[-1] = (out[-1][0], b)
-            else:
-                out.append((a, b))
-        return out
+        """Disjoint busy components of ``stage`` and its peers, sorted (touching ones merged)."""
+        return list(zip(self._starts[stage], self._ends[stage]))
 
     def earliest(self, stage: int, ready: float, dur: float) -> float:
         """Earliest start ``>= ready`` of a free slot of length ``dur`` for ``stage``."""
         cur = ready
         if dur <= 0:
             return cur
-        for a, b in self._merged(stage):
+        st, en = self._starts[stage], self._ends[stage]
+        for k in range(bisect.bisect_right(en, cur), len(st)):  # components ending by `ready` never matter
+            a, b = st[k], en[k]
             if b <= cur:
                 continue
             if a >= cur + dur:
@@ -99,7 +115,9 @@ class CopyCalendar:
             return None
         if dur <= 0:
             return x
-        for a, b in reversed(self._merged(stage)):
+        st, en = self._starts[stage], self._ends[stage]
+        for k in range(bisect.bisect_left(st, x + dur) - 1, -1, -1):  # those starting after the slot never matter
+            a, b = st[k], en[k]
             if a >= x + dur:
                 continue
             if b <= x:
@@ -112,6 +130,19 @@ class CopyCalendar:
     def book(self, stage: int, start: float, end: float) -> None:
         """Mark ``[start, end)`` busy on ``stage``'s copy stream."""
         self.busy[stage].append((start, end))
+        if not end > start:  # zero-length ops never block anything
+            return
+        for w in self._watchers[stage]:
+            st, en = self._starts[w], self._ends[w]
+            i = bisect.bisect_left(en, start)  # first component ending at or after `start`
+            k = bisect.bisect_right(st, end) - 1  # last component starting at or before `end`
+            if i <= k:
+                a, b = min(start, st[i]), max(end, en[k])
+                st[i:k + 1] = [a]
+                en[i:k + 1] = [b]
+            else:
+                st.insert(i, start)
+                en.insert(i, end)
 
 
 def as_orders(problem: ScheduleProblem, orders: Orders | Mapping[int, Order]) -> Orders:
@@ -208,36 +239,84 @@ def simulate(
     reload as late as possible); OptPipe Section 3 / Eq. 18-19 (pcie groups).
     """
     t0 = time.perf_counter()
-    S, D = problem.num_stages, problem.num_devices
-    dev = problem.device_of_stage
-    checked = as_orders(problem, orders)
-    seqs = [[a for a in row if a.is_compute] for row in checked.actions]
-    off = set(checked.offloaded())
+    S, M = problem.num_stages, problem.num_microbatches
+    seqs, off = _compute_programs(problem, orders)
     for s, j in offload or ():
         s, j = int(s), int(j)
-        if not (0 <= s < S and 0 <= j < problem.num_microbatches):
+        if not (0 <= s < S and 0 <= j < M):
             raise InputError(f"offload names (stage {s}, micro-batch {j}) outside the problem")
         off.add((s, j))
+    # the generators time the same orders of the same problem several times (1F1B's in 1f1b,
+    # zb-h1, 1f1b-limited, plain_peak; zb-h1 again inside zb-h2): remember the last timings
+    key = (tuple(tuple(row) for row in seqs), frozenset(off), bool(respect_memory))
+    for prob_seen, key_seen, ops_seen, values in _TIMED:
+        if prob_seen is problem and key_seen == key:
+            return Schedule(ops=ops_seen, makespan=values[0], stage_span=values[1], lower_bound_s=0.0,
+                            status="heuristic", solver_time_s=time.perf_counter() - t0, method=method,
+                            objective=problem.objective, meta=dict(meta or {}))
+    sched = _simulate(problem, seqs, off, respect_memory, method, meta, t0)
+    _TIMED.append((problem, key, sched.ops, (sched.makespan, sched.stage_span)))
+    del _TIMED[:-_TIMED_KEEP]
+    return sched
 
-    end: dict[tuple[int, int, str], float] = {}
-    ops: list[ScheduledOp] = []
+
+#: The last timings of :func:`simulate`: (problem, (programs, offloaded, respect_memory), ops, values).
+_TIMED: list = []
+_TIMED_KEEP = 32
+
+
+def _simulate(problem: ScheduleProblem, seqs: list[list[tuple[int, str, int]]], off: set[tuple[int, int]],
+              respect_memory: bool, method: str, meta: Mapping | None, t0: float) -> Schedule:
+    """:func:`simulate` on checked programs (the module docstring's rules)."""
+    S, D, M = problem.num_stages, problem.num_devices, problem.num_microbatches
+    dev = problem.device_of_stage
+
+    # ASAP list scheduling. The next op timed is always the device head with the earliest
+    # start (ties: the lowest device): a head's start max(device free, data ready) is fixed
+    # once its inputs have ended, so the ready heads wait in a heap keyed (start, device) and
+    # only the heads of the devices next to a finished op are re-examined. This is the order
+    # (and so the copy-stream and memory decisions) of scanning every device at every step.
+    dur_of = {"F": [float(x) for x in problem.t_f], "B": [float(x) for x in problem.t_b],
+              "W": [float(x) for x in problem.t_w]}
+    t_copy = [float(x) for x in problem.t_offload]
+    comm = [problem.comm(s) for s in range(S - 1)]
+    end_f: list[list[float | None]] = [[None] * M for _ in range(S)]
+    end_b: list[list[float | None]] = [[None] * M for _ in range(S)]
     pos = [0] * D
     free = [0.0] * D
     cal = CopyCalendar(S, problem.pcie_groups, dev)
     off_end: dict[tuple[int, int], float] = {}
-    mem_events: list[list[tuple[float, float]]] = [[] for _ in range(D)]  # per device: (time, delta)
     delta = {"F": problem.mem_f, "B": problem.mem_b, "W": problem.mem_w}
+    lims = [float(x) for x in problem.mem_limit]
+    watch_mem = respect_memory and any(math.isfinite(x) for x in lims)
+    # per device: memory events (time, delta) kept sorted, with their times and deltas apart
+    ev_keys: list[list[tuple[float, float]]] = [[] for _ in range(D)]
+    ev_t: list[list[float]] = [[] for _ in range(D)]
+    ev_x: list[list[float]] = [[] for _ in range(D)]
+
+    def add_event(d: int, te: float, x: float) -> None:
+        if not watch_mem:
+            return
+        i = bisect.bisect_right(ev_keys[d], (te, x))
+        ev_keys[d].insert(i, (te, x))
+        ev_t[d].insert(i, te)
+        ev_x[d].insert(i, x)
 
     def fit_time(d: int, est: float, need: float) -> float:
-        lim = float(problem.mem_limit[d])
+        """Earliest event time >= est at which `need` more bytes fit (sums as the events sorted)."""
+        lim = lims[d]
         if not math.isfinite(lim):
             return est
         tol = 1e-9 * max(1.0, abs(lim))
-        evs = sorted(mem_events[d])
-        cands = [est] + sorted({t for t, _ in evs if t > est})
-        for t in cands:
-            cur = sum(x for te, x in evs if te <= t)
-            if cur + need <= lim + tol:
+        times, xs = ev_t[d], ev_x[d]
+        k = bisect.bisect_right(times, est)
+        if sum(xs[:k]) + need <= lim + tol:
+            return est
+        n = len(times)
+        while k < n:
+            t = times[k]
+            k = bisect.bisect_right(times, t, k)
+            if sum(xs[:k]) + need <= lim + tol:
                 return t
         return est
 
@@ -246,81 +325,112 @@ def simulate(
         if t == "F":
             if s == 0:
                 return 0.0
-            e = end.get((s - 1, j, "F"))
-            return None if e is None else e + problem.comm(s - 1)
+            e = end_f[s - 1][j]
+            return None if e is None else e + comm[s - 1]
         if t == "B":
             if s == S - 1:
-                return end.get((s, j, "F"))
-            e = end.get((s + 1, j, "B"))
-            if e is None or (s, j, "F") not in end:
+                return end_f[s][j]
+            e = end_b[s + 1][j]
+            if e is None or end_f[s][j] is None:
                 return None
-            return e + problem.comm(s)
-        return end.get((s, j, "B"))
+            return e + comm[s]
+        return end_b[s][j]
 
-    total = sum(len(v) for v in seqs)
+    heap: list[tuple[float, int]] = []
+    queued = [False] * D
+    lens = [len(v) for v in seqs]
+
+    def offer(d: int) -> None:
+        if queued[d] or pos[d] >= lens[d]:
+            return
+        s, t, j = seqs[d][pos[d]]
+        r = dep_ready(s, t, j)
+        if r is not None:
+            queued[d] = True
+            heapq.heappush(heap, (max(free[d], r), d))
+
+    for d in range(D):
+        offer(d)
+    total = sum(lens)
     done = 0
+    rank = {"F": 0, "B": 1, "W": 2, "O": 3, "R": 4}  # sort_ops' type order
+    recs: list[tuple[float, int, int, int, str, float]] = []  # (start, stage, rank, mb, type, end)
+    mem_b_tr = [float(x) for x in problem.mem_b_transient]
+    off_bytes = [float(x) for x in problem.offload_bytes]
+    watch_any = watch_mem
     while done < total:
-        best = None
-        for d in range(D):
-            if pos[d] >= len(seqs[d]):
-                continue
-            a = seqs[d][pos[d]]
-            r = dep_ready(a.stage, a.type, a.microbatch)
-            if r is None:
-                continue
-            est = max(free[d], r)
-            if best is None or est < best[0]:
-                best = (est, d)
-        if best is None:
+        if not heap:
             blocked = [
-                f"{'stage ' + str(seqs[d][pos[d]].stage) if len(problem.stages_of_device(d)) == 1 else 'device ' + str(d)}: "
-                f"{seqs[d][pos[d]]}"
+                f"{'stage ' + str(seqs[d][pos[d]][0]) if len(problem.stages_of_device(d)) == 1 else 'device ' + str(d)}: "
+                f"{seqs[d][pos[d]][0]}{seqs[d][pos[d]][1]}{seqs[d][pos[d]][2]}"
                 for d in range(D) if pos[d] < len(seqs[d])
             ]
             raise InputError(
                 "the orders deadlock: every device waits for an op another device runs later "
                 f"(next ops: {', '.join(blocked[:8])}); fix the per-device orders"
             )
-        est, d = best
-        a = seqs[d][pos[d]]
-        s, t, j = a.stage, a.type, a.microbatch
-        if t == "B" and (s, j) in off:
-            dur = problem.duration(s, "R")
+        est, d = heapq.heappop(heap)
+        queued[d] = False
+        s, t, j = seqs[d][pos[d]]
+        if off and t == "B" and (s, j) in off:
+            dur = t_copy[s]
             lo = off_end[(s, j)]
             x = cal.latest(s, lo, est, dur)
             if x is None:
                 x = cal.earliest(s, lo, dur)
             cal.book(s, x, x + dur)
-            mem_events[d].append((x, float(problem.offload_bytes[s])))
-            end[(s, j, "R")] = x + dur
-            ops.append(ScheduledOp(s, j, "R", x, x + dur))
+            if watch_any:
+                add_event(d, x, off_bytes[s])
+            recs.append((x, s, 4, j, "R", x + dur))
             est = max(est, x + dur)
-        if respect_memory and t == "F":
+        if watch_any and t == "F":
             est = fit_time(d, est, float(problem.mem_f[s]))
-        dur = problem.duration(s, t)
-        mem_events[d].append((est, float(delta[t][s])))
-        if t == "B" and problem.mem_b_transient[s]:  # the replayed forward of a recomputing stage
-            mem_events[d].append((est, float(problem.mem_b_transient[s])))
-            mem_events[d].append((est + dur, -float(problem.mem_b_transient[s])))
-        end[(s, j, t)] = est + dur
-        ops.append(ScheduledOp(s, j, t, est, est + dur))
-        free[d] = est + dur
+        dur = dur_of[t][s]
+        fin = est + dur
+        if watch_any:
+            add_event(d, est, float(delta[t][s]))
+            if t == "B" and mem_b_tr[s]:  # the replayed forward of a recomputing stage
+                add_event(d, est, mem_b_tr[s])
+                add_event(d, fin, -mem_b_tr[s])
+        if t == "F":
+            end_f[s][j] = fin
+        elif t == "B":
+            end_b[s][j] = fin
+        recs.append((est, s, rank[t], j, t, fin))
+        free[d] = fin
         pos[d] += 1
         done += 1
-        if t == "F" and (s, j) in off:
-            dd = problem.duration(s, "O")
-            x = cal.earliest(s, est + dur, dd)
+        if off and t == "F" and (s, j) in off:
+            dd = t_copy[s]
+            x = cal.earliest(s, fin, dd)
             cal.book(s, x, x + dd)
-            mem_events[d].append((x + dd, -float(problem.offload_bytes[s])))
+            if watch_any:
+                add_event(d, x + dd, -off_bytes[s])
             off_end[(s, j)] = x + dd
-            ops.append(ScheduledOp(s, j, "O", x, x + dd))
+            recs.append((x, s, 3, j, "O", x + dd))
+        offer(d)  # its next op; then the ops that waited for this one
+        if s > 0:
+            d2 = dev[s - 1]
+            if not queued[d2] and pos[d2] < lens[d2]:
+                offer(d2)
+        if s + 1 < S:
+            d2 = dev[s + 1]
+            if not queued[d2] and pos[d2] < lens[d2]:
+                offer(d2)
 
-    t_min = min((o.start_s for o in ops), default=0.0)
+    t_min = min((r[0] for r in recs), default=0.0)
     if t_min != 0.0 and math.isfinite(t_min):
-        ops = [ScheduledOp(o.stage, o.microbatch, o.type, o.start_s - t_min, o.end_s - t_min) for o in ops]
-    makespan, stage_span = objective_values(problem, ops)
+        recs = [(r[0] - t_min, r[1], r[2], r[3], r[4], r[5] - t_min) for r in recs]
+    recs.sort(key=lambda r: r[:4])  # sort_ops' canonical order (start, stage, type, micro-batch)
+    ops = tuple(_make_ops(recs))
+    if recs:
+        a, s, rk, j, _, e = zip(*recs)
+        remember_op_arrays(ops, (np.array(s, dtype=np.int64), np.array(j, dtype=np.int64),
+                                 np.array(rk, dtype=np.int64), np.array(a, dtype=np.float64),
+                                 np.array(e, dtype=np.float64)))
+    makespan, stage_span = _objectives(problem, recs)
     return Schedule(
-        ops=tuple(sort_ops(ops)),
+        ops=ops,
         makespan=makespan,
         stage_span=stage_span,
         lower_bound_s=0.0,
@@ -330,3 +440,75 @@ def simulate(
         objective=problem.objective,
         meta=dict(meta or {}),
     )
+
+
+_FIELDS = ("stage", "microbatch", "type", "start_s", "end_s")
+_PLAIN_OP = (not hasattr(ScheduledOp, "__slots__") and not hasattr(ScheduledOp, "__post_init__")
+             and tuple(f.name for f in dataclasses.fields(ScheduledOp)) == _FIELDS)
+
+
+def _make_ops(recs) -> list[ScheduledOp]:
+    """The ScheduledOp of every record, built without the frozen dataclass's per-field setattr."""
+    if not _PLAIN_OP:
+        return [ScheduledOp(s, j, t, a, e) for a, s, _, j, t, e in recs]
+    new, put = object.__new__, object.__setattr__
+    out = []
+    for a, s, _, j, t, e in recs:
+        o = new(ScheduledOp)
+        put(o, "__dict__", {"stage": s, "microbatch": j, "type": t, "start_s": a, "end_s": e})
+        out.append(o)
+    return out
+
+
+def _objectives(problem: ScheduleProblem, recs) -> tuple[float, float]:
+    """:func:`~fxpipe.schedule.validate.objective_values` of the simulator's op records."""
+    if not recs:
+        return 0.0, 0.0
+    makespan = max(r[5] for r in recs) - min(r[0] for r in recs)
+    dev = problem.device_of_stage
+    first_f = [math.inf] * problem.num_devices
+    last_w = [-math.inf] * problem.num_devices
+    for a, s, rk, _, _, e in recs:
+        if rk == 0:
+            if a < first_f[dev[s]]:
+                first_f[dev[s]] = a
+        elif rk == 2 and e > last_w[dev[s]]:
+            last_w[dev[s]] = e
+    spans = [w - f if math.isfinite(f) and math.isfinite(w) else 0.0 for f, w in zip(first_f, last_w)]
+    return float(makespan), float(max(max(spans, default=0.0), 0.0))
+
+
+def _compute_programs(problem: ScheduleProblem, orders) -> tuple[list[list[tuple[int, str, int]]], set[tuple[int, int]]]:
+    """The compute ops ``(stage, type, microbatch)`` of every device in program order, and the
+    stashes the orders offload; checked as :func:`as_orders` checks them.
+
+    The per-stage form with one stage per device, plain ``(str, int)`` pairs and every stage
+    complete (what the generators pass) is read directly; anything else goes through
+    :func:`as_orders`, which raises its errors.
+    """
+    S, M = problem.num_stages, problem.num_microbatches
+    dev = problem.device_of_stage
+    if (isinstance(orders, Mapping) and not isinstance(orders, Orders) and problem.one_stage_per_device
+            and len(orders) == S and all(type(k) is int and 0 <= k < S for k in orders)):
+        seqs: list[list[tuple[int, str, int]]] = [[] for _ in range(problem.num_devices)]
+        ok = True
+        for s, seq in orders.items():
+            row = []
+            for item in seq:
+                if type(item) is not tuple or len(item) != 2:
+                    ok = False
+                    break
+                t, j = item
+                if type(j) is not int or not 0 <= j < M or t not in ("F", "B", "W") or type(t) is not str:
+                    ok = False
+                    break
+                row.append((s, t, j))
+            if not ok or len(row) != 3 * M or len({(t, j) for _, t, j in row}) != 3 * M:
+                ok = False
+                break
+            seqs[dev[s]] = row
+        if ok:
+            return seqs, set()
+    checked = as_orders(problem, orders)
+    seqs = [[(a.stage, a.type, a.microbatch) for a in row if a.is_compute] for row in checked.actions]
+    return seqs, set(checked.offloaded())

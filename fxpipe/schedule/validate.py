@@ -37,6 +37,7 @@ References
 from __future__ import annotations
 
 import math
+import operator
 from collections import defaultdict
 from typing import Iterable, Sequence
 
@@ -55,6 +56,7 @@ __all__ = [
     "device_spans",
     "peak_memory",
     "offloaded_peak",
+    "stage_peaks",
 ]
 
 _MAX_REPORTED = 50
@@ -130,7 +132,248 @@ def check_schedule(
     ----------
     DESIGN.md Contract 3; OptPipe Section 3 constraints.
     """
+    ops_key = schedule_or_ops.ops if isinstance(schedule_or_ops, Schedule) else schedule_or_ops
+    if isinstance(ops_key, tuple):  # immutable ops: the same check of the same objects is remembered
+        for prob_seen, ops_seen, tol_seen, errs_seen in _CHECKED:
+            if prob_seen is problem and ops_seen is ops_key and tol_seen == tol:
+                return list(errs_seen)
     ops = _ops_of(schedule_or_ops)
+    errs = _fast_check(problem, ops, tol, _arrays_of(ops_key, ops))
+    if errs is None:  # something the vectorised pass does not settle: the rule-by-rule check
+        errs = _check_schedule(problem, ops, tol)
+    if isinstance(ops_key, tuple):
+        _CHECKED.append((problem, ops_key, tol, tuple(errs)))
+        del _CHECKED[:-_CHECKED_KEEP]
+    return errs
+
+
+#: The last checks of :func:`check_schedule` on immutable ops (the generators, their callers
+#: and ``schedule="auto"`` check one schedule several times); holds the objects themselves.
+_CHECKED: list[tuple[ScheduleProblem, tuple, float, tuple[str, ...]]] = []
+_CHECKED_KEEP = 16
+
+
+_CODE = {t: i for i, t in enumerate(OP_TYPES)}  # F 0, B 1, W 2, O 3, R 4
+
+
+def _op_arrays(ops: Sequence[ScheduledOp]) -> tuple[np.ndarray, ...] | None:
+    """stage, micro-batch, type code, start, end of every op (None if a field is not plain)."""
+    if not ops:
+        return None
+    st, mb, ty, t0, t1 = zip(*map(_FIELDS, ops))
+    if set(map(type, st)) != {int} or set(map(type, mb)) != {int} or not set(ty) <= _CODE.keys():
+        return None
+    try:
+        return (np.array(st, dtype=np.int64), np.array(mb, dtype=np.int64),
+                np.array([_CODE[t] for t in ty], dtype=np.int64), np.array(t0, dtype=np.float64),
+                np.array(t1, dtype=np.float64))
+    except (TypeError, ValueError, OverflowError):
+        return None
+
+
+_FIELDS = operator.attrgetter("stage", "microbatch", "type", "start_s", "end_s")
+
+#: (ops tuple, its _op_arrays) of the last schedules the simulator made (identity-matched).
+_ARRAYS: list[tuple[tuple, tuple[np.ndarray, ...]]] = []
+
+
+def remember_op_arrays(ops: tuple, arrays: tuple[np.ndarray, ...]) -> None:
+    """Record the field arrays (stage, micro-batch, type code F0 B1 W2 O3 R4, start, end) of an
+    immutable ops tuple, so the checks of that very tuple need not read them op by op."""
+    _ARRAYS.append((ops, arrays))
+    del _ARRAYS[:-32]
+
+
+def _arrays_of(ops_obj, ops: Sequence[ScheduledOp]) -> tuple[np.ndarray, ...] | None:
+    if isinstance(ops_obj, Schedule):
+        ops_obj = ops_obj.ops
+    if isinstance(ops_obj, tuple):
+        for seen, arrays in reversed(_ARRAYS):
+            if seen is ops_obj:
+                return arrays
+    return _op_arrays(ops)
+
+
+def _events(problem: ScheduleProblem, st: np.ndarray, mb: np.ndarray, ty: np.ndarray, t0: np.ndarray,
+            t1: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The memory events of :func:`_profile` (times, deltas), sorted as it sorts them.
+
+    Needs at most one op per (stage, micro-batch, type).
+    """
+    mem_b = problem.mem_b + problem.mem_b_transient
+    tr = problem.mem_b_transient
+    f, b, w = ty == 0, ty == 1, ty == 2
+    times = [t0[f], t0[b], t0[w]]
+    deltas = [problem.mem_f[st[f]], mem_b[st[b]], problem.mem_w[st[w]]]
+    bt = b & (tr[st] != 0)
+    times.append(t1[bt])
+    deltas.append(-tr[st[bt]])
+    o, r = ty == 3, ty == 4
+    if o.any() and r.any():
+        M = problem.num_microbatches
+        ko, kr = st[o] * M + mb[o], st[r] * M + mb[r]
+        common, io, ir = np.intersect1d(ko, kr, assume_unique=True, return_indices=True)
+        oe, rs = t1[o][io], t0[r][ir]
+        keep = oe < rs
+        off = problem.offload_bytes[common[keep] // M]
+        times += [oe[keep], rs[keep]]
+        deltas += [-off, off]
+    t = np.concatenate(times)
+    x = np.concatenate(deltas).astype(np.float64)
+    order = np.lexsort((x, t))
+    return t[order], x[order]
+
+
+def stage_peaks(problem: ScheduleProblem, ops: Schedule | Iterable[ScheduledOp]) -> list[float | None]:
+    """Peak of :func:`memory_profile` of every stage, all stages at once (None: no events).
+
+    The same numbers as ``memory_profile(problem, ops, s)[1].max()`` for each s (the same
+    events summed in the same order), for schedules with at most one op per (stage,
+    micro-batch, type); otherwise computed stage by stage.
+    """
+    given, ops = ops, _ops_of(ops)
+    S = problem.num_stages
+    arrs = _arrays_of(given, ops)
+    ok = arrs is not None
+    if ok:
+        st, mb, ty, t0, t1 = arrs
+        inside = (st >= 0) & (st < S) & (mb >= 0) & (mb < problem.num_microbatches)
+        key = (st * problem.num_microbatches + mb) * len(OP_TYPES) + ty
+        ok = bool(inside.all()) and np.unique(key).size == key.size
+    if not ok:
+        out = []
+        for s in range(S):
+            _, mem = memory_profile(problem, ops, s)
+            out.append(float(mem.max()) if mem.size else None)
+        return out
+    order = np.argsort(st, kind="stable")
+    bounds = np.searchsorted(st[order], np.arange(S + 1))
+    out: list[float | None] = []
+    for s in range(S):
+        idx = order[bounds[s]:bounds[s + 1]]
+        t, x = _events(problem, st[idx], mb[idx], ty[idx], t0[idx], t1[idx])
+        if t.size == 0:
+            out.append(None)
+            continue
+        cur = np.cumsum(x)
+        last = np.ones(t.size, dtype=bool)  # the curve's value at an instant: after all its events
+        last[:-1] = t[1:] != t[:-1]
+        out.append(float(cur[last].max()))
+    return out
+
+
+def _fast_check(problem: ScheduleProblem, ops: list[ScheduledOp], tol: float,
+                arrs: tuple[np.ndarray, ...] | None = None) -> list[str] | None:
+    """:func:`check_schedule` vectorised for well-formed schedules: [] when every rule holds,
+    only rule-5 messages when only memory is over (exactly those of the full check), None
+    when anything else may be wrong (then the full check runs and words the messages).
+
+    Every comparison is the full check's, on the same float64 values; the memory curve is
+    tested first without merging events closer than the time tolerance (its peak is at least
+    the merged one), and devices over their limit are re-profiled exactly.
+    """
+    S, M = problem.num_stages, problem.num_microbatches
+    if arrs is None:
+        arrs = _op_arrays(ops)
+    if arrs is None or len(ops) == 0:
+        return None
+    st, mb, ty, t0, t1 = arrs
+    if not (np.isfinite(t0).all() and np.isfinite(t1).all()):
+        return None
+    if not (((st >= 0) & (st < S) & (mb >= 0) & (mb < M)).all()):
+        return None
+    key = (st * M + mb) * 5 + ty
+    if np.unique(key).size != key.size:
+        return None
+    ttol = tol * max(1.0, float(np.abs(t0).max()), float(np.abs(t1).max()))
+    cnt = np.bincount(ty, minlength=5)
+    if cnt[0] != S * M or cnt[1] != S * M or cnt[2] != S * M or cnt[3] != cnt[4]:
+        return None
+    # rule 1: durations
+    durs = np.stack([problem.t_f, problem.t_b, problem.t_w, problem.t_offload, problem.t_offload]).astype(np.float64)
+    if (np.abs((t1 - t0) - durs[ty, st]) > ttol).any():
+        return None
+    grid = np.full((5, S, M, 2), np.nan)
+    grid[ty, st, mb, 0] = t0
+    grid[ty, st, mb, 1] = t1
+    if cnt[3]:
+        if (np.isnan(grid[3, :, :, 0]) != np.isnan(grid[4, :, :, 0])).any():
+            return None
+    F, B, W = grid[0], grid[1], grid[2]
+    comm = np.array([problem.comm(s) for s in range(S - 1)], dtype=np.float64)
+    # rule 2
+    if S > 1:
+        if (F[1:, :, 0] < F[:-1, :, 1] + comm[:, None] - ttol).any():
+            return None
+        if (B[:-1, :, 0] < B[1:, :, 1] + comm[:, None] - ttol).any():
+            return None
+    if (B[S - 1, :, 0] < F[S - 1, :, 1] - ttol).any() or (W[:, :, 0] < B[:, :, 1] - ttol).any():
+        return None
+    # rule 4
+    if cnt[3]:
+        O, R = grid[3], grid[4]
+        has = ~np.isnan(O[:, :, 0])
+        if ((O[:, :, 0] < F[:, :, 1] - ttol) & has).any() or ((R[:, :, 0] < O[:, :, 1] - ttol) & has).any():
+            return None
+        if ((R[:, :, 1] > B[:, :, 0] + ttol) & has).any():
+            return None
+    # rule 3: no overlap on a compute stream, a copy stream or a pcie group
+    dev = np.asarray(problem.device_of_stage, dtype=np.int64)[st]
+    compute = ty <= 2
+
+    def overlap(sel: np.ndarray, group: np.ndarray) -> bool:
+        sel = sel & ((t1 - t0) > ttol)
+        g, a, e = group[sel], t0[sel], t1[sel]
+        order = np.lexsort((e, a, g))
+        g, a, e = g[order], a[order], e[order]
+        cuts = np.flatnonzero(g[1:] != g[:-1]) + 1
+        for lo, hi in zip(np.concatenate(([0], cuts)), np.concatenate((cuts, [g.size]))):
+            if hi - lo > 1 and (a[lo + 1:hi] < np.maximum.accumulate(e[lo:hi - 1]) - ttol).any():
+                return True
+        return False
+
+    if overlap(compute, dev) or (cnt[3] and overlap(~compute, dev)):
+        return None
+    for grp in problem.pcie_groups:
+        members = sorted(set(grp))
+        if len(members) >= 2 and cnt[3] and overlap(~compute & np.isin(st, members), np.zeros_like(st)):
+            return None
+    # rule 5: memory
+    errs: list[str] = []
+    lims = np.asarray(problem.mem_limit, dtype=np.float64)
+    for d, stages in enumerate(problem.device_stages):
+        lim = float(lims[d])
+        if not math.isfinite(lim):
+            continue
+        sel = np.isin(st, stages) if len(stages) > 1 else st == stages[0]
+        t, x = _events(problem, st[sel], mb[sel], ty[sel], t0[sel], t1[sel])
+        if t.size == 0 or float(np.cumsum(x).max()) <= lim + _mem_tol(problem, d, tol):
+            continue
+        # possibly over: the full check's curve (events closer than the tolerance merged), its words
+        dev_ops = [o for s in stages for o in ops if o.stage == s]
+        _rule5(problem, d, stages, dev_ops, ttol, tol, errs)
+    return errs
+
+
+def _rule5(problem: ScheduleProblem, d: int, stages: Sequence[int], dev_ops: list[ScheduledOp], ttol: float,
+           tol: float, errs: list[str]) -> None:
+    """Contract 3 rule 5 on device ``d`` (its ops ``dev_ops``): append the violation, if any."""
+    lim = float(problem.mem_limit[d])
+    times, mem = _profile(problem, dev_ops, stages, ttol)
+    if len(mem) == 0:
+        return
+    mtol = _mem_tol(problem, d, tol)
+    over = np.flatnonzero(mem > lim + mtol)
+    if over.size:
+        i = int(over[np.argmax(mem[over])])
+        who = f"stage {stages[0]}" if len(stages) == 1 else f"device {d} (stages {list(stages)})"
+        errs.append(
+            f"rule 5: {who} holds {mem[i]:.9g} bytes of activations at t={times[i]:.9g}, "
+            f"over its limit {lim:.9g} ({over.size} event time(s) over the limit)"
+        )
+
+
+def _check_schedule(problem: ScheduleProblem, ops: list[ScheduledOp], tol: float) -> list[str]:
     S, M = problem.num_stages, problem.num_microbatches
     errs: list[str] = []
     ttol = _time_tol(ops, tol)
@@ -245,18 +488,7 @@ def check_schedule(
         lim = float(problem.mem_limit[d])
         if not math.isfinite(lim):
             continue
-        times, mem = _profile(problem, [o for s in stages for o in by_stage[s]], stages, ttol)
-        if len(mem) == 0:
-            continue
-        mtol = _mem_tol(problem, d, tol)
-        over = np.flatnonzero(mem > lim + mtol)
-        if over.size:
-            i = int(over[np.argmax(mem[over])])
-            who = f"stage {stages[0]}" if len(stages) == 1 else f"device {d} (stages {list(stages)})"
-            errs.append(
-                f"rule 5: {who} holds {mem[i]:.9g} bytes of activations at t={times[i]:.9g}, "
-                f"over its limit {lim:.9g} ({over.size} event time(s) over the limit)"
-            )
+        _rule5(problem, d, stages, [o for s in stages for o in by_stage[s]], ttol, tol, errs)
     return errs
 
 
