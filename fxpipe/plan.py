@@ -438,7 +438,7 @@ class Plan:
             )
         opt = self.optimality()
         if v > 1 and self.device_table:
-            lines.append(f"{'device':>6} {'stages':>10} {'ops':>6} {params:>10} {'cost ms':>9} {'busy ms':>9} "
+            lines.append(f"{'device':>6} {'stages':>10} {'ops':>6} {'params':>10} {'cost ms':>9} {'busy ms':>9} "
                          f"{'span ms':>9} {'span LB ms':>10} {'act peak':>10} {'memory':>10}")
             worst_d = int(np.argmax([d.cost_s for d in self.device_table]))
             for d, dv in zip(self.device_table, opt["devices"]):

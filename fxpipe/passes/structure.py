@@ -363,7 +363,7 @@ def _bytes(v: Any) -> float:
 def _node_label(n: torch.fx.Node) -> str:
     from fxpipe.passes.to_opgraph import module_path
 
-    return _label(target_name(n.target), module_path(n, n.graph.owning_module.meta.get("fxpipe_module_prefix", "")
+    return _label(str(n.target), module_path(n, n.graph.owning_module.meta.get("fxpipe_module_prefix", "")
                                               if n.graph.owning_module is not None else ""))
 
 
