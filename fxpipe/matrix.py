@@ -12,7 +12,14 @@ of worker processes and the runs of one model follow each other (each worker cap
 once and reuses it for every schedule, :func:`fxpipe.codegen.launch.spawn_train_many`). A run
 that fails is recorded as an error and the others go on.
 
-``python benchmarks/arch_matrix.py`` prints the table; ``tests/test_arch_matrix.py`` asserts it.
+``meta_checkpoint`` models also run once (first schedule) with the model built on ``meta`` in
+every worker and each rank materializing only its stages from a safetensors checkpoint
+(``state={"checkpoint": ...}`` of :func:`~fxpipe.codegen.launch.spawn_train_many`), compared with
+the whole model loaded from that checkpoint in one process; their cells' ``schedule`` is
+``"meta-ckpt:<schedule>"``.
+
+``python benchmarks/arch_matrix.py`` prints the table; ``tests/test_arch_matrix.py`` and
+``tests/test_arch_matrix2.py`` assert it.
 """
 
 from __future__ import annotations
@@ -53,6 +60,7 @@ class MatrixCell:
     full_backward_stages: list[int] = field(default_factory=list)
     moved_nodes: int = 0
     cloned_inputs: int = 0
+    compile_s: float = float("nan")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -91,13 +99,21 @@ class MatrixResult:
             vals = [getattr(c, attr) for c in cells if not c.error]
             return f"{max(vals):.1e}" if vals else "-"
 
+        def compile_col(cells, ranks):
+            out = []
+            for k in ranks:
+                vals = [c.compile_s for c in cells if c.ranks == k and c.compile_s == c.compile_s]
+                out.append(f"{max(vals):.1f}" if vals else "-")
+            return " / ".join(out)
+
         if compact:
             ranks = list(dict.fromkeys(c.ranks for c in self.cells))
             models: dict[str, list[MatrixCell]] = {}
             for c in self.cells:
                 models.setdefault(c.model, []).append(c)
             head = ["model", "family", *[f"{k} ranks ({', '.join(schedules)})" for k in ranks],
-                    "loss rel", "grad rel", "param rel", "buffer rel"]
+                    "loss rel", "grad rel", "param rel", "buffer rel",
+                    "compile s (" + " / ".join(f"{k}" for k in ranks) + " ranks)"]
             lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
             for model, cells in models.items():
                 cols = []
@@ -106,16 +122,16 @@ class MatrixResult:
                     cols.append("ok" if not bad else ", ".join(bad))
                 lines.append("| " + " | ".join([model, cells[0].family, *cols, worst(cells, "loss_rel_diff"),
                                                 worst(cells, "max_grad_rel_diff"), worst(cells, "max_param_rel_diff"),
-                                                worst(cells, "max_buffer_rel_diff")]) + " |")
+                                                worst(cells, "max_buffer_rel_diff"), compile_col(cells, ranks)]) + " |")
             return "\n".join(lines)
-        head = ["model", "family", "ranks", *schedules, "loss rel", "grad rel", "param rel", "buffer rel"]
+        head = ["model", "family", "ranks", *schedules, "loss rel", "grad rel", "param rel", "buffer rel", "compile s"]
         lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for (model, ranks), cells in rows.items():
             by = {c.schedule: c for c in cells}
             marks = [("ok" if by[s].ok else ("error" if by[s].error else "DIFF")) if s in by else "" for s in schedules]
             lines.append("| " + " | ".join([model, cells[0].family, str(ranks), *marks, worst(cells, "loss_rel_diff"),
                                             worst(cells, "max_grad_rel_diff"), worst(cells, "max_param_rel_diff"),
-                                            worst(cells, "max_buffer_rel_diff")]) + " |")
+                                            worst(cells, "max_buffer_rel_diff"), compile_col(cells, [ranks])]) + " |")
         return "\n".join(lines)
 
 
@@ -139,6 +155,7 @@ def run_matrix(
     loss_rtol: float = 1e-4,
     rtol: float = 1e-5,
     stages_per_device: int = 1,
+    meta_checkpoint: Sequence[str] = (),
     log: Callable[[str], None] | None = None,
 ) -> MatrixResult:
     """Plan, train and compare every model x pipeline size x schedule.
@@ -165,21 +182,37 @@ def run_matrix(
         v: every model is cut into ``v * ranks`` stages, v per rank (``fxpipe.compile``'s
         ``stages_per_device``). With v >= 2 each schedule runs on the placement
         :data:`MULTI_STAGE_SCHEDULES` gives it (e.g. ``interleaved-1f1b`` looped, ``zb-v`` V-shaped).
+    meta_checkpoint : sequence of str
+        Models that also train once per pipeline size (with the first schedule) built on
+        ``meta`` in every worker, each rank materializing only its stages from a safetensors
+        checkpoint of seeded weights; compared with the whole model loaded from that checkpoint
+        in one process. Cells ``"meta-ckpt:<schedule>"``.
     log : callable(str), optional
         Progress messages.
+
+    ``MatrixCell.compile_s`` is the wall time of ``fxpipe.compile`` (capture, cost, partition,
+    schedule) plus the rescheduling into that cell's schedule.
 
     Returns
     -------
     MatrixResult
     """
+    import os
+    import tempfile
+
     import fxpipe
     from fxpipe import zoo
     from fxpipe.codegen.compare import compare_training
     from fxpipe.codegen.launch import RunError, reference_train, spawn_train_many
+    from fxpipe.codegen.materialize import MetaInit
+    from fxpipe.errors import InputError
     from fxpipe.plan import _PlanStageOf
 
     say = log or (lambda msg: None)
     names = list(models) if models is not None else zoo.names()
+    unknown = sorted(set(meta_checkpoint) - set(names))
+    if unknown:
+        raise InputError(f"meta_checkpoint models {unknown} are not among the matrix's models; add them to models")
     t_start = time.perf_counter()
     timings: dict[str, float] = {}
     zms = {n: zoo.get(n, microbatches=microbatches, microbatch_size=microbatch_size) for n in names}
@@ -188,6 +221,16 @@ def run_matrix(
     refs = {}
     for n, zm in zms.items():
         refs[n] = reference_train(zm, zm.batch, num_microbatches=microbatches, steps=steps, lr=lr, loss=zm.loss)
+    tmp = tempfile.TemporaryDirectory(prefix="fxpipe-matrix-") if meta_checkpoint else None
+    checkpoints: dict[str, str] = {}
+    for n in meta_checkpoint:  # seeded weights (not the zoo's), saved whole; each rank reads its stages
+        from safetensors.torch import save_model
+
+        checkpoints[n] = os.path.join(tmp.name, f"{n}.safetensors")
+        whole, _ = MetaInit(zms[n], seed=7)()
+        save_model(whole, checkpoints[n])
+        refs[("meta", n)] = reference_train(MetaInit(zms[n], checkpoint=checkpoints[n]), zms[n].batch,
+                                            num_microbatches=microbatches, steps=steps, lr=lr, loss=zms[n].loss)
     timings["reference_s"] = time.perf_counter() - t0
     say(f"references of {len(names)} models in {timings['reference_s']:.1f} s")
 
@@ -197,28 +240,39 @@ def run_matrix(
         runs, keys, planned = [], [], []
         for n, zm in zms.items():
             model, args, kwargs = zm.one_microbatch()
+            compile_s: dict[str, float] = {}
             try:
                 by_placement: dict[str, Any] = {}
+                placement_s: dict[str, float] = {}
                 plans = {}
                 for s in schedules:
                     pl = "looped" if stages_per_device == 1 else MULTI_STAGE_SCHEDULES.get(s, "looped")
                     if pl not in by_placement:
+                        tc = time.perf_counter()
                         by_placement[pl] = fxpipe.compile(
                             model, args, kwargs, devices=k, microbatches=microbatches, stages_per_device=stages_per_device,
                             placement=pl, time_limit_s=partition_time_limit_s, schedule=None,  # rescheduled below
                             schedule_time_limit_s=milp_time_limit_s, name=n)
+                        placement_s[pl] = time.perf_counter() - tc
                     plan = by_placement[pl]
+                    tc = time.perf_counter()
                     plans[s] = plan if s == plan.options.get("schedule") else plan.reschedule(
                         s, time_limit_s=milp_time_limit_s)
+                    compile_s[s] = placement_s[pl] + time.perf_counter() - tc
             except Exception as exc:  # noqa: BLE001 - a planning failure is a matrix cell, not a crash
-                for s in schedules:
+                for s in [*schedules, *([f"meta-ckpt:{schedules[0]}"] if n in checkpoints else [])]:
                     cells.append(MatrixCell(n, zm.family, k, s, False, error=_tail(f"planning failed: {exc!r}")))
                 continue
             for s in schedules:
                 runs.append(dict(make_model=zm, make_batch=zm.batch, loss=zm.loss,
                                  stage_of=_PlanStageOf(plans[s].stage_of), orders=plans[s].orders(),
+                                 recompute_stages=plans[s].recompute_stages(),
                                  num_microbatches=microbatches, steps=steps, lr=lr, model_key=n))
-                keys.append((n, s))
+                keys.append((n, s, compile_s[s]))
+            if n in checkpoints:  # built on meta in every worker, each rank reading its stages
+                s = schedules[0]
+                runs.append(dict(runs[-len(schedules)], state={"seed": 0, "checkpoint": checkpoints[n]}))
+                keys.append((n, f"meta-ckpt:{s}", compile_s[s]))
             planned.append(n)
         timings[f"plan_{k}_s"] = time.perf_counter() - t0
         say(f"{k} ranks: planned {len(planned)} models x {len(schedules)} schedules in {timings[f'plan_{k}_s']:.1f} s")
@@ -227,12 +281,13 @@ def run_matrix(
                                    timeout_s=run_timeout_s, warn_random=False) if runs else []
         timings[f"train_{k}_s"] = time.perf_counter() - t0
         say(f"{k} ranks: trained {len(runs)} runs in {timings[f'train_{k}_s']:.1f} s")
-        for (n, s), res in zip(keys, results):
+        for (n, s, c_s), res in zip(keys, results):
             fam = zms[n].family
             if isinstance(res, RunError):
-                cells.append(MatrixCell(n, fam, k, s, False, error=_tail(res.message)))
+                cells.append(MatrixCell(n, fam, k, s, False, error=_tail(res.message), compile_s=c_s))
                 continue
-            cmp = compare_training(res, refs[n], loss_rtol=loss_rtol, rtol=rtol,
+            ref = refs[("meta", n)] if s.startswith("meta-ckpt:") else refs[n]
+            cmp = compare_training(res, ref, loss_rtol=loss_rtol, rtol=rtol,
                                    random_ops=res.meta.get("random_ops", ()))
             cells.append(MatrixCell(
                 n, fam, k, s, cmp.ok and not cmp.random_ops, loss_rel_diff=cmp.loss_rel_diff,
@@ -242,11 +297,14 @@ def run_matrix(
                 full_backward_stages=sorted(int(r) for r, f in res.meta.get("fused_full_backward", {}).items() if f),
                 moved_nodes=len(res.meta.get("moved_nodes", {})),
                 cloned_inputs=sum(len(v) for v in res.meta.get("cloned", {}).values()),
+                compile_s=c_s,
             ))
+    if tmp is not None:
+        tmp.cleanup()
     timings["wall_s"] = time.perf_counter() - t_start
     settings = dict(models=names, ranks=list(ranks), schedules=list(schedules), stages_per_device=stages_per_device,
                     steps=steps, lr=lr,
                     microbatches=microbatches, microbatch_size=microbatch_size,
                     partition_time_limit_s=partition_time_limit_s, milp_time_limit_s=milp_time_limit_s,
-                    loss_rtol=loss_rtol, rtol=rtol)
+                    loss_rtol=loss_rtol, rtol=rtol, meta_checkpoint=list(meta_checkpoint))
     return MatrixResult(cells, timings, settings)
