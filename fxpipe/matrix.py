@@ -87,8 +87,9 @@ class MatrixResult:
 
     def markdown(self, compact: bool = False) -> str:
         """A Markdown table: one row per model and pipeline size, one column per schedule
-        (``ok``, ``error`` or ``DIFF``), and the worst loss / gradient / parameter / buffer
-        differences over the row. ``compact``: one row per model, one column per pipeline size
+        (``ok``, ``error`` or ``DIFF``), the worst loss / gradient / parameter / buffer
+        differences over the row, and the compile time of the first schedule (seconds:
+        ``fxpipe.compile`` plus rescheduling). ``compact``: one row per model, one column per pipeline size
         (``ok`` when every schedule is, else the failing schedules)."""
         schedules = list(dict.fromkeys(c.schedule for c in self.cells))
         rows: dict[tuple[str, int], list[MatrixCell]] = {}
@@ -99,11 +100,11 @@ class MatrixResult:
             vals = [getattr(c, attr) for c in cells if not c.error]
             return f"{max(vals):.1e}" if vals else "-"
 
-        def compile_col(cells, ranks):
+        def compile_col(cells, ranks):  # fxpipe.compile + the first schedule (the matrix's default)
             out = []
             for k in ranks:
-                vals = [c.compile_s for c in cells if c.ranks == k and c.compile_s == c.compile_s]
-                out.append(f"{max(vals):.1f}" if vals else "-")
+                vals = [c.compile_s for c in cells if c.ranks == k and c.schedule == schedules[0]]
+                out.append(f"{vals[0]:.1f}" if vals and vals[0] == vals[0] else "-")
             return " / ".join(out)
 
         if compact:
