@@ -186,8 +186,9 @@ def run_matrix(
     meta_checkpoint : sequence of str
         Models that also train once per pipeline size (with the first schedule) built on
         ``meta`` in every worker, each rank materializing only its stages from a safetensors
-        checkpoint of seeded weights; compared with the whole model loaded from that checkpoint
-        in one process. Cells ``"meta-ckpt:<schedule>"``.
+        checkpoint of the zoo model's weights (whatever it lacks from the seeded initializers);
+        compared with the whole model built on meta and loaded from that checkpoint in one
+        process. Cells ``"meta-ckpt:<schedule>"``.
     log : callable(str), optional
         Progress messages.
 
@@ -224,14 +225,18 @@ def run_matrix(
         refs[n] = reference_train(zm, zm.batch, num_microbatches=microbatches, steps=steps, lr=lr, loss=zm.loss)
     tmp = tempfile.TemporaryDirectory(prefix="fxpipe-matrix-") if meta_checkpoint else None
     checkpoints: dict[str, str] = {}
-    for n in meta_checkpoint:  # seeded weights (not the zoo's), saved whole; each rank reads its stages
+    meta_errors: dict[str, str] = {}
+    for n in meta_checkpoint:  # the zoo's weights saved whole; each rank reads its stages (the rest seeded)
         from safetensors.torch import save_model
 
-        checkpoints[n] = os.path.join(tmp.name, f"{n}.safetensors")
-        whole, _ = MetaInit(zms[n], seed=7)()
-        save_model(whole, checkpoints[n])
-        refs[("meta", n)] = reference_train(MetaInit(zms[n], checkpoint=checkpoints[n]), zms[n].batch,
-                                            num_microbatches=microbatches, steps=steps, lr=lr, loss=zms[n].loss)
+        try:
+            path = os.path.join(tmp.name, f"{n}.safetensors")
+            save_model(zms[n]()[0], path)
+            refs[("meta", n)] = reference_train(MetaInit(zms[n], checkpoint=path), zms[n].batch,
+                                                num_microbatches=microbatches, steps=steps, lr=lr, loss=zms[n].loss)
+            checkpoints[n] = path
+        except Exception as exc:  # noqa: BLE001 - a failure is a matrix cell, not a crash
+            meta_errors[n] = _tail(f"meta build from the checkpoint in one process failed: {exc!r}")
     timings["reference_s"] = time.perf_counter() - t0
     say(f"references of {len(names)} models in {timings['reference_s']:.1f} s")
 
@@ -261,7 +266,7 @@ def run_matrix(
                         s, time_limit_s=milp_time_limit_s)
                     compile_s[s] = placement_s[pl] + time.perf_counter() - tc
             except Exception as exc:  # noqa: BLE001 - a planning failure is a matrix cell, not a crash
-                for s in [*schedules, *([f"meta-ckpt:{schedules[0]}"] if n in checkpoints else [])]:
+                for s in [*schedules, *([f"meta-ckpt:{schedules[0]}"] if n in meta_checkpoint else [])]:
                     cells.append(MatrixCell(n, zm.family, k, s, False, error=_tail(f"planning failed: {exc!r}")))
                 continue
             for s in schedules:
@@ -270,6 +275,8 @@ def run_matrix(
                                  recompute_stages=plans[s].recompute_stages(),
                                  num_microbatches=microbatches, steps=steps, lr=lr, model_key=n))
                 keys.append((n, s, compile_s[s]))
+            if n in meta_errors:
+                cells.append(MatrixCell(n, zm.family, k, f"meta-ckpt:{schedules[0]}", False, error=meta_errors[n]))
             if n in checkpoints:  # built on meta in every worker, each rank reading its stages
                 s = schedules[0]
                 runs.append(dict(runs[-len(schedules)], state={"seed": 0, "checkpoint": checkpoints[n]}))

@@ -21,8 +21,16 @@ needs. Dropout probabilities are set to 0 and models run in eval mode, except th
 point is training-mode behaviour (ResNet and the BatchNorm DAG in train mode; GPT-2 in train mode
 with dropout p = 0), so pipelined and single-process training can agree bit for bit.
 
-The families (``ZooModel.family``): ``decoder``, ``moe``, ``encoder``, ``encoder-decoder``,
-``vision``, ``two-tower``, ``vision-language``, ``speech``, ``dag``.
+The families (``ZooModel.family``): ``decoder``, ``moe``, ``ssm`` (state-space: Mamba, Mamba2,
+Jamba), ``encoder``, ``encoder-decoder``, ``vision``, ``two-tower``, ``vision-language``,
+``speech``, ``dag``. The groups (:data:`GROUPS`, ``names(group=...)``): ``core``, the first 32
+models (issue 8; ``tests/test_arch_matrix.py``), and ``second``, 35 more (issue 17: OLMo2,
+StarCoder2, GPT-J, CodeGen, Cohere, Granite, StableLM, Mamba, Mamba2, Jamba, GraniteMoE, XLM-R,
+DeBERTa-v2, ELECTRA, DistilBERT, ModernBERT, mT5, UMT5, Pegasus, Marian, mBART, Swin, DeiT,
+DINOv2, SegFormer, MobileViT, EfficientNet, RegNet, Wav2Vec2-Conformer, BLIP, and DAGs: inception
+branches, LSTM + GRU, bf16 + fp32 parameters, integer / boolean outputs, ``padding_idx``;
+``tests/test_arch_matrix2.py``). Mamba-family models run their reference torch scan (no CUDA
+kernels).
 """
 
 from __future__ import annotations
