@@ -188,7 +188,8 @@ def run_matrix(
         ``meta`` in every worker, each rank materializing only its stages from a safetensors
         checkpoint of the zoo model's weights (whatever it lacks from the seeded initializers);
         compared with the whole model built on meta and loaded from that checkpoint in one
-        process. Cells ``"meta-ckpt:<schedule>"``.
+        process. Cells ``"meta-ckpt:<schedule>"``. These runs come after all others, in this
+        order (a failed run restarts the workers: put the runs expected to fail last).
     log : callable(str), optional
         Progress messages.
 
@@ -244,6 +245,7 @@ def run_matrix(
     for k in ranks:
         t0 = time.perf_counter()
         runs, keys, planned = [], [], []
+        meta_runs: dict[str, tuple[dict, tuple]] = {}
         for n, zm in zms.items():
             model, args, kwargs = zm.one_microbatch()
             compile_s: dict[str, float] = {}
@@ -279,9 +281,13 @@ def run_matrix(
                 cells.append(MatrixCell(n, zm.family, k, f"meta-ckpt:{schedules[0]}", False, error=meta_errors[n]))
             if n in checkpoints:  # built on meta in every worker, each rank reading its stages
                 s = schedules[0]
-                runs.append(dict(runs[-len(schedules)], state={"seed": 0, "checkpoint": checkpoints[n]}))
-                keys.append((n, f"meta-ckpt:{s}", compile_s[s]))
+                meta_runs[n] = (dict(runs[-len(schedules)], state={"seed": 0, "checkpoint": checkpoints[n]}),
+                                (n, f"meta-ckpt:{s}", compile_s[s]))
             planned.append(n)
+        for n in meta_checkpoint:  # after every other run, in the caller's order: a failing run ends the
+            if n in meta_runs:     # job and restarts the workers, so runs expected to fail go last
+                runs.append(meta_runs[n][0])
+                keys.append(meta_runs[n][1])
         timings[f"plan_{k}_s"] = time.perf_counter() - t0
         say(f"{k} ranks: planned {len(planned)} models x {len(schedules)} schedules in {timings[f'plan_{k}_s']:.1f} s")
         t0 = time.perf_counter()

@@ -6,7 +6,7 @@ Wav2Vec2-Conformer, BLIP and five hand-written DAGs: inception, LSTM/GRU, mixed 
 output, an embedding with ``padding_idx``), each planned by ``fxpipe.compile`` with its default
 schedule (``auto``) and trained on 2 and 4 local gloo ranks, equals single-process training
 (losses within rtol 1e-4; gradients, parameters after the steps and buffers within 1e-5 of the
-largest reference value). At 2 ranks, :data:`META_CHECKPOINT` models are also built on ``meta``
+largest reference value). At 2 ranks, the :data:`META_CHECKPOINT` models are also built on ``meta``
 in every worker, each rank materializing only its stages from a safetensors checkpoint, and
 train like the whole model loaded from that checkpoint in one process.
 
@@ -32,15 +32,22 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
 SECOND = zoo.names(group="second")
 SCHEDULE = "auto"  # fxpipe.compile's default
-#: built on meta and loaded from a checkpoint at 2 ranks (one or more per family kind)
-META_CHECKPOINT = ("olmo2", "mamba", "distilbert", "pegasus", "swin", "inception", "cohere", "lstm_gru")
+#: built on meta and loaded from a checkpoint at 2 ranks (one or more per family kind); the ones
+#: known to fail last (a failed run restarts the workers)
+META_CHECKPOINT = ("olmo2", "mamba", "distilbert", "pegasus", "swin", "inception", "cohere", "lstm_gru",
+                   "granitemoe", "segformer")
 
 #: (model, ranks or None for both, "train" | "meta") -> why it fails today (issue 17 item)
 KNOWN = {
-    ("modernbert", 4, "train"): "issue 17 item 2 (helper ident): ModernBERT's traced graph depends on "
-                                "PYTHONHASHSEED, workers get a differently wired partition",
+    ("modernbert", None, "train"): "issue 17 item 2 (helper ident): ModernBERT's traced graph depends on "
+                                   "PYTHONHASHSEED; workers train another partition than the "
+                                   "planned one (a buffer missing from the pipeline, or 'stage_of is not monotone')",
     ("mixed_dtype", None, "train"): "issue 17 item 7 (helper metashapes): bf16 + fp32 parameters are within "
                                     "1 ulp of their own dtype, but the verdict's 1e-5 ignores dtype",
+    ("granitemoe", None, "meta"): "issue 17 item 8 / 'what broke' 7 (helper metashapes): traced on meta, histc's "
+                                  "input is cast to int32 (a device-dependent branch), which has no CPU kernel",
+    ("segformer", None, "meta"): "issue 17 items 2 and 5 (helper ident): the meta trace differs from the CPU "
+                                 "plan's by trivial nodes (_assert_tensor_metadata), so the plan is refused",
 }
 
 
@@ -71,7 +78,8 @@ def _check(cell):
 
 def test_second_round_is_in_the_zoo():
     assert len(SECOND) >= 35
-    assert set(META_CHECKPOINT) <= set(SECOND) and len(META_CHECKPOINT) >= 6
+    assert set(META_CHECKPOINT) <= set(SECOND)
+    assert sum(not _known(m, 2, "meta") for m in META_CHECKPOINT) >= 6  # at least six meta builds must pass
     assert not set(SECOND) & set(zoo.names(group="core"))
     assert {zoo.get(m).family for m in SECOND} >= {"decoder", "moe", "ssm", "encoder", "encoder-decoder", "vision",
                                                    "speech", "vision-language", "dag"}
