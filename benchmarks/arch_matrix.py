@@ -10,6 +10,8 @@ buffer (relative to the largest reference value). Prints a Markdown table and th
     python benchmarks/arch_matrix.py                      # all models, ranks 2 and 4, all schedules
     python benchmarks/arch_matrix.py --models gpt2 unet --ranks 2 --json
     python benchmarks/arch_matrix.py --compact            # one row per model (the README's table)
+    python benchmarks/arch_matrix.py --group second --meta-checkpoint olmo2 mamba distilbert pegasus swin \
+        inception cohere lstm_gru --compact               # the second round (issue 17), with meta builds
     python benchmarks/arch_matrix.py --stages-per-device 2 --ranks 2 --schedules interleaved-1f1b zb-v dualpipe-v --compact
                                                           # 2 stages per rank: looped / V placements
 """
@@ -27,6 +29,11 @@ def main(argv=None) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="*", default=None, help=f"zoo models (default all: {' '.join(zoo.names())})")
+    ap.add_argument("--group", choices=zoo.GROUPS, default=None,
+                    help="only the zoo's first round (core) or second round (second) of models")
+    ap.add_argument("--meta-checkpoint", nargs="*", default=[],
+                    help="models also built on meta in every worker and loaded from a safetensors checkpoint "
+                    "(first schedule)")
     ap.add_argument("--ranks", nargs="*", type=int, default=[2, 4])
     ap.add_argument("--schedules", nargs="*", default=list(SCHEDULES))
     ap.add_argument("--steps", type=int, default=2)
@@ -43,7 +50,9 @@ def main(argv=None) -> int:
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
-    res = run_matrix(args.models, args.ranks, args.schedules, steps=args.steps, stages_per_device=args.stages_per_device,
+    models = args.models if args.models else (zoo.names(group=args.group) if args.group else None)
+    res = run_matrix(models, args.ranks, args.schedules, steps=args.steps, stages_per_device=args.stages_per_device,
+                     meta_checkpoint=args.meta_checkpoint,
                      partition_time_limit_s=args.partition_time_limit, milp_time_limit_s=args.milp_time_limit, log=log)
     table = res.markdown(compact=args.compact)
     n_ok = sum(c.ok for c in res.cells)

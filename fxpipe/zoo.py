@@ -21,8 +21,16 @@ needs. Dropout probabilities are set to 0 and models run in eval mode, except th
 point is training-mode behaviour (ResNet and the BatchNorm DAG in train mode; GPT-2 in train mode
 with dropout p = 0), so pipelined and single-process training can agree bit for bit.
 
-The families (``ZooModel.family``): ``decoder``, ``moe``, ``encoder``, ``encoder-decoder``,
-``vision``, ``two-tower``, ``vision-language``, ``speech``, ``dag``.
+The families (``ZooModel.family``): ``decoder``, ``moe``, ``ssm`` (state-space: Mamba, Mamba2,
+Jamba), ``encoder``, ``encoder-decoder``, ``vision``, ``two-tower``, ``vision-language``,
+``speech``, ``dag``. The groups (:data:`GROUPS`, ``names(group=...)``): ``core``, the first 32
+models (issue 8; ``tests/test_arch_matrix.py``), and ``second``, 35 more (issue 17: OLMo2,
+StarCoder2, GPT-J, CodeGen, Cohere, Granite, StableLM, Mamba, Mamba2, Jamba, GraniteMoE, XLM-R,
+DeBERTa-v2, ELECTRA, DistilBERT, ModernBERT, mT5, UMT5, Pegasus, Marian, mBART, Swin, DeiT,
+DINOv2, SegFormer, MobileViT, EfficientNet, RegNet, Wav2Vec2-Conformer, BLIP, and DAGs: inception
+branches, LSTM + GRU, bf16 + fp32 parameters, integer / boolean outputs, ``padding_idx``;
+``tests/test_arch_matrix2.py``). Mamba-family models run their reference torch scan (no CUDA
+kernels).
 """
 
 from __future__ import annotations
@@ -37,9 +45,12 @@ import torch.nn.functional as F
 from fxpipe.codegen.interface import ModelInputs
 from fxpipe.errors import InputError
 
-__all__ = ["ZooModel", "get", "names", "FAMILIES", "ModelInputs"]
+__all__ = ["ZooModel", "get", "names", "FAMILIES", "GROUPS", "ModelInputs"]
 
-FAMILIES = ("decoder", "moe", "encoder", "encoder-decoder", "vision", "two-tower", "vision-language", "speech", "dag")
+FAMILIES = ("decoder", "moe", "ssm", "encoder", "encoder-decoder", "vision", "two-tower", "vision-language", "speech", "dag")
+
+#: ``"core"``: the first round of architectures (issue 8); ``"second"``: the second (issue 17)
+GROUPS = ("core", "second")
 
 VOCAB = 96
 SEQ = 8
@@ -86,6 +97,11 @@ def dict_dag_loss(out, target):
     return main + 0.1 * aux + 0.01 * (feat.pow(2).mean() + stats.sum()) + 0.0 * target["w"]
 
 
+def seg_loss(out, target):
+    """Per-pixel cross entropy of ``out.logits`` ``(B, C, h, w)`` against class ids ``(B, h, w)`` (segmentation)."""
+    return F.cross_entropy(_logits(out).float(), target)
+
+
 def mse_loss(out, target):
     """Mean squared error of a tensor output (or ``out['pred']``)."""
     pred = out if isinstance(out, torch.Tensor) else out["pred"]
@@ -94,7 +110,7 @@ def mse_loss(out, target):
 
 LOSSES: dict[str, Callable] = {
     "token": token_loss, "moe": moe_loss, "class": class_loss, "contrastive": contrastive_loss,
-    "dict_dag": dict_dag_loss, "mse": mse_loss,
+    "dict_dag": dict_dag_loss, "mse": mse_loss, "seg": seg_loss,
 }
 
 
@@ -487,11 +503,219 @@ def _inplace(b, g, build=True):
         torch.randn(b, SEQ, HIDDEN, generator=g)
 
 
+# ----------------------------------------------------------------------------- the second round (issue 17)
+def _gptj_like(model_cls, config_cls):
+    # GPT-J / CodeGen: parallel attention + MLP, rotary on part of each head, n_* config names
+    def build(b, g, build=True):
+        model = _hf(model_cls, config_cls, vocab_size=VOCAB, n_embd=HIDDEN, n_layer=2, n_head=4, rotary_dim=4,
+                    n_positions=64, n_inner=64, bos_token_id=1, eos_token_id=2, use_cache=False,
+                    tie_word_embeddings=False) if build else None
+        ids = _ids(g, b, SEQ + 1, low=3)
+        return model, (ids[:, :-1],), {"use_cache": False}, ids[:, 1:]
+
+    return build
+
+
+def _ssm(model_cls, config_cls, **over):
+    # Mamba / Mamba2 without their CUDA kernels: the reference (torch) selective scan
+    def build(b, g, build=True):
+        model = _hf(model_cls, config_cls, vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=2, use_cache=False,
+                    pad_token_id=0, bos_token_id=1, eos_token_id=2, **over) if build else None
+        ids = _ids(g, b, SEQ + 1, low=3)
+        return model, (ids[:, :-1],), {"use_cache": False}, ids[:, 1:]
+
+    return build
+
+
+def _distilbert(b, g, build=True):
+    model = _hf("DistilBertForMaskedLM", "DistilBertConfig", vocab_size=VOCAB, dim=HIDDEN, n_layers=2, n_heads=4,
+                hidden_dim=64, max_position_embeddings=64, pad_token_id=0) if build else None
+    ids = _ids(g, b, low=3)
+    mask = torch.ones(b, SEQ, dtype=torch.long)
+    mask[:, -2:] = torch.randint(0, 2, (b, 2), generator=g)
+    return model, (ids,), {"attention_mask": mask}, _ids(g, b, low=3)
+
+
+def _t5_like(model_cls, config_cls, **over):
+    def build(b, g, build=True):
+        model = _hf(model_cls, config_cls, **{**dict(
+            vocab_size=VOCAB, d_model=HIDDEN, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
+            decoder_start_token_id=0, pad_token_id=0, use_cache=False, tie_word_embeddings=False), **over}) if build else None
+        ids, dec = _ids(g, b, low=3), _ids(g, b, SEQ + 1, low=3)
+        return model, (ids,), {"decoder_input_ids": dec[:, :-1], "use_cache": False}, dec[:, 1:]
+
+    return build
+
+
+def _bart_like(model_cls, config_cls, **over):
+    def build(b, g, build=True):
+        model = _hf(model_cls, config_cls, **{**dict(
+            vocab_size=VOCAB, d_model=HIDDEN, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+            decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64,
+            pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=2, forced_eos_token_id=None,
+            use_cache=False), **over}) if build else None
+        ids, dec = _ids(g, b, low=3), _ids(g, b, SEQ + 1, low=3)
+        return model, (ids,), {"decoder_input_ids": dec[:, :-1], "use_cache": False}, dec[:, 1:]
+
+    return build
+
+
+def _classifier(model_cls, config_cls, size=IMAGE, **cfg):
+    def build(b, g, build=True):
+        model = _hf(model_cls, config_cls, num_labels=10, **cfg) if build else None
+        return model, (_image(b, g, size=size),), {}, torch.randint(0, 10, (b,), generator=g)
+
+    return build
+
+
+def _segformer(b, g, build=True):
+    model = _hf("SegformerForSemanticSegmentation", "SegformerConfig", num_channels=3, num_encoder_blocks=2,
+                depths=[1, 1], sr_ratios=[2, 1], hidden_sizes=[16, 32], patch_sizes=[7, 3], strides=[4, 2],
+                num_attention_heads=[1, 2], mlp_ratios=[2, 2], decoder_hidden_size=32, num_labels=4) if build else None
+    # logits at 1/4 of the input resolution
+    return model, (_image(b, g),), {}, torch.randint(0, 4, (b, IMAGE // 4, IMAGE // 4), generator=g)
+
+
+def _blip(b, g, build=True):
+    model = None
+    if build:
+        t = _quiet_transformers()
+        text = t.BlipTextConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2,
+                                num_attention_heads=4, max_position_embeddings=64, encoder_hidden_size=HIDDEN,
+                                bos_token_id=1, eos_token_id=2, pad_token_id=0, sep_token_id=2)
+        vision = t.BlipVisionConfig(hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                    image_size=IMAGE, patch_size=8)
+        cfg = t.BlipConfig(text_config=text.to_dict(), vision_config=vision.to_dict(), projection_dim=HIDDEN)
+        _no_dropout(cfg)
+        _eager(cfg)
+        model = t.BlipForConditionalGeneration(cfg)
+    ids = _ids(g, b, SEQ + 1, low=3)
+    return model, (), {"pixel_values": _image(b, g), "input_ids": ids[:, :-1]}, ids[:, 1:]
+
+
+class Inception(nn.Module):
+    """Two Inception blocks (1x1 / 3x3 / 5x5 / pooled branches run in parallel and ``cat`` along
+    channels), a stride-2 stem, global average pooling, a linear head."""
+
+    class Block(nn.Module):
+        def __init__(self, cin: int, c: int):
+            super().__init__()
+            self.b1 = nn.Conv2d(cin, c, 1)
+            self.b3 = nn.Sequential(nn.Conv2d(cin, c, 1), nn.ReLU(), nn.Conv2d(c, c, 3, padding=1))
+            self.b5 = nn.Sequential(nn.Conv2d(cin, c // 2, 1), nn.ReLU(), nn.Conv2d(c // 2, c, 5, padding=2))
+            self.bp = nn.Sequential(nn.MaxPool2d(3, stride=1, padding=1), nn.Conv2d(cin, c, 1))
+
+        def forward(self, x):
+            return F.relu(torch.cat([self.b1(x), self.b3(x), self.b5(x), self.bp(x)], dim=1))
+
+    def __init__(self, c: int = 8):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 2 * c, 3, stride=2, padding=1)
+        self.block1 = Inception.Block(2 * c, c)
+        self.block2 = Inception.Block(4 * c, c)
+        self.head = nn.Linear(4 * c, 10)
+
+    def forward(self, x):
+        x = self.block2(self.block1(F.relu(self.stem(x))))
+        return self.head(x.mean(dim=(2, 3)))
+
+
+class RecurrentLM(nn.Module):
+    """Embedding, a 2-layer LSTM, a GRU over the LSTM's outputs (both ``batch_first``), a linear head:
+    cuDNN-style fused recurrent ops whose weights are flat parameter lists."""
+
+    def __init__(self, vocab: int = VOCAB, d: int = HIDDEN):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.lstm = nn.LSTM(d, d, num_layers=2, batch_first=True)
+        self.gru = nn.GRU(d, d, batch_first=True)
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, ids):
+        h, _ = self.lstm(self.embed(ids))
+        h2, _ = self.gru(h)
+        return self.head(h + h2)
+
+
+class MixedDtype(nn.Module):
+    """A bfloat16 middle between float32 layers: parameters of two dtypes, casts at the edges."""
+
+    def __init__(self, d: int = HIDDEN):
+        super().__init__()
+        self.inp = nn.Linear(d, 2 * d)
+        self.mid = nn.Sequential(nn.Linear(2 * d, 2 * d), nn.GELU(), nn.Linear(2 * d, 2 * d)).to(torch.bfloat16)
+        self.norm = nn.LayerNorm(2 * d)
+        self.out = nn.Linear(2 * d, d)
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        h = h + self.mid(h.to(torch.bfloat16)).float()
+        return self.out(self.norm(h))
+
+
+class ArgmaxOutput(nn.Module):
+    """A classifier that also returns its integer predictions (``argmax``, no gradient) and a
+    boolean mask of confident rows: outputs that are not differentiable, next to the logits."""
+
+    def __init__(self, d: int = HIDDEN):
+        super().__init__()
+        self.l1 = nn.Linear(d, 2 * d)
+        self.l2 = nn.Linear(2 * d, 2 * d)
+        self.l3 = nn.Linear(2 * d, 10)
+
+    def forward(self, x):
+        h = F.gelu(self.l2(F.gelu(self.l1(x))))
+        logits = self.l3(h)
+        pred = logits.argmax(dim=-1)
+        return {"logits": logits, "pred": pred, "confident": logits.softmax(-1).amax(-1) > 0.5}
+
+
+class PaddedEmbed(nn.Module):
+    """Token model whose embeddings have a ``padding_idx`` (row 0 gets no gradient) and whose
+    inputs contain padding; an ``EmbeddingBag`` summary of the sequence is added to every position."""
+
+    def __init__(self, vocab: int = VOCAB, d: int = HIDDEN):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d, padding_idx=0)
+        self.bag = nn.EmbeddingBag(vocab, d, mode="mean", padding_idx=0)
+        self.body = nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, ids):
+        h = self.embed(ids) + self.bag(ids).unsqueeze(1)
+        return self.head(h + self.body(h))
+
+
+def _inception(b, g, build=True):
+    return (Inception() if build else None), (_image(b, g, size=16),), {}, torch.randint(0, 10, (b,), generator=g)
+
+
+def _recurrent(b, g, build=True):
+    ids = _ids(g, b, SEQ + 1, low=3)
+    return (RecurrentLM() if build else None), (ids[:, :-1],), {}, ids[:, 1:]
+
+
+def _mixed(b, g, build=True):
+    return (MixedDtype() if build else None), (torch.randn(b, HIDDEN, generator=g),), {}, torch.randn(b, HIDDEN, generator=g)
+
+
+def _argmax(b, g, build=True):
+    return (ArgmaxOutput() if build else None), (torch.randn(b, HIDDEN, generator=g),), {}, \
+        torch.randint(0, 10, (b,), generator=g)
+
+
+def _padded(b, g, build=True):
+    ids = _ids(g, b, SEQ + 1, low=3)
+    ids[:, -3:] = 0  # trailing padding
+    return (PaddedEmbed() if build else None), (ids[:, :-1],), {}, ids[:, 1:]
+
+
 @dataclass(frozen=True)
 class _Entry:
     family: str
     build: Callable
     loss: str
+    group: str = "core"
 
 
 _REGISTRY: dict[str, _Entry] = {
@@ -540,16 +764,85 @@ _REGISTRY: dict[str, _Entry] = {
     "received_inplace": _Entry("dag", _inplace, "mse"),
 }
 
+_MOE2 = dict(num_local_experts=4, num_experts_per_tok=2)
+_SECOND: dict[str, _Entry] = {  # issue 17: the second round of architectures
+    "olmo2": _Entry("decoder", _decoder("Olmo2ForCausalLM", "Olmo2Config"), "token"),
+    "starcoder2": _Entry("decoder", _decoder("Starcoder2ForCausalLM", "Starcoder2Config"), "token"),
+    "gptj": _Entry("decoder", _gptj_like("GPTJForCausalLM", "GPTJConfig"), "token"),
+    "codegen": _Entry("decoder", _gptj_like("CodeGenForCausalLM", "CodeGenConfig"), "token"),
+    "cohere": _Entry("decoder", _decoder("CohereForCausalLM", "CohereConfig"), "token"),
+    "granite": _Entry("decoder", _decoder("GraniteForCausalLM", "GraniteConfig", embedding_multiplier=2.0,
+                                          residual_multiplier=0.5, logits_scaling=2.0), "token"),
+    "stablelm": _Entry("decoder", _decoder("StableLmForCausalLM", "StableLmConfig"), "token"),
+    "mamba": _Entry("ssm", _ssm("MambaForCausalLM", "MambaConfig", state_size=8, expand=2, conv_kernel=4,
+                                time_step_rank=4), "token"),
+    "mamba2": _Entry("ssm", _ssm("Mamba2ForCausalLM", "Mamba2Config", num_heads=8, head_dim=8, expand=2, n_groups=1,
+                                 state_size=8, conv_kernel=4, chunk_size=4, time_step_rank=4), "token"),
+    "jamba": _Entry("ssm", _moe("JambaForCausalLM", "JambaConfig", num_experts=4, num_experts_per_tok=2,
+                                attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
+                                mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=4,
+                                use_mamba_kernels=False), "moe"),
+    "granitemoe": _Entry("moe", _moe("GraniteMoeForCausalLM", "GraniteMoeConfig", **_MOE2), "moe"),
+    "xlm_roberta": _Entry("encoder", _masked_lm("XLMRobertaForMaskedLM", "XLMRobertaConfig", max_position_embeddings=72), "token"),
+    "deberta_v2": _Entry("encoder", _masked_lm("DebertaV2ForMaskedLM", "DebertaV2Config", relative_attention=True,
+                                               pos_att_type=["p2c", "c2p"], position_buckets=8,
+                                               max_relative_positions=16), "token"),
+    "electra": _Entry("encoder", _masked_lm("ElectraForMaskedLM", "ElectraConfig", embedding_size=16), "token"),
+    "distilbert": _Entry("encoder", _distilbert, "token"),
+    "modernbert": _Entry("encoder", _masked_lm("ModernBertForMaskedLM", "ModernBertConfig", global_attn_every_n_layers=2,
+                                               local_attention=4), "token"),
+    "mt5": _Entry("encoder-decoder", _t5_like("MT5ForConditionalGeneration", "MT5Config"), "token"),
+    "umt5": _Entry("encoder-decoder", _t5_like("UMT5ForConditionalGeneration", "UMT5Config"), "token"),
+    "pegasus": _Entry("encoder-decoder", _bart_like("PegasusForConditionalGeneration", "PegasusConfig"), "token"),
+    "marian": _Entry("encoder-decoder", _bart_like("MarianMTModel", "MarianConfig", decoder_vocab_size=VOCAB,
+                                                   decoder_start_token_id=0), "token"),
+    "mbart": _Entry("encoder-decoder", _bart_like("MBartForConditionalGeneration", "MBartConfig"), "token"),
+    "swin": _Entry("vision", _classifier("SwinForImageClassification", "SwinConfig", image_size=IMAGE, patch_size=4,
+                                         embed_dim=16, depths=[1, 1], num_heads=[2, 2], window_size=4), "class"),
+    "deit": _Entry("vision", _classifier("DeiTForImageClassification", "DeiTConfig", hidden_size=HIDDEN,
+                                         num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                                         image_size=IMAGE, patch_size=8), "class"),
+    "dinov2": _Entry("vision", _classifier("Dinov2ForImageClassification", "Dinov2Config", hidden_size=HIDDEN,
+                                           num_hidden_layers=2, num_attention_heads=4, mlp_ratio=2, image_size=IMAGE,
+                                           patch_size=8), "class"),
+    "segformer": _Entry("vision", _segformer, "seg"),
+    "mobilevit": _Entry("vision", _classifier("MobileViTForImageClassification", "MobileViTConfig", size=64,
+                                              image_size=64, patch_size=2, hidden_sizes=[16, 16, 24],
+                                              neck_hidden_sizes=[8, 8, 16, 16, 16, 24, 32], num_attention_heads=2,
+                                              expand_ratio=2.0), "class"),
+    "efficientnet": _Entry("vision", _classifier("EfficientNetForImageClassification", "EfficientNetConfig",
+                                                 image_size=IMAGE, width_coefficient=0.25, depth_coefficient=1.0,
+                                                 kernel_sizes=[3, 5], in_channels=[32, 16], out_channels=[16, 24],
+                                                 depthwise_padding=[], strides=[1, 2], num_block_repeats=[1, 1],
+                                                 expand_ratios=[1, 6], hidden_dim=320), "class"),
+    "regnet": _Entry("vision", _classifier("RegNetForImageClassification", "RegNetConfig", embedding_size=16,
+                                           hidden_sizes=[16, 32], depths=[1, 1], groups_width=8, layer_type="x"),
+                     "class"),
+    "wav2vec2_conformer": _Entry("speech", _wav2vec2("Wav2Vec2ConformerForCTC", "Wav2Vec2ConformerConfig"), "token"),
+    "blip": _Entry("vision-language", _blip, "token"),
+    "inception": _Entry("dag", _inception, "class"),
+    "lstm_gru": _Entry("dag", _recurrent, "token"),
+    "mixed_dtype": _Entry("dag", _mixed, "mse"),
+    "argmax_output": _Entry("dag", _argmax, "class"),
+    "padding_idx": _Entry("dag", _padded, "token"),
+}
+_REGISTRY.update({k: _Entry(e.family, e.build, e.loss, "second") for k, e in _SECOND.items()})
+
 
 #: models trained in training mode (BatchNorm statistics; GPT-2 with dropout p = 0)
 _TRAIN_MODE = ("gpt2", "resnet", "batchnorm")
 
 
-def names(family: str | None = None) -> list[str]:
-    """Names of the zoo's models (of one family, if given), in a fixed order."""
+def names(family: str | None = None, group: str | None = None) -> list[str]:
+    """Names of the zoo's models, in a fixed order: of one family and / or one group, if given.
+
+    ``group``: ``"core"`` (the first 32, issue 8) or ``"second"`` (the second round, issue 17).
+    """
     if family is not None and family not in FAMILIES:
         raise InputError(f"unknown family {family!r}; use one of {FAMILIES}")
-    return [k for k, e in _REGISTRY.items() if family is None or e.family == family]
+    if group is not None and group not in GROUPS:
+        raise InputError(f"unknown group {group!r}; use one of {GROUPS}")
+    return [k for k, e in _REGISTRY.items() if (family is None or e.family == family) and (group is None or e.group == group)]
 
 
 @dataclass(frozen=True)

@@ -20,17 +20,18 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
 
 def test_zoo_covers_the_families():
-    names = zoo.names()
+    names = zoo.names(group="core")
     hf = [n for n in names if zoo.get(n).family != "dag"]
     assert len(hf) >= 20
     for fam in zoo.FAMILIES:
         assert zoo.names(fam), f"no {fam} model in the zoo"
+    assert zoo.names() == zoo.names(group="core") + zoo.names(group="second")
 
 
 @pytest.mark.parametrize("ranks", [2, 4])
 def test_every_architecture_and_schedule_equals_single_process_training(ranks):
-    res = run_matrix(ranks=(ranks,))
-    assert len(res.cells) == len(zoo.names()) * len(SCHEDULES)
+    res = run_matrix(zoo.names(group="core"), ranks=(ranks,))  # the second round: tests/test_arch_matrix2.py
+    assert len(res.cells) == len(zoo.names(group="core")) * len(SCHEDULES)
     failures = [f"{c.model} {c.schedule}: {c.error or c.problems or c.to_dict()}" for c in res.failures()]
     assert not failures, "\n\n".join(failures)
     # the hard cases were really exercised
