@@ -46,15 +46,12 @@ META_CHECKPOINT = ("olmo2", "mamba", "distilbert", "pegasus", "swin", "inception
 
 #: (model, ranks or None for both, "train" | "meta") -> why it fails today (issue 17 item)
 KNOWN = {
-    ("modernbert", None, "train"): "issue 17 item 2 (helper ident): ModernBERT's traced graph depends on "
-                                   "PYTHONHASHSEED; workers train another partition than the "
-                                   "planned one (a buffer missing from the pipeline, or 'stage_of is not monotone')",
-    ("mixed_dtype", None, "train"): "issue 17 item 7 (helper metashapes): bf16 + fp32 parameters are within "
-                                    "1 ulp of their own dtype, but the verdict's 1e-5 ignores dtype",
-    ("granitemoe", None, "meta"): "issue 17 item 8 / 'what broke' 7 (helper metashapes): traced on meta, histc's "
-                                  "input is cast to int32 (a device-dependent branch), which has no CPU kernel",
-    ("segformer", None, "meta"): "issue 17 items 2 and 5 (helper ident): the meta trace differs from the CPU "
-                                 "plan's by trivial nodes (_assert_tensor_metadata), so the plan is refused",
+    ("modernbert", 4, "train"): "a 4-rank worker aborted (SIGABRT) in 1 of 3 runs on 2026-11-26 after the structural "
+                                "matching fixed its hash-order graphs (the other runs were equal): to investigate",
+    ("granitemoe", None, "meta"): "traced on meta, histc's input is cast to int32 (a device-dependent branch) that "
+                                  "has no CPU kernel: fxpipe.compile warns (DeviceBranchWarning), no rewrite yet",
+    ("segformer", None, "meta"): "the meta trace differs from the CPU plan's by _assert_tensor_metadata nodes, "
+                                 "which structural matching does not read through yet, so the plan is refused",
 }
 
 
@@ -79,8 +76,9 @@ def _params(ranks, kind, models):
 
 
 def _check(cell):
+    # the verdict's tolerances are per dtype (fxpipe.codegen.compare): 1e-5 of the largest value for
+    # fp32 tensors, a few ulps of bf16 where a gradient reads bf16 values (mixed_dtype)
     assert cell.ok, f"{cell.model} {cell.ranks} ranks {cell.schedule}: {cell.error or cell.problems or cell.to_dict()}"
-    assert cell.max_grad_rel_diff <= 1e-5 and cell.max_param_rel_diff <= 1e-5
 
 
 def test_second_round_is_in_the_zoo():
