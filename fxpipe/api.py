@@ -30,7 +30,7 @@ from fxpipe.ir import OpGraph, Schedule, ScheduleProblem
 from fxpipe.memory import MemoryModel
 from fxpipe.partition.objective import Partition
 from fxpipe.plan import PLAN_FORMAT, DeviceStats, Plan, StageStats, graph_signature, load_plan  # noqa: F401 (public re-exports)
-from fxpipe.schedule import registry as _schedule_registry
+import fxpipe.schedule.registry as _schedule_registry
 
 #: every schedule method (= :data:`fxpipe.schedule.dispatch.METHODS`); which ones a placement
 #: admits: :func:`fxpipe.schedule.dispatch.methods_for_placement`.

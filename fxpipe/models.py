@@ -287,13 +287,7 @@ def _build_preset(
     except Exception as exc:  # noqa: BLE001 - transformers' own validation errors have many types
         msg = " ".join(str(exc).split())
         raise InputError(f"invalid {base} config {cfg_kwargs}: {msg[:300]}") from None
-    try:
-        bs, sl = int(inputs["batch_size"]), int(inputs["seq_len"])
-        dsl = int(inputs["decoder_seq_len"] or sl)
-    except (TypeError, ValueError):
-        raise InputError(f"batch_size, seq_len and decoder_seq_len must be integers, got {inputs}") from None
-    if bs < 1 or sl < 1 or dsl < 1:
-        raise InputError(f"batch_size and seq_len must be >= 1, got {bs}, {sl}")
+    bs, sl, dsl = _input_sizes(inputs)
     max_pos = getattr(config, "n_positions", None) if base == "gpt2" else getattr(config, "max_position_embeddings", None)
     if max_pos is not None and base != "t5" and sl > int(max_pos):
         raise InputError(f"seq_len {sl} exceeds the model's {int(max_pos)} positions: raise n_positions / max_position_embeddings or shorten seq_len")
@@ -988,13 +982,7 @@ def _build_generic(arch: str, overrides: Mapping[str, Any], device: str, dtype: 
     cfg_over: dict[str, Any] = {}
     for key, val in overrides.items():
         (inputs if key in _INPUT_KEYS else cfg_over)[key] = val
-    try:
-        bs, sl = int(inputs["batch_size"]), int(inputs["seq_len"])
-        dsl = int(inputs["decoder_seq_len"] or sl)
-    except (TypeError, ValueError):
-        raise InputError(f"batch_size, seq_len and decoder_seq_len must be integers, got {inputs}") from None
-    if bs < 1 or sl < 1 or dsl < 1:
-        raise InputError(f"batch_size, seq_len and decoder_seq_len must be >= 1, got {bs}, {sl}, {dsl}")
+    bs, sl, dsl = _input_sizes(inputs)
     attn = _check_attn(inputs["attn_implementation"])
 
     folder: Path | None = None
@@ -1105,6 +1093,24 @@ def _instantiate(t, model_cls, config, task, device, dtype, seed, bs, sl, dsl, *
             "weights": weights if device != "meta" else "none (meta)", "inputs": [s.name for s in specs],
             "input_specs": [dataclasses.asdict(s) for s in specs]}
     return model, args, info
+
+
+def _input_sizes(inputs: dict) -> tuple[int, int, int]:
+    """``(batch_size, seq_len, decoder_seq_len)`` of the example inputs, checked.
+
+    Raises
+    ------
+    InputError
+        When one is not an integer or is < 1.
+    """
+    try:
+        bs, sl = int(inputs["batch_size"]), int(inputs["seq_len"])
+        dsl = int(inputs["decoder_seq_len"] or sl)
+    except (TypeError, ValueError):
+        raise InputError(f"batch_size, seq_len and decoder_seq_len must be integers, got {inputs}") from None
+    if bs < 1 or sl < 1 or dsl < 1:
+        raise InputError(f"batch_size, seq_len and decoder_seq_len must be >= 1, got {bs}, {sl}, {dsl}")
+    return bs, sl, dsl
 
 
 def build_hf_model(

@@ -363,3 +363,10 @@ def test_capture_removes_dead_pure_ops_only():
     # the exported program itself keeps the dead ops: the removal is fxpipe's, and can fail
     exported_targets = [str(n.target) for n in cap.exported.graph.nodes if n.op == "call_function"]
     assert any("arange" in t for t in exported_targets)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "qwen3"])  # a preset and a generic model type share one check
+@pytest.mark.parametrize("bad, says", [({"seq_len": 0}, "must be >= 1"), ({"batch_size": "x"}, "must be integers")])
+def test_example_input_sizes_are_checked(arch, bad, says):
+    with pytest.raises(InputError, match=says):
+        build_hf_model(arch, bad, device="meta")

@@ -58,7 +58,7 @@ import numpy as np
 
 from fxpipe.errors import InfeasibleError, InputError, SolverError
 from fxpipe.ir import Schedule, ScheduleProblem
-from fxpipe.schedule import registry
+import fxpipe.schedule.registry as registry
 
 __all__ = ["AutoResult", "auto_schedule", "limited_1f1b", "plain_peak", "PLAIN_METHODS", "PLAIN_MULTI_METHODS", "OFFLOAD_METHODS",
            "AUTO_MILP_MAX_OPS"]

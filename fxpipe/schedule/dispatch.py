@@ -18,7 +18,7 @@ from typing import Sequence
 
 from fxpipe.errors import InputError, SolverError
 from fxpipe.ir import Schedule, ScheduleProblem, looped_placement, v_placement
-from fxpipe.schedule import registry
+import fxpipe.schedule.registry as registry
 
 #: Every schedule method (:data:`fxpipe.schedule.registry.REGISTRY`, heuristics first).
 METHODS = (*registry.names("heuristic"), *registry.names("milp"), *registry.names("auto"))

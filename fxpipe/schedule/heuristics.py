@@ -63,7 +63,7 @@ import numpy as np
 
 from fxpipe.errors import InfeasibleError, InputError
 from fxpipe.ir import Schedule, ScheduleProblem
-from fxpipe.schedule import registry as _registry
+import fxpipe.schedule.registry as _registry
 from fxpipe.schedule.simulate import simulate
 from fxpipe.schedule.validate import InvalidScheduleError, check_schedule
 

@@ -7,7 +7,7 @@ from typing import Any
 
 from fxpipe.errors import InfeasibleError, InputError
 from fxpipe.ir import Schedule, ScheduledOp, ScheduleProblem, schedule_to_orders, sort_ops
-from fxpipe.schedule import registry
+import fxpipe.schedule.registry as registry
 from fxpipe.schedule.milp.builder import MilpVars, durations
 
 __all__ = ["check_memory_feasible", "sequential_schedule", "warm_start_schedule", "warm_start_values", "objective_value"]
