@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -85,7 +86,11 @@ def main() -> None:
         if last:
             losses_per_step.append(sum(float(x.detach()) for x in losses) / len(losses))
     if last:
-        print(json.dumps({"rank": rank, "losses": losses_per_step, "param_bytes": held_bytes}), flush=True)
+        # One write of the whole line: ranks share torchrun's stdout, and print() writes the text and its
+        # newline separately when stdout is unbuffered, so two ranks' lines could run together.
+        line = json.dumps({"rank": rank, "losses": losses_per_step, "param_bytes": held_bytes}) + "\n"
+        sys.stdout.flush()
+        os.write(sys.stdout.fileno(), line.encode())
     dist.destroy_process_group()
 
 
