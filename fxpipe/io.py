@@ -1,15 +1,18 @@
-"""Atomic file writing, JSON reading and number conversion shared by every part of fxpipe.
+"""Atomic file writing, JSON reading, number conversion and byte formatting shared by every part of fxpipe.
 
 Files fxpipe writes are JSON (or text/bytes for reports and charts), written atomically:
 a temporary file in the same folder, fsync, rename (:func:`write_text_atomic`,
 :func:`write_json_atomic`), never pickle. :func:`read_json` turns every failure into an
 :class:`~fxpipe.errors.InputError` that names the file. The ``_as_*`` helpers convert
-numbers read from JSON into validated numpy arrays and integers.
+numbers read from JSON into validated numpy arrays and integers. :func:`format_bytes` is
+the one way fxpipe writes a byte count for people (binary units), :func:`binary_unit` the
+unit of a column or an axis of byte counts.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 from pathlib import Path
@@ -19,7 +22,47 @@ import numpy as np
 
 from fxpipe.errors import InputError
 
-__all__ = ["write_text_atomic", "write_json_atomic", "read_json", "read_text"]
+__all__ = ["write_text_atomic", "write_json_atomic", "read_json", "read_text", "format_bytes", "binary_unit",
+           "BINARY_UNITS"]
+
+#: Binary units of byte counts, smallest first, with their size in bytes.
+BINARY_UNITS = (("B", 1), ("KiB", 2**10), ("MiB", 2**20), ("GiB", 2**30), ("TiB", 2**40))
+
+
+def binary_unit(most_bytes: float, *, largest: str = "TiB") -> tuple[str, float]:
+    """The binary unit to show byte counts up to ``most_bytes`` in: ``(name, bytes per unit)``.
+
+    The largest unit of :data:`BINARY_UNITS` (up to ``largest``) that ``|most_bytes|`` reaches;
+    ``("B", 1.0)`` below 1 KiB. Used for a table column or a chart axis, so that every value
+    of it shares one unit.
+
+    Raises
+    ------
+    InputError
+        If ``largest`` is not a unit of :data:`BINARY_UNITS`.
+    """
+    names = [u for u, _ in BINARY_UNITS]
+    if largest not in names:
+        raise InputError(f"largest must be one of {names}, got {largest!r}")
+    most = abs(float(most_bytes))
+    units = BINARY_UNITS[: names.index(largest) + 1]
+    return next(((u, float(d)) for u, d in reversed(units) if most >= d), ("B", 1.0))
+
+
+def format_bytes(n: float, digits: int = 1) -> str:
+    """A byte count for people, in binary units: ``1536 -> '1.5 KiB'``, ``512 -> '512 B'``.
+
+    Parameters
+    ----------
+    n : float
+        Bytes (may be negative, e.g. an overflow; ``inf`` for an unlimited capacity gives ``'inf'``).
+    digits : int
+        Decimals shown in KiB and above (bytes are whole); never scientific notation.
+    """
+    if not math.isfinite(n):
+        return "inf" if n > 0 else ("-inf" if n < 0 else "nan")
+    unit, div = binary_unit(n)
+    return f"{n:.0f} B" if unit == "B" else f"{n / div:.{digits}f} {unit}"
 
 
 def write_text_atomic(path: str | os.PathLike, data: str | bytes) -> Path:

@@ -104,6 +104,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from fxpipe.errors import InputError
+from fxpipe.io import format_bytes
 
 __all__ = [
     "ACTIVATION_RULES",
@@ -111,9 +112,13 @@ __all__ = [
     "DEFAULT_RESERVED_FRACTION",
     "KINDS",
     "POLICIES",
+    "KIND_LABELS",
+    "ROW_FIELDS",
     "DeviceMemory",
     "MemoryModel",
+    "MemoryRow",
     "PrecisionPolicy",
+    "fits_capacity",
     "format_bytes",
     "inflight_stashes",
 ]
@@ -126,6 +131,45 @@ DEFAULT_RESERVED_FRACTION = 0.10
 
 #: Memory kinds of a stage, in the order the stage table and the report show them.
 KINDS = ("params_bytes", "grads_bytes", "optimizer_bytes", "activation_peak_bytes", "comm_buffer_bytes", "reserved_bytes")
+
+#: Short label of every kind, for tables and chart legends.
+KIND_LABELS = {"params_bytes": "params", "grads_bytes": "grads", "optimizer_bytes": "optimizer",
+               "activation_peak_bytes": "activation peak", "comm_buffer_bytes": "comm buffers",
+               "reserved_bytes": "reserved", "offloaded_peak_bytes": "offloaded"}
+
+#: The memory columns of a row of a plan's stage or device table (bytes): the :data:`KINDS`,
+#: the offloaded peak (host memory), ``memory_bytes`` (their total on the device) and
+#: ``capacity_bytes`` (None: unlimited). :class:`MemoryRow` is their capacity check,
+#: :meth:`DeviceMemory.row` fills them.
+ROW_FIELDS = KINDS + ("offloaded_peak_bytes", "memory_bytes", "capacity_bytes")
+
+
+def fits_capacity(memory_bytes: float, capacity_bytes: float | None) -> bool:
+    """``memory_bytes <= capacity_bytes`` up to rounding (1e-12 relative); True without a
+    capacity (``None`` or ``inf``). The one capacity check of every memory row."""
+    return capacity_bytes is None or memory_bytes <= capacity_bytes * (1 + 1e-12)
+
+
+class MemoryRow:
+    """Mixin of a table row with memory columns (:data:`ROW_FIELDS`): its capacity check.
+
+    A row class (a plan's stage or device row, :class:`DeviceMemory`) provides
+    ``memory_bytes`` (its total) and ``capacity_bytes`` (``None`` or ``inf``: unlimited).
+    """
+
+    memory_bytes: float
+    capacity_bytes: float | None
+
+    @property
+    def fits(self) -> bool:
+        """The row's total fits its capacity (:func:`fits_capacity`)."""
+        return fits_capacity(self.memory_bytes, self.capacity_bytes)
+
+    @property
+    def overflow_bytes(self) -> float:
+        """``memory - capacity`` when positive, else 0."""
+        cap = self.capacity_bytes
+        return 0.0 if cap is None else max(0.0, self.memory_bytes - cap)
 
 
 @dataclass(frozen=True)
@@ -181,19 +225,6 @@ def _as_policy(policy: str | PrecisionPolicy) -> PrecisionPolicy:
     return POLICIES[policy]
 
 
-def format_bytes(n: float) -> str:
-    """``1536 -> '1.5 KiB'``: binary units, one decimal (``'inf'`` for an unlimited capacity)."""
-    if not math.isfinite(n):
-        return "inf"
-    sign = "-" if n < 0 else ""
-    n = abs(float(n))
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{sign}{n:.0f} {unit}" if unit == "B" else f"{sign}{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")  # pragma: no cover
-
-
 def inflight_stashes(k: int, num_microbatches: int, rule: str, objective: str = "training") -> np.ndarray:
     """Stashes the partitioner counts on each pipeline position (float64 (k,)).
 
@@ -227,7 +258,7 @@ def inflight_stashes(k: int, num_microbatches: int, rule: str, objective: str = 
 
 
 @dataclass(frozen=True)
-class DeviceMemory:
+class DeviceMemory(MemoryRow):
     """Memory of one device by kind, in bytes (the sum over the stages it holds).
 
     Attributes
@@ -265,13 +296,15 @@ class DeviceMemory:
         return self.static_bytes + self.activation_peak_bytes + self.reserved_bytes
 
     @property
-    def overflow_bytes(self) -> float:
-        """``total - capacity`` when positive, else 0."""
-        return max(0.0, self.total_bytes - self.capacity_bytes)
+    def memory_bytes(self) -> float:
+        """The row's total (:attr:`total_bytes`; the name of a plan's stage / device tables)."""
+        return self.total_bytes
 
-    @property
-    def fits(self) -> bool:
-        return self.total_bytes <= self.capacity_bytes * (1 + 1e-12)
+    def row(self) -> dict[str, Any]:
+        """The :data:`ROW_FIELDS` of a plan's stage / device row (an unlimited capacity is ``None``)."""
+        out = {k: float(getattr(self, k)) for k in ROW_FIELDS}
+        out["capacity_bytes"] = None if not math.isfinite(self.capacity_bytes) else float(self.capacity_bytes)
+        return out
 
     def to_dict(self) -> dict[str, Any]:
         out = {k: float(getattr(self, k)) for k in KINDS}

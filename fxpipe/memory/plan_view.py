@@ -1,0 +1,148 @@
+"""A plan's memory by kind: the plan view of the one memory model (:mod:`fxpipe.memory.model`).
+
+This module applies :class:`fxpipe.memory.MemoryModel` to a costed graph, a partition into
+stages, their placement on devices and a schedule. It adds no formula of its own: the
+parameters of a stage are :func:`fxpipe.partition.memory.num_params` summed over its nodes,
+its receive buffers are :meth:`MemoryModel.comm_buffer_bytes` of its Contract-2 relay
+boundary bytes (:func:`fxpipe.partition.objective.io_bytes`), the static state is
+:meth:`MemoryModel.static_bytes`, the activation budget the schedule gets is
+:meth:`MemoryModel.activation_budget_bytes` (Contract 3's ``mem_limit``), and the activation
+peak is read from the schedule's memory curve (:func:`fxpipe.schedule.validate.peak_memory`,
+:func:`~fxpipe.schedule.validate.memory_profile`). The partitioner
+(:func:`fxpipe.partition.memory.stage_memory_bytes`), the schedule problem and the plan's
+stage table therefore count the same bytes (``tests/test_plan_memory.py`` recomputes all
+three).
+
+Torch-free: usable by ``plan_graph`` on a loaded graph.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import numpy as np
+
+from fxpipe.errors import InfeasibleError
+from fxpipe.ir import OpGraph, Schedule, ScheduleProblem
+from fxpipe.io import format_bytes
+from fxpipe.memory.model import DeviceMemory, MemoryModel
+
+__all__ = ["StageStatic", "stage_static", "schedule_mem_limit", "stage_memory", "device_memory"]
+
+
+class StageStatic:
+    """Parameters and receive-buffer bytes of every stage (float64 arrays (k,)).
+
+    Attributes
+    ----------
+    num_params : float64 (k,)
+        Parameters each stage holds.
+    comm_buffer_bytes : float64 (k,)
+        Receive buffers of each stage (:meth:`MemoryModel.comm_buffer_bytes`).
+    input_bytes, output_bytes : float64 (k,)
+        Relay bytes a stage receives / sends forward per micro-batch.
+    """
+
+    def __init__(self, num_params, comm_buffer_bytes, input_bytes, output_bytes):
+        self.num_params = np.asarray(num_params, dtype=np.float64)
+        self.comm_buffer_bytes = np.asarray(comm_buffer_bytes, dtype=np.float64)
+        self.input_bytes = np.asarray(input_bytes, dtype=np.float64)
+        self.output_bytes = np.asarray(output_bytes, dtype=np.float64)
+
+
+def stage_static(graph: OpGraph, assignment, k: int, model: MemoryModel, num_microbatches: int,
+                 objective: str) -> StageStatic:
+    """Parameters and receive buffers of the ``k`` stages of ``assignment`` (see the module docstring).
+
+    Parameters
+    ----------
+    graph : OpGraph
+    assignment : int array (n,)
+        Stage of every node, in pipeline order (every edge to the same or a later stage).
+    k : int
+    model : MemoryModel
+    num_microbatches : int
+    objective : {"training", "inference"}
+    """
+    from fxpipe.partition.memory import num_params
+    from fxpipe.partition.objective import io_bytes
+
+    a = np.asarray(assignment, dtype=np.int64)
+    params = np.bincount(a, weights=num_params(graph), minlength=k)
+    in_b, out_b = io_bytes(graph, a, k, "relay")
+    comm = model.comm_buffer_bytes(in_b, out_b, num_microbatches, objective)
+    return StageStatic(params, comm, in_b, out_b)
+
+
+def schedule_mem_limit(graph: OpGraph, assignment, k: int, device_of_stage: Sequence[int], model: MemoryModel,
+                       num_microbatches: int, objective: str) -> np.ndarray:
+    """Contract 3's ``mem_limit`` per device: ``capacity - reserved - static`` of its stages (bytes).
+
+    ``inf`` everywhere for an unlimited capacity.
+
+    Raises
+    ------
+    InfeasibleError
+        When a device's static state (parameters, gradients, optimizer state, receive buffers)
+        alone leaves no room for activations; the message names the device and the overflow.
+    """
+    st = stage_static(graph, assignment, k, model, num_microbatches, objective)
+    limit = model.activation_budget_bytes(st.num_params, st.comm_buffer_bytes, objective, device_of_stage)
+    bad = np.flatnonzero(limit <= 0)
+    if bad.size:
+        d = int(bad[np.argmin(limit[bad])])
+        stages = [s for s in range(k) if int(device_of_stage[s]) == d]
+        err = InfeasibleError(
+            f"device {d} (stages {stages}): its static state (parameters, gradients, optimizer state, receive buffers "
+            f"under the {model.precision.name} policy) needs {format_bytes(model.usable_bytes - float(limit[d]))}, "
+            f"over the usable {format_bytes(model.usable_bytes)} of {format_bytes(model.capacity_bytes)} by "
+            f"{format_bytes(-float(limit[d]))}; no schedule can fit: use more devices, fewer stages per device, "
+            "ZeRO sharding over data-parallel replicas or devices with more memory"
+        )
+        err.overflow_bytes = -float(limit[d])
+        raise err
+    return limit
+
+
+def _offloaded_of_stage(problem: ScheduleProblem, ops, s: int) -> float:
+    from fxpipe.schedule.validate import offloaded_peak
+
+    mine = [o for o in ops if o.stage == s]
+    return float(offloaded_peak(problem, mine)[problem.device_of_stage[s]])
+
+
+def stage_memory(graph: OpGraph, assignment, problem: ScheduleProblem, schedule: Schedule, model: MemoryModel,
+                 objective: str) -> list[DeviceMemory]:
+    """Memory of every stage by kind, each stage counted as if alone on a device (reserved included).
+
+    With one stage per device this is :func:`device_memory`. The activation peak is the
+    maximum of the stage's memory curve in ``schedule``; the offloaded peak the most of its
+    stashes in host memory at once.
+    """
+    from fxpipe.schedule.validate import memory_profile
+
+    k = problem.num_stages
+    st = stage_static(graph, assignment, k, model, problem.num_microbatches, objective)
+    ops = list(schedule.ops)
+    act = np.zeros(k)
+    off = np.zeros(k)
+    for s in range(k):
+        _, mem = memory_profile(problem, ops, s)
+        act[s] = float(mem.max()) if mem.size else 0.0
+        off[s] = _offloaded_of_stage(problem, ops, s)
+    rows = model.breakdown(st.num_params, st.comm_buffer_bytes, act, objective, offloaded_peak_bytes=off)
+    return [DeviceMemory(**{**r.__dict__, "device": int(problem.device_of_stage[s])}) for s, r in enumerate(rows)]
+
+
+def device_memory(graph: OpGraph, assignment, problem: ScheduleProblem, schedule: Schedule, model: MemoryModel,
+                  objective: str) -> list[DeviceMemory]:
+    """Memory of every device by kind: its stages' static state, the peak of its activation
+    curve in ``schedule`` (:func:`fxpipe.schedule.validate.peak_memory`), its offloaded peak
+    (:func:`~fxpipe.schedule.validate.offloaded_peak`) and the reserved fraction."""
+    from fxpipe.schedule.validate import offloaded_peak, peak_memory
+
+    st = stage_static(graph, assignment, problem.num_stages, model, problem.num_microbatches, objective)
+    return model.breakdown(st.num_params, st.comm_buffer_bytes, peak_memory(problem, schedule.ops), objective,
+                           offloaded_peak_bytes=offloaded_peak(problem, schedule.ops),
+                           device_of_stage=problem.device_of_stage)
