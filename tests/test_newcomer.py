@@ -189,7 +189,7 @@ def test_report_text_has_no_scientific_notation(tmp_path):
 
 def test_gantt_rows_carry_data_only(auto_plan):
     from fxpipe.ir import Schedule, ScheduledOp
-    from fxpipe.schedule.plot import gantt_rows
+    from fxpipe.report.gantt import gantt_rows
 
     plan = auto_plan
     assert not any(o.type in ("O", "R") for o in plan.schedule.ops)

@@ -272,7 +272,7 @@ def test_dualpipe_case_from_the_paper(pp):
 
 def test_schedule_ir_mip_and_schedule_packages_do_not_import_torch():
     code = ("import sys, fxpipe.ir, fxpipe.ir.torch_csv, fxpipe.mip, fxpipe.schedule, fxpipe.schedule.milp, "
-            "fxpipe.schedule.dispatch, fxpipe.schedule.cache, fxpipe.schedule.plot; "
+            "fxpipe.schedule.dispatch, fxpipe.schedule.cache, fxpipe.report; "
             "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))[:5]")
     subprocess.run([sys.executable, "-c", code], check=True)
 
@@ -326,7 +326,7 @@ def test_cli_schedules_placed_problems_and_writes_torch_csv(tmp_path, capsys):
 def test_gantt_and_trace_have_one_row_per_device(tmp_path):
     import json
 
-    from fxpipe.schedule.plot import chrome_trace, gantt
+    from fxpipe.report import chrome_trace, gantt
 
     prob = ScheduleProblem.create(num_stages=4, num_microbatches=4, t_f=1, t_b=1, t_w=1, mem_limit=6.0,
                                   device_of_stage=v_placement(2), offload_bytes=0.0)

@@ -1,4 +1,4 @@
-"""Schedule pictures (fxpipe.schedule.plot): Gantt PNG/SVG and a Chrome/Perfetto trace."""
+"""Schedule pictures (fxpipe.report.gantt, fxpipe.report.trace): Gantt PNG/SVG and a Chrome/Perfetto trace."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from fxpipe.errors import InputError
 from fxpipe.ir import ScheduleProblem
 from fxpipe.schedule import heuristics
-from fxpipe.schedule.plot import chrome_trace, gantt
+from fxpipe.report import chrome_trace, gantt
 
 
 @pytest.fixture(scope="module")

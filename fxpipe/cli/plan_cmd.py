@@ -419,7 +419,7 @@ def run(args: argparse.Namespace) -> int:
         doc["plan_file"] = args.out
         text.append(f"plan written to {args.out}")
     if args.trace:
-        from fxpipe.schedule.plot import chrome_trace
+        from fxpipe.report.trace import chrome_trace
 
         doc["trace_file"] = str(chrome_trace(plan.schedule, args.trace, plan.problem))
         text.append(f"schedule trace written to {args.trace} (open in ui.perfetto.dev or chrome://tracing)")

@@ -77,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
     if args.out:
         write_json_atomic(args.out, doc)
     if args.gantt or args.trace:
-        from fxpipe.schedule.plot import chrome_trace, gantt
+        from fxpipe.report import chrome_trace, gantt
 
         if args.gantt:
             gantt(problem, sched, args.gantt)

@@ -4,8 +4,9 @@ A report holds the graph statistics, the partition as a stage table, a stage-cos
 (work and io stacked, the best lower bound drawn across), the certificate hierarchy of
 :mod:`fxpipe.partition.bounds` with each bound's ratio to the partition, any extra sections
 the caller adds (a model report adds its capture / schedule facts), and the exact command
-that reproduces it. Charts are matplotlib figures embedded as base64 PNG, so the HTML file
-needs nothing else. No torch import: a model report passes plain sections in.
+that reproduces it. Charts are matplotlib figures embedded as base64 PNG
+(:mod:`fxpipe.report.charts`), so the HTML file needs nothing else. No torch import: a model
+report passes plain sections in.
 
 Example
 -------
@@ -19,20 +20,21 @@ from __future__ import annotations
 import base64
 import datetime as _dt
 import html
-import io
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
 from fxpipe.errors import InputError
-from fxpipe.ir import OpGraph, write_text_atomic
+from fxpipe.io import format_bytes, write_text_atomic
+from fxpipe.ir import OpGraph
 from fxpipe.partition.objective import Partition, block_costs, io_bytes
+from fxpipe.report.charts import bounds_chart, stage_chart
+from fxpipe.report.format import column_unit, fixed, format_bandwidth, format_ms, format_ratio, ms_column
 
-__all__ = ["ReportSection", "write_report", "write_plan_report", "plan_memory_section", "stage_table", "render_html",
-           "render_markdown"]
+__all__ = ["BOUND_METHOD_TEXT", "ReportSection", "write_report", "stage_table", "render_html", "render_markdown"]
 
 
 @dataclass
@@ -55,10 +57,6 @@ class ReportSection:
     html: str = ""
     figures: list = field(default_factory=list)
 
-
-# --------------------------------------------------------------------------------------
-# data
-# --------------------------------------------------------------------------------------
 
 
 def stage_table(graph: OpGraph, partition: Partition) -> list[dict[str, Any]]:
@@ -102,181 +100,13 @@ def _graph_stats(graph: OpGraph, objective: str) -> list[tuple[str, str]]:
         ("nodes (ops)", str(graph.n)),
         ("edges", str(graph.m)),
         ("op kinds", top or "-"),
-        (f"total work per micro-batch ({objective})", _fmt_s(float(np.sum(graph.work_s(objective))))),
-        ("total forward time per micro-batch", _fmt_s(float(np.sum(graph.t_fwd_s)))),
-        ("total output bytes (graph dtype)", _fmt_bytes(float(np.sum(graph.size_out_bytes)))),
-        ("total parameter bytes (graph dtype)", _fmt_bytes(float(np.sum(graph.size_param_bytes)))),
-        ("link bandwidth between devices", _fmt_bandwidth(graph.bandwidth_bytes_per_s)),
+        (f"total work per micro-batch ({objective})", format_ms(float(np.sum(graph.work_s(objective))))),
+        ("total forward time per micro-batch", format_ms(float(np.sum(graph.t_fwd_s)))),
+        ("total output bytes (graph dtype)", format_bytes(float(np.sum(graph.size_out_bytes)), 2)),
+        ("total parameter bytes (graph dtype)", format_bytes(float(np.sum(graph.size_param_bytes)), 2)),
+        ("link bandwidth between devices", format_bandwidth(graph.bandwidth_bytes_per_s)),
     ]
 
-
-def _fixed(x: float, digits: int = 3) -> str:
-    """``x`` in positional notation (never ``1e-05``): ``digits`` decimals, more for small values
-    so that about four significant digits show."""
-    x = float(x)
-    if not np.isfinite(x):
-        return "unlimited" if x > 0 else "-"
-    if x != 0 and abs(x) < 1:
-        digits = max(digits, min(12, 3 - int(np.floor(np.log10(abs(x))))))
-    return f"{x:,.{digits}f}".replace(",", " ") if abs(x) >= 1e4 else f"{x:.{digits}f}"
-
-
-def _fmt_s(x: float | None) -> str:
-    """Seconds as milliseconds, positional notation (``0.570 ms``, ``12.345 ms``)."""
-    if x is None:
-        return "-"
-    return f"{_fixed(float(x) * 1e3)} ms"
-
-
-def _fmt_bytes(x: float) -> str:
-    """Bytes in binary units with two decimals (``1.50 GiB``), never scientific notation."""
-    for unit, div in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(x) >= div:
-            return f"{x / div:.2f} {unit}"
-    return f"{x:.0f} B"
-
-
-def _fmt_bandwidth(x: float) -> str:
-    """Bytes per second as GB/s (decimal, as datasheets give it)."""
-    return f"{_fixed(float(x) / 1e9, 1)} GB/s"
-
-
-def _bytes_unit(values: Sequence[float]) -> tuple[str, float]:
-    """One binary unit for a column of byte counts (the largest value's)."""
-    most = max([abs(float(v)) for v in values] + [0.0])
-    return next(((u, float(d)) for u, d in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
-                 if most >= d), ("B", 1.0))
-
-
-def _ms_column(values_s: Sequence[float]) -> list[str]:
-    """A column of seconds as milliseconds with one number of decimals for all its rows."""
-    most = max([abs(float(v)) for v in values_s] + [0.0]) * 1e3
-    digits = 3 if most >= 0.1 or most == 0 else min(9, 3 - int(np.floor(np.log10(most))))
-    return [f"{float(v) * 1e3:.{digits}f}" for v in values_s]
-
-
-def _fmt_ratio(x: float | None) -> str:
-    return "-" if x is None else f"{x:.4f}"
-
-
-# --------------------------------------------------------------------------------------
-# charts
-# --------------------------------------------------------------------------------------
-
-
-def _png(fig) -> bytes:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: PLC0415
-
-    FigureCanvasAgg(fig)
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
-    return buf.getvalue()
-
-
-def _stage_chart(rows: list[dict], lower_bound: float | None) -> bytes:
-    from matplotlib.figure import Figure  # noqa: PLC0415
-
-    fig = Figure(figsize=(max(4.0, 0.5 * len(rows) + 2.5), 3.2))
-    ax = fig.add_subplot(1, 1, 1)
-    x = np.arange(len(rows))
-    work = np.array([r["work_s"] for r in rows]) * 1e3  # ms
-    iot = np.array([r["io_s"] for r in rows]) * 1e3
-    ax.bar(x, work, color="#4c72b0", label="work")
-    ax.bar(x, iot, bottom=work, color="#dd8452", label="communication")
-    if lower_bound is not None and np.isfinite(lower_bound):
-        ax.axhline(lower_bound * 1e3, color="#2ca02c", linestyle="--", label="best lower bound")
-    ax.set_xticks(x)
-    ax.set_xticklabels([str(r["stage"]) for r in rows])
-    ax.set_xlabel("stage")
-    ax.set_ylabel("cost per micro-batch (ms)")
-    ax.ticklabel_format(axis="y", style="plain", useOffset=False)
-    ax.set_title("stage costs")
-    top = float(np.max(work + iot)) if len(rows) else 1.0
-    ax.set_ylim(0, top * 1.3 if top > 0 else 1.0)
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, borderaxespad=0.0)
-    return _png(fig)
-
-
-def _bounds_chart(rows: list[dict]) -> bytes:
-    from matplotlib.figure import Figure  # noqa: PLC0415
-
-    fig = Figure(figsize=(5.0, 0.45 * len(rows) + 1.2))
-    ax = fig.add_subplot(1, 1, 1)
-    names = [r["method"] for r in rows]
-    skipped = [r["status"] == "skipped" or r["ratio"] is None for r in rows]
-    ratios = [0.0 if sk else float(r["ratio"]) for r, sk in zip(rows, skipped)]
-    y = np.arange(len(rows))
-    ax.barh(y, ratios, color=["none" if sk else "#55a868" for sk in skipped])  # skipped methods: no bar
-    for yi, r, sk in zip(y, ratios, skipped):
-        ax.text(r, yi, " skipped (not run)" if sk else f" {r:.4f}", va="center", fontsize=8,
-                color="#777777" if sk else "black")
-    ax.set_yticks(y)
-    ax.set_yticklabels(names)
-    ax.invert_yaxis()
-    ax.axvline(1.0, color="black", linewidth=0.8)
-    ax.set_xlim(0, max(1.2, max(ratios, default=1.0) * 1.2))
-    ax.set_xlabel("lower bound / best partition")
-    ax.set_title("certificate hierarchy")
-    return _png(fig)
-
-
-#: Device-memory kinds stacked in :func:`memory_chart` (names of :mod:`fxpipe.memory`), with colours.
-MEMORY_CHART_KINDS = (
-    ("params_bytes", "params", "#4c72b0"),
-    ("grads_bytes", "grads", "#55a868"),
-    ("optimizer_bytes", "optimizer", "#c44e52"),
-    ("activation_peak_bytes", "activation peak", "#dd8452"),
-    ("comm_buffer_bytes", "comm buffers", "#8172b3"),
-    ("reserved_bytes", "reserved", "#b0b0b0"),
-)
-
-
-def memory_chart(rows: Sequence[Mapping[str, Any]], *, label: str = "device", title: str = "device memory") -> bytes:
-    """Stacked bars of memory by kind per device (or stage), the capacity as a line, the
-    offloaded peak (host memory) as a hatched bar beside each; a PNG.
-
-    Parameters
-    ----------
-    rows : sequence of mappings
-        One per device: the keys of :data:`MEMORY_CHART_KINDS`, ``offloaded_peak_bytes``,
-        ``capacity_bytes`` (None: unlimited) and ``label`` (``"device"`` / ``"stage"``) as
-        the x label; e.g. ``DeviceStats.to_dict()`` of a plan (:mod:`fxpipe.plan`).
-    """
-    from matplotlib.figure import Figure  # noqa: PLC0415
-
-    fig = Figure(figsize=(max(4.5, 0.55 * len(rows) + 3.0), 3.4))
-    ax = fig.add_subplot(1, 1, 1)
-    x = np.arange(len(rows))
-    most = max([sum(float(r.get(k, 0.0)) for k, _, _ in MEMORY_CHART_KINDS) for r in rows] + [1.0])
-    unit, gib = next((u, float(d)) for u, d in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("B", 1))
-                     if most >= d)
-    bottom = np.zeros(len(rows))
-    for key, name, colour in MEMORY_CHART_KINDS:
-        vals = np.array([float(r.get(key, 0.0)) for r in rows]) / gib
-        ax.bar(x - 0.15, vals, width=0.6, bottom=bottom, color=colour, label=name)
-        bottom += vals
-    off = np.array([float(r.get("offloaded_peak_bytes", 0.0)) for r in rows]) / gib
-    if off.any():
-        ax.bar(x + 0.3, off, width=0.25, color="white", edgecolor="#dd8452", hatch="///", label="offloaded (host)")
-    caps = [r.get("capacity_bytes") for r in rows]
-    top = float(max(bottom.max(initial=0.0), off.max(initial=0.0)))
-    if caps and all(c is not None for c in caps):
-        cap = float(caps[0]) / gib
-        ax.axhline(cap, color="black", linestyle="--", linewidth=1.0, label="capacity")
-        top = max(top, cap)
-    ax.set_xticks(x)
-    ax.set_xticklabels([str(r.get(label, i)) for i, r in enumerate(rows)])
-    ax.set_xlabel(label)
-    ax.set_ylabel(unit)
-    ax.set_title(title)
-    ax.set_ylim(0, top * 1.15 if top > 0 else 1.0)
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7, borderaxespad=0.0)  # beside: covers no bar
-    return _png(fig)
-
-
-# --------------------------------------------------------------------------------------
-# rendering
-# --------------------------------------------------------------------------------------
 
 #: One sentence per certificate method and the result of Archer et al. (2024) it cites.
 BOUND_METHOD_TEXT = {
@@ -347,11 +177,11 @@ def _content(graph: OpGraph, partition: Partition | None, bounds_report, command
             for r, b in zip(rows, stage_params_bytes):
                 r["param_bytes"] = float(b)
         bn = partition.bottleneck
-        io_unit, io_div = _bytes_unit([r[key] for r in rows for key in ("in_bytes", "out_bytes")])
-        p_unit, p_div = _bytes_unit([r["param_bytes"] for r in rows])
+        io_unit, io_div = column_unit([r[key] for r in rows for key in ("in_bytes", "out_bytes")])
+        p_unit, p_div = column_unit([r["param_bytes"] for r in rows])
         c["stage_header"] = ["stage", "ops", "work ms", "io ms", "cost ms", f"in {io_unit}", f"out {io_unit}",
                              f"params {p_unit}" + (f" ({params_label})" if params_label else ""), "cost / bottleneck"]
-        cols = {key: _ms_column([r[key] for r in rows]) for key in ("work_s", "io_s", "cost_s")}
+        cols = {key: ms_column([r[key] for r in rows]) for key in ("work_s", "io_s", "cost_s")}
         c["stage_rows"] = [
             [
                 str(r["stage"]),
@@ -362,17 +192,17 @@ def _content(graph: OpGraph, partition: Partition | None, bounds_report, command
                 f"{r['in_bytes'] / io_div:.2f}",
                 f"{r['out_bytes'] / io_div:.2f}",
                 f"{r['param_bytes'] / p_div:.2f}",
-                _fmt_ratio(r["cost_s"] / bn if bn else None),
+                format_ratio(r["cost_s"] / bn if bn else None),
             ]
             for i, r in enumerate(rows)
         ]
         c["stage_bn"] = ["bn" if r["bottleneck"] else "" for r in rows]
         c["partition_facts"] = [
-            ("bottleneck", _fmt_s(bn)),
+            ("bottleneck", format_ms(bn)),
             ("found by", str(partition.meta.get("method", "-"))),
             ("objective / comm", f"{objective} / {comm}"),
         ]
-        c["stage_png"] = _stage_chart(rows, lb) if charts else None
+        c["stage_png"] = stage_chart(rows, lb) if charts else None
     if bounds_report is not None:
         brows = bounds_report.table_rows()
         c["bounds_header"] = ["method", "lower bound ms", "ratio to partition", "status", "time s", "B&B nodes"]
@@ -380,21 +210,21 @@ def _content(graph: OpGraph, partition: Partition | None, bounds_report, command
         c["bounds_rows"] = [
             [r["method"], "-", "-", "skipped: " + (reasons.get(r["method"]) or "not needed"), "-", "-"]
             if r["status"] == "skipped" else
-            [r["method"], _fixed(r["lower_bound_s"] * 1e3), _fmt_ratio(r["ratio"]), r["status"], f"{r['wall_time_s']:.2f}",
+            [r["method"], fixed(r["lower_bound_s"] * 1e3), format_ratio(r["ratio"]), r["status"], f"{r['wall_time_s']:.2f}",
              str(r["nodes"])]
             for r in brows
         ]
         solver = bounds_report.to_dict()["solver"]
         cap = bounds_report.capacity_bytes
         c["bounds_facts"] = [
-            ("best lower bound", _fmt_s(bounds_report.best_lower_bound)),
-            ("ratio (best bound / partition)", _fmt_ratio(bounds_report.ratio)),
+            ("best lower bound", format_ms(bounds_report.best_lower_bound)),
+            ("ratio (best bound / partition)", format_ratio(bounds_report.ratio)),
             ("solver", str(solver.get("version"))),
-            ("memory capacity of the bounds", _fmt_bytes(cap) if cap is not None and np.isfinite(cap) else
+            ("memory capacity of the bounds", format_bytes(cap, 2) if cap is not None and np.isfinite(cap) else
              "none: each bound holds for every partition, memory or not" + (f" (the plan's device capacity is {capacity_note})"
                                                                           if capacity_note else "")),
         ]
-        c["bounds_png"] = _bounds_chart(brows) if charts and brows else None
+        c["bounds_png"] = bounds_chart(brows) if charts and brows else None
     return c
 
 
@@ -529,111 +359,3 @@ def write_report(
     if out_md is not None:
         written["markdown"] = write_text_atomic(out_md, render_markdown(content))
     return written
-
-
-def plan_memory_section(plan) -> ReportSection:
-    """The report's memory section of a :class:`fxpipe.Plan`: its memory table and a chart of every
-    device's memory by kind against the capacity."""
-    text = plan.memory_summary()
-    chart = memory_chart([d.to_dict() for d in plan.device_table],
-                         title=f"{plan.name}: memory per device ({plan.memory.precision.name})")
-    return ReportSection("Memory", markdown=f"```\n{text}\n```", html=f"<pre>{html.escape(text)}</pre>",
-                         figures=[("Memory per device by kind against the capacity (offloaded stashes in host memory "
-                                   "beside)", chart)])
-
-
-def write_plan_report(plan, out_html: str | os.PathLike, *, bounds_time_limit_s: float = 60.0,
-                      command: str | None = None, trace: str | os.PathLike | None = None) -> dict[str, Any]:
-    """HTML + Markdown report of a :class:`fxpipe.Plan`: its stage table, lower-bound certificates
-    for its partition (simple, chain, bottleneck and exact MIP bounds), what its schedule
-    minimises beside each figure's bound, its Gantt chart, a link to its Chrome/Perfetto trace,
-    and its memory by kind (:func:`plan_memory_section`).
-
-    Parameters
-    ----------
-    plan : fxpipe.Plan
-    out_html : path
-        The HTML file; the Markdown twin is written next to it (``.md``).
-    bounds_time_limit_s : float
-        Time limit of each lower-bound MIP (seconds).
-    command : str, optional
-        The command (or call) that reproduces the report, shown in it.
-    trace : path, optional
-        Where to write the schedule's Chrome/Perfetto trace
-        (:func:`fxpipe.schedule.plot.chrome_trace`); default: next to the report,
-        ``<report>.trace.json``. The report links to it.
-
-    Returns
-    -------
-    dict
-        ``html``, ``markdown`` and ``trace`` (paths written) and ``bounds`` (best lower bound,
-        ratio, every bound, and ``rows``: one per method as
-        :meth:`fxpipe.partition.bounds.BoundsReport.table_rows`).
-    """
-    import math
-    import tempfile
-
-    from fxpipe.memory import format_bytes
-    from fxpipe.partition.bounds import compute_bounds
-    from fxpipe.schedule.plot import chrome_trace, gantt
-
-    bounds = compute_bounds(  # certificates of the per-stage bottleneck of the plan's num_stages stages
-        plan.graph,
-        plan.num_stages,
-        objective=plan.objective,
-        comm=plan.comm,
-        methods=("simple", "chain", "bottleneck", "exact"),
-        time_limit_s=bounds_time_limit_s,
-        warm_start=plan.partition,
-        progress=False,  # the caller shows the phase (fxpipe.progress)
-    )
-    html_path = Path(out_html)
-    trace_path = Path(trace) if trace is not None else html_path.with_name(html_path.stem + ".trace.json")
-    chrome_trace(plan.schedule, trace_path, plan.problem)
-    with tempfile.TemporaryDirectory() as tmp:
-        png = gantt(plan.problem, plan.schedule, Path(tmp) / "gantt.png",
-                    title=f"{plan.name}: {plan.schedule.method} schedule").read_bytes()
-    from fxpipe.plan import _objective_lines
-
-    objective_text = "\n".join(_objective_lines(plan.optimality()))
-    try:
-        link = os.path.relpath(trace_path.resolve(), html_path.resolve().parent)
-    except ValueError:  # another drive (Windows)
-        link = str(trace_path.resolve())
-    link = link.replace(os.sep, "/")
-    trace_sentence = ("The schedule as an interactive timeline (F/B/W compute and O/R copy streams per device): "
-                      "open the trace file in ui.perfetto.dev (Open trace file) or chrome://tracing.")
-    sched_md = (f"{plan.schedule.method}, {plan.microbatches} micro-batches.\n\n```\n{objective_text}\n```\n\n"
-                f"{trace_sentence} Trace: [{link}]({link})")
-    sched_html = (f"<p>{html.escape(plan.schedule.method)}, {plan.microbatches} micro-batches.</p>"
-                  f"<pre>{html.escape(objective_text)}</pre>"
-                  f'<p>{html.escape(trace_sentence)} Trace: <a href="{html.escape(link)}">{html.escape(link)}</a></p>')
-    sections = [
-        ReportSection("Plan", markdown=f"```\n{plan.summary()}\n```", html=f"<pre>{html.escape(plan.summary())}</pre>"),
-        ReportSection("Schedule", markdown=sched_md, html=sched_html,
-                      figures=[("Gantt chart (compute and copy streams) with per-device activation memory", png)]),
-        plan_memory_section(plan),
-    ]
-    cap = plan.memory.capacity_bytes
-    written = write_report(
-        plan.graph,
-        plan.partition,
-        bounds,
-        out_html=html_path,
-        out_md=html_path.with_suffix(".md"),
-        command=command,
-        extra_sections=sections,
-        title=f"fxpipe plan: {plan.name} on {plan.devices} x {plan.hardware}"
-        + (f" ({plan.num_stages} stages, {plan.placement} placement)" if plan.stages_per_device > 1 else ""),
-        stage_params_bytes=[s.params_bytes for s in plan.stages],
-        params_label=f"{plan.memory.precision.name} weights",
-        capacity_note=format_bytes(cap) if math.isfinite(cap) else "",
-    )
-    out_bounds = {k: v for k, v in bounds.to_dict().items() if k in ("best_lower_bound", "ratio", "lower_bounds")}
-    out_bounds["rows"] = bounds.table_rows()
-    return {
-        "html": str(written["html"]),
-        "markdown": str(written["markdown"]),
-        "trace": str(trace_path),
-        "bounds": out_bounds,
-    }

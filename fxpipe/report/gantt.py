@@ -1,19 +1,16 @@
-"""Pictures of pipeline schedules: a Gantt chart with memory curves, and a Chrome trace.
+"""A pipeline schedule as a picture: a Gantt chart with memory curves underneath.
 
-* :func:`gantt` draws one row per device for its compute stream (F/B/W of all the stages it
-  holds; a box is labelled with its micro-batch, and with ``stage:micro-batch`` when the
-  device holds several stages) and one for its copy stream (O/R), and underneath the
-  activation memory of every device over time (Contract 3 rule 5, from
-  :func:`fxpipe.schedule.validate.device_memory_profile`) with its limit. PNG or SVG, chosen
-  by the file suffix; matplotlib's Agg backend (no display needed).
-* :func:`chrome_trace` writes the Trace Event Format JSON that ``chrome://tracing`` and
-  Perfetto (ui.perfetto.dev) open: one process per device, thread 0 = compute stream,
-  thread 1 = copy stream, complete events (``ph: "X"``) with real durations in microseconds.
+:func:`gantt` draws one row per device for its compute stream (F/B/W of all the stages it
+holds; a box is labelled with its micro-batch, and with ``stage:micro-batch`` when the device
+holds several stages) and one for its copy stream (O/R), and underneath the activation memory
+of every device over time (Contract 3 rule 5, from
+:func:`fxpipe.schedule.validate.device_memory_profile`) with its limit. PNG or SVG, chosen by
+the file suffix; matplotlib's Agg backend (no display needed). The interactive twin is the
+Chrome/Perfetto trace of :mod:`fxpipe.report.trace`.
 
 References
 ----------
 Zero Bubble (Qi et al. 2024) and OptPipe Figure 4 draw schedules the same way.
-Trace Event Format: https://docs.google.com/document/d/1CvAClvFfyA5R-PhYUmn5OOQtYMH4h6I0nSsKchNAySU
 """
 
 from __future__ import annotations
@@ -24,9 +21,10 @@ import os
 from pathlib import Path
 
 from fxpipe.errors import InputError
-from fxpipe.ir import Schedule, ScheduleProblem, write_json_atomic, write_text_atomic
+from fxpipe.io import binary_unit, write_text_atomic
+from fxpipe.ir import Schedule, ScheduleProblem
 
-__all__ = ["COLORS", "gantt", "gantt_rows", "chrome_trace"]
+__all__ = ["COLORS", "gantt", "gantt_rows"]
 
 #: Colour of each op type (F blue, B green, W orange, O purple, R pink).
 COLORS = {"F": "#4C72B0", "B": "#55A868", "W": "#DD8452", "O": "#8172B3", "R": "#DA8BC3"}
@@ -117,8 +115,7 @@ def gantt(problem: ScheduleProblem, schedule: Schedule, path: str | os.PathLike,
     any_limit = hidden_limit = False
     curves = [(d, *device_memory_profile(problem, schedule.ops, d)) for d in range(D)]
     most = max([float(max(mem, default=0.0)) for _, _, mem in curves] + [1.0])
-    munit, mdiv = next(((u, float(v)) for u, v in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)) if most >= v),
-                       ("B", 1.0))
+    munit, mdiv = binary_unit(most, largest="GiB")
     for d, times, mem in curves:
         if len(times) == 0:
             continue
@@ -169,63 +166,3 @@ def gantt_rows(problem: ScheduleProblem, schedule: Schedule) -> tuple[dict[tuple
             lanes[(d, 1)] = len(labels)
             labels.append(f"{name} copy")
     return lanes, labels
-
-
-def chrome_trace(schedule: Schedule, path: str | os.PathLike, device_of_stage=None) -> Path:
-    """Write ``schedule`` as a Chrome/Perfetto trace (JSON, written atomically).
-
-    Every op becomes a complete event ``{"name": "F3", "ph": "X", "ts": start_us,
-    "dur": duration_us, "pid": device, "tid": 0 (compute) or 1 (copy)}`` (with several
-    stages per device the name is ``"F3 (stage 5)"``); metadata events name the processes
-    ("stage s" with one stage per device, else "device d") and threads ("compute", "copy").
-
-    Parameters
-    ----------
-    schedule : Schedule
-        Timed ops in seconds.
-    path : str or PathLike
-        Output ``.json`` file.
-    device_of_stage : sequence of int or ScheduleProblem, optional
-        The placement (default one stage per device).
-
-    Returns
-    -------
-    Path
-        The file written.
-    """
-    if not isinstance(schedule, Schedule):
-        raise InputError(f"chrome_trace: expected a Schedule, got {type(schedule).__name__}")
-    events = []
-    if isinstance(device_of_stage, ScheduleProblem):
-        device_of_stage = device_of_stage.device_of_stage
-    stages = sorted({o.stage for o in schedule.ops})
-    if device_of_stage is None:
-        dev = {s: s for s in stages}
-    else:
-        dev = {s: int(device_of_stage[s]) for s in stages}
-    multi = len(set(dev.values())) < len(dev)
-    for d in sorted(set(dev.values())):
-        name = f"device {d}" if multi else f"stage {next(s for s in stages if dev[s] == d)}"
-        events.append({"name": "process_name", "ph": "M", "pid": d, "tid": 0, "args": {"name": name}})
-        events.append({"name": "process_sort_index", "ph": "M", "pid": d, "tid": 0, "args": {"sort_index": d}})
-        events.append({"name": "thread_name", "ph": "M", "pid": d, "tid": 0, "args": {"name": "compute"}})
-        events.append({"name": "thread_name", "ph": "M", "pid": d, "tid": 1, "args": {"name": "copy"}})
-    names = {"F": "forward", "B": "backward-input", "W": "backward-weight", "O": "offload", "R": "reload"}
-    for o in schedule.ops:
-        events.append({
-            "name": f"{o.type}{o.microbatch}" + (f" (stage {o.stage})" if multi else ""),
-            "cat": names.get(o.type, o.type),
-            "ph": "X",
-            "ts": o.start_s * 1e6,
-            "dur": max(o.end_s - o.start_s, 0.0) * 1e6,
-            "pid": dev[o.stage],
-            "tid": 1 if o.type in ("O", "R") else 0,
-            "args": {"stage": o.stage, "microbatch": o.microbatch, "type": o.type},
-        })
-    doc = {
-        "traceEvents": events,
-        "displayTimeUnit": "ms",
-        "otherData": {"format": "fxpipe.schedule/1 trace", "method": schedule.method, "objective": schedule.objective,
-                      "value_s": schedule.value, "lower_bound_s": schedule.lower_bound_s, "status": schedule.status},
-    }
-    return write_json_atomic(path, doc)
