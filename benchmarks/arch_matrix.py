@@ -1,6 +1,6 @@
 """The real-architecture matrix: model x pipeline size x schedule -> ok / error, loss and gradient differences.
 
-Every model of ``fxpipe.zoo`` (Hugging Face architectures built from configs with random weights,
+Every model of ``fxpipe.testing.zoo`` (Hugging Face architectures built from configs with random weights,
 plus hand-written DAGs) is planned with ``fxpipe.compile`` for 2 and 4 pipeline stages, trained
 for 2 SGD steps on local gloo ranks with every schedule (GPipe, 1F1B, ZB-H1, ZB-H2 and the
 schedule MILP's), and compared with single-process training: losses (relative), every gradient
@@ -24,8 +24,8 @@ import sys
 
 
 def main(argv=None) -> int:
-    from fxpipe import zoo
-    from fxpipe.matrix import SCHEDULES, run_matrix
+    from fxpipe.testing import zoo
+    from fxpipe.testing.matrix import SCHEDULES, run_matrix
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="*", default=None, help=f"zoo models (default all: {' '.join(zoo.names())})")

@@ -41,7 +41,7 @@ def _plan_runs(name: str, ranks: int, m: int, offload: bool):
     import numpy as np
 
     import fxpipe
-    from fxpipe import zoo
+    from fxpipe.testing import zoo
     from fxpipe.ir import schedule_to_orders
     from fxpipe.schedule.dispatch import make_schedule
 

@@ -1,6 +1,6 @@
 """The torch.compile backend: planning time vs ``fxpipe.compile``, pipelined inference step time.
 
-Prints, for GPT-2, T5 and a U-Net (``fxpipe.zoo`` small configs; batch = 4 micro-batches of 2):
+Prints, for GPT-2, T5 and a U-Net (``fxpipe.testing.zoo`` small configs; batch = 4 micro-batches of 2):
 
 (a) **Planning time**, side by side in one process on the same model and micro-batch:
     ``fxpipe.compile(model, one_microbatch, devices=D, objective="inference", schedule="gpipe")``
@@ -48,7 +48,7 @@ MICROBATCHES, MICROBATCH_SIZE = 4, 2
 def _inputs(name: str):
     import torch
 
-    import fxpipe.zoo as zoo
+    import fxpipe.testing.zoo as zoo
     from fxpipe.codegen.interface import as_call
 
     torch.manual_seed(0)
@@ -163,7 +163,7 @@ def train_schedules(names: list, microbatches: int = 4, steps: int = 2, lr: floa
                     only: list | None = None) -> list[dict]:
     """(c): compile_stages training under every schedule vs single-process training."""
     import fxpipe
-    import fxpipe.zoo as zoo
+    import fxpipe.testing.zoo as zoo
     from fxpipe.codegen.compare import compare_training
     from fxpipe.codegen.launch import reference_train, spawn_train_many
 

@@ -12,7 +12,7 @@ yet).
 
     python benchmarks/bench_mesh.py [--microbatches 8] [--steps 3] [--hardware profile:cpu]
     python benchmarks/bench_mesh.py --all-schedules   # equality only: every schedule method on both meshes
-    python benchmarks/bench_mesh.py --zoo mixtral unet tied_deep   # fxpipe.zoo models (equality only)
+    python benchmarks/bench_mesh.py --zoo mixtral unet tied_deep   # fxpipe.testing.zoo models (equality only)
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def main() -> None:
                     help="instead: GPipe, ZB-H2, greedy, interleaved 1F1B (looped), DualPipe-V and the MILP (V) on "
                     "pp=2 x dp_shard=2 and pp=2 x dp_replicate=2")
     ap.add_argument("--zoo", nargs="+", default=None, metavar="NAME",
-                    help="instead: these fxpipe.zoo models as pp=2 x dp_shard=2 and pp=2 x dp_replicate=2 under 1F1B "
+                    help="instead: these fxpipe.testing.zoo models as pp=2 x dp_shard=2 and pp=2 x dp_replicate=2 under 1F1B "
                     "and ZB-H1 (ZB-V with --all-schedules)")
     args = ap.parse_args()
     if args.zoo:
@@ -86,13 +86,13 @@ def main() -> None:
 
 def _zoo(args) -> None:
     import fxpipe
-    from fxpipe import zoo
+    from fxpipe.testing import zoo
     from fxpipe.codegen.compare import compare_training
     from fxpipe.codegen.launch import reference_train, spawn_train_many
     from fxpipe.mesh import format_mesh
     from fxpipe.plan import _PlanStageOf
 
-    print(f"fxpipe.zoo models, {args.microbatches} micro-batches of 2 per step, {args.steps} SGD steps, 4 gloo ranks")
+    print(f"fxpipe.testing.zoo models, {args.microbatches} micro-batches of 2 per step, {args.steps} SGD steps, 4 gloo ranks")
     print("| model | mesh | schedule | ok | loss diff | grad diff | param diff | buffer diff |")
     print("|---|---|---|---|---|---|---|---|")
     for name in args.zoo:

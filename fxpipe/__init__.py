@@ -19,7 +19,7 @@ __all__ = ["compile", "backend", "last_plan", "load_plan", "Plan", "OpGraph", "S
 
 #: Submodules reachable as attributes of the package without importing them first
 #: (``import fxpipe; fxpipe.models.build_hf_model(...)``); each is imported on first access.
-_SUBMODULES = ("models", "memory", "report", "errors", "ir", "io", "api", "zoo", "matrix", "progress", "partition",
+_SUBMODULES = ("models", "memory", "report", "errors", "ir", "io", "api", "testing", "progress", "partition",
                "schedule", "cost", "codegen", "passes", "dynamo", "mip", "cli")
 
 

@@ -19,7 +19,7 @@ def pipelined_inference(rank: int, world: int, names, options: dict) -> dict:
     import torch
 
     import fxpipe
-    import fxpipe.zoo as zoo
+    import fxpipe.testing.zoo as zoo
     from fxpipe.codegen.interface import as_call
 
     out = {}
@@ -64,7 +64,7 @@ def train_through_plan(rank: int, world: int, name: str, options: dict, steps: i
     import torch
 
     import fxpipe
-    import fxpipe.zoo as zoo
+    import fxpipe.testing.zoo as zoo
     from fxpipe.codegen.interface import as_call
     from fxpipe.codegen.launch import _loss_fn
 

@@ -13,8 +13,8 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from fxpipe import zoo  # noqa: E402
-from fxpipe.matrix import SCHEDULES, run_matrix  # noqa: E402
+from fxpipe.testing import zoo  # noqa: E402
+from fxpipe.testing.matrix import SCHEDULES, run_matrix  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 

@@ -1,5 +1,5 @@
 """The second round of real architectures (issue 17, item 9): 35 more families of
-``fxpipe.zoo`` (group ``"second"``: OLMo2, StarCoder2, GPT-J, CodeGen, Cohere, Granite, StableLM,
+``fxpipe.testing.zoo`` (group ``"second"``: OLMo2, StarCoder2, GPT-J, CodeGen, Cohere, Granite, StableLM,
 Mamba, Mamba2, Jamba, GraniteMoE, XLM-R, DeBERTa-v2, ELECTRA, DistilBERT, ModernBERT, mT5, UMT5,
 Pegasus, Marian, mBART, Swin, DeiT, DINOv2, SegFormer, MobileViT, EfficientNet, RegNet,
 Wav2Vec2-Conformer, BLIP and five hand-written DAGs: inception, LSTM/GRU, mixed dtypes, an argmax
@@ -27,8 +27,8 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
-from fxpipe import zoo  # noqa: E402
-from fxpipe.matrix import run_matrix  # noqa: E402
+from fxpipe.testing import zoo  # noqa: E402
+from fxpipe.testing.matrix import run_matrix  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 

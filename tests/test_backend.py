@@ -14,7 +14,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import fxpipe  # noqa: E402
-from fxpipe import zoo  # noqa: E402
+from fxpipe.testing import zoo  # noqa: E402
 from fxpipe.codegen.interface import as_call  # noqa: E402
 from fxpipe.codegen.runtime import tree_flatten  # noqa: E402
 from fxpipe.errors import InputError  # noqa: E402

@@ -16,7 +16,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from fxpipe import zoo  # noqa: E402
+from fxpipe.testing import zoo  # noqa: E402
 from fxpipe.codegen.launch import reference_train  # noqa: E402
 from fxpipe.dynamo.local import run_local  # noqa: E402
 

@@ -34,7 +34,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import fxpipe  # noqa: E402
-from fxpipe import zoo  # noqa: E402
+from fxpipe.testing import zoo  # noqa: E402
 from fxpipe.codegen.compare import compare_training  # noqa: E402
 from fxpipe.codegen.launch import TrainResult, reference_train, spawn_train_many  # noqa: E402
 from fxpipe.codegen.materialize import MetaInit  # noqa: E402

@@ -79,7 +79,7 @@ def test_falcon_inplace_updates_on_a_cut(cut):
     attention_output`` (``add_`` after ``matmul_5``) and the attention scores' ``/=``
     (``div_`` after ``matmul_1``) with a boundary right before the update."""
     pytest.importorskip("transformers")
-    from fxpipe import zoo
+    from fxpipe.testing import zoo
     from fxpipe.passes.capture import capture
 
     model, args, kwargs = zoo.get("falcon").one_microbatch()

@@ -1,6 +1,6 @@
 """The real-architecture matrix: every zoo model x pipeline size x schedule, trained and compared.
 
-For each model of :mod:`fxpipe.zoo` and each pipeline size ``k`` the model is planned with
+Test support (:mod:`fxpipe.testing`), not user API. For each model of :mod:`fxpipe.testing.zoo` and each pipeline size ``k`` the model is planned with
 fxpipe's own defaults (``fxpipe.compile`` with a short partition time limit; the plan's
 partition is then scheduled by every method, :meth:`fxpipe.plan.Plan.reschedule`, the MILP with
 a short time limit), trained for a few SGD steps on ``k`` local gloo ranks, and compared with
@@ -28,12 +28,20 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Sequence
 
-__all__ = ["SCHEDULES", "MatrixCell", "MatrixResult", "run_matrix"]
+from fxpipe.schedule.registry import REGISTRY
 
-#: the schedules the runtime runs: torch's B/W-fused and split-backward families and the MILP's
-SCHEDULES = ("gpipe", "1f1b", "zb-h1", "zb-h2", "milp")
-#: the schedules of several stages per device (``stages_per_device >= 2``) and the placement each runs on
-MULTI_STAGE_SCHEDULES = {"interleaved-1f1b": "looped", "zb-v": "v", "dualpipe-v": "v", "greedy": "v", "milp": "v"}
+__all__ = ["SCHEDULES", "MULTI_STAGE_SCHEDULES", "MatrixCell", "MatrixResult", "run_matrix"]
+
+#: The schedules of one stage per device the matrix trains by default, read from the registry
+#: (:data:`fxpipe.schedule.registry.REGISTRY`): the heuristics written for one stage per
+#: device that do not offload (torch's B/W-fused and split-backward families) and the MILP.
+SCHEDULES = tuple(m.name for m in REGISTRY
+                  if not m.offloads and ((m.kind == "heuristic" and "one" in m.placements) or m.kind == "milp"))
+#: The schedules of several stages per device (``stages_per_device >= 2``), read from the
+#: registry (every non-offloading method but ``auto`` that schedules more than one stage per
+#: device), and the placement each runs on: ``looped`` where the method schedules it, else ``v``.
+MULTI_STAGE_SCHEDULES = {m.name: ("looped" if "looped" in m.placements else "v") for m in REGISTRY
+                         if m.kind != "auto" and not m.offloads and set(m.placements) - {"one"}}
 
 
 @dataclass
@@ -141,6 +149,142 @@ def _tail(text: str, n: int = 1200) -> str:
     return text if len(text) <= n else "..." + text[-n:]
 
 
+@dataclass(frozen=True)
+class _Settings:
+    """The knobs of one matrix run (see :func:`run_matrix`), shared by its steps."""
+
+    schedules: tuple[str, ...]
+    steps: int
+    lr: float
+    microbatches: int
+    microbatch_size: int
+    partition_time_limit_s: float
+    milp_time_limit_s: float
+    run_timeout_s: float
+    loss_rtol: float
+    rtol: float
+    stages_per_device: int
+    meta_checkpoint: tuple[str, ...]
+
+
+def _references(zms: dict, cfg: _Settings, tmp_dir: str | None) -> tuple[dict, dict[str, str], dict[str, str]]:
+    """Single-process training of every model (the verdicts' reference) and, for the
+    ``meta_checkpoint`` models, their weights saved whole to ``tmp_dir`` and trained from that
+    checkpoint on meta. Returns ``(refs, checkpoints, meta_errors)``: ``refs[name]`` and
+    ``refs[("meta", name)]``, the checkpoint path of each meta model, and the failure of each
+    meta model whose one-process build failed (a matrix cell, not a crash)."""
+    import os
+
+    from fxpipe.codegen.launch import reference_train
+    from fxpipe.codegen.materialize import MetaInit
+
+    refs: dict = {}
+    for n, zm in zms.items():
+        refs[n] = reference_train(zm, zm.batch, num_microbatches=cfg.microbatches, steps=cfg.steps, lr=cfg.lr,
+                                  loss=zm.loss)
+    checkpoints: dict[str, str] = {}
+    meta_errors: dict[str, str] = {}
+    for n in cfg.meta_checkpoint:  # the zoo's weights saved whole; each rank reads its stages (the rest seeded)
+        from safetensors.torch import save_model
+
+        try:
+            path = os.path.join(tmp_dir, f"{n}.safetensors")
+            save_model(zms[n]()[0], path)
+            refs[("meta", n)] = reference_train(MetaInit(zms[n], checkpoint=path), zms[n].batch,
+                                                num_microbatches=cfg.microbatches, steps=cfg.steps, lr=cfg.lr,
+                                                loss=zms[n].loss)
+            checkpoints[n] = path
+        except Exception as exc:  # noqa: BLE001 - a failure is a matrix cell, not a crash
+            meta_errors[n] = _tail(f"meta build from the checkpoint in one process failed: {exc!r}")
+    return refs, checkpoints, meta_errors
+
+
+def _plan_model(zm, name: str, k: int, cfg: _Settings) -> tuple[dict, dict[str, float]]:
+    """Plan one model on ``k`` ranks once per placement its schedules need (``fxpipe.compile``)
+    and reschedule that plan into every schedule. Returns ``(plan per schedule, compile
+    seconds per schedule)``: the compile plus the rescheduling. Planning errors propagate."""
+    import fxpipe
+
+    model, args, kwargs = zm.one_microbatch()
+    compile_s: dict[str, float] = {}
+    by_placement: dict[str, Any] = {}
+    placement_s: dict[str, float] = {}
+    plans = {}
+    for s in cfg.schedules:
+        pl = "looped" if cfg.stages_per_device == 1 else MULTI_STAGE_SCHEDULES.get(s, "looped")
+        if pl not in by_placement:
+            tc = time.perf_counter()
+            by_placement[pl] = fxpipe.compile(
+                model, args, kwargs, devices=k, microbatches=cfg.microbatches, stages_per_device=cfg.stages_per_device,
+                placement=pl, time_limit_s=cfg.partition_time_limit_s, schedule=None,  # rescheduled below
+                schedule_time_limit_s=cfg.milp_time_limit_s, name=name)
+            placement_s[pl] = time.perf_counter() - tc
+        plan = by_placement[pl]
+        tc = time.perf_counter()
+        plans[s] = plan if s == plan.options.get("schedule") else plan.reschedule(s, time_limit_s=cfg.milp_time_limit_s)
+        compile_s[s] = placement_s[pl] + time.perf_counter() - tc
+    return plans, compile_s
+
+
+def _plan_runs(zms: dict, k: int, cfg: _Settings, checkpoints: dict[str, str], meta_errors: dict[str, str],
+               cells: list[MatrixCell]) -> tuple[list[dict], list[tuple[str, str, float]], list[str]]:
+    """The training runs of pipeline size ``k``: one per planned model and schedule, then the
+    meta-checkpoint runs in the caller's order (a failing run ends the job and restarts the
+    workers, so runs expected to fail go last). Planning failures and failed meta builds
+    become error cells in ``cells``. Returns ``(runs, keys (model, schedule, compile_s),
+    planned models)``."""
+    runs, keys, planned = [], [], []
+    meta_runs: dict[str, tuple[dict, tuple]] = {}
+    first = cfg.schedules[0]
+    for n, zm in zms.items():
+        try:
+            plans, compile_s = _plan_model(zm, n, k, cfg)
+        except Exception as exc:  # noqa: BLE001 - a planning failure is a matrix cell, not a crash
+            for s in [*cfg.schedules, *([f"meta-ckpt:{first}"] if n in cfg.meta_checkpoint else [])]:
+                cells.append(MatrixCell(n, zm.family, k, s, False, error=_tail(f"planning failed: {exc!r}")))
+            continue
+        for s in cfg.schedules:
+            runs.append(dict(make_model=zm, make_batch=zm.batch, loss=zm.loss,
+                             stage_of=plans[s].worker_stage_of(), orders=plans[s].orders(),
+                             recompute_stages=plans[s].recompute_stages(),
+                             num_microbatches=cfg.microbatches, steps=cfg.steps, lr=cfg.lr, model_key=n))
+            keys.append((n, s, compile_s[s]))
+        if n in meta_errors:
+            cells.append(MatrixCell(n, zm.family, k, f"meta-ckpt:{first}", False, error=meta_errors[n]))
+        if n in checkpoints:  # built on meta in every worker, each rank reading its stages
+            meta_runs[n] = (dict(runs[-len(cfg.schedules)], state={"seed": 0, "checkpoint": checkpoints[n]}),
+                            (n, f"meta-ckpt:{first}", compile_s[first]))
+        planned.append(n)
+    for n in cfg.meta_checkpoint:
+        if n in meta_runs:
+            runs.append(meta_runs[n][0])
+            keys.append(meta_runs[n][1])
+    return runs, keys, planned
+
+
+def _verdict_cell(name: str, family: str, k: int, schedule: str, compile_s: float, result, ref,
+                  cfg: _Settings) -> MatrixCell:
+    """The cell of one finished run: an error, or its comparison with the reference
+    (:func:`fxpipe.codegen.compare.compare_training`; random ops make it fail)."""
+    from fxpipe.codegen.compare import compare_training
+    from fxpipe.codegen.launch import RunError
+
+    if isinstance(result, RunError):
+        return MatrixCell(name, family, k, schedule, False, error=_tail(result.message), compile_s=compile_s)
+    cmp = compare_training(result, ref, loss_rtol=cfg.loss_rtol, rtol=cfg.rtol,
+                           random_ops=result.meta.get("random_ops", ()))
+    return MatrixCell(
+        name, family, k, schedule, cmp.ok and not cmp.random_ops, loss_rel_diff=cmp.loss_rel_diff,
+        max_grad_rel_diff=cmp.max_grad_rel_diff, max_param_rel_diff=cmp.max_param_rel_diff,
+        max_buffer_rel_diff=cmp.max_buffer_rel_diff, worst_param_grad_rel_diff=cmp.worst_param_grad_rel_diff,
+        worst_param=cmp.worst_param, problems=cmp.problems + [f"random ops: {cmp.random_ops[:3]}"] * bool(cmp.random_ops),
+        full_backward_stages=sorted(int(r) for r, f in result.meta.get("fused_full_backward", {}).items() if f),
+        moved_nodes=len(result.meta.get("moved_nodes", {})),
+        cloned_inputs=sum(len(v) for v in result.meta.get("cloned", {}).values()),
+        compile_s=compile_s,
+    )
+
+
 def run_matrix(
     models: Sequence[str] | None = None,
     ranks: Sequence[int] = (2, 4),
@@ -164,7 +308,7 @@ def run_matrix(
     Parameters
     ----------
     models : sequence of str, optional
-        Zoo names (default: all of :func:`fxpipe.zoo.names`).
+        Zoo names (default: all of :func:`fxpipe.testing.zoo.names`).
     ranks : sequence of int
         Pipeline sizes (local gloo processes).
     schedules : sequence of str
@@ -200,93 +344,33 @@ def run_matrix(
     -------
     MatrixResult
     """
-    import os
     import tempfile
 
-    import fxpipe
-    from fxpipe import zoo
-    from fxpipe.codegen.compare import compare_training
-    from fxpipe.codegen.launch import RunError, reference_train, spawn_train_many
-    from fxpipe.codegen.materialize import MetaInit
+    from fxpipe.codegen.launch import spawn_train_many
     from fxpipe.errors import InputError
+    from fxpipe.testing import zoo
 
     say = log or (lambda msg: None)
     names = list(models) if models is not None else zoo.names()
     unknown = sorted(set(meta_checkpoint) - set(names))
     if unknown:
         raise InputError(f"meta_checkpoint models {unknown} are not among the matrix's models; add them to models")
+    cfg = _Settings(tuple(schedules), steps, lr, microbatches, microbatch_size, partition_time_limit_s,
+                    milp_time_limit_s, run_timeout_s, loss_rtol, rtol, stages_per_device, tuple(meta_checkpoint))
     t_start = time.perf_counter()
     timings: dict[str, float] = {}
     zms = {n: zoo.get(n, microbatches=microbatches, microbatch_size=microbatch_size) for n in names}
 
     t0 = time.perf_counter()
-    refs = {}
-    for n, zm in zms.items():
-        refs[n] = reference_train(zm, zm.batch, num_microbatches=microbatches, steps=steps, lr=lr, loss=zm.loss)
     tmp = tempfile.TemporaryDirectory(prefix="fxpipe-matrix-") if meta_checkpoint else None
-    checkpoints: dict[str, str] = {}
-    meta_errors: dict[str, str] = {}
-    for n in meta_checkpoint:  # the zoo's weights saved whole; each rank reads its stages (the rest seeded)
-        from safetensors.torch import save_model
-
-        try:
-            path = os.path.join(tmp.name, f"{n}.safetensors")
-            save_model(zms[n]()[0], path)
-            refs[("meta", n)] = reference_train(MetaInit(zms[n], checkpoint=path), zms[n].batch,
-                                                num_microbatches=microbatches, steps=steps, lr=lr, loss=zms[n].loss)
-            checkpoints[n] = path
-        except Exception as exc:  # noqa: BLE001 - a failure is a matrix cell, not a crash
-            meta_errors[n] = _tail(f"meta build from the checkpoint in one process failed: {exc!r}")
+    refs, checkpoints, meta_errors = _references(zms, cfg, tmp.name if tmp is not None else None)
     timings["reference_s"] = time.perf_counter() - t0
     say(f"references of {len(names)} models in {timings['reference_s']:.1f} s")
 
     cells: list[MatrixCell] = []
     for k in ranks:
         t0 = time.perf_counter()
-        runs, keys, planned = [], [], []
-        meta_runs: dict[str, tuple[dict, tuple]] = {}
-        for n, zm in zms.items():
-            model, args, kwargs = zm.one_microbatch()
-            compile_s: dict[str, float] = {}
-            try:
-                by_placement: dict[str, Any] = {}
-                placement_s: dict[str, float] = {}
-                plans = {}
-                for s in schedules:
-                    pl = "looped" if stages_per_device == 1 else MULTI_STAGE_SCHEDULES.get(s, "looped")
-                    if pl not in by_placement:
-                        tc = time.perf_counter()
-                        by_placement[pl] = fxpipe.compile(
-                            model, args, kwargs, devices=k, microbatches=microbatches, stages_per_device=stages_per_device,
-                            placement=pl, time_limit_s=partition_time_limit_s, schedule=None,  # rescheduled below
-                            schedule_time_limit_s=milp_time_limit_s, name=n)
-                        placement_s[pl] = time.perf_counter() - tc
-                    plan = by_placement[pl]
-                    tc = time.perf_counter()
-                    plans[s] = plan if s == plan.options.get("schedule") else plan.reschedule(
-                        s, time_limit_s=milp_time_limit_s)
-                    compile_s[s] = placement_s[pl] + time.perf_counter() - tc
-            except Exception as exc:  # noqa: BLE001 - a planning failure is a matrix cell, not a crash
-                for s in [*schedules, *([f"meta-ckpt:{schedules[0]}"] if n in meta_checkpoint else [])]:
-                    cells.append(MatrixCell(n, zm.family, k, s, False, error=_tail(f"planning failed: {exc!r}")))
-                continue
-            for s in schedules:
-                runs.append(dict(make_model=zm, make_batch=zm.batch, loss=zm.loss,
-                                 stage_of=plans[s].worker_stage_of(), orders=plans[s].orders(),
-                                 recompute_stages=plans[s].recompute_stages(),
-                                 num_microbatches=microbatches, steps=steps, lr=lr, model_key=n))
-                keys.append((n, s, compile_s[s]))
-            if n in meta_errors:
-                cells.append(MatrixCell(n, zm.family, k, f"meta-ckpt:{schedules[0]}", False, error=meta_errors[n]))
-            if n in checkpoints:  # built on meta in every worker, each rank reading its stages
-                s = schedules[0]
-                meta_runs[n] = (dict(runs[-len(schedules)], state={"seed": 0, "checkpoint": checkpoints[n]}),
-                                (n, f"meta-ckpt:{s}", compile_s[s]))
-            planned.append(n)
-        for n in meta_checkpoint:  # after every other run, in the caller's order: a failing run ends the
-            if n in meta_runs:     # job and restarts the workers, so runs expected to fail go last
-                runs.append(meta_runs[n][0])
-                keys.append(meta_runs[n][1])
+        runs, keys, planned = _plan_runs(zms, k, cfg, checkpoints, meta_errors, cells)
         timings[f"plan_{k}_s"] = time.perf_counter() - t0
         say(f"{k} ranks: planned {len(planned)} models x {len(schedules)} schedules in {timings[f'plan_{k}_s']:.1f} s")
         t0 = time.perf_counter()
@@ -295,23 +379,8 @@ def run_matrix(
         timings[f"train_{k}_s"] = time.perf_counter() - t0
         say(f"{k} ranks: trained {len(runs)} runs in {timings[f'train_{k}_s']:.1f} s")
         for (n, s, c_s), res in zip(keys, results):
-            fam = zms[n].family
-            if isinstance(res, RunError):
-                cells.append(MatrixCell(n, fam, k, s, False, error=_tail(res.message), compile_s=c_s))
-                continue
             ref = refs[("meta", n)] if s.startswith("meta-ckpt:") else refs[n]
-            cmp = compare_training(res, ref, loss_rtol=loss_rtol, rtol=rtol,
-                                   random_ops=res.meta.get("random_ops", ()))
-            cells.append(MatrixCell(
-                n, fam, k, s, cmp.ok and not cmp.random_ops, loss_rel_diff=cmp.loss_rel_diff,
-                max_grad_rel_diff=cmp.max_grad_rel_diff, max_param_rel_diff=cmp.max_param_rel_diff,
-                max_buffer_rel_diff=cmp.max_buffer_rel_diff, worst_param_grad_rel_diff=cmp.worst_param_grad_rel_diff,
-                worst_param=cmp.worst_param, problems=cmp.problems + [f"random ops: {cmp.random_ops[:3]}"] * bool(cmp.random_ops),
-                full_backward_stages=sorted(int(r) for r, f in res.meta.get("fused_full_backward", {}).items() if f),
-                moved_nodes=len(res.meta.get("moved_nodes", {})),
-                cloned_inputs=sum(len(v) for v in res.meta.get("cloned", {}).values()),
-                compile_s=c_s,
-            ))
+            cells.append(_verdict_cell(n, zms[n].family, k, s, c_s, res, ref, cfg))
     if tmp is not None:
         tmp.cleanup()
     timings["wall_s"] = time.perf_counter() - t_start

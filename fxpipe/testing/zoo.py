@@ -1,5 +1,7 @@
 """A zoo of small real architectures for end-to-end tests and benchmarks (random weights, offline).
 
+Test support (:mod:`fxpipe.testing`), not user API.
+
 Every entry is a model people train, built from its Hugging Face ``transformers`` (>= 5) config
 with at most 4 layers and hidden size <= 128, or a hand-written DAG that stresses the pipeline
 runtime (long ``cat`` skips, BatchNorm in training mode, weights tied across distant layers,
@@ -10,7 +12,7 @@ an unused parameter). Nothing is downloaded: configs are built in code and weigh
 ``make_batch`` / ``loss`` of :func:`fxpipe.codegen.launch.spawn_train` and
 :meth:`fxpipe.plan.Plan.train_local`::
 
-    zm = fxpipe.zoo.get("mixtral")
+    zm = fxpipe.testing.zoo.get("mixtral")
     model, args, kwargs = zm.one_microbatch()       # what fxpipe.compile captures
     plan = fxpipe.compile(model, args, kwargs, devices=2, microbatches=zm.microbatches)
     result = plan.train_local(zm, zm.batch, loss=zm.loss)

@@ -1,0 +1,16 @@
+"""Test support: small real models and the architecture matrix, for fxpipe's own tests and benchmarks.
+
+Not user API: nothing here is re-exported by ``fxpipe``, and it may change with the tests it
+serves. It ships inside the package (rather than under ``tests/``) because spawned gloo workers
+and the benchmarks import it by module path.
+
+* :mod:`fxpipe.testing.zoo`: small real architectures (Hugging Face ``transformers`` configs
+  with random weights, no download) and hand-written DAGs that stress the runtime, as
+  picklable factories (``fxpipe.testing.zoo.get("mixtral")``). Imports torch.
+* :mod:`fxpipe.testing.matrix`: the architecture matrix, every zoo model x pipeline size x
+  schedule planned, trained on local gloo ranks and compared with one process
+  (``tests/test_arch_matrix*.py``, ``benchmarks/arch_matrix.py``).
+
+This package's ``__init__`` imports nothing, so that importing one module does not pull in
+torch or the others.
+"""
