@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 
-from fxpipe.cli.common import add_graph_arguments, add_memory_arguments, check_stage_count, emit, load_graph
+from fxpipe.cli.common import add_command, add_memory_arguments, add_stage_problem_arguments, emit, load_stage_problem
 from fxpipe.errors import InputError
 
 DEFAULT_METHODS = "simple,chain,bottleneck,guess,exact"
@@ -37,10 +37,7 @@ def parse_methods(text: str) -> list[str]:
 
 def add_bounds_arguments(p: argparse.ArgumentParser, *, time_default: float = 60.0) -> None:
     """Options shared by ``bounds`` and ``report``."""
-    add_graph_arguments(p)
-    p.add_argument("-k", "--stages", dest="k", type=int, required=True, help="number of pipeline stages (devices)")
-    p.add_argument("--objective", choices=("inference", "training"), default="inference")
-    p.add_argument("--comm", choices=("dag", "relay"), default="dag", help="communication model (Contract 2)")
+    add_stage_problem_arguments(p, comm_help="communication model (Contract 2)")
     p.add_argument("--methods", default=DEFAULT_METHODS, help=f"comma-separated subset of simple,chain,lp,bottleneck,guess,exact (default {DEFAULT_METHODS}; chain needs --comm relay; "
                    "MIPs are skipped once the partition is proven optimal)")
     p.add_argument("--time-limit", dest="time_limit", type=float, default=time_default, help=f"seconds per MIP method (default {time_default:g})")
@@ -51,16 +48,13 @@ def add_bounds_arguments(p: argparse.ArgumentParser, *, time_default: float = 60
 
 def register(subparsers) -> None:
     """Add the ``bounds`` sub-command."""
-    p = subparsers.add_parser(
-        "bounds",
-        help="prove lower bounds on the best pipeline bottleneck (SCIP MIP hierarchy)",
-        description="Compute lower bounds on the optimal bottleneck of GRAPH split into K pipeline stages "
-        "(Archer et al. 2024, Section 3) and compare them with the best partition found.",
-    )
+    p = add_command(subparsers, "bounds", run,
+                    help="prove lower bounds on the best pipeline bottleneck (SCIP MIP hierarchy)",
+                    description="Compute lower bounds on the optimal bottleneck of GRAPH split into K pipeline stages "
+                    "(Archer et al. 2024, Section 3) and compare them with the best partition found.")
     add_bounds_arguments(p)
     p.add_argument("--certificate", default=None, metavar="OUT.json", help="write an fxpipe.certificate/1 file")
     p.add_argument("--json", action="store_true", help="machine-readable output (Contract 4)")
-    p.set_defaults(func=run)
 
 
 def compute_from_args(args: argparse.Namespace):
@@ -70,7 +64,6 @@ def compute_from_args(args: argparse.Namespace):
     -------
     (graph, BoundsReport)
     """
-    from fxpipe.cli.partition_cmd import partition_memory_from_args  # noqa: PLC0415
     from fxpipe.partition.bounds import compute_bounds  # noqa: PLC0415
 
     if args.k is None or args.k < 1:
@@ -78,9 +71,7 @@ def compute_from_args(args: argparse.Namespace):
     if not args.time_limit > 0:
         raise InputError(f"--time-limit must be > 0 seconds, got {args.time_limit}")
     methods = parse_methods(args.methods)
-    graph = load_graph(args.graph, args.format)
-    check_stage_count(args.k, graph)
-    memory = partition_memory_from_args(args)
+    graph, memory = load_stage_problem(args)
     report = compute_bounds(
         graph,
         args.k,

@@ -1,4 +1,4 @@
-"""Helpers shared by the CLI sub-commands: graph loading by format, memory options, output."""
+"""Helpers shared by the CLI sub-commands: their parsers, graph loading by format, memory options, output."""
 
 from __future__ import annotations
 
@@ -7,12 +7,25 @@ import json
 import math
 import re
 import sys
-from typing import Any
+from typing import Any, Callable
 
 from fxpipe.errors import InputError
 from fxpipe.ir import OpGraph, _json_default, read_json
 
 GRAPH_FORMATS = ("auto", "fxpipe", "dnn-partitioning", "pipedream")
+
+
+def add_command(subparsers: argparse._SubParsersAction, name: str, run: Callable[[argparse.Namespace], int], *,
+                help: str, description: str, raw_description: bool = False) -> argparse.ArgumentParser:
+    """Add the sub-command ``fxpipe NAME``, run by ``run(args) -> exit code``; returns its parser.
+
+    ``raw_description``: the description (a module docstring) is printed with its own line
+    breaks rather than re-wrapped.
+    """
+    formatter = argparse.RawDescriptionHelpFormatter if raw_description else argparse.HelpFormatter
+    parser = subparsers.add_parser(name, help=help, description=description, formatter_class=formatter)
+    parser.set_defaults(func=run)
+    return parser
 
 
 def add_graph_arguments(parser: argparse.ArgumentParser) -> None:
@@ -24,6 +37,30 @@ def add_graph_arguments(parser: argparse.ArgumentParser) -> None:
         default="auto",
         help="graph file format (default: auto-detect from the content)",
     )
+
+
+def add_stage_problem_arguments(parser: argparse.ArgumentParser, *, comm_help: str) -> None:
+    """The partition problem of ``partition``, ``bounds`` and ``report``: ``GRAPH``, ``--format``,
+    ``-k``, ``--objective`` and ``--comm`` (Contract 2)."""
+    add_graph_arguments(parser)
+    parser.add_argument("-k", "--stages", dest="k", type=int, required=True, help="number of pipeline stages (devices)")
+    parser.add_argument("--objective", choices=("inference", "training"), default="inference")
+    parser.add_argument("--comm", choices=("dag", "relay"), default="dag", help=comm_help)
+
+
+def load_stage_problem(args: argparse.Namespace):
+    """The graph and the partitioner's memory of :func:`add_stage_problem_arguments` and
+    :func:`add_memory_arguments`: ``(OpGraph, PartitionMemory or None)``.
+
+    Raises
+    ------
+    InputError
+        On a missing or malformed graph, a stage count outside ``1..graph.n`` or a malformed
+        memory option.
+    """
+    graph = load_graph(args.graph, args.format)
+    check_stage_count(args.k, graph)
+    return graph, partition_memory_from_args(args)
 
 
 def load_graph(path: str, fmt: str = "auto") -> OpGraph:
@@ -184,3 +221,21 @@ def memory_model_from_args(args: argparse.Namespace, default_capacity_bytes: flo
         return None
     return MemoryModel(capacity_bytes=cap, policy=args.precision, data_parallel=args.data_parallel,
                        zero_stage=args.zero_stage, reserved_fraction=args.reserved_fraction)
+
+
+def partition_memory_from_args(args: argparse.Namespace):
+    """The :class:`~fxpipe.partition.memory.PartitionMemory` of ``--memory`` and its options (None without).
+
+    Raises
+    ------
+    InputError
+        On a malformed size or model option, or ``--microbatches < 1``.
+    """
+    from fxpipe.partition.memory import PartitionMemory  # noqa: PLC0415
+
+    model = memory_model_from_args(args)
+    if model is None:
+        return None
+    if args.microbatches < 1:
+        raise InputError(f"--microbatches must be >= 1, got {args.microbatches}")
+    return PartitionMemory(model, num_microbatches=args.microbatches)

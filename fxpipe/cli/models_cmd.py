@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from fxpipe.cli.common import emit
+from fxpipe.cli.common import add_command, emit
 
 WAYS = [
     ("--hf PRESET", "a preset below: published dimensions and dtype (llama-3-70b: bf16), or small test sizes",
@@ -34,16 +34,11 @@ WAYS = [
 
 
 def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = sub.add_parser(
-        "models",
-        help="list the model presets and the ways to name a model for `fxpipe plan`",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    p = add_command(sub, "models", run, help="list the model presets and the ways to name a model for `fxpipe plan`",
+                    description=__doc__, raw_description=True)
     p.add_argument("name", nargs="?", metavar="MODEL_TYPE", help="show one model type (or preset): its tasks and classes")
     p.add_argument("--all", action="store_true", help="list every model type transformers knows, with its tasks")
     p.add_argument("--json", action="store_true", help="machine-readable output on stdout")
-    p.set_defaults(func=run)
     return p
 
 

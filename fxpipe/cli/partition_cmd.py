@@ -10,29 +10,16 @@ import argparse
 
 import numpy as np
 
-from fxpipe.cli.common import (  # noqa: F401 (parse_bytes: re-exported for older imports)
-    add_graph_arguments,
-    add_memory_arguments,
-    check_stage_count,
-    emit,
-    load_graph,
-    memory_model_from_args,
-    parse_bytes,
-)
-from fxpipe.errors import InputError
+from fxpipe.cli.common import add_command, add_memory_arguments, add_stage_problem_arguments, emit, load_stage_problem
+
 
 def register(subparsers) -> None:
     """Add the ``partition`` sub-command."""
-    p = subparsers.add_parser(
-        "partition",
-        help="partition an op graph into k pipeline stages (SliceGraph + BRKGA)",
-        description="Partition GRAPH into at most K pipeline stages minimising the bottleneck stage "
-        "(Archer et al. 2024: SliceGraph DP over topological orders searched by BRKGA).",
-    )
-    add_graph_arguments(p)
-    p.add_argument("-k", "--stages", dest="k", type=int, required=True, help="number of pipeline stages (devices)")
-    p.add_argument("--objective", choices=("inference", "training"), default="inference")
-    p.add_argument("--comm", choices=("dag", "relay"), default="dag", help="communication model (Contract 2; codegen uses relay)")
+    p = add_command(subparsers, "partition", run,
+                    help="partition an op graph into k pipeline stages (SliceGraph + BRKGA)",
+                    description="Partition GRAPH into at most K pipeline stages minimising the bottleneck stage "
+                    "(Archer et al. 2024: SliceGraph DP over topological orders searched by BRKGA).")
+    add_stage_problem_arguments(p, comm_help="communication model (Contract 2; codegen uses relay)")
     p.add_argument("--method", choices=("brkga", "orders"), default="brkga")
     p.add_argument("--time-limit", dest="time_limit", type=float, default=10.0, help="seconds (default 10)")
     p.add_argument("--evaluations", type=int, default=None, help="maximum number of orders decoded")
@@ -40,16 +27,13 @@ def register(subparsers) -> None:
     add_memory_arguments(p)
     p.add_argument("--progress", action="store_true", help="show a progress bar on stderr")
     p.add_argument("--json", action="store_true", help="machine-readable output (Contract 4)")
-    p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the sub-command; returns the exit code (errors raise FxpipeError -> exit 2)."""
     from fxpipe.partition.search import partition  # noqa: PLC0415 (numba import is slow)
 
-    graph = load_graph(args.graph, args.format)
-    check_stage_count(args.k, graph)
-    memory = partition_memory_from_args(args)
+    graph, memory = load_stage_problem(args)
     part = partition(
         graph,
         args.k,
@@ -65,18 +49,6 @@ def run(args: argparse.Namespace) -> int:
     doc = part.to_dict()
     emit(args, doc, _table(graph, part))
     return 0
-
-
-def partition_memory_from_args(args: argparse.Namespace):
-    """The :class:`~fxpipe.partition.memory.PartitionMemory` of ``--memory`` and its options (None without)."""
-    from fxpipe.partition.memory import PartitionMemory  # noqa: PLC0415
-
-    model = memory_model_from_args(args)
-    if model is None:
-        return None
-    if args.microbatches < 1:
-        raise InputError(f"--microbatches must be >= 1, got {args.microbatches}")
-    return PartitionMemory(model, num_microbatches=args.microbatches)
 
 
 def _table(graph, part) -> str:

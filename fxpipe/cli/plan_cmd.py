@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fxpipe.api import PLACEMENTS, SCHEDULES
-from fxpipe.cli.common import add_memory_arguments, check_writable, emit, memory_model_from_args, parse_bytes, status
+from fxpipe.cli.common import add_command, add_memory_arguments, check_writable, emit, memory_model_from_args, parse_bytes, status
 from fxpipe.cost.hardware import list_hardware
 from fxpipe.errors import CaptureError, InputError
 from fxpipe.progress import phase, stderr_is_terminal
@@ -40,12 +40,9 @@ from fxpipe.progress import phase, stderr_is_terminal
 
 
 def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = sub.add_parser(
-        "plan",
-        help="plan pipeline parallelism for a Hugging Face architecture (random weights, no download)",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    p = add_command(sub, "plan", run,
+                    help="plan pipeline parallelism for a Hugging Face architecture (random weights, no download)",
+                    description=__doc__, raw_description=True)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument(
         "--hf", metavar="MODEL",
@@ -137,7 +134,6 @@ def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=2, help="training steps with --run (default 2)")
     p.add_argument("--lr", type=float, default=0.01, help="SGD learning rate with --run")
     p.add_argument("--json", action="store_true", help="machine-readable output on stdout")
-    p.set_defaults(func=run)
     return p
 
 

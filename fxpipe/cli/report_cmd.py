@@ -13,24 +13,21 @@ import argparse
 import shlex
 
 from fxpipe.cli.bounds_cmd import add_bounds_arguments, compute_from_args
-from fxpipe.cli.common import emit
+from fxpipe.cli.common import add_command, emit
 
 
 def register(subparsers) -> None:
     """Add the ``report`` sub-command."""
-    p = subparsers.add_parser(
-        "report",
-        help="write an HTML/Markdown report: partition, stage costs and lower-bound certificates",
-        description="Partition GRAPH into K stages, prove lower bounds (Archer et al. 2024, Section 3) and write "
-        "a self-contained HTML report (and Markdown).",
-    )
+    p = add_command(subparsers, "report", run,
+                    help="write an HTML/Markdown report: partition, stage costs and lower-bound certificates",
+                    description="Partition GRAPH into K stages, prove lower bounds (Archer et al. 2024, Section 3) "
+                    "and write a self-contained HTML report (and Markdown).")
     add_bounds_arguments(p, time_default=30.0)
     p.add_argument("-o", "--output", dest="output", required=True, metavar="OUT.html", help="HTML file to write")
     p.add_argument("--markdown", default=None, metavar="OUT.md", help="also write a Markdown report")
     p.add_argument("--certificate", default=None, metavar="OUT.json", help="also write an fxpipe.certificate/1 file")
     p.add_argument("--no-charts", dest="charts", action="store_false", help="leave out the matplotlib charts")
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.set_defaults(func=run)
 
 
 def reproduce_command(args: argparse.Namespace) -> str:

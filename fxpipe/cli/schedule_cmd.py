@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from fxpipe.cli.common import emit
+from fxpipe.cli.common import add_command, emit
 from fxpipe.errors import InputError
 from fxpipe.ir import Schedule, ScheduleProblem, schedule_to_orders, write_json_atomic
 
@@ -23,11 +23,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the ``schedule`` sub-command."""
     from fxpipe.schedule.dispatch import METHODS
 
-    p = subparsers.add_parser(
-        "schedule",
-        help="schedule F/B/W/offload/reload ops of a pipeline problem",
-        description="Build a pipeline schedule for a fxpipe.schedproblem/1 file and validate it (Contract 3).",
-    )
+    p = add_command(subparsers, "schedule", run, help="schedule F/B/W/offload/reload ops of a pipeline problem",
+                    description="Build a pipeline schedule for a fxpipe.schedproblem/1 file and validate it (Contract 3).")
     p.add_argument("problem", metavar="PROBLEM", help="schedule problem (fxpipe.schedproblem/1 JSON)")
     p.add_argument("--method", choices=METHODS, default="zb-h1",
                    help="schedule generator (default: zb-h1; interleaved-1f1b for looped placements, zb-v / "
@@ -43,7 +40,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="in --csv, write every backward as torch's I (input) and W (weight) instead of a full B "
                         "where W follows its B at once")
     p.add_argument("--json", action="store_true", help="print the fxpipe.schedule/1 document on stdout")
-    p.set_defaults(func=run)
 
 
 def _text(problem: ScheduleProblem, sched: Schedule) -> str:

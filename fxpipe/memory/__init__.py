@@ -17,36 +17,5 @@ this package imports the model only, so that the partitioner can import it witho
 in the plan view.
 """
 
-from fxpipe.memory.model import (
-    ACTIVATION_RULES,
-    DEFAULT_POLICY,
-    DEFAULT_RESERVED_FRACTION,
-    KIND_LABELS,
-    KINDS,
-    POLICIES,
-    ROW_FIELDS,
-    DeviceMemory,
-    MemoryModel,
-    MemoryRow,
-    PrecisionPolicy,
-    fits_capacity,
-    format_bytes,
-    inflight_stashes,
-)
-
-__all__ = [
-    "ACTIVATION_RULES",
-    "DEFAULT_POLICY",
-    "DEFAULT_RESERVED_FRACTION",
-    "KINDS",
-    "KIND_LABELS",
-    "POLICIES",
-    "ROW_FIELDS",
-    "DeviceMemory",
-    "MemoryModel",
-    "MemoryRow",
-    "PrecisionPolicy",
-    "fits_capacity",
-    "format_bytes",
-    "inflight_stashes",
-]
+from fxpipe.memory.model import *  # noqa: F403 (the package's names are the model's)
+from fxpipe.memory.model import __all__  # noqa: F401

@@ -18,7 +18,6 @@ Torch-free: usable by ``plan_graph`` on a loaded graph.
 
 from __future__ import annotations
 
-import math
 from typing import Sequence
 
 import numpy as np
