@@ -22,6 +22,11 @@ global loss is their mean).
 With ``--checkpoint model.safetensors`` (or a torch state dict file) the model is built on
 ``meta`` and never exists whole in a process: each rank materializes only its stages' parameters
 and buffers, read from the checkpoint by fully qualified name (``plan.build(rank, checkpoint=...)``).
+
+``--save DIR`` writes the training state at the end (``fxpipe.codegen.checkpoint``: DCP in
+safetensors, the model consolidated under its own names, the optimizer state sharded, the step
+in JSON); ``--resume DIR`` continues from it, also under another plan of the same model (another
+mesh or partition: each rank reads the slices it holds).
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ import torch.distributed as dist
 
 import fxpipe
 from fxpipe.cli.plan_cmd import HFFactory
+from fxpipe.codegen.checkpoint import load_training_state, save_training_state
 from fxpipe.codegen.launch import cross_entropy_loss
 from fxpipe.models import parse_overrides
 
@@ -51,6 +57,9 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=0.01)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--checkpoint", help="build the model on meta and load each rank's stages from this file")
+    ap.add_argument("--resume", help="a training-state directory written by --save: load weights, optimizer state "
+                    "and step (from any mesh or partition of the same model)")
+    ap.add_argument("--save", help="write the training state (DCP, safetensors + JSON) to this directory at the end")
     args = ap.parse_args()
 
     torch.set_num_threads(1)
@@ -68,9 +77,12 @@ def main() -> None:
     local = [p.to_local() if hasattr(p, "to_local") else p for p in schedule.parameters()]  # FSDP2: this rank's shard
     held_bytes = sum(p.numel() * p.element_size() for p in local)
     opt = torch.optim.SGD(schedule.parameters(), lr=args.lr)  # this rank's parameters, tied ones once
+    start = 0
+    if args.resume:  # every rank reads its shards of the saved state (collective)
+        start = load_training_state(args.resume, schedule, opt)["step"]
     first, last = schedule.has_first_stage, schedule.has_last_stage
     losses_per_step = []
-    for step in range(args.steps):
+    for step in range(start, start + args.steps):
         inputs, target = plan.replica_batch(rank, *factory.batch(step))  # this rank's replica's slice
         opt.zero_grad()
         losses: list[torch.Tensor] = []
@@ -85,6 +97,8 @@ def main() -> None:
         opt.step()
         if last:
             losses_per_step.append(sum(float(x.detach()) for x in losses) / len(losses))
+    if args.save:
+        save_training_state(args.save, schedule, opt, step=start + args.steps, mesh=plan.mesh)
     if last:
         # One write of the whole line: ranks share torchrun's stdout, and print() writes the text and its
         # newline separately when stdout is unbuffered, so two ranks' lines could run together.

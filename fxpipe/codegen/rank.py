@@ -285,6 +285,9 @@ def build_rank(
                                   device_of_stage=orders.device_of_stage, shared_grads=shared)
     sched.load_actions(acts)
     sched.fxpipe_fused_full_backward = fused_here
+    # the original model's names of this rank's state (fxpipe.codegen.checkpoint keys checkpoints by them)
+    sched.fxpipe_named_state = {s: (modules[s], dict(staged.stages[s].param_targets), dict(staged.stages[s].buffer_targets))
+                                for s in local}
     # ---- begin activation stash (fxpipe.codegen.stash): live saved bytes, offload/reload, recomputation
     from fxpipe.codegen.stash import device_stash
 
