@@ -71,9 +71,7 @@ def looped_placement(num_devices: int, stages_per_device: int) -> tuple[int, ...
     -------
     tuple of int, length v * p
     """
-    p, v = _as_count(num_devices, "num_devices"), _as_count(stages_per_device, "stages_per_device")
-    if p < 1 or v < 1:
-        raise InputError(f"looped placement needs p >= 1 devices and v >= 1 stages per device, got p={p}, v={v}")
+    p, v = _devices_and_chunks(num_devices, stages_per_device, "looped")
     return tuple(s % p for s in range(v * p))
 
 
@@ -96,10 +94,16 @@ def v_placement(num_devices: int, stages_per_device: int = 2) -> tuple[int, ...]
     -------
     tuple of int, length v * p
     """
+    p, v = _devices_and_chunks(num_devices, stages_per_device, "V")
+    return tuple(s % p if (s // p) % 2 == 0 else p - 1 - s % p for s in range(v * p))
+
+
+def _devices_and_chunks(num_devices: Any, stages_per_device: Any, kind: str) -> tuple[int, int]:
+    """Validated ``(p, v)`` of a ``kind`` placement (InputError unless both are integers >= 1)."""
     p, v = _as_count(num_devices, "num_devices"), _as_count(stages_per_device, "stages_per_device")
     if p < 1 or v < 1:
-        raise InputError(f"V placement needs p >= 1 devices and v >= 1 stages per device, got p={p}, v={v}")
-    return tuple(s % p if (s // p) % 2 == 0 else p - 1 - s % p for s in range(v * p))
+        raise InputError(f"{kind} placement needs p >= 1 devices and v >= 1 stages per device, got p={p}, v={v}")
+    return p, v
 
 
 def _placement(device_of_stage: Any, num_devices: Any, S: int) -> tuple[int, tuple[int, ...]]:
