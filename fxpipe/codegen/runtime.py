@@ -11,13 +11,15 @@ everything torch-version specific lives here, behind small adapters that the res
   :func:`meta_literals_as` (a ``TorchDispatchMode``);
 * autograd-graph walks of ``torch.distributed.pipelining._backward``: :func:`grad_fn_or_grad_acc`,
   :func:`construct_reverse_graph`, :func:`reverse_closure`;
-* the stage and schedule runtime (``PipelineStage`` internals, ``_PipelineScheduleRuntime``,
-  ``_Action``): :class:`FxpipePipelineStage` (split backward with disjoint parameter groups,
+* torch's action type ``_Action``: :func:`torch_action`, the one conversion of a lowered
+  :class:`fxpipe.ir.Action` (no text in between);
+* the stage and schedule runtime (``PipelineStage`` internals, ``_PipelineScheduleRuntime``):
+  :class:`FxpipePipelineStage` (split backward with disjoint parameter groups,
   :func:`merge_param_groups`) and :class:`FxpipeScheduleRuntime`.
 
-:class:`FxpipeScheduleRuntime` runs per-rank compute actions (``"0F1"``, ``"1I0"``, ``"1W0"``,
-``"2B3"``; lowered from :class:`fxpipe.ir.Orders` by :mod:`fxpipe.codegen.actions`) with torch's
-runtime, which adds the SEND/RECV actions, for one or several stages per rank (the placement's
+:class:`FxpipeScheduleRuntime` runs per-rank compute actions (typed :class:`fxpipe.ir.Action` s
+lowered from :class:`fxpipe.ir.Orders` by :func:`fxpipe.codegen.actions.lower_orders`, or
+torch's strings ``"0F1"``, ``"1I0"``, ``"1W0"``, ``"2B3"``) with torch's runtime, which adds the SEND/RECV actions, for one or several stages per rank (the placement's
 stage-to-rank map). On top of torch it (1) takes the model's own inputs - any pytree,
 positional and keyword - on the rank of the first stage and splits them into micro-batches by
 :mod:`fxpipe.codegen.interface`'s rule, (2) gives ``loss_fn`` each micro-batch's output in the

@@ -1,4 +1,4 @@
-"""torch's CSV pipeline-schedule format, read and written as text (no torch import).
+"""torch's action vocabulary and CSV pipeline-schedule format, read and written as text (no torch import).
 
 ``torch.distributed.pipelining``'s multi-stage schedules (``PipelineScheduleMulti._load_csv``
 / ``_dump_csv`` and ``_PipelineScheduleRuntime._load_csv(format="compute_only")``, torch
@@ -10,7 +10,7 @@ written like ``_Action.__repr__``: ``<stage><type><micro-batch>`` with type
 * ``I`` backward-input (fxpipe's ``B``),
 * ``W`` backward-weight (fxpipe's ``W``),
 * ``B`` full backward (backward-input and backward-weight at once: fxpipe's ``B`` followed
-  by its ``W``),
+  by its ``W``, the lowered ``BW``),
 
 an empty cell being a no-op, and ``(a;b)OVERLAP_F_B`` an overlapped forward/backward pair
 (DualPipe-V). The row number is the rank; torch infers which rank holds which stage from the
@@ -19,7 +19,10 @@ cells. torch has no offload/reload action.
 :func:`orders_to_torch_csv` writes :class:`~fxpipe.ir.schedule.Orders` in this format (a B
 immediately followed on its device by its own W may be written as torch's full backward
 ``B``); :func:`orders_from_torch_csv` reads it back (``I`` -> B, ``B`` -> B then W,
-``OVERLAP_F_B`` -> its sub-actions in order).
+``OVERLAP_F_B`` -> its sub-actions in order). :data:`TORCH_TYPE` is the one translation of
+action types between fxpipe and torch, :func:`torch_text` / :func:`parse_torch_action` the
+text of one action in torch's vocabulary (on :func:`fxpipe.ir.schedule.split_action_text`,
+the one grammar).
 
 References
 ----------
