@@ -1,25 +1,28 @@
-"""Lower per-device :class:`~fxpipe.ir.Orders` to torch action strings (pure list-to-list passes).
+"""Lower per-device :class:`~fxpipe.ir.Orders` to each rank's torch program (typed list-to-list passes).
 
 Codegen's only schedule input is :class:`fxpipe.ir.Orders`: the per-device programs with the
 placement of stages on devices, built by the caller from a timed schedule with
 :func:`fxpipe.ir.schedule_to_orders` (or by a generator of :mod:`fxpipe.schedule`). Nothing
-here calls the scheduler, and nothing here imports torch; the torch ``_Action`` objects are
-made from the strings in :mod:`fxpipe.codegen.runtime`.
+here calls the scheduler, and nothing here imports torch; torch's ``_Action`` objects are
+made from the lowered :class:`~fxpipe.ir.Action` s in :mod:`fxpipe.codegen.runtime`.
 
 fxpipe's actions are ``F`` (forward), ``B`` (backward-input) and ``W`` (backward-weight), plus
-``O``/``R`` (offload/reload of a stash). ``torch.distributed.pipelining`` actions are ``F``,
-``I`` (backward-input), ``W`` (backward-weight) and ``B`` (full backward = I and W fused),
-written ``"<stage><type><mb>"`` (``"2I0"``). The passes:
+``O``/``R`` (offload/reload of a stash) and, after lowering, ``BW`` (full backward).
+``torch.distributed.pipelining`` actions are ``F``, ``I`` (backward-input), ``W``
+(backward-weight) and ``B`` (full backward), written ``"<stage><type><mb>"`` (``"2I0"``); the
+translation is :data:`fxpipe.ir.torch_csv.TORCH_TYPE`. The steps:
 
 * :func:`check_orders` proves the programs complete and deadlock-free on the devices before
   anything runs (the device-level rule torch's runtime follows: a device runs its program in
   order and blocks on the first action whose input has not arrived);
-* :func:`actions_from_orders` lowers them to one list of torch action strings per rank
-  (rank = device), mapping ``B -> I`` and fusing a ``B`` immediately followed on its device
-  by its own ``W`` into torch's full backward ``B`` (:func:`fxpipe.ir.torch_csv.torch_action_rows`,
-  the one Orders-to-torch-vocabulary function); O/R actions are left out (torch has none);
-* :func:`fuse_backward` turns the split backwards of some (or all) stages into full backwards,
-  a fallback for stages whose split backward cannot be separated.
+* :func:`lower_orders` lowers them to one list of :class:`~fxpipe.ir.Action` per rank
+  (rank = device) by the passes of :mod:`fxpipe.ir.lowering`: O/R actions are left out
+  (torch has none; :mod:`fxpipe.codegen.offload` issues them), and a ``B`` immediately followed
+  on its device by its own ``W`` is fused into a full backward ``BW``;
+  :func:`actions_from_orders` is the same in torch's text (for logs, files and tests);
+* :func:`fuse_backward` turns the split backwards of some (or all) stages of torch action
+  strings into full backwards, a fallback for stages whose split backward cannot be separated
+  (:func:`fxpipe.ir.lowering.full_backward` on typed actions).
 
 Every pass returns new lists and never mutates its input.
 
@@ -32,61 +35,22 @@ Megatron-LM", SC 2021, Section 2.2 (interleaved schedules, several stages per de
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass
 from typing import Any, Collection, Mapping, Sequence
 
 from fxpipe.errors import InputError
-from fxpipe.ir.schedule import Orders
-from fxpipe.ir.torch_csv import torch_action_rows
+from fxpipe.ir.lowering import compute_only, full_backward, merge_backward
+from fxpipe.ir.schedule import Action, Orders
+from fxpipe.ir.torch_csv import parse_torch_action, torch_text
 
 __all__ = [
-    "TorchAction",
-    "parse_action",
     "check_orders",
+    "lower_orders",
     "actions_from_orders",
+    "parse_actions",
+    "text_of_actions",
     "fuse_backward",
     "format_actions",
 ]
-
-_ACTION_RE = re.compile(r"^(\d+)(F|B|I|W)(\d+)$")
-
-
-@dataclass(frozen=True)
-class TorchAction:
-    """One compute action in torch's vocabulary: ``stage``, ``type`` in F/B/I/W, ``microbatch``.
-
-    ``str()`` gives torch's text form (``"1I0"``). Unlike :class:`fxpipe.ir.Action`, ``B`` here
-    is torch's *full* backward and ``I`` the backward-input.
-    """
-
-    stage: int
-    type: str
-    microbatch: int
-
-    def __str__(self) -> str:
-        return f"{self.stage}{self.type}{self.microbatch}"
-
-
-def parse_action(a: Any, where: str) -> TorchAction | None:
-    """Parse a torch action string ``"<stage><F|B|I|W><microbatch>"``; ``""`` (an idle step) gives None.
-
-    Raises
-    ------
-    InputError
-        Naming ``where`` (rank and step) for a non-string or a string that is not a compute action.
-    """
-    if not isinstance(a, str):
-        raise InputError(f"{where}: action {a!r} is not a string like '0F1' (stage, type, micro-batch)")
-    if a == "":
-        return None
-    m = _ACTION_RE.match(a)
-    if m is None:
-        raise InputError(
-            f"{where}: bad action string {a!r}: expected '<stage><type><micro-batch>' with type F, B, I or W "
-            "(e.g. '0F1', '2I0'); communication actions are added by the runtime"
-        )
-    return TorchAction(int(m.group(1)), m.group(2), int(m.group(3)))
 
 
 def _require_orders(orders: Any) -> Orders:
@@ -165,8 +129,11 @@ def _check_deadlock(orders: Orders) -> None:
             )
 
 
-def actions_from_orders(orders: Orders, num_microbatches: int, *, fuse: bool = True) -> dict[int, list[str]]:
-    """Lower per-device orders to torch action strings, one list per rank (rank = device).
+def lower_orders(orders: Orders, num_microbatches: int, *, fuse: bool = True) -> dict[int, list[Action]]:
+    """Lower per-device orders to each rank's compute program (rank = device), as typed actions.
+
+    The passes :func:`~fxpipe.ir.lowering.compute_only` then, with ``fuse``,
+    :func:`~fxpipe.ir.lowering.merge_backward` on every device's program.
 
     Parameters
     ----------
@@ -177,13 +144,34 @@ def actions_from_orders(orders: Orders, num_microbatches: int, *, fuse: bool = T
         Micro-batches per step m.
     fuse : bool
         Fuse a ``B`` immediately followed on its device by the ``W`` of the same stage and
-        micro-batch into torch's full backward ``B`` (one autograd pass instead of two).
+        micro-batch into a full backward ``BW`` (one autograd pass instead of two).
+
+    Returns
+    -------
+    dict[int, list[Action]]
+        Every stage's compute actions on the rank of its device, in the device's program order.
+
+    Raises
+    ------
+    InputError
+        If ``orders`` is not :class:`Orders`, is incomplete or deadlocks (see :func:`check_orders`).
+    """
+    check_orders(orders, num_microbatches)
+    lowered = {}
+    for d, row in enumerate(orders.actions):
+        prog = compute_only(row)
+        lowered[d] = merge_backward(prog) if fuse else prog
+    return lowered
+
+
+def actions_from_orders(orders: Orders, num_microbatches: int, *, fuse: bool = True) -> dict[int, list[str]]:
+    """:func:`lower_orders` written in torch's text, one list of action strings per rank.
 
     Returns
     -------
     dict[int, list[str]]
         ``{rank: ["0F0", "2F0", "0I0", "0W0", "2B1", ...]}``: every stage's actions on the rank
-        of its device, in the device's program order.
+        of its device, in the device's program order (``B`` -> ``I``, a fused full backward ``B``).
 
     Raises
     ------
@@ -197,18 +185,44 @@ def actions_from_orders(orders: Orders, num_microbatches: int, *, fuse: bool = T
     >>> actions_from_orders(o, 1)
     {0: ['0F0', '0B0'], 1: ['1F0', '1B0']}
     """
-    check_orders(orders, num_microbatches)
-    rows = torch_action_rows(orders, fuse_backward=fuse, offload="drop")
-    return {d: list(row) for d, row in enumerate(rows)}
+    return text_of_actions(lower_orders(orders, num_microbatches, fuse=fuse))
+
+
+def parse_actions(actions: Mapping[int, Sequence[Any]]) -> dict[int, list[Action]]:
+    """Per-rank actions as typed :class:`~fxpipe.ir.Action` s, from torch action strings or Actions.
+
+    ``""`` (an idle step) is dropped; strings are read in torch's vocabulary
+    (:func:`fxpipe.ir.torch_csv.parse_torch_action`).
+
+    Raises
+    ------
+    InputError
+        If an action is neither an Action nor a torch compute-action string (the message names
+        rank and step).
+    """
+    out: dict[int, list[Action]] = {}
+    for r, acts in actions.items():
+        row = []
+        for step, a in enumerate(acts):
+            act = a if isinstance(a, Action) else parse_torch_action(a, f"rank {r}, step {step}")
+            if act is not None:
+                row.append(act)
+        out[r] = row
+    return out
+
+
+def text_of_actions(actions: Mapping[int, Sequence[Action]]) -> dict[int, list[str]]:
+    """Per-rank typed compute actions written in torch's vocabulary (``"0I0"``, ``"2B1"``)."""
+    return {r: [torch_text(a) for a in acts] for r, acts in actions.items()}
 
 
 def fuse_backward(actions: Mapping[int, Sequence[str]], stages: Collection[int] | None = None) -> dict[int, list[str]]:
     """Replace split backwards (``I`` ... ``W``) by a full backward ``B`` at the ``I``.
 
     A fallback for stages whose split backward cannot be separated (e.g. parameters whose
-    gradient path meets no stage input, see :mod:`fxpipe.codegen.shapes`). The forward /
-    backward-input order is unchanged, so deadlock-free actions stay deadlock-free. Empty
-    strings (idle steps) are dropped.
+    gradient path meets no stage input, see :mod:`fxpipe.codegen.shapes`); the text form of
+    :func:`fxpipe.ir.lowering.full_backward`. The forward / backward-input order is unchanged,
+    so deadlock-free actions stay deadlock-free. Empty strings (idle steps) are dropped.
 
     Parameters
     ----------
@@ -227,24 +241,12 @@ def fuse_backward(actions: Mapping[int, Sequence[str]], stages: Collection[int] 
     InputError
         If an action string does not parse (the message names rank and step).
     """
-    only = None if stages is None else {int(s) for s in stages}
-    out: dict[int, list[str]] = {}
-    for r, acts in actions.items():
-        new = []
-        for step, a in enumerate(acts):
-            act = parse_action(a, f"rank {r}, step {step}")
-            if act is None:
-                continue
-            if only is not None and act.stage not in only:
-                new.append(str(act))
-            elif act.type == "W":
-                continue
-            else:
-                new.append(f"{act.stage}B{act.microbatch}" if act.type == "I" else str(act))
-        out[r] = new
-    return out
+    typed = parse_actions(actions)
+    return text_of_actions({r: full_backward(acts, stages) for r, acts in typed.items()})
 
 
-def format_actions(actions: Mapping[int, Sequence[str]]) -> str:
-    """Text table of per-rank actions (one row per rank), for logs and golden tests."""
-    return "\n".join(f"rank {r}: " + " ".join(actions[r]) for r in sorted(actions))
+def format_actions(actions: Mapping[int, Sequence[str | Action]]) -> str:
+    """Text table of per-rank actions (one row per rank, torch's vocabulary), for logs and golden tests."""
+    return "\n".join(
+        f"rank {r}: " + " ".join(a if isinstance(a, str) else torch_text(a) for a in actions[r]) for r in sorted(actions)
+    )

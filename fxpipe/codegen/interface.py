@@ -265,6 +265,15 @@ class ModelInterface:
         """Split a full batch (model call form) into ``m`` tuples of stage-0 tensors."""
         return [self.flatten_inputs(mb) for mb in split_microbatches(ModelInputs(*as_call(inputs)), m)]
 
+    def call_microbatches(self, args: tuple, kwargs: Mapping[str, Any], m: int) -> list[tuple[torch.Tensor, ...]]:
+        """Split the full-batch inputs of one call ``model(*args, **kwargs)`` into ``m`` tuples of stage-0 tensors."""
+        return self.microbatch_inputs(ModelInputs(args, kwargs), m)
+
+    @staticmethod
+    def target_microbatches(target: Any, m: int) -> list:
+        """A full-batch target (any pytree) split into ``m`` micro-batches by the inputs' rule (:func:`split_microbatches`)."""
+        return split_microbatches(target, m, "target")
+
     # ------------------------------------------------------------------ outputs
     def output(self, tensors: Sequence[torch.Tensor] | torch.Tensor) -> Any:
         """The model's output structure from the last stage's returned tensors.

@@ -11,10 +11,10 @@ actions, so fxpipe executes O/R itself, attached to the compute actions torch ru
   compute action before the backward that needs it. On CUDA the copy runs on the device's copy
   stream and overlaps the following compute actions; the backward that needs a reloaded stash
   waits for that copy (an event), nothing else does. On CPU the copy is synchronous.
-* **Anchors are torch actions.** The device program is lowered to torch actions first
-  (:func:`fxpipe.codegen.actions.actions_from_orders`: ``B`` becomes ``I``, or torch's full
-  backward ``B`` when fused with the ``W`` right after it). An O/R anchored after a ``W`` that was
-  fused into an earlier full backward is anchored to the last torch action that still precedes it,
+* **Anchors are lowered actions.** The device program is lowered first
+  (:func:`fxpipe.codegen.actions.lower_orders`: O/R left out, a ``B`` fused with the ``W`` right
+  after it into a full backward ``BW``, torch's ``B``). An O/R anchored after a ``W`` that was
+  fused into an earlier full backward is anchored to the last lowered action that still precedes it,
   so the relative order of every O/R and every torch action is kept; fusion only moves a ``W``
   earlier, and no O/R waits for a ``W``.
 * **Checks.** An O needs its F before it and its R after it; an R needs its O before it and its
@@ -38,25 +38,26 @@ from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
 from fxpipe.errors import InputError
-from fxpipe.ir import Action, Orders
+from fxpipe.ir.schedule import FULL_BACKWARD, Action, Orders
+from fxpipe.ir.torch_csv import parse_torch_action, torch_text
 
 __all__ = ["OffloadProgram", "offload_program", "programs_of", "offload_all"]
 
 
 @dataclass(frozen=True)
 class OffloadProgram:
-    """The O/R actions of one device, each attached to the torch action after which it is issued.
+    """The O/R actions of one device, each attached to the lowered compute action after which it is issued.
 
     Attributes
     ----------
-    after : Mapping[str, tuple[Action, ...]]
-        torch compute action (``"0F1"``, ``"0I1"``, ``"0B1"``, ``"0W1"``: stage, type,
-        micro-batch) -> the O/R actions issued right after it, in program order.
+    after : Mapping[Action, tuple[Action, ...]]
+        Lowered compute action (F, B, W or the full backward BW: stage, type, micro-batch) ->
+        the O/R actions issued right after it, in program order.
     offloaded : frozenset[tuple[int, int]]
         ``(stage, microbatch)`` of every stash this device offloads.
     """
 
-    after: Mapping[str, tuple[Action, ...]] = field(default_factory=dict)
+    after: Mapping[Action, tuple[Action, ...]] = field(default_factory=dict)
     offloaded: frozenset = frozenset()
 
     @property
@@ -64,31 +65,51 @@ class OffloadProgram:
         """True when the device offloads nothing."""
         return not self.after
 
-    def memops_after(self, torch_action: str) -> tuple[Action, ...]:
-        """The O/R actions to issue right after ``torch_action`` (``()`` when none)."""
-        return self.after.get(torch_action, ())
+    def memops_after(self, action: Action | str) -> tuple[Action, ...]:
+        """The O/R actions to issue right after ``action`` (a lowered Action, or torch's text ``"0I1"``; ``()`` when none)."""
+        if not isinstance(action, Action):
+            action = parse_torch_action(action, "memops_after")
+        return self.after.get(action, ())
 
     def describe(self) -> str:
-        """One line per anchor: ``0F3 -> 0O3``."""
-        return "\n".join(f"{k} -> {' '.join(map(str, v))}" for k, v in self.after.items())
+        """One line per anchor, in torch's text: ``0F3 -> 0O3``."""
+        return "\n".join(f"{torch_text(k)} -> {' '.join(map(str, v))}" for k, v in self.after.items())
 
 
 def _as_action(a) -> Action:
     return a if isinstance(a, Action) else Action.parse(a)
 
 
-def offload_program(program: Sequence[Action | str], torch_actions: Sequence[str]) -> OffloadProgram:
-    """Attach every O/R of one device program to the torch action after which it is issued.
+def _anchor_of(a: Action, present: set[Action]) -> Action | None:
+    """The lowered action that runs compute action ``a`` of the device program (None: a W fused into its BW).
+
+    Raises
+    ------
+    InputError
+        If the lowered program has no action for ``a``.
+    """
+    full = Action(a.stage, FULL_BACKWARD, a.microbatch)
+    if a.type == "B" and a not in present:
+        return full
+    if a.type == "W" and a not in present:
+        if full not in present:
+            raise InputError(f"device program: {a} has no torch action (neither {torch_text(a)} nor a full backward)")
+        return None
+    return a
+
+
+def offload_program(program: Sequence[Action | str], lowered: Sequence[Action | str]) -> OffloadProgram:
+    """Attach every O/R of one device program to the lowered compute action after which it is issued.
 
     Parameters
     ----------
     program : sequence of Action or str
         The device's program in fxpipe's vocabulary (F, B, W, O, R), e.g.
         ``Orders.of_device(d)`` from :func:`fxpipe.ir.schedule_to_orders`.
-    torch_actions : sequence of str
-        The same device's compute actions in torch's vocabulary (F, I, B, W) as the runtime
-        executes them (after fusion of ``B`` + ``W`` into a full backward ``B``); ``""`` (idle)
-        entries are ignored.
+    lowered : sequence of Action or str
+        The same device's compute actions as the runtime executes them (after fusion of ``B`` +
+        ``W`` into a full backward): :func:`fxpipe.codegen.actions.lower_orders`' actions, or
+        torch action strings (F, I, B, W), whose ``""`` (idle) entries are ignored.
 
     Returns
     -------
@@ -98,45 +119,47 @@ def offload_program(program: Sequence[Action | str], torch_actions: Sequence[str
     ------
     InputError
         If an O/R has no compute action before it, an O/R pair is incomplete or out of order
-        (F, O, R, B per stage and micro-batch), or the torch actions are not a lowering of the
+        (F, O, R, B per stage and micro-batch), or the lowered actions are not a lowering of the
         program's compute actions (the message names the action).
     """
     prog = [_as_action(a) for a in program]
-    torch_list = [a for a in torch_actions if a]
-    present = set(torch_list)
-    pos = {a: i for i, a in enumerate(torch_list)}
-    after: dict[str, list[Action]] = {}
-    anchor: str | None = None
+    typed = [a if isinstance(a, Action) else parse_torch_action(a, f"lowered action {i}") for i, a in enumerate(lowered)]
+    typed = [a for a in typed if a is not None]
+    present = set(typed)
+    pos = {a: i for i, a in enumerate(typed)}
+    after: dict[Action, list[Action]] = {}
+    anchor: Action | None = None
     seen: dict[tuple[str, int, int], int] = {}
-    lowered_order: list[str] = []
+    lowered_order: list[Action] = []
     for i, a in enumerate(prog):
         key = (a.type, a.stage, a.microbatch)
         if key in seen:
             raise InputError(f"device program: {a} appears twice")
         seen[key] = i
         if a.is_compute:
-            if a.type == "F":
-                t = f"{a.stage}F{a.microbatch}"
-            elif a.type == "B":
-                t = f"{a.stage}I{a.microbatch}"
-                if t not in present:
-                    t = f"{a.stage}B{a.microbatch}"
-            else:  # W: its own torch action, or fused into the full backward at its B
-                t = f"{a.stage}W{a.microbatch}"
-                if t not in present:
-                    if f"{a.stage}B{a.microbatch}" not in present:
-                        raise InputError(f"device program: {a} has no torch action (neither {t} nor a full backward)")
-                    continue
+            t = _anchor_of(a, present)
+            if t is None:
+                continue
             if t not in present:
-                raise InputError(f"device program: {a} has no torch action {t} in {torch_list[:8]}...")
+                raise InputError(
+                    f"device program: {a} has no torch action {torch_text(t)} in {[torch_text(x) for x in typed[:8]]}..."
+                )
             anchor = t
             lowered_order.append(t)
             continue
         if anchor is None:
             raise InputError(f"device program: {a} comes before any compute action; an offload follows its forward")
         after.setdefault(anchor, []).append(a)
-    if [pos[t] for t in lowered_order] != sorted(pos[t] for t in lowered_order) or len(lowered_order) != len(torch_list):
+    if [pos[t] for t in lowered_order] != sorted(pos[t] for t in lowered_order) or len(lowered_order) != len(typed):
         raise InputError("the torch actions are not a lowering of the device program's compute actions (order or count differ)")
+    return OffloadProgram({k: tuple(v) for k, v in after.items()}, frozenset(_offloaded(seen)))
+
+
+def _offloaded(seen: Mapping[tuple[str, int, int], int]) -> set[tuple[int, int]]:
+    """``(stage, microbatch)`` of every offloaded stash, checking each O/R pair's position.
+
+    ``seen`` maps ``(type, stage, microbatch)`` to the action's index in the device program.
+    """
     offloaded = set()
     for (t, s, j), i in seen.items():
         if t == "O":
@@ -152,7 +175,7 @@ def offload_program(program: Sequence[Action | str], torch_actions: Sequence[str
             offloaded.add((s, j))
         elif t == "R" and ("O", s, j) not in seen:
             raise InputError(f"device program: {s}R{j} reloads a stash that is never offloaded ({s}O{j} missing)")
-    return OffloadProgram({k: tuple(v) for k, v in after.items()}, frozenset(offloaded))
+    return offloaded
 
 
 def programs_of(orders: Orders | Mapping[int, Sequence[tuple[str, int]]]) -> Orders:

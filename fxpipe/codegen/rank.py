@@ -19,13 +19,14 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from fxpipe.codegen.actions import actions_from_orders, fuse_backward
+from fxpipe.codegen.actions import lower_orders
 from fxpipe.codegen.interface import ModelInputs
 from fxpipe.codegen.runtime import FxpipePipelineStage, FxpipeScheduleRuntime
 from fxpipe.codegen.shapes import stage_io
 from fxpipe.codegen.split import StagedProgram, split_stages
 from fxpipe.errors import InputError
-from fxpipe.ir.schedule import Orders
+from fxpipe.ir.lowering import full_backward
+from fxpipe.ir.schedule import Action, Orders
 
 __all__ = ["build_rank", "build_pipeline_rank", "example_inputs_from_gm"]
 
@@ -128,7 +129,7 @@ def build_rank(
     orders : fxpipe.ir.Orders
         Per-device programs of every device with the placement (``orders.device_of_stage``,
         one device per rank), e.g. :func:`fxpipe.ir.schedule_to_orders` of a schedule.
-        Lowered by :func:`fxpipe.codegen.actions.actions_from_orders` (checked complete and
+        Lowered by :func:`fxpipe.codegen.actions.lower_orders` (checked complete and
         deadlock-free first).
     num_microbatches : int
         Micro-batches per step.
@@ -191,6 +192,44 @@ def build_rank(
         outside the pipeline; example inputs that do not match the captured graph; or a
         schedule torch rejects (the message names rank, stage and micro-batch).
     """
+    _check_rank_request(staged, rank, orders, group, compile_stages, recompute_stages)
+    acts = lower_orders(orders, num_microbatches, fuse=fuse)
+    if fused_backward:
+        acts = {r: full_backward(a) for r, a in acts.items()}
+    if example_microbatch_inputs is None:
+        raise InputError("example_microbatch_inputs is required (one micro-batch of model inputs)")
+    local = [s for s in range(staged.num_stages) if orders.device_of_stage[s] == rank]
+    ios = _stage_ios(staged, local, staged.interface.example_inputs(example_microbatch_inputs), io_cache)
+    fused_here = {s: bool(fused_backward) for s in local}
+    if not compile_stages:  # a compiled stage splits its backward without blind parameters
+        acts, blind = _fuse_blind_stages(acts, rank, ios)
+        fused_here.update({s: True for s in blind})
+    dev = torch.device(device)
+    materialized = _materialize_stages(staged, local, state_source, dev)
+    pipeline_stages, modules = _pipeline_stages(staged, local, ios, dev, group, wrap_module, compile_stages)
+    shared = _shared_param_groups(staged, orders.device_of_stage, rank, group, modules, group_cache)
+    sched = FxpipeScheduleRuntime(pipeline_stages, num_microbatches, loss_fn=loss_fn, interface=staged.interface,
+                                  device_of_stage=orders.device_of_stage, shared_grads=shared)
+    sched.load_actions(acts)
+    sched.fxpipe_fused_full_backward = fused_here
+    # the original model's names of this rank's state (fxpipe.codegen.checkpoint keys checkpoints by them)
+    sched.fxpipe_named_state = {s: (modules[s], dict(staged.stages[s].param_targets), dict(staged.stages[s].buffer_targets))
+                                for s in modules}
+    # ---- begin activation stash (fxpipe.codegen.stash): live saved bytes, offload/reload, recomputation
+    from fxpipe.codegen.stash import device_stash
+
+    stash = device_stash(rank, orders, acts[rank], recompute_stages, modules, dev, track_activations)
+    for st in pipeline_stages:
+        st.fxpipe_stash = stash
+    sched.fxpipe_stash = stash
+    sched.fxpipe_materialized = materialized or None
+    # ---- end activation stash
+    return tuple(pipeline_stages), sched
+
+
+def _check_rank_request(staged: StagedProgram, rank: Any, orders: Any, group, compile_stages: bool,
+                        recompute_stages: Sequence[int]) -> None:
+    """Refuse orders, a placement, a rank or options that :func:`build_rank` cannot build (InputError)."""
     if not isinstance(orders, Orders):
         raise InputError(
             f"build_rank takes fxpipe.ir.Orders, got {type(orders).__name__}: convert a schedule with "
@@ -214,18 +253,15 @@ def build_rank(
             "compile_stages=True does not combine with activation recomputation or offload/reload (O/R) yet: "
             "use a schedule without them (schedule='zb-h1', '1f1b', ...) or compile_stages=False"
         )
-    acts = actions_from_orders(orders, num_microbatches, fuse=fuse)
-    if fused_backward:
-        acts = fuse_backward(acts)
-    if example_microbatch_inputs is None:
-        raise InputError("example_microbatch_inputs is required (one micro-batch of model inputs)")
-    local = [s for s in range(S) if orders.device_of_stage[s] == rank]
-    flat = staged.interface.example_inputs(example_microbatch_inputs)
+
+
+def _stage_ios(staged: StagedProgram, local: Sequence[int], flat: Sequence[torch.Tensor], io_cache: dict | None) -> dict:
+    """Static shape inference of every stage in ``local`` (:func:`stage_io`), reusing ``io_cache``.
+
+    The results depend on the staged program, the stage and the example inputs' shapes and
+    dtypes, not on the schedule, so the cache key is those.
+    """
     shape_key = tuple((tuple(t.shape), t.dtype) for t in flat)
-    dev = torch.device(device)
-    fused_here: dict[int, bool] = {}
-    pipeline_stages: list[FxpipePipelineStage] = []
-    modules: dict[int, torch.nn.Module] = {}
     ios = {}
     for s in local:
         key = (id(staged), s, shape_key)
@@ -234,25 +270,49 @@ def build_rank(
             io = stage_io(staged, s, flat)
             if io_cache is not None:
                 io_cache[key] = io
-        fused_here[s] = bool(fused_backward)
-        if io.blind_params and not compile_stages and any(a.startswith(f"{s}I") for a in acts[rank]):
-            # Split backward would drop these parameters' gradients: run full backwards on this
-            # stage. Other stages' communication is unaffected (B sends/receives exactly like I).
-            names = list(io.blind_params)
-            shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-            logger.warning(
-                "stage %d: split backward (I/W) cannot compute the gradients of %s (their paths do not meet "
-                "a grad-requiring stage input); running full backwards on this stage", s, shown,
-            )
-            acts = fuse_backward(acts, stages=[s])
-            fused_here[s] = True
         ios[s] = io
-    # ---- begin per-rank materialization (fxpipe.codegen.materialize): only this rank's stages leave meta,
-    # after shape inference (which runs the stages before this one on fake tensors)
+    return ios
+
+
+def _fuse_blind_stages(acts: dict[int, list[Action]], rank: int, ios: Mapping[int, Any]) -> tuple[dict[int, list[Action]], list[int]]:
+    """Full backwards on this rank's stages whose split backward would drop parameter gradients.
+
+    A stage with "blind" parameters (gradient paths that meet no grad-requiring stage input)
+    that still runs a backward-input B gets all its backwards fused
+    (:func:`fxpipe.ir.lowering.full_backward`). Other stages' communication is unaffected (a
+    full backward sends/receives exactly like a backward-input). Returns the new actions and
+    the stages fused.
+    """
+    fused = []
+    for s, io in ios.items():
+        if not io.blind_params or not any(a.stage == s and a.type == "B" for a in acts[rank]):
+            continue
+        names = list(io.blind_params)
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        logger.warning(
+            "stage %d: split backward (I/W) cannot compute the gradients of %s (their paths do not meet "
+            "a grad-requiring stage input); running full backwards on this stage", s, shown,
+        )
+        acts = {r: full_backward(a, stages=[s]) for r, a in acts.items()}
+        fused.append(s)
+    return acts, fused
+
+
+def _materialize_stages(staged: StagedProgram, local: Sequence[int], state_source: Any, dev: torch.device) -> dict:
+    """Real parameters and buffers of this rank's stages (:mod:`fxpipe.codegen.materialize`).
+
+    Only this rank's stages leave meta, after shape inference (which runs the stages before
+    this one on fake tensors); a parameter tied across this rank's stages stays one tensor.
+
+    Raises
+    ------
+    InputError
+        If a stage holds meta tensors and no ``state_source`` is given.
+    """
     from fxpipe.codegen.materialize import holds_meta, materialize_stage
 
     materialized = {}
-    made: dict = {}  # a parameter tied across this rank's stages stays one tensor
+    made: dict = {}
     for s in local:
         if state_source is not None:
             materialized[s] = materialize_stage(staged, s, state_source, dev, shared=made)
@@ -261,11 +321,21 @@ def build_rank(
                 f"stage {s} holds meta tensors (the model was built on meta): pass state_source="
                 "fxpipe.codegen.materialize.StateSource(seed=..., checkpoint=..., model=...) to materialize it"
             )
-    # ---- end per-rank materialization
+    return materialized
+
+
+def _pipeline_stages(staged: StagedProgram, local: Sequence[int], ios: Mapping[int, Any], dev: torch.device, group,
+                     wrap_module: Callable | None, compile_stages: bool) -> tuple[list[FxpipePipelineStage], dict]:
+    """This rank's ``PipelineStage`` s (eager, or Inductor-compiled with split backward) and their modules.
+
+    Each stage module is moved to ``dev`` and wrapped (``wrap_module``, data parallelism)
+    before its ``PipelineStage`` is made with the statically inferred inputs and outputs.
+    """
+    pipeline_stages: list[FxpipePipelineStage] = []
+    modules: dict[int, torch.nn.Module] = {}
     for s in local:
         io = ios[s]
-        spec = staged.stages[s]
-        module = spec.module.to(dev)
+        module = staged.stages[s].module.to(dev)
         if wrap_module is not None:
             wrap_module(s, module)
         modules[s] = module
@@ -278,26 +348,9 @@ def build_rank(
 
             stage_cls, run_module = CompiledPipelineStage, compile_stage(module)
         # ---- end compile_stages
-        pipeline_stages.append(stage_cls(run_module, stage_index=s, num_stages=S, device=dev, input_args=ins,
-                                         output_args=outs, group=group))
-    shared = _shared_param_groups(staged, orders.device_of_stage, rank, group, modules, group_cache)
-    sched = FxpipeScheduleRuntime(pipeline_stages, num_microbatches, loss_fn=loss_fn, interface=staged.interface,
-                                  device_of_stage=orders.device_of_stage, shared_grads=shared)
-    sched.load_actions(acts)
-    sched.fxpipe_fused_full_backward = fused_here
-    # the original model's names of this rank's state (fxpipe.codegen.checkpoint keys checkpoints by them)
-    sched.fxpipe_named_state = {s: (modules[s], dict(staged.stages[s].param_targets), dict(staged.stages[s].buffer_targets))
-                                for s in local}
-    # ---- begin activation stash (fxpipe.codegen.stash): live saved bytes, offload/reload, recomputation
-    from fxpipe.codegen.stash import device_stash
-
-    stash = device_stash(rank, orders, acts[rank], recompute_stages, modules, dev, track_activations)
-    for st in pipeline_stages:
-        st.fxpipe_stash = stash
-    sched.fxpipe_stash = stash
-    sched.fxpipe_materialized = materialized or None
-    # ---- end activation stash
-    return tuple(pipeline_stages), sched
+        pipeline_stages.append(stage_cls(run_module, stage_index=s, num_stages=staged.num_stages, device=dev,
+                                         input_args=ins, output_args=outs, group=group))
+    return pipeline_stages, modules
 
 
 def build_pipeline_rank(

@@ -11,13 +11,15 @@ everything torch-version specific lives here, behind small adapters that the res
   :func:`meta_literals_as` (a ``TorchDispatchMode``);
 * autograd-graph walks of ``torch.distributed.pipelining._backward``: :func:`grad_fn_or_grad_acc`,
   :func:`construct_reverse_graph`, :func:`reverse_closure`;
-* the stage and schedule runtime (``PipelineStage`` internals, ``_PipelineScheduleRuntime``,
-  ``_Action``): :class:`FxpipePipelineStage` (split backward with disjoint parameter groups,
+* torch's action type ``_Action``: :func:`torch_action`, the one conversion of a lowered
+  :class:`fxpipe.ir.Action` (no text in between);
+* the stage and schedule runtime (``PipelineStage`` internals, ``_PipelineScheduleRuntime``):
+  :class:`FxpipePipelineStage` (split backward with disjoint parameter groups,
   :func:`merge_param_groups`) and :class:`FxpipeScheduleRuntime`.
 
-:class:`FxpipeScheduleRuntime` runs per-rank compute actions (``"0F1"``, ``"1I0"``, ``"1W0"``,
-``"2B3"``; lowered from :class:`fxpipe.ir.Orders` by :mod:`fxpipe.codegen.actions`) with torch's
-runtime, which adds the SEND/RECV actions, for one or several stages per rank (the placement's
+:class:`FxpipeScheduleRuntime` runs per-rank compute actions (typed :class:`fxpipe.ir.Action` s
+lowered from :class:`fxpipe.ir.Orders` by :func:`fxpipe.codegen.actions.lower_orders`, or
+torch's strings ``"0F1"``, ``"1I0"``, ``"1W0"``, ``"2B3"``) with torch's runtime, which adds the SEND/RECV actions, for one or several stages per rank (the placement's
 stage-to-rank map). On top of torch it (1) takes the model's own inputs - any pytree,
 positional and keyword - on the rank of the first stage and splits them into micro-batches by
 :mod:`fxpipe.codegen.interface`'s rule, (2) gives ``loss_fn`` each micro-batch's output in the
@@ -52,10 +54,12 @@ from torch.distributed.pipelining._backward import (
     reverse_closure as _reverse_closure,
     stage_backward_weight as _stage_backward_weight,
 )
-from torch.distributed.pipelining.schedules import _Action, _PipelineScheduleRuntime
+from torch.distributed.pipelining.schedules import _Action, _ComputationType, _PipelineScheduleRuntime
 
-from fxpipe.codegen.actions import parse_action
+from fxpipe.codegen.actions import parse_actions
 from fxpipe.errors import InputError
+from fxpipe.ir.schedule import FULL_BACKWARD, Action
+from fxpipe.ir.torch_csv import TORCH_TYPE
 
 __all__ = [
     "tree_flatten",
@@ -71,6 +75,7 @@ __all__ = [
     "grad_fn_or_grad_acc",
     "construct_reverse_graph",
     "reverse_closure",
+    "torch_action",
     "parse_torch_actions",
     "merge_param_groups",
     "FxpipePipelineStage",
@@ -248,13 +253,23 @@ def reverse_closure(roots: list, targets: set, reverse_edges: dict) -> tuple[set
 
 
 # ----------------------------------------------------------------------------- actions
-def parse_torch_actions(actions: Mapping[int, Sequence[str]], device_of_stage: Sequence[int]) -> dict[int, list[_Action]]:
-    """Parse and check per-rank action strings into torch ``_Action`` s; ``""`` (idle) is skipped.
+def torch_action(a: Action) -> _Action:
+    """torch's ``_Action`` of a lowered compute action: THE conversion to torch's action type.
+
+    fxpipe's F, B (backward-input), W and BW (full backward) become torch's F, I, W and B
+    (:data:`fxpipe.ir.torch_csv.TORCH_TYPE`).
+    """
+    return _Action(a.stage, _ComputationType.from_str(TORCH_TYPE[a.type]), a.microbatch)
+
+
+def parse_torch_actions(actions: Mapping[int, Sequence[Action | str]], device_of_stage: Sequence[int]) -> dict[int, list[_Action]]:
+    """Check per-rank compute actions and convert them to torch ``_Action`` s; ``""`` (idle) is skipped.
 
     Parameters
     ----------
-    actions : Mapping[int, Sequence[str]]
-        Per-rank torch action strings (:func:`fxpipe.codegen.actions.actions_from_orders`).
+    actions : Mapping[int, Sequence[Action | str]]
+        Per-rank lowered actions (:func:`fxpipe.codegen.actions.lower_orders`) or torch action
+        strings (:func:`fxpipe.codegen.actions.actions_from_orders`).
     device_of_stage : sequence of int
         Rank of every stage (the placement); every action must be on its stage's rank.
 
@@ -266,22 +281,20 @@ def parse_torch_actions(actions: Mapping[int, Sequence[str]], device_of_stage: S
         stage's.
     """
     dev = [int(d) for d in device_of_stage]
+    typed = parse_actions({r: actions[r] for r in sorted(actions)})
     parsed: dict[int, list[_Action]] = {}
-    for r in sorted(actions):
-        lst = []
-        for step, a in enumerate(actions[r]):
-            where = f"rank {r}, step {step}"
-            act = parse_action(a, where)
-            if act is None:
-                continue
+    for r, acts in typed.items():
+        for act in acts:
+            where = f"rank {r}"
+            if act.type not in TORCH_TYPE:
+                raise InputError(f"{where}: {act} is an offload/reload action; torch's runtime runs compute actions only")
             if not 0 <= act.stage < len(dev):
-                raise InputError(f"{where}: action {a!r} names a stage outside 0..{len(dev) - 1}")
+                raise InputError(f"{where}: action {act!s} names a stage outside 0..{len(dev) - 1}")
             if dev[act.stage] != int(r):
                 raise InputError(
-                    f"{where}: action {a!r} is for stage {act.stage}, which the placement puts on rank {dev[act.stage]}"
+                    f"{where}: action {act!s} is for stage {act.stage}, which the placement puts on rank {dev[act.stage]}"
                 )
-            lst.append(_Action.from_str(str(act)))
-        parsed[int(r)] = lst
+        parsed[int(r)] = [torch_action(a) for a in acts]
     return parsed
 
 
@@ -367,7 +380,7 @@ class FxpipePipelineStage(PipelineStage):
         self._fxpipe_mb = fwd_chunk_id
         out = super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
         if self.fxpipe_stash is not None:
-            self.fxpipe_stash.after(f"{self.stage_index}F{fwd_chunk_id}")
+            self.fxpipe_stash.after(Action(self.stage_index, "F", fwd_chunk_id))
         return out
 
     def forward_maybe_with_nosync(self, *args, **kwargs):
@@ -385,13 +398,13 @@ class FxpipePipelineStage(PipelineStage):
         if stash is not None:
             if full_backward:
                 stash.release(self.stage_index, bwd_chunk_id)
-            stash.after(f"{self.stage_index}{'B' if full_backward else 'I'}{bwd_chunk_id}")
+            stash.after(Action(self.stage_index, FULL_BACKWARD if full_backward else "B", bwd_chunk_id))
 
     def backward_weight_one_chunk(self, bwd_chunk_id, last_backward=False):
         super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
         if self.fxpipe_stash is not None:
             self.fxpipe_stash.release(self.stage_index, bwd_chunk_id)
-            self.fxpipe_stash.after(f"{self.stage_index}W{bwd_chunk_id}")
+            self.fxpipe_stash.after(Action(self.stage_index, "W", bwd_chunk_id))
     # ---- end activation stash hooks
 
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
@@ -481,8 +494,11 @@ class FxpipeScheduleRuntime(_PipelineScheduleRuntime):
                     out.append(p)
         return out
 
-    def load_actions(self, actions: Mapping[int, Sequence[str]]) -> None:
-        """Load per-rank compute action strings for every rank (lowered with torch's send/recv pass).
+    def load_actions(self, actions: Mapping[int, Sequence[Action | str]]) -> None:
+        """Load every rank's lowered compute actions (then lowered with torch's send/recv pass).
+
+        ``actions`` are :func:`fxpipe.codegen.actions.lower_orders`' typed actions, or torch
+        action strings; :attr:`fxpipe_actions` keeps them in torch's text.
 
         Raises
         ------
@@ -503,20 +519,18 @@ class FxpipeScheduleRuntime(_PipelineScheduleRuntime):
 
     def step(self, *args, target=None, losses: list | None = None, return_outputs: bool = True,
              loss_kwargs: dict | None = None, **kwargs):  # noqa: D401 - torch's step contract
-        from fxpipe.codegen.interface import ModelInputs, split_microbatches
-
         if self._has_backward and not torch.is_grad_enabled():
             raise RuntimeError("step() computes gradients: do not call it under torch.no_grad(); use eval() instead")
         m = self._n_microbatches
         first = self.has_first_stage
         last = self.has_last_stage
         if first:
-            arg_mbs = self._interface.microbatch_inputs(ModelInputs(args, kwargs), m)
+            arg_mbs = self._interface.call_microbatches(args, kwargs, m)
         else:
             arg_mbs = [()] * m
         target_mbs = None
         if last and self._loss_fn is not None and target is not None:
-            target_mbs = split_microbatches(target, m, "target")
+            target_mbs = self._interface.target_microbatches(target, m)
         elif last and self._has_backward and self._loss_fn is not None:
             raise InputError("the last rank computes loss_fn(output, target) for every micro-batch: pass target=")
         for stage in self._stages:

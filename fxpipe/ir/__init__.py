@@ -8,8 +8,10 @@ No torch here: these are the objects the partitioner and scheduler see (DESIGN.m
   and the timed :class:`Schedule` / :class:`ScheduledOp` (``fxpipe.schedule/1``); the
   typed untimed IR: :class:`Action` (``"2F0"``), per-device :class:`Orders` with the
   placement, and :func:`schedule_to_orders`, the one function from a timed schedule to orders.
-* :mod:`fxpipe.ir.torch_csv`: torch's CSV schedule format (``_load_csv`` / ``_dump_csv``),
-  as text, without importing torch.
+* :mod:`fxpipe.ir.lowering`: the typed lowering passes ``list[Action] -> list[Action]``
+  (leave out O/R, fuse a B with its W into a full backward ``BW``, and back).
+* :mod:`fxpipe.ir.torch_csv`: torch's action vocabulary (:data:`~fxpipe.ir.torch_csv.TORCH_TYPE`)
+  and its CSV schedule format (``_load_csv`` / ``_dump_csv``), as text, without importing torch.
 * Atomic JSON / text writing and JSON reading live in :mod:`fxpipe.io` and are re-exported
   here, so ``from fxpipe.ir import write_json_atomic`` keeps working.
 

@@ -30,6 +30,9 @@ __all__ = [
     "Schedule",
     "sort_ops",
     "Action",
+    "ACTION_TYPES",
+    "FULL_BACKWARD",
+    "split_action_text",
     "Orders",
     "ORDERS_FORMAT",
     "program_order",
@@ -68,9 +71,7 @@ def looped_placement(num_devices: int, stages_per_device: int) -> tuple[int, ...
     -------
     tuple of int, length v * p
     """
-    p, v = _as_count(num_devices, "num_devices"), _as_count(stages_per_device, "stages_per_device")
-    if p < 1 or v < 1:
-        raise InputError(f"looped placement needs p >= 1 devices and v >= 1 stages per device, got p={p}, v={v}")
+    p, v = _devices_and_chunks(num_devices, stages_per_device, "looped")
     return tuple(s % p for s in range(v * p))
 
 
@@ -93,10 +94,16 @@ def v_placement(num_devices: int, stages_per_device: int = 2) -> tuple[int, ...]
     -------
     tuple of int, length v * p
     """
+    p, v = _devices_and_chunks(num_devices, stages_per_device, "V")
+    return tuple(s % p if (s // p) % 2 == 0 else p - 1 - s % p for s in range(v * p))
+
+
+def _devices_and_chunks(num_devices: Any, stages_per_device: Any, kind: str) -> tuple[int, int]:
+    """Validated ``(p, v)`` of a ``kind`` placement (InputError unless both are integers >= 1)."""
     p, v = _as_count(num_devices, "num_devices"), _as_count(stages_per_device, "stages_per_device")
     if p < 1 or v < 1:
-        raise InputError(f"V placement needs p >= 1 devices and v >= 1 stages per device, got p={p}, v={v}")
-    return tuple(s % p if (s // p) % 2 == 0 else p - 1 - s % p for s in range(v * p))
+        raise InputError(f"{kind} placement needs p >= 1 devices and v >= 1 stages per device, got p={p}, v={v}")
+    return p, v
 
 
 def _placement(device_of_stage: Any, num_devices: Any, S: int) -> tuple[int, tuple[int, ...]]:
@@ -757,7 +764,39 @@ def sort_ops(ops: Iterable[ScheduledOp]) -> list[ScheduledOp]:
 # Actions and per-device orders (the typed schedule IR that codegen consumes)
 # --------------------------------------------------------------------------------------
 
-_ACTION_RE = re.compile(r"^\s*(\d+)\s*([FBWOR])\s*(\d+)\s*$")
+#: A full backward: the B and W of one stage and micro-batch in one autograd pass (torch's
+#: ``B``). Made only by lowering (:func:`fxpipe.ir.lowering.merge_backward`); schedules and
+#: :class:`Orders` hold F, B, W, O and R.
+FULL_BACKWARD = "BW"
+
+#: The types an :class:`Action` may have: :data:`OP_TYPES` and the lowered :data:`FULL_BACKWARD`.
+ACTION_TYPES = OP_TYPES + (FULL_BACKWARD,)
+
+#: THE action text grammar, ``<stage><type><micro-batch>`` (torch's ``_Action`` text, ``"2F0"``),
+#: read by :func:`split_action_text` for fxpipe's vocabulary (:meth:`Action.parse`) and torch's
+#: (:func:`fxpipe.ir.torch_csv.parse_torch_action`). The type is upper-case letters (with ``_``
+#: for torch's communication actions such as ``"1SEND_F0"``); the micro-batch may be absent
+#: (torch's ``"0UNSHARD"``); blanks around the parts are allowed.
+_ACTION_TEXT = re.compile(r"^\s*(\d+)\s*([A-Z][A-Z_]*?)\s*(\d*)\s*$")
+
+
+def split_action_text(text: Any) -> tuple[int, str, int | None] | None:
+    """``(stage, type, micro-batch)`` of ``text`` in the action grammar, or None if it is not.
+
+    The one parser of action text (fxpipe's ``"2B0"`` and torch's ``"2I0"``, ``"1SEND_F0"``);
+    the caller checks the type against its vocabulary. The micro-batch is None when absent.
+
+    Examples
+    --------
+    >>> split_action_text("2F0"), split_action_text("0UNSHARD"), split_action_text("F0")
+    ((2, 'F', 0), (0, 'UNSHARD', None), None)
+    """
+    if not isinstance(text, str):
+        return None
+    m = _ACTION_TEXT.match(text)
+    if m is None:
+        return None
+    return int(m.group(1)), m.group(2), (int(m.group(3)) if m.group(3) else None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -775,7 +814,7 @@ class Action:
     stage : int
         Pipeline stage, >= 0.
     type : str
-        One of :data:`OP_TYPES`.
+        One of :data:`OP_TYPES`, or :data:`FULL_BACKWARD` (``"BW"``) in a lowered program.
     microbatch : int
         Micro-batch index, >= 0.
 
@@ -795,8 +834,8 @@ class Action:
             if isinstance(val, bool) or not isinstance(val, (int, np.integer)) or val < 0:
                 raise InputError(f"action {key} must be an integer >= 0, got {val!r}")
             object.__setattr__(self, key, int(val))
-        if self.type not in OP_TYPES:
-            raise InputError(f"action type must be one of {', '.join(OP_TYPES)}, got {self.type!r}")
+        if self.type not in ACTION_TYPES:
+            raise InputError(f"action type must be one of {', '.join(ACTION_TYPES)}, got {self.type!r}")
 
     def __str__(self) -> str:
         return f"{self.stage}{self.type}{self.microbatch}"
@@ -812,18 +851,18 @@ class Action:
         """
         if not isinstance(text, str):
             raise InputError(f"an action is written as text like '2F0', got {text!r:.100}")
-        m = _ACTION_RE.match(text)
-        if m is None:
+        parts = split_action_text(text)
+        if parts is None or parts[1] not in ACTION_TYPES or parts[2] is None:
             raise InputError(
                 f"bad action {text!r}: expected <stage><type><micro-batch> with type in F, B, W, O, R "
                 "(F forward, B backward-input, W backward-weight, O offload, R reload), e.g. '2F0'"
             )
-        return cls(int(m.group(1)), m.group(2), int(m.group(3)))
+        return cls(*parts)
 
     @property
     def is_compute(self) -> bool:
-        """True for F, B and W (the compute stream); False for O and R (the copy stream)."""
-        return self.type in ("F", "B", "W")
+        """True for F, B, W and BW (the compute stream); False for O and R (the copy stream)."""
+        return self.type not in ("O", "R")
 
 
 ORDERS_FORMAT = "fxpipe.orders/1"
@@ -868,6 +907,11 @@ class Orders:
                     raise InputError(f"device {d}: action {a} names stage {a.stage} outside 0..{len(dev) - 1}")
                 if dev[a.stage] != d:
                     raise InputError(f"device {d}: action {a} belongs to stage {a.stage}, which is on device {dev[a.stage]}")
+                if a.type == FULL_BACKWARD:
+                    raise InputError(
+                        f"device {d}: action {a} is a full backward, which only lowering makes: orders hold "
+                        "F, B, W, O and R (write its B and W)"
+                    )
                 if a in seen:
                     raise InputError(f"device {d}: action {a} appears twice")
                 seen.add(a)

@@ -1,4 +1,4 @@
-"""torch's CSV pipeline-schedule format, read and written as text (no torch import).
+"""torch's action vocabulary and CSV pipeline-schedule format, read and written as text (no torch import).
 
 ``torch.distributed.pipelining``'s multi-stage schedules (``PipelineScheduleMulti._load_csv``
 / ``_dump_csv`` and ``_PipelineScheduleRuntime._load_csv(format="compute_only")``, torch
@@ -10,7 +10,7 @@ written like ``_Action.__repr__``: ``<stage><type><micro-batch>`` with type
 * ``I`` backward-input (fxpipe's ``B``),
 * ``W`` backward-weight (fxpipe's ``W``),
 * ``B`` full backward (backward-input and backward-weight at once: fxpipe's ``B`` followed
-  by its ``W``),
+  by its ``W``, the lowered ``BW``),
 
 an empty cell being a no-op, and ``(a;b)OVERLAP_F_B`` an overlapped forward/backward pair
 (DualPipe-V). The row number is the rank; torch infers which rank holds which stage from the
@@ -19,7 +19,10 @@ cells. torch has no offload/reload action.
 :func:`orders_to_torch_csv` writes :class:`~fxpipe.ir.schedule.Orders` in this format (a B
 immediately followed on its device by its own W may be written as torch's full backward
 ``B``); :func:`orders_from_torch_csv` reads it back (``I`` -> B, ``B`` -> B then W,
-``OVERLAP_F_B`` -> its sub-actions in order).
+``OVERLAP_F_B`` -> its sub-actions in order). :data:`TORCH_TYPE` is the one translation of
+action types between fxpipe and torch, :func:`torch_text` / :func:`parse_torch_action` the
+text of one action in torch's vocabulary (on :func:`fxpipe.ir.schedule.split_action_text`,
+the one grammar).
 
 References
 ----------
@@ -34,17 +37,72 @@ import io
 import os
 import re
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 from fxpipe.errors import InputError
 from fxpipe.io import read_text, write_text_atomic
-from fxpipe.ir.schedule import Action, Orders
+from fxpipe.ir.lowering import compute_only, merge_backward, split_full_backward
+from fxpipe.ir.schedule import FULL_BACKWARD, Action, Orders, split_action_text
 
-__all__ = ["torch_action_rows", "orders_to_torch_csv", "orders_from_torch_csv", "write_torch_csv", "read_torch_csv"]
+__all__ = [
+    "TORCH_TYPE",
+    "torch_text",
+    "parse_torch_action",
+    "torch_action_rows",
+    "orders_to_torch_csv",
+    "orders_from_torch_csv",
+    "write_torch_csv",
+    "read_torch_csv",
+]
 
-_CELL = re.compile(r"^(\d+)(F|I|B|W)(\d+)$")
+#: fxpipe's compute action type -> torch's (the letter of ``_ComputationType``): the one
+#: translation between the two vocabularies, used for files and for torch's ``_Action``.
+TORCH_TYPE = {"F": "F", "B": "I", "W": "W", FULL_BACKWARD: "B"}
+_FROM_TORCH = {t: f for f, t in TORCH_TYPE.items()}
 _OVERLAP = re.compile(r"^\((.*)\)OVERLAP_F_B$")
-_TORCH_NON_COMPUTE = re.compile(r"^(\d+)(UNSHARD|RESHARD|REDUCE_GRAD|SEND_F|RECV_F|SEND_B|RECV_B)(\d*)$")
+
+
+def torch_text(a: Action) -> str:
+    """``a`` in torch's vocabulary (``"2I0"`` for fxpipe's ``2B0``, ``"2B0"`` for ``2BW0``).
+
+    Raises
+    ------
+    InputError
+        For an offload/reload action (torch has none).
+    """
+    if a.type not in TORCH_TYPE:
+        raise InputError(f"{a}: torch has no offload/reload action; leave O/R out (fxpipe.ir.lowering.compute_only)")
+    return f"{a.stage}{TORCH_TYPE[a.type]}{a.microbatch}"
+
+
+def parse_torch_action(text: Any, where: str) -> Action | None:
+    """The action written ``text`` in torch's vocabulary (F, I, W, B); ``""`` (an idle step) gives None.
+
+    torch's ``I`` becomes fxpipe's B, its full backward ``B`` the lowered ``BW``
+    (:data:`TORCH_TYPE`); the text grammar is :func:`fxpipe.ir.schedule.split_action_text`.
+
+    Raises
+    ------
+    InputError
+        Naming ``where`` for a non-string, a communication/sharding action (torch's runtime adds
+        those itself) or a string that is not a compute action.
+    """
+    if not isinstance(text, str):
+        raise InputError(f"{where}: action {text!r} is not a string like '0F1' (stage, type, micro-batch)")
+    if text == "":
+        return None
+    parts = split_action_text(text)
+    if parts is not None and parts[1] in _FROM_TORCH and parts[2] is not None:
+        return Action(parts[0], _FROM_TORCH[parts[1]], parts[2])
+    if parts is not None and len(parts[1]) > 1:
+        raise InputError(
+            f"{where}: {text!r} is a communication/sharding action; fxpipe reads torch's compute-only "
+            "schedules (dump them with format='compute_only'; the runtime adds communication itself)"
+        )
+    raise InputError(
+        f"{where}: bad action string {text!r}: expected '<stage><type><micro-batch>' with type F, I, W or B "
+        "(e.g. '0F1', '2I0')"
+    )
 
 
 def torch_action_rows(orders: Orders, *, fuse_backward: bool = True, offload: str = "error") -> list[list[str]]:
@@ -52,7 +110,8 @@ def torch_action_rows(orders: Orders, *, fuse_backward: bool = True, offload: st
 
     Row d is device (rank) d; F -> ``"sFj"``, B -> ``"sIj"`` (or, with ``fuse_backward``,
     ``"sBj"`` when the device runs its own W right after it, the W then omitted), W ->
-    ``"sWj"``.
+    ``"sWj"``: the passes :func:`~fxpipe.ir.lowering.compute_only` and
+    :func:`~fxpipe.ir.lowering.merge_backward`, written with :func:`torch_text`.
 
     Parameters
     ----------
@@ -76,31 +135,14 @@ def torch_action_rows(orders: Orders, *, fuse_backward: bool = True, offload: st
         raise InputError(f"offload must be 'error' or 'drop', got {offload!r}")
     out = []
     for d, row in enumerate(orders.actions):
-        if offload == "error":
-            bad = [a for a in row if not a.is_compute]
-            if bad:
-                raise InputError(
-                    f"device {d} runs {bad[0]}: torch's schedule format has no offload/reload action; "
-                    "drop them (offload='drop', CLI: a warning) to write the compute actions only"
-                )
-        comp = [a for a in row if a.is_compute]
-        cells: list[str] = []
-        i = 0
-        while i < len(comp):
-            a = comp[i]
-            if a.type == "F":
-                cells.append(f"{a.stage}F{a.microbatch}")
-            elif a.type == "W":
-                cells.append(f"{a.stage}W{a.microbatch}")
-            else:  # B: backward-input, or a full backward when its W follows at once
-                nxt = comp[i + 1] if i + 1 < len(comp) else None
-                if fuse_backward and nxt is not None and nxt == Action(a.stage, "W", a.microbatch):
-                    cells.append(f"{a.stage}B{a.microbatch}")
-                    i += 1
-                else:
-                    cells.append(f"{a.stage}I{a.microbatch}")
-            i += 1
-        out.append(cells)
+        comp = compute_only(row)
+        if offload == "error" and len(comp) != len(row):
+            bad = next(a for a in row if not a.is_compute)
+            raise InputError(
+                f"device {d} runs {bad}: torch's schedule format has no offload/reload action; "
+                "drop them (offload='drop', CLI: a warning) to write the compute actions only"
+            )
+        out.append([torch_text(a) for a in (merge_backward(comp) if fuse_backward else comp)])
     return out
 
 
@@ -138,16 +180,7 @@ def orders_to_torch_csv(orders: Orders, *, fuse_backward: bool = True, offload: 
 
 
 def _parse_cell(cell: str, where: str) -> list[Action]:
-    m = _CELL.match(cell)
-    if m is not None:
-        s, t, j = int(m.group(1)), m.group(2), int(m.group(3))
-        if t == "F":
-            return [Action(s, "F", j)]
-        if t == "I":
-            return [Action(s, "B", j)]
-        if t == "W":
-            return [Action(s, "W", j)]
-        return [Action(s, "B", j), Action(s, "W", j)]  # torch's full backward
+    """fxpipe's actions of one CSV cell: torch's full backward as B then W, an overlap as its parts."""
     m = _OVERLAP.match(cell)
     if m is not None:
         out: list[Action] = []
@@ -155,15 +188,7 @@ def _parse_cell(cell: str, where: str) -> list[Action]:
             if sub.strip():
                 out.extend(_parse_cell(sub.strip(), where))
         return out
-    if _TORCH_NON_COMPUTE.match(cell):
-        raise InputError(
-            f"{where}: {cell!r} is a communication/sharding action; fxpipe reads torch's compute-only "
-            "schedules (dump them with format='compute_only')"
-        )
-    raise InputError(
-        f"{where}: bad action {cell!r}: expected <stage><F|I|B|W><micro-batch> (e.g. '2F0'), "
-        "'(a;b)OVERLAP_F_B' or an empty cell"
-    )
+    return split_full_backward([parse_torch_action(cell, where)])
 
 
 def orders_from_torch_csv(text: str, device_of_stage: Sequence[int] | None = None, *, source: str = "csv") -> Orders:
