@@ -53,6 +53,7 @@ import numpy as np
 from fxpipe.errors import InputError
 from fxpipe.ir import OpGraph
 from fxpipe.partition._numba import NJIT, njit
+from fxpipe.partition.memory import memory_inputs
 from fxpipe.partition.objective import Partition, check_objective
 
 __all__ = [
@@ -468,8 +469,6 @@ def kernel_inputs(graph: OpGraph, k: int, objective: str = "inference", comm: st
         comm == "relay",
         int(k),
     )
-    from fxpipe.partition.memory import memory_inputs  # noqa: PLC0415 (avoid a cycle)
-
     return base, memory_inputs(graph, k, objective, memory)
 
 
