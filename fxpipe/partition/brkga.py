@@ -325,7 +325,6 @@ def run_brkga(
     if initial_keys is not None and len(initial_keys):
         init = np.asarray(initial_keys, dtype=np.float64)[:P]
         pop[: init.shape[0]] = init
-    decode = _ChunkedDecoder(decoder, math.inf if params.time_limit_s is None else t0 + params.time_limit_s)
     budget = params.max_evaluations
     evals = gen = stall = 0
     stop = "time"
@@ -333,6 +332,7 @@ def run_brkga(
     fit = np.full(P, math.inf)
     best, best_keys = math.inf, pop[0].copy()
     with Search("brkga", unit="gen", total=params.max_generations, progress=progress) as run:
+        decode = _ChunkedDecoder(decoder, math.inf if params.time_limit_s is None else t0 + params.time_limit_s, run)
         first = P if budget is None else min(P, int(budget))
         fit[:first], done = decode(pop[:first])
         evals += done
@@ -375,17 +375,17 @@ def run_brkga(
 
 class _ChunkedDecoder:
     """Decode a population in chunks of a few chromosomes per thread, stopping at the
-    deadline (undecoded rows get fitness inf): returns ``(fitness, rows decoded)``."""
+    deadline or on Ctrl-C (undecoded rows get fitness inf): returns ``(fitness, rows decoded)``."""
 
-    def __init__(self, decoder: PopulationDecoder, deadline: float):
-        self.decoder, self.deadline = decoder, deadline
+    def __init__(self, decoder: PopulationDecoder, deadline: float, run: Search):
+        self.decoder, self.deadline, self.run = decoder, deadline, run
         self.chunk = max(8, 4 * decoder.threads)
 
     def __call__(self, keys: np.ndarray, bound: float = math.inf) -> tuple[np.ndarray, int]:
         out = np.full(keys.shape[0], math.inf)
         done = 0
         while done < keys.shape[0]:
-            if done and time.perf_counter() >= self.deadline:
+            if done and (time.perf_counter() >= self.deadline or self.run.stopped):
                 break
             nxt = min(keys.shape[0], done + self.chunk)
             out[done:nxt] = self.decoder(keys[done:nxt], bound)
