@@ -188,14 +188,16 @@ def _watch_numba() -> None:
 # ------------------------------------------------------------------------- interruptible searches
 
 _RUNNING: list["Search"] = []  # searches running now (all threads), outermost first
-_RUN_LOCK = threading.Lock()
+_RUN_LOCK = threading.RLock()  # guards _RUNNING and the handler swap (not taken by the handler)
 
 
 def _flag_press(signum, frame) -> None:  # noqa: ARG001 (signal handler signature)
-    """SIGINT handler while a search runs: raise every running search's stop flag."""
-    with _RUN_LOCK:
-        for run in _RUNNING:
-            run.stop()
+    """SIGINT handler while a search runs: raise every running search's stop flag.
+
+    It takes no lock: it runs in the main thread between two bytecodes, possibly while that
+    thread holds ``_RUN_LOCK``; it reads a copy of the list and only sets events."""
+    for run in list(_RUNNING):
+        run.stop()
 
 
 class Search:

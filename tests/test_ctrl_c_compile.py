@@ -13,7 +13,6 @@ import json
 import signal
 
 import numpy as np
-import pytest
 from numba import njit
 from numba.core import event
 
@@ -21,13 +20,7 @@ import fxpipe.partition.bounds as bounds_mod
 import fxpipe.partition.search  # noqa: F401  (imports every kernel module)
 from fxpipe.ir import OpGraph
 from fxpipe.progress import Search
-
-
-@pytest.fixture
-def default_sigint():
-    old = signal.signal(signal.SIGINT, signal.default_int_handler)
-    yield
-    signal.signal(signal.SIGINT, old)
+from test_progress_search import default_sigint  # noqa: F401  (fixture)
 
 
 def test_importing_the_partitioner_installs_nothing(default_sigint):

@@ -226,8 +226,8 @@ def _optimize_interruptible(model) -> bool:
             errors.append(exc)
 
     worker = threading.Thread(target=run, name="scip-solve", daemon=True)
-    worker.start()
-    with Search("scip") as search:
+    with Search("scip") as search:  # the flag's handler is in place before SCIP starts
+        worker.start()
         while worker.is_alive():
             try:
                 if search.stopped:

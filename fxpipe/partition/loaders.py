@@ -71,6 +71,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from fxpipe.errors import InputError
+from fxpipe.io import read_text
 from fxpipe.ir import OpGraph, read_json
 
 __all__ = ["load_dnn_partitioning", "load_pipedream", "PIPEDREAM_DEFAULT_BANDWIDTH_BYTES_PER_S"]
@@ -304,16 +305,21 @@ class _DnnNodes:
     names: list[str] = field(default_factory=list)
 
 
+def _check_record(item: Any, where: str, keys: tuple[str, ...]) -> None:
+    """``item`` must be a JSON object holding every key of ``keys`` (InputError naming ``where``)."""
+    if not isinstance(item, Mapping):
+        raise InputError(f"{where} is not an object")
+    for key in keys:
+        if key not in item:
+            raise InputError(f"{where} lacks the required key {key!r}")
+
+
 def _dnn_nodes(nodes: list, src: str) -> _DnnNodes:
     """Read and check the ``nodes`` of a dnn-partitioning file."""
     nd = _DnnNodes()
     for p, node in enumerate(nodes):
         where = f"{src}: nodes[{p}]"
-        if not isinstance(node, Mapping):
-            raise InputError(f"{where} is not an object")
-        for key in ("id", "fpgaLatency", "isBackwardNode"):
-            if key not in node:
-                raise InputError(f"{where} lacks the required key {key!r}")
+        _check_record(node, where, ("id", "fpgaLatency", "isBackwardNode"))
         nid = _integer(node["id"], "id", where)
         if nid in nd.pos_of:
             raise InputError(f"{src}: node id {nid} appears twice")
@@ -339,11 +345,7 @@ def _dnn_edges(edges: list, src: str, nd: _DnnNodes) -> tuple[list[float], int, 
     orig_edges: list[tuple[int, int]] = []
     for q, e in enumerate(edges):
         where = f"{src}: edges[{q}]"
-        if not isinstance(e, Mapping):
-            raise InputError(f"{where} is not an object")
-        for key in ("sourceId", "destId", "cost"):
-            if key not in e:
-                raise InputError(f"{where} lacks the required key {key!r}")
+        _check_record(e, where, ("sourceId", "destId", "cost"))
         s_id = _integer(e["sourceId"], "sourceId", where)
         d_id = _integer(e["destId"], "destId", where)
         if s_id not in nd.pos_of or d_id not in nd.pos_of:
@@ -554,7 +556,7 @@ def load_pipedream(
         raise InputError(f"bandwidth_bytes_per_s must be a number, got {bandwidth_bytes_per_s!r}") from None
     if not math.isfinite(bw) or bw <= 0:
         raise InputError(f"bandwidth_bytes_per_s must be positive and finite, got {bw}")
-    node_ids, descs, vals, edges = _pd_parse(_pd_read(path, src), src)
+    node_ids, descs, vals, edges = _pd_parse(read_text(path, "PipeDream profile"), src)
     n = len(node_ids)
     new = _pd_renumbering(node_ids, edges, src)
     fwd = np.zeros(n)
@@ -611,19 +613,6 @@ def load_pipedream(
         )
     except InputError as exc:  # pragma: no cover - guarded above
         raise InputError(f"{src}: {exc}") from None
-
-
-def _pd_read(path, src: str) -> str:
-    """The text of a PipeDream profile (clear errors for a missing path or a directory)."""
-    p = Path(path)
-    if not p.exists():
-        raise InputError(f"PipeDream profile {src!r} does not exist: check the path")
-    if p.is_dir():
-        raise InputError(f"PipeDream profile {src!r} is a directory, expected a *.graph.txt file")
-    try:
-        return p.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise InputError(f"cannot read PipeDream profile {src!r}: {exc}") from None
 
 
 def _pd_parse(text: str, src: str) -> tuple[list[str], list[str], list[dict[str, float]], list[tuple[int, int]]]:
