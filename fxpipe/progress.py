@@ -35,7 +35,8 @@ searches are to adopt it too)::
   ``interrupted`` true, just as after a flagged press. :meth:`Search.stop` raises the flag
   by hand (a callback that wants the search to end).
 * **Progress.** ``progress=True`` draws a tqdm line on stderr (``desc``, count of ``unit``
-  out of ``total``, the postfix given to :meth:`Search.update`); it is closed at exit.
+  out of ``total``, the postfix given to :meth:`Search.update`, or the count and postfix
+  set by :meth:`Search.set_count`, e.g. a solver's seconds); it is closed at exit.
 
 Nothing here imports torch, so the partitioner and the scheduler may use it.
 """
@@ -215,10 +216,14 @@ class Search:
         Expected count (None: unknown).
     progress : bool
         Draw the tqdm line on stderr.
+    bar_format : str, optional
+        tqdm's ``bar_format`` for the line.
     """
 
-    def __init__(self, desc: str, *, unit: str = "it", total: float | None = None, progress: bool = False):
+    def __init__(self, desc: str, *, unit: str = "it", total: float | None = None, progress: bool = False,
+                 bar_format: str | None = None):
         self.desc, self.unit, self.total, self.progress = desc, unit, total, bool(progress)
+        self.bar_format = bar_format
         self.best: float = math.inf
         self.best_payload: Any = None
         self.interrupted = False
@@ -264,7 +269,8 @@ class Search:
         if self.progress:
             from tqdm.auto import tqdm  # noqa: PLC0415 (tqdm's import is not free)
 
-            self._bar = tqdm(total=self.total, desc=self.desc, unit=self.unit, leave=False)
+            fmt = {} if self.bar_format is None else {"bar_format": self.bar_format}
+            self._bar = tqdm(total=self.total, desc=self.desc, unit=self.unit, leave=False, **fmt)
         with _RUN_LOCK:
             main = threading.current_thread() is threading.main_thread()
             if main and signal.getsignal(signal.SIGINT) is signal.default_int_handler:

@@ -116,7 +116,8 @@ def _finite(x: float) -> float:
 
 
 class ProgressBar:
-    """A tqdm bar over the time limit showing incumbent, dual bound and gap (in user units).
+    """A progress line over the time limit showing incumbent, dual bound and gap (in user
+    units): the line of a :class:`fxpipe.progress.Search`, open from creation to :meth:`close`.
 
     Parameters
     ----------
@@ -127,22 +128,19 @@ class ProgressBar:
     """
 
     def __init__(self, description: str, time_limit_s: float, scale: float = 1.0):
-        from tqdm.auto import tqdm
-
         self.scale = float(scale)
         self.limit = float(time_limit_s)
-        self.bar = tqdm(total=self.limit, desc=description, unit="s",
-                        bar_format="{l_bar}{bar}| {n:.0f}/{total:.0f}s{postfix}")
+        self.line = Search(description, unit="s", total=self.limit, progress=True,
+                           bar_format="{l_bar}{bar}| {n:.0f}/{total:.0f}s{postfix}").__enter__()
 
     def update(self, now_s: float, primal: float, dual: float) -> None:
         """Show the solver time and the incumbent / bound (model units)."""
         best, bound = primal * self.scale, max(dual * self.scale, 0.0)
         gap = (best - bound) / best if best > 0 and math.isfinite(best) else math.inf
-        self.bar.n = min(now_s, self.limit)
-        self.bar.set_postfix_str(f"incumbent={best:.6g} bound={bound:.6g} gap={100 * gap:.2f}%", refresh=True)
+        self.line.set_count(now_s, f"incumbent={best:.6g} bound={bound:.6g} gap={100 * gap:.2f}%")
 
     def close(self) -> None:
-        self.bar.close()
+        self.line.__exit__(None, None, None)
 
 
 class IncumbentHandler(scip.Eventhdlr):

@@ -117,6 +117,7 @@ from fxpipe.errors import InputError
 from fxpipe.ir import OpGraph
 from fxpipe.partition._numba import NJIT, njit
 from fxpipe.partition.objective import Partition, check_objective
+from fxpipe.partition.orders import kahn_order
 
 __all__ = [
     "KIND_CORE",
@@ -476,8 +477,6 @@ class ChainDecomposition:
 
 
 def _topological_order(graph: OpGraph) -> np.ndarray:
-    from fxpipe.partition.orders import kahn_order  # noqa: PLC0415
-
     return kahn_order(graph, np.arange(graph.n, dtype=np.float64))
 
 

@@ -40,6 +40,7 @@ from fxpipe.errors import InfeasibleError, InputError
 from fxpipe.ir import OpGraph
 from fxpipe.partition.brkga import BRKGAParams, PopulationDecoder, run_brkga
 from fxpipe.partition.chain import solve_chain
+from fxpipe.partition.colocate import contract_colocated, forbidden_cut_edges
 from fxpipe.partition.contract import contract_trivial
 from fxpipe.partition.memory import as_partition_memory, fewest_stages_to_try, infeasible_error, stage_memory_bytes
 from fxpipe.partition.objective import Partition, block_costs, check_objective
@@ -253,8 +254,6 @@ def partition(
     model = as_partition_memory(memory)
     warm_order = None if warm_start is None else _warm_order(graph, warm_start)
     if colocate and graph.data_dependent.any():
-        from fxpipe.partition.colocate import contract_colocated  # noqa: PLC0415
-
         con = contract_colocated(graph)
         if con is not None:
             return _partition_colocated(
@@ -547,7 +546,7 @@ def _partition_colocated(graph: OpGraph, con, k: int, warm_order, *, objective: 
     """:func:`partition` of ``graph`` whose data-dependent groups ``con``
     (:class:`fxpipe.partition.colocate.ColocatedContraction`) must each stay on one stage:
     search the contracted graph, expand, re-score on ``graph`` (Contract 2)."""
-    from fxpipe.partition.bounds.simple import simple_work_bound  # noqa: PLC0415
+    from fxpipe.partition.bounds.simple import simple_work_bound  # noqa: PLC0415 (the bounds package loads SCIP)
 
     t0 = time.perf_counter()
     sub_warm = None if warm_order is None else con.order_from_original(warm_order)
@@ -579,6 +578,4 @@ def _partition_colocated(graph: OpGraph, con, k: int, warm_order, *, objective: 
 
 
 def _forbidden_count(graph: OpGraph) -> int:
-    from fxpipe.partition.colocate import forbidden_cut_edges  # noqa: PLC0415
-
     return int(forbidden_cut_edges(graph).sum())
