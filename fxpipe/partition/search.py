@@ -398,7 +398,8 @@ def _search_contracted(st: _SearchState, graph: OpGraph, k: int, objective: str,
     try:
         s_seeds: list[tuple[str, np.ndarray]] = []
         if con is not None:
-            s_seeds = list(structured_orders(sg).items())[: None if evaluations is None else evaluations - st.evals]
+            # with a budget, the best order so far counts as one of the decoded seeds
+            s_seeds = list(structured_orders(sg).items())[: None if evaluations is None else evaluations - st.evals - 1]
             st.decode(s_seeds, kernel_inputs(sg, k, objective, comm, model), to_original, "contracted-")
         budget_left = None if evaluations is None else evaluations - st.evals
         if st.done or (budget_left is not None and budget_left <= 0):
@@ -464,6 +465,8 @@ def _finish(graph: OpGraph, k: int, objective: str, comm: str, model, st: _Searc
             lower: float, lower_method: str, chain_part, merge_trivial: bool, explain: bool) -> Partition:
     """The best partition found, re-scored on the original graph (or the chain partition on a
     tie), trivial stages merged, with its proof status and search figures in ``meta``."""
+    if st.stop_reason != "bound":
+        st.check_interrupt()  # also a KeyboardInterrupt that ended the search's body
     best_order, best_rule = st.run.best_payload
     best_val_kernel, cuts = slice_order_arrays(best_order, st.inputs, math.inf)
     if not math.isfinite(best_val_kernel) and chain_part is None:
