@@ -27,13 +27,18 @@ searches are to adopt it too)::
   nothing in other threads (signals reach only the main thread) or when SIGINT is ignored
   or handled by someone else. Because the handler never raises, a press during a numba
   compile (a first run) or inside a solver is seen at the next check, never inside it.
+  A second press does nothing more: a search that blocks (a solver in a worker thread,
+  :mod:`fxpipe.mip.solve`) polls ``run.stopped`` and stops its work itself.
 * **Nesting.** A search inside a search (BRKGA inside the partition search, the partition
   search inside the bounds) shares the press: every running search's flag is set, so the
-  inner one returns its best so far and the outer one stops too.
+  inner one returns its best so far and the outer one stops too; a search started while an
+  enclosing one is already stopped starts stopped.
 * **KeyboardInterrupt** raised in the body (e.g. a handler installed by someone else, or a
   test) ends the body and is swallowed: the search goes on after the ``with`` with
-  ``interrupted`` true, just as after a flagged press. :meth:`Search.stop` raises the flag
-  by hand (a callback that wants the search to end).
+  ``interrupted`` true, just as after a flagged press; what the body had written by then is
+  its best so far, so keep the best-so-far state consistent at every statement (or in
+  :meth:`Search.offer`). :meth:`Search.stop` raises the flag by hand (a callback that wants
+  the search to end).
 * **Progress.** ``progress=True`` draws a tqdm line on stderr (``desc``, count of ``unit``
   out of ``total``, the postfix given to :meth:`Search.update`, or the count and postfix
   set by :meth:`Search.set_count`, e.g. a solver's seconds); it is closed at exit.
