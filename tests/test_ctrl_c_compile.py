@@ -3,7 +3,8 @@
 numba's compiler turns a KeyboardInterrupt raised inside it into its own errors (a
 RuntimeError from the cache writer, a typing error) or loses it: a first ``fxpipe bounds`` run
 interrupted while compiling printed a numba traceback (exit 1) or went on to the 60 s MIP as if
-nothing was pressed. ``fxpipe.partition._numba`` holds the press to the end of the compile.
+nothing was pressed. Searches run under :class:`fxpipe.progress.Search`, whose SIGINT handler
+only raises a flag: the compile ends normally and the search stops at its next check.
 """
 
 from __future__ import annotations
@@ -12,42 +13,29 @@ import json
 import signal
 
 import numpy as np
-import pytest
 from numba import njit
 from numba.core import event
 
 import fxpipe.partition.bounds as bounds_mod
+import fxpipe.partition.search  # noqa: F401  (imports every kernel module)
 from fxpipe.ir import OpGraph
-from fxpipe.partition._numba import DeferSigintDuringCompile
+from fxpipe.progress import Search
+from test_progress_search import default_sigint  # noqa: F401  (fixture)
 
 
-@pytest.fixture
-def default_sigint():
-    old = signal.signal(signal.SIGINT, signal.default_int_handler)
-    yield
-    signal.signal(signal.SIGINT, old)
-
-
-def test_listener_holds_a_press_until_the_outermost_compile_ends(default_sigint):
-    lst = DeferSigintDuringCompile()
-    lst.on_start(None)
-    signal.raise_signal(signal.SIGINT)  # recorded, not raised inside the compile
-    lst.on_start(None)  # a nested compile (a kernel calling another)
-    lst.on_end(None)  # ... ends: still held
-    with pytest.raises(KeyboardInterrupt):
-        lst.on_end(None)
+def test_importing_the_partitioner_installs_nothing(default_sigint):
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
-    lst.on_start(None)  # no press: nothing raised
-    lst.on_end(None)
+    listeners = event._registered.get("numba:compile", [])  # numba's registry (no public reader)
+    assert not [x for x in listeners if type(x).__module__.startswith("fxpipe.partition")]
 
 
-def test_a_press_inside_a_real_compile_comes_out_as_keyboardinterrupt(default_sigint):
-    class PressDuringCompile(event.Listener):  # registered after fxpipe's listener: runs inside its window
+def test_a_press_inside_a_real_compile_stops_the_search_after_it(default_sigint):
+    class PressDuringCompile(event.Listener):
         returned = False
 
         def on_start(self, ev):
             signal.raise_signal(signal.SIGINT)
-            self.returned = True  # without fxpipe's listener the press raises right here
+            self.returned = True  # with Python's default handler the press raises right here
 
         def on_end(self, ev):
             pass
@@ -62,14 +50,13 @@ def test_a_press_inside_a_real_compile_comes_out_as_keyboardinterrupt(default_si
     presser = PressDuringCompile()
     event.register("numba:compile", presser)
     try:
-        with pytest.raises(KeyboardInterrupt):
-            kernel(np.arange(4.0))
+        with Search("compile") as run:
+            assert kernel(np.arange(4.0)) == 14.0  # the compile went on after the press, to its end
+            assert run.stopped
     finally:
         event.unregister("numba:compile", presser)
-    assert presser.returned  # the compile went on after the press ...
-    assert kernel.signatures  # ... to its end: the KeyboardInterrupt came after it
+    assert presser.returned and kernel.signatures and run.interrupted
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
-    assert kernel(np.arange(4.0)) == 14.0
 
 
 def test_ctrl_c_before_the_search_found_anything_stops_the_bounds_run(monkeypatch):

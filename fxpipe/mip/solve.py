@@ -33,6 +33,7 @@ bottleneck             0.71     0.66      2.66             0.52       0.54
 from __future__ import annotations
 
 import math
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
@@ -41,6 +42,7 @@ import pyscipopt as scip
 
 from fxpipe.errors import SolverError
 from fxpipe.mip.status import normalize_status
+from fxpipe.progress import Search
 
 __all__ = ["SolveResult", "solve_model", "scip_version", "DEFAULT_PARAMS", "IncumbentHandler", "ProgressBar"]
 
@@ -114,7 +116,8 @@ def _finite(x: float) -> float:
 
 
 class ProgressBar:
-    """A tqdm bar over the time limit showing incumbent, dual bound and gap (in user units).
+    """A progress line over the time limit showing incumbent, dual bound and gap (in user
+    units): the line of a :class:`fxpipe.progress.Search`, open from creation to :meth:`close`.
 
     Parameters
     ----------
@@ -125,22 +128,19 @@ class ProgressBar:
     """
 
     def __init__(self, description: str, time_limit_s: float, scale: float = 1.0):
-        from tqdm.auto import tqdm
-
         self.scale = float(scale)
         self.limit = float(time_limit_s)
-        self.bar = tqdm(total=self.limit, desc=description, unit="s",
-                        bar_format="{l_bar}{bar}| {n:.0f}/{total:.0f}s{postfix}")
+        self.line = Search(description, unit="s", total=self.limit, progress=True,
+                           bar_format="{l_bar}{bar}| {n:.0f}/{total:.0f}s{postfix}").__enter__()
 
     def update(self, now_s: float, primal: float, dual: float) -> None:
         """Show the solver time and the incumbent / bound (model units)."""
         best, bound = primal * self.scale, max(dual * self.scale, 0.0)
         gap = (best - bound) / best if best > 0 and math.isfinite(best) else math.inf
-        self.bar.n = min(now_s, self.limit)
-        self.bar.set_postfix_str(f"incumbent={best:.6g} bound={bound:.6g} gap={100 * gap:.2f}%", refresh=True)
+        self.line.set_count(now_s, f"incumbent={best:.6g} bound={bound:.6g} gap={100 * gap:.2f}%")
 
     def close(self) -> None:
-        self.bar.close()
+        self.line.__exit__(None, None, None)
 
 
 class IncumbentHandler(scip.Eventhdlr):
@@ -205,13 +205,11 @@ def _optimize_interruptible(model) -> bool:
     SCIP's own SIGINT handler (``misc/catchctrlc``) sets a flag that some phases consume
     without stopping (measured: a press during the root LP of a 12k-variable model was
     ignored and the solve ran to its time limit). Instead the solve runs without the GIL in
-    a worker thread while the main thread keeps Python's handler: a KeyboardInterrupt there
-    calls ``interruptSolve``.
+    a worker thread while the main thread watches the stop flag of a
+    :class:`fxpipe.progress.Search` (a press sets it): once it is set, ``interruptSolve``.
 
     Returns True when the solve was interrupted.
     """
-    import threading  # noqa: PLC0415
-
     if threading.current_thread() is not threading.main_thread():
         # signals reach only the main thread: nothing to watch from here
         model.optimize()
@@ -226,20 +224,21 @@ def _optimize_interruptible(model) -> bool:
             errors.append(exc)
 
     worker = threading.Thread(target=run, name="scip-solve", daemon=True)
-    worker.start()
-    interrupted = False
-    while worker.is_alive():
-        try:
-            if interrupted:
-                # again until SCIP stops: a press before SCIPsolve started is reset by it
-                model.interruptSolve()
-            worker.join(timeout=0.1)
-        except KeyboardInterrupt:
-            # a second press changes nothing: the model must outlive the solve in the worker
-            interrupted = True
+    with Search("scip") as search:  # the flag's handler is in place before SCIP starts
+        worker.start()
+        while worker.is_alive():
+            try:
+                if search.stopped:
+                    # again until SCIP stops: a press before SCIPsolve started is reset by it
+                    model.interruptSolve()
+                worker.join(timeout=0.1)
+            except KeyboardInterrupt:
+                # raised by a SIGINT handler other than the Search's; the model must outlive
+                # the solve in the worker, so the loop goes on until SCIP stops
+                search.stop()
     if errors:
         raise errors[0]
-    return interrupted
+    return search.interrupted
 
 
 def solve_model(
@@ -302,6 +301,33 @@ def solve_model(
     """
     if not time_limit_s > 0:
         raise SolverError(f"time limit must be > 0 seconds, got {time_limit_s}")
+    used = _apply_settings(model, time_limit_s, params, heuristics=heuristics, separating=separating,
+                           presolving=presolving, emphasis=emphasis)
+    accepted = _add_warm_start(model, warm_start, warm_start_complete) if warm_start else None
+    bar = ProgressBar(progress, time_limit_s, objective_scale) if progress else None
+    handler = None
+    if on_incumbent is not None or bar is not None:
+        handler = IncumbentHandler(on_incumbent, bar)
+        model.includeEventhdlr(handler, "fxpipe_incumbent", "reports new incumbents and progress")
+    t0 = time.perf_counter()
+    try:
+        interrupted = _optimize_interruptible(model)
+    except Exception as exc:  # pragma: no cover (SCIP internal failure)
+        raise SolverError(f"SCIP failed while solving {model.getProbName()!r}: {exc}") from None
+    finally:
+        if bar is not None:
+            _final_progress(model, bar)
+    wall = time.perf_counter() - t0
+    result = _read_result(model, interrupted, read_vars)
+    result.wall_s, result.params, result.warm_start_accepted = wall, used, accepted
+    result.callback_errors = list(handler.errors) if handler is not None else []
+    return result
+
+
+def _apply_settings(model, time_limit_s: float, params, *, heuristics: str, separating: str, presolving: str,
+                    emphasis: str | None) -> dict:
+    """Set :data:`DEFAULT_PARAMS`, ``params``, the time limit and the setting groups on
+    ``model``; returns every parameter and setting used. Raises SolverError on a bad one."""
     used = dict(DEFAULT_PARAMS)
     used.update(params or {})
     used["limits/time"] = float(time_limit_s)
@@ -326,49 +352,46 @@ def solve_model(
             raise SolverError(f"emphasis must be one of {', '.join(emph)}; got {emphasis!r}")
         model.setEmphasis(emph[emphasis])
         used["emphasis"] = emphasis
-    accepted = None
-    if warm_start:
-        byname = {v.name: v for v in model.getVars()}
-        if warm_start_complete:
-            sol = model.createSol()
-            for name, val in warm_start.items():
-                var = byname.get(name)
-                if var is not None:
-                    model.setSolVal(sol, var, float(val))
-            try:
-                accepted = bool(model.checkSol(sol, printreason=False))
-            except Exception:  # noqa: BLE001
-                accepted = False
-            if accepted:
-                model.addSol(sol, free=True)
-            else:
-                model.freeSol(sol)
-        else:
-            sol = model.createPartialSol()
-            for name, val in warm_start.items():
-                var = byname.get(name)
-                if var is not None:
-                    model.setSolVal(sol, var, float(val))
-            model.addSol(sol)
-    bar = ProgressBar(progress, time_limit_s, objective_scale) if progress else None
-    handler = None
-    if on_incumbent is not None or bar is not None:
-        handler = IncumbentHandler(on_incumbent, bar)
-        model.includeEventhdlr(handler, "fxpipe_incumbent", "reports new incumbents and progress")
-    t0 = time.perf_counter()
+    return used
+
+
+def _add_warm_start(model, warm_start: Mapping[str, float], complete: bool) -> bool | None:
+    """Hand ``warm_start`` (variable name -> value) to SCIP: a complete one only if
+    ``checkSol`` accepts it (returns whether it did), a partial one for SCIP to complete
+    (returns None)."""
+    byname = {v.name: v for v in model.getVars()}
+    sol = model.createSol() if complete else model.createPartialSol()
+    for name, val in warm_start.items():
+        var = byname.get(name)
+        if var is not None:
+            model.setSolVal(sol, var, float(val))
+    if not complete:
+        model.addSol(sol)
+        return None
     try:
-        interrupted = _optimize_interruptible(model)
-    except Exception as exc:  # pragma: no cover (SCIP internal failure)
-        raise SolverError(f"SCIP failed while solving {model.getProbName()!r}: {exc}") from None
-    finally:
-        if bar is not None:
-            try:
-                bar.update(model.getSolvingTime(), model.getPrimalbound() if model.getNSols() else math.inf,
-                           model.getDualbound())
-            except Exception:  # noqa: BLE001
-                pass
-            bar.close()
-    wall = time.perf_counter() - t0
+        accepted = bool(model.checkSol(sol, printreason=False))
+    except Exception:  # noqa: BLE001
+        accepted = False
+    if accepted:
+        model.addSol(sol, free=True)
+    else:
+        model.freeSol(sol)
+    return accepted
+
+
+def _final_progress(model, bar: ProgressBar) -> None:
+    """Show the final solver time, incumbent and bound on ``bar``, then close it."""
+    try:
+        bar.update(model.getSolvingTime(), model.getPrimalbound() if model.getNSols() else math.inf,
+                   model.getDualbound())
+    except Exception:  # noqa: BLE001
+        pass
+    bar.close()
+
+
+def _read_result(model, interrupted: bool, read_vars) -> SolveResult:
+    """Status, incumbent, dual bound, gap and ``read_vars`` values of a solved ``model`` (the
+    wall time, parameters and warm-start fields are filled by :func:`solve_model`)."""
     raw = model.getStatus()
     # a press is reported as such even when SCIP finished at the same moment (its bounds are
     # valid either way): callers stop their remaining work on "userinterrupt"
@@ -402,11 +425,8 @@ def solve_model(
         dual=dual,
         gap=max(gap, 0.0) if math.isfinite(gap) else gap,
         nodes=int(model.getNNodes()),
-        wall_s=wall,
+        wall_s=0.0,
         values=values,
-        params=used,
         raw_status=str(raw),
         n_solutions=int(nsols),
-        warm_start_accepted=accepted,
-        callback_errors=list(handler.errors) if handler is not None else [],
     )

@@ -52,6 +52,7 @@ from fxpipe.ir import OpGraph
 from fxpipe.partition._numba import NJIT, njit
 from fxpipe.partition.orders import kahn_kernel, node_classes
 from fxpipe.partition.slicegraph import kernel_inputs, slice_kernel
+from fxpipe.progress import Search
 
 __all__ = ["BRKGAParams", "BRKGAResult", "run_brkga", "decode_population", "PopulationDecoder"]
 
@@ -317,113 +318,48 @@ def run_brkga(
     Goncalves & Resende 2011; Archer et al. 2024, Algorithm 2.
     """
     n = decoder.graph.n
-    P = int(params.population)
-    ne, nm = params.n_elite, params.n_mutant
-    no = P - ne - nm
+    P, ne = int(params.population), params.n_elite
     rng = np.random.default_rng(seed)
     t0 = time.perf_counter()
     pop = rng.random((P, n))
     if initial_keys is not None and len(initial_keys):
         init = np.asarray(initial_keys, dtype=np.float64)[:P]
         pop[: init.shape[0]] = init
-    evals = 0
-    gen = 0
-    interrupted = False
+    budget = params.max_evaluations
+    evals = gen = stall = 0
     stop = "time"
     history: list = []
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm  # noqa: PLC0415
-
-        bar = tqdm(total=params.max_generations, desc="brkga", unit="gen", leave=False)
     fit = np.full(P, math.inf)
-    best = math.inf
-    best_keys = pop[0].copy()
-    deadline = math.inf if params.time_limit_s is None else t0 + params.time_limit_s
-    chunk = max(8, 4 * decoder.threads)
-
-    def decode(keys: np.ndarray, bound: float = math.inf) -> tuple[np.ndarray, int]:
-        """Decode in chunks, stopping at the deadline (undecoded rows get fitness inf)."""
-        out = np.full(keys.shape[0], math.inf)
-        done = 0
-        while done < keys.shape[0]:
-            if done and time.perf_counter() >= deadline:
-                break
-            nxt = min(keys.shape[0], done + chunk)
-            out[done:nxt] = decoder(keys[done:nxt], bound)
-            done = nxt
-        return out, done
-
-    try:
-        budget = params.max_evaluations
+    best, best_keys = math.inf, pop[0].copy()
+    with Search("brkga", unit="gen", total=params.max_generations, progress=progress) as run:
+        decode = _ChunkedDecoder(decoder, math.inf if params.time_limit_s is None else t0 + params.time_limit_s, run)
         first = P if budget is None else min(P, int(budget))
         fit[:first], done = decode(pop[:first])
         evals += done
-        perm = _elite_first(fit, ne)
-        pop, fit = pop[perm], fit[perm]
-        best = float(fit[0])
-        best_keys = pop[0].copy()
+        pop, fit = _elite_sorted(pop, fit, ne)
+        best, best_keys = float(fit[0]), pop[0].copy()
         history.append((0, evals, time.perf_counter() - t0, best))
-        stall = 0
         t_improved = time.perf_counter()
-        while True:
-            now = time.perf_counter()
-            elapsed = now - t0
-            if best <= target:
-                stop = "target"
+        while not run.stopped:
+            stop = _stop_rule(params, best, target, gen, evals, stall, t0, t_improved)
+            if stop:
                 break
-            if params.max_generations is not None and gen >= params.max_generations:
-                stop = "generations"
-                break
-            if budget is not None and evals >= budget:
-                stop = "evaluations"
-                break
-            if params.time_limit_s is not None and elapsed >= params.time_limit_s:
-                stop = "time"
-                break
-            if params.stall_generations is not None and stall >= params.stall_generations:
-                stop = "stall"
-                break
-            if params.stall_time_s is not None and now - t_improved >= params.stall_time_s:
-                stop = "stall"
-                break
-            n_new = P - ne
-            if budget is not None:
-                n_new = min(n_new, int(budget) - evals)
-            elite = pop[:ne]
-            nonelite = pop[ne:] if P > ne else pop[:ne]
-            mutants = rng.random((nm, n))
-            a = rng.integers(0, ne, size=no)
-            b = rng.integers(0, nonelite.shape[0], size=no)
-            take_elite = rng.random((no, n)) < params.rho_e
-            offspring = np.where(take_elite, elite[a], nonelite[b])
-            new = np.concatenate([offspring, mutants])[:n_new]
-            bound = float(fit[ne - 1])
-            new_fit, done = decode(new, bound)
+            n_new = P - ne if budget is None else min(P - ne, int(budget) - evals)
+            new = _offspring_and_mutants(rng, pop, params)[:n_new]
+            new_fit, done = decode(new, float(fit[ne - 1]))  # the worst elite prunes the decoding
             evals += done
             gen += 1
-            pop = np.concatenate([elite, new])
-            fit = np.concatenate([fit[:ne], new_fit])
-            perm = _elite_first(fit, ne)
-            pop, fit = pop[perm], fit[perm]
+            pop, fit = _elite_sorted(np.concatenate([pop[:ne], new]), np.concatenate([fit[:ne], new_fit]), ne)
             if fit[0] < best:
-                best = float(fit[0])
-                best_keys = pop[0].copy()
-                stall = 0
-                t_improved = time.perf_counter()
+                best, best_keys = float(fit[0]), pop[0].copy()
+                stall, t_improved = 0, time.perf_counter()
                 history.append((gen, evals, time.perf_counter() - t0, best))
             else:
                 stall += 1
-            if bar is not None:
-                el = max(time.perf_counter() - t0, 1e-9)
-                bar.update(1)
-                bar.set_postfix(best=f"{best:.6g}", evals=evals, evals_per_s=f"{evals / el:.0f}", refresh=False)
-    except KeyboardInterrupt:
-        interrupted = True
+            run.update(1, best=f"{best:.6g}", evals=evals,
+                       evals_per_s=f"{evals / max(time.perf_counter() - t0, 1e-9):.0f}")
+    if run.interrupted:
         stop = "interrupted"
-    finally:
-        if bar is not None:
-            bar.close()
     return BRKGAResult(
         best_fitness=best,
         best_keys=best_keys,
@@ -431,7 +367,68 @@ def run_brkga(
         evaluations=evals,
         generations=gen,
         seconds=time.perf_counter() - t0,
-        interrupted=interrupted,
+        interrupted=run.interrupted,
         history=history,
         stop_reason=stop,
     )
+
+
+class _ChunkedDecoder:
+    """Decode a population in chunks of a few chromosomes per thread, stopping at the
+    deadline or on Ctrl-C (undecoded rows get fitness inf): returns ``(fitness, rows decoded)``."""
+
+    def __init__(self, decoder: PopulationDecoder, deadline: float, run: Search):
+        self.decoder, self.deadline, self.run = decoder, deadline, run
+        self.chunk = max(8, 4 * decoder.threads)
+
+    def __call__(self, keys: np.ndarray, bound: float = math.inf) -> tuple[np.ndarray, int]:
+        out = np.full(keys.shape[0], math.inf)
+        done = 0
+        while done < keys.shape[0]:
+            if done and (time.perf_counter() >= self.deadline or self.run.stopped):
+                break
+            nxt = min(keys.shape[0], done + self.chunk)
+            out[done:nxt] = self.decoder(keys[done:nxt], bound)
+            done = nxt
+        return out, done
+
+
+def _elite_sorted(pop: np.ndarray, fit: np.ndarray, ne: int) -> tuple[np.ndarray, np.ndarray]:
+    """The population and fitness with the ``ne`` fittest first (:func:`_elite_first`)."""
+    perm = _elite_first(fit, ne)
+    return pop[perm], fit[perm]
+
+
+def _stop_rule(params: BRKGAParams, best: float, target: float, gen: int, evals: int, stall: int, t0: float,
+               t_improved: float) -> str:
+    """The rule that stops the run now (module docstring), or ``""`` to go on."""
+    now = time.perf_counter()
+    if best <= target:
+        return "target"
+    if params.max_generations is not None and gen >= params.max_generations:
+        return "generations"
+    if params.max_evaluations is not None and evals >= params.max_evaluations:
+        return "evaluations"
+    if params.time_limit_s is not None and now - t0 >= params.time_limit_s:
+        return "time"
+    if params.stall_generations is not None and stall >= params.stall_generations:
+        return "stall"
+    if params.stall_time_s is not None and now - t_improved >= params.stall_time_s:
+        return "stall"
+    return ""
+
+
+def _offspring_and_mutants(rng: np.random.Generator, pop: np.ndarray, params: BRKGAParams) -> np.ndarray:
+    """The non-elite part of the next generation (module docstring, steps 2 and 3): offspring
+    of an elite and a non-elite parent, then fresh mutants; ``pop`` has its elite first."""
+    P, n = pop.shape
+    ne, nm = params.n_elite, params.n_mutant
+    no = P - ne - nm
+    elite = pop[:ne]
+    nonelite = pop[ne:] if P > ne else pop[:ne]
+    mutants = rng.random((nm, n))
+    a = rng.integers(0, ne, size=no)
+    b = rng.integers(0, nonelite.shape[0], size=no)
+    take_elite = rng.random((no, n)) < params.rho_e
+    offspring = np.where(take_elite, elite[a], nonelite[b])
+    return np.concatenate([offspring, mutants])

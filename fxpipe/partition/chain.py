@@ -117,6 +117,7 @@ from fxpipe.errors import InputError
 from fxpipe.ir import OpGraph
 from fxpipe.partition._numba import NJIT, njit
 from fxpipe.partition.objective import Partition, check_objective
+from fxpipe.partition.orders import kahn_order
 
 __all__ = [
     "KIND_CORE",
@@ -476,8 +477,6 @@ class ChainDecomposition:
 
 
 def _topological_order(graph: OpGraph) -> np.ndarray:
-    from fxpipe.partition.orders import kahn_order  # noqa: PLC0415
-
     return kahn_order(graph, np.arange(graph.n, dtype=np.float64))
 
 
@@ -619,19 +618,74 @@ def decompose(graph: OpGraph, objective: str = "training", *, max_ideals: int = 
     kind = _classify(graph, work, topo)
     core, rpred = _reduced_core(graph, kind, topo)
     m = core.shape[0]
-    gates = _gates(rpred)
-    if m == 0:  # no work anywhere: one empty segment
-        seg_ptr = np.zeros(2, dtype=np.int64)
-    else:
-        ends = gates + 1
-        if ends.size == 0 or ends[-1] != m:
-            ends = np.append(ends, m)
-        seg_ptr = np.concatenate([[0], ends]).astype(np.int64)
+    seg_ptr = _segment_bounds(_gates(rpred), m)
     S = seg_ptr.shape[0] - 1
-    seg_of_pos = np.zeros(m, dtype=np.int64)
+    entry, last = _entry_and_last(graph, kind, topo, core, seg_ptr)
+    alive = kind != KIND_DETACHED
+    gate_cut, mand_cut = _gate_and_mandatory_cuts(alive, entry, last, size, S)
+    seg_work = np.array([float(work[core[seg_ptr[j]:seg_ptr[j + 1]]].sum()) for j in range(S)])
+    nodes = _SegmentNodes.of(graph, kind, topo, core, entry, last, size, work, S)
+    masks: list = []
+    complete: list = []
+    binned: dict = {}
+    pwork: list = []
+    pcut: list = []
+    pflag: list = []
+    w_before = 0.0
+    for j in range(S):
+        lo, hi = int(seg_ptr[j]), int(seg_ptr[j + 1])
+        if hi - lo > MAX_SEGMENT_CORE:
+            complete.append(False)
+            masks.append(None)
+            pwork.append(None)
+            pcut.append(None)
+            pflag.append(None)
+            w_before += seg_work[j]
+            continue
+        ms, many, is_complete = _segment_ideals(rpred, lo, hi, max_ideals, max_binned)
+        complete.append(is_complete)
+        local = nodes.evaluation_inputs(j, lo, hi, float(mand_cut[j]))
+        wv, cv, fv = _segment_points(ms, *local)
+        if many is not None:
+            bw, bc, _ = _segment_points(many, *local)
+            order = np.argsort(bw, kind="stable")
+            binned[j] = (bw[order] + w_before, bc[order])
+        masks.append(ms)
+        pwork.append(wv + w_before)
+        pcut.append(cv)
+        pflag.append(fv)
+        w_before += seg_work[j]
+    dec = ChainDecomposition(
+        objective=objective, kind=kind, topo=topo, entry=entry, last=last, core=core, seg_ptr=seg_ptr,
+        seg_work_s=seg_work, gate_cut_bytes=gate_cut, mandatory_cut_bytes=mand_cut, masks=masks,
+        point_work_s=pwork, point_cut_bytes=pcut, point_flag=pflag, complete=np.array(complete, dtype=bool),
+        binned=binned, work_s=work,
+        detached_work_s=float(work[kind == KIND_DETACHED].sum()), inputs_entry=nodes.ph_entry_max, seconds=0.0,
+    )
+    dec.seconds = time.perf_counter() - t0
+    return dec
+
+
+def _segment_bounds(gates: np.ndarray, m: int) -> np.ndarray:
+    """``seg_ptr`` (S + 1,): segment j holds the reduced-core positions ``seg_ptr[j]:seg_ptr[j+1]``,
+    each segment ending at a gate (the last one at the end of the core)."""
+    if m == 0:  # no work anywhere: one empty segment
+        return np.zeros(2, dtype=np.int64)
+    ends = gates + 1
+    if ends.size == 0 or ends[-1] != m:
+        ends = np.append(ends, m)
+    return np.concatenate([[0], ends]).astype(np.int64)
+
+
+def _entry_and_last(graph: OpGraph, kind: np.ndarray, topo: np.ndarray, core: np.ndarray,
+                    seg_ptr: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Every node's entry segment (canonical ideals: core nodes their own, lazy nodes their
+    earliest consumer's, sinks their latest producer's) and the last segment that reads it."""
+    n = graph.n
+    S = seg_ptr.shape[0] - 1
+    seg_of_pos = np.zeros(core.shape[0], dtype=np.int64)
     for j in range(S):
         seg_of_pos[seg_ptr[j]:seg_ptr[j + 1]] = j
-    # ---- entry segment of every node (canonical ideals)
     entry = np.full(n, -1, dtype=np.int64)
     entry[core] = seg_of_pos
     alive = kind != KIND_DETACHED
@@ -652,7 +706,13 @@ def decompose(graph: OpGraph, objective: str = "training", *, max_ideals: int = 
         succ = succ[alive[succ]]
         if succ.size:
             last[v] = int(entry[succ].max())
-    # ---- cuts at the gate ideals and mandatory cuts inside segments
+    return entry, last
+
+
+def _gate_and_mandatory_cuts(alive: np.ndarray, entry: np.ndarray, last: np.ndarray, size: np.ndarray,
+                             S: int) -> tuple[np.ndarray, np.ndarray]:
+    """Bytes crossing each gate ideal, and bytes every ideal inside a segment must cut (tensors
+    produced before it and read after it), both (S,)."""
     gate_diff = np.zeros(S + 1)
     mand_diff = np.zeros(S + 2)
     for v in np.flatnonzero(alive).tolist():
@@ -662,68 +722,86 @@ def decompose(graph: OpGraph, objective: str = "training", *, max_ideals: int = 
             if last[v] - entry[v] >= 2:  # crosses every ideal inside segments entry+1..last-1
                 mand_diff[entry[v] + 1] += size[v]
                 mand_diff[last[v]] -= size[v]
-    gate_cut = np.cumsum(gate_diff)[:S]
-    mand_cut = np.cumsum(mand_diff)[:S]
-    seg_work = np.array([float(work[core[seg_ptr[j]:seg_ptr[j + 1]]].sum()) for j in range(S)])
-    # ---- flux sets per segment
-    flux: list[list[int]] = [[] for _ in range(S)]
-    inputs: list[list[int]] = [[] for _ in range(S)]  # produced earlier, last consumed in j
-    rank_topo = np.empty(n, dtype=np.int64)
-    rank_topo[topo] = np.arange(n)
-    for v in topo.tolist():
-        if alive[v]:
-            flux[entry[v]].append(v)
-            if last[v] > entry[v]:
-                inputs[last[v]].append(v)
-    placeholders = [v for v in range(n) if graph.ops[v] == "placeholder" and alive[v]]
-    ph_entry_max = max((int(entry[v]) for v in placeholders), default=-1)
-    masks: list = []
-    complete: list = []
-    binned: dict = {}
-    pwork: list = []
-    pcut: list = []
-    pflag: list = []
-    pos = np.full(n, -1, dtype=np.int64)
-    pos[core] = np.arange(m)
-    w_before = 0.0
-    for j in range(S):
-        lo, hi = int(seg_ptr[j]), int(seg_ptr[j + 1])
-        L = hi - lo
-        if L > MAX_SEGMENT_CORE:
-            complete.append(False)
-            masks.append(None)
-            pwork.append(None)
-            pcut.append(None)
-            pflag.append(None)
-            w_before += seg_work[j]
-            continue
-        pm = np.zeros(L, dtype=np.int64)
-        for i in range(L):
-            for u in rpred[lo + i]:
-                if u >= lo:
-                    pm[i] |= np.int64(1) << np.int64(u - lo)
-        ms, cnt = _enumerate_ideals(pm, int(max_ideals))
-        complete.append(cnt >= 0)
+    return np.cumsum(gate_diff)[:S], np.cumsum(mand_diff)[:S]
+
+
+def _segment_ideals(rpred: list[list[int]], lo: int, hi: int, max_ideals: int,
+                    max_binned: int) -> tuple[np.ndarray, np.ndarray | None, bool]:
+    """The ideals of the segment's core ``lo:hi`` as bit masks, ``(masks, many, complete)``.
+
+    With more than ``max_ideals`` ideals, ``masks`` are the prefixes of the topological order
+    (ideals too, cut points for the partition) and ``many`` every ideal if there are at most
+    ``max_binned`` (the bound summarises them in work bins), else None.
+    """
+    L = hi - lo
+    pm = np.zeros(L, dtype=np.int64)
+    for i in range(L):
+        for u in rpred[lo + i]:
+            if u >= lo:
+                pm[i] |= np.int64(1) << np.int64(u - lo)
+    ms, cnt = _enumerate_ideals(pm, int(max_ideals))
+    if cnt >= 0:
+        return ms, None, True
+    many, cnt_many = _enumerate_ideals(pm, int(max_binned)) if max_binned > 0 else (None, -1)
+    if cnt_many < 0:
         many = None
-        if cnt < 0:
-            # too many ideals to list one by one: keep the prefixes of the topological order
-            # (ideals too) as cut points for the partition; the bound summarises all the
-            # ideals in work bins (below) if there are at most max_binned of them
-            many, cnt_many = _enumerate_ideals(pm, int(max_binned)) if max_binned > 0 else (None, -1)
-            if cnt_many < 0:
-                many = None
-            ms = np.array([(1 << t) - 1 for t in range(L + 1)], dtype=np.int64)
+    return np.array([(1 << t) - 1 for t in range(L + 1)], dtype=np.int64), many, False
+
+
+@dataclass
+class _SegmentNodes:
+    """The nodes of every segment (its flux: nodes entering it; its inputs: produced earlier,
+    last read in it) and what :func:`_segment_points` needs to evaluate its ideals."""
+
+    graph: OpGraph
+    kind: np.ndarray
+    core: np.ndarray
+    entry: np.ndarray
+    last: np.ndarray
+    size: np.ndarray
+    work: np.ndarray
+    alive: np.ndarray
+    rank_topo: np.ndarray
+    pos: np.ndarray
+    flux: list
+    inputs: list
+    placeholders: list
+    ph_entry_max: int
+
+    @classmethod
+    def of(cls, graph: OpGraph, kind, topo, core, entry, last, size, work, S: int) -> "_SegmentNodes":
+        n = graph.n
+        alive = kind != KIND_DETACHED
+        flux: list[list[int]] = [[] for _ in range(S)]
+        inputs: list[list[int]] = [[] for _ in range(S)]
+        rank_topo = np.empty(n, dtype=np.int64)
+        rank_topo[topo] = np.arange(n)
+        for v in topo.tolist():
+            if alive[v]:
+                flux[entry[v]].append(v)
+                if last[v] > entry[v]:
+                    inputs[last[v]].append(v)
+        placeholders = [v for v in range(n) if graph.ops[v] == "placeholder" and alive[v]]
+        pos = np.full(n, -1, dtype=np.int64)
+        pos[core] = np.arange(core.shape[0])
+        return cls(graph, kind, core, entry, last, size, work, alive, rank_topo, pos, flux, inputs, placeholders,
+                   max((int(entry[v]) for v in placeholders), default=-1))
+
+    def evaluation_inputs(self, j: int, lo: int, hi: int, base: float) -> tuple:
+        """The arguments of :func:`_segment_points` after the masks, for segment ``j`` (core
+        positions ``lo:hi``, mandatory cut ``base`` bytes)."""
+        graph, kind, entry, alive = self.graph, self.kind, self.entry, self.alive
         # local evaluation order: core (bits), lazy (reverse topological), sinks (topological)
-        F = flux[j]
+        F = self.flux[j]
         core_f = [v for v in F if kind[v] == KIND_CORE]
-        lazy_f = sorted((v for v in F if kind[v] == KIND_LAZY), key=lambda v: -rank_topo[v])
+        lazy_f = sorted((v for v in F if kind[v] == KIND_LAZY), key=lambda v: -self.rank_topo[v])
         sink_f = [v for v in F if kind[v] == KIND_SINK]
         ev_nodes = core_f + lazy_f + sink_f
         ev_loc = {v: i for i, v in enumerate(ev_nodes)}
         ev_kind = np.array([0] * len(core_f) + [1] * len(lazy_f) + [2] * len(sink_f), dtype=np.int64)
         core_bit = np.zeros(len(ev_nodes), dtype=np.int64)
         for i, v in enumerate(core_f):
-            core_bit[i] = pos[v] - lo
+            core_bit[i] = self.pos[v] - lo
         ev_ptr = [0]
         ev_idx: list[int] = []
         for v in ev_nodes:
@@ -732,47 +810,26 @@ def decompose(graph: OpGraph, objective: str = "training", *, max_ideals: int = 
             elif kind[v] == KIND_SINK:
                 ev_idx += [ev_loc[u] for u in graph.predecessors(v).tolist() if entry[u] == j]
             ev_ptr.append(len(ev_idx))
-        t_nodes = [v for v in F if graph.successors(v).size] + inputs[j]
+        t_nodes = [v for v in F if graph.successors(v).size] + self.inputs[j]
         t_size, t_state, t_always, t_ptr, t_idx = [], [], [], [0], []
         for v in t_nodes:
             succ = graph.successors(v)
             succ = succ[alive[succ]]
             if succ.size == 0:
                 continue
-            t_size.append(size[v])
+            t_size.append(self.size[v])
             t_state.append(ev_loc[v] if entry[v] == j else -1)
-            t_always.append(bool(last[v] > j))
+            t_always.append(bool(self.last[v] > j))
             t_idx += [ev_loc[c] for c in succ.tolist() if entry[c] == j]
             t_ptr.append(len(t_idx))
-        base = float(mand_cut[j])
-        ph_ok = ph_entry_max <= j
-        ph_idx = [ev_loc[v] for v in placeholders if entry[v] == j]
-        work_bits = np.array([work[core[lo + i]] for i in range(L)], dtype=np.float64)
-        local = (
+        ph_idx = [ev_loc[v] for v in self.placeholders if entry[v] == j]
+        work_bits = np.array([self.work[self.core[i]] for i in range(lo, hi)], dtype=np.float64)
+        return (
             core_bit, work_bits, ev_kind, np.array(ev_ptr, dtype=np.int64), np.array(ev_idx, dtype=np.int64),
             np.array(t_size, dtype=np.float64), np.array(t_state, dtype=np.int64), np.array(t_always, dtype=np.bool_),
             np.array(t_ptr, dtype=np.int64), np.array(t_idx, dtype=np.int64), np.array(ph_idx, dtype=np.int64),
-            bool(ph_ok), base,
+            bool(self.ph_entry_max <= j), base,
         )
-        wv, cv, fv = _segment_points(ms, *local)
-        if many is not None:
-            bw, bc, _ = _segment_points(many, *local)
-            order = np.argsort(bw, kind="stable")
-            binned[j] = (bw[order] + w_before, bc[order])
-        masks.append(ms)
-        pwork.append(wv + w_before)
-        pcut.append(cv)
-        pflag.append(fv)
-        w_before += seg_work[j]
-    dec = ChainDecomposition(
-        objective=objective, kind=kind, topo=topo, entry=entry, last=last, core=core, seg_ptr=seg_ptr,
-        seg_work_s=seg_work, gate_cut_bytes=gate_cut, mandatory_cut_bytes=mand_cut, masks=masks,
-        point_work_s=pwork, point_cut_bytes=pcut, point_flag=pflag, complete=np.array(complete, dtype=bool),
-        binned=binned, work_s=work,
-        detached_work_s=float(work[kind == KIND_DETACHED].sum()), inputs_entry=ph_entry_max, seconds=0.0,
-    )
-    dec.seconds = time.perf_counter() - t0
-    return dec
 
 
 _CACHE = None  # weakref.WeakKeyDictionary: graph -> {(objective, max_ideals): ChainDecomposition}

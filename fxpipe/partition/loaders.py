@@ -64,12 +64,14 @@ import heapq
 import math
 import os
 import re
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
 import numpy as np
 
 from fxpipe.errors import InputError
+from fxpipe.io import read_text
 from fxpipe.ir import OpGraph, read_json
 
 __all__ = ["load_dnn_partitioning", "load_pipedream", "PIPEDREAM_DEFAULT_BANDWIDTH_BYTES_PER_S"]
@@ -233,57 +235,127 @@ def load_dnn_partitioning(path: str | os.PathLike, *, name: str | None = None) -
     if not isinstance(edges, list):
         raise InputError(f"{src}: 'edges' must be a list of {{sourceId, destId, cost}} objects")
 
-    # ---- nodes
-    pos_of: dict[int, int] = {}
-    ids: list[int] = []
-    fpga: list[float] = []
-    cpu: list[float] = []
-    size: list[float] = []
-    backward: list[bool] = []
-    cls_raw: list[Any] = []
-    names: list[str] = []
+    nd = _dnn_nodes(nodes, src)
+    cost, inconsistent, orig_edges = _dnn_edges(edges, src, nd)
+    ncls, ncomp, gid = _dnn_groups(nd, orig_edges, src)
+    n = ncomp
+    n0 = len(nd.ids)
+    t, par, cpu_g, members, bwd_count, classes = _dnn_group_weights(nd, gid, n)
+    size_out, out_edges, exact = _dnn_io(n0, n, orig_edges, gid, cost)
+    names_out = []
+    for g in range(n):
+        fwd = [nd.names[nd.pos_of[i]] for i in members[g] if not nd.backward[nd.pos_of[i]]] \
+            or [nd.names[nd.pos_of[i]] for i in members[g]]
+        names_out.append(fwd[0] if len(members[g]) == 1 else f"{fwd[0]}+{len(members[g]) - 1}")
+    extra = [
+        {
+            "members": sorted(members[g]),
+            "color_classes": sorted(classes[g], key=str),
+            "backward_members": bwd_count[g],
+            "cpu_latency": float(cpu_g[g]),
+        }
+        for g in range(n)
+    ]
+    meta = {
+        "source": src,
+        "source_format": "dnn-partitioning",
+        "time_unit": _DNN_TIME_UNIT,
+        "size_out_unit": "transfer time in the file's time units (bandwidth_bytes_per_s = 1)",
+        "objective_note": "forward and backward work of a colour class are both in t_fwd_s; "
+        "evaluate with objective='inference', comm='dag' to reproduce dnn-partitioning's throughput objective",
+        "training": any(nd.backward),
+        "io_exact": exact,
+        "original_nodes": n0,
+        "original_edges": len(orig_edges),
+        "color_classes": ncls,
+        "merged_components": ncls - ncomp,
+        "inconsistent_edge_costs": inconsistent,
+    }
+    for key in ("maxSizePerFPGA", "maxFPGAs", "maxCPUs"):
+        if key in doc:
+            meta[key] = doc[key]
+    try:
+        return OpGraph.from_arrays(
+            t_fwd_s=t,
+            size_out_bytes=size_out,
+            size_param_bytes=par,
+            edges=sorted(out_edges) if out_edges else np.zeros((0, 2), dtype=np.int64),
+            bandwidth_bytes_per_s=1.0,
+            names=names_out,
+            ops=["call_function"] * n,
+            name=name or Path(src).name.removesuffix(".json"),
+            extra=extra,
+            meta=meta,
+        )
+    except InputError as exc:  # pragma: no cover - guarded above
+        raise InputError(f"{src}: {exc}") from None
+
+
+@dataclass
+class _DnnNodes:
+    """The nodes of a dnn-partitioning file, by position in its ``nodes`` list."""
+
+    pos_of: dict[int, int] = field(default_factory=dict)  # file id -> position
+    ids: list[int] = field(default_factory=list)
+    fpga: list[float] = field(default_factory=list)
+    cpu: list[float] = field(default_factory=list)
+    size: list[float] = field(default_factory=list)
+    backward: list[bool] = field(default_factory=list)
+    cls_raw: list[Any] = field(default_factory=list)  # ("c", colorClass) or ("own", id)
+    names: list[str] = field(default_factory=list)
+
+
+def _check_record(item: Any, where: str, keys: tuple[str, ...]) -> None:
+    """``item`` must be a JSON object holding every key of ``keys`` (InputError naming ``where``)."""
+    if not isinstance(item, Mapping):
+        raise InputError(f"{where} is not an object")
+    for key in keys:
+        if key not in item:
+            raise InputError(f"{where} lacks the required key {key!r}")
+
+
+def _dnn_nodes(nodes: list, src: str) -> _DnnNodes:
+    """Read and check the ``nodes`` of a dnn-partitioning file."""
+    nd = _DnnNodes()
     for p, node in enumerate(nodes):
         where = f"{src}: nodes[{p}]"
-        if not isinstance(node, Mapping):
-            raise InputError(f"{where} is not an object")
-        for key in ("id", "fpgaLatency", "isBackwardNode"):
-            if key not in node:
-                raise InputError(f"{where} lacks the required key {key!r}")
+        _check_record(node, where, ("id", "fpgaLatency", "isBackwardNode"))
         nid = _integer(node["id"], "id", where)
-        if nid in pos_of:
+        if nid in nd.pos_of:
             raise InputError(f"{src}: node id {nid} appears twice")
-        pos_of[nid] = p
-        ids.append(nid)
-        fpga.append(_number(node["fpgaLatency"], f"node {nid} fpgaLatency", src))
-        cpu.append(_number(node.get("cpuLatency", 0.0), f"node {nid} cpuLatency", src))
-        size.append(_number(node.get("size", 0.0), f"node {nid} size", src))
-        backward.append(bool(_integer(node["isBackwardNode"], f"node {nid} isBackwardNode", src)))
-        cls_raw.append(("c", _integer(node["colorClass"], f"node {nid} colorClass", src)) if "colorClass" in node else ("own", nid))
-        names.append(str(node.get("name", f"node{nid}")))
-    n0 = len(ids)
+        nd.pos_of[nid] = p
+        nd.ids.append(nid)
+        nd.fpga.append(_number(node["fpgaLatency"], f"node {nid} fpgaLatency", src))
+        nd.cpu.append(_number(node.get("cpuLatency", 0.0), f"node {nid} cpuLatency", src))
+        nd.size.append(_number(node.get("size", 0.0), f"node {nid} size", src))
+        nd.backward.append(bool(_integer(node["isBackwardNode"], f"node {nid} isBackwardNode", src)))
+        nd.cls_raw.append(("c", _integer(node["colorClass"], f"node {nid} colorClass", src)) if "colorClass" in node
+                          else ("own", nid))
+        nd.names.append(str(node.get("name", f"node{nid}")))
+    return nd
 
-    # ---- edges and per-source cost
+
+def _dnn_edges(edges: list, src: str, nd: _DnnNodes) -> tuple[list[float], int, list[tuple[int, int]]]:
+    """Read and check the ``edges``: per-source cost (the largest if they differ), the count of
+    sources with inconsistent costs, and the edges as position pairs."""
+    n0 = len(nd.ids)
     cost = [0.0] * n0
     has_cost = [False] * n0
     inconsistent = 0
     orig_edges: list[tuple[int, int]] = []
     for q, e in enumerate(edges):
         where = f"{src}: edges[{q}]"
-        if not isinstance(e, Mapping):
-            raise InputError(f"{where} is not an object")
-        for key in ("sourceId", "destId", "cost"):
-            if key not in e:
-                raise InputError(f"{where} lacks the required key {key!r}")
+        _check_record(e, where, ("sourceId", "destId", "cost"))
         s_id = _integer(e["sourceId"], "sourceId", where)
         d_id = _integer(e["destId"], "destId", where)
-        if s_id not in pos_of or d_id not in pos_of:
-            bad = s_id if s_id not in pos_of else d_id
+        if s_id not in nd.pos_of or d_id not in nd.pos_of:
+            bad = s_id if s_id not in nd.pos_of else d_id
             raise InputError(f"{where} names node {bad}, which is not in 'nodes'")
         if s_id == d_id:
             raise InputError(f"{where} is a self-loop on node {s_id}")
         c = _number(e["cost"], f"edges[{q}] cost", src)
-        u, v = pos_of[s_id], pos_of[d_id]
-        if backward[u] and not backward[v]:
+        u, v = nd.pos_of[s_id], nd.pos_of[d_id]
+        if nd.backward[u] and not nd.backward[v]:
             raise InputError(
                 f"{where}: backward node {s_id} feeds forward node {d_id}; a backward pass cannot feed "
                 "the forward pass (dnn-partitioning rejects this too)"
@@ -295,36 +367,37 @@ def load_dnn_partitioning(path: str | os.PathLike, *, name: str | None = None) -
         else:
             cost[u], has_cost[u] = c, True
         orig_edges.append((u, v))
+    return cost, inconsistent, orig_edges
 
-    # ---- colour classes -> class index
+
+def _dnn_groups(nd: _DnnNodes, orig_edges: list[tuple[int, int]], src: str) -> tuple[int, int, list[int]]:
+    """Module docstring steps 1-3: colour classes, their precedence, strongly connected
+    components merged, groups in topological order (smallest original id first). Returns the
+    number of classes, of groups, and the group (new node id) of every original node."""
     cls_index: dict[Any, int] = {}
-    cls_of = [cls_index.setdefault(key, len(cls_index)) for key in cls_raw]
+    cls_of = [cls_index.setdefault(key, len(cls_index)) for key in nd.cls_raw]
     ncls = len(cls_index)
-
-    # ---- class-level precedence: forward -> forward edges, plus mirrored backward edges that
-    #      touch a class without forward nodes (dp.cpp's createArtificialForwardNodes)
+    # class-level precedence: forward -> forward edges, plus mirrored backward edges that
+    # touch a class without forward nodes (dp.cpp's createArtificialForwardNodes)
     has_fwd = [False] * ncls
-    for p in range(n0):
-        if not backward[p]:
+    for p, bwd in enumerate(nd.backward):
+        if not bwd:
             has_fwd[cls_of[p]] = True
     cls_edges: set[tuple[int, int]] = set()
     for u, v in orig_edges:
         cu, cv = cls_of[u], cls_of[v]
         if cu == cv:
             continue
-        if not backward[u] and not backward[v]:
+        if not nd.backward[u] and not nd.backward[v]:
             cls_edges.add((cu, cv))
-        elif backward[u] and backward[v] and (not has_fwd[cu] or not has_fwd[cv]):
+        elif nd.backward[u] and nd.backward[v] and (not has_fwd[cu] or not has_fwd[cv]):
             cls_edges.add((cv, cu))
     comp = _strongly_connected_components(ncls, sorted(cls_edges))
     ncomp = max(comp) + 1
-
-    # ---- order the groups: topological, smallest original id first
     group_of_node = [comp[c] for c in cls_of]
     min_id = [math.inf] * ncomp
-    for p in range(n0):
-        g = group_of_node[p]
-        min_id[g] = min(min_id[g], ids[p])
+    for p, g in enumerate(group_of_node):
+        min_id[g] = min(min_id[g], nd.ids[p])
     comp_edges = sorted({(comp[a], comp[b]) for a, b in cls_edges if comp[a] != comp[b]})
     order = _kahn_by_priority(ncomp, comp_edges, min_id)
     if order is None:  # impossible after SCC condensation; kept as a guard
@@ -332,29 +405,38 @@ def load_dnn_partitioning(path: str | os.PathLike, *, name: str | None = None) -
     rank = [0] * ncomp
     for i, g in enumerate(order):
         rank[g] = i
-    gid = [rank[g] for g in group_of_node]  # original position -> new node id (= its rank)
-    n = ncomp
+    return ncls, ncomp, [rank[g] for g in group_of_node]
 
-    # ---- per-group weights
+
+def _dnn_group_weights(nd: _DnnNodes, gid: list[int], n: int) -> tuple:
+    """Per group: latency, parameter bytes, CPU latency, members (file ids), backward member
+    count and colour classes."""
     t = np.zeros(n)
     par = np.zeros(n)
     cpu_g = np.zeros(n)
     members: list[list[int]] = [[] for _ in range(n)]
     bwd_count = [0] * n
     classes: list[set[Any]] = [set() for _ in range(n)]
-    for p in range(n0):
-        g = gid[p]
-        t[g] += fpga[p]
-        par[g] += size[p]
-        cpu_g[g] += cpu[p]
-        members[g].append(ids[p])
-        bwd_count[g] += int(backward[p])
-        key = cls_raw[p]
+    for p, g in enumerate(gid):
+        t[g] += nd.fpga[p]
+        par[g] += nd.size[p]
+        cpu_g[g] += nd.cpu[p]
+        members[g].append(nd.ids[p])
+        bwd_count[g] += int(nd.backward[p])
+        key = nd.cls_raw[p]
         classes[g].add(key[1] if key[0] == "c" else f"own:{key[1]}")
+    return t, par, cpu_g, members, bwd_count, classes
 
-    # ---- io: every tensor with consumers in other groups becomes "virtual tensors" oriented
-    #      along the group order (ids are a topological order): (g, later consumers) and, for
-    #      each earlier consumer group h, (h, {g}) -- both ends of a cut pay its cost either way.
+
+def _dnn_io(n0: int, n: int, orig_edges: list[tuple[int, int]], gid: list[int],
+            cost: list[float]) -> tuple[np.ndarray, set[tuple[int, int]], bool]:
+    """Module docstring step 4: ``size_out`` per group, the group edges, and whether the
+    OpGraph's io equals the file's.
+
+    Every tensor with consumers in other groups becomes "virtual tensors" oriented along the
+    group order (ids are a topological order): (g, later consumers) and, for each earlier
+    consumer group h, (h, {g}); both ends of a cut pay its cost either way.
+    """
     consumers: list[set[int]] = [set() for _ in range(n0)]
     for u, v in orig_edges:
         if gid[u] != gid[v]:
@@ -382,53 +464,7 @@ def load_dnn_partitioning(path: str | os.PathLike, *, name: str | None = None) -
             exact = False
     if any(len(s) > 1 for s in signature):
         exact = False
-
-    names_out = []
-    for g in range(n):
-        fwd = [names[pos_of[i]] for i in members[g] if not backward[pos_of[i]]] or [names[pos_of[i]] for i in members[g]]
-        names_out.append(fwd[0] if len(members[g]) == 1 else f"{fwd[0]}+{len(members[g]) - 1}")
-    extra = [
-        {
-            "members": sorted(members[g]),
-            "color_classes": sorted(classes[g], key=str),
-            "backward_members": bwd_count[g],
-            "cpu_latency": float(cpu_g[g]),
-        }
-        for g in range(n)
-    ]
-    meta = {
-        "source": src,
-        "source_format": "dnn-partitioning",
-        "time_unit": _DNN_TIME_UNIT,
-        "size_out_unit": "transfer time in the file's time units (bandwidth_bytes_per_s = 1)",
-        "objective_note": "forward and backward work of a colour class are both in t_fwd_s; "
-        "evaluate with objective='inference', comm='dag' to reproduce dnn-partitioning's throughput objective",
-        "training": any(backward),
-        "io_exact": exact,
-        "original_nodes": n0,
-        "original_edges": len(orig_edges),
-        "color_classes": ncls,
-        "merged_components": ncls - ncomp,
-        "inconsistent_edge_costs": inconsistent,
-    }
-    for key in ("maxSizePerFPGA", "maxFPGAs", "maxCPUs"):
-        if key in doc:
-            meta[key] = doc[key]
-    try:
-        return OpGraph.from_arrays(
-            t_fwd_s=t,
-            size_out_bytes=size_out,
-            size_param_bytes=par,
-            edges=sorted(out_edges) if out_edges else np.zeros((0, 2), dtype=np.int64),
-            bandwidth_bytes_per_s=1.0,
-            names=names_out,
-            ops=["call_function"] * n,
-            name=name or Path(src).name.removesuffix(".json"),
-            extra=extra,
-            meta=meta,
-        )
-    except InputError as exc:  # pragma: no cover - guarded above
-        raise InputError(f"{src}: {exc}") from None
+    return size_out, out_edges, exact
 
 
 # --------------------------------------------------------------------------------------
@@ -520,76 +556,9 @@ def load_pipedream(
         raise InputError(f"bandwidth_bytes_per_s must be a number, got {bandwidth_bytes_per_s!r}") from None
     if not math.isfinite(bw) or bw <= 0:
         raise InputError(f"bandwidth_bytes_per_s must be positive and finite, got {bw}")
-    p = Path(path)
-    if not p.exists():
-        raise InputError(f"PipeDream profile {src!r} does not exist: check the path")
-    if p.is_dir():
-        raise InputError(f"PipeDream profile {src!r} is a directory, expected a *.graph.txt file")
-    try:
-        text = p.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise InputError(f"cannot read PipeDream profile {src!r}: {exc}") from None
-
-    index: dict[str, int] = {}
-    node_ids: list[str] = []
-    descs: list[str] = []
-    vals: list[dict[str, float]] = []
-    raw_edges: list[tuple[str, str, int]] = []
-    for lineno, line in enumerate(text.splitlines(), start=1):
-        s = line.strip()
-        if not s:
-            continue
-        where = f"{src}:{lineno}"
-        m = _PD_NODE.match(s)
-        if m:
-            nid, desc, fields = m.group(1), m.group(2), m.group(3)
-            if nid in index:
-                raise InputError(f"{where}: node {nid} is declared twice")
-            got = dict(_PD_FIELD.findall(fields))
-            row = {}
-            for key in _PD_KEYS:
-                if key not in got:
-                    raise InputError(f"{where}: node {nid} lacks {key}=")
-                row[key] = _pd_value(got[key], key, where)
-            index[nid] = len(node_ids)
-            node_ids.append(nid)
-            descs.append(desc.strip())
-            vals.append(row)
-            continue
-        m = _PD_EDGE.match(s)
-        if m and "=" not in s:
-            raw_edges.append((m.group(1), m.group(2), lineno))
-            continue
-        raise InputError(
-            f"{where}: cannot parse {s[:80]!r}; expected 'nodeX -- Desc -- forward_compute_time=..., "
-            "backward_compute_time=..., activation_size=..., parameter_size=...' or 'nodeA -- nodeB'"
-        )
-    if not node_ids:
-        raise InputError(f"{src}: no node lines found; is this a PipeDream *.graph.txt profile?")
-    edges: list[tuple[int, int]] = []
-    for a, b, lineno in raw_edges:
-        for x in (a, b):
-            if x not in index:
-                raise InputError(f"{src}:{lineno}: edge {a} -- {b} names {x}, which has no node line")
-        if a == b:
-            raise InputError(f"{src}:{lineno}: edge {a} -- {b} is a self-loop")
-        edges.append((index[a], index[b]))
+    node_ids, descs, vals, edges = _pd_parse(read_text(path, "PipeDream profile"), src)
     n = len(node_ids)
-
-    def key_of(i: int) -> tuple[float, int]:
-        m = re.fullmatch(r"node(\d+)", node_ids[i])
-        return (float(m.group(1)) if m else math.inf, i)
-
-    order = _kahn_by_priority(n, edges, [key_of(i) for i in range(n)])
-    if order is None:
-        comp = _strongly_connected_components(n, edges)
-        counts = np.bincount(comp)
-        bad = [node_ids[i] for i in range(n) if counts[comp[i]] > 1][:8]
-        raise InputError(f"{src}: the edges contain a cycle through {', '.join(bad)}: a PipeDream graph must be a DAG")
-    new = [0] * n
-    for i, v in enumerate(order):
-        new[v] = i
-
+    new = _pd_renumbering(node_ids, edges, src)
     fwd = np.zeros(n)
     bwd = np.zeros(n)
     act = np.zeros(n)
@@ -644,3 +613,74 @@ def load_pipedream(
         )
     except InputError as exc:  # pragma: no cover - guarded above
         raise InputError(f"{src}: {exc}") from None
+
+
+def _pd_parse(text: str, src: str) -> tuple[list[str], list[str], list[dict[str, float]], list[tuple[int, int]]]:
+    """Node ids, descriptions and fields (file order) and the edges (file positions) of a
+    profile, every line checked."""
+    index: dict[str, int] = {}
+    node_ids: list[str] = []
+    descs: list[str] = []
+    vals: list[dict[str, float]] = []
+    raw_edges: list[tuple[str, str, int]] = []
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        s = line.strip()
+        if not s:
+            continue
+        where = f"{src}:{lineno}"
+        m = _PD_NODE.match(s)
+        if m:
+            nid, desc, fields = m.group(1), m.group(2), m.group(3)
+            if nid in index:
+                raise InputError(f"{where}: node {nid} is declared twice")
+            got = dict(_PD_FIELD.findall(fields))
+            row = {}
+            for key in _PD_KEYS:
+                if key not in got:
+                    raise InputError(f"{where}: node {nid} lacks {key}=")
+                row[key] = _pd_value(got[key], key, where)
+            index[nid] = len(node_ids)
+            node_ids.append(nid)
+            descs.append(desc.strip())
+            vals.append(row)
+            continue
+        m = _PD_EDGE.match(s)
+        if m and "=" not in s:
+            raw_edges.append((m.group(1), m.group(2), lineno))
+            continue
+        raise InputError(
+            f"{where}: cannot parse {s[:80]!r}; expected 'nodeX -- Desc -- forward_compute_time=..., "
+            "backward_compute_time=..., activation_size=..., parameter_size=...' or 'nodeA -- nodeB'"
+        )
+    if not node_ids:
+        raise InputError(f"{src}: no node lines found; is this a PipeDream *.graph.txt profile?")
+    edges: list[tuple[int, int]] = []
+    for a, b, lineno in raw_edges:
+        for x in (a, b):
+            if x not in index:
+                raise InputError(f"{src}:{lineno}: edge {a} -- {b} names {x}, which has no node line")
+        if a == b:
+            raise InputError(f"{src}:{lineno}: edge {a} -- {b} is a self-loop")
+        edges.append((index[a], index[b]))
+    return node_ids, descs, vals, edges
+
+
+def _pd_renumbering(node_ids: list[str], edges: list[tuple[int, int]], src: str) -> list[int]:
+    """New id of every node: a topological order preferring PipeDream's node numbers, then
+    file order. Raises InputError naming the nodes of a cycle."""
+    n = len(node_ids)
+
+    def key_of(i: int) -> tuple[float, int]:
+        m = re.fullmatch(r"node(\d+)", node_ids[i])
+        return (float(m.group(1)) if m else math.inf, i)
+
+    order = _kahn_by_priority(n, edges, [key_of(i) for i in range(n)])
+    if order is None:
+        comp = _strongly_connected_components(n, edges)
+        counts = np.bincount(comp)
+        bad = [node_ids[i] for i in range(n) if counts[comp[i]] > 1][:8]
+        raise InputError(f"{src}: the edges contain a cycle through {', '.join(bad)}: a PipeDream graph must be a DAG")
+    new = [0] * n
+    for i, v in enumerate(order):
+        new[v] = i
+    return new

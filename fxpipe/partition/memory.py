@@ -27,6 +27,7 @@ divided by ``meta["param_dtype_bytes"]``, else by :data:`DEFAULT_PARAM_DTYPE_BYT
 
 from __future__ import annotations
 
+import dataclasses as _dc
 import math
 from dataclasses import dataclass
 
@@ -35,11 +36,13 @@ import numpy as np
 from fxpipe.errors import InfeasibleError, InputError
 from fxpipe.ir import OpGraph
 from fxpipe.memory import ACTIVATION_RULES, MemoryModel, format_bytes, inflight_stashes
+from fxpipe.partition.objective import io_bytes
 
 __all__ = [
     "DEFAULT_PARAM_DTYPE_BYTES",
     "PartitionMemory",
     "as_partition_memory",
+    "fewest_stages_to_try",
     "infeasible_error",
     "memory_remedies",
     "memory_inputs",
@@ -173,8 +176,6 @@ def stage_memory_bytes(graph: OpGraph, assignment, k: int, objective: str, memor
     ``as_partition_memory(memory).usable_bytes``. ``memory=None`` counts with the default
     model (mixed-precision Adam) and no capacity.
     """
-    from fxpipe.partition.objective import io_bytes  # noqa: PLC0415
-
     if isinstance(memory, PartitionMemory):
         pm = memory
     else:
@@ -196,46 +197,39 @@ def as_model(memory) -> MemoryModel:
     return MemoryModel(capacity_bytes=float(memory))
 
 
-def infeasible_error(graph: OpGraph, k: int, objective: str, comm: str, memory, *, max_k: int | None = None) -> InfeasibleError:
+def fewest_stages_to_try(graph: OpGraph, k: int, objective: str, memory) -> int:
+    """The first stage count above ``k`` that could fit: every stage holds its static state and
+    one stash, so no count below ``total / usable`` fits (the search for the smallest feasible
+    count of :func:`infeasible_error` starts here)."""
+    pm = memory if isinstance(memory, PartitionMemory) else as_partition_memory(memory)
+    total = float(np.sum(num_params(graph)) * pm.model.static_bytes_per_param(objective) + np.sum(graph.act_bytes))
+    return max(k + 1, int(math.ceil(total / pm.usable_bytes - 1e-9)))
+
+
+def infeasible_error(graph: OpGraph, k: int, objective: str, comm: str, memory, *, free_assignment,
+                     min_devices: int | None, max_k: int) -> InfeasibleError:
     """The :class:`InfeasibleError` for "no partition into k stages fits in memory".
 
-    Computed, not guessed: the best partition ignoring memory (over the structured orders)
+    Computed, not guessed, from figures the caller (:func:`fxpipe.partition.search.partition`)
+    searched: ``free_assignment`` is the best partition into ``k`` stages ignoring memory; it
     gives the bytes its biggest stage needs by the partitioner's rule and by how much that
-    overflows the usable capacity; the smallest feasible stage count is searched by trying
-    ``k+1, k+2, ...`` up to ``max_k`` (default ``min(n, 4k)``) with the structured orders.
-    The search starts at the first count whose usable bytes could hold the whole static state
-    plus one stash of every node. :func:`memory_remedies` says whether offload, activation
-    recomputation or ZeRO sharding would help. The attributes ``overflow_bytes``,
-    ``required_capacity_bytes`` (a capacity whose usable part holds that stage), ``stage``,
-    ``min_devices`` (None if no count up to ``max_k`` fits) and ``remedies`` (dict: ``"devices"``,
-    ``"offload"``, ``"recompute"``, ``"zero"`` -> one sentence each) carry the figures.
+    overflows the usable capacity. ``min_devices`` is the smallest feasible stage count found
+    by trying ``fewest_stages_to_try(...)``, ... up to ``max_k`` (None if none fits).
+    :func:`memory_remedies` says whether offload, activation recomputation or ZeRO sharding
+    would help. The attributes ``overflow_bytes``, ``required_capacity_bytes`` (a capacity
+    whose usable part holds that stage), ``stage``, ``min_devices`` and ``remedies`` (dict:
+    ``"devices"``, ``"offload"``, ``"recompute"``, ``"zero"`` -> one sentence each) carry the
+    figures.
     """
-    from fxpipe.partition.search import partition as _partition  # noqa: PLC0415 (cycle)
-
     pm = as_partition_memory(memory)
-    quick = dict(method="orders", time_limit_s=0.0, seed=0, chain=False, contract=False)  # structured orders only
-    free = _partition(graph, k, objective=objective, comm=comm, **quick)
-    mem = stage_memory_bytes(graph, free.assignment, k, objective, pm, comm)
+    mem = stage_memory_bytes(graph, free_assignment, k, objective, pm, comm)
     worst = int(np.argmax(mem))
     need = float(mem.max())
     over = need - pm.usable_bytes
     required = need / (1.0 - pm.model.reserved_fraction)
-    if max_k is None:
-        max_k = min(graph.n, 4 * k)
-    # every stage holds its static state and one stash: no count below total / usable fits
-    total = float(np.sum(num_params(graph)) * pm.model.static_bytes_per_param(objective) + np.sum(graph.act_bytes))
-    k_lo = max(k + 1, int(math.ceil(total / pm.usable_bytes - 1e-9)))
-    fit_k = None
-    for kk in range(k_lo, max_k + 1):
-        try:
-            _partition(graph, kk, objective=objective, comm=comm, memory=pm, _explain=False, **quick)
-        except InfeasibleError:
-            continue
-        fit_k = kk
-        break
-    remedies = memory_remedies(graph, free.assignment, k, objective, comm, pm)
-    if fit_k is not None:
-        remedies["devices"] = (f"More devices would help: use at least {fit_k} devices (the smallest pipeline that "
+    remedies = memory_remedies(graph, free_assignment, k, objective, comm, pm)
+    if min_devices is not None:
+        remedies["devices"] = (f"More devices would help: use at least {min_devices} devices (the smallest pipeline that "
                                f"fits), or devices with >= {required:.0f} bytes.")
     else:
         remedies["devices"] = f"No device count up to {max_k} fits; use devices with >= {required:.0f} bytes."
@@ -249,7 +243,7 @@ def infeasible_error(graph: OpGraph, k: int, objective: str, comm: str, memory, 
     err.overflow_bytes = over
     err.required_capacity_bytes = required
     err.stage = worst
-    err.min_devices = fit_k
+    err.min_devices = min_devices
     err.remedies = remedies
     return err
 
@@ -269,8 +263,6 @@ def memory_remedies(graph: OpGraph, assignment, k: int, objective: str, comm: st
     :data:`ZERO_DEGREES` and the lowest stage (1, 2, 3) at which every stage of ``assignment``
     fits is named, if any.
     """
-    import dataclasses as _dc  # noqa: PLC0415
-
     pm = memory if isinstance(memory, PartitionMemory) else as_partition_memory(memory)
     floor = _dc.replace(pm, activation="floor")
     need_floor = stage_memory_bytes(graph, assignment, k, objective, floor, comm)

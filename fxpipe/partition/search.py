@@ -32,16 +32,21 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import replace
 
 import numpy as np
 
 from fxpipe.errors import InfeasibleError, InputError
 from fxpipe.ir import OpGraph
 from fxpipe.partition.brkga import BRKGAParams, PopulationDecoder, run_brkga
-from fxpipe.partition.memory import as_partition_memory, infeasible_error, stage_memory_bytes
+from fxpipe.partition.chain import solve_chain
+from fxpipe.partition.colocate import contract_colocated, forbidden_cut_edges
+from fxpipe.partition.contract import contract_trivial
+from fxpipe.partition.memory import as_partition_memory, fewest_stages_to_try, infeasible_error, stage_memory_bytes
 from fxpipe.partition.objective import Partition, block_costs, check_objective
-from fxpipe.partition.orders import keys_from_order, structured_orders
+from fxpipe.partition.orders import kahn_order, keys_from_order, structured_orders
 from fxpipe.partition.slicegraph import _check_k, assignment_from_cuts, check_order, kernel_inputs, slice_order_arrays
+from fxpipe.progress import Search
 
 __all__ = ["partition", "METHODS", "PROVEN_RTOL", "STALL_GENERATIONS", "merge_trivial_stages"]
 
@@ -70,8 +75,6 @@ def _warm_order(graph: OpGraph, warm_start) -> np.ndarray:
 def _order_of_assignment(graph: OpGraph, assignment: np.ndarray) -> np.ndarray:
     """A topological order listing the blocks one after another (blocks in pipeline order):
     Kahn with priority ``block * n + position in the id-order Kahn order``."""
-    from fxpipe.partition.orders import kahn_order  # noqa: PLC0415
-
     base = kahn_order(graph, np.arange(graph.n, dtype=np.float64))
     pos = np.empty(graph.n)
     pos[base] = np.arange(graph.n)
@@ -247,6 +250,38 @@ def partition(
     Archer et al. 2024, Section 4 (SliceGraph, random weights, BRKGA); the chain DP and its
     bound: :mod:`fxpipe.partition.chain`.
     """
+    k, time_limit_s, evaluations = _check_arguments(graph, k, objective, comm, method, time_limit_s, evaluations, seed)
+    model = as_partition_memory(memory)
+    warm_order = None if warm_start is None else _warm_order(graph, warm_start)
+    if colocate and graph.data_dependent.any():
+        con = contract_colocated(graph)
+        if con is not None:
+            return _partition_colocated(
+                graph, con, k, warm_order, objective=objective, comm=comm, method=method, time_limit_s=time_limit_s,
+                seed=seed, evaluations=evaluations, memory=model, progress=progress, brkga_params=brkga_params,
+                contract=contract, chain=chain, merge_trivial=merge_trivial, _explain=_explain)
+
+    t0 = time.perf_counter()
+    st = None
+    with Search("partition") as run:  # Ctrl-C: the best partition so far, with meta["interrupted"]
+        lower, lower_method, chain_part = _lower_bound(graph, k, objective, comm, model, chain)
+        st = _SearchState(run, t0, lower * (1.0 + PROVEN_RTOL), kernel_inputs(graph, k, objective, comm, model))
+        seeds = _seed_orders(graph, chain_part, warm_order, evaluations)
+        run.best_payload = (seeds[0][1], seeds[0][0])  # decoded below even if Ctrl-C came already
+        st.decode(seeds, st.inputs)
+        budget_left = None if evaluations is None else evaluations - st.evals
+        if not st.done and (budget_left is None or budget_left > 0):
+            _search_contracted(st, graph, k, objective, comm, model, method=method, time_limit_s=time_limit_s,
+                               seed=seed, evaluations=evaluations, progress=progress, brkga_params=brkga_params,
+                               contract=contract)
+    if st is None or st.run.best_payload is None:
+        raise KeyboardInterrupt  # pressed before the search had anything to return
+    return _finish(graph, k, objective, comm, model, st, method=method, seed=seed, lower=lower,
+                   lower_method=lower_method, chain_part=chain_part, merge_trivial=merge_trivial, explain=_explain)
+
+
+def _check_arguments(graph, k, objective, comm, method, time_limit_s, evaluations, seed) -> tuple:
+    """Validate :func:`partition`'s arguments; returns ``(k, time_limit_s, evaluations)`` normalised."""
     if not isinstance(graph, OpGraph):
         raise InputError(f"graph must be an OpGraph, got {type(graph).__name__}")
     k = _check_k(k)
@@ -265,26 +300,17 @@ def partition(
         evaluations = int(evaluations)
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
         raise InputError(f"seed must be an integer, got {seed!r}")
-    model = as_partition_memory(memory)
-    warm_order = None if warm_start is None else _warm_order(graph, warm_start)
-    if colocate and graph.data_dependent.any():
-        from fxpipe.partition.colocate import contract_colocated  # noqa: PLC0415
+    return k, time_limit_s, evaluations
 
-        con = contract_colocated(graph)
-        if con is not None:
-            return _partition_colocated(
-                graph, con, k, warm_order, objective=objective, comm=comm, method=method, time_limit_s=time_limit_s,
-                seed=seed, evaluations=evaluations, memory=model, progress=progress, brkga_params=brkga_params,
-                contract=contract, chain=chain, merge_trivial=merge_trivial, _explain=_explain)
 
-    t0 = time.perf_counter()
-    from fxpipe.partition.bounds.simple import simple_work_bound  # noqa: PLC0415
+def _lower_bound(graph: OpGraph, k: int, objective: str, comm: str, model, chain: bool) -> tuple:
+    """The instant lower bound ``(lower_s, method, chain_partition or None)``: Lemma 3.3, and for
+    relay communication the chain DP's bound and its partition (dropped if it does not fit)."""
+    from fxpipe.partition.bounds.simple import simple_work_bound  # noqa: PLC0415 (the bounds package loads SCIP)
 
     lower, lower_method = simple_work_bound(graph.work_s(objective), k), "simple"
     chain_part = None
     if chain and comm == "relay" and graph.n > 1:
-        from fxpipe.partition.chain import solve_chain  # noqa: PLC0415
-
         res = solve_chain(graph, k, objective, "relay", partition=True)
         if res.lower_bound_s > lower:
             lower, lower_method = res.lower_bound_s, "chain"
@@ -293,147 +319,173 @@ def partition(
             if stage_memory_bytes(graph, cand.assignment, k, objective, model, comm).max() > model.usable_bytes:
                 cand = None
         chain_part = cand
-    target = lower * (1.0 + PROVEN_RTOL)
+    return lower, lower_method, chain_part
 
-    # ---- seeds on the original graph: structured orders, the chain order, the warm start
-    inputs = kernel_inputs(graph, k, objective, comm, model)
+
+def _seed_orders(graph: OpGraph, chain_part, warm_order, evaluations) -> list[tuple[str, np.ndarray]]:
+    """The orders decoded first, ``(rule, order)``: the warm start, the chain partition's order,
+    the structured orders; at most ``evaluations``."""
     seeds: list[tuple[str, np.ndarray]] = list(structured_orders(graph).items())
     if chain_part is not None:
         seeds.insert(0, ("chain", _order_of_assignment(graph, chain_part.assignment)))
     if warm_order is not None:
         seeds.insert(0, ("warm_start", warm_order))
-    if evaluations is not None:
-        seeds = seeds[:evaluations]
-    best_val, best_order, best_rule = math.inf, seeds[0][1], seeds[0][0]
-    evals = 0
-    interrupted = False
-    stop_reason = "time"
-    extra_meta: dict = {}
-    try:
+    return seeds if evaluations is None else seeds[:evaluations]
+
+
+class _SearchState:
+    """What :func:`partition`'s search has so far: the :class:`~fxpipe.progress.Search` (stop
+    flag; best bottleneck and ``(order on the original graph, rule)``), the evaluations, the
+    reason it stopped and the target (the lower bound within :data:`PROVEN_RTOL`)."""
+
+    def __init__(self, run: Search, t0: float, target: float, inputs: tuple):
+        self.run, self.t0, self.target, self.inputs = run, t0, target, inputs
+        self.evals = 0
+        self.stop_reason = "time"
+        self.extra_meta: dict = {}
+        self.search_n: int | None = None
+
+    @property
+    def best(self) -> float:
+        return self.run.best
+
+    @property
+    def done(self) -> bool:
+        """Proven optimal or interrupted: nothing more to search."""
+        return self.stop_reason in ("bound", "interrupted")
+
+    def offer(self, value: float, order: np.ndarray, rule: str) -> None:
+        """Keep ``order`` (on the original graph) if it beats the best so far; note a proof."""
+        self.run.offer(value, (order, rule))
+        if self.best <= self.target:
+            self.stop_reason = "bound"
+
+    def check_interrupt(self) -> bool:
+        """True (and the stop reason noted) once Ctrl-C was pressed."""
+        if self.run.stopped:
+            self.stop_reason = "interrupted"
+        return self.run.stopped
+
+    def decode(self, seeds, inputs, to_original=None, prefix: str = "") -> None:
+        """Slice every seed order optimally (SliceGraph) until one is proven optimal or Ctrl-C."""
         for rule, o in seeds:
-            val, _ = slice_order_arrays(o, inputs, best_val)
-            evals += 1
-            if val < best_val:
-                best_val, best_order, best_rule = float(val), o, rule
-            if best_val <= target:
-                stop_reason = "bound"
-                break
-    except KeyboardInterrupt:
-        interrupted = True
-        stop_reason = "interrupted"
+            val, _ = slice_order_arrays(o, inputs, self.best)
+            self.evals += 1
+            self.offer(float(val), o if to_original is None else to_original(o), prefix + rule)
+            if self.done or self.check_interrupt():
+                return
 
-    # ---- the search, on the contracted graph
-    search_n = graph.n
-    budget_left = None if evaluations is None else evaluations - evals
-    if not interrupted and stop_reason != "bound" and (budget_left is None or budget_left > 0):
-        con = None
-        if contract:
-            from fxpipe.partition.contract import contract_trivial  # noqa: PLC0415
 
-            con = contract_trivial(graph, objective)
-            if con.identity:
-                con = None
-        sg = graph if con is None else con.graph
-        search_n = sg.n
-        s_inputs = inputs if con is None else kernel_inputs(sg, k, objective, comm, model)
-        decoder = PopulationDecoder(sg, k, objective, comm, model)
+def _search_contracted(st: _SearchState, graph: OpGraph, k: int, objective: str, comm: str, model, *, method: str,
+                       time_limit_s: float, seed: int, evaluations, progress: bool, brkga_params, contract: bool) -> None:
+    """The search on the graph with trivial ops contracted (module docstring): its structured
+    orders, then random orders or BRKGA seeded with the best order so far."""
+    con = None
+    if contract:
+        con = contract_trivial(graph, objective)
+        if con.identity:
+            con = None
+    sg = graph if con is None else con.graph
+    st.search_n = sg.n
+    decoder = PopulationDecoder(sg, k, objective, comm, model)
 
-        def to_search(order: np.ndarray) -> np.ndarray:
-            return order if con is None else con.order_from_original(order)
+    def to_search(order: np.ndarray) -> np.ndarray:
+        return order if con is None else con.order_from_original(order)
 
-        def to_original(order: np.ndarray) -> np.ndarray:
-            return order if con is None else con.order_to_original(order)
+    def to_original(order: np.ndarray) -> np.ndarray:
+        return order if con is None else con.order_to_original(order)
 
-        s_seeds: list[tuple[str, np.ndarray]] = [("best_seed", to_search(best_order))]
+    try:
+        s_seeds: list[tuple[str, np.ndarray]] = []
         if con is not None:
-            s_seeds += list(structured_orders(sg).items())
-            if budget_left is not None:
-                s_seeds = s_seeds[:budget_left]
-            try:
-                for rule, o in s_seeds[1:]:
-                    val, _ = slice_order_arrays(o, s_inputs, best_val)
-                    evals += 1
-                    if val < best_val:
-                        best_val, best_order, best_rule = float(val), to_original(o), f"contracted-{rule}"
-                    if best_val <= target:
-                        stop_reason = "bound"
-                        break
-            except KeyboardInterrupt:
-                interrupted = True
-                stop_reason = "interrupted"
-        budget_left = None if evaluations is None else evaluations - evals
-        go = not interrupted and stop_reason != "bound" and (budget_left is None or budget_left > 0)
-        if go and method == "orders":
-            rng = np.random.default_rng(seed)
-            bar = None
-            if progress:
-                from tqdm.auto import tqdm  # noqa: PLC0415
-
-                bar = tqdm(desc="orders", unit="order", total=evaluations, leave=False)
-            try:
-                while time.perf_counter() - t0 < time_limit_s:
-                    size = _ORDERS_BATCH if sg.n <= 5000 else 4 * decoder.threads  # keep time checks frequent
-                    batch = size if evaluations is None else min(size, evaluations - evals)
-                    if batch <= 0:
-                        stop_reason = "evaluations"
-                        break
-                    keys = rng.random((batch, sg.n))
-                    fit = decoder(keys, best_val)
-                    evals += batch
-                    i = int(np.argmin(fit))
-                    if fit[i] < best_val:
-                        best_val, best_order, best_rule = float(fit[i]), to_original(decoder.order(keys[i])), "random"
-                    if bar is not None:
-                        bar.update(batch)
-                        bar.set_postfix(best=f"{best_val:.6g}", refresh=False)
-                    if best_val <= target:
-                        stop_reason = "bound"
-                        break
-            except KeyboardInterrupt:
-                interrupted = True
-                stop_reason = "interrupted"
-            finally:
-                if bar is not None:
-                    bar.close()
-        elif go and method == "brkga" and time_limit_s > 0:
-            params = brkga_params or BRKGAParams(stall_generations=None if evaluations is not None else STALL_GENERATIONS)
-            from dataclasses import replace  # noqa: PLC0415
-
-            params = replace(
-                params,
-                time_limit_s=max(0.0, time_limit_s - (time.perf_counter() - t0)) if params.time_limit_s is None else min(params.time_limit_s, time_limit_s),
-                max_evaluations=budget_left if budget_left is not None else params.max_evaluations,
-                max_generations=None if budget_left is not None else params.max_generations,
-            )
-            init_orders = [to_search(best_order)] + [o for _, o in s_seeds[1:]]
-            init = np.stack([keys_from_order(o) for o in init_orders])
-            res_b = run_brkga(decoder, params, seed=int(seed), initial_keys=init, progress=progress, target=target)
-            evals += res_b.evaluations
-            interrupted = res_b.interrupted
-            stop_reason = "bound" if res_b.stop_reason == "target" else res_b.stop_reason
-            extra_meta = {"generations": res_b.generations, "history": [list(h) for h in res_b.history if math.isfinite(h[3])]}
-            if res_b.best_fitness < best_val:
-                best_val, best_order, best_rule = res_b.best_fitness, to_original(res_b.best_order), "brkga"
+            # with a budget, the best order so far counts as one of the decoded seeds
+            s_seeds = list(structured_orders(sg).items())[: None if evaluations is None else evaluations - st.evals - 1]
+            st.decode(s_seeds, kernel_inputs(sg, k, objective, comm, model), to_original, "contracted-")
+        budget_left = None if evaluations is None else evaluations - st.evals
+        if st.done or (budget_left is not None and budget_left <= 0):
+            return
+        if method == "orders":
+            _random_orders(st, decoder, to_original, seed=seed, time_limit_s=time_limit_s, evaluations=evaluations,
+                           progress=progress)
+        elif method == "brkga" and time_limit_s > 0:
+            init_orders = [to_search(st.run.best_payload[0])] + [o for _, o in s_seeds]
+            _brkga(st, decoder, to_original, init_orders, seed=seed, time_limit_s=time_limit_s,
+                   budget_left=budget_left, progress=progress, brkga_params=brkga_params)
+    finally:
         decoder.close()
 
-    best_val_kernel, cuts = slice_order_arrays(best_order, inputs, math.inf)
+
+def _random_orders(st: _SearchState, decoder, to_original, *, seed: int, time_limit_s: float, evaluations,
+                   progress: bool) -> None:
+    """``method="orders"``: random Kahn priorities in parallel batches until the time limit,
+    the evaluation budget, a proof of optimality or Ctrl-C."""
+    rng = np.random.default_rng(seed)
+    n = decoder.graph.n
+    with Search("orders", unit="order", total=evaluations, progress=progress) as bar:
+        while time.perf_counter() - st.t0 < time_limit_s and not st.check_interrupt():
+            size = _ORDERS_BATCH if n <= 5000 else 4 * decoder.threads  # keep time checks frequent
+            batch = size if evaluations is None else min(size, evaluations - st.evals)
+            if batch <= 0:
+                st.stop_reason = "evaluations"
+                return
+            keys = rng.random((batch, n))
+            fit = decoder(keys, st.best)
+            st.evals += batch
+            i = int(np.argmin(fit))
+            if fit[i] < st.best:
+                st.offer(float(fit[i]), to_original(decoder.order(keys[i])), "random")
+            bar.update(batch, best=f"{st.best:.6g}")
+            if st.done:
+                return
+    st.check_interrupt()
+
+
+def _brkga(st: _SearchState, decoder, to_original, init_orders, *, seed: int, time_limit_s: float, budget_left,
+           progress: bool, brkga_params) -> None:
+    """``method="brkga"``: BRKGA whose initial population holds the seed orders, within what is
+    left of the time limit and of the evaluation budget."""
+    params = brkga_params or BRKGAParams(stall_generations=None if budget_left is not None else STALL_GENERATIONS)
+    params = replace(
+        params,
+        time_limit_s=max(0.0, time_limit_s - (time.perf_counter() - st.t0)) if params.time_limit_s is None
+        else min(params.time_limit_s, time_limit_s),
+        max_evaluations=budget_left if budget_left is not None else params.max_evaluations,
+        max_generations=None if budget_left is not None else params.max_generations,
+    )
+    init = np.stack([keys_from_order(o) for o in init_orders])
+    res = run_brkga(decoder, params, seed=int(seed), initial_keys=init, progress=progress, target=st.target)
+    st.evals += res.evaluations
+    st.stop_reason = "bound" if res.stop_reason == "target" else res.stop_reason
+    st.extra_meta = {"generations": res.generations, "history": [list(h) for h in res.history if math.isfinite(h[3])]}
+    if res.best_fitness < st.best:
+        st.offer(res.best_fitness, to_original(res.best_order), "brkga")
+
+
+def _finish(graph: OpGraph, k: int, objective: str, comm: str, model, st: _SearchState, *, method: str, seed: int,
+            lower: float, lower_method: str, chain_part, merge_trivial: bool, explain: bool) -> Partition:
+    """The best partition found, re-scored on the original graph (or the chain partition on a
+    tie), trivial stages merged, with its proof status and search figures in ``meta``."""
+    if st.stop_reason != "bound":
+        st.check_interrupt()  # also a KeyboardInterrupt that ended the search's body
+    best_order, best_rule = st.run.best_payload
+    best_val_kernel, cuts = slice_order_arrays(best_order, st.inputs, math.inf)
     if not math.isfinite(best_val_kernel) and chain_part is None:
         if model is not None:
-            if not _explain:
+            if not explain:
                 raise InfeasibleError(f"no partition into {k} stages found that fits in {model.usable_bytes:.0f} usable bytes")
-            raise infeasible_error(graph, k, objective, comm, model)
+            raise _infeasible_error(graph, k, objective, comm, model)
         raise AssertionError("SliceGraph found no slicing without a memory limit (bug)")  # pragma: no cover
     meta = {
         "method": method,
-        "evaluations": evals,
+        "evaluations": st.evals,
         "seed": int(seed),
         "rule": best_rule,
-        "interrupted": interrupted,
+        "interrupted": st.run.stopped,
         "kernel_bottleneck": float(best_val_kernel),
         "lower_bound_s": float(lower),
         "lower_bound_method": lower_method,
-        "search_nodes": int(search_n),
-        **extra_meta,
+        "search_nodes": int(graph.n if st.search_n is None else st.search_n),
+        **st.extra_meta,
     }
     if model is not None:
         meta["usable_bytes"] = float(model.usable_bytes)
@@ -454,24 +506,50 @@ def partition(
         order = _order_of_assignment(graph, part.assignment)
         part = Partition(k=part.k, assignment=part.assignment, block_costs=part.block_costs, bottleneck=part.bottleneck,
                          objective=objective, comm=comm, order=order, meta={**part.meta, "order": order.tolist()})
-    proven = part.bottleneck <= target
+    return _with_proof(graph, part, k, objective, comm, model, lower, st.stop_reason, st.t0)
+
+
+def _with_proof(graph: OpGraph, part: Partition, k: int, objective: str, comm: str, model, lower: float,
+                stop_reason: str, t0: float) -> Partition:
+    """Note in ``part.meta`` whether ``part`` is proven optimal by ``lower`` (and why the search
+    stopped), its gap, the seconds since ``t0`` and, with ``model``, its stage memory."""
+    proven = part.bottleneck <= lower * (1.0 + PROVEN_RTOL)
     part.meta.update(
+        lower_bound_s=float(lower),
         proven_optimal=bool(proven),
         stop_reason="bound" if proven else stop_reason,
         gap=float(max(0.0, (part.bottleneck - lower) / part.bottleneck)) if part.bottleneck > 0 else 0.0,
         seconds=time.perf_counter() - t0,
     )
     if model is not None:
-        mem = stage_memory_bytes(graph, part.assignment, k, objective, model, comm)
-        part.meta["stage_memory_bytes"] = mem.tolist()
+        part.meta["stage_memory_bytes"] = stage_memory_bytes(graph, part.assignment, k, objective, model, comm).tolist()
     return part
+
+
+def _infeasible_error(graph: OpGraph, k: int, objective: str, comm: str, model) -> InfeasibleError:
+    """The :class:`InfeasibleError` of :func:`fxpipe.partition.memory.infeasible_error`, with its
+    figures searched here: the best partition into ``k`` stages ignoring memory, and the
+    smallest feasible stage count up to ``min(n, 4k)`` (structured orders only)."""
+    quick = dict(method="orders", time_limit_s=0.0, seed=0, chain=False, contract=False)  # structured orders only
+    free = partition(graph, k, objective=objective, comm=comm, **quick)
+    max_k = min(graph.n, 4 * k)
+    fit_k = None
+    for kk in range(fewest_stages_to_try(graph, k, objective, model), max_k + 1):
+        try:
+            partition(graph, kk, objective=objective, comm=comm, memory=model, _explain=False, **quick)
+        except InfeasibleError:
+            continue
+        fit_k = kk
+        break
+    return infeasible_error(graph, k, objective, comm, model, free_assignment=free.assignment, min_devices=fit_k,
+                            max_k=max_k)
 
 
 def _partition_colocated(graph: OpGraph, con, k: int, warm_order, *, objective: str, comm: str, memory, **kwargs) -> Partition:
     """:func:`partition` of ``graph`` whose data-dependent groups ``con``
     (:class:`fxpipe.partition.colocate.ColocatedContraction`) must each stay on one stage:
     search the contracted graph, expand, re-score on ``graph`` (Contract 2)."""
-    from fxpipe.partition.bounds.simple import simple_work_bound  # noqa: PLC0415
+    from fxpipe.partition.bounds.simple import simple_work_bound  # noqa: PLC0415 (the bounds package loads SCIP)
 
     t0 = time.perf_counter()
     sub_warm = None if warm_order is None else con.order_from_original(warm_order)
@@ -492,26 +570,15 @@ def _partition_colocated(graph: OpGraph, con, k: int, warm_order, *, objective: 
     if not con.exact:
         # only work-based bounds of the contracted graph bound the constrained problem (module colocate)
         lower, method = simple_work_bound(con.graph.work_s(objective), k), "simple"
-    part = Partition.from_assignment(graph, a, k, objective, comm, order=order)
-    proven = part.bottleneck <= lower * (1.0 + PROVEN_RTOL)
     meta.update(
         order=order.tolist(),
-        lower_bound_s=float(lower),
         lower_bound_method=method,
-        proven_optimal=bool(proven),
-        stop_reason="bound" if proven else meta["stop_reason"],
-        gap=float(max(0.0, (part.bottleneck - lower) / part.bottleneck)) if part.bottleneck > 0 else 0.0,
-        seconds=time.perf_counter() - t0,
         colocated={"groups": int(con.graph.n), "nodes": int(graph.n), "exact": bool(con.exact),
                    "forbidden_edges": int(_forbidden_count(graph))},
     )
-    if memory is not None:
-        meta["stage_memory_bytes"] = stage_memory_bytes(graph, part.assignment, k, objective, memory, comm).tolist()
-    return Partition(k=part.k, assignment=part.assignment, block_costs=part.block_costs, bottleneck=part.bottleneck,
-                     objective=objective, comm=comm, order=order, meta=meta)
+    part = Partition.from_assignment(graph, a, k, objective, comm, order=order, meta=meta)
+    return _with_proof(graph, part, k, objective, comm, memory, lower, meta["stop_reason"], t0)
 
 
 def _forbidden_count(graph: OpGraph) -> int:
-    from fxpipe.partition.colocate import forbidden_cut_edges  # noqa: PLC0415
-
     return int(forbidden_cut_edges(graph).sum())

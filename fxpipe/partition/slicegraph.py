@@ -53,6 +53,7 @@ import numpy as np
 from fxpipe.errors import InputError
 from fxpipe.ir import OpGraph
 from fxpipe.partition._numba import NJIT, njit
+from fxpipe.partition.memory import memory_inputs
 from fxpipe.partition.objective import Partition, check_objective
 
 __all__ = [
@@ -140,26 +141,10 @@ def _segment_io(order, l, r, tag, stamp, pred_ptr, pred_idx, last, size_out, rel
 def _segment_cost(order, l, r, tag, stamp, pred_ptr, pred_idx, last, work, size_out, io_scale, relay, cut):
     """Cost of segment [l, r] by the same right-to-left sweep as the DP (fresh ``tag``)."""
     w = 0.0
-    inb = 0.0
-    outb = 0.0
     for p in range(r, l - 1, -1):
-        v = order[p]
-        w += work[v]
-        if not relay:
-            if last[v] > r:
-                outb += size_out[v]
-            if stamp[v] == tag:
-                inb -= size_out[v]
-            for e in range(pred_ptr[v], pred_ptr[v + 1]):
-                u = pred_idx[e]
-                if stamp[u] != tag:
-                    stamp[u] = tag
-                    inb += size_out[u]
-    if relay:
-        io = cut[r] + (cut[l - 1] if l > 0 else 0.0)
-    else:
-        io = inb + outb
-    return w + io_scale * io
+        w += work[order[p]]
+    inb, outb = _segment_io(order, l, r, tag, stamp, pred_ptr, pred_idx, last, size_out, relay, cut)
+    return w + io_scale * (inb + outb)
 
 
 @njit(**NJIT)
@@ -468,8 +453,6 @@ def kernel_inputs(graph: OpGraph, k: int, objective: str = "inference", comm: st
         comm == "relay",
         int(k),
     )
-    from fxpipe.partition.memory import memory_inputs  # noqa: PLC0415 (avoid a cycle)
-
     return base, memory_inputs(graph, k, objective, memory)
 
 

@@ -78,7 +78,9 @@ from fxpipe.partition.bounds.chain import chain_certificate
 from fxpipe.partition.bounds.simple import simple_bound, simple_work_bound
 from fxpipe.mip import SolveResult, scip_version, solve_model
 from fxpipe.partition.memory import PartitionMemory, as_partition_memory, memory_inputs, stage_memory_bytes
+from fxpipe.memory import inflight_stashes
 from fxpipe.partition.objective import Partition, check_objective
+from fxpipe.progress import Search
 
 __all__ = [
     "METHODS",
@@ -368,132 +370,151 @@ def bound(
     InfeasibleError
         If the model has no solution (memory capacity too small).
     """
-    version = scip_version()
-    t0 = time.perf_counter()
-    incumbent = None
+    settings = dict(params=params, heuristics=heuristics, emphasis=emphasis, separating=separating)
     if method in ("exact", "lp"):
-        relax = method == "lp"
-        start_lb = max(0.0, float(known_lower_bound_s)) if not relax else 0.0
-        model, mv = build_exact(data, relax=relax, known_lower_bound=start_lb / data.scale)
-        size = _model_size(model)
-        ws = None
-        if warm_start is not None and not relax and data.k > 1:
-            ws = warm_start_values(data, data.k, warm_start)
-        res = solve_model(
-            model,
-            time_limit_s=time_limit_s,
-            params=params,
-            warm_start=ws,
-            read_vars=mv.y if not relax else None,
-            heuristics=heuristics or (WARM_HEURISTICS if ws is not None else "default"),
-            emphasis=emphasis,
-            separating=separating or SEPARATING[method],
-        )
-        if res.status == "infeasible":
-            raise _infeasible(data, "the exact MIP")
-        if res.values:
-            incumbent = assignment_from_y(res.values, data.n, data.k)
-        elif not relax and data.k == 1 and res.status != "infeasible":
-            incumbent = np.zeros(data.n, dtype=np.int64)
-        cert = Certificate(
-            method=method,
-            lower_bound=_lb_from(res, data, start_lb),
-            status=res.status,
-            nodes=res.nodes,
-            wall_time_s=time.perf_counter() - t0,
-            solver=version,
-            params=res.params,
-            details={
-                **size,
-                "warm_started": ws is not None,
-                "start_lower_bound_s": start_lb,
-                "mip_primal_s": res.primal * data.scale if math.isfinite(res.primal) else None,
-            },
-        )
-        return cert, incumbent
+        return _bound_exact(data, relax=method == "lp", time_limit_s=time_limit_s, warm_start=warm_start,
+                            known_lower_bound_s=known_lower_bound_s, **settings)
     if method == "bottleneck":
-        model, mv = build_bottleneck(data)
-        size = _model_size(model)
-        res = solve_model(
-            model, time_limit_s=time_limit_s, params=params, heuristics=heuristics or "default", emphasis=emphasis,
-            separating=separating or SEPARATING[method],
-        )
-        if res.status == "infeasible":
-            raise _infeasible(data, "the three-superblock MIP")
-        return (
-            Certificate(
-                method=method,
-                lower_bound=_lb_from(res, data),
-                status=res.status,
-                nodes=res.nodes,
-                wall_time_s=time.perf_counter() - t0,
-                solver=version,
-                params=res.params,
-                details=size,
-            ),
-            None,
-        )
+        return _bound_bottleneck(data, time_limit_s=time_limit_s, **settings), None
     if method == "guess":
-        k = data.k
-        workers = max(1, min(workers, k))
-        start_lb = max(0.0, float(known_lower_bound_s))
-        deadline = time.time() + time_limit_s
-        jobs = [
-            (data, j, deadline, workers, params, heuristics or "default", emphasis, separating or SEPARATING[method], start_lb / data.scale)
-            for j in range(1, k + 1)
-        ]
-        results: dict[int, dict] = {}
-        if workers > 1:
-            ctx = mp.get_context("fork" if sys.platform.startswith("linux") else "spawn")
-            with ctx.Pool(workers) as pool:
-                for j, r in pool.imap_unordered(_solve_guess_j, jobs):
-                    results[j] = r
-        else:
-            for job in jobs:
-                j, r = _solve_guess_j(job)
-                results[j] = r
-                if r["status"] == "userinterrupt":  # Ctrl-C inside SCIP: the other guesses are not run
-                    break
-        lbs = {
-            j: (
-                math.inf
-                if r["status"] == "infeasible"
-                else max((r["dual"] if math.isfinite(r["dual"]) else 0.0) * data.scale, data.simple_work * data.scale, start_lb)
-            )
-            for j, r in results.items()
-        }
-        # a guess that was never solved (interrupted run) proves only what every guess starts from
-        floor = max(data.simple_work * data.scale, start_lb)
-        lb = min(lbs.get(j, floor) for j in range(1, k + 1))
-        if not math.isfinite(lb):
-            raise _infeasible(data, "every guess-the-bottleneck MIP")
-        details = {
-            "per_guess": {
-                str(j): {
-                    "lower_bound": lbs[j], "status": results[j]["status"], "nodes": results[j]["nodes"],
-                    "wall_s": results[j]["wall_s"], "time_limit_s": results[j]["time_limit_s"],
-                }
-                for j in sorted(results)
-            },
-            "workers": workers,
-            "start_lower_bound_s": start_lb,
-            "variables": results[1]["variables"],
-            "constraints": results[1]["constraints"],
-        }
-        return (
-            Certificate(
-                method=method,
-                lower_bound=lb,
-                status=_status(r["status"] for r in results.values()),
-                nodes=sum(r["nodes"] for r in results.values()),
-                wall_time_s=time.perf_counter() - t0,
-                solver=version,
-                params=results[1]["params"],
-                details=details,
-            ),
-            None,
-        )
+        return _bound_guess(data, time_limit_s=time_limit_s, workers=workers, known_lower_bound_s=known_lower_bound_s,
+                            **settings), None
     raise InputError(f"unknown bound method {method!r}; choose from {METHODS}")
+
+
+def _bound_exact(data: MipData, *, relax: bool, time_limit_s: float, warm_start, known_lower_bound_s: float,
+                 params, heuristics, emphasis, separating) -> tuple[Certificate, np.ndarray | None]:
+    """:func:`bound` by the exact MIP (Figure 3), warm-started and started from the known
+    bound, or by its LP relaxation (``relax``); returns the certificate and the incumbent."""
+    method = "lp" if relax else "exact"
+    t0 = time.perf_counter()
+    start_lb = max(0.0, float(known_lower_bound_s)) if not relax else 0.0
+    model, mv = build_exact(data, relax=relax, known_lower_bound=start_lb / data.scale)
+    size = _model_size(model)
+    ws = None
+    if warm_start is not None and not relax and data.k > 1:
+        ws = warm_start_values(data, data.k, warm_start)
+    res = solve_model(
+        model,
+        time_limit_s=time_limit_s,
+        params=params,
+        warm_start=ws,
+        read_vars=mv.y if not relax else None,
+        heuristics=heuristics or (WARM_HEURISTICS if ws is not None else "default"),
+        emphasis=emphasis,
+        separating=separating or SEPARATING[method],
+    )
+    if res.status == "infeasible":
+        raise _infeasible(data, "the exact MIP")
+    incumbent = None
+    if res.values:
+        incumbent = assignment_from_y(res.values, data.n, data.k)
+    elif not relax and data.k == 1:
+        incumbent = np.zeros(data.n, dtype=np.int64)
+    cert = Certificate(
+        method=method,
+        lower_bound=_lb_from(res, data, start_lb),
+        status=res.status,
+        nodes=res.nodes,
+        wall_time_s=time.perf_counter() - t0,
+        solver=scip_version(),
+        params=res.params,
+        details={
+            **size,
+            "warm_started": ws is not None,
+            "start_lower_bound_s": start_lb,
+            "mip_primal_s": res.primal * data.scale if math.isfinite(res.primal) else None,
+        },
+    )
+    return cert, incumbent
+
+
+def _bound_bottleneck(data: MipData, *, time_limit_s: float, params, heuristics, emphasis, separating) -> Certificate:
+    """:func:`bound` by the three-superblock MIP (Section 3.2, constraint 14)."""
+    t0 = time.perf_counter()
+    model, _ = build_bottleneck(data)
+    size = _model_size(model)
+    res = solve_model(
+        model, time_limit_s=time_limit_s, params=params, heuristics=heuristics or "default", emphasis=emphasis,
+        separating=separating or SEPARATING["bottleneck"],
+    )
+    if res.status == "infeasible":
+        raise _infeasible(data, "the three-superblock MIP")
+    return Certificate(method="bottleneck", lower_bound=_lb_from(res, data), status=res.status, nodes=res.nodes,
+                       wall_time_s=time.perf_counter() - t0, solver=scip_version(), params=res.params, details=size)
+
+
+def _bound_guess(data: MipData, *, time_limit_s: float, workers: int, known_lower_bound_s: float, params, heuristics,
+                 emphasis, separating) -> Certificate:
+    """:func:`bound` by guess-the-bottleneck-block (Section 3.3): ``min_j LB_j`` over the k
+    sub-MIPs, solved by ``workers`` processes, each from the known bound."""
+    t0 = time.perf_counter()
+    k = data.k
+    workers = max(1, min(workers, k))
+    start_lb = max(0.0, float(known_lower_bound_s))
+    results = _solve_guesses(data, time_limit_s=time_limit_s, workers=workers, start_lb=start_lb, params=params,
+                             heuristics=heuristics, emphasis=emphasis, separating=separating)
+    lbs = {
+        j: (
+            math.inf
+            if r["status"] == "infeasible"
+            else max((r["dual"] if math.isfinite(r["dual"]) else 0.0) * data.scale, data.simple_work * data.scale, start_lb)
+        )
+        for j, r in results.items()
+    }
+    # a guess that was never solved (interrupted run) proves only what every guess starts from
+    floor = max(data.simple_work * data.scale, start_lb)
+    lb = min(lbs.get(j, floor) for j in range(1, k + 1))
+    if not math.isfinite(lb):
+        raise _infeasible(data, "every guess-the-bottleneck MIP")
+    details = {
+        "per_guess": {
+            str(j): {
+                "lower_bound": lbs[j], "status": results[j]["status"], "nodes": results[j]["nodes"],
+                "wall_s": results[j]["wall_s"], "time_limit_s": results[j]["time_limit_s"],
+            }
+            for j in sorted(results)
+        },
+        "workers": workers,
+        "start_lower_bound_s": start_lb,
+        "variables": results[1]["variables"],
+        "constraints": results[1]["constraints"],
+    }
+    return Certificate(
+        method="guess",
+        lower_bound=lb,
+        status=_status(r["status"] for r in results.values()),
+        nodes=sum(r["nodes"] for r in results.values()),
+        wall_time_s=time.perf_counter() - t0,
+        solver=scip_version(),
+        params=results[1]["params"],
+        details=details,
+    )
+
+
+def _solve_guesses(data: MipData, *, time_limit_s: float, workers: int, start_lb: float, params, heuristics, emphasis,
+                   separating) -> dict[int, dict]:
+    """Solve the guess sub-MIPs ``j = 1..k`` (in a process pool when ``workers > 1``), each
+    with its fair share of the time left; in this process a Ctrl-C stops the rest."""
+    deadline = time.time() + time_limit_s
+    jobs = [
+        (data, j, deadline, workers, params, heuristics or "default", emphasis, separating or SEPARATING["guess"],
+         start_lb / data.scale)
+        for j in range(1, data.k + 1)
+    ]
+    results: dict[int, dict] = {}
+    if workers > 1:
+        ctx = mp.get_context("fork" if sys.platform.startswith("linux") else "spawn")
+        with ctx.Pool(workers) as pool:
+            for j, r in pool.imap_unordered(_solve_guess_j, jobs):
+                results[j] = r
+    else:
+        for job in jobs:
+            j, r = _solve_guess_j(job)
+            results[j] = r
+            if r["status"] == "userinterrupt":  # Ctrl-C inside SCIP: the other guesses are not run
+                break
+    return results
 
 
 # --------------------------------------------------------------------------------------
@@ -717,107 +738,27 @@ def compute_bounds(
         raise InputError(f"time limit must be > 0 seconds, got {time_limit_s}")
     data = make_mip_data(graph, k, objective, comm, memory=memory)
     mem_model = as_partition_memory(memory)
-    capacity_model = {}
-    if mem_model is not None:
-        from fxpipe.memory import inflight_stashes  # noqa: PLC0415
-
-        capacity_model = {
-            "kind": "fxpipe.memory",
-            **mem_model.to_dict(),
-            "usable_bytes": float(mem_model.usable_bytes),
-            "static_bytes_per_param": mem_model.model.static_bytes_per_param(objective),
-            "inflight": inflight_stashes(int(k), mem_model.num_microbatches, mem_model.activation, objective).tolist(),
-        }
-    # ---- best known partition
-    search_interrupted = False
-    if warm_start is None:
-        try:
-            best = initial_partition(
-                graph, k, objective, comm, time_limit_s=min(10.0, time_limit_s) if search_time_limit_s is None else search_time_limit_s, memory=mem_model
-            )
-        except KeyboardInterrupt:
-            # Ctrl-C outside the search's own handling (its setup, a first-run kernel compile):
-            # no partition, only the instant bounds
-            best, search_interrupted = None, True
-    elif isinstance(warm_start, Partition):
-        if warm_start.k != k or warm_start.objective != objective or warm_start.comm != comm:
-            best = Partition.from_assignment(graph, warm_start.assignment, k, objective, comm, meta=dict(warm_start.meta))
-        else:
-            best = warm_start
-    else:
-        best = Partition.from_assignment(graph, np.asarray(warm_start), k, objective, comm, meta={"method": "warm_start"})
-    if best is not None and not _fits(graph, best.assignment, k, objective, mem_model, comm):
-        best = None  # not a feasible partition under the capacity
-    certs: dict[str, Certificate] = {}
     if progress is None:
         progress = sys.stderr.isatty()
-    from tqdm import tqdm  # noqa: PLC0415
-
-    bar = tqdm(methods, desc="bounds", disable=not progress, leave=False)
-    # Ctrl-C during the partition search stops the whole run: the search returns its best
-    # partition so far, and only the instant bounds are computed
-    interrupted = search_interrupted or (best is not None and bool(best.meta.get("interrupted")))
-    try:
-        for m in bar:
-            if interrupted and m not in ("simple",):
+    settings = dict(params=params, workers=workers, heuristics=heuristics, emphasis=emphasis, separating=separating)
+    certs: dict[str, Certificate] = {}
+    best = None
+    # Ctrl-C (here, in the partition search or in a SCIP solve) stops the whole run: the
+    # search returns its best partition so far, SCIP a valid bound, and only the instant
+    # bounds are computed after it
+    with Search("bounds", unit="method", total=len(methods), progress=progress) as run:
+        best = _best_known_partition(run, graph, k, objective, comm, mem_model, warm_start,
+                                     min(10.0, time_limit_s) if search_time_limit_s is None else search_time_limit_s)
+        for m in methods:
+            if run.stopped and m != "simple":
                 break
-            bar.set_postfix_str(m)
-            if m == "simple":
-                certs[m] = simple_bound(graph, k, objective, comm)
-                continue
-            if m == "chain":
-                cert, cand = chain_certificate(graph, k, objective, comm)
-                if cand is not None and _fits(graph, cand.assignment, k, objective, mem_model, comm) and (
-                    best is None or cand.bottleneck < best.bottleneck * (1 - 1e-12)
-                ):
-                    best = cand
-                certs[m] = cert
-                continue
-            known = max((c.lower_bound for mm, c in certs.items() if _RANK[mm] < _RANK[m]), default=0.0)
-            proven = max((c.lower_bound for c in certs.values()), default=0.0)
-            if stop_when_proven and best is not None and proven >= best.bottleneck * (1 - PROVEN_RTOL):
-                # "stop when done": the partition is already proven optimal, no MIP can say more
-                by = max(certs, key=lambda mm: certs[mm].lower_bound)
-                certs[m] = Certificate(
-                    method=m, lower_bound=known, status="skipped", wall_time_s=0.0,
-                    details={"reason": f"the partition is already proven optimal by {by}", "start_lower_bound_s": known},
-                )
-                continue
-            try:
-                cert, inc = bound(
-                    m,
-                    data,
-                    time_limit_s=time_limit_s,
-                    warm_start=None if best is None else best.assignment,
-                    params=params,
-                    workers=workers,
-                    heuristics=heuristics,
-                    emphasis=emphasis,
-                    separating=separating,
-                    known_lower_bound_s=known,
-                )
-            except KeyboardInterrupt:
-                # Ctrl-C outside SCIP (SCIP itself stops with status "userinterrupt" and a
-                # valid bound): keep the methods finished so far
-                interrupted = True
-                break
-            if inc is not None:
-                cand = Partition.from_assignment(graph, inc, k, objective, comm, meta={"method": f"scip-{m}"})
-                if _fits(graph, cand.assignment, k, objective, mem_model, comm) and (
-                    best is None or cand.bottleneck < best.bottleneck * (1 - 1e-12)
-                ):
-                    best = cand
-            certs[m] = cert
-            if cert.status == "userinterrupt":
-                # Ctrl-C inside a SCIP solve: SCIP stopped with a valid bound; stop the whole run
-                interrupted = True
-                break
-    except KeyboardInterrupt:
-        # Ctrl-C in an instant bound or a first-run kernel compile: keep the methods finished so far
-        interrupted = True
+            certs[m], best = _run_method(m, graph, k, objective, comm, data, mem_model, certs, best,
+                                         time_limit_s=time_limit_s, stop_when_proven=stop_when_proven, **settings)
+            run.update(1, method=m)
+            if certs[m].status == "userinterrupt":
+                run.stop()  # SCIP stopped with a valid bound: stop the whole run
     primal = None if best is None else best.bottleneck
     certs = {m: c.with_primal(primal) for m, c in certs.items()}
-    bar.close()
     return BoundsReport(
         k=int(k),
         objective=objective,
@@ -825,7 +766,84 @@ def compute_bounds(
         partition=best,
         certificates=certs,
         capacity_bytes=None if mem_model is None else float(mem_model.capacity_bytes),
-        capacity_model=capacity_model,
+        capacity_model=_capacity_model(mem_model, k, objective),
         graph_summary=_graph_summary(graph, objective),
-        interrupted=interrupted,
+        interrupted=run.interrupted,
     )
+
+
+def _capacity_model(mem_model: PartitionMemory | None, k: int, objective: str) -> dict:
+    """How :func:`compute_bounds` counted node memory (empty without a capacity)."""
+    if mem_model is None:
+        return {}
+    return {
+        "kind": "fxpipe.memory",
+        **mem_model.to_dict(),
+        "usable_bytes": float(mem_model.usable_bytes),
+        "static_bytes_per_param": mem_model.model.static_bytes_per_param(objective),
+        "inflight": inflight_stashes(int(k), mem_model.num_microbatches, mem_model.activation, objective).tolist(),
+    }
+
+
+def _best_known_partition(run: Search, graph: OpGraph, k: int, objective: str, comm: str, mem_model, warm_start,
+                          search_time_limit_s: float) -> Partition | None:
+    """The incumbent the bounds are compared with: ``warm_start`` or a search's partition
+    (None if it does not fit the capacity). An interrupted search stops ``run``."""
+    if warm_start is None:
+        try:
+            best = initial_partition(graph, k, objective, comm, time_limit_s=search_time_limit_s, memory=mem_model)
+        except KeyboardInterrupt:
+            # Ctrl-C outside the search's own handling (a handler other than the Search's):
+            # no partition, only the instant bounds
+            run.stop()
+            return None
+    elif isinstance(warm_start, Partition):
+        if warm_start.k != k or warm_start.objective != objective or warm_start.comm != comm:
+            best = Partition.from_assignment(graph, warm_start.assignment, k, objective, comm, meta=dict(warm_start.meta))
+        else:
+            best = warm_start
+    else:
+        best = Partition.from_assignment(graph, np.asarray(warm_start), k, objective, comm, meta={"method": "warm_start"})
+    if best is not None and best.meta.get("interrupted"):
+        run.stop()  # the search was interrupted
+    if best is not None and not _fits(graph, best.assignment, k, objective, mem_model, comm):
+        best = None  # not a feasible partition under the capacity
+    return best
+
+
+def _run_method(m: str, graph: OpGraph, k: int, objective: str, comm: str, data: MipData, mem_model,
+                certs: dict[str, Certificate], best: Partition | None, *, time_limit_s: float, stop_when_proven: bool,
+                params, workers, heuristics, emphasis, separating) -> tuple[Certificate, Partition | None]:
+    """One method's certificate and the best partition after it (a MIP or the chain DP may
+    find a better one than ``best``); MIPs start from the bounds in ``certs`` before them."""
+    if m == "simple":
+        return simple_bound(graph, k, objective, comm), best
+    if m == "chain":
+        cert, cand = chain_certificate(graph, k, objective, comm)
+        return cert, _better(graph, k, objective, comm, mem_model, best, cand)
+    known = max((c.lower_bound for mm, c in certs.items() if _RANK[mm] < _RANK[m]), default=0.0)
+    proven = max((c.lower_bound for c in certs.values()), default=0.0)
+    if stop_when_proven and best is not None and proven >= best.bottleneck * (1 - PROVEN_RTOL):
+        # "stop when done": the partition is already proven optimal, no MIP can say more
+        by = max(certs, key=lambda mm: certs[mm].lower_bound)
+        return Certificate(
+            method=m, lower_bound=known, status="skipped", wall_time_s=0.0,
+            details={"reason": f"the partition is already proven optimal by {by}", "start_lower_bound_s": known},
+        ), best
+    cert, inc = bound(m, data, time_limit_s=time_limit_s, warm_start=None if best is None else best.assignment,
+                      params=params, workers=workers, heuristics=heuristics, emphasis=emphasis, separating=separating,
+                      known_lower_bound_s=known)
+    if inc is not None:
+        cand = Partition.from_assignment(graph, inc, k, objective, comm, meta={"method": f"scip-{m}"})
+        best = _better(graph, k, objective, comm, mem_model, best, cand)
+    return cert, best
+
+
+def _better(graph: OpGraph, k: int, objective: str, comm: str, mem_model, best: Partition | None,
+            cand: Partition | None) -> Partition | None:
+    """``cand`` if it fits the capacity and beats ``best``, else ``best``."""
+    if cand is not None and _fits(graph, cand.assignment, k, objective, mem_model, comm) and (
+        best is None or cand.bottleneck < best.bottleneck * (1 - 1e-12)
+    ):
+        return cand
+    return best
