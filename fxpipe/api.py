@@ -266,8 +266,7 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
         (:func:`fxpipe.mesh_search.search_mesh`): every ``pp x dp_shard`` of ``devices`` whose
         replicas divide ``microbatches`` is planned and the smallest predicted step (schedule +
         data-parallel sync) that fits memory kept; ``plan.options["mesh_search"]`` and the
-        summary list the candidates. (Making it the default, a topology and overlap are later
-        steps.)
+        summary list the candidates (what it does not do yet: :mod:`fxpipe.mesh_search`).
 
     Returns
     -------
@@ -298,13 +297,13 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
         count that fits and which of offload, recomputation, ZeRO sharding or more devices
         would help (see :func:`plan_graph`).
     """
-    devices = check_count(devices, "devices")
-    microbatches = check_count(microbatches, "microbatches")
+    devices, microbatches = check_count(devices, "devices"), check_count(microbatches, "microbatches")
     args, kwargs = check_call_inputs(args, kwargs)
     _check_mesh(mesh, devices, microbatches, memory)
     options = PlanOptions.from_keywords(locals())  # validates objective, schedule, placement
-    traced, hardware_name, timings = _capture(model, args, kwargs, costs=costs, hardware=hardware, dtype=dtype, name=name,
-                               cost_db=cost_db, profile_threads=profile_threads, replicate=replicate, progress=progress)
+    traced, hardware_name, timings = _capture(model, args, kwargs, costs=costs, hardware=hardware, dtype=dtype,
+                                              name=name, cost_db=cost_db, profile_threads=profile_threads,
+                                              replicate=replicate, progress=progress)
     options = dataclasses.replace(options, host_bandwidth_bytes_per_s=traced.hardware.host_bytes_per_s)
     base_memory = resolve_memory(traced.graph, memory, memory_bytes, traced.hardware)
     planned = _plan_mesh(traced.graph, mesh, devices, microbatches, base_memory, options)

@@ -32,7 +32,7 @@ from fxpipe.partition.objective import Partition
 from fxpipe.plan_build import PlanStageOf, build_rank, compile_stages_option
 from fxpipe.plan_build import replica_batch as _replica_batch
 from fxpipe.plan_build import worker_stage_of as _worker_stage_of
-from fxpipe.plan_io import PLAN_FORMAT, PLAN_FORMATS_READ, graph_signature, plan_fields_from_dict, plan_to_dict
+from fxpipe.plan_io import PLAN_FORMAT, graph_signature, plan_fields_from_dict, plan_to_dict
 from fxpipe.plan_tables import MEMORY_FIELDS, DeviceStats, StageStats  # noqa: F401 (public re-exports)
 from fxpipe.reschedule import reschedule as _reschedule
 from fxpipe.train import train_local as _train_local
