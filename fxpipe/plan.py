@@ -47,7 +47,6 @@ _PlanStageOf = PlanStageOf
 IDLE_STAGE_SHARE = 0.05
 
 
-
 @dataclass(eq=False)
 class CaptureCell:
     """The captured fx program a plan builds its ranks from: runtime state beside the frozen plan data.
@@ -460,7 +459,6 @@ class Plan:
         """
         return cls(**plan_fields_from_dict(doc, source))
 
-
     # ------------------------------------------------------------------ runtime
     def orders(self) -> Orders:
         """The per-device programs of the schedule, with the placement: codegen's input.
@@ -550,9 +548,9 @@ class Plan:
                     loss: str | Callable = "cross_entropy", seed: int = 0, reference: bool = True,
                     timeout_s: float = 600.0, loss_rtol: float = 1e-4, rtol: float = 1e-5,
                     compile_stages: bool | None = None, progress: bool | None = None) -> dict[str, Any]:
-        return _train_local(self, make_model, make_batch, steps=steps, lr=lr, loss=loss, seed=seed, reference=reference,
-                           timeout_s=timeout_s, loss_rtol=loss_rtol, rtol=rtol, compile_stages=compile_stages,
-                           progress=progress)
+        return _train_local(self, make_model, make_batch, steps=steps, lr=lr, loss=loss, seed=seed,
+                            reference=reference, timeout_s=timeout_s, loss_rtol=loss_rtol, rtol=rtol,
+                            compile_stages=compile_stages, progress=progress)
 
     train_local.__doc__ = _train_local.__doc__
 
