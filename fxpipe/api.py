@@ -13,63 +13,35 @@ The pass runs the whole data flow of DESIGN.md once:
 4. keep everything needed to emit the ``torch.distributed.pipelining`` program
    (:meth:`Plan.build`) and to train it on local ranks (:meth:`Plan.train_local`).
 
-The :class:`~fxpipe.plan.Plan` it returns lives in :mod:`fxpipe.plan`.
+Steps 2 and 3 are :func:`plan_graph` (:mod:`fxpipe.planner`, torch-free); both functions take
+the planning options of :class:`fxpipe.options.PlanOptions` as keywords. The
+:class:`~fxpipe.plan.Plan` it returns lives in :mod:`fxpipe.plan`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
-import time
+import warnings
 from typing import Any, Mapping, Sequence
 
-import numpy as np
-
-from fxpipe.errors import InputError
-from fxpipe.ir import OpGraph, Schedule, ScheduleProblem
+from fxpipe.errors import InputError, PlanWarning
 from fxpipe.memory import MemoryModel
-from fxpipe.partition.objective import Partition
-from fxpipe.plan import PLAN_FORMAT, DeviceStats, Plan, StageStats, graph_signature, load_plan  # noqa: F401 (public re-exports)
-import fxpipe.schedule.registry as _schedule_registry
-
-#: every schedule method (= :data:`fxpipe.schedule.dispatch.METHODS`); which ones a placement
-#: admits: :func:`fxpipe.schedule.dispatch.methods_for_placement`.
-SCHEDULES = _schedule_registry.names()
-#: placements of ``stages_per_device`` stages on every device (``"auto"``: the best by predicted step time).
-PLACEMENTS = ("looped", "v", "auto")
-#: MILP budget (seconds) when ``schedule_time_limit_s`` is not given: ``schedule="milp"`` /
-#: ``schedule="auto"`` (whose MILP only tries to improve a feasible heuristic schedule).
-DEFAULT_MILP_TIME_LIMIT_S = 60.0
-DEFAULT_AUTO_MILP_TIME_LIMIT_S = 5.0
-#: smallest share of :data:`DEFAULT_AUTO_MILP_TIME_LIMIT_S` :func:`auto_milp_budget_s` gives a small problem.
-AUTO_MILP_MIN_SHARE = 0.2
-
-
-def auto_milp_budget_s(problem: ScheduleProblem) -> float:
-    """MILP budget (seconds) of ``schedule="auto"`` when none is given, scaled to the problem.
-
-    :data:`DEFAULT_AUTO_MILP_TIME_LIMIT_S` times the problem's share of the largest problem
-    the auto MILP takes (``3 S m`` compute ops against
-    :data:`fxpipe.schedule.auto.AUTO_MILP_MAX_OPS`), at least :data:`AUTO_MILP_MIN_SHARE` of
-    it: a toy of 2 stages and 4 micro-batches gets 1 s, a problem of 240 compute ops the full
-    5 s. (Larger problems skip the MILP.)
-    """
-    from fxpipe.schedule.auto import AUTO_MILP_MAX_OPS
-
-    n_ops = 3 * problem.num_stages * problem.num_microbatches
-    share = min(1.0, max(AUTO_MILP_MIN_SHARE, n_ops / AUTO_MILP_MAX_OPS))
-    return DEFAULT_AUTO_MILP_TIME_LIMIT_S * share
-
-
-#: stages per device tried by ``stages_per_device="auto"``.
-AUTO_STAGES_PER_DEVICE = (1, 2)
-
-def _check_count(value: Any, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise InputError(f"{what} must be an integer, got {value!r}")
-    if value < 1:
-        raise InputError(f"{what} must be >= 1, got {value}")
-    return int(value)
+from fxpipe.mesh import mesh_memory, microbatches_per_replica, normalize_mesh
+from fxpipe.mesh_search import search_mesh
+from fxpipe.options import (  # noqa: F401 (public re-exports)
+    AUTO_MILP_MIN_SHARE,
+    AUTO_STAGES_PER_DEVICE,
+    DEFAULT_AUTO_MILP_TIME_LIMIT_S,
+    DEFAULT_MILP_TIME_LIMIT_S,
+    DEFAULTS,
+    PLACEMENTS,
+    SCHEDULES,
+    PlanOptions,
+    check_count,
+)
+from fxpipe.plan import PLAN_FORMAT, CaptureCell, DeviceStats, Plan, StageStats, graph_signature, load_plan  # noqa: F401
+from fxpipe.plan_tables import device_stats, stage_stats  # noqa: F401 (public re-exports)
+from fxpipe.planner import auto_milp_budget_s, fill_empty_stages, plan_graph, plan_with_options, resolve_memory  # noqa: F401
 
 
 def check_call_inputs(args: Any, kwargs: Any) -> tuple[tuple, dict]:
@@ -109,447 +81,98 @@ def check_call_inputs(args: Any, kwargs: Any) -> tuple[tuple, dict]:
     return tuple(args), dict(kwargs)
 
 
-def resolve_memory(graph: OpGraph | None, memory: MemoryModel | None = None, memory_bytes: float | None = None,
-                   hardware=None) -> MemoryModel:
-    """The :class:`~fxpipe.memory.MemoryModel` a plan is made with.
-
-    ``memory`` (precision policy, ZeRO sharding, reserved fraction; default: the module's
-    defaults) with the capacity ``memory_bytes`` if given (``inf``: no limit), else the
-    capacity of ``memory`` if it has one, else the ``memory_bytes`` of the hardware profile
-    (``hardware``, a :class:`~fxpipe.cost.hardware.HardwareSpec`, or the datasheet spec named
-    by ``graph.meta["hardware"]``), else unlimited.
-
-    Raises
-    ------
-    InputError
-        On a non-positive capacity or a ``memory`` that is not a MemoryModel.
-    """
-    if memory is not None and not isinstance(memory, MemoryModel):
-        raise InputError(f"memory must be a fxpipe.memory.MemoryModel, got {type(memory).__name__}")
-    base = memory if memory is not None else MemoryModel()
-    if memory_bytes is not None:
-        if isinstance(memory_bytes, bool) or not isinstance(memory_bytes, (int, float, np.integer, np.floating)):
-            raise InputError(f"memory_bytes must be a number of bytes, got {memory_bytes!r}")
-        return dataclasses.replace(base, capacity_bytes=float(memory_bytes))
-    if memory is not None and math.isfinite(memory.capacity_bytes):
-        return memory
-    cap = getattr(hardware, "memory_bytes", None)
-    if cap is None and graph is not None:
-        from fxpipe.cost.hardware import HARDWARE
-
-        spec = HARDWARE.get(str(graph.meta.get("hardware", "")))
-        cap = None if spec is None else spec.memory_bytes
-    return base if cap is None else dataclasses.replace(base, capacity_bytes=float(cap))
+def _check_mesh(mesh: Any, devices: int, microbatches: int, memory: Any) -> None:
+    """Bad mesh requests fail before the capture: degrees that do not multiply to ``devices``, replicas that
+    do not divide ``microbatches``, a ZeRO degree of ``memory`` the mesh contradicts (:mod:`fxpipe.mesh`)."""
+    if isinstance(mesh, str) and mesh == "search":  # fxpipe.mesh_search: chosen after the capture
+        if isinstance(memory, MemoryModel) and memory.data_parallel != 1:
+            raise InputError("mesh='search' sets the data-parallel degree of the memory model: leave data_parallel at 1")
+        return
+    degrees = normalize_mesh(mesh, devices)
+    microbatches_per_replica(microbatches, degrees)
+    if isinstance(memory, MemoryModel):
+        mesh_memory(memory, degrees)
 
 
-def _memory_fields(row) -> dict[str, Any]:
-    """The memory columns of a stage / device row from a :class:`fxpipe.memory.DeviceMemory`."""
-    return dict(
-        params_bytes=row.params_bytes, grads_bytes=row.grads_bytes, optimizer_bytes=row.optimizer_bytes,
-        activation_peak_bytes=row.activation_peak_bytes, comm_buffer_bytes=row.comm_buffer_bytes,
-        reserved_bytes=row.reserved_bytes, offloaded_peak_bytes=row.offloaded_peak_bytes,
-        memory_bytes=row.total_bytes,
-        capacity_bytes=None if not math.isfinite(row.capacity_bytes) else row.capacity_bytes,
-    )
-
-
-def stage_stats(graph: OpGraph, partition: Partition, problem: ScheduleProblem, schedule: Schedule, objective: str,
-                memory: MemoryModel | None = None) -> list[StageStats]:
-    """Per-stage figures: ops, parameter bytes, F/B/W times, cost, and memory by kind.
-
-    Memory comes from the one memory model (:func:`fxpipe.plan_memory.stage_memory`, each
-    stage as if alone on a device; ``memory`` default: :class:`~fxpipe.memory.MemoryModel`'s
-    defaults without a capacity): parameters, gradients, optimizer state, the activation peak
-    of the stage's curve in ``schedule``, receive buffers, the reserved fraction, and the
-    stashes offloaded at once.
-    """
-    from fxpipe.plan_memory import stage_memory
-
-    model = memory if memory is not None else MemoryModel()
-    a = partition.assignment
-    k = partition.k
-    rows = stage_memory(graph, a, problem, schedule, model, objective)
-    out = []
-    for s in range(k):
-        mask = a == s
-        out.append(
-            StageStats(
-                stage=s,
-                device=int(problem.device_of_stage[s]),
-                num_ops=int(mask.sum()),
-                param_bytes=float(graph.size_param_bytes[mask].sum()),
-                t_fwd_s=float(graph.t_fwd_s[mask].sum()),
-                t_bwd_input_s=float(graph.t_bwd_input_s[mask].sum()),
-                t_bwd_weight_s=float(graph.t_bwd_weight_s[mask].sum()),
-                cost_s=float(partition.block_costs[s]),
-                recompute=bool(problem.recompute[s]),
-                **_memory_fields(rows[s]),
-            )
-        )
-    return out
-
-
-def device_stats(graph: OpGraph, partition: Partition, problem: ScheduleProblem, schedule: Schedule,
-                 objective: str, memory: MemoryModel | None = None) -> list[DeviceStats]:
-    """Per-device figures: the device's stages, ops, parameter bytes, F/B/W times, the per-device
-    cost (:func:`fxpipe.partition.placement.device_costs`: its stages' work plus the transfers to
-    other devices), its compute time per step and span in the schedule, and memory by kind
-    (:func:`fxpipe.plan_memory.device_memory`)."""
-    from fxpipe.partition.placement import device_costs
-    from fxpipe.plan_memory import device_memory
-    from fxpipe.schedule.validate import device_busy_s, device_spans
-
-    model = memory if memory is not None else MemoryModel()
-    dev_of_node = np.asarray(problem.device_of_stage, dtype=np.int64)[partition.assignment]
-    costs = device_costs(graph, partition.assignment, problem.device_of_stage, objective, partition.comm,
-                         num_devices=problem.num_devices)
-    busy = device_busy_s(problem)
-    spans = device_spans(problem, schedule.ops)
-    rows = device_memory(graph, partition.assignment, problem, schedule, model, objective)
-    out = []
-    for d in range(problem.num_devices):
-        mask = dev_of_node == d
-        out.append(
-            DeviceStats(
-                device=d,
-                stages=list(problem.stages_of_device(d)),
-                num_ops=int(mask.sum()),
-                param_bytes=float(graph.size_param_bytes[mask].sum()),
-                t_fwd_s=float(graph.t_fwd_s[mask].sum()),
-                t_bwd_input_s=float(graph.t_bwd_input_s[mask].sum()),
-                t_bwd_weight_s=float(graph.t_bwd_weight_s[mask].sum()),
-                cost_s=float(costs[d]),
-                busy_s=float(busy[d]),
-                span_s=float(spans[d]),
-                **_memory_fields(rows[d]),
-            )
-        )
-    return out
-
-
-def fill_empty_stages(graph: OpGraph, partition: Partition, memory=None) -> Partition:
-    """Make a partition runnable on exactly ``k`` ranks when the optimum leaves stages empty.
-
-    The partitioner minimises the bottleneck over *at most* k blocks and leaves unused blocks
-    at the end; but the runtime needs model inputs on stage 0 and the output on stage k-1.
-    The last used block is renumbered k-1 (or, if only one block is used, just the output
-    node moves there, with the ops whose data-dependent-size tensors it consumes and all
-    they feed), so the empty stages in between relay tensors. Costs are recomputed
-    (relayed tensors count in the empty stages' io) and ``meta["empty_stages"]`` lists them;
-    with ``memory`` (the partitioner's :class:`~fxpipe.partition.memory.PartitionMemory`) so is
-    ``meta["stage_memory_bytes"]`` (an empty stage holds the receive buffers of what it relays).
-    """
-    a = np.asarray(partition.assignment)
-    k = partition.k
-    used = np.unique(a)
-    if used.max() == k - 1:  # the last stage holds ops: the pipeline already spans k ranks
-        return partition
-    a2 = a.copy()
-    last = int(used.max())
-    if used.size >= 2:
-        a2[a == last] = k - 1
-    else:
-        for i, op in enumerate(graph.ops):
-            if op == "output":
-                a2[i] = k - 1
-        if graph.data_dependent.any():
-            # the output may consume a data-dependent-size tensor: move the ops that must share
-            # its stage (fxpipe.partition.colocate) and everything they feed (stays monotone)
-            from fxpipe.partition.colocate import colocation_groups
-
-            group = colocation_groups(graph)
-            if group is not None:
-                out = [i for i, op in enumerate(graph.ops) if op == "output"]
-                moved = np.isin(group, group[out])
-                stack = np.flatnonzero(moved).tolist()
-                while stack:
-                    for w in graph.successors(stack.pop()).tolist():
-                        if not moved[w]:
-                            moved[w] = True
-                            stack.append(w)
-                a2[moved] = k - 1
-    from fxpipe.partition.objective import block_costs
-
-    costs = block_costs(graph, a2, k, partition.objective, partition.comm)
-    empty = sorted(set(range(k)) - set(np.unique(a2).tolist()))
-    meta = {**partition.meta, "empty_stages": empty, "bottleneck_before_filling_s": partition.bottleneck}
-    if memory is not None and "stage_memory_bytes" in meta:
-        from fxpipe.partition.memory import stage_memory_bytes
-
-        meta["stage_memory_bytes"] = stage_memory_bytes(graph, a2, k, partition.objective, memory, partition.comm).tolist()
-    return Partition(
-        k=k,
-        assignment=a2,
-        block_costs=costs,
-        bottleneck=float(costs.max()),
-        objective=partition.objective,
-        comm=partition.comm,
-        order=partition.order,
-        meta=meta,
-    )
-
-
-def _stages_per_device_candidates(stages_per_device: Any) -> tuple[int, ...]:
-    if isinstance(stages_per_device, str):
-        if stages_per_device != "auto":
-            raise InputError(f"stages_per_device must be an integer >= 1 or 'auto', got {stages_per_device!r}")
-        return AUTO_STAGES_PER_DEVICE
-    return (_check_count(stages_per_device, "stages_per_device"),)
-
-
-def _placement_candidates(stages_per_device: Any, placement: Any) -> list[tuple[int, str]]:
-    """(v, placement) pairs to try, in the order of preference on equal predicted step time."""
-    if placement not in PLACEMENTS:
-        raise InputError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
-    out = []
-    for v in _stages_per_device_candidates(stages_per_device):
-        names = ("looped", "v") if placement == "auto" else (placement,)
-        for name in names:
-            if v == 1 and out and out[-1][0] == 1:
-                continue  # with one stage per device every placement is the same
-            out.append((v, name))
-    return out
-
-
-def plan_graph(
-    graph: OpGraph,
-    *,
-    devices: int,
-    microbatches: int,
-    objective: str = "training",
-    schedule: str | None = "auto",
-    stages_per_device: int | str = 1,
-    placement: str = "looped",
-    time_limit_s: float = 10.0,
-    schedule_time_limit_s: float | None = None,
-    seed: int = 0,
-    mem_limit_bytes: float | None = None,
-    host_bandwidth_bytes_per_s: float | None = None,
-    progress: bool = False,
-    memory_bytes: float | None = None,
-    memory: MemoryModel | None = None,
-) -> tuple[Partition, ScheduleProblem, Schedule, dict[str, float]]:
-    """Partition, place and schedule an OpGraph (the torch-free half of :func:`compile`).
-
-    For every candidate ``(v, placement)`` the graph is partitioned into ``v * devices``
-    stages (one search per stage count, :func:`fxpipe.partition.search.partition`, which
-    minimises the per-*stage* bottleneck), the stages are placed on the devices
-    (:func:`fxpipe.partition.placement.placement_of`), the scheduling problem is built with
-    that placement (communication between stages of one device is free) and scheduled by
-    ``schedule`` (default: :func:`fxpipe.schedule.dispatch.default_method` of the placement).
-    With several candidates (``stages_per_device="auto"`` and/or ``placement="auto"``) the one
-    whose schedule has the smallest value of the problem's objective (the predicted step time;
-    ties: fewer stages per device, looped before V) is kept; the schedule's
-    ``meta["placement_search"]`` lists every candidate with its predicted step time,
-    per-device bottleneck, or why it was skipped.
-
-    Parameters
-    ----------
-    graph : OpGraph
-    devices : int
-        Number of devices p (pipeline ranks).
-    microbatches : int
-        m >= 1.
-    objective : {"training", "inference"}
-    schedule : str, optional
-        A method of :data:`SCHEDULES` valid for the placement
-        (:func:`fxpipe.schedule.dispatch.methods_for_placement`); with ``placement="auto"``
-        only placements it schedules are candidates. ``"auto"`` (default): the fastest
-        schedule that fits memory among the heuristics and, within ``schedule_time_limit_s``,
-        the MILP, offloading and (in training) recomputing activations only where memory
-        forces it (:func:`fxpipe.schedule.auto.auto_schedule`; the returned problem carries
-        the recomputing stages). ``None``: :func:`fxpipe.schedule.dispatch.default_method`.
-    stages_per_device : int or "auto"
-        v >= 1 stages on every device, or ``"auto"``: try :data:`AUTO_STAGES_PER_DEVICE`.
-    placement : {"looped", "v", "auto"}
-        How the ``v * p`` stages are placed (ignored when v = 1).
-    time_limit_s, seed, host_bandwidth_bytes_per_s, progress :
-        Partition search budget (per stage count), seed, device-host bandwidth (enables
-        offload), progress bars.
-    schedule_time_limit_s : float, optional
-        MILP budget per candidate in seconds (default :data:`DEFAULT_MILP_TIME_LIMIT_S` for
-        ``"milp"``, :func:`auto_milp_budget_s` for ``"auto"``: up to
-        :data:`DEFAULT_AUTO_MILP_TIME_LIMIT_S`, less for small problems; 0: ``"auto"`` without
-        the MILP).
-    mem_limit_bytes : float, optional
-        An extra cap on every device's activation memory (bytes), on top of the capacity's.
-    memory_bytes : float, optional
-        Capacity of one device in bytes (overrides ``memory``'s and the hardware's; ``inf``:
-        no limit). Default: the capacity of the datasheet spec named by
-        ``graph.meta["hardware"]`` (:func:`resolve_memory`), else unlimited.
-    memory : MemoryModel, optional
-        Precision policy, ZeRO sharding, reserved fraction (and capacity) of
-        :mod:`fxpipe.memory` (default mixed-precision Adam, 16 B/param, 10 % reserved).
-        With a finite capacity the partition is memory-aware (every stage's static state
-        plus one micro-batch's stash fits, :class:`fxpipe.partition.memory.PartitionMemory`
-        with the ``"floor"`` rule) and the schedule gets ``mem_limit = capacity - reserved
-        - static state`` per device (:func:`fxpipe.plan_memory.schedule_mem_limit`).
-
-    Returns
-    -------
-    (partition, problem, schedule, timings_s)
-        The kept candidate's; ``problem.device_of_stage`` is its placement.
-
-    Raises
-    ------
-    InputError
-        On bad counts, an unknown schedule or placement, a schedule the placement does not
-        admit, or more stages than ops.
-    InfeasibleError
-        When nothing fits the device memory (the first candidate's error): from the
-        partitioner (:func:`fxpipe.partition.memory.infeasible_error`: the overflow, the
-        smallest device count that fits, and whether offload, recomputation or ZeRO sharding
-        would help), from the static state of a device with several stages, or from the
-        schedule (:func:`fxpipe.schedule.auto.auto_schedule`).
-    """
-    from fxpipe.errors import InfeasibleError
-    from fxpipe.partition.colocate import check_no_forbidden_cuts
-    from fxpipe.partition.placement import device_costs, placement_of
-    from fxpipe.partition.search import partition as run_partition
-    from fxpipe.schedule.dispatch import default_method, make_schedule, methods_for_placement
-    from fxpipe.schedule.from_partition import problem_from_partition
-
-    from fxpipe.partition.memory import PartitionMemory
-    from fxpipe.plan_memory import schedule_mem_limit
+def _capture(model, args: tuple, kwargs: dict, *, costs: str, hardware, dtype, name, cost_db, profile_threads,
+             replicate: str, progress: bool):
+    """Capture ``model`` with ``torch.export`` and cost every op (``costs="measured"``: time them on this
+    machine first; ``hardware`` None: the default of ``costs``). Returns the
+    :class:`~fxpipe.passes.to_opgraph.TracedModel`, the hardware's name and the extra phase timings."""
+    from fxpipe.codegen.devicecheck import warn_meta_kernel_gaps
     from fxpipe.progress import phase
-    from fxpipe.schedule.auto import auto_schedule
 
-    devices = _check_count(devices, "devices")
-    microbatches = _check_count(microbatches, "microbatches")
-    model = resolve_memory(graph, memory, memory_bytes)
-    pmem = PartitionMemory(model, microbatches, "floor") if math.isfinite(model.capacity_bytes) else None
-    if schedule is not None and schedule not in SCHEDULES:
-        raise InputError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
-    cands = _placement_candidates(stages_per_device, placement)
-    several = len(cands) > 1
-    timings: dict[str, float] = {"partition": 0.0, "schedule": 0.0}
-    parts: dict[int, Partition] = {}
-    tried: list[dict[str, Any]] = []
-    best = None
-    first_error: Exception | None = None
-    for v, name in cands:
-        k = v * devices
-        dev = placement_of(name, devices, v)
-        record: dict[str, Any] = {"stages_per_device": v, "placement": name if v > 1 else "looped"}
-        tried.append(record)
-        if k > graph.n:
-            msg = (f"{v * devices} stages ({v} per device on {devices} devices) is more than the {graph.n} ops of "
-                   "the graph: every stage needs at least one op; use fewer devices or stages per device")
-            if not several:
-                raise InputError(f"devices={devices} x stages_per_device={v}: {msg}" if v > 1 else
-                                 f"devices={devices} is more than the {graph.n} ops of the graph: every stage needs "
-                                 "at least one op; use fewer devices")
-            record["skipped"] = msg
-            continue
-        valid = methods_for_placement(dev, devices)
-        method = schedule if schedule is not None else default_method(dev, devices)
-        record["schedule"] = method
-        if method not in valid:
-            msg = (f"schedule {method!r} does not schedule the {record['placement']} placement with {v} stages per "
-                   f"device; use one of {', '.join(valid)}")
-            if not several:
-                raise InputError(msg)
-            record["skipped"] = msg
-            continue
-        if k not in parts:
-            t0 = time.perf_counter()
-            try:
-                with phase(f"partition into {k} stages (up to {time_limit_s:g} s)", on=progress):
-                    part = run_partition(graph, k, objective=objective, comm="relay", time_limit_s=time_limit_s,
-                                         seed=seed, progress=progress, memory=pmem)
-                part = fill_empty_stages(graph, part, pmem)
-                # data-dependent sizes never cross stages (the search honours it; filling may not)
-                check_no_forbidden_cuts(graph, part.assignment, what=f"the partition into {k} stages")
-            except InfeasibleError as exc:
-                if not several:
-                    raise
-                parts[k] = exc
-            else:
-                parts[k] = part
-            finally:
-                timings["partition"] += time.perf_counter() - t0
-        part = parts[k]
-        if isinstance(part, Exception):
-            first_error = first_error or part
-            record["skipped"] = str(part)
-            continue
-        t0 = time.perf_counter()
-        try:
-            limit = schedule_mem_limit(graph, part.assignment, k, dev, model, microbatches, objective)
-        except InfeasibleError as exc:
-            if not several:
-                raise
-            first_error = first_error or exc
-            record["skipped"] = str(exc)
-            continue
-        if mem_limit_bytes is not None:
-            limit = np.minimum(limit, float(mem_limit_bytes))
-        problem = problem_from_partition(
-            graph, part, num_microbatches=microbatches, mem_limit_bytes=limit,
-            host_bandwidth_bytes_per_s=host_bandwidth_bytes_per_s, device_of_stage=dev,
-        )
-        record["device_bottleneck_s"] = float(device_costs(graph, part.assignment, dev, objective, "relay").max())
-        record["stage_bottleneck_s"] = float(part.bottleneck)
-        try:
-            if method == "auto":
-                budget = auto_milp_budget_s(problem) if schedule_time_limit_s is None else schedule_time_limit_s
-                with phase(f"schedule {k} stages x {microbatches} micro-batches (auto, MILP up to {budget:g} s)", on=progress):
-                    chosen = auto_schedule(problem, recompute=objective == "training", time_limit_s=budget,
-                                           progress=progress)
-                problem, sched = chosen.problem, chosen.schedule
-            else:
-                budget = DEFAULT_MILP_TIME_LIMIT_S if schedule_time_limit_s is None else schedule_time_limit_s
-                with phase(f"schedule {k} stages x {microbatches} micro-batches ({method})", on=progress):
-                    sched = make_schedule(problem, method, time_limit_s=budget, progress=progress)
-        except InfeasibleError as exc:
-            if not several:
-                raise
-            first_error = first_error or exc
-            record["skipped"] = str(exc)
-            continue
-        finally:
-            timings["schedule"] += time.perf_counter() - t0
-        record["step_time_s"] = float(sched.value)  # the schedule objective's value (stage_span: largest device span)
-        record["stage_span_s"], record["makespan_s"] = float(sched.stage_span), float(sched.makespan)
-        if best is None or sched.value < best[2].value * (1 - 1e-9):
-            best = (part, problem, sched, record)
-    if best is None:
-        if first_error is not None:
-            raise first_error
-        raise InputError("no placement candidate could be planned: " + "; ".join(r["skipped"] for r in tried))
-    part, problem, sched, record = best
-    if several:
-        record["chosen"] = True
-        sched = dataclasses.replace(sched, meta={**sched.meta, "placement_search": tried})
-    return part, problem, sched, timings
+    if costs not in ("roofline", "measured"):
+        raise InputError(f"costs must be 'roofline' or 'measured', got {costs!r}")
+    if hardware is None:
+        hardware = "measured" if costs == "measured" else "h100-sxm"
+    timings: dict[str, float] = {}
+    if costs == "measured":
+        from fxpipe.cost.profile import trace_measured
+
+        with phase("capture with torch.export and time every op on this machine", on=progress):
+            traced, report = trace_measured(model, args, kwargs, hardware=hardware, dtype=dtype, name=name, db=cost_db,
+                                            threads=profile_threads, progress=progress)
+        timings["profile"] = report.wall_s
+    else:
+        from fxpipe.passes import trace_model
+
+        with phase("capture with torch.export and cost every op", on=progress):
+            traced = trace_model(model, args, kwargs, hardware=hardware, dtype=dtype, name=name, replicate=replicate)
+    # a capture on meta may have taken a device branch's non-CPU path (issue 17): say so now, not on a rank
+    warn_meta_kernel_gaps(traced.gm, stacklevel=4)  # the caller of fxpipe.compile
+    return traced, getattr(hardware, "name", None) or str(hardware), timings
+
+
+def _plan_mesh(graph, mesh: Any, devices: int, microbatches: int, memory: MemoryModel, options: PlanOptions):
+    """Plan the pipeline of ``mesh`` (``"search"``: of the best mesh, :func:`fxpipe.mesh_search.search_mesh`).
+
+    Returns ``(mesh_degrees, memory_model, (partition, problem, schedule, timings), mesh_table or None)``.
+    """
+    if isinstance(mesh, str) and mesh == "search":
+        return search_mesh(graph, devices=devices, microbatches=microbatches, memory=memory, options=options)
+    degrees = normalize_mesh(mesh, devices)
+    model = mesh_memory(memory, degrees)
+    planned = plan_with_options(graph, devices=degrees["pp"], microbatches=microbatches_per_replica(microbatches, degrees),
+                                options=options, memory=model)
+    return degrees, model, planned, None
+
+
+def _make_plan(traced, hardware_name: str, microbatches: int, options: PlanOptions, planned, recorded: dict[str, Any],
+               timings: dict[str, float]) -> Plan:
+    """The :class:`Plan` of ``_plan_mesh``'s result ``planned`` for the capture ``traced`` (``microbatches``:
+    the global number); ``recorded``: the compile options kept in ``plan.options`` besides the seed, the
+    time limit, the resolved schedule and the mesh search."""
+    from fxpipe.schedule.dispatch import default_method
+
+    mesh_degrees, model, (part, problem, sched, plan_timings), mesh_table = planned
+    graph, pp = traced.graph, mesh_degrees["pp"]
+    resolved = options.schedule if options.schedule is not None else default_method(problem.device_of_stage, pp)
+    tables = (graph, part, problem, sched, options.objective, model)
+    return Plan(
+        name=graph.name, devices=pp, microbatches=microbatches_per_replica(microbatches, mesh_degrees),
+        mesh=mesh_degrees, hardware=hardware_name, objective=options.objective, comm="relay", graph=graph,
+        partition=part, stage_of={graph.names[i]: int(part.assignment[i]) for i in range(graph.n)}, problem=problem,
+        schedule=sched, stages=stage_stats(*tables), device_table=device_stats(*tables), memory=model,
+        timings_s={"capture": traced.capture_s, "cost": traced.cost_s, "export": traced.export_s, **timings,
+                   **plan_timings},
+        graph_signature=graph_signature(graph),
+        options={"seed": options.seed, "time_limit_s": options.time_limit_s, "schedule": resolved, **recorded,
+                 "mesh": recorded["mesh"] if isinstance(recorded["mesh"], str) else dict(mesh_degrees),
+                 **({"mesh_search": mesh_table} if mesh_table is not None else {})},
+        capture=CaptureCell(traced),
+    )
 
 
 def compile(  # noqa: A001 - the public name mirrors torch.compile
-    model,
-    args: Sequence[Any] = (),
-    kwargs: Mapping[str, Any] | None = None,
-    *,
-    devices: int = 4,
-    microbatches: int = 8,
-    hardware=None,
-    costs: str = "roofline",
-    cost_db=None,
-    profile_threads: int | None = None,
-    objective: str = "training",
-    schedule: str | None = "auto",
-    stages_per_device: int | str = 1,
-    placement: str = "looped",
-    dtype=None,
-    time_limit_s: float = 10.0,
-    schedule_time_limit_s: float | None = None,
-    seed: int = 0,
-    mem_limit_bytes: float | None = None,
-    name: str | None = None,
-    progress: bool = False,
-    replicate: str = "auto",
-    memory_bytes: float | None = None,
-    memory: MemoryModel | None = None,
-    mesh: Any = "auto",
+    model, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None, *, devices: int = 4,
+    microbatches: int = 8, hardware=None, costs: str = "roofline", cost_db=None, profile_threads: int | None = None,
+    objective: str = DEFAULTS.objective, schedule: str | None = DEFAULTS.schedule,
+    stages_per_device: int | str = DEFAULTS.stages_per_device, placement: str = DEFAULTS.placement, dtype=None,
+    time_limit_s: float = DEFAULTS.time_limit_s, schedule_time_limit_s: float | None = DEFAULTS.schedule_time_limit_s,
+    seed: int = DEFAULTS.seed, mem_limit_bytes: float | None = DEFAULTS.mem_limit_bytes, name: str | None = None,
+    progress: bool = DEFAULTS.progress, replicate: str = "auto", memory_bytes: float | None = None,
+    memory: MemoryModel | None = None, mesh: Any = "auto",
 ) -> Plan:
     """Plan pipeline parallelism for ``model``: capture, cost, partition, schedule.
 
@@ -587,13 +210,11 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     objective : {"training", "inference"}
         Contract-2 objective the partition minimises.
     schedule : str, optional
-        A method valid for the placement (:func:`fxpipe.schedule.dispatch.methods_for_placement`):
-        one stage per device: ``gpipe``, ``1f1b``, ``zb-h1``, ``zb-h2``, ``greedy``,
-        ``pipeoffload``, ``adaoffload``, ``interleaved-1f1b`` (= 1F1B), ``milp``; looped:
-        ``interleaved-1f1b``, ``greedy``, ``milp``; V-shape with 2 stages per device: ``zb-v``,
-        ``dualpipe-v`` (m >= 2 devices), ``greedy``, ``milp``; any placement: ``auto``
-        (default; the fastest that fits memory, see :func:`plan_graph`). ``None``: ``zb-h1``
-        with one stage per device, ``interleaved-1f1b`` looped, ``zb-v`` V-shaped.
+        A method valid for the placement (:func:`fxpipe.schedule.dispatch.methods_for_placement`;
+        every method and the placements it admits: :data:`fxpipe.schedule.registry.REGISTRY`),
+        or ``"auto"`` (default; the fastest that fits memory, see :func:`plan_graph`).
+        ``None``: the placement's default (``zb-h1`` with one stage per device,
+        ``interleaved-1f1b`` looped, ``zb-v`` V-shaped).
     stages_per_device : int or "auto"
         v: the model is cut into ``v * devices`` stages, v on every device (default 1).
         ``"auto"``: try v = 1 and v = 2 and keep the best predicted step time.
@@ -645,8 +266,7 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
         (:func:`fxpipe.mesh_search.search_mesh`): every ``pp x dp_shard`` of ``devices`` whose
         replicas divide ``microbatches`` is planned and the smallest predicted step (schedule +
         data-parallel sync) that fits memory kept; ``plan.options["mesh_search"]`` and the
-        summary list the candidates. (Making it the default, a topology and overlap are later
-        steps.)
+        summary list the candidates (what it does not do yet: :mod:`fxpipe.mesh_search`).
 
     Returns
     -------
@@ -657,6 +277,10 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     PlanWarning
         For a plan that wastes devices (:meth:`Plan.waste_warnings`: fewer micro-batches than
         devices, stages with almost no work), naming the better choice.
+    DeviceBranchWarning
+        A model captured on ``meta`` holds an op that this process's CPU (or CUDA) backend
+        cannot run with its traced dtypes, e.g. a dtype picked by a branch on the device
+        (:mod:`fxpipe.codegen.devicecheck` says what is and is not detected).
 
     Raises
     ------
@@ -672,116 +296,20 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
         Nothing fits the device memory: the message gives the overflow, the smallest device
         count that fits and which of offload, recomputation, ZeRO sharding or more devices
         would help (see :func:`plan_graph`).
-
-    Warns
-    -----
-    DeviceBranchWarning
-        A model captured on ``meta`` holds an op that this process's CPU (or CUDA) backend
-        cannot run with its traced dtypes, e.g. a dtype picked by a branch on the device
-        (:mod:`fxpipe.codegen.devicecheck` says what is and is not detected).
     """
-    devices = _check_count(devices, "devices")
-    microbatches = _check_count(microbatches, "microbatches")
+    devices, microbatches = check_count(devices, "devices"), check_count(microbatches, "microbatches")
     args, kwargs = check_call_inputs(args, kwargs)
-    from fxpipe.mesh import mesh_memory, microbatches_per_replica, normalize_mesh
-
-    searching = isinstance(mesh, str) and mesh == "search"
-    if searching:  # fxpipe.mesh_search: chosen after the capture
-        if isinstance(memory, MemoryModel) and memory.data_parallel != 1:
-            raise InputError("mesh='search' sets the data-parallel degree of the memory model: leave data_parallel at 1")
-        mesh_degrees = None
-    else:
-        mesh_degrees = normalize_mesh(mesh, devices)
-        pipe_devices, pipe_microbatches = mesh_degrees["pp"], microbatches_per_replica(microbatches, mesh_degrees)
-        if isinstance(memory, MemoryModel):
-            mesh_memory(memory, mesh_degrees)  # a conflicting ZeRO degree fails before the capture
-    if objective not in ("training", "inference"):
-        raise InputError(f"objective must be 'training' or 'inference', got {objective!r}")
-    if schedule is not None and schedule not in SCHEDULES:
-        raise InputError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
-    _placement_candidates(stages_per_device, placement)  # bad values fail before the capture
-    if costs not in ("roofline", "measured"):
-        raise InputError(f"costs must be 'roofline' or 'measured', got {costs!r}")
-    if hardware is None:
-        hardware = "measured" if costs == "measured" else "h100-sxm"
-    hardware_name = getattr(hardware, "name", None) or str(hardware)
-    timings_extra: dict[str, float] = {}
-    from fxpipe.progress import phase
-
-    if costs == "measured":
-        from fxpipe.cost.profile import trace_measured
-
-        with phase("capture with torch.export and time every op on this machine", on=progress):
-            traced, report = trace_measured(model, tuple(args), dict(kwargs or {}), hardware=hardware, dtype=dtype,
-                                            name=name, db=cost_db, threads=profile_threads, progress=progress)
-        timings_extra["profile"] = report.wall_s
-    else:
-        from fxpipe.passes import trace_model
-
-        with phase("capture with torch.export and cost every op", on=progress):
-            traced = trace_model(model, tuple(args), dict(kwargs or {}), hardware=hardware, dtype=dtype, name=name,
-                                 replicate=replicate)
-    # a capture on meta may have taken a device branch's non-CPU path (issue 17): say so now, not on a rank
-    from fxpipe.codegen.devicecheck import warn_meta_kernel_gaps
-
-    warn_meta_kernel_gaps(traced.gm, stacklevel=3)
-    graph = traced.graph
-    plan_kwargs = dict(
-        objective=objective,
-        schedule=schedule,
-        stages_per_device=stages_per_device,
-        placement=placement,
-        time_limit_s=time_limit_s,
-        schedule_time_limit_s=schedule_time_limit_s,
-        seed=seed,
-        mem_limit_bytes=mem_limit_bytes,
-        host_bandwidth_bytes_per_s=traced.hardware.host_bytes_per_s,
-        progress=progress,
-    )
-    base_memory = resolve_memory(graph, memory, memory_bytes, traced.hardware)
-    mesh_table = None
-    if searching:
-        from fxpipe.mesh_search import search_mesh
-
-        mesh_degrees, model, (part, problem, sched, timings), mesh_table = search_mesh(
-            graph, devices=devices, microbatches=microbatches, memory=base_memory, **plan_kwargs)
-        pipe_devices, pipe_microbatches = mesh_degrees["pp"], microbatches_per_replica(microbatches, mesh_degrees)
-    else:
-        model = mesh_memory(base_memory, mesh_degrees)
-        part, problem, sched, timings = plan_graph(graph, devices=pipe_devices, microbatches=pipe_microbatches,
-                                                   memory=model, **plan_kwargs)
-    stage_of = {graph.names[i]: int(part.assignment[i]) for i in range(graph.n)}
-    from fxpipe.schedule.dispatch import default_method
-
-    resolved = schedule if schedule is not None else default_method(problem.device_of_stage, pipe_devices)
-    plan = Plan(
-        name=graph.name,
-        devices=pipe_devices,
-        microbatches=pipe_microbatches,
-        mesh=mesh_degrees,
-        hardware=hardware_name,
-        objective=objective,
-        comm="relay",
-        graph=graph,
-        partition=part,
-        stage_of=stage_of,
-        problem=problem,
-        schedule=sched,
-        stages=stage_stats(graph, part, problem, sched, objective, model),
-        device_table=device_stats(graph, part, problem, sched, objective, model),
-        memory=model,
-        timings_s={"capture": traced.capture_s, "cost": traced.cost_s, "export": traced.export_s, **timings_extra, **timings},
-        graph_signature=graph_signature(graph),
-        options={"seed": seed, "time_limit_s": time_limit_s, "schedule": resolved, "dtype": str(dtype) if dtype else None,
-                 "costs": costs, "stages_per_device": stages_per_device, "placement": placement,
-                 "mesh": mesh if isinstance(mesh, str) else dict(mesh_degrees),
-                 **({"mesh_search": mesh_table} if mesh_table is not None else {})},
-        _captured=traced,
-    )
-    import warnings
-
-    from fxpipe.errors import PlanWarning
-
+    _check_mesh(mesh, devices, microbatches, memory)
+    options = PlanOptions.from_keywords(locals())  # validates objective, schedule, placement
+    traced, hardware_name, timings = _capture(model, args, kwargs, costs=costs, hardware=hardware, dtype=dtype,
+                                              name=name, cost_db=cost_db, profile_threads=profile_threads,
+                                              replicate=replicate, progress=progress)
+    options = dataclasses.replace(options, host_bandwidth_bytes_per_s=traced.hardware.host_bytes_per_s)
+    base_memory = resolve_memory(traced.graph, memory, memory_bytes, traced.hardware)
+    planned = _plan_mesh(traced.graph, mesh, devices, microbatches, base_memory, options)
+    recorded = {"dtype": str(dtype) if dtype else None, "costs": costs, "stages_per_device": stages_per_device,
+                "placement": placement, "mesh": mesh}
+    plan = _make_plan(traced, hardware_name, microbatches, options, planned, recorded, timings)
     for message in plan.waste_warnings():
         warnings.warn(message, PlanWarning, stacklevel=2)
     return plan

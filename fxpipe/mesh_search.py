@@ -4,7 +4,7 @@ A first, simple joint search (issue 18 item 3): every mesh of :func:`fxpipe.mesh
 (``pp * dp_shard = devices``, ``dp_shard`` dividing the global micro-batches; ``dp_replicate``
 is left out because with one link bandwidth it moves as many bytes as ``dp_shard`` and shards
 nothing) is planned as a pipeline over ``pp`` devices with ``microbatches / dp_shard``
-micro-batches (:func:`fxpipe.api.plan_graph`, with the memory model of the mesh,
+micro-batches (:func:`fxpipe.planner.plan_with_options`, with the memory model of the mesh,
 :func:`fxpipe.mesh.mesh_memory`), and scored by
 
     predicted step = the schedule's objective value (its step time) + data-parallel sync
@@ -25,11 +25,14 @@ from typing import Any
 
 from fxpipe.errors import FxpipeError, InputError
 from fxpipe.mesh import candidate_meshes, format_mesh, mesh_dp, mesh_memory, pipeline_dp_sync_s
+from fxpipe.options import PlanOptions
+from fxpipe.planner import plan_with_options
 
 __all__ = ["search_mesh"]
 
 
-def search_mesh(graph, *, devices: int, microbatches: int, memory, **plan_kwargs: Any):
+def search_mesh(graph, *, devices: int, microbatches: int, memory, options: PlanOptions | None = None,
+                **plan_kwargs: Any):
     """Plan every candidate mesh and keep the one with the smallest predicted step time.
 
     Parameters
@@ -41,13 +44,15 @@ def search_mesh(graph, *, devices: int, microbatches: int, memory, **plan_kwargs
     memory : MemoryModel
         The memory model of a device without data parallelism (each candidate's comes from
         :func:`fxpipe.mesh.mesh_memory`).
+    options : PlanOptions, optional
+        The planning options of every candidate (default: built from ``plan_kwargs``).
     plan_kwargs :
-        The other keyword arguments of :func:`fxpipe.api.plan_graph`.
+        The options as keyword arguments of :func:`fxpipe.api.plan_graph` (without ``options``).
 
     Returns
     -------
     (mesh, memory, (partition, problem, schedule, timings), table)
-        The chosen mesh, its memory model, :func:`~fxpipe.api.plan_graph`'s result for it,
+        The chosen mesh, its memory model, :func:`~fxpipe.planner.plan_with_options`'s result for it,
         and one row per candidate: ``mesh``, ``mesh_text``, ``step_time_s`` (the schedule's),
         ``dp_sync_s``, ``predicted_step_s`` or ``skipped`` (the reason), ``chosen``.
 
@@ -57,8 +62,10 @@ def search_mesh(graph, *, devices: int, microbatches: int, memory, **plan_kwargs
         The first candidate's error when no candidate could be planned (usually an
         ``InfeasibleError`` of the pure pipeline, with its remedies).
     """
-    from fxpipe.api import plan_graph
-
+    if options is None:
+        options = PlanOptions(**plan_kwargs)
+    elif plan_kwargs:
+        raise InputError(f"search_mesh takes options or plan_graph keywords, not both: got {sorted(plan_kwargs)}")
     table: list[dict[str, Any]] = []
     best = None
     first_error: Exception | None = None
@@ -68,8 +75,9 @@ def search_mesh(graph, *, devices: int, microbatches: int, memory, **plan_kwargs
         table.append(row)
         mem = mesh_memory(memory, mesh)
         try:
-            part, problem, sched, t = plan_graph(graph, devices=mesh["pp"], microbatches=microbatches // mesh_dp(mesh),
-                                                 memory=mem, **plan_kwargs)
+            part, problem, sched, t = plan_with_options(graph, devices=mesh["pp"],
+                                                        microbatches=microbatches // mesh_dp(mesh), options=options,
+                                                        memory=mem)
         except (FxpipeError, InputError) as exc:
             first_error = first_error or exc
             row["skipped"] = str(exc).split("\n")[0]

@@ -1,19 +1,23 @@
-"""The :class:`Plan`: what ``fxpipe.compile`` returns, saved as ``fxpipe.plan/1`` JSON.
+"""The :class:`Plan`: what ``fxpipe.compile`` returns, saved as ``fxpipe.plan/2`` JSON.
 
-A plan is plain data (the costed op graph, the partition into stages, the placement of the
-stages on the devices, the schedule problem and the timed schedule, the per-stage and
-per-device figures) plus, for a plan made in this process, the captured fx program.
-:meth:`Plan.orders` is the typed handoff to code generation (:class:`fxpipe.ir.Orders`, per
-device, with the placement). :meth:`Plan.build` emits this rank's
-``torch.distributed.pipelining`` stages and runtime, :meth:`Plan.train_local` trains the plan on local gloo ranks next to a
-single-process reference. A loaded plan re-captures the model and checks that the graph is
+A plan is frozen plain data (the costed op graph, the partition into stages, the placement of
+the stages on the devices, the schedule problem and the timed schedule, the per-stage and
+per-device figures) plus, for a plan made in this process, the captured fx program (runtime
+state in :attr:`Plan.capture`, not plan data). :meth:`Plan.orders` is the typed handoff to code
+generation (:class:`fxpipe.ir.Orders`, per device, with the placement). The operations on a
+plan live in their own modules, and ``Plan`` keeps thin methods for them:
+:meth:`Plan.to_dict` / :meth:`Plan.from_dict` (:mod:`fxpipe.plan_io`, the file format and the
+loader of older files), :meth:`Plan.build` (:mod:`fxpipe.plan_build`: this rank's
+``torch.distributed.pipelining`` stages and runtime), :meth:`Plan.reschedule`
+(:mod:`fxpipe.reschedule`) and :meth:`Plan.train_local` (:mod:`fxpipe.train`: local gloo
+ranks next to a single-process reference). The stage and device tables are
+:mod:`fxpipe.plan_tables`'s. A loaded plan re-captures the model and checks that the graph is
 the one the plan was made for (:func:`graph_signature`).
 """
 
 from __future__ import annotations
 
-import hashlib
-import time
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -23,124 +27,46 @@ import numpy as np
 from fxpipe.errors import InputError
 from fxpipe.ir import OpGraph, Orders, Schedule, ScheduleProblem, read_json, schedule_to_orders, write_json_atomic
 from fxpipe.memory import MemoryModel
+from fxpipe.mesh import format_mesh, mesh_dp, normalize_mesh, pipeline_dp_sync_s, pure_pipeline
 from fxpipe.partition.objective import Partition
+from fxpipe.plan_build import PlanStageOf, build_rank, compile_stages_option
+from fxpipe.plan_build import replica_batch as _replica_batch
+from fxpipe.plan_build import worker_stage_of as _worker_stage_of
+from fxpipe.plan_io import PLAN_FORMAT, graph_signature, plan_fields_from_dict, plan_to_dict
+from fxpipe.plan_tables import MEMORY_FIELDS, DeviceStats, StageStats  # noqa: F401 (public re-exports)
+from fxpipe.reschedule import reschedule as _reschedule
+from fxpipe.train import train_local as _train_local
 
 __all__ = ["Plan", "StageStats", "DeviceStats", "PLAN_FORMAT", "graph_signature", "load_plan"]
 
-PLAN_FORMAT = "fxpipe.plan/1"
-
+#: The plan's stage map for worker processes (:func:`fxpipe.plan_build.worker_stage_of`); old name.
+_PlanStageOf = PlanStageOf
 
 #: A stage whose work is under this share of the bottleneck stage's cost counts as idle
 #: (:meth:`Plan.waste_warnings`).
 IDLE_STAGE_SHARE = 0.05
 
-#: Memory columns of a stage / device row (bytes; :mod:`fxpipe.memory`'s names).
-MEMORY_FIELDS = ("params_bytes", "grads_bytes", "optimizer_bytes", "activation_peak_bytes", "comm_buffer_bytes",
-                 "reserved_bytes", "offloaded_peak_bytes", "memory_bytes", "capacity_bytes")
 
+@dataclass(eq=False)
+class CaptureCell:
+    """The captured fx program a plan builds its ranks from: runtime state beside the frozen plan data.
 
-class _MemoryRow:
-    """The capacity check shared by stage and device rows (``memory_bytes``, ``capacity_bytes``)."""
-
-    memory_bytes: float
-    capacity_bytes: float | None
-
-    @property
-    def fits(self) -> bool:
-        """``memory_bytes <= capacity_bytes`` (True without a capacity)."""
-        return self.capacity_bytes is None or self.memory_bytes <= self.capacity_bytes * (1 + 1e-12)
-
-
-@dataclass
-class StageStats(_MemoryRow):
-    """Per-stage figures of a plan (times in seconds, sizes in bytes); ``device`` holds the stage.
-
-    ``param_bytes`` are the stage's parameters in the captured graph's dtype. The memory
-    columns come from the plan's :class:`fxpipe.memory.MemoryModel`, the stage counted as if
-    alone on its device (:func:`fxpipe.plan_memory.stage_memory`): ``params_bytes``,
-    ``grads_bytes``, ``optimizer_bytes`` (precision policy, ZeRO), ``activation_peak_bytes``
-    (the peak of the stage's curve in the schedule, net of offloaded stashes),
-    ``comm_buffer_bytes`` (receive buffers), ``reserved_bytes``, ``offloaded_peak_bytes``
-    (host memory), ``memory_bytes`` (their total on the device) and ``capacity_bytes`` (None:
-    unlimited). ``recompute``: the stage replays its forward during B.
+    ``traced`` is the capture (:class:`fxpipe.passes.TracedModel`; None for a plan loaded from
+    a file until :meth:`Plan.captured` or :meth:`Plan.adopt_capture`), ``stage_of`` the stage
+    map keyed by its node names (None: the plan's own ``stage_of``). Plans made from one
+    another (:meth:`Plan.reschedule`) share the cell.
     """
 
-    stage: int
-    device: int
-    num_ops: int
-    param_bytes: float
-    t_fwd_s: float
-    t_bwd_input_s: float
-    t_bwd_weight_s: float
-    cost_s: float
-    activation_peak_bytes: float
-    memory_bytes: float
-    params_bytes: float = 0.0
-    grads_bytes: float = 0.0
-    optimizer_bytes: float = 0.0
-    comm_buffer_bytes: float = 0.0
-    reserved_bytes: float = 0.0
-    offloaded_peak_bytes: float = 0.0
-    capacity_bytes: float | None = None
-    recompute: bool = False
-
-    def to_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+    traced: Any = None
+    stage_of: dict | None = None
 
 
-@dataclass
-class DeviceStats(_MemoryRow):
-    """Per-device figures of a plan (times in seconds, sizes in bytes).
-
-    Attributes
-    ----------
-    device : int
-    stages : list[int]
-        The stages the device holds.
-    num_ops, param_bytes, t_fwd_s, t_bwd_input_s, t_bwd_weight_s :
-        Sums over the device's stages.
-    cost_s : float
-        Per-device cost (:func:`fxpipe.partition.placement.device_costs`): the stages' work plus
-        the transfers to and from other devices (free between stages of the device).
-    busy_s : float
-        Compute time of one step in the schedule problem (m times the stages' F + B + W).
-    span_s : float
-        First F to last W of the device in the schedule.
-    activation_peak_bytes, memory_bytes, params_bytes, grads_bytes, optimizer_bytes, comm_buffer_bytes,
-    reserved_bytes, offloaded_peak_bytes, capacity_bytes :
-        Memory by kind (:func:`fxpipe.plan_memory.device_memory`, names of :mod:`fxpipe.memory`):
-        the activation peak of the device's curve in the schedule, the static state of its
-        stages, receive buffers, the reserved fraction, stashes in host memory at once, the
-        total ``memory_bytes`` and the capacity (None: unlimited).
-    """
-
-    device: int
-    stages: list[int]
-    num_ops: int
-    param_bytes: float
-    t_fwd_s: float
-    t_bwd_input_s: float
-    t_bwd_weight_s: float
-    cost_s: float
-    busy_s: float
-    span_s: float
-    activation_peak_bytes: float
-    memory_bytes: float
-    params_bytes: float = 0.0
-    grads_bytes: float = 0.0
-    optimizer_bytes: float = 0.0
-    comm_buffer_bytes: float = 0.0
-    reserved_bytes: float = 0.0
-    offloaded_peak_bytes: float = 0.0
-    capacity_bytes: float | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {**self.__dict__, "stages": list(self.stages)}
-
-
-@dataclass
+@dataclass(frozen=True)
 class Plan:
-    """A pipeline plan: the partition of every op into stages and the schedule.
+    """A pipeline plan: the partition of every op into stages and the schedule (frozen data).
+
+    Derive a changed plan with :func:`dataclasses.replace` (or :meth:`replace`); the JSON
+    document is :meth:`to_dict` / :meth:`from_dict` (``fxpipe.plan/2``, reads ``/1``).
 
     Attributes
     ----------
@@ -184,6 +110,11 @@ class Plan:
         ``{"pp": p, "dp_shard": b, "dp_replicate": c}`` (:mod:`fxpipe.mesh`): ``b * c``
         data-parallel replicas of this pipeline; default (and plans saved before meshes) the
         pure pipeline ``{"pp": devices, "dp_shard": 1, "dp_replicate": 1}``.
+    options : dict
+        The options the plan was made with (seed, time limit, resolved schedule, ...; the
+        ``torch.compile`` backend adds its own).
+    capture : CaptureCell
+        The captured fx program (runtime state, not saved, not compared).
     """
 
     name: str
@@ -203,23 +134,28 @@ class Plan:
     options: dict[str, Any] = field(default_factory=dict)
     device_table: list[DeviceStats] = field(default_factory=list)
     memory: MemoryModel = field(default_factory=MemoryModel)
-    _captured: Any = field(default=None, repr=False, compare=False)
-    _captured_stage_of: Any = field(default=None, repr=False, compare=False)  # stage map by _captured's names
     mesh: dict = field(default_factory=dict)
+    capture: CaptureCell = field(default_factory=CaptureCell, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        from fxpipe.mesh import normalize_mesh, pure_pipeline
+        mesh = pure_pipeline(self.devices) if not self.mesh else normalize_mesh(self.mesh)
+        object.__setattr__(self, "mesh", mesh)  # frozen: the one normalisation on construction
+        if mesh["pp"] != self.devices:
+            raise InputError(f"plan mesh {mesh} disagrees with its {self.devices} pipeline devices (pp)")
 
-        self.mesh = pure_pipeline(self.devices) if not self.mesh else normalize_mesh(self.mesh)
-        if self.mesh["pp"] != self.devices:
-            raise InputError(f"plan mesh {self.mesh} disagrees with its {self.devices} pipeline devices (pp)")
+    def replace(self, **changes: Any) -> "Plan":
+        """A copy with ``changes`` (:func:`dataclasses.replace`; the capture is shared)."""
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def _captured(self):
+        """The captured fx program or None (``capture.traced``)."""
+        return self.capture.traced
 
     # ------------------------------------------------------------------ mesh (fxpipe.mesh)
     @property
     def dp(self) -> int:
         """Data-parallel replicas of the pipeline (``dp_shard * dp_replicate``)."""
-        from fxpipe.mesh import mesh_dp
-
         return mesh_dp(self.mesh)
 
     @property
@@ -239,14 +175,10 @@ class Plan:
         :func:`fxpipe.mesh.dp_sync_time_s` of every device's parameter bytes at the graph's
         bandwidth, the largest; not overlapped with the pipeline and not in the schedule.
         """
-        from fxpipe.mesh import pipeline_dp_sync_s
-
         return pipeline_dp_sync_s(self.graph, self.partition.assignment, self.device_of_stage, self.mesh)
 
     def mesh_summary(self) -> list[str]:
         """Summary lines for a plan with data parallelism (none for a pure pipeline)."""
-        from fxpipe.mesh import format_mesh
-
         search = self.options.get("mesh_search") or []
         lines = []
         if search:
@@ -505,39 +437,10 @@ class Plan:
             rows.append(f"memory binds: {n_off} stashes offloaded" + (f", stages {rec} recompute their forward" if rec else ""))
         return "\n".join(rows)
 
-    # ------------------------------------------------------------------ JSON
+    # ------------------------------------------------------------------ JSON (fxpipe.plan_io)
     def to_dict(self) -> dict[str, Any]:
-        """The ``fxpipe.plan/1`` document."""
-        return {
-            "format": PLAN_FORMAT,
-            "name": self.name,
-            "devices": self.devices,
-            "mesh": dict(self.mesh),
-            "dp_sync_s": self.dp_sync_s,
-            "num_stages": self.num_stages,
-            "stages_per_device": self.stages_per_device,
-            "placement": self.placement,
-            "device_of_stage": list(self.device_of_stage),
-            "microbatches": self.microbatches,
-            "hardware": self.hardware,
-            "objective": self.objective,
-            "comm": self.comm,
-            "graph_signature": self.graph_signature,
-            "options": self.options,
-            "bottleneck_s": self.bottleneck_s,
-            "makespan_s": self.makespan_s,
-            "bubble_ratio": self.bubble_ratio,
-            "optimality": self.optimality(),
-            "timings_s": self.timings_s,
-            "stages": [s.to_dict() for s in self.stages],
-            "device_table": [d.to_dict() for d in self.device_table],
-            "memory": self.memory.to_dict(),
-            "stage_of": self.stage_of,
-            "partition": self.partition.to_dict(),
-            "problem": self.problem.to_dict(),
-            "schedule": self.schedule.to_dict(),
-            "graph": self.graph.to_dict(),
-        }
+        """The ``fxpipe.plan/2`` document (:func:`fxpipe.plan_io.plan_to_dict`): every ``/1`` field, plus ``fxpipe_version``."""
+        return plan_to_dict(self)
 
     def save(self, path: str | Path) -> Path:
         """Write the plan as JSON (atomically)."""
@@ -545,111 +448,16 @@ class Plan:
 
     @classmethod
     def from_dict(cls, doc: Mapping[str, Any], *, source: str = "plan") -> "Plan":
-        """Rebuild a plan from its ``fxpipe.plan/1`` document (re-validating every part).
+        """Rebuild a plan from its ``fxpipe.plan/2`` or ``fxpipe.plan/1`` document, re-validating every part.
+
+        Older ``/1`` layouts are filled in (:func:`fxpipe.plan_io.plan_fields_from_dict`).
 
         Raises
         ------
         InputError
             If the document is not a plan or its parts are inconsistent.
         """
-        if not isinstance(doc, Mapping) or doc.get("format") != PLAN_FORMAT:
-            raise InputError(f"{source}: not an {PLAN_FORMAT} document")
-        try:
-            graph = OpGraph.from_dict(doc["graph"], source=f"{source}: graph")
-            p = doc["partition"]
-            partition = Partition(
-                k=int(p["k"]),
-                assignment=np.asarray(p["assignment"], dtype=np.int64),
-                block_costs=np.asarray(p["block_costs"], dtype=np.float64),
-                bottleneck=float(p["bottleneck"]),
-                objective=str(p["objective"]),
-                comm=str(p["comm"]),
-                meta=dict(p.get("meta", {})),
-            )
-            problem = ScheduleProblem.from_dict(doc["problem"], source=f"{source}: problem")
-            schedule = Schedule.from_dict(doc["schedule"], source=f"{source}: schedule")
-            stages = [StageStats(**{"device": s["stage"], **s}) for s in doc["stages"]]  # plans before placements
-            device_table = [DeviceStats(**d) for d in doc.get("device_table", [])]
-            plan = cls(
-                name=doc["name"],
-                devices=int(doc["devices"]),
-                microbatches=int(doc["microbatches"]),
-                hardware=doc["hardware"],
-                objective=doc["objective"],
-                comm=doc["comm"],
-                graph=graph,
-                partition=partition,
-                stage_of={str(k): int(v) for k, v in doc["stage_of"].items()},
-                problem=problem,
-                schedule=schedule,
-                stages=stages,
-                timings_s=dict(doc.get("timings_s", {})),
-                graph_signature=str(doc.get("graph_signature", "")),
-                options=dict(doc.get("options", {})),
-                device_table=device_table,
-                memory=MemoryModel.from_dict(doc["memory"]) if "memory" in doc else MemoryModel(),
-                mesh=_mesh_from_doc(doc, source),  # plans saved before meshes: a pure pipeline
-            )
-            plan._memory_columns = "memory" in doc
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise InputError(f"{source}: malformed plan ({exc!r}); regenerate it with fxpipe.compile") from None
-        if "device_of_stage" in doc and list(doc["device_of_stage"]) != list(plan.device_of_stage):
-            raise InputError(f"{source}: device_of_stage disagrees with the schedule problem's placement")
-        plan._check_consistent(source)
-        return plan
-
-    def _check_consistent(self, source: str) -> None:
-        """Every part of a loaded plan agrees with the others (raises InputError otherwise)."""
-        from fxpipe.partition.objective import validate_partition
-        from fxpipe.schedule.validate import check_schedule
-
-        if self.graph_signature != graph_signature(self.graph):
-            raise InputError(f"{source}: the graph signature does not match the graph: the file was edited or corrupted")
-        if not self.partition.k == self.problem.num_stages == len(self.stages):
-            raise InputError(
-                f"{source}: partition blocks ({self.partition.k}), schedule stages ({self.problem.num_stages}) and "
-                f"stage table ({len(self.stages)}) disagree"
-            )
-        if self.devices != self.problem.num_devices or self.num_stages % self.devices:
-            raise InputError(
-                f"{source}: devices ({self.devices}) disagree with the schedule problem's placement "
-                f"({self.problem.num_devices} devices for {self.problem.num_stages} stages)"
-            )
-        try:
-            validate_partition(self.graph, self.partition, rtol=1e-6)
-        except AssertionError as exc:
-            raise InputError(f"{source}: the partition is invalid: {exc}") from None
-        expected = {self.graph.names[i]: int(self.partition.assignment[i]) for i in range(self.graph.n)}
-        if self.stage_of != expected:
-            raise InputError(f"{source}: stage_of disagrees with the partition's assignment")
-        violations = check_schedule(self.problem, self.schedule.ops)
-        if violations:
-            raise InputError(f"{source}: the schedule breaks Contract 3: {violations[0]} ({len(violations)} violations)")
-        from fxpipe.api import device_stats, stage_stats  # noqa: PLC0415 (api imports this module)
-
-        expected_stages = stage_stats(self.graph, self.partition, self.problem, self.schedule, self.objective, self.memory)
-        expected_devices = device_stats(self.graph, self.partition, self.problem, self.schedule, self.objective,
-                                        self.memory)
-        if not self.device_table:  # plans saved before the device table: recompute it
-            self.device_table = expected_devices
-        if not getattr(self, "_memory_columns", True):  # plans saved before the memory model: recompute memory
-            self.stages, self.device_table = expected_stages, expected_devices
-        if len(self.device_table) != len(expected_devices):
-            raise InputError(f"{source}: the device table has {len(self.device_table)} rows for {self.devices} devices")
-        tables = [("stage", got.to_dict(), want.to_dict()) for got, want in zip(self.stages, expected_stages)]
-        tables += [("device", got.to_dict(), want.to_dict()) for got, want in zip(self.device_table, expected_devices)]
-        for kind, got, want in tables:
-            for key, val in want.items():
-                mine = got[key]
-                if isinstance(val, (list, bool)) or val is None or mine is None:
-                    same = mine == val
-                else:
-                    same = np.isclose(float(mine), float(val), rtol=1e-9, atol=0.0)
-                if not same:
-                    raise InputError(
-                        f"{source}: {kind} {want[kind]} {key} is {mine!r} but the plan's graph, partition and schedule give "
-                        f"{val!r}: the {kind} table was edited or the file is corrupted; regenerate it with fxpipe.compile"
-                    )
+        return cls(**plan_fields_from_dict(doc, source))
 
     # ------------------------------------------------------------------ runtime
     def orders(self) -> Orders:
@@ -662,8 +470,8 @@ class Plan:
 
     def captured(self, model=None, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None):
         """The captured fx program; re-captures ``model`` for a loaded plan and checks it matches."""
-        if self._captured is not None:
-            return self._captured
+        if self.capture.traced is not None:
+            return self.capture.traced
         if model is None:
             raise InputError("this plan was loaded from a file: pass the model and its example args to rebuild it")
         from fxpipe.passes import trace_model
@@ -699,376 +507,53 @@ class Plan:
             stage_map = dict(self.stage_of)
         else:
             stage_map = map_stage_of(structure, self.stage_of, traced.gm)
-        self._captured = traced
-        self._captured_stage_of = stage_map
+        self.capture.traced, self.capture.stage_of = traced, stage_map
 
     def captured_stage_of(self) -> dict[str, int]:
         """The stage map keyed by the node names of :meth:`captured` (``stage_of`` for the plan's own capture)."""
-        return dict(self._captured_stage_of) if self._captured_stage_of is not None else dict(self.stage_of)
+        return dict(self.capture.stage_of) if self.capture.stage_of is not None else dict(self.stage_of)
 
-    def worker_stage_of(self) -> "_PlanStageOf":
-        """A picklable ``gm -> stage map`` for worker processes that capture the model themselves.
+    def worker_stage_of(self) -> PlanStageOf:
+        return _worker_stage_of(self)
 
-        Matches each worker's capture to the plan by structure (:meth:`adopt_capture`), so every
-        worker runs exactly the planned partition whatever its hash seed or device; use it as the
-        ``stage_of`` of :func:`fxpipe.codegen.launch.spawn_train_many` runs.
-        """
-        from fxpipe.passes.structure import PlanStructure
-
-        return _PlanStageOf(dict(self.stage_of), PlanStructure.from_graph(self.graph))
+    worker_stage_of.__doc__ = _worker_stage_of.__doc__
 
     def recompute_stages(self) -> tuple[int, ...]:
         """Stages the schedule problem marks for activation recomputation (``problem.recompute``)."""
         return tuple(s for s, r in enumerate(getattr(self.problem, "recompute", ()) or ()) if r)
 
+    # ------------------------------------------------------------------ operations (their own modules)
     def build(self, rank: int, *, model=None, args=(), kwargs=None, loss_fn: Callable | None = None, group=None,
               device="cpu", checkpoint=None, seed: int | None = None, init_fn: Callable | None = None,
               compile_stages: bool | None = None):
-        """This rank's ``PipelineStage`` s and schedule runtime, inside an initialised process group.
+        return build_rank(self, rank, model=model, args=args, kwargs=kwargs, loss_fn=loss_fn, group=group, device=device,
+                          checkpoint=checkpoint, seed=seed, init_fn=init_fn, compile_stages=compile_stages)
 
-        Call from every worker of ``torchrun`` / ``torch.multiprocessing`` after
-        ``torch.distributed.init_process_group`` with ``world_size == plan.world_size``
-        (``plan.devices`` for a pure pipeline).
-
-        With data parallelism (``plan.dp > 1``) the ranks form the mesh of
-        :func:`fxpipe.mesh.rank_coords` (``rank = replica * pp + pipeline rank``); the call is
-        collective (it creates the ``DeviceMesh`` and process groups), every stage module is
-        wrapped by ``fully_shard`` / ``replicate`` over its data-parallel sub-mesh
-        (:mod:`fxpipe.codegen.mesh`), and ``schedule.step`` takes this rank's replica slice of
-        the global batch (:meth:`replica_batch`); ``schedule.fxpipe_mesh_rank`` holds the rank's
-        coordinates. Gradients are those of the mean loss over all ``global_microbatches``.
-
-        Parameters
-        ----------
-        rank : int
-            Global rank, 0..world_size-1; its pipeline rank (= ``rank`` for a pure pipeline)
-            runs the stages ``plan.device_of_stage`` puts on it.
-        model : nn.Module, optional
-            Needed only for a plan loaded from a file (it is re-captured and checked).
-        args, kwargs :
-            One micro-batch of example inputs (only for re-capture).
-        loss_fn : callable(output, target) -> scalar tensor
-            Applied on the last stage to every micro-batch.
-        checkpoint : str, os.PathLike or Mapping[str, Tensor], optional
-            Load this rank's stage parameters and buffers by fully qualified name from a
-            ``.safetensors`` file, a sharded safetensors index, a directory holding either, a
-            torch state dict file or a mapping (only the tensors this rank needs are read;
-            :mod:`fxpipe.codegen.materialize`). Buffers it lacks come from the initializers.
-        seed : int, optional
-            Materialize this rank's stages from the model's initializers under this seed
-            (same values as :class:`fxpipe.codegen.materialize.MetaInit` gives the whole model).
-            Needed (or ``checkpoint``) when the model was captured on ``meta``.
-        init_fn : callable(module) -> None, optional
-            Initializer of every module, replacing the model's own (with ``seed``).
-        compile_stages : bool, optional
-            Run every stage with Inductor, its backward split into backward-input and
-            backward-weight graphs (:mod:`fxpipe.codegen.compiled`). Default: the
-            ``compile_stages`` option of the ``torch.compile`` backend that made the plan, else False.
-
-        The stages the schedule problem marks for recomputation (:meth:`recompute_stages`) replay
-        their forward during the backward; the schedule's offload/reload actions are executed
-        (:mod:`fxpipe.codegen.stash`; ``schedule.fxpipe_stash.stats()`` reports the measured
-        activation peaks).
-
-        Returns
-        -------
-        (stages, schedule)
-            ``stages``: this rank's ``torch.distributed.pipelining.PipelineStage`` s (a tuple
-            in stage order, one entry per stage on this device); ``schedule``: the runtime whose
-            ``step(*inputs, target=..., losses=[])`` runs one training step (inputs read on the
-            rank of stage 0, ``schedule.has_first_stage``; the target on the rank of the last
-            stage, ``schedule.has_last_stage``); ``schedule.parameters()`` lists the rank's
-            parameters once each (for the optimizer).
-
-        Raises
-        ------
-        InputError
-            On a rank outside 0..world_size-1, a model that does not match the plan, or (with
-            data parallelism) what :func:`fxpipe.codegen.mesh.build_mesh_rank` does not support yet.
-        """
-        if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or not 0 <= int(rank) < self.world_size:
-            raise InputError(f"rank must be an integer in 0..{self.world_size - 1}, got {rank!r}")
-        from fxpipe.codegen import build_pipeline_rank
-
-        traced = self.captured(model, args, kwargs)
-        source = None
-        if checkpoint is not None or seed is not None or init_fn is not None:
-            from fxpipe.codegen.materialize import StateSource
-
-            source = StateSource(seed=0 if seed is None else int(seed), checkpoint=checkpoint, init_fn=init_fn,
-                                 model=model if model is not None else getattr(traced, "model", None))
-        if self.dp > 1:  # ---- mesh (fxpipe.codegen.mesh): pipeline x data parallelism
-            from fxpipe.codegen.mesh import build_mesh_rank
-            from fxpipe.codegen.rank import example_inputs_from_gm
-            from fxpipe.codegen.split import split_stages
-
-            stages, sched, _ = build_mesh_rank(
-                split_stages(traced.gm, self.captured_stage_of(), self.num_stages), int(rank), self.orders(), mesh=self.mesh,
-                num_microbatches=self.microbatches, loss_fn=loss_fn, device=device,
-                example_microbatch_inputs=example_inputs_from_gm(traced.gm), recompute_stages=self.recompute_stages(),
-                state_source=source, compile_stages=self._compile_stages(compile_stages),
-            )
-            return stages, sched
-        return build_pipeline_rank(
-            traced.gm,
-            self.captured_stage_of(),
-            int(rank),
-            self.orders(),
-            num_microbatches=self.microbatches,
-            loss_fn=loss_fn,
-            group=group,
-            device=device,
-            recompute_stages=self.recompute_stages(),
-            state_source=source,
-            compile_stages=self._compile_stages(compile_stages),
-        )
+    build.__doc__ = build_rank.__doc__
 
     def replica_batch(self, rank: int, inputs: Any, target: Any = None) -> tuple[Any, Any]:
-        """Global rank ``rank``'s part of a global batch: its replica's slice (all of it without data parallelism).
+        return _replica_batch(self, rank, inputs, target)
 
-        ``inputs`` (a tuple of positional inputs, a dict of keywords or
-        :class:`~fxpipe.codegen.interface.ModelInputs`) and ``target`` hold
-        :attr:`global_microbatches` micro-batches along dim 0; replica ``r`` gets the ``r``-th
-        of ``dp`` equal slices (:func:`fxpipe.codegen.mesh.replica_slice`), i.e. the global
-        micro-batches ``r * microbatches .. (r + 1) * microbatches - 1``. Returns
-        ``(inputs, target)`` in the same forms.
-        """
-        from fxpipe.mesh import rank_coords
-
-        replica = rank_coords(int(rank), self.mesh)["replica"]
-        if self.dp == 1:
-            return inputs, target
-        from fxpipe.codegen.mesh import replica_slice
-
-        return replica_slice(inputs, replica, self.dp), replica_slice(target, replica, self.dp, "target")
+    replica_batch.__doc__ = _replica_batch.__doc__
 
     def _compile_stages(self, compile_stages: bool | None) -> bool:
-        if compile_stages is None:
-            return bool((self.options.get("backend") or {}).get("compile_stages", False))
-        if not isinstance(compile_stages, bool):
-            raise InputError(f"compile_stages must be True, False or None, got {compile_stages!r}")
-        return compile_stages
+        return compile_stages_option(self, compile_stages)
 
     def reschedule(self, schedule: str, *, time_limit_s: float = 60.0, progress: bool = False) -> "Plan":
-        """The same partition and placement with another schedule (``"1f1b"``, ``"zb-h2"``, ``"zb-v"``, ``"milp"``, ...).
+        return _reschedule(self, schedule, time_limit_s=time_limit_s, progress=progress)
 
-        Parameters
-        ----------
-        schedule : str
-            A method of :func:`fxpipe.schedule.dispatch.make_schedule` valid for the plan's
-            placement (:func:`fxpipe.schedule.dispatch.methods_for_placement`). ``"auto"``
-            is :func:`fxpipe.schedule.auto.auto_schedule` with recomputation in training, as
-            in :func:`fxpipe.compile` (the new plan's problem carries the recomputing stages).
-        time_limit_s : float
-            MILP budget in seconds (``schedule="milp"``).
+    reschedule.__doc__ = _reschedule.__doc__
 
-        Returns
-        -------
-        Plan
-            A new plan sharing this plan's graph, partition, problem and capture.
+    def train_local(self, make_model: Callable, make_batch: Callable, *, steps: int = 2, lr: float = 0.01,
+                    loss: str | Callable = "cross_entropy", seed: int = 0, reference: bool = True,
+                    timeout_s: float = 600.0, loss_rtol: float = 1e-4, rtol: float = 1e-5,
+                    compile_stages: bool | None = None, progress: bool | None = None) -> dict[str, Any]:
+        return _train_local(self, make_model, make_batch, steps=steps, lr=lr, loss=loss, seed=seed,
+                            reference=reference, timeout_s=timeout_s, loss_rtol=loss_rtol, rtol=rtol,
+                            compile_stages=compile_stages, progress=progress)
 
-        Raises
-        ------
-        InputError
-            For an unknown schedule method or one the placement does not admit.
-        InfeasibleError
-            When the schedule cannot fit the problem's memory limit.
-        """
-        from fxpipe.api import SCHEDULES, device_stats, stage_stats
-        from fxpipe.schedule.dispatch import make_schedule, methods_for_placement
+    train_local.__doc__ = _train_local.__doc__
 
-        if schedule not in SCHEDULES:
-            raise InputError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
-        valid = methods_for_placement(self.device_of_stage, self.devices)
-        if schedule not in valid:
-            raise InputError(
-                f"schedule {schedule!r} does not schedule this plan's {self.placement} placement with "
-                f"{self.stages_per_device} stages per device; use one of {', '.join(valid)}"
-            )
-        t0 = time.perf_counter()
-        problem = self.problem
-        if schedule == "auto":  # as in compile: recomputation where memory forces it
-            from fxpipe.schedule.auto import auto_schedule
-
-            chosen = auto_schedule(problem, recompute=self.objective == "training", time_limit_s=time_limit_s,
-                                   progress=progress)
-            problem, sched = chosen.problem, chosen.schedule
-        else:
-            sched = make_schedule(problem, schedule, time_limit_s=time_limit_s, progress=progress)
-        return Plan(
-            name=self.name, devices=self.devices, microbatches=self.microbatches, hardware=self.hardware,
-            objective=self.objective, comm=self.comm, graph=self.graph, partition=self.partition,
-            stage_of=dict(self.stage_of), problem=problem, schedule=sched,
-            stages=stage_stats(self.graph, self.partition, problem, sched, self.objective, self.memory),
-            device_table=device_stats(self.graph, self.partition, problem, sched, self.objective, self.memory),
-            timings_s={**self.timings_s, "schedule": time.perf_counter() - t0},
-            graph_signature=self.graph_signature, options={**self.options, "schedule": schedule},
-            memory=self.memory, _captured=self._captured, _captured_stage_of=self._captured_stage_of, mesh=dict(self.mesh),
-        )
-
-    def train_local(
-        self,
-        make_model: Callable,
-        make_batch: Callable,
-        *,
-        steps: int = 2,
-        lr: float = 0.01,
-        loss: str | Callable = "cross_entropy",
-        seed: int = 0,
-        reference: bool = True,
-        timeout_s: float = 600.0,
-        loss_rtol: float = 1e-4,
-        rtol: float = 1e-5,
-        compile_stages: bool | None = None,
-        progress: bool | None = None,
-    ) -> dict[str, Any]:
-        """Train this plan for a few steps on ``world_size`` local gloo processes (CPU) and compare.
-
-        Every worker builds the model with ``make_model()`` under the same seed, captures
-        its first micro-batch, checks the graph against this plan, and runs its stages of the
-        plan's placement and schedule through ``torch.distributed.pipelining``; with ``reference=True`` the same
-        steps run in this process without pipelining and
-        :func:`fxpipe.codegen.compare.compare_training` compares losses, every gradient, every
-        parameter after the steps and every buffer.
-
-        Parameters
-        ----------
-        make_model : picklable callable() -> (model, full_batch_inputs)
-            Inputs in the model's calling form: a tuple (positional), a dict (keywords) or
-            :class:`fxpipe.codegen.interface.ModelInputs`, of any pytree structure.
-        make_batch : picklable callable(step) -> (inputs, target)
-            The full batch (``global_microbatches`` micro-batches along dim 0) of each step;
-            with data parallelism every replica trains on its slice (:meth:`replica_batch`) and
-            the reference on the whole batch.
-        steps, lr, loss, seed :
-            SGD steps and learning rate, loss (``"cross_entropy"``, ``"mse"`` or a picklable
-            callable(output, target) receiving the model's output structure), weight/data seed.
-        loss_rtol, rtol : float
-            Tolerances of the verdict ``ok``: relative loss difference, and gradient /
-            parameter / buffer difference relative to the largest reference value of its kind.
-        compile_stages : bool, optional
-            Run the stages with Inductor (:meth:`build`); Inductor reassociates float sums, so
-            compare with ``rtol`` about 1e-4 then.
-        progress : bool or None
-            A tqdm bar of the pipelined training steps on stderr (None: when stderr is a terminal).
-
-        Returns
-        -------
-        dict
-            ``pipeline_losses``, ``pipeline_wall_s`` and, with a reference, ``reference_losses``,
-            ``ok``, ``comparison`` (:meth:`TrainingComparison.to_dict`), ``max_grad_abs_diff``,
-            ``max_grad_rel_diff`` (the largest gradient difference relative to the largest
-            reference gradient of the model: the verdict), ``worst_param_grad_rel_diff`` and
-            ``worst_param`` (per-parameter, reported beside it), ``max_param_rel_diff``,
-            ``max_buffer_rel_diff``, ``num_params``, ``num_buffers``, ``random_ops``; the
-            :class:`~fxpipe.codegen.launch.TrainResult` objects under ``"results"`` (not JSON).
-
-        Warns
-        -----
-        RandomOpsWarning
-            When the model draws random numbers in training mode (active dropout): bitwise
-            equality with the reference cannot hold; compare in eval mode or with p = 0.
-        """
-        from fxpipe.codegen.compare import compare_training, random_ops_warning
-        from fxpipe.codegen.launch import reference_train, spawn_train_many
-
-        rnd: list[str] | None = None
-        if self._captured is not None:
-            from fxpipe.codegen.effects import random_ops
-
-            rnd = [str(o) for o in random_ops(self._captured.gm)]
-            random_ops_warning(rnd)
-        t0 = time.perf_counter()
-        run = dict(make_model=make_model, stage_of=self.worker_stage_of(), orders=self.orders(),
-                   num_microbatches=self.global_microbatches, make_batch=make_batch, steps=steps, lr=lr, loss=loss,
-                   seed=seed, recompute_stages=self.recompute_stages(), compile_stages=self._compile_stages(compile_stages),
-                   mesh=dict(self.mesh))
-        res = spawn_train_many([run], world_size=self.world_size, timeout_s=timeout_s, warn_random=rnd is None,
-                               progress=progress)[0]
-        out: dict[str, Any] = {"pipeline_losses": list(res.losses), "pipeline_wall_s": time.perf_counter() - t0}
-        if rnd is None:
-            rnd = list(res.meta.get("random_ops", []))
-        out["random_ops"] = rnd
-        if reference:
-            ref = reference_train(make_model, make_batch, num_microbatches=self.global_microbatches, steps=steps, lr=lr,
-                                  loss=loss, seed=seed)
-            cmp = compare_training(res, ref, loss_rtol=loss_rtol, rtol=rtol, random_ops=rnd)
-            out["reference_losses"] = list(ref.losses)
-            out.update(
-                ok=cmp.ok, comparison=cmp.to_dict(), max_grad_abs_diff=cmp.max_grad_abs_diff,
-                max_grad_rel_diff=cmp.max_grad_rel_diff, worst_param_grad_rel_diff=cmp.worst_param_grad_rel_diff,
-                worst_param=cmp.worst_param, max_param_rel_diff=cmp.max_param_rel_diff,
-                max_buffer_rel_diff=cmp.max_buffer_rel_diff, num_params=cmp.num_params, num_buffers=cmp.num_buffers,
-            )
-            out["results"] = (res, ref)
-        else:
-            out["results"] = (res,)
-        return out
-
-
-@dataclass(frozen=True)
-class _PlanStageOf:
-    """Picklable ``gm -> stage_of`` for workers: the plan's stage map for the worker's own capture.
-
-    With the plan's structure (:meth:`Plan.worker_stage_of`), the worker's nodes are matched to
-    the plan's by structure (:func:`fxpipe.passes.structure.map_stage_of`): node names and the
-    order of independent nodes may differ between processes (``PYTHONHASHSEED``). Without it,
-    the names must agree.
-    """
-
-    stage_of: dict
-    structure: Any = None
-
-    def __call__(self, gm) -> dict:
-        if self.structure is not None:
-            from fxpipe.passes.structure import map_stage_of
-
-            return map_stage_of(self.structure, self.stage_of, gm)
-        names = {n.name for n in gm.graph.nodes if n.op != "get_attr"}
-        missing = sorted(set(self.stage_of) - names)
-        extra = sorted(names - set(self.stage_of))
-        if missing or extra:
-            raise InputError(
-                "the worker's captured graph differs from the plan's "
-                f"(plan nodes missing: {missing[:5]}, unplanned nodes: {extra[:5]}): "
-                "make_model must build the model the plan was compiled for, with the same micro-batch shapes"
-            )
-        return self.stage_of
-
-
-def graph_signature(graph: OpGraph) -> str:
-    """A short hash of the graph's structure; costs are not included.
-
-    For a graph exported by :func:`fxpipe.passes.to_opgraph.to_opgraph` (every node has a
-    structural key, ``extra[i]["skey"]``): :func:`fxpipe.passes.structure.structure_signature`,
-    independent of node names, of the order of independent nodes (``PYTHONHASHSEED``) and of ops
-    that do no work (a ``contiguous`` a meta trace adds). Otherwise (plans saved before the keys,
-    hand-made graphs) a hash of the names, kinds and edges.
-    """
-    from fxpipe.passes.structure import SKEY, graph_preds, structure_signature
-
-    ext = graph.extra or ()
-    if len(ext) == graph.n and all(SKEY in e for e in ext):
-        return structure_signature([str(e[SKEY]) for e in ext], graph_preds(graph))
-    h = hashlib.sha256()
-    h.update("\x00".join(graph.names).encode())
-    h.update("\x00".join(graph.ops).encode())
-    h.update(np.ascontiguousarray(graph.edges, dtype=np.int64).tobytes())
-    return h.hexdigest()[:16]
-
-
-def _mesh_from_doc(doc: Mapping[str, Any], source: str) -> dict:
-    from fxpipe.mesh import normalize_mesh, pure_pipeline
-
-    if doc.get("mesh") is None:
-        return pure_pipeline(int(doc["devices"]))
-    try:
-        mesh = normalize_mesh(doc["mesh"])
-    except InputError as exc:
-        raise InputError(f"{source}: {exc}") from None
-    if mesh["pp"] != int(doc["devices"]):
-        raise InputError(f"{source}: mesh {mesh} disagrees with the plan's {doc['devices']} pipeline devices (pp)")
-    return mesh
 
 
 def load_plan(path: str | Path) -> Plan:

@@ -55,7 +55,7 @@ def test_plan_save_load_roundtrip(gpt2_plan, tmp_path):
     _, plan = gpt2_plan
     path = plan.save(tmp_path / "plan.json")
     doc = json.loads(path.read_text())
-    assert doc["format"] == "fxpipe.plan/1"
+    assert doc["format"] == "fxpipe.plan/2"
     loaded = fxpipe.load_plan(path)
     assert loaded.stage_of == plan.stage_of
     assert loaded.bottleneck_s == pytest.approx(plan.bottleneck_s)

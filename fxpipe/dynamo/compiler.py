@@ -248,13 +248,14 @@ class _GraphCompiler:
                 plan = fxpipe.compile(self.lifted, mb, {}, **ckw)
         else:
             plan = self._plan_collectively(mb, ckw)
-        plan.timings_s = {"dynamo_lift": self.lift_s, **plan.timings_s, "backend_total": time.perf_counter() - t0 + self.lift_s}
-        plan.options = {**plan.options, "backend": self.opts.to_dict(),
-                        "dynamo_compile_id": str(self.gm.meta.get("dynamo_compile_id", "")), "pipelined": self.pipelined,
-                        "microbatch_note": self.microbatch_note}
-        _PLANS.append(plan)
+        plan = plan.replace(  # a Plan is frozen: the backend's figures go into a copy
+            timings_s={"dynamo_lift": self.lift_s, **plan.timings_s, "backend_total": time.perf_counter() - t0 + self.lift_s},
+            options={**plan.options, "backend": self.opts.to_dict(),
+                     "dynamo_compile_id": str(self.gm.meta.get("dynamo_compile_id", "")), "pipelined": self.pipelined,
+                     "microbatch_note": self.microbatch_note})
         if self.opts.report is not None and (not self.pipelined or self._rank() == 0):
-            _write_report(plan, self.opts)
+            plan = plan.replace(options={**plan.options, "report": str(_write_report(plan, self.opts))})
+        _PLANS.append(plan)
         return plan, mb
 
     def _rank(self) -> int:
@@ -474,7 +475,6 @@ def _write_report(plan, opts: BackendOptions) -> Path:
     path = base if n == 1 else base.with_name(f"{base.stem}-{n}{base.suffix}")
     written = write_plan_report(plan, path, bounds_time_limit_s=opts.bounds_time_limit_s,
                                 command=f"torch.compile(model, backend='fxpipe', options={opts.to_dict()!r})")
-    plan.options = {**plan.options, "report": str(written["html"])}
     return Path(written["html"])
 
 
