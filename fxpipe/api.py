@@ -134,7 +134,7 @@ def _plan_mesh(graph, mesh: Any, devices: int, microbatches: int, memory: Memory
     degrees = normalize_mesh(mesh, devices)
     model = mesh_memory(memory, degrees)
     planned = plan_with_options(graph, devices=degrees["pp"], microbatches=microbatches_per_replica(microbatches, degrees),
-                                options=options, memory=model)
+                                options=options, memory=model, memory_bytes=model.capacity_bytes)  # resolved already
     return degrees, model, planned, None
 
 

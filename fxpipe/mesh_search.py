@@ -77,7 +77,7 @@ def search_mesh(graph, *, devices: int, microbatches: int, memory, options: Plan
         try:
             part, problem, sched, t = plan_with_options(graph, devices=mesh["pp"],
                                                         microbatches=microbatches // mesh_dp(mesh), options=options,
-                                                        memory=mem)
+                                                        memory=mem, memory_bytes=mem.capacity_bytes)
         except (FxpipeError, InputError) as exc:
             first_error = first_error or exc
             row["skipped"] = str(exc).split("\n")[0]

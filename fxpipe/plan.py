@@ -25,6 +25,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from fxpipe.errors import InputError
+from fxpipe.io import format_bytes
 from fxpipe.ir import OpGraph, Orders, Schedule, ScheduleProblem, read_json, schedule_to_orders, write_json_atomic
 from fxpipe.memory import MemoryModel
 from fxpipe.mesh import format_mesh, mesh_dp, normalize_mesh, pipeline_dp_sync_s, pure_pipeline
@@ -364,9 +365,9 @@ class Plan:
         for s in self.stages:
             mark = " <- bottleneck" if s.stage == worst else ""
             lines.append(
-                f"{s.stage:>5} {s.device:>6} {s.num_ops:>6} {_fmt_bytes(s.params_bytes):>10} {s.t_fwd_s * 1e3:>9.3f} "
+                f"{s.stage:>5} {s.device:>6} {s.num_ops:>6} {format_bytes(s.params_bytes):>10} {s.t_fwd_s * 1e3:>9.3f} "
                 f"{s.t_bwd_input_s * 1e3:>9.3f} {s.t_bwd_weight_s * 1e3:>9.3f} {s.cost_s * 1e3:>9.3f} "
-                f"{_fmt_bytes(s.memory_bytes):>10}{mark}"
+                f"{format_bytes(s.memory_bytes):>10}{mark}"
             )
         opt = self.optimality()
         if v > 1 and self.device_table:
@@ -376,10 +377,10 @@ class Plan:
             for d, dv in zip(self.device_table, opt["devices"]):
                 mark = " <- bottleneck" if d.device == worst_d else ""
                 lines.append(
-                    f"{d.device:>6} {','.join(map(str, d.stages)):>10} {d.num_ops:>6} {_fmt_bytes(d.params_bytes):>10} "
+                    f"{d.device:>6} {','.join(map(str, d.stages)):>10} {d.num_ops:>6} {format_bytes(d.params_bytes):>10} "
                     f"{d.cost_s * 1e3:>9.3f} {d.busy_s * 1e3:>9.3f} {d.span_s * 1e3:>9.3f} "
                     f"{dv['span_lower_bound_s'] * 1e3:>10.3f} "
-                    f"{_fmt_bytes(d.activation_peak_bytes):>10} {_fmt_bytes(d.memory_bytes):>10}{mark}"
+                    f"{format_bytes(d.activation_peak_bytes):>10} {format_bytes(d.memory_bytes):>10}{mark}"
                 )
         lines += self.memory_summary().splitlines()
         what = "bottleneck" if v == 1 else "device bottleneck"
@@ -565,14 +566,6 @@ def load_plan(path: str | Path) -> Plan:
         If the file is missing, not JSON, or not a valid plan.
     """
     return Plan.from_dict(read_json(path, "plan file"), source=str(path))
-
-
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
 
 
 #: What each step-time figure of :meth:`Plan.optimality` measures (summary wording).

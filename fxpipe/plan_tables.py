@@ -16,13 +16,14 @@ import numpy as np
 
 from fxpipe.ir import OpGraph, Schedule, ScheduleProblem
 from fxpipe.memory import MemoryModel
+from fxpipe.memory.model import ROW_FIELDS, MemoryRow
 from fxpipe.partition.objective import Partition
 
 __all__ = ["StageStats", "DeviceStats", "MEMORY_FIELDS", "stage_stats", "device_stats"]
 
 
 @dataclass(kw_only=True)
-class _PlanRow:
+class _PlanRow(MemoryRow):
     """The columns stage and device rows share: the work of their ops and memory by kind.
 
     ``num_ops``, ``param_bytes`` (in the captured graph's dtype), ``t_fwd_s``,
@@ -30,7 +31,8 @@ class _PlanRow:
     columns of :mod:`fxpipe.memory` (:data:`MEMORY_FIELDS`): ``activation_peak_bytes``,
     ``memory_bytes`` (the total on the device), ``params_bytes``, ``grads_bytes``,
     ``optimizer_bytes``, ``comm_buffer_bytes``, ``reserved_bytes``, ``offloaded_peak_bytes``
-    (host memory) and ``capacity_bytes`` (None: unlimited).
+    (host memory) and ``capacity_bytes`` (None: unlimited); ``fits`` and ``overflow_bytes``
+    come from :class:`fxpipe.memory.MemoryRow`.
     """
 
     num_ops: int
@@ -49,11 +51,6 @@ class _PlanRow:
     offloaded_peak_bytes: float = 0.0
     capacity_bytes: float | None = None
 
-    @property
-    def fits(self) -> bool:
-        """``memory_bytes <= capacity_bytes`` (True without a capacity)."""
-        return self.capacity_bytes is None or self.memory_bytes <= self.capacity_bytes * (1 + 1e-12)
-
     def to_dict(self) -> dict[str, Any]:
         """The row as plain data (the plan file's stage / device table entry)."""
         names = [f.name for f in fields(self)]
@@ -65,9 +62,8 @@ class _PlanRow:
 _ROW_COLUMNS = frozenset(f.name for f in fields(_PlanRow))
 
 
-#: Memory columns of a stage / device row (bytes; :mod:`fxpipe.memory`'s names).
-MEMORY_FIELDS = ("params_bytes", "grads_bytes", "optimizer_bytes", "activation_peak_bytes", "comm_buffer_bytes",
-                 "reserved_bytes", "offloaded_peak_bytes", "memory_bytes", "capacity_bytes")
+#: Memory columns of a stage / device row (bytes): :data:`fxpipe.memory.model.ROW_FIELDS`.
+MEMORY_FIELDS = ROW_FIELDS
 
 
 @dataclass
@@ -76,7 +72,7 @@ class StageStats(_PlanRow):
 
     The work and memory columns are :class:`_PlanRow`'s; the memory columns come from the
     plan's :class:`fxpipe.memory.MemoryModel`, the stage counted as if alone on its device
-    (:func:`fxpipe.plan_memory.stage_memory`); ``activation_peak_bytes`` is the peak of the
+    (:func:`fxpipe.memory.plan_view.stage_memory`); ``activation_peak_bytes`` is the peak of the
     stage's curve in the schedule, net of offloaded stashes. ``recompute``: the stage replays
     its forward during B.
     """
@@ -106,7 +102,7 @@ class DeviceStats(_PlanRow):
         First F to last W of the device in the schedule.
     activation_peak_bytes, memory_bytes, params_bytes, grads_bytes, optimizer_bytes, comm_buffer_bytes,
     reserved_bytes, offloaded_peak_bytes, capacity_bytes :
-        Memory by kind (:func:`fxpipe.plan_memory.device_memory`, names of :mod:`fxpipe.memory`):
+        Memory by kind (:func:`fxpipe.memory.plan_view.device_memory`, names of :mod:`fxpipe.memory`):
         the activation peak of the device's curve in the schedule, the static state of its
         stages, receive buffers, the reserved fraction, stashes in host memory at once, the
         total ``memory_bytes`` and the capacity (None: unlimited).
@@ -140,13 +136,13 @@ def stage_stats(graph: OpGraph, partition: Partition, problem: ScheduleProblem, 
                 memory: MemoryModel | None = None) -> list[StageStats]:
     """Per-stage figures: ops, parameter bytes, F/B/W times, cost, and memory by kind.
 
-    Memory comes from the one memory model (:func:`fxpipe.plan_memory.stage_memory`, each
+    Memory comes from the one memory model (:func:`fxpipe.memory.plan_view.stage_memory`, each
     stage as if alone on a device; ``memory`` default: :class:`~fxpipe.memory.MemoryModel`'s
     defaults without a capacity): parameters, gradients, optimizer state, the activation peak
     of the stage's curve in ``schedule``, receive buffers, the reserved fraction, and the
     stashes offloaded at once.
     """
-    from fxpipe.plan_memory import stage_memory
+    from fxpipe.memory.plan_view import stage_memory
 
     model = memory if memory is not None else MemoryModel()
     a = partition.assignment
@@ -161,9 +157,9 @@ def device_stats(graph: OpGraph, partition: Partition, problem: ScheduleProblem,
     """Per-device figures: the device's stages, ops, parameter bytes, F/B/W times, the per-device
     cost (:func:`fxpipe.partition.placement.device_costs`: its stages' work plus the transfers to
     other devices), its compute time per step and span in the schedule, and memory by kind
-    (:func:`fxpipe.plan_memory.device_memory`)."""
+    (:func:`fxpipe.memory.plan_view.device_memory`)."""
     from fxpipe.partition.placement import device_costs
-    from fxpipe.plan_memory import device_memory
+    from fxpipe.memory.plan_view import device_memory
     from fxpipe.schedule.validate import device_busy_s, device_spans
 
     model = memory if memory is not None else MemoryModel()

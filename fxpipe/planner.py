@@ -215,7 +215,7 @@ def plan_graph(
         With a finite capacity the partition is memory-aware (every stage's static state
         plus one micro-batch's stash fits, :class:`fxpipe.partition.memory.PartitionMemory`
         with the ``"floor"`` rule) and the schedule gets ``mem_limit = capacity - reserved
-        - static state`` per device (:func:`fxpipe.plan_memory.schedule_mem_limit`).
+        - static state`` per device (:func:`fxpipe.memory.plan_view.schedule_mem_limit`).
 
     Returns
     -------
@@ -348,7 +348,7 @@ class _CandidateSearch:
     def _schedule(self, part: Partition, dev, method: str, record: dict[str, Any]) -> tuple[ScheduleProblem, Schedule]:
         """The scheduling problem of ``part`` placed by ``dev`` under the memory limit, and its schedule by ``method``."""
         from fxpipe.partition.placement import device_costs
-        from fxpipe.plan_memory import schedule_mem_limit
+        from fxpipe.memory.plan_view import schedule_mem_limit
         from fxpipe.progress import phase
         from fxpipe.schedule.auto import auto_schedule
         from fxpipe.schedule.dispatch import make_schedule

@@ -128,7 +128,7 @@ def test_placement_search_chosen_figure_is_labelled_and_matches_the_plan(auto_pl
 
 
 def test_one_params_figure_in_the_plans_precision(auto_plan):
-    from fxpipe.plan import _fmt_bytes
+    from fxpipe.io import format_bytes as _fmt_bytes
 
     plan = auto_plan
     text = plan.summary()

@@ -129,6 +129,8 @@ def test_capacity_binds_schedule_and_tables_agree(tiny_gpt2):
     free = fxpipe.compile(model, args, kwargs, devices=2, microbatches=8, time_limit_s=0.5, memory_bytes=math.inf,
                           schedule_time_limit_s=2.0)
     assert free.memory.capacity_bytes == math.inf and all(s.capacity_bytes is None for s in free.stages)
+    # planned without a limit too (compile once resolved inf twice: the planner then took the datasheet's 80 GB)
+    assert free.problem.mem_limit is None or np.isinf(np.asarray(free.problem.mem_limit, dtype=float)).all()
     need = max(d.memory_bytes for d in free.device_table)
     static = max(d.params_bytes + d.grads_bytes + d.optimizer_bytes + d.comm_buffer_bytes for d in free.device_table)
     cap = (static + 0.5 * (need - static)) / 0.9  # half the activations the unlimited schedule holds

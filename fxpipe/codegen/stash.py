@@ -571,8 +571,9 @@ class DeviceStash:
             )
 
     # ------------------------------------------------------------------ offload / reload
-    def after(self, torch_action: str) -> None:
-        """Issue the O/R actions anchored after ``torch_action`` (and poll copies in flight)."""
+    def after(self, torch_action) -> None:
+        """Issue the O/R actions anchored after ``torch_action`` (a typed action of
+        :mod:`fxpipe.ir.lowering`, or its text) and poll copies in flight."""
         self._poll()
         for a in self.program.memops_after(torch_action):
             if a.type == "O":
@@ -752,7 +753,7 @@ class DeviceStash:
         return [s.tensor for g in ms.groups.values() for s in g.alive_slots() if s.tensor is not None]
 
 
-def device_stash(device_index: int, orders: Any, torch_actions: Sequence[str], recompute_stages: Iterable[int],
+def device_stash(device_index: int, orders: Any, torch_actions: Sequence[Any], recompute_stages: Iterable[int],
                  modules: Mapping[int, torch.nn.Module], device, track: bool = True) -> DeviceStash | None:
     """The :class:`DeviceStash` of one device (all its stages; None when it has nothing to do).
 
@@ -763,8 +764,9 @@ def device_stash(device_index: int, orders: Any, torch_actions: Sequence[str], r
     orders : fxpipe.ir.Orders or Mapping[int, list[(type, microbatch)]]
         The device programs with their O/R actions (:func:`fxpipe.ir.schedule_to_orders` keeps
         them); the per-stage form is read with one stage per device.
-    torch_actions : sequence of str
-        The device's compute actions as the runtime executes them (torch vocabulary, after fusion).
+    torch_actions : sequence of typed actions (or their text)
+        The device's compute actions as the runtime executes them (after fusion,
+        :func:`fxpipe.codegen.actions.lower_orders`).
     recompute_stages : iterable of int
         Stages (of the whole pipeline) that recompute their forward.
     modules : Mapping[int, torch.nn.Module]
