@@ -16,7 +16,36 @@ class InputError(FxpipeError, ValueError):
 
 
 class InfeasibleError(FxpipeError):
-    """No solution exists under the given constraints (memory capacity, device count)."""
+    """No solution exists under the given constraints (memory capacity, device count).
+
+    The figures behind the message, where the raiser knows them (``None`` otherwise):
+
+    Attributes
+    ----------
+    overflow_bytes : float or None
+        By how much the tightest device or stage is over its usable memory.
+    required_capacity_bytes : float or None
+        The device memory the best partition ignoring memory would need.
+    stage : int or None
+        The stage (or device) that overflows.
+    min_devices : int or None
+        The smallest device count that fits (``None``: none up to the searched maximum).
+    remedies : dict[str, str]
+        What would help, keyed ``"devices"``, ``"offload"``, ``"recompute"``, ``"zero"``.
+    tried : dict
+        What the schedule search tried (``schedule="auto"``).
+    """
+
+    def __init__(self, message: str = "", *, overflow_bytes: float | None = None,
+                 required_capacity_bytes: float | None = None, stage: int | None = None,
+                 min_devices: int | None = None, remedies: dict | None = None, tried: dict | None = None):
+        super().__init__(message)
+        self.overflow_bytes = overflow_bytes
+        self.required_capacity_bytes = required_capacity_bytes
+        self.stage = stage
+        self.min_devices = min_devices
+        self.remedies = dict(remedies) if remedies else {}
+        self.tried = dict(tried) if tried else {}
 
 
 class CaptureError(FxpipeError):

@@ -97,9 +97,9 @@ def schedule_mem_limit(graph: OpGraph, assignment, k: int, device_of_stage: Sequ
             f"under the {model.precision.name} policy) needs {format_bytes(model.usable_bytes - float(limit[d]))}, "
             f"over the usable {format_bytes(model.usable_bytes)} of {format_bytes(model.capacity_bytes)} by "
             f"{format_bytes(-float(limit[d]))}; no schedule can fit: use more devices, fewer stages per device, "
-            "ZeRO sharding over data-parallel replicas or devices with more memory"
+            "ZeRO sharding over data-parallel replicas or devices with more memory",
+            overflow_bytes=-float(limit[d]), stage=d,
         )
-        err.overflow_bytes = -float(limit[d])
         raise err
     return limit
 

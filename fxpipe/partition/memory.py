@@ -239,13 +239,8 @@ def infeasible_error(graph: OpGraph, k: int, objective: str, comm: str, memory, 
         f"{format_bytes(need)} on stage {worst} (overflow {format_bytes(over)} = {over:.0f} bytes). "
     )
     msg += " ".join(remedies[key] for key in ("devices", "offload", "recompute", "zero"))
-    err = InfeasibleError(msg)
-    err.overflow_bytes = over
-    err.required_capacity_bytes = required
-    err.stage = worst
-    err.min_devices = min_devices
-    err.remedies = remedies
-    return err
+    return InfeasibleError(msg, overflow_bytes=over, required_capacity_bytes=required, stage=worst,
+                           min_devices=min_devices, remedies=remedies)
 
 
 #: Data-parallel degrees :func:`memory_remedies` tries ZeRO sharding over.
