@@ -80,20 +80,15 @@ def main() -> None:
     start = 0
     if args.resume:  # every rank reads its shards of the saved state (collective)
         start = load_training_state(args.resume, schedule, opt)["step"]
-    first, last = schedule.has_first_stage, schedule.has_last_stage
+    last = schedule.has_last_stage
     losses_per_step = []
     for step in range(start, start + args.steps):
         inputs, target = plan.replica_batch(rank, *factory.batch(step))  # this rank's replica's slice
         opt.zero_grad()
         losses: list[torch.Tensor] = []
-        if first and last:
-            schedule.step(*inputs, target=target, losses=losses)
-        elif first:
-            schedule.step(*inputs)
-        elif last:
-            schedule.step(target=target, losses=losses)
-        else:
-            schedule.step()
+        # every rank makes the same call: the runtime reads the inputs on the first stage's rank and the
+        # target on the last stage's (schedule.has_first_stage / has_last_stage)
+        schedule.step(*inputs, target=target, losses=losses)
         opt.step()
         if last:
             losses_per_step.append(sum(float(x.detach()) for x in losses) / len(losses))

@@ -39,15 +39,10 @@ def _train(plan, schedule, opt, factory, rank: int, steps) -> list[float]:
         inputs, target = plan.replica_batch(rank, *factory.batch(step))
         opt.zero_grad()
         losses: list[torch.Tensor] = []
-        first, last = schedule.has_first_stage, schedule.has_last_stage
-        if first and last:
-            schedule.step(*inputs, target=target, losses=losses)
-        elif first:
-            schedule.step(*inputs)
-        elif last:
-            schedule.step(target=target, losses=losses)
-        else:
-            schedule.step()
+        last = schedule.has_last_stage
+        # every rank makes the same call: the runtime reads the inputs on the first stage's rank and the
+        # target on the last stage's (schedule.has_first_stage / has_last_stage)
+        schedule.step(*inputs, target=target, losses=losses)
         opt.step()
         if last:
             out.append(sum(float(x.detach()) for x in losses) / len(losses))
