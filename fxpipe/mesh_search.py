@@ -10,25 +10,35 @@ micro-batches (:func:`fxpipe.planner.plan_with_options`, with the memory model o
     predicted step = the schedule's objective value (its step time) + data-parallel sync
 
 (:func:`fxpipe.mesh.pipeline_dp_sync_s`, ring collectives at the graph's bandwidth, not
-overlapped). Candidates that do not fit the memory or have more stages than ops are skipped
-with the reason. The smallest predicted step wins (ties: more pipeline stages, i.e. the order
-of the candidates).
+overlapped). The smallest predicted step wins (ties: more pipeline stages).
+
+Kept fast by bounds: the candidates are planned in increasing order of a lower bound that needs
+no partition (:func:`mesh_lower_bound_s`: perfectly balanced work without bubbles plus the sync
+of the average device's parameters), and the search stops at the first candidate whose bound
+is no better than the best predicted step so far (the rest are pruned: none can win). A
+candidate whose average static state (parameters, gradients, optimizer state under the mesh's
+memory model) already exceeds the usable memory is skipped without planning; so is one the
+planner finds infeasible, with its reason. Every candidate is a row of the returned table.
 
 Not yet: a topology (intra- / inter-node bandwidths and rank placement), overlap of the
-gradient sync with the pipeline, ``dp_replicate`` / HSDP candidates, pruning by bounds, and
-reusing partitions across candidates (each ``pp`` is a separate partition search).
+gradient sync with the pipeline, ``dp_replicate`` / HSDP candidates, and reusing partitions
+across candidates (each ``pp`` is a separate partition search).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from fxpipe.errors import FxpipeError, InputError
-from fxpipe.mesh import candidate_meshes, format_mesh, mesh_dp, mesh_memory, pipeline_dp_sync_s
+import numpy as np
+
+from fxpipe.errors import FxpipeError, InfeasibleError, InputError
+from fxpipe.io import format_bytes
+from fxpipe.mesh import candidate_meshes, dp_sync_time_s, format_mesh, mesh_dp, mesh_memory, pipeline_dp_sync_s
+from fxpipe.partition.memory import num_params
 from fxpipe.options import PlanOptions
 from fxpipe.planner import plan_with_options
 
-__all__ = ["search_mesh"]
+__all__ = ["search_mesh", "mesh_lower_bound_s"]
 
 
 def search_mesh(graph, *, devices: int, microbatches: int, memory, options: PlanOptions | None = None,
@@ -53,27 +63,43 @@ def search_mesh(graph, *, devices: int, microbatches: int, memory, options: Plan
     -------
     (mesh, memory, (partition, problem, schedule, timings), table)
         The chosen mesh, its memory model, :func:`~fxpipe.planner.plan_with_options`'s result for it,
-        and one row per candidate: ``mesh``, ``mesh_text``, ``step_time_s`` (the schedule's),
-        ``dp_sync_s``, ``predicted_step_s`` or ``skipped`` (the reason), ``chosen``.
+        and one row per candidate (in decreasing ``pp``): ``mesh``, ``mesh_text``,
+        ``lower_bound_s``, then ``step_time_s`` (the schedule's), ``dp_sync_s`` and
+        ``predicted_step_s``, or ``skipped`` (why: pruned by its bound, static state over the
+        memory, or the planner's error); ``chosen`` on the winner.
 
     Raises
     ------
     FxpipeError
-        The first candidate's error when no candidate could be planned (usually an
-        ``InfeasibleError`` of the pure pipeline, with its remedies).
+        The first planner error when no candidate could be planned (usually an
+        ``InfeasibleError`` with its remedies), or an ``InfeasibleError`` listing why each mesh
+        was skipped.
     """
     if options is None:
         options = PlanOptions(**plan_kwargs)
     elif plan_kwargs:
         raise InputError(f"search_mesh takes options or plan_graph keywords, not both: got {sorted(plan_kwargs)}")
-    table: list[dict[str, Any]] = []
+    graph_params = float(np.sum(num_params(graph)))
+    rows = []
+    for mesh in candidate_meshes(devices, microbatches):
+        mem = mesh_memory(memory, mesh)
+        rows.append(({"mesh": dict(mesh), "mesh_text": format_mesh(mesh),
+                      "lower_bound_s": mesh_lower_bound_s(graph, mesh, microbatches, options.objective)}, mesh, mem))
+    table = [r for r, _, _ in rows]
+    rows.sort(key=lambda x: x[0]["lower_bound_s"])  # stable: equal bounds keep more pipeline stages first
     best = None
     first_error: Exception | None = None
     timings: dict[str, float] = {}
-    for mesh in candidate_meshes(devices, microbatches):
-        row: dict[str, Any] = {"mesh": dict(mesh), "mesh_text": format_mesh(mesh)}
-        table.append(row)
-        mem = mesh_memory(memory, mesh)
+    for row, mesh, mem in rows:
+        if best is not None and row["lower_bound_s"] >= best[0]["predicted_step_s"]:
+            row["skipped"] = (f"pruned: its lower bound {row['lower_bound_s'] * 1e3:.4g} ms is no better than "
+                              f"{best[0]['mesh_text']}'s predicted {best[0]['predicted_step_s'] * 1e3:.4g} ms")
+            continue
+        static = mem.static_bytes_per_param(options.objective) * graph_params / mesh["pp"]
+        if static > mem.usable_bytes:
+            row["skipped"] = (f"cannot fit: the static state alone needs {format_bytes(static)} per device on average, "
+                              f"over the usable {format_bytes(mem.usable_bytes)}")
+            continue
         try:
             part, problem, sched, t = plan_with_options(graph, devices=mesh["pp"],
                                                         microbatches=microbatches // mesh_dp(mesh), options=options,
@@ -86,11 +112,42 @@ def search_mesh(graph, *, devices: int, microbatches: int, memory, options: Plan
             timings[k] = timings.get(k, 0.0) + v
         sync = pipeline_dp_sync_s(graph, part.assignment, problem.device_of_stage, mesh)
         row.update(step_time_s=float(sched.value), dp_sync_s=sync, predicted_step_s=float(sched.value) + sync)
-        if best is None or row["predicted_step_s"] < best[0]["predicted_step_s"] * (1 - 1e-9):
+        if best is None or _better(row, best[0]):
             best = (row, mesh, mem, (part, problem, sched))
     if best is None:
-        raise first_error if first_error is not None else InputError(
-            f"no mesh of {devices} devices divides {microbatches} micro-batches")
+        if first_error is not None:
+            raise first_error
+        reasons = "; ".join(f"{r['mesh_text']}: {r['skipped']}" for r in table if "skipped" in r)
+        raise InfeasibleError(f"no mesh of {devices} devices fits: {reasons}" if reasons else
+                              f"no mesh of {devices} devices divides {microbatches} micro-batches")
     row, mesh, mem, (part, problem, sched) = best
     row["chosen"] = True
     return mesh, mem, (part, problem, sched, timings), table
+
+
+def _better(row: dict, best: dict) -> bool:
+    """Smaller predicted step; on a tie (1e-9 relative) more pipeline stages (the pure pipeline first)."""
+    a, b = row["predicted_step_s"], best["predicted_step_s"]
+    if a < b * (1 - 1e-9):
+        return True
+    return a <= b * (1 + 1e-9) and row["mesh"]["pp"] > best["mesh"]["pp"]
+
+
+def mesh_lower_bound_s(graph, mesh, microbatches: int, objective: str = "training") -> float:
+    """A lower bound on the predicted step of ``mesh`` that needs no partition (seconds).
+
+    Every replica runs ``microbatches / dp`` micro-batches over ``pp`` devices, so its busiest
+    device computes at least ``microbatches / dp * W / pp`` (``W`` the work of one micro-batch:
+    F + B + W of every op for training, F for inference), and the step time of any schedule
+    (makespan or per-device span) is at least that; the busiest device holds at least the
+    average parameter bytes, so the data-parallel sync is at least
+    :func:`fxpipe.mesh.dp_sync_time_s` of ``sum(size_param_bytes) / pp`` (it grows with the
+    bytes). Communication between stages, bubbles and recomputation only add to both.
+    """
+    work = float(np.sum(graph.t_fwd_s))
+    if objective == "training":
+        work += float(np.sum(graph.t_bwd_input_s) + np.sum(graph.t_bwd_weight_s))
+    pp = int(mesh["pp"])
+    per_replica = microbatches // mesh_dp(mesh)
+    sync = dp_sync_time_s(float(np.sum(graph.size_param_bytes)) / pp, mesh, graph.bandwidth_bytes_per_s)
+    return per_replica * work / pp + sync

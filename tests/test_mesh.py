@@ -25,6 +25,7 @@ from fxpipe.mesh import (  # noqa: E402
     dp_sync_time_s,
     format_mesh,
     microbatches_per_replica,
+    pipeline_dp_sync_s,
     normalize_mesh,
     parse_mesh,
     rank_coords,
@@ -256,3 +257,39 @@ def test_mesh_search_keeps_the_fastest_mesh_that_fits():
                            time_limit_s=0.5, memory_bytes=50e3)
     assert tight.mesh == {"pp": 4, "dp_shard": 1, "dp_replicate": 1}
     assert ["skipped" in r for r in tight.options["mesh_search"]] == [False, True, True]
+
+
+@pytest.mark.parametrize("bandwidth", [1e6, 1e12])
+def test_mesh_search_bounds_are_sound_and_pruning_keeps_the_best(bandwidth):
+    """On a synthetic 12-op chain: every planned mesh's lower bound is at most its predicted step;
+    the mesh the pruned search keeps is the best of all meshes planned one by one; a slow link
+    prunes the data-parallel meshes by their bound alone."""
+    import numpy as np
+
+    from fxpipe.ir import OpGraph
+    from fxpipe.mesh_search import mesh_lower_bound_s, search_mesh
+    from fxpipe.options import PlanOptions
+    from fxpipe.planner import plan_with_options
+
+    rng = np.random.default_rng(0)
+    n = 12
+    g = OpGraph.from_arrays(t_fwd_s=rng.uniform(1e-3, 3e-3, n), t_bwd_input_s=rng.uniform(1e-3, 3e-3, n),
+                            t_bwd_weight_s=rng.uniform(1e-3, 3e-3, n), size_out_bytes=np.full(n, 1e3),
+                            size_param_bytes=np.full(n, 1e6), edges=[(i, i + 1) for i in range(n - 1)],
+                            bandwidth_bytes_per_s=bandwidth)
+    opts = PlanOptions(schedule="1f1b", time_limit_s=0.5, seed=0)
+    mesh, _, (part, problem, sched, _), table = search_mesh(g, devices=4, microbatches=8, memory=MemoryModel(),
+                                                             options=opts)
+    predicted = {}  # every mesh planned alone (no pruning)
+    for m in candidate_meshes(4, 8):
+        p, pr, s, _ = plan_with_options(g, devices=m["pp"], microbatches=8 // (m["dp_shard"] * m["dp_replicate"]),
+                                        options=opts, memory=MemoryModel())
+        predicted[format_mesh(m)] = float(s.value) + pipeline_dp_sync_s(g, p.assignment, pr.device_of_stage, m)
+        assert mesh_lower_bound_s(g, m, 8) <= predicted[format_mesh(m)] * (1 + 1e-9)
+    chosen = next(r for r in table if r.get("chosen"))
+    assert chosen["predicted_step_s"] == pytest.approx(min(predicted.values()), rel=1e-9)
+    for r in table:
+        assert r["lower_bound_s"] <= r.get("predicted_step_s", float("inf")) * (1 + 1e-9)
+    if bandwidth == 1e6:  # 1 MB/s: syncing 3 MB of parameters dwarfs the 0.2 s of compute
+        assert mesh == {"pp": 4, "dp_shard": 1, "dp_replicate": 1}
+        assert all(r["skipped"].startswith("pruned") for r in table if r["mesh"]["pp"] < 4)
