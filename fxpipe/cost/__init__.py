@@ -1,6 +1,6 @@
 """Hardware specs, the analytic roofline cost model, measured costs and their calibration.
 
-``hardware``, ``roofline``, ``database`` and ``calibrate`` are torch-free; ``profile`` (the op
+``specs``, ``hardware``, ``roofline``, ``database`` and ``calibrate`` are torch-free; ``profile`` (the op
 profiler and the cost hook of measured hardware specs) imports torch and is not imported here.
 """
 

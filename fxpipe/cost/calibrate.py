@@ -53,7 +53,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 
 from fxpipe.cost.database import PHASES, DeviceInfo, Measurement
-from fxpipe.cost.hardware import HardwareSpec, get_hardware
+from fxpipe.cost.specs import HardwareSpec, datasheet_spec
 from fxpipe.errors import InputError
 
 __all__ = [
@@ -407,7 +407,7 @@ class CostProfile:
         InputError
             If no successful measurement is left.
         """
-        base = get_hardware(base)
+        base = datasheet_spec(base)
         if base.profile is not None:
             base = base.profile.base
         kept = {m.key: m for m in measurements if m.roofline_spec == base.name}
@@ -580,7 +580,7 @@ def cross_validate(measurements: Sequence[Measurement], base: HardwareSpec | str
     InputError
         With fewer than 2 usable measurements.
     """
-    base = get_hardware(base)
+    base = datasheet_spec(base)
     ms = sorted((m for m in measurements if m.ok and m.roofline_spec == base.name and any(t > 0 for t in m.times)),
                 key=lambda m: m.key)  # folds independent of the input order
     if len(ms) < 2:
