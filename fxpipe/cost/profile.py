@@ -1,55 +1,17 @@
-"""Op-level profiler: measure every op of a captured graph on this device.
+"""Cost profiler front end: capture a model, time its ops on this device, cost it with the times.
 
-:func:`profile_graph` runs each op of a captured :class:`torch.fx.GraphModule` (as produced by
-:func:`fxpipe.passes.capture.capture`) on the current device, on tensors of the recorded shapes,
-dtypes and strides, and measures three times per op (Zero Bubble's F/B/W split, Qi et al.,
-"Zero Bubble Pipeline Parallelism", ICLR 2024, Section 2):
+:func:`trace_measured` (``costs="measured"``) captures a model, annotates it with the device's
+base roofline, profiles every op not yet in the cost database (:func:`profile_graph`), fits a
+:class:`~fxpipe.cost.calibrate.CostProfile` to the measurements and re-annotates with the
+measured spec; :func:`measure_loss` and :func:`add_loss_costs` time a training loss and add it
+to the graph's output node; :func:`main` is the command line.
 
-* forward (F): the op with autograd recording, as in a training forward;
-* backward-input (B): ``torch.autograd.grad`` of the op's outputs w.r.t. its activation
-  inputs that need a gradient;
-* backward-weight (W): the same w.r.t. its trainable weights.
-
-Autograd computes only the gradients asked for (its ``needs_input_grad`` / output masks), so B
-and W are measured apart, as the Zero Bubble runtime runs them. The fixed cost of one
-``torch.autograd.grad`` call (graph-task set-up, measured on a chain of tiny ops) is
-subtracted from B, since a stage's backward-input is one call over all its ops; it is kept in
-W, since ``torch.distributed.pipelining`` computes weight gradients with one call per
-parameter group (``stage_backward_weight``), i.e. about one per op with weights.
-
-Modes. ``mode="graph"`` (default) runs the whole captured graph on fresh random weights, forward
-in program order then B and W of every node in reverse order, ``warmup + R`` times, timing
-each op where it runs (caches and dispatch paths as in a training step; an op's activation
-inputs are cut from their producers so that its B and W run on its own autograd graph; W
-accumulates into ``.grad``). ``mode="isolated"`` times each op signature alone, repeated, on
-tensors of its recorded shapes, dtypes and strides (one op's memory, but warm caches).
-
-Timing (:mod:`fxpipe.cost.timers`). On CPU a clock read around every call, Python's garbage
-collector off, the clock's own cost subtracted, the median kept: ``time.perf_counter_ns``
-(``clock="wall"``) or the thread's CPU time (``clock="cpu"``, for shared machines; one
-intra-op thread). The intra-op thread count is part of the key. On CUDA a pair of CUDA events
-around every call and one synchronisation per run (the ``triton.testing.do_bench`` recipe,
-without its L2 flush).
-
-Inputs. Floating tensors are uniform in [0.5, 1.5) (no NaN, no denormals); model inputs are the
-example inputs when given (graph mode computes every integer/bool intermediate from them:
-position ids, masks); in isolated mode integer and bool tensors take the values of one forward
-under :class:`torch.fx.Interpreter` when the model has real weights, else zeros (always valid
-indices) and random bits. A model on the ``meta`` device is profiled without its weights.
-
-Database. Every measurement goes into a :class:`~fxpipe.cost.database.CostDatabase` keyed by
-(op signature, device, torch version, threads); a key already there is not measured again,
-so the second profile of a model measures nothing.
-
-The cost hook. :class:`MeasuredCosts` is what :class:`fxpipe.passes.annotate.AnnotateCosts`
-calls on every node when its hardware spec carries a profile
-(:attr:`fxpipe.cost.hardware.HardwareSpec.profile`): the node's F/B/W times become the
-measured ones if its signature was profiled, else the calibrated prediction
-(:mod:`fxpipe.cost.calibrate`).
-
-Modules: :mod:`fxpipe.cost.signature` (database keys, gradient roles), :mod:`fxpipe.cost.replay`
-(running ops), :mod:`fxpipe.cost.timers`, :mod:`fxpipe.cost.links` (stage-to-stage links),
-:mod:`fxpipe.cost.suite` (the calibration suite); this module is the front end.
+What is measured and how (F/B/W per op, graph and isolated modes, timing, inputs, the cost
+database, the :class:`MeasuredCosts` hook): :mod:`fxpipe.cost.measure`. The calibration suite
+and ``hardware="measured"`` (:func:`measured_hardware`): :mod:`fxpipe.cost.suite`. This module
+re-exports their public names. Layers, bottom up: ``measure`` (runs the roofline costing of
+:mod:`fxpipe.passes.costing`), ``suite``, :mod:`fxpipe.cost.hardware` (resolves ``"measured"``),
+:mod:`fxpipe.passes.annotate` and :mod:`fxpipe.passes.to_opgraph`, this module.
 
 Command line (how the shipped CPU profile was made)::
 

@@ -97,17 +97,7 @@ def _materialise(node: torch.fx.Node, device: torch.device, dtype: torch.dtype |
         return v
 
     args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), make)
-
-    def fix(x: Any) -> Any:
-        if isinstance(x, torch.device):
-            return device
-        if isinstance(x, torch.dtype) and dtype is not None and x.is_floating_point:
-            return dtype
-        if isinstance(x, torch.SymInt):
-            return _to_int(x)
-        return x
-
-    args, kwargs = torch.fx.node.map_aggregate((args, kwargs), fix)
+    args, kwargs = _fix_args((args, kwargs), device, dtype)
     return _Inputs(tuple(args), dict(kwargs), b_leaves, w_leaves)
 
 
@@ -224,6 +214,8 @@ def _param_node(node: torch.fx.Node) -> torch.fx.Node | None:
 
 
 def _fix_args(x: Any, device: torch.device, dtype: torch.dtype | None) -> Any:
+    """``x`` (args / kwargs of a node) with devices set to ``device``, floating dtypes to
+    ``dtype`` (when given) and symbolic ints made concrete."""
 
     def fix(v: Any) -> Any:
         if isinstance(v, torch.device):
