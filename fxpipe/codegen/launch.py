@@ -32,11 +32,19 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from fxpipe.codegen.actions import check_orders
+from fxpipe.codegen.compare import gradient_precision, output_precision, random_ops_warning
+from fxpipe.codegen.effects import random_ops
 from fxpipe.codegen.interface import ModelInputs, as_call, call_model, split_microbatches
+from fxpipe.codegen.materialize import StateSource, real_state_bytes
+from fxpipe.codegen.mesh import build_mesh_rank, check_mesh_run, full_tensors, init_mesh, replica_slice
+from fxpipe.codegen.rank import build_rank
+from fxpipe.codegen.split import split_stages
 from fxpipe.errors import InputError, WorkerError
 from fxpipe.io import write_text_atomic
 from fxpipe.ir.schedule import Orders
 from fxpipe.launcher import RankContext, clear_reports, errors_text, free_port, launch, worker_error
+from fxpipe.mesh import is_pure_pipeline, microbatches_per_replica, normalize_mesh
+from fxpipe.passes.capture import capture
 
 __all__ = [
     "TrainResult",
@@ -186,8 +194,6 @@ def _reference_train(make_model, make_batch, num_microbatches, steps, lr, lf, se
 
 def _capture(model: torch.nn.Module, mb_example: ModelInputs) -> torch.fx.GraphModule:
     """The unlifted graph of one micro-batch, captured exactly as ``fxpipe.compile`` does."""
-    from fxpipe.passes.capture import capture
-
     return capture(model, mb_example.args, mb_example.kwargs).gm
 
 
@@ -247,12 +253,8 @@ def _captured_for(run: Mapping[str, Any], cache: dict, where: dict) -> _Captured
         cap.reset()
     torch.manual_seed(run["seed"])
     if cap.random_ops is None:
-        from fxpipe.codegen.effects import random_ops
-
         cap.random_ops = [str(o) for o in random_ops(cap.gm)]
     if cap.grad_precision is None:  # tolerances per dtype of fxpipe.codegen.compare
-        from fxpipe.codegen.compare import gradient_precision, output_precision
-
         cap.grad_precision = gradient_precision(cap.gm)
         cap.output_precision = output_precision(cap.gm)
     return cap
@@ -261,8 +263,6 @@ def _captured_for(run: Mapping[str, Any], cache: dict, where: dict) -> _Captured
 def _staged_for(cap: _Captured, run: Mapping[str, Any], num_stages: int, where: dict):
     """The capture split into the run's stages (cached per stage map, except with data parallelism,
     which wraps the stage modules in place)."""
-    from fxpipe.codegen.split import split_stages
-
     stage_of = run["stage_of"]
     if callable(stage_of):
         where["phase"] = "matching its capture to the plan"
@@ -278,13 +278,9 @@ def _staged_for(cap: _Captured, run: Mapping[str, Any], num_stages: int, where: 
 
 def _build_rank_program(rank: int, run: Mapping[str, Any], cap: _Captured, staged, groups: dict, dp: int):
     """This rank's ``PipelineStage`` s and schedule runtime: ``(stages, schedule, replica, pp_rank)``."""
-    from fxpipe.codegen.rank import build_rank
-
     source = None
     state = run.get("state")
     if state is not None:
-        from fxpipe.codegen.materialize import StateSource
-
         source = StateSource(seed=state.get("seed", 0), checkpoint=state.get("checkpoint"), model=cap.model)
     build_kwargs = dict(
         num_microbatches=run["num_microbatches"] // dp, loss_fn=_loss_fn(run["loss"]),
@@ -296,8 +292,6 @@ def _build_rank_program(rank: int, run: Mapping[str, Any], cap: _Captured, stage
     if mesh is None:
         stages, sched = build_rank(staged, rank, run["orders"], **build_kwargs)
         return stages, sched, 0, rank
-    from fxpipe.codegen.mesh import build_mesh_rank, init_mesh
-
     mkey = ("device_mesh", tuple(sorted(mesh.items())))
     if mkey not in groups:
         groups[mkey] = init_mesh(mesh)
@@ -319,8 +313,6 @@ def _train_steps(rank: int, run: Mapping[str, Any], sched, named: Mapping[str, t
         where["phase"] = f"training step {step}"
         inputs, target = run["make_batch"](step)
         if dp > 1:  # this replica's slice of the global batch
-            from fxpipe.codegen.mesh import replica_slice
-
             inputs = replica_slice(_as_inputs(inputs), replica, dp)
             target = replica_slice(target, replica, dp, "target")
         if opt is not None:
@@ -375,8 +367,6 @@ def _write_run_results(out_dir: str, idx: int, rank: int, run: Mapping[str, Any]
     stash = getattr(sched, "fxpipe_stash", None)
     mat = getattr(sched, "fxpipe_materialized", None)
     if run.get("state") is not None:
-        from fxpipe.codegen.materialize import real_state_bytes
-
         held = real_state_bytes(cap.gm, cap.model, *(s.module for s in staged.stages))
     else:
         held = None
@@ -386,8 +376,6 @@ def _write_run_results(out_dir: str, idx: int, rank: int, run: Mapping[str, Any]
         bufs.update({k: b.detach().clone() for k, b in staged.stages[s].named_buffers().items() if k in owned})
     params = {k: p.detach().clone() for k, p in named.items()}
     if dp > 1:  # sharded / replicated DTensors: full values (collective over each stage's data-parallel group)
-        from fxpipe.codegen.mesh import full_tensors
-
         grads, params = full_tensors(grads), full_tensors(params)
         if replica:  # replica 0 reports the model state; the others only their losses
             grads, params, bufs = {}, {}, {}
@@ -601,10 +589,6 @@ def spawn_train_many(runs: Sequence[Mapping[str, Any]], *, world_size: int, time
         try:  # fail here, before any worker starts
             m_pipe = run["num_microbatches"]
             if run.get("mesh") is not None:
-                from fxpipe.mesh import is_pure_pipeline, microbatches_per_replica, normalize_mesh
-
-                from fxpipe.codegen.mesh import check_mesh_run
-
                 mesh = normalize_mesh(run["mesh"], world_size)
                 check_mesh_run(mesh, run["orders"], tuple(run.get("recompute_stages", ())), run["compile_stages"])
                 m_pipe = microbatches_per_replica(run["num_microbatches"], mesh)
@@ -655,8 +639,6 @@ def spawn_train_many(runs: Sequence[Mapping[str, Any]], *, world_size: int, time
                 results[i] = _gather(out_dir, world_size, i, wall)
     out = [results[i] for i in range(len(norm_runs))]
     if warn_random:
-        from fxpipe.codegen.compare import random_ops_warning
-
         seen: set = set()
         for r in out:
             ops = tuple(r.meta.get("random_ops", ())) if isinstance(r, TrainResult) else ()

@@ -55,6 +55,8 @@ import numpy as np
 from fxpipe.cost.database import PHASES, DeviceInfo, Measurement
 from fxpipe.cost.specs import HardwareSpec, datasheet_spec
 from fxpipe.errors import InputError
+from fxpipe.io import read_json, write_json_atomic
+from fxpipe.ir.opgraph import OpGraph
 
 __all__ = [
     "PROFILE_FORMAT",
@@ -235,8 +237,6 @@ def with_link_bandwidth(graph, link: LinkModel, *, size_bytes: float | None = No
     InputError
         If the graph has no tensor-producing call node and ``size_bytes`` is not given.
     """
-    from fxpipe.ir import OpGraph
-
     if size_bytes is None:
         sizes = [float(graph.size_out_bytes[i]) for i in range(graph.n)
                  if graph.ops[i].startswith("call_") and graph.size_out_bytes[i] > 0]
@@ -530,8 +530,6 @@ class CostProfile:
 
     def save(self, path: str | os.PathLike) -> Path:
         """Write the profile as JSON (atomically)."""
-        from fxpipe.ir import write_json_atomic
-
         return write_json_atomic(path, self.to_dict(), indent=1)
 
 
@@ -543,8 +541,6 @@ def load_profile(path: str | os.PathLike) -> CostProfile:
     InputError
         If the file is missing, not JSON, or not a valid profile.
     """
-    from fxpipe.ir import read_json
-
     return CostProfile.from_dict(read_json(path, "hardware profile"), source=str(path))
 
 

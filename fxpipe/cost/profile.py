@@ -29,6 +29,7 @@ import sys
 import time
 from typing import Any, Callable, Mapping, Sequence
 
+import numpy as np
 import torch
 
 from fxpipe.cost.calibrate import CostProfile, LinkModel, cross_validate
@@ -49,6 +50,7 @@ from fxpipe.cost.measure import (
 from fxpipe.cost.suite import measured_hardware, run_suite
 from fxpipe.cost.timers import CLOCKS
 from fxpipe.errors import InputError
+from fxpipe.ir.opgraph import OpGraph
 from fxpipe.passes.annotate import AnnotateCosts
 from fxpipe.passes.capture import capture
 from fxpipe.passes.to_opgraph import to_opgraph, trace_model
@@ -222,10 +224,6 @@ def add_loss_costs(graph, t_fwd_s: float, t_bwd_s: float):
     InputError
         If the graph has no ``"output"`` node or a time is negative.
     """
-    import numpy as np
-
-    from fxpipe.ir import OpGraph
-
     if t_fwd_s < 0 or t_bwd_s < 0:
         raise InputError(f"loss times must be >= 0, got {t_fwd_s}, {t_bwd_s}")
     outs = [i for i, op in enumerate(graph.ops) if op == "output"]

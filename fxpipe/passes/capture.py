@@ -27,6 +27,14 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from fxpipe.errors import CaptureError
+from fxpipe.passes.replicate import (
+    TEMPLATE_LAYERS,
+    ReplicationError,
+    find_layer_stack,
+    per_layer_settings_vary,
+    replicate_layers,
+    truncated_layers,
+)
 
 #: ``gm.meta`` key holding the module-path prefix added by a wrapper (e.g. ``"model."`` for
 #: :class:`fxpipe.models.LogitsOnly`); :func:`fxpipe.passes.to_opgraph.to_opgraph` strips it.
@@ -310,14 +318,6 @@ def drop_layout_contiguous(gm: torch.fx.GraphModule) -> int:
 
 def _capture_replicated(model: torch.nn.Module, args: tuple, kwargs: dict, *, min_layers: int) -> Captured | None:
     """Export three layers and replicate (see :mod:`fxpipe.passes.replicate`); None if not applicable."""
-    from fxpipe.passes.replicate import (
-        TEMPLATE_LAYERS,
-        ReplicationError,
-        find_layer_stack,
-        per_layer_settings_vary,
-        replicate_layers,
-        truncated_layers,
-    )
 
     found = find_layer_stack(model, min_layers)
     if found is None:
