@@ -177,19 +177,19 @@ def test_taken_port_is_retried_and_environment_untouched(monkeypatch):
     import os
     import socket
 
-    from fxpipe.codegen import launch
+    from fxpipe import launcher
 
     busy = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     busy.bind(("127.0.0.1", 0))
     busy.listen()
-    real = launch.free_port
+    real = launcher.free_port
     given: list[int] = []
 
     def first_busy() -> int:
         given.append(busy.getsockname()[1] if not given else real())
         return given[-1]
 
-    monkeypatch.setattr(launch, "free_port", first_busy)
+    monkeypatch.setattr(launcher, "free_port", first_busy)
     env = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT")}
     stage_of = functools.partial(stage_of_by_fraction, num_stages=2)
     try:

@@ -334,7 +334,7 @@ def test_measured_hardware_capacity_is_the_machines(monkeypatch, tmp_path):
         def hardware(self):
             return dataclasses.replace(HARDWARE["cpu"], memory_bytes=10 * physical)  # a datasheet figure > the machine
 
-    monkeypatch.setattr(prof, "measured_profile", lambda *a, **k: _Profile())
+    monkeypatch.setattr("fxpipe.cost.suite.measured_profile", lambda *a, **k: _Profile())
     monkeypatch.setattr("fxpipe.cost.suite.run_suite", lambda *a, **k: None)
     spec = prof.measured_hardware(tmp_path / "db.json", device="cpu", threads=1, min_measurements=0)
     assert spec.memory_bytes == pytest.approx(mem) and spec.memory_bytes <= physical

@@ -469,7 +469,6 @@ def test_compile_costs_measured(tmp_path):
 
 
 def test_measured_hardware_uses_the_database(tmp_path, monkeypatch):
-    import fxpipe.cost.profile as prof_mod
     import fxpipe.cost.suite as suite_mod
 
     cap, args = _captured("cpu")
@@ -490,9 +489,9 @@ def test_measured_hardware_uses_the_database(tmp_path, monkeypatch):
     monkeypatch.setattr(suite_mod, "run_suite", fake_suite)
     spec = measured_hardware(path, threads=1, min_measurements=n + 1, progress=False)
     assert suite_calls and len(spec.profile.measurements) > n
-    # hardware="measured" goes through measured_hardware with the default database
+    # hardware="measured" goes through measured_hardware (fxpipe.cost.suite) with the default database
     monkeypatch.setenv("FXPIPE_COST_DB", str(path))
-    monkeypatch.setattr(prof_mod, "measured_hardware", lambda: "sentinel")
+    monkeypatch.setattr(suite_mod, "measured_hardware", lambda: "sentinel")
     assert get_hardware("measured") == "sentinel"
 
 

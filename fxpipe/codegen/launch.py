@@ -12,8 +12,10 @@ same micro-batches (:func:`fxpipe.codegen.interface.split_microbatches`) and los
 with ``scale_grads=True``). :func:`fxpipe.codegen.compare.compare_training` compares the two:
 the end-to-end correctness oracle of the code generator.
 
-Worker results travel through a temporary directory (JSON for losses, ``torch.save`` of
-tensors for gradients/parameters/buffers; test plumbing only, never an fxpipe output file).
+The processes are started by the one local launcher (:func:`fxpipe.launcher.launch`: port,
+gloo group, error reports, time-outs). Worker results travel through its folder (JSON for
+losses, written atomically; ``torch.save`` of tensors for gradients/parameters/buffers, read
+back with ``weights_only=True``; test plumbing only, never an fxpipe output file).
 """
 
 from __future__ import annotations
@@ -21,22 +23,28 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
-import socket
 import sys
 import tempfile
 import time
-import traceback
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
 from fxpipe.codegen.actions import check_orders
+from fxpipe.codegen.compare import gradient_precision, output_precision, random_ops_warning
+from fxpipe.codegen.effects import random_ops
 from fxpipe.codegen.interface import ModelInputs, as_call, call_model, split_microbatches
+from fxpipe.codegen.materialize import StateSource, real_state_bytes
+from fxpipe.codegen.mesh import build_mesh_rank, check_mesh_run, full_tensors, init_mesh, replica_slice
+from fxpipe.codegen.rank import build_rank
+from fxpipe.codegen.split import split_stages
 from fxpipe.errors import InputError, WorkerError
+from fxpipe.io import write_text_atomic
 from fxpipe.ir.schedule import Orders
+from fxpipe.launcher import RankContext, clear_reports, errors_text, free_port, launch, worker_error
+from fxpipe.mesh import is_pure_pipeline, microbatches_per_replica, normalize_mesh
+from fxpipe.passes.capture import capture
 
 __all__ = [
     "TrainResult",
@@ -107,17 +115,6 @@ def _loss_fn(loss: str | Callable) -> Callable:
     if loss == "mse":
         return torch.nn.functional.mse_loss
     raise InputError(f"unknown loss {loss!r}: use 'cross_entropy', 'mse' or a callable(output, target)")
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (bind to port 0, then release it).
-
-    Another process may take the port before the workers bind it; :func:`spawn_train_many`
-    retries once with a new port when rank 0 reports ``EADDRINUSE``.
-    """
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _as_inputs(inputs: Any) -> ModelInputs:
@@ -197,8 +194,6 @@ def _reference_train(make_model, make_batch, num_microbatches, steps, lr, lf, se
 
 def _capture(model: torch.nn.Module, mb_example: ModelInputs) -> torch.fx.GraphModule:
     """The unlifted graph of one micro-batch, captured exactly as ``fxpipe.compile`` does."""
-    from fxpipe.passes.capture import capture
-
     return capture(model, mb_example.args, mb_example.kwargs).gm
 
 
@@ -233,23 +228,11 @@ def _capture_key(run: Mapping[str, Any]):
     return (run.get("model_key", id(run["make_model"])), run["seed"], run["num_microbatches"], run.get("state") is not None)
 
 
-def _run_one(rank: int, world: int, run: dict, out_dir: str, idx: int, cache: dict, groups: dict,
-             where: dict | None = None) -> None:
-    """One training run inside an initialised process group (this rank runs its stages of the placement).
+def _captured_for(run: Mapping[str, Any], cache: dict, where: dict) -> _Captured:
+    """The worker's capture of the run's model: reused (weights reset) when the previous run had the same model.
 
-    ``where`` is updated with what the worker is doing (``phase``, ``stages``), for its error report.
+    Leaves torch's RNG seeded with ``run["seed"]``, as every run starts.
     """
-    from fxpipe.codegen.effects import random_ops
-    from fxpipe.codegen.rank import build_rank
-    from fxpipe.codegen.split import split_stages
-
-    where = where if where is not None else {}
-    m = run["num_microbatches"]  # global micro-batches per step: the capture's micro-batch shape
-    orders = run["orders"]
-    mesh = run.get("mesh")  # pipeline x data parallelism (fxpipe.codegen.mesh); None: a pure pipeline
-    dp = 1 if mesh is None else mesh["dp_shard"] * mesh["dp_replicate"]
-    S = orders.num_stages
-    where["stages"] = [s for s in range(S) if orders.device_of_stage[s] == rank]
     where["phase"] = "capturing the model"
     key = _capture_key(run)
     cap = cache.get("captured")
@@ -262,64 +245,65 @@ def _run_one(rank: int, world: int, run: dict, out_dir: str, idx: int, cache: di
                 model, example = run["make_model"]()
         else:
             model, example = run["make_model"]()
-        mb_example = split_microbatches(_as_inputs(example), m)[0]
+        mb_example = split_microbatches(_as_inputs(example), run["num_microbatches"])[0]
         cap = _Captured(key, _capture(model, mb_example), mb_example)
         cap.model = model if state is not None else None
         cache["captured"] = cap
     else:
         cap.reset()
     torch.manual_seed(run["seed"])
-    gm = cap.gm
     if cap.random_ops is None:
-        cap.random_ops = [str(o) for o in random_ops(gm)]
+        cap.random_ops = [str(o) for o in random_ops(cap.gm)]
     if cap.grad_precision is None:  # tolerances per dtype of fxpipe.codegen.compare
-        from fxpipe.codegen.compare import gradient_precision, output_precision
+        cap.grad_precision = gradient_precision(cap.gm)
+        cap.output_precision = output_precision(cap.gm)
+    return cap
 
-        cap.grad_precision = gradient_precision(gm)
-        cap.output_precision = output_precision(gm)
+
+def _staged_for(cap: _Captured, run: Mapping[str, Any], num_stages: int, where: dict):
+    """The capture split into the run's stages (cached per stage map, except with data parallelism,
+    which wraps the stage modules in place)."""
     stage_of = run["stage_of"]
     if callable(stage_of):
         where["phase"] = "matching its capture to the plan"
-        stage_of = stage_of(gm)
-    skey = (S, tuple(sorted(stage_of.items())))
+        stage_of = stage_of(cap.gm)
     where["phase"] = "splitting the graph into stages"
-    if mesh is not None:  # data parallelism wraps the stage modules in place: a fresh split per run
-        staged = split_stages(gm, stage_of, S)
-    else:
-        if skey not in cap.staged:
-            cap.staged[skey] = split_stages(gm, stage_of, S)
-        staged = cap.staged[skey]
-    where["phase"] = "building its stages and schedule"
-    loss_fn = _loss_fn(run["loss"])
-    source = None
-    if state is not None:
-        from fxpipe.codegen.materialize import StateSource
+    if run.get("mesh") is not None:
+        return split_stages(cap.gm, stage_of, num_stages)
+    skey = (num_stages, tuple(sorted(stage_of.items())))
+    if skey not in cap.staged:
+        cap.staged[skey] = split_stages(cap.gm, stage_of, num_stages)
+    return cap.staged[skey]
 
+
+def _build_rank_program(rank: int, run: Mapping[str, Any], cap: _Captured, staged, groups: dict, dp: int):
+    """This rank's ``PipelineStage`` s and schedule runtime: ``(stages, schedule, replica, pp_rank)``."""
+    source = None
+    state = run.get("state")
+    if state is not None:
         source = StateSource(seed=state.get("seed", 0), checkpoint=state.get("checkpoint"), model=cap.model)
     build_kwargs = dict(
-        num_microbatches=m // dp, loss_fn=loss_fn, example_microbatch_inputs=cap.mb_example,
-        fuse=run["fuse"], fused_backward=run["fused_backward"], group_cache=groups, io_cache=cap.io_cache,
-        compile_stages=run.get("compile_stages", False),
+        num_microbatches=run["num_microbatches"] // dp, loss_fn=_loss_fn(run["loss"]),
+        example_microbatch_inputs=cap.mb_example, fuse=run["fuse"], fused_backward=run["fused_backward"],
+        group_cache=groups, io_cache=cap.io_cache, compile_stages=run.get("compile_stages", False),
         recompute_stages=tuple(run.get("recompute_stages", ())), state_source=source,
     )
-    replica, pp_rank = 0, rank
+    mesh = run.get("mesh")
     if mesh is None:
-        stages, sched = build_rank(staged, rank, orders, **build_kwargs)
-    else:
-        from fxpipe.codegen.mesh import build_mesh_rank, init_mesh
+        stages, sched = build_rank(staged, rank, run["orders"], **build_kwargs)
+        return stages, sched, 0, rank
+    mkey = ("device_mesh", tuple(sorted(mesh.items())))
+    if mkey not in groups:
+        groups[mkey] = init_mesh(mesh)
+    stages, sched, mr = build_mesh_rank(staged, rank, run["orders"], mesh=mesh, device_mesh=groups[mkey], **build_kwargs)
+    return stages, sched, mr.replica, mr.pp_rank
 
-        mkey = ("device_mesh", tuple(sorted(mesh.items())))
-        if mkey not in groups:
-            groups[mkey] = init_mesh(mesh)
-        stages, sched, mr = build_mesh_rank(staged, rank, orders, mesh=mesh, device_mesh=groups[mkey], **build_kwargs)
-        replica, pp_rank = mr.replica, mr.pp_rank
-    local = [st.stage_index for st in stages]
-    named: dict[str, torch.nn.Parameter] = {}
-    for s in local:  # stages of one rank share tied parameter objects: each once
-        for fqn, prm in staged.stages[s].named_parameters().items():
-            named.setdefault(fqn, prm)
+
+def _train_steps(rank: int, run: Mapping[str, Any], sched, named: Mapping[str, torch.nn.Parameter], replica: int,
+                 dp: int, out_dir: str, idx: int, where: dict):
+    """SGD steps of the run: ``(losses, grads after the last backward, wall seconds)``."""
     # every parameter object of the rank (with data parallelism a tied parameter has one copy per stage)
-    opt_params = sched.parameters() if mesh is not None else list(named.values())
+    opt_params = sched.parameters() if run.get("mesh") is not None else list(named.values())
     opt = torch.optim.SGD(opt_params, lr=run["lr"]) if opt_params else None  # pure relay stages: no params
     first, last = sched.has_first_stage, sched.has_last_stage
     losses: list[float] = []
@@ -329,8 +313,6 @@ def _run_one(rank: int, world: int, run: dict, out_dir: str, idx: int, cache: di
         where["phase"] = f"training step {step}"
         inputs, target = run["make_batch"](step)
         if dp > 1:  # this replica's slice of the global batch
-            from fxpipe.codegen.mesh import replica_slice
-
             inputs = replica_slice(_as_inputs(inputs), replica, dp)
             target = replica_slice(target, replica, dp, "target")
         if opt is not None:
@@ -345,13 +327,46 @@ def _run_one(rank: int, world: int, run: dict, out_dir: str, idx: int, cache: di
             opt.step()
         if rank == 0 and run.get("report_progress"):
             _write_progress(out_dir, idx, step + 1)
-    wall = time.perf_counter() - t0
+    return losses, grads, time.perf_counter() - t0
+
+
+def _run_one(rank: int, world: int, run: dict, out_dir: str, idx: int, cache: dict, groups: dict,
+             where: dict | None = None) -> None:
+    """One training run inside an initialised process group (this rank runs its stages of the placement).
+
+    Capture (or reuse the capture of the previous run), split into stages, build this rank's
+    stages and schedule, train, write the results (``run<idx>_rank<rank>.json`` and ``.pt``).
+    ``where`` is updated with what the worker is doing (``phase``, ``stages``), for its error report.
+    """
+    where = where if where is not None else {}
+    orders = run["orders"]
+    mesh = run.get("mesh")  # pipeline x data parallelism (fxpipe.codegen.mesh); None: a pure pipeline
+    dp = 1 if mesh is None else mesh["dp_shard"] * mesh["dp_replicate"]
+    S = orders.num_stages
+    where["stages"] = [s for s in range(S) if orders.device_of_stage[s] == rank]
+    cap = _captured_for(run, cache, where)  # the RNG is then seeded with run["seed"]
+    staged = _staged_for(cap, run, S, where)
+    where["phase"] = "building its stages and schedule"
+    stages, sched, replica, pp_rank = _build_rank_program(rank, run, cap, staged, groups, dp)
+    local = [st.stage_index for st in stages]
+    named: dict[str, torch.nn.Parameter] = {}
+    for s in local:  # stages of one rank share tied parameter objects: each once
+        for fqn, prm in staged.stages[s].named_parameters().items():
+            named.setdefault(fqn, prm)
+    losses, grads, wall = _train_steps(rank, run, sched, named, replica, dp, out_dir, idx, where)
     where["phase"] = "writing its results"
+    _write_run_results(out_dir, idx, rank, run, cap, staged, stages, sched, named, grads, losses, wall,
+                       replica, pp_rank, dp)
+
+
+def _write_run_results(out_dir: str, idx: int, rank: int, run: Mapping[str, Any], cap: _Captured, staged, stages,
+                       sched, named: Mapping[str, torch.nn.Parameter], grads: dict, losses: list[float], wall: float,
+                       replica: int, pp_rank: int, dp: int) -> None:
+    """The rank's tensors (``run<idx>_rank<rank>.pt``) and everything else (``.json``) of one run."""
+    local = [st.stage_index for st in stages]
     stash = getattr(sched, "fxpipe_stash", None)
     mat = getattr(sched, "fxpipe_materialized", None)
-    if state is not None:
-        from fxpipe.codegen.materialize import real_state_bytes
-
+    if run.get("state") is not None:
         held = real_state_bytes(cap.gm, cap.model, *(s.module for s in staged.stages))
     else:
         held = None
@@ -361,21 +376,20 @@ def _run_one(rank: int, world: int, run: dict, out_dir: str, idx: int, cache: di
         bufs.update({k: b.detach().clone() for k, b in staged.stages[s].named_buffers().items() if k in owned})
     params = {k: p.detach().clone() for k, p in named.items()}
     if dp > 1:  # sharded / replicated DTensors: full values (collective over each stage's data-parallel group)
-        from fxpipe.codegen.mesh import full_tensors
-
         grads, params = full_tensors(grads), full_tensors(params)
         if replica:  # replica 0 reports the model state; the others only their losses
             grads, params, bufs = {}, {}, {}
     torch.save({"grads": grads, "params": params, "buffers": bufs}, os.path.join(out_dir, f"run{idx}_rank{rank}.pt"))
-    with open(os.path.join(out_dir, f"run{idx}_rank{rank}.json"), "w") as f:
-        json.dump(
+    write_text_atomic(
+        os.path.join(out_dir, f"run{idx}_rank{rank}.json"),
+        json.dumps(
             {
                 "losses": losses,
-                "has_last_stage": last,
+                "has_last_stage": sched.has_last_stage,
                 "replica": replica,
                 "stages": local,
                 "stage_param_fqns": {s: list(staged.stages[s].param_fqns) for s in local},
-                "device_of_stage": list(orders.device_of_stage),
+                "device_of_stage": list(run["orders"].device_of_stage),
                 "shared_params": {k: list(v) for k, v in staged.shared_params.items()},
                 "relayed": {s.index: list(s.relayed_names) for s in staged.stages},
                 "cloned": {s.index: list(s.cloned_inputs) for s in staged.stages},
@@ -390,9 +404,9 @@ def _run_one(rank: int, world: int, run: dict, out_dir: str, idx: int, cache: di
                 "activation": stash.stats().to_dict() if stash is not None else None,
                 "materialized": {s: r.to_dict() for s, r in mat.items()} if mat else None,
                 "held_state_bytes": held,
-            },
-            f,
-        )
+            }
+        ),
+    )
 
 
 class _ActionLog(logging.Handler):
@@ -408,41 +422,30 @@ class _ActionLog(logging.Handler):
             self.action = str(record.args[-1])
 
 
-def _worker(rank: int, cfg: dict) -> None:
+def _train_ranks(ctx: RankContext, cfg: dict) -> None:
+    """A rank of :func:`spawn_train_many` (entry of :func:`fxpipe.launcher.launch`): every run in turn.
+
+    The schedule action that raised (torch's runtime logs it) goes into the rank's error report.
+    """
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    out_dir = cfg["out_dir"]
-    world = cfg["world_size"]
-    idx = -1
-    where: dict = {"phase": "joining the process group", "stages": []}
     actions = _ActionLog()
     sched_log = logging.getLogger("torch.distributed.pipelining.schedules")
     sched_log.addHandler(actions)
     sched_log.propagate = False  # the worker's error report names the action; no schedule dump on stderr
     try:
-        dist.init_process_group(
-            "gloo", init_method=cfg["init_method"], rank=rank, world_size=world,
-            timeout=timedelta(seconds=cfg["collective_timeout_s"]),
-        )
         torch.use_deterministic_algorithms(True)
         cache: dict = {}
         groups: dict = {}
         for idx, run in cfg["runs"]:
+            ctx.where["run"] = idx
             actions.action = None
-            _run_one(rank, world, run, out_dir, idx, cache, groups, where)
-            where["phase"] = "waiting for the other ranks at the end of the run"
+            _run_one(ctx.rank, ctx.world_size, run, ctx.out_dir, idx, cache, groups, ctx.where)
+            ctx.where["phase"] = "waiting for the other ranks at the end of the run"
             dist.barrier()
-    except BaseException as exc:
-        report = {"rank": rank, "run": idx, "phase": where.get("phase"), "stages": list(where.get("stages", [])),
-                  "action": actions.action, "type": type(exc).__name__, "message": str(exc),
-                  "traceback": traceback.format_exc(), "time": time.time()}
-        with open(os.path.join(out_dir, f"rank{rank}.err"), "w") as f:
-            json.dump(report, f)
+    except BaseException:
+        ctx.where["action"] = actions.action
         raise
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 def spawn_train(
@@ -572,8 +575,6 @@ def spawn_train_many(runs: Sequence[Mapping[str, Any]], *, world_size: int, time
     list[TrainResult | RunError]
         One per run, in order.
     """
-    import torch.multiprocessing as mp
-
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise InputError(f"world_size must be an integer >= 1, got {world_size!r}")
     if on_error not in ("raise", "record"):
@@ -588,10 +589,6 @@ def spawn_train_many(runs: Sequence[Mapping[str, Any]], *, world_size: int, time
         try:  # fail here, before any worker starts
             m_pipe = run["num_microbatches"]
             if run.get("mesh") is not None:
-                from fxpipe.mesh import is_pure_pipeline, microbatches_per_replica, normalize_mesh
-
-                from fxpipe.codegen.mesh import check_mesh_run
-
                 mesh = normalize_mesh(run["mesh"], world_size)
                 check_mesh_run(mesh, run["orders"], tuple(run.get("recompute_stages", ())), run["compile_stages"])
                 m_pipe = microbatches_per_replica(run["num_microbatches"], mesh)
@@ -618,28 +615,23 @@ def spawn_train_many(runs: Sequence[Mapping[str, Any]], *, world_size: int, time
     with bar, tempfile.TemporaryDirectory(prefix="fxpipe-spawn-") as out_dir:
         t0 = time.perf_counter()
         pending = list(range(len(norm_runs)))
-        port_retry = True
         while pending:
-            cfg = dict(out_dir=out_dir, world_size=world_size, runs=[(i, norm_runs[i]) for i in pending],
-                       collective_timeout_s=per_run if on_error == "record" else timeout_s,
-                       init_method=f"tcp://127.0.0.1:{free_port()}")
+            runs_now = [(i, norm_runs[i]) for i in pending]
             try:
-                _start_and_join(mp, cfg, world_size, timeout_s if on_error == "raise" else None,
-                                per_run if on_error == "record" else None, None if bar.disable else bar)
+                launch(_train_ranks, world_size, args=(dict(runs=runs_now),), threads=1, out_dir=out_dir,
+                       timeout_s=timeout_s if on_error == "raise" else None,
+                       collective_timeout_s=per_run if on_error == "record" else timeout_s,
+                       poll=_watch(out_dir, runs_now, world_size, per_run if on_error == "record" else None,
+                                   None if bar.disable else bar),
+                       what="pipeline")
                 pending = []
-            except _PortTaken:
-                if not port_retry:
-                    raise RuntimeError(f"a pipeline worker failed twice to bind its port:{_errors(out_dir)}") from None
-                port_retry = False
-                _forget(out_dir, pending, world_size)
-                continue
             except (RuntimeError, TimeoutError) as exc:
                 done = [i for i in pending if _complete(out_dir, i, world_size)]
                 failed = next((i for i in pending if i not in done), None)
                 if on_error == "raise" or failed is None:
                     raise
                 results[failed] = RunError(str(exc))
-                _clear_errors(out_dir)
+                clear_reports(out_dir)
                 pending = [i for i in pending if i not in done and i != failed]
         wall = time.perf_counter() - t0
         for i in range(len(norm_runs)):
@@ -647,8 +639,6 @@ def spawn_train_many(runs: Sequence[Mapping[str, Any]], *, world_size: int, time
                 results[i] = _gather(out_dir, world_size, i, wall)
     out = [results[i] for i in range(len(norm_runs))]
     if warn_random:
-        from fxpipe.codegen.compare import random_ops_warning
-
         seen: set = set()
         for r in out:
             ops = tuple(r.meta.get("random_ops", ())) if isinstance(r, TrainResult) else ()
@@ -660,10 +650,7 @@ def spawn_train_many(runs: Sequence[Mapping[str, Any]], *, world_size: int, time
 
 def _write_progress(out_dir: str, idx: int, steps_done: int) -> None:
     """Rank 0 records how many steps of run ``idx`` are done (read by the launcher's bar)."""
-    path = os.path.join(out_dir, f"progress{idx}")
-    with open(path + ".tmp", "w") as f:
-        f.write(str(steps_done))
-    os.replace(path + ".tmp", path)
+    write_text_atomic(os.path.join(out_dir, f"progress{idx}"), str(steps_done))
 
 
 def _steps_done(out_dir: str, runs) -> int:
@@ -677,147 +664,35 @@ def _steps_done(out_dir: str, runs) -> int:
     return total
 
 
-class _PortTaken(Exception):
-    """Rank 0 could not bind the rendezvous port (taken between free_port() and the bind)."""
-
-
 def _complete(out_dir: str, idx: int, world: int) -> bool:
     return all(os.path.exists(os.path.join(out_dir, f"run{idx}_rank{r}.json")) for r in range(world))
 
 
-def _forget(out_dir: str, pending: Sequence[int], world: int) -> None:
-    """Remove the files of a failed attempt (pending runs and error reports)."""
-    pend = set(pending)
-    for name in os.listdir(out_dir):
-        if (name.endswith(".err") or name.startswith("run") and int(name[3:].split("_")[0]) in pend
-                or name.startswith("progress") and name[8:].isdigit() and int(name[8:]) in pend):
-            os.remove(os.path.join(out_dir, name))
+def _watch(out_dir: str, runs: Sequence[tuple[int, Any]], world_size: int, run_timeout_s: float | None,
+           bar=None) -> Callable[[], None]:
+    """The launcher's poll: advance ``bar`` (tqdm) to the training steps done (rank 0's progress
+    files) and raise ``TimeoutError`` when no run completed for ``run_timeout_s`` seconds."""
+    state = {"done": 0, "since": time.monotonic()}
 
-
-def _clear_errors(out_dir: str) -> None:
-    for name in os.listdir(out_dir):
-        if name.endswith(".err"):
-            os.remove(os.path.join(out_dir, name))
-
-
-def _start_and_join(mp, cfg: dict, world_size: int, timeout_s: float | None, run_timeout_s: float | None,
-                    bar=None) -> None:
-    """Start the workers and wait for them; raise on failure, timeout or a taken port.
-
-    ``timeout_s`` limits the whole job; ``run_timeout_s`` the time between two completed runs.
-    ``bar`` (tqdm) is advanced to the number of training steps done (rank 0's progress files).
-    """
-    out_dir = cfg["out_dir"]
-    start = last_progress = time.monotonic()
-    n_done = 0
-    ctx = mp.start_processes(_worker, args=(cfg,), nprocs=world_size, join=False, start_method="spawn")
-    try:
-        while not ctx.join(timeout=0.5):
-            now = time.monotonic()
-            if bar is not None:
-                bar.n = _steps_done(out_dir, cfg["runs"])
-                bar.refresh()
-            if run_timeout_s is not None:
-                done = sum(1 for i, _ in cfg["runs"] if _complete(out_dir, i, world_size))
-                if done != n_done:
-                    n_done, last_progress = done, now
-                if now - last_progress > run_timeout_s:
-                    raise TimeoutError(f"a pipeline run with {world_size} ranks did not finish within "
-                                       f"{run_timeout_s:.0f} s" + _errors(out_dir))
-            if timeout_s is not None and now - start > timeout_s:
-                raise TimeoutError(
-                    f"pipeline run with {world_size} ranks did not finish within {timeout_s:.0f} s" + _errors(out_dir)
-                )
+    def poll() -> None:
+        now = time.monotonic()
         if bar is not None:
-            bar.n = _steps_done(out_dir, cfg["runs"])
+            bar.n = _steps_done(out_dir, runs)
             bar.refresh()
-    except mp.ProcessRaisedException as exc:
-        errs = _errors(out_dir)
-        if "EADDRINUSE" in errs or "EADDRINUSE" in str(exc):
-            raise _PortTaken() from None
-        raise _worker_error(out_dir, exc.error_index, str(exc)) from None
-    except mp.ProcessExitedException as exc:
-        raise _worker_error(out_dir, exc.error_index, f"the process exited abnormally: {exc}") from None
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.terminate()
-        for p in ctx.processes:
-            p.join(5)
+        if run_timeout_s is not None:
+            done = sum(1 for i, _ in runs if _complete(out_dir, i, world_size))
+            if done != state["done"]:
+                state.update(done=done, since=now)
+            if now - state["since"] > run_timeout_s:
+                raise TimeoutError(f"a pipeline run with {world_size} ranks did not finish within "
+                                   f"{run_timeout_s:.0f} s" + errors_text(out_dir))
 
-
-def _reports(out_dir: str) -> list[dict]:
-    """The workers' error reports (``rank{r}.err``, written by :func:`_worker`), by rank."""
-    out = []
-    for name in sorted(os.listdir(out_dir)):
-        if name.endswith(".err"):
-            try:
-                with open(os.path.join(out_dir, name)) as f:
-                    out.append(json.load(f))
-            except (OSError, ValueError):  # a report being written as the worker was stopped
-                continue
-    return sorted(out, key=lambda r: r.get("rank", 0))
-
-
-def _errors(out_dir: str) -> str:
-    """Every worker's error report, its traceback included (for time-outs and retries)."""
-    return "".join(f"\n--- rank {r['rank']} ---\n{r['traceback']}" for r in _reports(out_dir))
-
-
-#: Worker errors that follow another rank's failure (its process closed the connection).
-_SECONDARY = re.compile(r"connection closed by peer|connection reset by peer|broken pipe|econnreset|"
-                        r"socket closed|read error|enotconn|epipe", re.I)
-
-
-def _secondary(report: Mapping[str, Any]) -> bool:
-    return bool(_SECONDARY.search(f"{report.get('type', '')}: {report.get('message', '')}"))
-
-
-def _describe(report: Mapping[str, Any]) -> tuple[str, tuple[int, ...]]:
-    """``"rank 1 (stage 3, action 3F0 of training step 0, run 0)"`` and the stages (the action's first)."""
-    stages = tuple(int(s) for s in report.get("stages") or ())
-    action = report.get("action")
-    m = re.match(r"\s*(\d+)", str(action or ""))
-    if m:
-        stages = (int(m.group(1)),) + tuple(s for s in stages if s != int(m.group(1)))
-    parts = []
-    if stages:
-        parts.append(("stage " if action or len(stages) == 1 else "stages ")
-                     + (str(stages[0]) if action else ", ".join(map(str, stages))))
-    what = f"action {action} of {report.get('phase')}" if action else str(report.get("phase") or "starting")
-    parts.append(what)
-    if int(report.get("run", -1)) >= 0:
-        parts.append(f"run {report['run']}")
-    return f"rank {report.get('rank')} ({', '.join(parts)})", stages
+    return poll
 
 
 def _worker_error(out_dir: str, failed_rank: int | None, fallback: str) -> WorkerError:
-    """The first real worker failure as a :class:`~fxpipe.errors.WorkerError`.
-
-    Among the ranks' reports, a failure that is not a lost connection to a failed peer wins,
-    the earliest first; the other ranks' causes follow in one line each.
-    """
-    reports = _reports(out_dir)
-    if all(_secondary(r) and r.get("rank") != failed_rank for r in reports):
-        # the failed rank left no report (killed by a signal, out of memory): it is the first failure
-        lost = f"; ranks {', '.join(str(r['rank']) for r in reports)} lost their connection to it" if reports else ""
-        return WorkerError(f"pipeline worker rank {failed_rank} failed: {fallback}{lost}", rank=failed_rank,
-                           cause=fallback)
-    primary = min(reports, key=lambda r: (_secondary(r), r.get("time", 0.0)))
-    where, stages = _describe(primary)
-    cause = f"{primary['type']}: {primary['message']}".strip()
-    lines = [f"pipeline worker {where} failed: {cause}"]
-    others = [r for r in reports if r is not primary]
-    if others:
-        lines.append("other ranks: " + "; ".join(
-            f"rank {r['rank']} " + ("lost its connection to the failed rank" if _secondary(r) else
-                                    f"failed too ({r['type']}: {str(r['message']).splitlines()[0][:200] if r['message'] else ''})")
-            for r in others))
-    summary = "\n".join(lines)
-    lines.append(f"--- traceback of rank {primary['rank']} ---\n{primary['traceback'].rstrip()}")
-    return WorkerError("\n".join(lines), rank=primary.get("rank"), stages=stages, action=primary.get("action"),
-                       phase=primary.get("phase"), cause_type=primary.get("type"), cause=primary.get("message"),
-                       summary=summary)
+    """The first real failure of the pipeline workers (:func:`fxpipe.launcher.worker_error`)."""
+    return worker_error(out_dir, failed_rank, fallback, what="pipeline")
 
 
 def _gather(out_dir: str, world: int, idx: int, wall: float) -> TrainResult:

@@ -1,7 +1,9 @@
 """Hardware specs, the analytic roofline cost model, measured costs and their calibration.
 
-``hardware``, ``roofline``, ``database`` and ``calibrate`` are torch-free; ``profile`` (the op
-profiler and the cost hook of measured hardware specs) imports torch and is not imported here.
+``specs``, ``hardware``, ``roofline``, ``database`` and ``calibrate`` are torch-free; the profiler
+(``measure``: op timing and the cost hook of measured hardware specs; ``suite``; ``profile``: its
+front end and command line) imports torch and is not imported here. ``hardware`` reaches the
+profiler only to measure ``hardware="measured"``, through a function-local import.
 """
 
 from fxpipe.cost.hardware import HARDWARE, HardwareSpec, get_hardware, list_hardware

@@ -53,8 +53,10 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 
 from fxpipe.cost.database import PHASES, DeviceInfo, Measurement
-from fxpipe.cost.hardware import HardwareSpec, get_hardware
+from fxpipe.cost.specs import HardwareSpec, datasheet_spec
 from fxpipe.errors import InputError
+from fxpipe.io import read_json, write_json_atomic
+from fxpipe.ir.opgraph import OpGraph
 
 __all__ = [
     "PROFILE_FORMAT",
@@ -235,8 +237,6 @@ def with_link_bandwidth(graph, link: LinkModel, *, size_bytes: float | None = No
     InputError
         If the graph has no tensor-producing call node and ``size_bytes`` is not given.
     """
-    from fxpipe.ir import OpGraph
-
     if size_bytes is None:
         sizes = [float(graph.size_out_bytes[i]) for i in range(graph.n)
                  if graph.ops[i].startswith("call_") and graph.size_out_bytes[i] > 0]
@@ -407,7 +407,7 @@ class CostProfile:
         InputError
             If no successful measurement is left.
         """
-        base = get_hardware(base)
+        base = datasheet_spec(base)
         if base.profile is not None:
             base = base.profile.base
         kept = {m.key: m for m in measurements if m.roofline_spec == base.name}
@@ -530,8 +530,6 @@ class CostProfile:
 
     def save(self, path: str | os.PathLike) -> Path:
         """Write the profile as JSON (atomically)."""
-        from fxpipe.ir import write_json_atomic
-
         return write_json_atomic(path, self.to_dict(), indent=1)
 
 
@@ -543,8 +541,6 @@ def load_profile(path: str | os.PathLike) -> CostProfile:
     InputError
         If the file is missing, not JSON, or not a valid profile.
     """
-    from fxpipe.ir import read_json
-
     return CostProfile.from_dict(read_json(path, "hardware profile"), source=str(path))
 
 
@@ -580,7 +576,7 @@ def cross_validate(measurements: Sequence[Measurement], base: HardwareSpec | str
     InputError
         With fewer than 2 usable measurements.
     """
-    base = get_hardware(base)
+    base = datasheet_spec(base)
     ms = sorted((m for m in measurements if m.ok and m.roofline_spec == base.name and any(t > 0 for t in m.times)),
                 key=lambda m: m.key)  # folds independent of the input order
     if len(ms) < 2:

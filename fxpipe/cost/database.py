@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping
 
 from fxpipe.errors import InputError
+from fxpipe.io import read_json, write_json_atomic
 
 __all__ = ["COSTDB_FORMAT", "DeviceInfo", "Measurement", "CostDatabase", "default_db_path", "PHASES"]
 
@@ -249,8 +250,6 @@ class CostDatabase:
     # ------------------------------------------------------------------ reading
     @staticmethod
     def _read(path: Path) -> dict[str, _DeviceSection]:
-        from fxpipe.ir import read_json
-
         doc = read_json(path, "cost database")
         if not isinstance(doc, Mapping) or doc.get("format") != COSTDB_FORMAT:
             raise InputError(f"{str(path)!r} is not an {COSTDB_FORMAT} file: pass another --cost-db path or delete it")
@@ -344,8 +343,6 @@ class CostDatabase:
         other entry in the file is kept. Returns the path written (None for an in-memory
         database without ``path``).
         """
-        from fxpipe.ir import write_json_atomic
-
         target = Path(path).expanduser() if path is not None else self.path
         if target is None:
             return None

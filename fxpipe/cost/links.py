@@ -1,14 +1,14 @@
 """Stage-to-stage links of local pipeline ranks: message times measured by a ping-pong.
 
 :func:`measure_p2p` starts two gloo processes (one intra-op thread each, pinned to their own
-cores, as :func:`fxpipe.codegen.launch.spawn_train`'s ranks) and times one-way messages of
+cores, as :func:`fxpipe.codegen.launch.spawn_train`'s ranks; started by the one local launcher,
+:func:`fxpipe.launcher.launch`) and times one-way messages of
 several sizes (:func:`p2p_times`); :class:`fxpipe.cost.calibrate.LinkModel` interpolates them
 and :func:`fit_link` fits one latency and bandwidth.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import time
@@ -16,7 +16,9 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from fxpipe.cost.calibrate import fit_phase
 from fxpipe.errors import InputError
+from fxpipe.launcher import RankContext, launch
 
 __all__ = ["P2P_SIZES", "p2p_times", "fit_link", "measure_p2p"]
 
@@ -70,8 +72,6 @@ def fit_link(times: Mapping[int, float]) -> tuple[float, float]:
     InputError
         With fewer than two message sizes.
     """
-    from fxpipe.cost.calibrate import fit_phase
-
     if len(times) < 2:
         raise InputError("fit_link needs the times of at least two message sizes")
     sizes = sorted(times)
@@ -80,20 +80,11 @@ def fit_link(times: Mapping[int, float]) -> tuple[float, float]:
     return fit.overhead_s, bw
 
 
-def _p2p_worker(rank: int, init_method: str, world: int, cpus: tuple, out: str, sizes: tuple) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    if cpus and hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, {cpus[rank % len(cpus)]})
-    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
-    try:
-        t = p2p_times(1 - rank, sizes_bytes=sizes)
-        if rank == 0:
-            with open(out, "w", encoding="utf-8") as fh:
-                json.dump({str(k): v for k, v in t.items()}, fh)
-    finally:
-        dist.destroy_process_group()
+def _p2p_rank(ctx: RankContext, sizes: tuple) -> dict[str, float] | None:
+    """A rank of :func:`measure_p2p` (entry of :func:`fxpipe.launcher.launch`): rank 0 returns the times."""
+    ctx.where["phase"] = "ping-pong with the other rank"
+    t = p2p_times(1 - ctx.rank, sizes_bytes=sizes)
+    return {str(k): v for k, v in t.items()} if ctx.rank == 0 else None
 
 
 def measure_p2p(*, sizes_bytes: Sequence[int] = P2P_SIZES, pin: bool = True) -> tuple[float, float, dict[int, float]]:
@@ -106,23 +97,18 @@ def measure_p2p(*, sizes_bytes: Sequence[int] = P2P_SIZES, pin: bool = True) -> 
     -------
     (latency_s, bytes_per_s, times)
         The :func:`fit_link` of the measured one-way ``times`` (size in bytes -> seconds).
+
+    Raises
+    ------
+    WorkerError
+        If a rank fails (:func:`fxpipe.launcher.launch`; rank, phase, cause and traceback).
+    TimeoutError
+        If the two ranks do not finish within 600 s.
     """
-    import socket
-    import tempfile
-
-    import torch.multiprocessing as mp
-
     cpus: tuple = ()
     if pin and hasattr(os, "sched_getaffinity"):
         cpus = tuple(sorted(os.sched_getaffinity(0)))[:2]
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    with tempfile.TemporaryDirectory(prefix="fxpipe-p2p-") as tmp:
-        out = os.path.join(tmp, "p2p.json")
-        mp.start_processes(_p2p_worker, args=(f"tcp://127.0.0.1:{port}", 2, cpus, out, tuple(sizes_bytes)), nprocs=2,
-                           start_method="spawn")
-        with open(out, encoding="utf-8") as fh:
-            times = {int(k): float(v) for k, v in json.load(fh).items()}
+    out = launch(_p2p_rank, 2, args=(tuple(sizes_bytes),), timeout_s=600.0, threads=1, cpus=cpus, what="link profiling")
+    times = {int(k): float(v) for k, v in out[0].items()}
     lat, bw = fit_link(times)
     return lat, bw, times

@@ -20,9 +20,10 @@ import torch
 import torch.fx
 
 from fxpipe.cost.database import CostDatabase, DeviceInfo, Measurement
-from fxpipe.cost.hardware import HardwareSpec
 from fxpipe.cost.signature import cost_of, input_role, op_class_of, param_source, phases_of
+from fxpipe.cost.specs import HardwareSpec
 from fxpipe.cost.timers import median_spread
+from fxpipe.passes.capture import _to_int, getattr_path
 
 __all__ = ["run_graph_mode", "run_isolated_mode"]
 
@@ -46,7 +47,6 @@ def _fill(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 
 
 def _random_like(val: torch.Tensor, dtype: torch.dtype | None, device: torch.device) -> torch.Tensor:
-    from fxpipe.passes.annotate import _to_int
 
     dt = dtype if (dtype is not None and val.dtype.is_floating_point) else val.dtype
     shape = [_to_int(s) for s in val.shape]
@@ -63,8 +63,6 @@ def _random_like(val: torch.Tensor, dtype: torch.dtype | None, device: torch.dev
 
 def _materialise(node: torch.fx.Node, device: torch.device, dtype: torch.dtype | None,
                  known: Mapping[torch.fx.Node, torch.Tensor]) -> _Inputs:
-    from fxpipe.passes.annotate import _to_int
-    from fxpipe.passes.capture import getattr_path
 
     made: dict[torch.fx.Node, Any] = {}
     b_leaves: list[torch.Tensor] = []
@@ -99,17 +97,7 @@ def _materialise(node: torch.fx.Node, device: torch.device, dtype: torch.dtype |
         return v
 
     args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), make)
-
-    def fix(x: Any) -> Any:
-        if isinstance(x, torch.device):
-            return device
-        if isinstance(x, torch.dtype) and dtype is not None and x.is_floating_point:
-            return dtype
-        if isinstance(x, torch.SymInt):
-            return _to_int(x)
-        return x
-
-    args, kwargs = torch.fx.node.map_aggregate((args, kwargs), fix)
+    args, kwargs = _fix_args((args, kwargs), device, dtype)
     return _Inputs(tuple(args), dict(kwargs), b_leaves, w_leaves)
 
 
@@ -226,7 +214,8 @@ def _param_node(node: torch.fx.Node) -> torch.fx.Node | None:
 
 
 def _fix_args(x: Any, device: torch.device, dtype: torch.dtype | None) -> Any:
-    from fxpipe.passes.annotate import _to_int
+    """``x`` (args / kwargs of a node) with devices set to ``device``, floating dtypes to
+    ``dtype`` (when given) and symbolic ints made concrete."""
 
     def fix(v: Any) -> Any:
         if isinstance(v, torch.device):
@@ -250,7 +239,6 @@ def _graph_values(gm: torch.fx.GraphModule, device: torch.device, dtype: torch.d
     inputs when they are real and match the placeholders one to one, else random tensors of the
     recorded shapes (zeros for integers).
     """
-    from fxpipe.passes.capture import getattr_path
 
     env: dict[torch.fx.Node, Any] = {}
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -287,7 +275,6 @@ def _graph_values(gm: torch.fx.GraphModule, device: torch.device, dtype: torch.d
 
 
 def _materialise_value(val: Any, dtype: torch.dtype | None, device: torch.device) -> Any:
-    from fxpipe.passes.annotate import _to_int
 
     if isinstance(val, torch.Tensor):
         return _random_like(val, dtype, device)

@@ -15,6 +15,8 @@ import torch
 import torch.fx
 
 from fxpipe.cost.roofline import OpCost
+from fxpipe.passes.capture import _packet, _to_int, getattr_path
+from fxpipe.passes.costing import COST_KEY
 
 __all__ = ["op_signature", "op_key", "input_role", "phases_of", "op_class_of", "param_source", "cost_of"]
 
@@ -26,7 +28,6 @@ _DTYPE_SHORT = {
 
 
 def cost_of(node: torch.fx.Node) -> OpCost | None:
-    from fxpipe.passes.annotate import COST_KEY
 
     c = node.meta.get(COST_KEY)
     return c if isinstance(c, OpCost) else None
@@ -34,7 +35,6 @@ def cost_of(node: torch.fx.Node) -> OpCost | None:
 
 def param_source(node: torch.fx.Node) -> torch.Tensor | None:
     """The parameter behind a ``get_attr`` node or a shape-only view chain of one, else None."""
-    from fxpipe.passes.capture import getattr_path
 
     root = node.graph.owning_module
     seen = 0
@@ -60,7 +60,6 @@ def input_role(node: torch.fx.Node) -> str:
 
 
 def _tensor_sig(t: torch.Tensor, dtype: torch.dtype | None) -> str:
-    from fxpipe.passes.annotate import _to_int
 
     dt = dtype if (dtype is not None and t.dtype.is_floating_point) else t.dtype
     shape = [_to_int(s) for s in t.shape]
@@ -75,7 +74,6 @@ def _tensor_sig(t: torch.Tensor, dtype: torch.dtype | None) -> str:
 
 
 def _val_sig(val: Any, dtype: torch.dtype | None) -> str:
-    from fxpipe.passes.annotate import _to_int
 
     if isinstance(val, torch.Tensor):
         return _tensor_sig(val, dtype)
@@ -115,7 +113,6 @@ def op_signature(node: torch.fx.Node, dtype: torch.dtype | None = None) -> tuple
 
     Requires the node's graph to carry cost annotations (grad flags come from them).
     """
-    from fxpipe.passes.annotate import _packet
 
     if node.op != "call_function" or _packet(node.target) is None:
         return None
@@ -134,7 +131,6 @@ def phases_of(node: torch.fx.Node) -> tuple[bool, bool, bool]:
 
 
 def op_class_of(node: torch.fx.Node) -> str:
-    from fxpipe.passes.annotate import _packet
 
     pkt = _packet(node.target)
     return str(pkt) if pkt is not None else str(getattr(node.target, "__name__", node.target))

@@ -1,7 +1,9 @@
 """The built-in calibration suite: transformer and conv blocks at several sizes.
 
 :func:`run_suite` captures each block and profiles it (:func:`fxpipe.cost.profile.profile_graph`),
-so that ``hardware="measured"`` can calibrate a device before any model was profiled on it.
+so that ``hardware="measured"`` can calibrate a device before any model was profiled on it;
+:func:`measured_hardware` is that spec (what :func:`fxpipe.cost.hardware.get_hardware` returns
+for ``"measured"``).
 """
 
 from __future__ import annotations
@@ -12,8 +14,11 @@ from typing import Any, Iterable
 import torch
 
 from fxpipe.cost.database import CostDatabase, default_db_path
+from fxpipe.cost.measure import _with_device_memory, base_hardware, device_info, measured_profile, profile_graph
+from fxpipe.cost.specs import HardwareSpec
+from fxpipe.passes.capture import capture
 
-__all__ = ["SUITE", "SUITE_QUICK", "run_suite"]
+__all__ = ["SUITE", "SUITE_QUICK", "measured_hardware", "run_suite"]
 
 class _SuiteTransformer(torch.nn.Module):
     """A pre-norm transformer block with embedding and head: the ops of decoder LMs."""
@@ -95,8 +100,6 @@ def run_suite(db: CostDatabase | str | os.PathLike | None = None, *, device: str
     list[str]
         The op keys the suite covers (measured now or found in the database).
     """
-    from fxpipe.passes.capture import capture
-
     keys: list[str] = []
     if not isinstance(db, CostDatabase):
         db = CostDatabase(default_db_path() if db is None else db)
@@ -110,11 +113,35 @@ def run_suite(db: CostDatabase | str | os.PathLike | None = None, *, device: str
         with torch.random.fork_rng(devices=[]):
             model, args = _suite_model(kind, size)
         cap = capture(model, args)
-        from fxpipe.cost.profile import profile_graph
-
         rep = profile_graph(cap.gm, db=db, device=device, threads=threads, example_inputs=(args, {}), save=False, **opts)
         keys.extend(rep.keys.values())
         if rep.interrupted:
             break
     db.save()
     return sorted(set(keys))
+
+
+def measured_hardware(db: CostDatabase | str | os.PathLike | None = None, *, device: str | torch.device | None = None,
+                      threads: int | None = None, min_measurements: int = 20, progress: bool = True) -> HardwareSpec:
+    """The spec of this process's device, calibrated from measured op times (``hardware="measured"``).
+
+    If the database holds fewer than ``min_measurements`` successful measurements of this
+    device (name, torch version, thread count), the built-in suite (:func:`run_suite`) is
+    profiled first and stored.
+
+    Returns
+    -------
+    HardwareSpec
+        Named ``"measured"``; ``.profile`` holds the :class:`CostProfile`; ``memory_bytes`` is
+        the device's memory read from the machine (:func:`device_memory_bytes`).
+    """
+    info = device_info(device, threads)
+    if not isinstance(db, CostDatabase):
+        db = CostDatabase(default_db_path() if db is None else db)
+    base = base_hardware(info)
+    usable = [m for m in db.entries(info).values() if m.ok and m.roofline_spec == base.name]
+    if len(usable) < min_measurements:
+        run_suite(db, device=device, threads=info.threads, progress=progress)
+    # the capacity is this machine's memory, not the roofline base's datasheet figure
+    return _with_device_memory(measured_profile(db, device=device, threads=info.threads, name="measured").hardware(),
+                               device)

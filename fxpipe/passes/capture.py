@@ -27,6 +27,14 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from fxpipe.errors import CaptureError
+from fxpipe.passes.replicate import (
+    TEMPLATE_LAYERS,
+    ReplicationError,
+    find_layer_stack,
+    per_layer_settings_vary,
+    replicate_layers,
+    truncated_layers,
+)
 
 #: ``gm.meta`` key holding the module-path prefix added by a wrapper (e.g. ``"model."`` for
 #: :class:`fxpipe.models.LogitsOnly`); :func:`fxpipe.passes.to_opgraph.to_opgraph` strips it.
@@ -310,14 +318,6 @@ def drop_layout_contiguous(gm: torch.fx.GraphModule) -> int:
 
 def _capture_replicated(model: torch.nn.Module, args: tuple, kwargs: dict, *, min_layers: int) -> Captured | None:
     """Export three layers and replicate (see :mod:`fxpipe.passes.replicate`); None if not applicable."""
-    from fxpipe.passes.replicate import (
-        TEMPLATE_LAYERS,
-        ReplicationError,
-        find_layer_stack,
-        per_layer_settings_vary,
-        replicate_layers,
-        truncated_layers,
-    )
 
     found = find_layer_stack(model, min_layers)
     if found is None:
@@ -352,6 +352,66 @@ def _capture_replicated(model: torch.nn.Module, args: tuple, kwargs: dict, *, mi
     )
 
 
+def _to_int(x: Any) -> int:
+    """A concrete size: the example's (hinted) value of a symbolic size; a data-dependent
+    (unbacked) size such as the rows of ``x[mask]`` or ``nonzero`` is costed at the upper end of
+    its value range (every candidate row kept: time and memory are not under-estimated), or 1
+    when that range is unbounded."""
+    if isinstance(x, int):
+        return x
+    if isinstance(x, torch.SymInt):
+        hint = getattr(x.node, "hint", None)
+        if hint is not None:
+            return int(hint)
+        from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+        env = x.node.shape_env
+        if free_unbacked_symbols(x):
+            try:
+                upper = env.bound_sympy(x.node.expr).upper
+                if upper.is_finite:
+                    return int(upper)
+            except Exception:  # noqa: BLE001 - no range known
+                pass
+            return 1
+        try:
+            return int(env.size_hint(x.node.expr))
+        except Exception:  # a symbol without a hint: assume 1
+            return 1
+    return int(x)
+
+
+def _leaves(val: Any) -> list[Any]:
+    """Leaves of nested tuples / lists / dicts (what fx node args and ``meta["val"]`` hold).
+
+    A public-API stand-in for ``torch.utils._pytree.tree_leaves`` on the containers that
+    appear in exported graphs (``torch.Size`` and named tuples are tuples; fx's immutable
+    list/dict subclass list/dict). Other objects are leaves.
+    """
+    out: list[Any] = []
+    stack = [val]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, (tuple, list)) and not isinstance(x, torch.Size):
+            stack.extend(reversed(x))
+        elif isinstance(x, dict):
+            stack.extend(reversed(list(x.values())))
+        else:
+            out.append(x)
+    return out
+
+
+def _packet(target: Any) -> Any:
+    """The ``OpOverloadPacket`` of an aten/custom ``OpOverload`` target, else None.
+
+    Duck typing on the public ``overloadpacket`` attribute replaces an
+    ``isinstance(target, torch._ops.OpOverload)`` check (``torch._ops`` is private): only
+    ``OpOverload`` objects carry it (packets, higher-order operators and Python callables
+    do not).
+    """
+    return getattr(target, "overloadpacket", None)
+
+
 def getattr_path(root: torch.nn.Module, target: str) -> Any:
     """Resolve a dotted ``get_attr`` target on ``root`` (returns None if missing)."""
     obj: Any = root
@@ -372,8 +432,6 @@ def has_data_dependent_size(node: torch.fx.Node) -> bool:
     if val is None:
         return False
     from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
-
-    from fxpipe.passes.annotate import _leaves  # noqa: PLC0415
 
     for leaf in _leaves(val):
         if isinstance(leaf, (torch.Tensor, torch.SymInt, torch.SymFloat, torch.SymBool)):

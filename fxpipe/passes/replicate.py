@@ -43,7 +43,7 @@ it (e.g. torchtitan's per-layer ``torch.compile`` of identical transformer block
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.fx
@@ -231,32 +231,28 @@ def _canon(node: torch.fx.Node, lay: dict, index: dict, prefix: str, layer: int,
     return (node.op, str(node.target), repr(args), repr(kwargs))
 
 
-def replicate_layers(gm_small: torch.fx.GraphModule, model: torch.nn.Module, path: str, num_layers: int) -> torch.fx.GraphModule:
-    """The full-depth graph module from the export of :data:`TEMPLATE_LAYERS` layers.
+class _Template(NamedTuple):
+    """The three exported layers, checked: what :func:`replicate_layers` copies and how."""
 
-    Parameters
-    ----------
-    gm_small : torch.fx.GraphModule
-        Unlifted export of ``model`` with its layer list cut to three layers
-        (:func:`truncated_layers`).
-    model : torch.nn.Module
-        The full model (its parameters are the new module's parameters).
-    path : str
-        Dotted path of the layer list in ``model`` (e.g. ``"model.model.layers"``).
-    num_layers : int
-        Layers of the full model.
+    nodes: list  # the small export's nodes, in program order
+    lay: dict  # node -> layer index (None: outside the layers), for non-attribute nodes
+    per: list  # per[i]: the nodes of layer i, in program order
+    index: dict  # node -> its position within its layer
+    step: dict  # node-name base -> counter step between consecutive layers
+    fresh: set  # template positions whose copies need a fresh fake tensor
+    attrs: list  # get_attr nodes
+    layer_attr: dict  # get_attr node -> (layer, name relative to the layer) or None
 
-    Returns
-    -------
-    torch.fx.GraphModule
+
+def _check_template(g: torch.fx.Graph, prefix: str) -> _Template:
+    """Find the exported layers and check they have the structure replication assumes.
 
     Raises
     ------
     ReplicationError
-        If the three exported layers do not have the structure replication assumes.
+        If the layers are not contiguous, differ, read non-adjacent layers, or their node
+        names do not advance by a constant step per layer.
     """
-    prefix = f"{path}."
-    g = gm_small.graph
     nodes = list(g.nodes)
     lay = {n: _layer_of(n, prefix) for n in nodes if n.op not in ("placeholder", "get_attr", "output")}
     seq = [n for n in nodes if n in lay]
@@ -312,8 +308,14 @@ def replicate_layers(gm_small: torch.fx.GraphModule, model: torch.nn.Module, pat
     for n in attrs:
         if layer_attr[n] is not None and n.name != str(n.target).replace(".", "_"):
             raise ReplicationError(f"unexpected get_attr name {n.name!r} for {n.target!r}")
-    extra = num_layers - TEMPLATE_LAYERS
+    return _Template(nodes, lay, per, index, step, fresh, attrs, layer_attr)
 
+
+def _replicated_graph(g: torch.fx.Graph, tpl: _Template, num_layers: int, prefix: str) -> torch.fx.Graph:
+    """The full-depth graph: outer nodes and layer 0 as exported, layer 1 copied for layers
+    1..num_layers-1 (names, parameters and module paths advanced per layer), layer 2 dropped."""
+    nodes, lay, per, index, step, fresh, attrs, layer_attr = tpl
+    extra = num_layers - TEMPLATE_LAYERS
     new = torch.fx.Graph()
     env: dict[torch.fx.Node, torch.fx.Node] = {}
     copies: list[list[torch.fx.Node]] = []  # copies[i][j]: node j of layer i (i >= 1)
@@ -404,6 +406,12 @@ def replicate_layers(gm_small: torch.fx.GraphModule, model: torch.nn.Module, pat
             copies.append(out)
     new._codegen = g._codegen  # in/out pytree specs: the same model inputs and outputs
     new.lint()
+    return new
+
+
+def _graph_module(new: torch.fx.Graph, gm_small: torch.fx.GraphModule, model: torch.nn.Module,
+                  path: str) -> torch.fx.GraphModule:
+    """The graph module of the full-depth graph, its attributes from the real model and the small export."""
     # the module: attributes under the layer list's top-level module come from the real model
     # (as in a full export, whose unlifted module holds the model's own parameter objects);
     # export-made attributes (higher-order-op bodies, the input guard) from the small export
@@ -428,3 +436,33 @@ def replicate_layers(gm_small: torch.fx.GraphModule, model: torch.nn.Module, pat
     gm = torch.fx.GraphModule(holder, new)
     gm.meta.update(getattr(gm_small, "meta", {}))
     return gm
+
+
+def replicate_layers(gm_small: torch.fx.GraphModule, model: torch.nn.Module, path: str, num_layers: int) -> torch.fx.GraphModule:
+    """The full-depth graph module from the export of :data:`TEMPLATE_LAYERS` layers.
+
+    Parameters
+    ----------
+    gm_small : torch.fx.GraphModule
+        Unlifted export of ``model`` with its layer list cut to three layers
+        (:func:`truncated_layers`).
+    model : torch.nn.Module
+        The full model (its parameters are the new module's parameters).
+    path : str
+        Dotted path of the layer list in ``model`` (e.g. ``"model.model.layers"``).
+    num_layers : int
+        Layers of the full model.
+
+    Returns
+    -------
+    torch.fx.GraphModule
+
+    Raises
+    ------
+    ReplicationError
+        If the three exported layers do not have the structure replication assumes.
+    """
+    prefix = f"{path}."
+    tpl = _check_template(gm_small.graph, prefix)
+    new = _replicated_graph(gm_small.graph, tpl, num_layers, prefix)
+    return _graph_module(new, gm_small, model, path)

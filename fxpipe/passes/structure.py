@@ -360,9 +360,26 @@ def _bytes(v: Any) -> float:
     return float(v.numel() * v.element_size()) if isinstance(v, torch.Tensor) else 0.0
 
 
-def _node_label(n: torch.fx.Node) -> str:
-    from fxpipe.passes.to_opgraph import module_path
+def module_path(node: torch.fx.Node, prefix: str = "") -> str:
+    """Innermost ``nn_module_stack`` path of a node, without ``prefix`` (``""`` at top level)."""
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    path = list(stack.values())[-1]
+    path = path[0] if isinstance(path, (tuple, list)) else str(path)
+    path = str(path).split("@")[0]
+    if path.startswith("L__self__"):
+        path = path[len("L__self__"):].lstrip("_.")
+    if prefix:
+        stem = prefix.rstrip(".")
+        if path == stem:
+            return ""
+        if path.startswith(prefix):
+            path = path[len(prefix):]
+    return path
 
+
+def _node_label(n: torch.fx.Node) -> str:
     return _label(str(n.target), module_path(n, n.graph.owning_module.meta.get("fxpipe_module_prefix", "")
                                               if n.graph.owning_module is not None else ""))
 

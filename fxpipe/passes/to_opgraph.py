@@ -49,29 +49,10 @@ from fxpipe.passes.capture import (
     has_data_dependent_size,
     user_source_line,
 )
-from fxpipe.passes.structure import OPKEY, SKEY, structural_keys
+from fxpipe.passes.structure import OPKEY, SKEY, module_path, structural_keys
 
 #: fx ops that become OpGraph nodes.
 OPGRAPH_FX_OPS = ("placeholder", "call_function", "call_module", "call_method", "output")
-
-
-def module_path(node: torch.fx.Node, prefix: str = "") -> str:
-    """Innermost ``nn_module_stack`` path of a node, without ``prefix`` (``""`` at top level)."""
-    stack = node.meta.get("nn_module_stack") or {}
-    if not stack:
-        return ""
-    path = list(stack.values())[-1]
-    path = path[0] if isinstance(path, (tuple, list)) else str(path)
-    path = str(path).split("@")[0]
-    if path.startswith("L__self__"):
-        path = path[len("L__self__"):].lstrip("_.")
-    if prefix:
-        stem = prefix.rstrip(".")
-        if path == stem:
-            return ""
-        if path.startswith(prefix):
-            path = path[len(prefix):]
-    return path
 
 
 def to_opgraph(gm: torch.fx.GraphModule, hardware: str | HardwareSpec = "h100-sxm", *, name: str = "model",

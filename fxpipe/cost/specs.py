@@ -1,0 +1,173 @@
+"""Hardware specifications as data: :class:`HardwareSpec` and the datasheet table.
+
+The leaf of :mod:`fxpipe.cost`: the roofline, the calibration, the cost pass and the profiler
+read specs from here; :mod:`fxpipe.cost.hardware` resolves the names users pass (datasheet
+names, shipped and measured profiles) and re-exports everything of this module. Units and
+sources: see :mod:`fxpipe.cost.hardware`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Mapping
+
+from fxpipe.errors import InputError
+
+#: One decimal gigabyte, the datasheets' unit for capacity and bandwidth (bytes).
+_GB = 1e9
+
+
+@dataclass(frozen=True)
+class HardwareSpec:
+    """One accelerator (or CPU socket) as seen by the cost model.
+
+    Attributes
+    ----------
+    name : str
+        Registry key, e.g. ``"h100-sxm"``.
+    description : str
+        Human-readable part name.
+    peak_flops : Mapping[str, float]
+        Dense peak FLOP/s per compute dtype name (``"fp32"``, ``"tf32"``, ``"bf16"``,
+        ``"fp16"``, ``"fp8"``); a dtype missing here falls back to ``"fp32"``.
+    hbm_bytes_per_s : float
+        Device memory bandwidth, bytes/s.
+    d2d_bytes_per_s : float
+        Device-to-device bandwidth per direction (NVLink), bytes/s; Contract 2's ``B``.
+    host_bytes_per_s : float
+        Host link (PCIe) bandwidth per direction, bytes/s; used for offload/reload.
+    memory_bytes : float
+        Device memory capacity, bytes (datasheet GB x 1e9).
+    launch_overhead_s : float
+        Fixed cost added to every op that launches a kernel, seconds.
+    source : str
+        Datasheet (document name and URL) the numbers come from.
+    profile : fxpipe.cost.calibrate.CostProfile, optional
+        Measured op times and the calibration fitted to them; when set, the cost pass
+        (:class:`fxpipe.passes.annotate.AnnotateCosts`) replaces the roofline times by measured
+        or calibrated ones. The peak and bandwidth fields are then the roofline base the
+        calibration corrects.
+    """
+
+    name: str
+    description: str
+    peak_flops: Mapping[str, float]
+    hbm_bytes_per_s: float
+    d2d_bytes_per_s: float
+    host_bytes_per_s: float
+    memory_bytes: float
+    launch_overhead_s: float
+    source: str = field(default="", repr=False)
+    profile: Any = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "peak_flops", MappingProxyType(dict(self.peak_flops)))
+
+    def peak(self, dtype_name: str) -> float:
+        """Dense peak FLOP/s for a compute dtype name (falls back to ``"fp32"``)."""
+        return float(self.peak_flops.get(dtype_name, self.peak_flops["fp32"]))
+
+    def to_dict(self) -> dict:
+        """Plain-data form (JSON-ready)."""
+        return {
+            "name": self.name,
+            "description": self.description,
+            "peak_flops": dict(self.peak_flops),
+            "hbm_bytes_per_s": self.hbm_bytes_per_s,
+            "d2d_bytes_per_s": self.d2d_bytes_per_s,
+            "host_bytes_per_s": self.host_bytes_per_s,
+            "memory_bytes": self.memory_bytes,
+            "launch_overhead_s": self.launch_overhead_s,
+            "source": self.source,
+            **({"profile": self.profile.name} if self.profile is not None else {}),
+        }
+
+
+_H100 = HardwareSpec(
+    name="h100-sxm",
+    description="NVIDIA H100 SXM5 80GB",
+    peak_flops={"fp32": 67e12, "tf32": 494.5e12, "bf16": 989.5e12, "fp16": 989.5e12, "fp8": 1979e12},
+    hbm_bytes_per_s=3.35e12,  # HBM3
+    d2d_bytes_per_s=450e9,  # NVLink 4: 900 GB/s bidirectional
+    host_bytes_per_s=64e9,  # PCIe Gen5 x16: 128 GB/s bidirectional
+    memory_bytes=80 * _GB,  # datasheet: 80GB HBM
+    launch_overhead_s=5e-6,
+    source=(
+        "NVIDIA H100 Tensor Core GPU datasheet (H100 SXM column; dense = half the "
+        "printed with-sparsity figures), https://resources.nvidia.com/en-us-tensor-core/"
+        "nvidia-tensor-core-gpu-datasheet"
+    ),
+)
+
+HARDWARE: Mapping[str, HardwareSpec] = MappingProxyType({
+    spec.name: spec
+    for spec in (
+        HardwareSpec(
+            name="a100-80gb",
+            description="NVIDIA A100 80GB SXM4",
+            peak_flops={"fp32": 19.5e12, "tf32": 156e12, "bf16": 312e12, "fp16": 312e12},
+            hbm_bytes_per_s=2.039e12,  # HBM2e
+            d2d_bytes_per_s=300e9,  # NVLink 3: 600 GB/s bidirectional
+            host_bytes_per_s=32e9,  # PCIe Gen4 x16: 64 GB/s bidirectional
+            memory_bytes=80 * _GB,  # datasheet: 80GB HBM
+            launch_overhead_s=5e-6,
+            source=(
+                "NVIDIA A100 Tensor Core GPU datasheet (nvidia-a100-datasheet-us-nvidia-1758950-r4), "
+                "https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/"
+                "nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf"
+            ),
+        ),
+        _H100,
+        # the same Hopper compute, links and launch cost as the H100 SXM; more and faster memory
+        dataclasses.replace(
+            _H100,
+            name="h200",
+            description="NVIDIA H200 SXM 141GB",
+            hbm_bytes_per_s=4.8e12,  # HBM3e
+            memory_bytes=141 * _GB,  # datasheet: 141GB HBM3e
+            source=(
+                "NVIDIA H200 Tensor Core GPU datasheet / product page (H200 SXM column; dense = "
+                "half the with-sparsity figures), https://www.nvidia.com/en-us/data-center/h200/"
+            ),
+        ),
+        HardwareSpec(
+            name="cpu",
+            description="generic modest CPU: 8 cores, AVX2 FMA, 3.0 GHz, dual-channel DDR4-3200",
+            # 8 cores x 3.0 GHz x 2 FMA units x 8 fp32 lanes x 2 flops/FMA = 768 GFLOP/s;
+            # no bf16/fp16 matrix units, so low precision runs at the fp32 rate.
+            peak_flops={"fp32": 768e9, "bf16": 768e9, "fp16": 768e9},
+            hbm_bytes_per_s=51.2e9,  # 2 channels x 25.6 GB/s (DDR4-3200)
+            d2d_bytes_per_s=10e9,  # process-to-process copy through shared memory (gloo), modelled
+            host_bytes_per_s=51.2e9,  # host memory is device memory
+            memory_bytes=32 * _GB,  # modelled 32 GB of host memory
+            launch_overhead_s=10e-6,  # PyTorch eager dispatch per op on CPU
+            source=(
+                "derived profile, not a single datasheet: peak = cores x clock x 2 FMA x 8 lanes x 2; "
+                "bandwidth = JEDEC DDR4-3200 (25.6 GB/s per channel) x 2 channels"
+            ),
+        ),
+    )
+})
+
+
+def list_hardware() -> list[str]:
+    """Known hardware names, sorted (datasheet specs; see :func:`get_hardware` for profiles)."""
+    return sorted(HARDWARE)
+
+
+def datasheet_spec(name: str | HardwareSpec) -> HardwareSpec:
+    """The datasheet spec named ``name`` (case-insensitive); a :class:`HardwareSpec` is returned as is.
+
+    Raises
+    ------
+    InputError
+        If ``name`` is not in :data:`HARDWARE` (the message lists the known names).
+    """
+    if isinstance(name, HardwareSpec):
+        return name
+    key = str(name).strip().lower()
+    if key not in HARDWARE:
+        raise InputError(f"unknown datasheet hardware {name!r}; known hardware: {', '.join(sorted(HARDWARE))}")
+    return HARDWARE[key]
