@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 from fxpipe.errors import InputError
@@ -44,6 +45,8 @@ __all__ = [
     "format_mesh",
     "mesh_memory",
     "dp_sync_time_s",
+    "dp_links",
+    "Topology",
     "candidate_meshes",
 ]
 
@@ -229,8 +232,83 @@ def mesh_memory(memory, mesh: Mapping[str, int]):
     return dataclasses.replace(memory, zero_stage=1, data_parallel=ds)
 
 
+@dataclass(frozen=True)
+class Topology:
+    """The links data-parallel collectives run on: nodes of ``devices_per_node`` devices.
+
+    Inside a node devices talk over ``intra_node_bytes_per_s`` links (NVLink), between nodes
+    over ``inter_node_bytes_per_s`` per device (one InfiniBand NIC per GPU), each collective
+    step costing the matching latency. Built from a hardware spec
+    (:meth:`fxpipe.cost.specs.HardwareSpec.topology`, recorded in ``graph.meta["topology"]`` by
+    the capture) or by hand; bandwidths in bytes/s per device and direction, latencies in s.
+    """
+
+    devices_per_node: int
+    intra_node_bytes_per_s: float
+    inter_node_bytes_per_s: float
+    intra_node_latency_s: float = 0.0
+    inter_node_latency_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if int(self.devices_per_node) < 1:
+            raise InputError(f"devices_per_node must be >= 1, got {self.devices_per_node!r}")
+        for name in ("intra_node_bytes_per_s", "inter_node_bytes_per_s"):
+            if not float(getattr(self, name)) > 0:
+                raise InputError(f"{name} must be > 0, got {getattr(self, name)!r}")
+
+    @classmethod
+    def from_dict(cls, doc: Mapping[str, Any]) -> "Topology":
+        """From :meth:`to_dict`'s plain data (e.g. ``graph.meta["topology"]``)."""
+        return cls(int(doc["devices_per_node"]), float(doc["intra_node_bytes_per_s"]),
+                   float(doc["inter_node_bytes_per_s"]), float(doc.get("intra_node_latency_s", 0.0)),
+                   float(doc.get("inter_node_latency_s", 0.0)))
+
+    def to_dict(self) -> dict[str, float]:
+        return {"devices_per_node": int(self.devices_per_node), "intra_node_bytes_per_s": float(self.intra_node_bytes_per_s),
+                "inter_node_bytes_per_s": float(self.inter_node_bytes_per_s),
+                "intra_node_latency_s": float(self.intra_node_latency_s),
+                "inter_node_latency_s": float(self.inter_node_latency_s)}
+
+    @classmethod
+    def of_graph(cls, graph) -> "Topology | None":
+        """The topology recorded with a captured graph, or ``None`` (one bandwidth: the graph's)."""
+        doc = (getattr(graph, "meta", None) or {}).get("topology")
+        return None if not doc else cls.from_dict(doc)
+
+    def in_node(self, stride: int, size: int) -> bool:
+        """Whether every group of ``size`` ranks ``stride`` apart lies inside one node.
+
+        With ranks numbered node by node, the groups of a row-major mesh dimension tile blocks
+        of ``stride * size`` consecutive ranks; they stay inside nodes when such a block divides
+        the node (otherwise some group crosses nodes, and a ring runs at its slowest link).
+        """
+        span = int(stride) * int(size)
+        return size <= 1 or (span <= self.devices_per_node and self.devices_per_node % span == 0)
+
+    def link(self, stride: int, size: int) -> tuple[float, float]:
+        """``(bandwidth_bytes_per_s, latency_s)`` of the collective over a mesh dimension's groups."""
+        if self.in_node(stride, size):
+            return float(self.intra_node_bytes_per_s), float(self.intra_node_latency_s)
+        return float(self.inter_node_bytes_per_s), float(self.inter_node_latency_s)
+
+
+def dp_links(mesh: Mapping[str, int], bandwidth_bytes_per_s: float, latency_s: float = 0.0,
+             topology: Topology | None = None) -> dict[str, tuple[float, float]]:
+    """``{"dp_shard": (bandwidth, latency), "dp_replicate": (...)}`` the data-parallel groups use.
+
+    With a topology, a dimension's groups are ``pp`` (``dp_shard``) or ``pp * dp_shard``
+    (``dp_replicate``) ranks apart (:func:`rank_coords`, pipeline rank innermost) and use
+    :meth:`Topology.link`; without one, every group uses ``bandwidth_bytes_per_s`` and ``latency_s``.
+    """
+    pp, s, r = int(mesh.get("pp", 1)), int(mesh.get("dp_shard", 1)), int(mesh.get("dp_replicate", 1))
+    if topology is None:
+        return {"dp_shard": (float(bandwidth_bytes_per_s), float(latency_s)),
+                "dp_replicate": (float(bandwidth_bytes_per_s), float(latency_s))}
+    return {"dp_shard": topology.link(pp, s), "dp_replicate": topology.link(pp * s, r)}
+
+
 def dp_sync_time_s(param_bytes: float, mesh: Mapping[str, int], bandwidth_bytes_per_s: float,
-                   latency_s: float = 0.0) -> float:
+                   latency_s: float = 0.0, *, topology: Topology | None = None) -> float:
     """Data-parallel communication of one device per optimizer step (seconds), not overlapped.
 
     What fxpipe's runtime does per step for a device whose stages hold ``param_bytes`` of
@@ -239,7 +317,7 @@ def dp_sync_time_s(param_bytes: float, mesh: Mapping[str, int], bandwidth_bytes_
     over ``s`` ranks; with ``dp_replicate = r > 1`` one all-reduce over ``r`` ranks of the
     gradients (of their ``1 / s`` shard under HSDP). Ring collectives (Thakur, Rabenseifner and
     Gropp 2005): all-gather and reduce-scatter of ``n`` bytes over ``k`` ranks move
-    ``(k - 1) / k * n`` bytes per rank, all-reduce twice that; each adds ``(k - 1) * latency_s``.
+    ``(k - 1) / k * n`` bytes per rank, all-reduce twice that; each adds ``(k - 1) * latency``.
 
     Parameters
     ----------
@@ -248,24 +326,30 @@ def dp_sync_time_s(param_bytes: float, mesh: Mapping[str, int], bandwidth_bytes_
     mesh : Mapping[str, int]
         The plan's mesh.
     bandwidth_bytes_per_s : float
-        Per-rank link bandwidth of the data-parallel group (one bandwidth for now; a topology
-        with intra- and inter-node links is a later step).
+        Per-rank link bandwidth of the data-parallel groups without a topology.
     latency_s : float
-        Per-hop latency.
+        Per-hop latency without a topology.
+    topology : Topology, optional
+        Nodes and their links: each dimension's groups run at the link they span
+        (:func:`dp_links`; e.g. ``dp_shard`` inside a node on NVLink, ``dp_replicate`` across
+        nodes on InfiniBand).
 
     Returns
     -------
     float
         0 without data parallelism.
     """
-    if bandwidth_bytes_per_s <= 0:
+    if topology is None and not bandwidth_bytes_per_s > 0:
         raise InputError(f"bandwidth_bytes_per_s must be > 0, got {bandwidth_bytes_per_s!r}")
+    links = dp_links(mesh, bandwidth_bytes_per_s, latency_s, topology)
     s, r = int(mesh.get("dp_shard", 1)), int(mesh.get("dp_replicate", 1))
     t = 0.0
     if s > 1:  # all-gather of the parameters + reduce-scatter of the gradients
-        t += 2 * ((s - 1) / s * param_bytes / bandwidth_bytes_per_s + (s - 1) * latency_s)
+        bw, lat = links["dp_shard"]
+        t += 2 * ((s - 1) / s * param_bytes / bw + (s - 1) * lat)
     if r > 1:  # all-reduce of the gradients (their shard under HSDP)
-        t += 2 * (r - 1) / r * (param_bytes / s) / bandwidth_bytes_per_s + 2 * (r - 1) * latency_s
+        bw, lat = links["dp_replicate"]
+        t += 2 * (r - 1) / r * (param_bytes / s) / bw + 2 * (r - 1) * lat
     return t
 
 
@@ -291,9 +375,10 @@ def candidate_meshes(devices: int, microbatches: int, *, replicate: bool = False
 def pipeline_dp_sync_s(graph, assignment, device_of_stage, mesh: Mapping[str, int]) -> float:
     """:func:`dp_sync_time_s` of the busiest device of a partitioned, placed pipeline (seconds).
 
-    ``graph`` is the :class:`~fxpipe.ir.OpGraph` (its ``size_param_bytes`` and
-    ``bandwidth_bytes_per_s``), ``assignment`` the stage of every node, ``device_of_stage`` the
-    placement.
+    ``graph`` is the :class:`~fxpipe.ir.OpGraph` (its ``size_param_bytes``, and the links: its
+    recorded :class:`Topology` if the capture knew the hardware's nodes, else its
+    ``bandwidth_bytes_per_s`` for every group), ``assignment`` the stage of every node,
+    ``device_of_stage`` the placement.
     """
     import numpy as np
 
@@ -301,4 +386,5 @@ def pipeline_dp_sync_s(graph, assignment, device_of_stage, mesh: Mapping[str, in
         return 0.0
     dev = np.asarray(device_of_stage, dtype=np.int64)[np.asarray(assignment, dtype=np.int64)]
     per_device = np.bincount(dev, weights=graph.size_param_bytes, minlength=int(mesh["pp"]))
-    return float(max(dp_sync_time_s(float(b), mesh, graph.bandwidth_bytes_per_s) for b in per_device))
+    topology = Topology.of_graph(graph)
+    return float(max(dp_sync_time_s(float(b), mesh, graph.bandwidth_bytes_per_s, topology=topology) for b in per_device))

@@ -1,16 +1,18 @@
 """``mesh="search"``: pick pp x dp_shard by predicted step time under the device memory (torch-free).
 
-A first, simple joint search (issue 18 item 3): every mesh of :func:`fxpipe.mesh.candidate_meshes`
-(``pp * dp_shard = devices``, ``dp_shard`` dividing the global micro-batches; ``dp_replicate``
-is left out because with one link bandwidth it moves as many bytes as ``dp_shard`` and shards
-nothing) is planned as a pipeline over ``pp`` devices with ``microbatches / dp_shard``
+A joint search (issue 18 item 3): every mesh of :func:`fxpipe.mesh.candidate_meshes`
+(``pp * dp = devices``, ``dp`` dividing the global micro-batches; the splits of ``dp`` into
+``dp_shard * dp_replicate`` (HSDP) too when the graph carries a :class:`fxpipe.mesh.Topology`:
+with one link bandwidth replication moves as many bytes as sharding and shards nothing) is
+planned as a pipeline over ``pp`` devices with ``microbatches / dp``
 micro-batches (:func:`fxpipe.planner.plan_with_options`, with the memory model of the mesh,
 :func:`fxpipe.mesh.mesh_memory`), and scored by
 
     predicted step = the schedule's objective value (its step time) + data-parallel sync
 
-(:func:`fxpipe.mesh.pipeline_dp_sync_s`, ring collectives at the graph's bandwidth, not
-overlapped). The smallest predicted step wins (ties: more pipeline stages).
+(:func:`fxpipe.mesh.pipeline_dp_sync_s`: ring collectives on the links each data-parallel
+dimension spans, NVLink inside a node and InfiniBand between nodes when the hardware's
+topology is known, else the graph's one bandwidth; not overlapped). The smallest predicted step wins (ties: more pipeline stages).
 
 Kept fast by bounds: the candidates are planned in increasing order of a lower bound that needs
 no partition (:func:`mesh_lower_bound_s`: perfectly balanced work without bubbles plus the sync
@@ -20,9 +22,11 @@ candidate whose average static state (parameters, gradients, optimizer state und
 memory model) already exceeds the usable memory is skipped without planning; so is one the
 planner finds infeasible, with its reason. Every candidate is a row of the returned table.
 
-Not yet: a topology (intra- / inter-node bandwidths and rank placement), overlap of the
-gradient sync with the pipeline, ``dp_replicate`` / HSDP candidates, and reusing partitions
-across candidates (each ``pp`` is a separate partition search).
+Not yet: choosing the rank placement on the topology (ranks are placed pipeline rank innermost,
+:func:`fxpipe.mesh.rank_coords`; torchtitan puts the data-parallel dimensions innermost),
+overlap of the gradient sync with the pipeline, pipeline links that cross nodes (the partition
+costs every stage boundary at the graph's bandwidth), and reusing partitions across
+candidates (each ``pp`` is a separate partition search).
 """
 
 from __future__ import annotations
@@ -33,7 +37,15 @@ import numpy as np
 
 from fxpipe.errors import FxpipeError, InfeasibleError, InputError
 from fxpipe.io import format_bytes
-from fxpipe.mesh import candidate_meshes, dp_sync_time_s, format_mesh, mesh_dp, mesh_memory, pipeline_dp_sync_s
+from fxpipe.mesh import (
+    Topology,
+    candidate_meshes,
+    dp_sync_time_s,
+    format_mesh,
+    mesh_dp,
+    mesh_memory,
+    pipeline_dp_sync_s,
+)
 from fxpipe.partition.memory import num_params
 from fxpipe.options import PlanOptions
 from fxpipe.planner import plan_with_options
@@ -81,7 +93,9 @@ def search_mesh(graph, *, devices: int, microbatches: int, memory, options: Plan
         raise InputError(f"search_mesh takes options or plan_graph keywords, not both: got {sorted(plan_kwargs)}")
     graph_params = float(np.sum(num_params(graph)))
     rows = []
-    for mesh in candidate_meshes(devices, microbatches):
+    # HSDP (dp_shard x dp_replicate) only pays off on a topology: with one bandwidth it moves as
+    # many bytes as dp_shard alone and shards less
+    for mesh in candidate_meshes(devices, microbatches, replicate=Topology.of_graph(graph) is not None):
         mem = mesh_memory(memory, mesh)
         rows.append(({"mesh": dict(mesh), "mesh_text": format_mesh(mesh),
                       "lower_bound_s": mesh_lower_bound_s(graph, mesh, microbatches, options.objective)}, mesh, mem))
@@ -149,5 +163,6 @@ def mesh_lower_bound_s(graph, mesh, microbatches: int, objective: str = "trainin
         work += float(np.sum(graph.t_bwd_input_s) + np.sum(graph.t_bwd_weight_s))
     pp = int(mesh["pp"])
     per_replica = microbatches // mesh_dp(mesh)
-    sync = dp_sync_time_s(float(np.sum(graph.size_param_bytes)) / pp, mesh, graph.bandwidth_bytes_per_s)
+    sync = dp_sync_time_s(float(np.sum(graph.size_param_bytes)) / pp, mesh, graph.bandwidth_bytes_per_s,
+                          topology=Topology.of_graph(graph))
     return per_replica * work / pp + sync

@@ -28,7 +28,7 @@ from fxpipe.errors import InputError
 from fxpipe.io import format_bytes
 from fxpipe.ir import OpGraph, Orders, Schedule, ScheduleProblem, read_json, schedule_to_orders, write_json_atomic
 from fxpipe.memory import MemoryModel
-from fxpipe.mesh import format_mesh, mesh_dp, normalize_mesh, pipeline_dp_sync_s, pure_pipeline
+from fxpipe.mesh import Topology, dp_links, format_mesh, mesh_dp, normalize_mesh, pipeline_dp_sync_s, pure_pipeline
 from fxpipe.partition.objective import Partition
 from fxpipe.plan_build import PlanStageOf, build_rank, compile_stages_option
 from fxpipe.plan_build import replica_batch as _replica_batch
@@ -179,24 +179,26 @@ class Plan:
         return pipeline_dp_sync_s(self.graph, self.partition.assignment, self.device_of_stage, self.mesh)
 
     def mesh_summary(self) -> list[str]:
-        """Summary lines for a plan with data parallelism (none for a pure pipeline)."""
-        search = self.options.get("mesh_search") or []
-        lines = []
-        if search:
-            parts = [f"{c['mesh_text']}: " + (f"{c['predicted_step_s'] * 1e3:.3f} ms" if "predicted_step_s" in c else "skipped")
-                     + (" (chosen)" if c.get("chosen") else "") for c in search]
-            lines.append("mesh search (predicted step = schedule + data-parallel sync): " + "; ".join(parts))
+        """Summary lines for a plan with data parallelism or a mesh search (none for a pinned pure pipeline):
+        the mesh, the links its data-parallel groups use, and the table of the meshes searched."""
+        lines = _mesh_search_table(self.options.get("mesh_search") or [])
         if self.dp == 1:
             return lines
         ds, dr = self.mesh["dp_shard"], self.mesh["dp_replicate"]
         how = ("FSDP2 fully_shard over dp_shard" + (", HSDP with dp_replicate" if dr > 1 else "")) if ds > 1 else \
             "replicate (DDP) over dp_replicate"
-        coll = ("all-gather + reduce-scatter" if ds > 1 else "") + (" + " if ds > 1 and dr > 1 else "") + \
-            ("all-reduce" if dr > 1 else "")
+        topology = Topology.of_graph(self.graph)
+        links = dp_links(self.mesh, self.graph.bandwidth_bytes_per_s, topology=topology)
+        used = []
+        for dim, degree, coll in (("dp_shard", ds, "all-gather + reduce-scatter"), ("dp_replicate", dr, "all-reduce")):
+            if degree > 1:
+                where = "" if topology is None else \
+                    (" inside a node" if topology.in_node(*_dim_span(self.mesh, dim)) else " across nodes")
+                used.append(f"{coll} over {dim}={degree}{where} at {links[dim][0] / 1e9:g} GB/s")
         return [f"mesh {format_mesh(self.mesh)} on {self.world_size} devices: {self.dp} data-parallel replicas of this "
                 f"pipeline, {self.global_microbatches} micro-batches per step ({self.microbatches} per replica); {how}",
-                f"data-parallel sync per step: {self.dp_sync_s * 1e3:.3f} ms on the busiest device ({coll} at "
-                f"{self.graph.bandwidth_bytes_per_s / 1e9:g} GB/s, not overlapped, not in the makespan)", *lines]
+                f"data-parallel sync per step: {self.dp_sync_s * 1e3:.3f} ms on the busiest device ({'; '.join(used)}; "
+                "not overlapped, not in the makespan)", *lines]
 
     # ------------------------------------------------------------------ placement
     @property
@@ -593,3 +595,25 @@ def _objective_lines(opt: Mapping[str, Any]) -> list[str]:
         lines.append(f"  {_FIGURE_TEXT[name][0]:<15} {f['value_s'] * 1e3:9.3f} ms | lower bound "
                      f"{f['lower_bound_s'] * 1e3:9.3f} ms | {verdict}")
     return lines
+
+
+def _dim_span(mesh, dim: str) -> tuple[int, int]:
+    """``(stride, size)`` of a data-parallel dimension's groups in the rank numbering (pipeline rank innermost)."""
+    if dim == "dp_shard":
+        return int(mesh["pp"]), int(mesh["dp_shard"])
+    return int(mesh["pp"]) * int(mesh["dp_shard"]), int(mesh["dp_replicate"])
+
+
+def _mesh_search_table(rows) -> list[str]:
+    """The meshes a search tried, one line each: bound, schedule, sync, predicted step (ms) or why it was skipped."""
+    if not rows:
+        return []
+    ms = lambda row, key: f"{row[key] * 1e3:.4g}" if key in row else "-"  # noqa: E731
+    width = max(len(r["mesh_text"]) for r in rows)
+    out = ["mesh search (predicted step = schedule + data-parallel sync, ms; planned in order of the lower bound):",
+           f"  {'mesh':<{width}}  {'bound':>9}  {'schedule':>9}  {'sync':>9}  {'predicted':>9}"]
+    for r in rows:
+        tail = " (chosen)" if r.get("chosen") else (f"  skipped: {r['skipped']}" if "skipped" in r else "")
+        out.append(f"  {r['mesh_text']:<{width}}  {ms(r, 'lower_bound_s'):>9}  {ms(r, 'step_time_s'):>9}  "
+                   f"{ms(r, 'dp_sync_s'):>9}  {ms(r, 'predicted_step_s'):>9}{tail}")
+    return out

@@ -30,6 +30,7 @@ from fxpipe.mesh import (  # noqa: E402
     parse_mesh,
     rank_coords,
     rank_of,
+    Topology,
 )
 from fxpipe.plan import Plan, _PlanStageOf, load_plan  # noqa: E402
 
@@ -92,6 +93,26 @@ def test_dp_sync_time_and_candidate_meshes():
     assert all(normalize_mesh(m, 12) == m for m in candidate_meshes(12, 12, replicate=True))
 
 
+def test_topology_puts_each_data_parallel_dimension_on_the_links_it_spans():
+    from fxpipe.cost.specs import HARDWARE
+
+    topo = Topology.from_dict(HARDWARE["h100-sxm"].topology())  # 8 GPUs per node, NVLink 450 GB/s, IB 50 GB/s
+    assert (topo.devices_per_node, topo.intra_node_bytes_per_s, topo.inter_node_bytes_per_s) == (8, 450e9, 50e9)
+    assert HARDWARE["cpu"].inter_node_bytes_per_s == 0  # unknown: its captures record no topology
+    # ranks are numbered pipeline rank innermost: dp_shard groups are pp apart, dp_replicate groups pp * dp_shard
+    assert topo.in_node(4, 2) and topo.in_node(1, 8) and not topo.in_node(8, 2) and not topo.in_node(3, 2)
+    b = 8e9
+    intra = lambda k: 2 * ((k - 1) / k * b / 450e9 + (k - 1) * topo.intra_node_latency_s)  # noqa: E731
+    inter = lambda k: 2 * ((k - 1) / k * b / 50e9 + (k - 1) * topo.inter_node_latency_s)  # noqa: E731
+    assert dp_sync_time_s(b, {"pp": 4, "dp_shard": 2}, 1.0, topology=topo) == pytest.approx(intra(2))
+    assert dp_sync_time_s(b, {"pp": 8, "dp_shard": 2}, 1.0, topology=topo) == pytest.approx(inter(2))  # crosses nodes
+    hsdp = dp_sync_time_s(b, {"pp": 4, "dp_shard": 2, "dp_replicate": 2}, 1.0, topology=topo)  # shard in, replicate across
+    assert hsdp == pytest.approx(intra(2) + 2 * 0.5 * (b / 2) / 50e9 + 2 * topo.inter_node_latency_s)
+    assert hsdp < dp_sync_time_s(b, {"pp": 4, "dp_shard": 4}, 1.0, topology=topo)  # dp_shard=4 spans 16 ranks: IB
+    with pytest.raises(InputError, match="devices_per_node"):
+        Topology(0, 1.0, 1.0)
+
+
 def test_cli_mesh_errors_exit_2(capsys):
     from fxpipe.cli import main
 
@@ -110,8 +131,11 @@ def test_compile_mesh_plan_round_trip_and_errors(tmp_path):
     assert (plan.memory.zero_stage, plan.memory.data_parallel) == (1, 2)  # sharded optimizer state (mesh_memory)
     assert "mesh pp=2 x dp_shard=2 on 4 devices" in plan.summary()
     busiest = max(d.param_bytes for d in plan.device_table)  # all-gather + reduce-scatter over 2: its bytes once
-    assert plan.dp_sync_s == pytest.approx(busiest / plan.graph.bandwidth_bytes_per_s) and plan.dp_sync_s > 0
-    assert "data-parallel sync per step" in plan.summary()
+    topo = Topology.of_graph(plan.graph)  # h100-sxm: 8 GPUs per node; ranks 0, 2 and 1, 3 shard inside a node
+    assert topo.devices_per_node == 8 and topo.in_node(2, 2)
+    assert plan.dp_sync_s == pytest.approx(busiest / topo.intra_node_bytes_per_s + 2 * topo.intra_node_latency_s)
+    assert topo.intra_node_bytes_per_s == plan.graph.bandwidth_bytes_per_s and plan.dp_sync_s > 0
+    assert "data-parallel sync per step" in plan.summary() and "over dp_shard=2 inside a node" in plan.summary()
     # what data parallelism does not run yet fails before any worker starts
     from fxpipe.codegen.launch import spawn_train_many
 
@@ -242,21 +266,25 @@ def test_mesh_search_keeps_the_fastest_mesh_that_fits():
     plan = fxpipe.compile(model, args, kwargs, devices=4, microbatches=4, mesh="search", schedule="zb-h1", time_limit_s=0.5,
                           memory_bytes=float("inf"))
     table = plan.options["mesh_search"]
-    assert [r["mesh_text"] for r in table] == ["pp=4", "pp=2 x dp_shard=2", "dp_shard=4"]
+    # the capture knows the h100-sxm's nodes (a topology), so HSDP splits are candidates too
+    assert [r["mesh_text"] for r in table] == ["pp=4", "pp=2 x dp_shard=2", "pp=2 x dp_replicate=2", "dp_shard=4",
+                                               "dp_shard=2 x dp_replicate=2", "dp_replicate=4"]
     chosen = [r for r in table if r.get("chosen")]
     assert len(chosen) == 1 and chosen[0]["mesh"] == plan.mesh
-    assert all(chosen[0]["predicted_step_s"] <= r["predicted_step_s"] for r in table)
+    assert all(chosen[0]["predicted_step_s"] <= r.get("predicted_step_s", float("inf")) for r in table)
+    assert all(r["lower_bound_s"] <= r.get("predicted_step_s", float("inf")) * (1 + 1e-9) for r in table)
     assert plan.schedule.value + plan.dp_sync_s == pytest.approx(chosen[0]["predicted_step_s"])
-    assert "mesh search (predicted step = schedule + data-parallel sync)" in plan.summary()
+    assert "mesh search (predicted step = schedule + data-parallel sync" in plan.summary()
     # the same prediction as the pinned mesh
-    pinned = fxpipe.compile(model, args, kwargs, devices=4, microbatches=4, mesh=table[1]["mesh"], schedule="zb-h1",
+    other = next(r for r in table if "predicted_step_s" in r and not r.get("chosen"))
+    pinned = fxpipe.compile(model, args, kwargs, devices=4, microbatches=4, mesh=other["mesh"], schedule="zb-h1",
                             time_limit_s=0.5, memory_bytes=float("inf"))
-    assert pinned.schedule.value + pinned.dp_sync_s == pytest.approx(table[1]["predicted_step_s"])
+    assert pinned.schedule.value + pinned.dp_sync_s == pytest.approx(other["predicted_step_s"])
     # 50 kB: a capacity only the 4-stage pipeline of this tiny GPT-2 fits; the other meshes are skipped with the reason
     tight = fxpipe.compile(model, args, kwargs, devices=4, microbatches=4, mesh="search", schedule="zb-h1",
                            time_limit_s=0.5, memory_bytes=50e3)
     assert tight.mesh == {"pp": 4, "dp_shard": 1, "dp_replicate": 1}
-    assert ["skipped" in r for r in tight.options["mesh_search"]] == [False, True, True]
+    assert ["skipped" in r for r in tight.options["mesh_search"]] == [False] + [True] * 5
 
 
 @pytest.mark.parametrize("bandwidth", [1e6, 1e12])

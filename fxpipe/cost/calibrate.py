@@ -511,6 +511,10 @@ class CostProfile:
                 hbm_bytes_per_s=float(b["hbm_bytes_per_s"]), d2d_bytes_per_s=float(b["d2d_bytes_per_s"]),
                 host_bytes_per_s=float(b["host_bytes_per_s"]), memory_bytes=float(b["memory_bytes"]),
                 launch_overhead_s=float(b["launch_overhead_s"]), source=str(b.get("source", "")),
+                devices_per_node=int(b.get("devices_per_node", 1)),
+                inter_node_bytes_per_s=float(b.get("inter_node_bytes_per_s", 0.0)),
+                intra_node_latency_s=float(b.get("intra_node_latency_s", 0.0)),
+                inter_node_latency_s=float(b.get("inter_node_latency_s", 0.0)),
             )
             ms = [Measurement.from_dict(e, source=f"{source}: {k}") for k, e in dict(doc["measurements"]).items()]
             device = DeviceInfo.from_dict(doc["device"])

@@ -42,6 +42,14 @@ class HardwareSpec:
         Device memory capacity, bytes (datasheet GB x 1e9).
     launch_overhead_s : float
         Fixed cost added to every op that launches a kernel, seconds.
+    devices_per_node : int
+        Devices joined by ``d2d_bytes_per_s`` links in one node (a DGX / HGX board: 8); the
+        topology of data-parallel collectives (:class:`fxpipe.mesh.Topology`).
+    inter_node_bytes_per_s : float
+        Network bandwidth per device and direction between nodes (one InfiniBand NIC per
+        GPU), bytes/s; 0: unknown (one node, or every link at ``d2d_bytes_per_s``).
+    intra_node_latency_s, inter_node_latency_s : float
+        Per-hop latency of a collective step inside a node / between nodes, seconds.
     source : str
         Datasheet (document name and URL) the numbers come from.
     profile : fxpipe.cost.calibrate.CostProfile, optional
@@ -59,6 +67,10 @@ class HardwareSpec:
     host_bytes_per_s: float
     memory_bytes: float
     launch_overhead_s: float
+    devices_per_node: int = 1
+    inter_node_bytes_per_s: float = 0.0
+    intra_node_latency_s: float = 0.0
+    inter_node_latency_s: float = 0.0
     source: str = field(default="", repr=False)
     profile: Any = field(default=None, repr=False, compare=False)
 
@@ -68,6 +80,15 @@ class HardwareSpec:
     def peak(self, dtype_name: str) -> float:
         """Dense peak FLOP/s for a compute dtype name (falls back to ``"fp32"``)."""
         return float(self.peak_flops.get(dtype_name, self.peak_flops["fp32"]))
+
+    def topology(self) -> dict[str, float]:
+        """The links of a cluster of these devices as plain data (:class:`fxpipe.mesh.Topology`'s fields):
+        ``devices_per_node``, ``intra_node_bytes_per_s`` (= ``d2d_bytes_per_s``),
+        ``inter_node_bytes_per_s`` (0: unknown, taken as intra-node), and the two latencies."""
+        return {"devices_per_node": int(self.devices_per_node), "intra_node_bytes_per_s": float(self.d2d_bytes_per_s),
+                "inter_node_bytes_per_s": float(self.inter_node_bytes_per_s or self.d2d_bytes_per_s),
+                "intra_node_latency_s": float(self.intra_node_latency_s),
+                "inter_node_latency_s": float(self.inter_node_latency_s)}
 
     def to_dict(self) -> dict:
         """Plain-data form (JSON-ready)."""
@@ -80,6 +101,10 @@ class HardwareSpec:
             "host_bytes_per_s": self.host_bytes_per_s,
             "memory_bytes": self.memory_bytes,
             "launch_overhead_s": self.launch_overhead_s,
+            "devices_per_node": self.devices_per_node,
+            "inter_node_bytes_per_s": self.inter_node_bytes_per_s,
+            "intra_node_latency_s": self.intra_node_latency_s,
+            "inter_node_latency_s": self.inter_node_latency_s,
             "source": self.source,
             **({"profile": self.profile.name} if self.profile is not None else {}),
         }
@@ -94,10 +119,15 @@ _H100 = HardwareSpec(
     host_bytes_per_s=64e9,  # PCIe Gen5 x16: 128 GB/s bidirectional
     memory_bytes=80 * _GB,  # datasheet: 80GB HBM
     launch_overhead_s=5e-6,
+    devices_per_node=8,  # DGX / HGX H100: 8 GPUs on NVLink (NVSwitch)
+    inter_node_bytes_per_s=50e9,  # one 400 Gb/s NDR InfiniBand ConnectX-7 port per GPU
+    intra_node_latency_s=3e-6,  # NCCL ring step over NVLink, modelled
+    inter_node_latency_s=8e-6,  # NCCL ring step over InfiniBand, modelled
     source=(
         "NVIDIA H100 Tensor Core GPU datasheet (H100 SXM column; dense = half the "
         "printed with-sparsity figures), https://resources.nvidia.com/en-us-tensor-core/"
-        "nvidia-tensor-core-gpu-datasheet"
+        "nvidia-tensor-core-gpu-datasheet; node: NVIDIA DGX H100 datasheet (8 GPUs, 8 x 400 Gb/s "
+        "ConnectX-7), https://resources.nvidia.com/en-us-dgx-systems/ai-enterprise-dgx"
     ),
 )
 
@@ -113,10 +143,15 @@ HARDWARE: Mapping[str, HardwareSpec] = MappingProxyType({
             host_bytes_per_s=32e9,  # PCIe Gen4 x16: 64 GB/s bidirectional
             memory_bytes=80 * _GB,  # datasheet: 80GB HBM
             launch_overhead_s=5e-6,
+            devices_per_node=8,  # DGX / HGX A100: 8 GPUs on NVLink (NVSwitch)
+            inter_node_bytes_per_s=25e9,  # one 200 Gb/s HDR InfiniBand ConnectX-6 port per GPU
+            intra_node_latency_s=3e-6,
+            inter_node_latency_s=8e-6,
             source=(
                 "NVIDIA A100 Tensor Core GPU datasheet (nvidia-a100-datasheet-us-nvidia-1758950-r4), "
                 "https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/"
-                "nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf"
+                "nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf; node: NVIDIA DGX A100 datasheet "
+                "(8 GPUs, 8 x 200 Gb/s ConnectX-6)"
             ),
         ),
         _H100,
