@@ -11,6 +11,7 @@ processes.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -261,7 +262,7 @@ def test_cli_mesh_plan_trains_with_torchrun_from_a_checkpoint(tmp_path):
     assert 0 < lines[0]["param_bytes"] < whole_bytes / 2  # half the stages, each sharded over 2 ranks
 
 
-def test_mesh_search_keeps_the_fastest_mesh_that_fits():
+def test_mesh_search_keeps_the_fastest_mesh_that_fits(tmp_path):
     model, args, kwargs = _factory().one_microbatch()
     plan = fxpipe.compile(model, args, kwargs, devices=4, microbatches=4, mesh="search", schedule="zb-h1", time_limit_s=0.5,
                           memory_bytes=float("inf"))
@@ -275,6 +276,10 @@ def test_mesh_search_keeps_the_fastest_mesh_that_fits():
     assert all(r["lower_bound_s"] <= r.get("predicted_step_s", float("inf")) * (1 + 1e-9) for r in table)
     assert plan.schedule.value + plan.dp_sync_s == pytest.approx(chosen[0]["predicted_step_s"])
     assert "mesh search (predicted step = schedule + data-parallel sync" in plan.summary()
+    from fxpipe.report import write_plan_report
+
+    md = Path(write_plan_report(plan, tmp_path / "r.html", bounds_time_limit_s=1.0)["markdown"]).read_text()
+    assert f"on 4 x {plan.hardware}, mesh {format_mesh(plan.mesh)}" in md and "dp_replicate=4" in md  # title, table
     # the same prediction as the pinned mesh
     other = next(r for r in table if "predicted_step_s" in r and not r.get("chosen"))
     pinned = fxpipe.compile(model, args, kwargs, devices=4, microbatches=4, mesh=other["mesh"], schedule="zb-h1",

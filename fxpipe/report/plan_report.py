@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from fxpipe.io import format_bytes
+from fxpipe.mesh import format_mesh
 from fxpipe.report.charts import memory_chart
 from fxpipe.report.document import ReportSection, write_report
 from fxpipe.report.gantt import gantt
@@ -106,7 +107,8 @@ def write_plan_report(plan, out_html: str | os.PathLike, *, bounds_time_limit_s:
         out_md=html_path.with_suffix(".md"),
         command=command,
         extra_sections=sections,
-        title=f"fxpipe plan: {plan.name} on {plan.devices} x {plan.hardware}"
+        title=f"fxpipe plan: {plan.name} on {plan.world_size} x {plan.hardware}"
+        + (f", mesh {format_mesh(plan.mesh)}" if plan.dp > 1 else "")
         + (f" ({plan.num_stages} stages, {plan.placement} placement)" if plan.stages_per_device > 1 else ""),
         stage_params_bytes=[s.params_bytes for s in plan.stages],
         params_label=f"{plan.memory.precision.name} weights",
