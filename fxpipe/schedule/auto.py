@@ -15,7 +15,7 @@ schedule of it:
    Bubble greedy adapts its warm-up to the budget; they are candidates like all below).
 2. **Fewer in flight, offload** (memory binds): 1F1B with the largest
    warm-up that fits (:func:`limited_1f1b`; one micro-batch at a time,
-   :func:`~fxpipe.schedule.milp.warm_start.sequential_schedule`, on other placements);
+   :func:`~fxpipe.schedule.milp.feasibility.sequential_schedule`, on other placements);
    with one stage per device, PipeOffload with the fewest offloads that fit
    (``minimal=True``, longest-lived stashes first, Wan et al. 2025 Section 2),
    AdaOffload (OptPipe Appendix D) and the offload-aware list-scheduling search
@@ -220,7 +220,7 @@ def limited_1f1b(problem: ScheduleProblem, *, beat: float | None = None) -> Sche
 
 
 def _sequential(problem: ScheduleProblem) -> Schedule:
-    from fxpipe.schedule.milp.warm_start import sequential_schedule
+    from fxpipe.schedule.milp.feasibility import sequential_schedule
 
     return sequential_schedule(problem)
 

@@ -65,7 +65,8 @@ from fxpipe.errors import InfeasibleError, InputError
 from fxpipe.ir import Schedule, ScheduleProblem
 import fxpipe.schedule.registry as _registry
 from fxpipe.schedule.simulate import simulate
-from fxpipe.schedule.validate import InvalidScheduleError, check_schedule
+from fxpipe.schedule.offload_search import offload_search
+from fxpipe.schedule.validate import InvalidScheduleError, check_schedule, require_one_stage_per_device, stage_peaks
 
 __all__ = [
     "METHODS",
@@ -109,34 +110,11 @@ def _stage_limits(problem: ScheduleProblem) -> np.ndarray:
     return np.asarray(problem.mem_limit)[np.asarray(problem.device_of_stage, dtype=np.int64)]
 
 
-def require_one_stage_per_device(problem: ScheduleProblem, method: str) -> None:
-    """Raise :class:`InputError` unless every device holds exactly one stage.
-
-    The classic generators (GPipe, 1F1B, ZB-H1/H2, the Zero Bubble greedy, PipeOffload,
-    AdaOffload) schedule one stage per device; placements with several stages per device
-    have their own generators.
-    """
-    if not problem.one_stage_per_device:
-        d = next(d for d, st in enumerate(problem.device_stages) if len(st) > 1)
-        raise InputError(
-            f"{method} schedules one stage per device, but device {d} holds stages "
-            f"{list(problem.stages_of_device(d))}: use interleaved-1f1b (looped placement), zb-v or "
-            "dualpipe-v (V placement), greedy or milp (any placement)"
-        )
-
-
-def _stage_peaks(problem: ScheduleProblem, ops) -> list[float | None]:
-    """Peak of :func:`~fxpipe.schedule.validate.memory_profile` of every stage (None: no events)."""
-    from fxpipe.schedule.validate import stage_peaks
-
-    return stage_peaks(problem, ops)
-
-
 def _overflow(problem: ScheduleProblem, sched: Schedule) -> tuple[float, int]:
     """Largest excess of peak memory over the limit (bytes, <= 0 if it fits) and its stage."""
     worst, where = -math.inf, 0
     lims = _stage_limits(problem)
-    for s, peak in enumerate(_stage_peaks(problem, sched.ops)):
+    for s, peak in enumerate(stage_peaks(problem, sched.ops)):
         ex = (0.0 if peak is None else peak) - float(lims[s])
         if ex > worst:
             worst, where = ex, s
@@ -698,7 +676,7 @@ def _selective_offload(
         return best_s, best_e
     # every micro-batch of the stages that overflow, whatever its gap
     over = set()
-    for s, peak in enumerate(_stage_peaks(problem, full_s.ops)):
+    for s, peak in enumerate(stage_peaks(problem, full_s.ops)):
         if peak is not None and peak > _stage_limits(problem)[s]:
             over.add(s)
     allk = force | set(cand) | {(s, j) for s in over for j in range(problem.num_microbatches)}
@@ -862,7 +840,7 @@ def adaoffload(problem: ScheduleProblem, *, tolerance_s: float = 0.0) -> Schedul
             break
         least = min(least, ex)
         over = []
-        for s, peak in enumerate(_stage_peaks(problem, sched.ops)):
+        for s, peak in enumerate(stage_peaks(problem, sched.ops)):
             if peak is not None and peak > _stage_limits(problem)[s] * (1 + 1e-12) and cur[s] > 1:
                 over.append(s)
         if not over:
@@ -925,8 +903,6 @@ def offload_search_schedule(problem: ScheduleProblem) -> Schedule:
     InfeasibleError
         If one stash does not fit a stage (the message gives the bytes), or no policy fits.
     """
-    from fxpipe.schedule.offload_search import offload_search
-
     require_one_stage_per_device(problem, "offload-search")
     _min_stash_check(problem, "offload-search")
     t0 = time.perf_counter()

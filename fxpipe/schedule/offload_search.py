@@ -44,7 +44,7 @@ import numpy as np
 
 from fxpipe.errors import InfeasibleError
 from fxpipe.ir import Schedule, ScheduledOp, ScheduleProblem, sort_ops
-from fxpipe.schedule.validate import check_schedule, objective_values
+from fxpipe.schedule.validate import check_schedule, objective_values, require_one_stage_per_device
 
 __all__ = ["OffloadParams", "default_params", "offload_list_schedule", "offload_search"]
 
@@ -400,8 +400,6 @@ def offload_search(
     InfeasibleError
         If no evaluated policy produced a valid schedule (e.g. one stash does not fit).
     """
-    from fxpipe.schedule.heuristics import require_one_stage_per_device
-
     require_one_stage_per_device(problem, "offload-search")
     t0 = time.perf_counter()
     rng = random.Random(seed)

@@ -15,6 +15,7 @@ import numpy as np
 
 from fxpipe.errors import InputError
 from fxpipe.ir import ScheduleProblem
+from fxpipe.schedule.milp.feasibility import check_memory_feasible, objective_value, sequential_schedule
 
 __all__ = ["MilpVars", "build_model", "memory_implied_orders", "order_literal", "device_ops"]
 
@@ -290,8 +291,6 @@ def build_model(
     OptPipe Appendix C, Eq. 2-19; Sections 4.1.1-4.1.3.
     """
     import pyscipopt as scip
-
-    from fxpipe.schedule.milp.warm_start import check_memory_feasible, objective_value, sequential_schedule
 
     if not isinstance(problem, ScheduleProblem):
         raise InputError(f"expected a ScheduleProblem, got {type(problem).__name__}")

@@ -12,12 +12,8 @@ from fxpipe.errors import InfeasibleError, InputError
 from fxpipe.ir import Schedule, ScheduleProblem
 from fxpipe.schedule.milp.builder import build_model
 from fxpipe.schedule.milp.extract import extract_schedule
-from fxpipe.schedule.milp.warm_start import (
-    check_memory_feasible,
-    objective_value,
-    warm_start_schedule,
-    warm_start_values,
-)
+from fxpipe.schedule.milp.feasibility import check_memory_feasible, objective_value
+from fxpipe.schedule.milp.warm_start import warm_start_schedule, warm_start_values
 
 __all__ = ["Incumbent", "solve"]
 
