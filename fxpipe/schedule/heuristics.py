@@ -64,8 +64,9 @@ import numpy as np
 from fxpipe.errors import InfeasibleError, InputError
 from fxpipe.ir import Schedule, ScheduleProblem
 import fxpipe.schedule.registry as _registry
+from fxpipe.schedule.device_greedy import device_greedy
 from fxpipe.schedule.simulate import simulate
-from fxpipe.schedule.offload_search import offload_search
+import fxpipe.schedule.offload_search as offload_search_mod
 from fxpipe.schedule.validate import InvalidScheduleError, check_schedule, require_one_stage_per_device, stage_peaks
 
 __all__ = [
@@ -905,8 +906,6 @@ def greedy(problem: ScheduleProblem) -> Schedule:
     """
     if problem.one_stage_per_device:
         return zb_greedy(problem)
-    from fxpipe.schedule.device_greedy import device_greedy
-
     return device_greedy(problem, method="greedy")
 
 
@@ -929,7 +928,7 @@ def offload_search_schedule(problem: ScheduleProblem) -> Schedule:
     require_one_stage_per_device(problem, "offload-search")
     _min_stash_check(problem, "offload-search")
     t0 = time.perf_counter()
-    sched = offload_search(problem, time_limit_s=OFFLOAD_SEARCH_TIME_S, max_evals=OFFLOAD_SEARCH_EVALS)
+    sched = offload_search_mod.offload_search(problem, time_limit_s=OFFLOAD_SEARCH_TIME_S, max_evals=OFFLOAD_SEARCH_EVALS)
     return _finish(problem, sched, t0)
 
 

@@ -16,7 +16,7 @@ from fxpipe.schedule.milp.extract import extract_schedule
 from fxpipe.schedule.milp.feasibility import check_memory_feasible, objective_value
 from fxpipe.schedule.milp.time_indexed import probe_lower_bound
 from fxpipe.schedule.milp.warm_start import warm_start_schedule, warm_start_values
-from fxpipe.schedule.offload_search import offload_search
+import fxpipe.schedule.offload_search as offload_search_mod
 from fxpipe.schedule.validate import check_schedule, objective_values
 
 __all__ = ["Incumbent", "solve"]
@@ -232,7 +232,7 @@ def _long_search(problem: ScheduleProblem, warm_start: Schedule, warm_val: float
     probing: (warm start, its value, ``meta["search"]``, interrupted). Its best schedule
     replaces the warm start when valid and shorter."""
     try:
-        found = offload_search(problem, time_limit_s=float(search_time_s), seed=1, progress=progress)
+        found = offload_search_mod.offload_search(problem, time_limit_s=float(search_time_s), seed=1, progress=progress)
     except KeyboardInterrupt:
         return warm_start, warm_val, None, True
     except InfeasibleError:

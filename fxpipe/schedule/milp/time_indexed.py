@@ -51,6 +51,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from fxpipe.ir import ScheduleProblem
+from fxpipe.schedule.milp.builder import _closure, memory_implied_orders
 
 __all__ = ["ProbeBound", "Windows", "build_probe", "exact_grid", "probe_lower_bound", "temporal_windows"]
 
@@ -158,8 +159,6 @@ def temporal_windows(problem: ScheduleProblem, T: int, grid: float) -> Windows:
     -------
     Windows
     """
-    from fxpipe.schedule.milp.builder import _closure, memory_implied_orders
-
     S, M = problem.num_stages, problem.num_microbatches
     rB, rW = memory_implied_orders(problem)
     index, reach, anc = _closure(problem, rB, rW)
