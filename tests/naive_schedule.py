@@ -355,19 +355,16 @@ def exhaustive_optimum(problem: ScheduleProblem, *, max_classes: int = 2_000_000
                     continue
                 if not check_schedule(p, res[1]):
                     best_val, best_ops = res
+    return _optimum(p, best_val, best_ops, "memory limit too small even with offload")
+
+
+def _optimum(p: ScheduleProblem, best_val: float, best_ops, why: str):
+    """``(value, Schedule)`` of the best valid ops found by enumeration (InfeasibleError: none)."""
     if best_ops is None:
-        raise InfeasibleError("no valid schedule exists (memory limit too small even with offload)")
+        raise InfeasibleError(f"no valid schedule exists ({why})")
     makespan, stage_span = objective_values(p, best_ops)
-    sched = Schedule(
-        ops=tuple(sort_ops(best_ops)),
-        makespan=makespan,
-        stage_span=stage_span,
-        lower_bound_s=best_val,
-        status="optimal",
-        method="exhaustive",
-        objective=p.objective,
-    )
-    return best_val, sched
+    return best_val, Schedule(ops=tuple(sort_ops(best_ops)), makespan=makespan, stage_span=stage_span,
+                              lower_bound_s=best_val, status="optimal", method="exhaustive", objective=p.objective)
 
 
 # ------------------------------------------------------------------------------ placements
@@ -485,11 +482,7 @@ def exhaustive_device_optimum(problem: ScheduleProblem, *, max_combinations: int
             continue
         if not check_schedule(p, res[1]):
             best_val, best_ops = res
-    if best_ops is None:
-        raise InfeasibleError("no valid schedule exists (memory limit too small)")
-    makespan, stage_span = objective_values(p, best_ops)
-    return best_val, Schedule(ops=tuple(sort_ops(best_ops)), makespan=makespan, stage_span=stage_span,
-                              lower_bound_s=best_val, status="optimal", method="exhaustive", objective=p.objective)
+    return _optimum(p, best_val, best_ops, "memory limit too small")
 
 
 def _device_deadlock(problem: ScheduleProblem, seqs) -> bool:
