@@ -400,6 +400,8 @@ class _MemoryEvents:
     """Per device, the memory events ``(time, delta)`` placed so far, kept sorted (with their
     times and deltas apart), for memory-aware timing (``respect_memory``)."""
 
+    __slots__ = ("lims", "keys", "times", "deltas")
+
     def __init__(self, lims: list[float]) -> None:
         self.lims = lims
         self.keys: list[list[tuple[float, float]]] = [[] for _ in lims]
@@ -408,8 +410,9 @@ class _MemoryEvents:
 
     def add(self, d: int, te: float, x: float) -> None:
         """Device ``d`` changes by ``x`` bytes at ``te``."""
-        i = bisect.bisect_right(self.keys[d], (te, x))
-        self.keys[d].insert(i, (te, x))
+        keys = self.keys[d]
+        i = bisect.bisect_right(keys, (te, x))
+        keys.insert(i, (te, x))
         self.times[d].insert(i, te)
         self.deltas[d].insert(i, x)
 
