@@ -58,31 +58,7 @@ def stage_orders(m: int):
 
 def _deadlocks(problem: ScheduleProblem, orders) -> bool:
     """True if the per-stage orders cannot all be executed (cyclic waiting)."""
-    S = problem.num_stages
-    pos = [0] * S
-    done = set()
-    total = sum(len(o) for o in orders)
-    cnt = 0
-    while cnt < total:
-        progressed = False
-        for s in range(S):
-            while pos[s] < len(orders[s]):
-                t, j = orders[s][pos[s]]
-                if t == "F":
-                    ok = s == 0 or (s - 1, j, "F") in done
-                elif t == "B":
-                    ok = (s, j, "F") in done and (s == S - 1 or (s + 1, j, "B") in done)
-                else:
-                    ok = (s, j, "B") in done
-                if not ok:
-                    break
-                done.add((s, j, t))
-                pos[s] += 1
-                cnt += 1
-                progressed = True
-        if not progressed:
-            return True
-    return False
+    return _device_deadlock(problem, [[(s, j, t) for t, j in orders[s]] for s in range(problem.num_stages)])
 
 
 class _LP:
@@ -102,52 +78,58 @@ class _LP:
         self.rows.append((self.var(a), self.var(b), float(c)))
 
     def solve(self, first_f, last_w):
-        p = self.p
-        n = len(self.index)
-        dur = np.zeros(n)
-        for (s, j, t), i in self.index.items():
-            dur[i] = p.duration(s, t)
-        # variables: x_0..x_{n-1}, C, z (z <= every start, for makespan)
-        nv = n + 2
-        A, b = [], []
-        for a, bb, c in self.rows:  # x_a - x_b >= c  ->  -x_a + x_b <= -c
-            row = np.zeros(nv)
-            row[a] -= 1
-            row[bb] += 1
+        spans = [(self.index[first_f[s]], self.index[last_w[s]]) for s in range(self.p.num_stages)]
+        return _lp_optimum(self.p, self.index, self.rows, spans)
+
+
+def _lp_optimum(p: ScheduleProblem, index: dict, rows: list, spans: list):
+    """Minimise the objective over op start times ``x[index[op]]`` subject to ``rows``
+    (``x_a - x_b >= c``); ``spans``: (first op, last op) columns whose distance (plus the
+    last op's duration) is a span, for ``stage_span``. Returns (value, ops) or None."""
+    n = len(index)
+    dur = np.zeros(n)
+    for (s, j, t), i in index.items():
+        dur[i] = p.duration(s, t)
+    # variables: x_0..x_{n-1}, C, z (z <= every start, for makespan)
+    nv = n + 2
+    A, b = [], []
+    for a, bb, c in rows:  # x_a - x_b >= c  ->  -x_a + x_b <= -c
+        row = np.zeros(nv)
+        row[a] -= 1
+        row[bb] += 1
+        A.append(row)
+        b.append(-c)
+    C, z = n, n + 1
+    if p.objective == "makespan":
+        for i in range(n):
+            row = np.zeros(nv)  # x_i + d_i - z <= C
+            row[i] += 1
+            row[z] -= 1
+            row[C] -= 1
             A.append(row)
-            b.append(-c)
-        C, z = n, n + 1
-        if p.objective == "makespan":
-            for i in range(n):
-                row = np.zeros(nv)  # x_i + d_i - z <= C
-                row[i] += 1
-                row[z] -= 1
-                row[C] -= 1
-                A.append(row)
-                b.append(-dur[i])
-                row = np.zeros(nv)  # z <= x_i
-                row[z] += 1
-                row[i] -= 1
-                A.append(row)
-                b.append(0.0)
-        else:
-            for s in range(p.num_stages):
-                f, w = self.index[first_f[s]], self.index[last_w[s]]
-                row = np.zeros(nv)
-                row[w] += 1
-                row[f] -= 1
-                row[C] -= 1
-                A.append(row)
-                b.append(-dur[w])
-        cost = np.zeros(nv)
-        cost[C] = 1.0
-        bounds = [(0, None)] * n + [(None, None), (None, None)]
-        res = linprog(cost, A_ub=np.array(A), b_ub=np.array(b), bounds=bounds, method="highs")
-        if res.status != 0:
-            return None
-        x = res.x
-        ops = [ScheduledOp(s, j, t, float(x[i]), float(x[i] + dur[i])) for (s, j, t), i in self.index.items()]
-        return float(res.fun), ops
+            b.append(-dur[i])
+            row = np.zeros(nv)  # z <= x_i
+            row[z] += 1
+            row[i] -= 1
+            A.append(row)
+            b.append(0.0)
+    else:
+        for f, w in spans:
+            row = np.zeros(nv)
+            row[w] += 1
+            row[f] -= 1
+            row[C] -= 1
+            A.append(row)
+            b.append(-dur[w])
+    cost = np.zeros(nv)
+    cost[C] = 1.0
+    bounds = [(0, None)] * n + [(None, None), (None, None)]
+    res = linprog(cost, A_ub=np.array(A), b_ub=np.array(b), bounds=bounds, method="highs")
+    if res.status != 0:
+        return None
+    x = res.x
+    ops = [ScheduledOp(s, j, t, float(x[i]), float(x[i] + dur[i])) for (s, j, t), i in index.items()]
+    return float(res.fun), ops
 
 
 def _timing_lp(problem, orders, copy_orders, gaps, offload):
@@ -373,19 +355,16 @@ def exhaustive_optimum(problem: ScheduleProblem, *, max_classes: int = 2_000_000
                     continue
                 if not check_schedule(p, res[1]):
                     best_val, best_ops = res
+    return _optimum(p, best_val, best_ops, "memory limit too small even with offload")
+
+
+def _optimum(p: ScheduleProblem, best_val: float, best_ops, why: str):
+    """``(value, Schedule)`` of the best valid ops found by enumeration (InfeasibleError: none)."""
     if best_ops is None:
-        raise InfeasibleError("no valid schedule exists (memory limit too small even with offload)")
+        raise InfeasibleError(f"no valid schedule exists ({why})")
     makespan, stage_span = objective_values(p, best_ops)
-    sched = Schedule(
-        ops=tuple(sort_ops(best_ops)),
-        makespan=makespan,
-        stage_span=stage_span,
-        lower_bound_s=best_val,
-        status="optimal",
-        method="exhaustive",
-        objective=p.objective,
-    )
-    return best_val, sched
+    return best_val, Schedule(ops=tuple(sort_ops(best_ops)), makespan=makespan, stage_span=stage_span,
+                              lower_bound_s=best_val, status="optimal", method="exhaustive", objective=p.objective)
 
 
 # ------------------------------------------------------------------------------ placements
@@ -449,7 +428,6 @@ def _device_lp(problem: ScheduleProblem, seqs):
     S, M = p.num_stages, p.num_microbatches
     keys = [o for seq in seqs for o in seq]
     index = {k: i for i, k in enumerate(keys)}
-    n = len(keys)
     dur = np.array([p.duration(s, t) for s, _, t in keys])
     rows = []  # x_a - x_b >= c
     for seq in seqs:
@@ -463,44 +441,7 @@ def _device_lp(problem: ScheduleProblem, seqs):
                 rows.append((index[(s, j, "B")], index[(s + 1, j, "B")], p.duration(s + 1, "B") + p.comm(s)))
             rows.append((index[(s, j, "B")], index[(s, j, "F")], p.duration(s, "F")))
             rows.append((index[(s, j, "W")], index[(s, j, "B")], p.duration(s, "B")))
-    nv = n + 2
-    C, z = n, n + 1
-    A, b = [], []
-    for a, bb, c in rows:
-        r = np.zeros(nv)
-        r[a] -= 1
-        r[bb] += 1
-        A.append(r)
-        b.append(-c)
-    if p.objective == "makespan":
-        for i in range(n):
-            r = np.zeros(nv)
-            r[i] += 1
-            r[z] -= 1
-            r[C] -= 1
-            A.append(r)
-            b.append(-dur[i])
-            r = np.zeros(nv)
-            r[z] += 1
-            r[i] -= 1
-            A.append(r)
-            b.append(0.0)
-    else:
-        for seq in seqs:
-            f, w = index[seq[0]], index[seq[-1]]
-            r = np.zeros(nv)
-            r[w] += 1
-            r[f] -= 1
-            r[C] -= 1
-            A.append(r)
-            b.append(-dur[w])
-    cost = np.zeros(nv)
-    cost[C] = 1.0
-    res = linprog(cost, A_ub=np.array(A), b_ub=np.array(b), bounds=[(0, None)] * n + [(None, None)] * 2, method="highs")
-    if res.status != 0:
-        return None
-    ops = [ScheduledOp(s, j, t, float(res.x[i]), float(res.x[i] + dur[i])) for (s, j, t), i in index.items()]
-    return float(res.fun), ops
+    return _lp_optimum(p, index, rows, [(index[seq[0]], index[seq[-1]]) for seq in seqs])
 
 
 def exhaustive_device_optimum(problem: ScheduleProblem, *, max_combinations: int = 200_000,
@@ -541,14 +482,11 @@ def exhaustive_device_optimum(problem: ScheduleProblem, *, max_combinations: int
             continue
         if not check_schedule(p, res[1]):
             best_val, best_ops = res
-    if best_ops is None:
-        raise InfeasibleError("no valid schedule exists (memory limit too small)")
-    makespan, stage_span = objective_values(p, best_ops)
-    return best_val, Schedule(ops=tuple(sort_ops(best_ops)), makespan=makespan, stage_span=stage_span,
-                              lower_bound_s=best_val, status="optimal", method="exhaustive", objective=p.objective)
+    return _optimum(p, best_val, best_ops, "memory limit too small")
 
 
 def _device_deadlock(problem: ScheduleProblem, seqs) -> bool:
+    """True if the per-device sequences of ``(stage, mb, type)`` cannot all run (cyclic waiting)."""
     S = problem.num_stages
     pos = [0] * len(seqs)
     done = set()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+from _torch_actions import torch_action_names
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -175,18 +176,7 @@ def test_csv_round_trip_through_torch(tmp_path, method, placement):
     rt._load_csv(str(path))  # torch parses, validates and lowers it (send/recv added)
     assert rt.stage_index_to_group_rank == {s: prob.device_of_stage[s] for s in range(S)}
     # what torch read is what fxpipe wrote: I = fxpipe B, full B = B then W
-    back = {}
-    for r, acts in rt.pipeline_order.items():
-        row = []
-        for a in acts:
-            t = a.computation_type.value
-            if t == "I":
-                row.append(f"{a.stage_index}B{a.microbatch_index}")
-            elif t == "B":
-                row += [f"{a.stage_index}B{a.microbatch_index}", f"{a.stage_index}W{a.microbatch_index}"]
-            else:
-                row.append(f"{a.stage_index}{t}{a.microbatch_index}")
-        back[r] = row
+    back = {r: torch_action_names(acts) for r, acts in rt.pipeline_order.items()}
     assert back == {d: [str(a) for a in row] for d, row in enumerate(orders.actions)}
     # and torch's own dump reads back to the same orders
     rt._dump_csv(str(tmp_path / "dump.csv"), format="compute_only")

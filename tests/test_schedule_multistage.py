@@ -15,6 +15,7 @@ import subprocess
 import sys
 
 import numpy as np
+from _torch_actions import torch_action_names
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -48,24 +49,7 @@ def _torch_rows(cls, **attrs):
     for k, v in attrs.items():
         setattr(obj, k, v)
 
-    def conv(ops):
-        out = []
-        for a in ops:
-            if a is None:
-                continue
-            if a.sub_actions is not None:
-                out += conv(a.sub_actions)
-                continue
-            t = a.computation_type.value
-            if t == "I":
-                out.append(f"{a.stage_index}B{a.microbatch_index}")
-            elif t == "B":
-                out += [f"{a.stage_index}B{a.microbatch_index}", f"{a.stage_index}W{a.microbatch_index}"]
-            else:
-                out.append(f"{a.stage_index}{t}{a.microbatch_index}")
-        return out
-
-    return [conv(obj._calculate_single_rank_operations(r)) for r in range(attrs["pp_group_size"])]
+    return [torch_action_names(obj._calculate_single_rank_operations(r)) for r in range(attrs["pp_group_size"])]
 
 
 @pytest.mark.parametrize("p", [1, 2, 3, 4, 8])

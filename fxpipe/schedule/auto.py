@@ -15,7 +15,7 @@ schedule of it:
    Bubble greedy adapts its warm-up to the budget; they are candidates like all below).
 2. **Fewer in flight, offload** (memory binds): 1F1B with the largest
    warm-up that fits (:func:`limited_1f1b`; one micro-batch at a time,
-   :func:`~fxpipe.schedule.milp.warm_start.sequential_schedule`, on other placements);
+   :func:`~fxpipe.schedule.milp.feasibility.sequential_schedule`, on other placements);
    with one stage per device, PipeOffload with the fewest offloads that fit
    (``minimal=True``, longest-lived stashes first, Wan et al. 2025 Section 2),
    AdaOffload (OptPipe Appendix D) and the offload-aware list-scheduling search
@@ -59,6 +59,14 @@ import numpy as np
 from fxpipe.errors import InfeasibleError, InputError, SolverError
 from fxpipe.ir import Schedule, ScheduleProblem
 import fxpipe.schedule.registry as registry
+from fxpipe.schedule.bounds import combinatorial_lower_bound
+from fxpipe.schedule.device_greedy import min_device_memory
+import fxpipe.schedule.heuristics as heuristics
+from fxpipe.schedule.heuristics import orders_1f1b
+import fxpipe.schedule.milp as milp
+from fxpipe.schedule.milp.feasibility import sequential_schedule
+from fxpipe.schedule.simulate import simulate
+from fxpipe.schedule.validate import check_schedule, peak_memory
 
 __all__ = ["AutoResult", "auto_schedule", "limited_1f1b", "plain_peak", "PLAIN_METHODS", "PLAIN_MULTI_METHODS", "OFFLOAD_METHODS",
            "AUTO_MILP_MAX_OPS"]
@@ -143,8 +151,6 @@ class _Invalid(Exception):
 
 
 def _checked(problem: ScheduleProblem, sched: Schedule, tag: str, m: str, tried: dict) -> Schedule:
-    from fxpipe.schedule.validate import check_schedule
-
     bad = check_schedule(problem, sched)
     if bad:
         tried[f"{tag}/{m}"] = f"invalid: {bad[0][:200]}"
@@ -199,10 +205,6 @@ def limited_1f1b(problem: ScheduleProblem, *, beat: float | None = None) -> Sche
     InfeasibleError
         If no warm-up fits (or none can beat ``beat``).
     """
-    from fxpipe.schedule.heuristics import orders_1f1b
-    from fxpipe.schedule.simulate import simulate
-    from fxpipe.schedule.validate import check_schedule
-
     if not problem.identity_placement:
         raise InputError("1f1b-limited schedules stage s on device s")
     p, M = problem.num_stages, problem.num_microbatches
@@ -220,15 +222,10 @@ def limited_1f1b(problem: ScheduleProblem, *, beat: float | None = None) -> Sche
 
 
 def _sequential(problem: ScheduleProblem) -> Schedule:
-    from fxpipe.schedule.milp.warm_start import sequential_schedule
-
     return sequential_schedule(problem)
 
 
 def _run(problem: ScheduleProblem, methods, tag: str, tried: dict) -> list[Schedule]:
-    from fxpipe.schedule import heuristics
-    from fxpipe.schedule.validate import check_schedule
-
     out = []
     for m in methods:
         try:
@@ -273,17 +270,10 @@ def plain_peak(problem: ScheduleProblem) -> np.ndarray:
     without a memory limit; when none applies, the one-micro-batch-at-a-time minimum
     (:func:`fxpipe.schedule.device_greedy.min_device_memory`).
     """
-    from fxpipe.schedule.device_greedy import min_device_memory
-    from fxpipe.schedule.heuristics import orders_1f1b
-    from fxpipe.schedule.simulate import simulate
-    from fxpipe.schedule.validate import peak_memory
-
     free = problem.replace(mem_limit=math.inf)
     if problem.one_stage_per_device and problem.identity_placement:
         sched = simulate(free, orders_1f1b(problem.num_stages, problem.num_microbatches))
         return peak_memory(free, sched)
-    from fxpipe.schedule import heuristics
-
     best = None
     for m in PLAIN_MULTI_METHODS:
         if "any" in registry.get(m).placements:  # the placement-specific ones (not the device greedy)
@@ -343,15 +333,11 @@ def auto_schedule(
         least-memory attempt and by how many bytes, and whether offload / recomputation were
         tried.
     """
-    from fxpipe.schedule.bounds import combinatorial_lower_bound
-
     t0 = time.perf_counter()
     tried: dict[str, Any] = {}
     cands: list[tuple[ScheduleProblem, Schedule]] = []
     free = problem.replace(mem_limit=math.inf)
     free_best = _best([(problem, s) for s in _run(free, _plain_methods(problem), "unlimited", tried)])
-    from fxpipe.schedule.validate import check_schedule
-
     if free_best is not None and not check_schedule(problem, free_best[1]):
         cands.append(free_best)  # memory does not bind: nothing to offload or recompute
         tried["binding"] = False
@@ -389,8 +375,6 @@ def auto_schedule(
     chosen = _best(cands)
     if chosen is None:
         need = None
-        from fxpipe.schedule.device_greedy import min_device_memory
-
         floor = min_device_memory(problem, offload=True)
         lim = np.asarray(problem.mem_limit, dtype=float)
         d = int(np.argmax(floor - lim))
@@ -411,11 +395,8 @@ def auto_schedule(
     bound = combinatorial_lower_bound(best_p)
     n_ops = 3 * best_p.num_stages * best_p.num_microbatches
     if time_limit_s > 0 and n_ops <= milp_max_ops and best_s.value > bound * (1 + 1e-6):
-        from fxpipe.schedule.milp import solve
-        from fxpipe.schedule.validate import check_schedule
-
         try:
-            ms = solve(best_p, time_limit_s=time_limit_s, warm_start=best_s, progress=progress)
+            ms = milp.solve(best_p, time_limit_s=time_limit_s, warm_start=best_s, progress=progress)
             if check_schedule(best_p, ms):
                 raise SolverError("the MILP returned a schedule that breaks Contract 3")
             tried["milp"] = {"value_s": float(ms.value), "status": ms.status, "lower_bound_s": float(ms.lower_bound_s)}

@@ -38,6 +38,11 @@ import numpy as np
 
 from fxpipe.errors import InputError
 from fxpipe.ir import Schedule, ScheduleProblem, read_json, write_json_atomic
+from fxpipe.ir import schedule_to_orders
+from fxpipe.schedule.bounds import combinatorial_lower_bound
+import fxpipe.schedule.milp as milp
+from fxpipe.schedule.simulate import simulate
+from fxpipe.schedule.validate import check_schedule
 
 __all__ = ["CACHE_FORMAT", "ScheduleCache", "solve_cached"]
 
@@ -181,10 +186,6 @@ class ScheduleCache:
             ``method="cache"``, ``status="cached"``; ``meta`` names the entry and the method
             that originally produced it.
         """
-        from fxpipe.ir import schedule_to_orders
-        from fxpipe.schedule.simulate import simulate
-        from fxpipe.schedule.validate import check_schedule
-
         sig = self.signature(problem)
         path = self.path(problem)
         doc = self._load(path)
@@ -245,9 +246,6 @@ class ScheduleCache:
         InputError
             If ``schedule`` does not solve ``problem`` (the violations are listed).
         """
-        from fxpipe.schedule.bounds import combinatorial_lower_bound
-        from fxpipe.schedule.validate import check_schedule
-
         if not isinstance(schedule, Schedule):
             raise InputError(f"expected a Schedule, got {type(schedule).__name__}")
         errs = check_schedule(problem, schedule.ops)
@@ -293,8 +291,6 @@ def solve_cached(problem: ScheduleProblem, cache: ScheduleCache, *, reuse_optima
     ----------
     OptPipe Section 4.2.
     """
-    from fxpipe.schedule import milp
-
     if not isinstance(cache, ScheduleCache):
         raise InputError(f"cache must be a ScheduleCache, got {type(cache).__name__}")
     hit = cache.get(problem)

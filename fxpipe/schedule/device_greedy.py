@@ -139,16 +139,11 @@ def device_greedy_orders(
     stages_of = problem.device_stages
     budget = problem.mem_limit if mem_budget is None else np.asarray(mem_budget, dtype=float)
     tol = [1e-9 * max(1.0, abs(float(b))) if math.isfinite(float(b)) else 0.0 for b in budget]
-    mem_f, mem_b, mem_w = problem.mem_f, problem.mem_b, problem.mem_w
+    mem_f = problem.mem_f
+    delta = {"F": problem.mem_f, "B": problem.mem_b, "W": problem.mem_w}
     dur = {"F": problem.t_f, "B": problem.t_b, "W": problem.t_w}
     comm = [problem.comm(s) for s in range(S - 1)]
-    for d, stages in enumerate(stages_of):
-        need = float(sum(mem_f[s] for s in stages))
-        if need > budget[d] + tol[d]:
-            raise GreedyFailure(
-                f"device {d} must hold one micro-batch's stashes on all its stages {list(stages)} at once "
-                f"({need:.6g} bytes) but its budget is {float(budget[d]):.6g}"
-            )
+    _check_one_microbatch_fits(problem, budget, tol)
 
     nxt = {t: [0] * S for t in "FBW"}
     end: dict[tuple[int, str, int], float] = {}
@@ -181,37 +176,9 @@ def device_greedy_orders(
         if mem[d] + float(mem_f[s]) > budget[d] + tol[d]:
             return False
         if reserve == "admitted":
-            # every micro-batch that has started here keeps room for its remaining forwards
-            held = mem[d] + float(mem_f[s])
-            for jj in range(M):
-                n = fwd_done[d][jj] + (1 if jj == j else 0)
-                if n == 0:
-                    break
-                held += rest[d][n]
-            return held <= budget[d] + tol[d]
-        # after F(s, j) the `reserve` oldest micro-batches whose forwards on d are not all
-        # done must still find room for their remaining forwards next to the memory of
-        # micro-batches not older than the oldest of them (older ones have all their
-        # forwards here and free their memory once their backwards arrive): then the oldest
-        # unfinished micro-batch always progresses
-        k = len(stages_of[d])
-        done = fwd_done[d]
-        j0, need, count = None, 0.0, 0
-        for jj in range(M):
-            n = done[jj] + (1 if jj == j else 0)
-            if n == 0:
-                break  # micro-batches start on d in order: none later has started
-            if n < k:
-                if j0 is None:
-                    j0 = jj
-                need += rest[d][n]
-                count += 1
-                if count >= reserve:
-                    break
-        if j0 is None:
-            return True
-        held = sum(mem_mb[d][jj] for jj in range(j0, M)) + (float(mem_f[s]) if j >= j0 else 0.0)
-        return held + need <= budget[d] + tol[d]
+            return _room_for_started(mem[d] + float(mem_f[s]), fwd_done[d], rest[d], j, budget[d] + tol[d])
+        return _room_for_oldest(fwd_done[d], rest[d], mem_mb[d], len(stages_of[d]), reserve, j, float(mem_f[s]),
+                                budget[d] + tol[d])
 
     def decide(d: int):
         t = free[d]
@@ -246,21 +213,9 @@ def device_greedy_orders(
     total = sum(left)
     placed = 0
     while placed < total:
-        best = None
-        for d in range(D):
-            if left[d] == 0:
-                continue
-            dec = decide(d)
-            if dec is None:
-                continue
-            if best is None or dec[0] < best[0] - 1e-12:
-                best = (dec[0], d, dec[1])
+        best = _earliest_decision(decide, left)
         if best is None:
-            stuck = [f"device {d}" for d in range(D) if left[d]]
-            raise GreedyFailure(
-                f"no device can continue ({', '.join(stuck[:4])} wait for memory or for each other); "
-                "the memory budget is too small for this greedy"
-            )
+            raise _stuck(left)
         start, d, (t, s, j) = best
         e = start + float(dur[t][s])
         end[(s, t, j)] = e
@@ -271,19 +226,92 @@ def device_greedy_orders(
         placed += 1
         if t == "F":
             fwd_done[d][j] += 1
-            mem[d] += float(mem_f[s])
-            mem_mb[d][j] += float(mem_f[s])
         elif t == "B":
-            mem[d] += float(mem_b[s])
-            mem_mb[d][j] += float(mem_b[s])
             pending_w[d].append((s, j))
         else:
-            mem[d] += float(mem_w[s])
-            mem_mb[d][j] += float(mem_w[s])
             pending_w[d].remove((s, j))
+        x = float(delta[t][s])
+        mem[d] += x
+        mem_mb[d][j] += x
         # memory short for every admissible forward and no B ready: the W's queue drains
         # through decide() (a W is chosen when no F is admitted), so nothing else to do here
     return Orders(dev, tuple(tuple(r) for r in rows))
+
+
+def _check_one_microbatch_fits(problem: ScheduleProblem, budget, tol: list[float]) -> None:
+    """Raise :class:`GreedyFailure` unless every device can hold one micro-batch's stashes
+    on all its stages at once (bytes, within ``budget + tol``)."""
+    for d, stages in enumerate(problem.device_stages):
+        need = float(sum(problem.mem_f[s] for s in stages))
+        if need > budget[d] + tol[d]:
+            raise GreedyFailure(
+                f"device {d} must hold one micro-batch's stashes on all its stages {list(stages)} at once "
+                f"({need:.6g} bytes) but its budget is {float(budget[d]):.6g}"
+            )
+
+
+def _room_for_started(held: float, done: list[int], rest: list[float], j: int, cap: float) -> bool:
+    """Admission ``reserve="admitted"``: after F(s, j) (device memory ``held``) every
+    micro-batch that has started on the device keeps room for its remaining forwards
+    (``done[jj]`` forwards of micro-batch jj done, ``rest[n]`` bytes of the forwards after
+    the n-th)."""
+    for jj in range(len(done)):
+        n = done[jj] + (1 if jj == j else 0)
+        if n == 0:
+            break
+        held += rest[n]
+    return held <= cap
+
+
+def _room_for_oldest(done: list[int], rest: list[float], mem_mb: list[float], k: int, reserve: int, j: int,
+                     f: float, cap: float) -> bool:
+    """Admission ``reserve=int``: after F(s, j) (stash ``f`` bytes) the ``reserve`` oldest
+    micro-batches whose forwards on the device (``k`` stages) are not all done must still
+    find room for their remaining forwards next to the memory (``mem_mb``) of micro-batches
+    not older than the oldest of them (older ones have all their forwards here and free
+    their memory once their backwards arrive): then the oldest unfinished micro-batch
+    always progresses."""
+    M = len(done)
+    j0, need, count = None, 0.0, 0
+    for jj in range(M):
+        n = done[jj] + (1 if jj == j else 0)
+        if n == 0:
+            break  # micro-batches start on d in order: none later has started
+        if n < k:
+            if j0 is None:
+                j0 = jj
+            need += rest[n]
+            count += 1
+            if count >= reserve:
+                break
+    if j0 is None:
+        return True
+    held = sum(mem_mb[jj] for jj in range(j0, M)) + (f if j >= j0 else 0.0)
+    return held + need <= cap
+
+
+def _earliest_decision(decide, left: list[int]):
+    """``(start, device, (type, stage, mb))``: the earliest of ``decide(d)`` over the devices
+    with ops left (ties: the lowest device); None when none can continue."""
+    best = None
+    for d in range(len(left)):
+        if left[d] == 0:
+            continue
+        dec = decide(d)
+        if dec is None:
+            continue
+        if best is None or dec[0] < best[0] - 1e-12:
+            best = (dec[0], d, dec[1])
+    return best
+
+
+def _stuck(left: list[int]) -> GreedyFailure:
+    """The error when no device can place its next op."""
+    stuck = [f"device {d}" for d in range(len(left)) if left[d]]
+    return GreedyFailure(
+        f"no device can continue ({', '.join(stuck[:4])} wait for memory or for each other); "
+        "the memory budget is too small for this greedy"
+    )
 
 
 def device_greedy(

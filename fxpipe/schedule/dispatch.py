@@ -19,6 +19,11 @@ from typing import Sequence
 from fxpipe.errors import InputError, SolverError
 from fxpipe.ir import Schedule, ScheduleProblem, looped_placement, v_placement
 import fxpipe.schedule.registry as registry
+from fxpipe.schedule.auto import auto_schedule
+from fxpipe.schedule.bounds import combinatorial_lower_bound
+from fxpipe.schedule.heuristics import generate
+import fxpipe.schedule.milp as milp
+from fxpipe.schedule.validate import InvalidScheduleError, validate_schedule
 
 #: Every schedule method (:data:`fxpipe.schedule.registry.REGISTRY`, heuristics first).
 METHODS = (*registry.names("heuristic"), *registry.names("milp"), *registry.names("auto"))
@@ -116,21 +121,13 @@ def make_schedule(
     SolverError
         If the MILP returns a schedule that breaks Contract 3.
     """
-    from fxpipe.schedule.bounds import combinatorial_lower_bound
-    from fxpipe.schedule.heuristics import generate
-    from fxpipe.schedule.validate import InvalidScheduleError, validate_schedule
-
     if method not in METHODS:
         raise InputError(f"schedule method must be one of {METHODS}, got {method!r}")
     t0 = time.perf_counter()
     if method == "auto":
-        from fxpipe.schedule.auto import auto_schedule
-
         sched = auto_schedule(problem, recompute=False, time_limit_s=time_limit_s, progress=progress).schedule
     elif method == "milp":
-        from fxpipe.schedule.milp import solve, warm_start_schedule
-
-        sched = solve(problem, time_limit_s=time_limit_s, warm_start=warm_start_schedule(problem), progress=progress, on_incumbent=on_incumbent)
+        sched = milp.solve(problem, time_limit_s=time_limit_s, warm_start=milp.warm_start_schedule(problem), progress=progress, on_incumbent=on_incumbent)
         try:
             validate_schedule(problem, sched)
         except InvalidScheduleError as exc:

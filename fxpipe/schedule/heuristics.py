@@ -64,8 +64,10 @@ import numpy as np
 from fxpipe.errors import InfeasibleError, InputError
 from fxpipe.ir import Schedule, ScheduleProblem
 import fxpipe.schedule.registry as _registry
+from fxpipe.schedule.device_greedy import device_greedy
 from fxpipe.schedule.simulate import simulate
-from fxpipe.schedule.validate import InvalidScheduleError, check_schedule
+import fxpipe.schedule.offload_search as offload_search_mod
+from fxpipe.schedule.validate import InvalidScheduleError, check_schedule, require_one_stage_per_device, stage_peaks
 
 __all__ = [
     "METHODS",
@@ -109,34 +111,11 @@ def _stage_limits(problem: ScheduleProblem) -> np.ndarray:
     return np.asarray(problem.mem_limit)[np.asarray(problem.device_of_stage, dtype=np.int64)]
 
 
-def require_one_stage_per_device(problem: ScheduleProblem, method: str) -> None:
-    """Raise :class:`InputError` unless every device holds exactly one stage.
-
-    The classic generators (GPipe, 1F1B, ZB-H1/H2, the Zero Bubble greedy, PipeOffload,
-    AdaOffload) schedule one stage per device; placements with several stages per device
-    have their own generators.
-    """
-    if not problem.one_stage_per_device:
-        d = next(d for d, st in enumerate(problem.device_stages) if len(st) > 1)
-        raise InputError(
-            f"{method} schedules one stage per device, but device {d} holds stages "
-            f"{list(problem.stages_of_device(d))}: use interleaved-1f1b (looped placement), zb-v or "
-            "dualpipe-v (V placement), greedy or milp (any placement)"
-        )
-
-
-def _stage_peaks(problem: ScheduleProblem, ops) -> list[float | None]:
-    """Peak of :func:`~fxpipe.schedule.validate.memory_profile` of every stage (None: no events)."""
-    from fxpipe.schedule.validate import stage_peaks
-
-    return stage_peaks(problem, ops)
-
-
 def _overflow(problem: ScheduleProblem, sched: Schedule) -> tuple[float, int]:
     """Largest excess of peak memory over the limit (bytes, <= 0 if it fits) and its stage."""
     worst, where = -math.inf, 0
     lims = _stage_limits(problem)
-    for s, peak in enumerate(_stage_peaks(problem, sched.ops)):
+    for s, peak in enumerate(stage_peaks(problem, sched.ops)):
         ex = (0.0 if peak is None else peak) - float(lims[s])
         if ex > worst:
             worst, where = ex, s
@@ -413,61 +392,15 @@ def greedy_orders(
         if i == 0:
             for s in range(S):
                 place(s, "F")
-            extra = [0] * S
-            last_t = 0.0
-            for s in range(S - 1, -1, -1):
-                if s == S - 1:
-                    last_t = done[("F", s, 0)] + c("B", s)
-                    continue
-                m_s, t_s = mem[s], busy_until[s]
-                while cnt["F"][s] + extra[s] < M and m_s + d("F", s) <= budget[s] + eps * max(1.0, abs(budget[s])):
-                    if allow_bubble_before_first_b:
-                        if t_s + c("F", s) > last_t + comm[s]:
-                            break
-                    elif t_s >= last_t + comm[s]:
-                        break
-                    m_s += d("F", s)
-                    t_s += c("F", s)
-                    extra[s] += 1
-                last_t = max(t_s, last_t + comm[s]) + c("B", s)
-            for s in range(1, S):
-                while extra[s] > 0 and extra[s] >= extra[s - 1] and cnt["F"][s] + extra[s] < M:
-                    extra[s] -= 1
-                # never more warm-up forwards than the previous stage: their inputs come from
-                # its warm-up (the reference code skips the trim when a stage reaches m
-                # forwards, which deadlocks; this clamp only acts in that case)
-                extra[s] = min(extra[s], extra[s - 1])
+            extra = _warmup_forwards(S, M, c, d, comm, budget, mem, busy_until, done[("F", S - 1, 0)], cnt["F"],
+                                     allow_bubble_before_first_b)
             for s in range(S - 1, -1, -1):
                 for _ in range(extra[s]):
                     place(s, "F")
                 free_memory_for(s, "B")
                 place(s, "B")
             continue
-        want = [0] * S
-        for s in range(S):
-            if cnt["F"][s] >= M:
-                continue
-            if prioritize_b and s + 1 < S and cnt["F"][s] >= cnt["F"][s + 1] + 2:
-                nxt = busy_until[s + 1] + c("F", s + 1) + c("B", s + 1) + comm[s]
-                if busy_until[s] >= nxt:
-                    continue
-                w_cost, w_cnt = 0.0, 0
-                m_w = mem[s] + d("F", s)
-                while m_w > budget[s] and cnt["W"][s] + w_cnt < cnt["B"][s]:
-                    w_cost += c("W", s)
-                    m_w += d("W", s)
-                    w_cnt += 1
-                if busy_until[s] + c("F", s) + w_cost <= nxt:
-                    want[s] = 1
-                    continue
-                if nxt - busy_until[s] <= max_bubble() - bubble[s]:
-                    continue
-            want[s] = 1
-        for s in range(S - 2, -1, -1):
-            # a stage waits for the next one, unless that one has run all its forwards
-            # (possible after the warm-up: the reference code would then starve stage s)
-            if cnt["F"][s + 1] < M:
-                want[s] = min(want[s], want[s + 1])
+        want = _forwards_wanted(S, M, c, d, comm, budget, mem, busy_until, bubble, cnt, prioritize_b)
         for s in range(S):
             if not want[s]:
                 continue
@@ -492,6 +425,75 @@ def greedy_orders(
         while cnt["W"][s] < M:
             place(s, "W")
     return orders
+
+
+def _warmup_forwards(S: int, M: int, c, d, comm: list[float], budget: np.ndarray, mem: list[float],
+                     busy_until: list[float], last_f0_end: float, n_f: list[int], allow_bubble: bool) -> list[int]:
+    """:func:`greedy_orders`' extra warm-up forwards of every stage after micro-batch 0's
+    forward: from the last stage up, as many as fit in memory and before the first backward
+    can arrive (or end before it, with ``allow_bubble``), trimmed so that no stage warms up
+    more than the one before it. ``c(t, s)`` / ``d(t, s)``: duration / memory delta of an op,
+    ``last_f0_end``: end of F0 on the last stage, ``n_f``: forwards placed per stage."""
+    eps = 1e-12
+    extra = [0] * S
+    last_t = 0.0
+    for s in range(S - 1, -1, -1):
+        if s == S - 1:
+            last_t = last_f0_end + c("B", s)
+            continue
+        m_s, t_s = mem[s], busy_until[s]
+        while n_f[s] + extra[s] < M and m_s + d("F", s) <= budget[s] + eps * max(1.0, abs(budget[s])):
+            if allow_bubble:
+                if t_s + c("F", s) > last_t + comm[s]:
+                    break
+            elif t_s >= last_t + comm[s]:
+                break
+            m_s += d("F", s)
+            t_s += c("F", s)
+            extra[s] += 1
+        last_t = max(t_s, last_t + comm[s]) + c("B", s)
+    for s in range(1, S):
+        while extra[s] > 0 and extra[s] >= extra[s - 1] and n_f[s] + extra[s] < M:
+            extra[s] -= 1
+        # never more warm-up forwards than the previous stage: their inputs come from
+        # its warm-up (the reference code skips the trim when a stage reaches m
+        # forwards, which deadlocks; this clamp only acts in that case)
+        extra[s] = min(extra[s], extra[s - 1])
+    return extra
+
+
+def _forwards_wanted(S: int, M: int, c, d, comm: list[float], budget: np.ndarray, mem: list[float],
+                     busy_until: list[float], bubble: list[float], cnt: dict, prioritize_b: bool) -> list[int]:
+    """Which stages run a forward in :func:`greedy_orders`' step for a micro-batch > 0 (1/0):
+    every stage that still has forwards, except (with ``prioritize_b``) one two forwards
+    ahead of the next stage whose own backward would otherwise wait; a stage waits for the
+    next one unless that one has run all its forwards."""
+    want = [0] * S
+    for s in range(S):
+        if cnt["F"][s] >= M:
+            continue
+        if prioritize_b and s + 1 < S and cnt["F"][s] >= cnt["F"][s + 1] + 2:
+            nxt = busy_until[s + 1] + c("F", s + 1) + c("B", s + 1) + comm[s]
+            if busy_until[s] >= nxt:
+                continue
+            w_cost, w_cnt = 0.0, 0
+            m_w = mem[s] + d("F", s)
+            while m_w > budget[s] and cnt["W"][s] + w_cnt < cnt["B"][s]:
+                w_cost += c("W", s)
+                m_w += d("W", s)
+                w_cnt += 1
+            if busy_until[s] + c("F", s) + w_cost <= nxt:
+                want[s] = 1
+                continue
+            if nxt - busy_until[s] <= max(bubble) - bubble[s]:
+                continue
+        want[s] = 1
+    for s in range(S - 2, -1, -1):
+        # a stage waits for the next one, unless that one has run all its forwards
+        # (possible after the warm-up: the reference code would then starve stage s)
+        if cnt["F"][s + 1] < M:
+            want[s] = min(want[s], want[s + 1])
+    return want
 
 
 def zb_greedy(
@@ -698,7 +700,7 @@ def _selective_offload(
         return best_s, best_e
     # every micro-batch of the stages that overflow, whatever its gap
     over = set()
-    for s, peak in enumerate(_stage_peaks(problem, full_s.ops)):
+    for s, peak in enumerate(stage_peaks(problem, full_s.ops)):
         if peak is not None and peak > _stage_limits(problem)[s]:
             over.add(s)
     allk = force | set(cand) | {(s, j) for s in over for j in range(problem.num_microbatches)}
@@ -862,7 +864,7 @@ def adaoffload(problem: ScheduleProblem, *, tolerance_s: float = 0.0) -> Schedul
             break
         least = min(least, ex)
         over = []
-        for s, peak in enumerate(_stage_peaks(problem, sched.ops)):
+        for s, peak in enumerate(stage_peaks(problem, sched.ops)):
             if peak is not None and peak > _stage_limits(problem)[s] * (1 + 1e-12) and cur[s] > 1:
                 over.append(s)
         if not over:
@@ -904,8 +906,6 @@ def greedy(problem: ScheduleProblem) -> Schedule:
     """
     if problem.one_stage_per_device:
         return zb_greedy(problem)
-    from fxpipe.schedule.device_greedy import device_greedy
-
     return device_greedy(problem, method="greedy")
 
 
@@ -925,12 +925,10 @@ def offload_search_schedule(problem: ScheduleProblem) -> Schedule:
     InfeasibleError
         If one stash does not fit a stage (the message gives the bytes), or no policy fits.
     """
-    from fxpipe.schedule.offload_search import offload_search
-
     require_one_stage_per_device(problem, "offload-search")
     _min_stash_check(problem, "offload-search")
     t0 = time.perf_counter()
-    sched = offload_search(problem, time_limit_s=OFFLOAD_SEARCH_TIME_S, max_evals=OFFLOAD_SEARCH_EVALS)
+    sched = offload_search_mod.offload_search(problem, time_limit_s=OFFLOAD_SEARCH_TIME_S, max_evals=OFFLOAD_SEARCH_EVALS)
     return _finish(problem, sched, t0)
 
 

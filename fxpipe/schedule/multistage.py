@@ -49,7 +49,7 @@ from fxpipe.errors import InfeasibleError, InputError
 from fxpipe.ir import Action, Orders, Schedule, ScheduleProblem, looped_placement, v_placement
 from fxpipe.schedule.device_greedy import device_greedy
 from fxpipe.schedule.simulate import simulate
-from fxpipe.schedule.validate import check_schedule, peak_memory
+from fxpipe.schedule.validate import InvalidScheduleError, check_schedule, peak_memory
 
 __all__ = [
     "interleaved_rounds",
@@ -87,8 +87,6 @@ def _finish(problem: ScheduleProblem, sched: Schedule, t0: float, method: str, m
     """Validate; memory overflow -> InfeasibleError naming the device, anything else is a bug."""
     errs = check_schedule(problem, sched)
     if errs:
-        from fxpipe.schedule.validate import InvalidScheduleError
-
         if any(not e.startswith("rule 5") for e in errs):
             raise InvalidScheduleError(errs, method)
         peak = peak_memory(problem, sched)

@@ -44,7 +44,7 @@ import numpy as np
 
 from fxpipe.errors import InfeasibleError
 from fxpipe.ir import Schedule, ScheduledOp, ScheduleProblem, sort_ops
-from fxpipe.schedule.validate import check_schedule, objective_values
+from fxpipe.schedule.validate import check_schedule, objective_values, require_one_stage_per_device
 
 __all__ = ["OffloadParams", "default_params", "offload_list_schedule", "offload_search"]
 
@@ -114,39 +114,16 @@ def offload_list_schedule(problem: ScheduleProblem, params: OffloadParams) -> li
         The result is *not* validated here (:func:`offload_search` does that).
     """
     S, M = problem.num_stages, problem.num_microbatches
-    tF = [problem.duration(s, "F") for s in range(S)]
-    tB = [problem.duration(s, "B") for s in range(S)]
-    tW = [problem.duration(s, "W") for s in range(S)]
-    tO = [float(problem.t_offload[s]) for s in range(S)]
-    comm = [problem.comm(s) for s in range(S - 1)]
-    mF = [float(problem.mem_f[s]) for s in range(S)]
-    mB = [float(problem.mem_b[s]) for s in range(S)]
-    mW = [float(problem.mem_w[s]) for s in range(S)]
-    trB = [float(problem.mem_b_transient[s]) for s in range(S)]
-    off = [float(problem.offload_bytes[s]) for s in range(S)]
-    lim = [float(problem.mem_limit[problem.device_of_stage[s]]) for s in range(S)]
+    tF, tB, tW, tO, comm, mF, mB, mW, trB, off, lim = _stage_tables(problem)
     can_off = [off[s] > 0 and math.isfinite(lim[s]) for s in range(S)]
 
-    F_end = [[math.inf] * M for _ in range(S)]
-    B_start = [[math.inf] * M for _ in range(S)]
-    B_end = [[math.inf] * M for _ in range(S)]
+    # per stage and micro-batch: end of F, start and end of B, end of the offload and reload
+    F_end, B_start, B_end, O_end, R_end = ([[math.inf] * M for _ in range(S)] for _ in range(5))
     # stash state: 0 resident, 1 offloading (O running), 2 offloaded, 3 reloading, 4 reloaded
     state = [[0] * M for _ in range(S)]
-    O_end = [[math.inf] * M for _ in range(S)]
-    R_end = [[math.inf] * M for _ in range(S)]
     nf, nb, nw = [0] * S, [0] * S, [0] * S
     comp_free = [0.0] * S
-    # copy resources of a stage: its own stream and every pcie group it is in (rule 3)
-    res_of = [[("stage", s)] + [("group", g) for g, grp in enumerate(problem.pcie_groups) if s in set(grp)]
-              for s in range(S)]
-    res_free: dict[tuple[str, int], float] = {r: 0.0 for rs in res_of for r in rs}
-
-    def copy_free(s: int) -> bool:
-        return all(res_free[r] <= t + _EPS for r in res_of[s])
-
-    def copy_busy(s: int, until: float) -> None:
-        for r in res_of[s]:
-            res_free[r] = until
+    copy = _CopyStreams(problem)
     mem = [0.0] * S  # memory at the current time, all starts and ends so far applied
     ops: list[ScheduledOp] = []
     pend: list[tuple[float, int, int, float]] = []  # (time, kind, stage, delta) memory changes ahead
@@ -186,19 +163,9 @@ def offload_list_schedule(problem: ScheduleProblem, params: OffloadParams) -> li
     while n_done < n_total:
         if not events:
             return None
-        t = heapq.heappop(events)
-        while events and events[0] <= t + _EPS:
-            heapq.heappop(events)
-        # memory changes due by t (offload ends, a recomputing B's transient)
-        while pend and pend[0][0] <= t + _EPS:
-            _, _, s, dm = heapq.heappop(pend)
-            mem[s] += dm
-        for s in range(S):
-            for j in range(nb[s], nf[s]):
-                if state[s][j] == 1 and O_end[s][j] <= t + _EPS:
-                    state[s][j] = 2
-                elif state[s][j] == 3 and R_end[s][j] <= t + _EPS:
-                    state[s][j] = 4
+        t = _pop_time(events)
+        _apply_due(pend, mem, t)  # memory changes due by t (offload ends, a recomputing B's transient)
+        _advance_copies(state, O_end, R_end, nb, nf, t)
         progressed = False
         for s in reversed(range(S)):
             # ---- compute stream
@@ -247,7 +214,7 @@ def offload_list_schedule(problem: ScheduleProblem, params: OffloadParams) -> li
                     progressed = True
                     n_done += 1
             # ---- copy stream
-            if can_off[s] and copy_free(s):
+            if can_off[s] and copy.is_free(s, t):
                 # reload the oldest offloaded stash whose backward is near
                 jr = next((j for j in range(nb[s], nf[s]) if state[s][j] == 2), None)
                 if jr is not None:
@@ -256,35 +223,108 @@ def offload_list_schedule(problem: ScheduleProblem, params: OffloadParams) -> li
                         state[s][jr] = 3
                         R_end[s][jr] = t + tO[s]
                         mem[s] += off[s]
-                        copy_busy(s, t + tO[s])
+                        copy.book(s, t + tO[s])
                         progressed = True
                         continue
                 # offload the stash needed last, under memory pressure
                 if mem[s] + params.margin * mF[s] > lim[s] + _EPS:
-                    cands = [j for j in range(nb[s] + params.keep[s], nf[s])
-                             if state[s][j] == 0 and F_end[s][j] <= t + _EPS]
-                    if cands:
-                        jo = max(cands)
+                    jo = _last_resident(state[s], F_end[s], nb[s] + params.keep[s], nf[s], t)
+                    if jo is not None:
                         run(s, jo, "O", tO[s])
                         state[s][jo] = 1
                         O_end[s][jo] = t + tO[s]
                         heapq.heappush(pend, (t + tO[s], 1, s, -off[s]))
-                        copy_busy(s, t + tO[s])
+                        copy.book(s, t + tO[s])
                         progressed = True
         if progressed:
             push(t)  # a start at t may enable another op at t (e.g. a reload after an offload ends)
             # avoid an endless loop: the same t is processed again only while something starts
         # ready times of forwards / backwards that depend on ops ended in the past are events too
-        for s in range(S):
-            if nf[s] < M:
-                r = f_ready(s, nf[s])
-                if math.isfinite(r) and r > t + _EPS:
-                    push(r)
-            if nb[s] < nf[s]:
-                r = b_ready(s, nb[s])
-                if math.isfinite(r) and r > t + _EPS:
-                    push(r)
+        _push_ready_times(events, f_ready, b_ready, nf, nb, M, t)
     return ops
+
+
+def _pop_time(events: list[float]) -> float:
+    """The next event time, with every event within ``_EPS`` of it dropped."""
+    t = heapq.heappop(events)
+    while events and events[0] <= t + _EPS:
+        heapq.heappop(events)
+    return t
+
+
+def _apply_due(pend: list, mem: list[float], t: float) -> None:
+    """Apply the memory changes ``(time, kind, stage, delta)`` due by ``t``."""
+    while pend and pend[0][0] <= t + _EPS:
+        _, _, s, dm = heapq.heappop(pend)
+        mem[s] += dm
+
+
+def _last_resident(state: list[int], F_end: list[float], lo: int, hi: int, t: float) -> int | None:
+    """The latest micro-batch in ``lo..hi-1`` whose stash is resident and whose F ended by ``t``."""
+    for j in range(hi - 1, lo - 1, -1):
+        if state[j] == 0 and F_end[j] <= t + _EPS:
+            return j
+    return None
+
+
+def _stage_tables(problem: ScheduleProblem) -> tuple[list, ...]:
+    """Per stage as float lists: durations F, B, W, copy (s); comm to the next stage (s); memory
+    deltas F, B, W, a recomputing B's transient, offloaded bytes and the device limit (bytes)."""
+    S = problem.num_stages
+    return ([problem.duration(s, "F") for s in range(S)],
+            [problem.duration(s, "B") for s in range(S)],
+            [problem.duration(s, "W") for s in range(S)],
+            [float(problem.t_offload[s]) for s in range(S)],
+            [problem.comm(s) for s in range(S - 1)],
+            [float(problem.mem_f[s]) for s in range(S)],
+            [float(problem.mem_b[s]) for s in range(S)],
+            [float(problem.mem_w[s]) for s in range(S)],
+            [float(problem.mem_b_transient[s]) for s in range(S)],
+            [float(problem.offload_bytes[s]) for s in range(S)],
+            [float(problem.mem_limit[problem.device_of_stage[s]]) for s in range(S)])
+
+
+class _CopyStreams:
+    """The copy resources of every stage: its own stream and every pcie group it is in
+    (Contract 3 rule 3), each free from a time on."""
+
+    def __init__(self, problem: ScheduleProblem) -> None:
+        self.res_of = [[("stage", s)] + [("group", g) for g, grp in enumerate(problem.pcie_groups) if s in set(grp)]
+                       for s in range(problem.num_stages)]
+        self.free: dict[tuple[str, int], float] = {r: 0.0 for rs in self.res_of for r in rs}
+
+    def is_free(self, s: int, t: float) -> bool:
+        """Whether every copy resource of stage ``s`` is free at ``t``."""
+        return all(self.free[r] <= t + _EPS for r in self.res_of[s])
+
+    def book(self, s: int, until: float) -> None:
+        """Hold every copy resource of stage ``s`` until ``until``."""
+        for r in self.res_of[s]:
+            self.free[r] = until
+
+
+def _advance_copies(state: list[list[int]], O_end, R_end, nb: list[int], nf: list[int], t: float) -> None:
+    """Stashes whose offload (reload) ended by ``t`` become offloaded (reloaded)."""
+    for s in range(len(state)):
+        st = state[s]
+        for j in range(nb[s], nf[s]):
+            if st[j] == 1 and O_end[s][j] <= t + _EPS:
+                st[j] = 2
+            elif st[j] == 3 and R_end[s][j] <= t + _EPS:
+                st[j] = 4
+
+
+def _push_ready_times(events: list[float], f_ready, b_ready, nf: list[int], nb: list[int], M: int, t: float) -> None:
+    """The future ready times of every stage's next forward and backward become events."""
+    for s in range(len(nf)):
+        if nf[s] < M:
+            r = f_ready(s, nf[s])
+            if math.isfinite(r) and r > t + _EPS:
+                heapq.heappush(events, r)
+        if nb[s] < nf[s]:
+            r = b_ready(s, nb[s])
+            if math.isfinite(r) and r > t + _EPS:
+                heapq.heappush(events, r)
 
 
 def _evaluate(problem: ScheduleProblem, params: OffloadParams,
@@ -400,8 +440,6 @@ def offload_search(
     InfeasibleError
         If no evaluated policy produced a valid schedule (e.g. one stash does not fit).
     """
-    from fxpipe.schedule.heuristics import require_one_stage_per_device
-
     require_one_stage_per_device(problem, "offload-search")
     t0 = time.perf_counter()
     rng = random.Random(seed)

@@ -288,37 +288,8 @@ def _simulate(problem: ScheduleProblem, seqs: list[list[tuple[int, str, int]]], 
     off_end: dict[tuple[int, int], float] = {}
     delta = {"F": problem.mem_f, "B": problem.mem_b, "W": problem.mem_w}
     lims = [float(x) for x in problem.mem_limit]
-    watch_mem = respect_memory and any(math.isfinite(x) for x in lims)
-    # per device: memory events (time, delta) kept sorted, with their times and deltas apart
-    ev_keys: list[list[tuple[float, float]]] = [[] for _ in range(D)]
-    ev_t: list[list[float]] = [[] for _ in range(D)]
-    ev_x: list[list[float]] = [[] for _ in range(D)]
-
-    def add_event(d: int, te: float, x: float) -> None:
-        if not watch_mem:
-            return
-        i = bisect.bisect_right(ev_keys[d], (te, x))
-        ev_keys[d].insert(i, (te, x))
-        ev_t[d].insert(i, te)
-        ev_x[d].insert(i, x)
-
-    def fit_time(d: int, est: float, need: float) -> float:
-        """Earliest event time >= est at which `need` more bytes fit (sums as the events sorted)."""
-        lim = lims[d]
-        if not math.isfinite(lim):
-            return est
-        tol = 1e-9 * max(1.0, abs(lim))
-        times, xs = ev_t[d], ev_x[d]
-        k = bisect.bisect_right(times, est)
-        if sum(xs[:k]) + need <= lim + tol:
-            return est
-        n = len(times)
-        while k < n:
-            t = times[k]
-            k = bisect.bisect_right(times, t, k)
-            if sum(xs[:k]) + need <= lim + tol:
-                return t
-        return est
+    watch_any = respect_memory and any(math.isfinite(x) for x in lims)
+    memory = _MemoryEvents(lims)
 
     def dep_ready(s: int, t: str, j: int) -> float | None:
         """Earliest start allowed by data dependencies, None if a predecessor is unscheduled."""
@@ -357,18 +328,9 @@ def _simulate(problem: ScheduleProblem, seqs: list[list[tuple[int, str, int]]], 
     recs: list[tuple[float, int, int, int, str, float]] = []  # (start, stage, rank, mb, type, end)
     mem_b_tr = [float(x) for x in problem.mem_b_transient]
     off_bytes = [float(x) for x in problem.offload_bytes]
-    watch_any = watch_mem
     while done < total:
         if not heap:
-            blocked = [
-                f"{'stage ' + str(seqs[d][pos[d]][0]) if len(problem.stages_of_device(d)) == 1 else 'device ' + str(d)}: "
-                f"{seqs[d][pos[d]][0]}{seqs[d][pos[d]][1]}{seqs[d][pos[d]][2]}"
-                for d in range(D) if pos[d] < len(seqs[d])
-            ]
-            raise InputError(
-                "the orders deadlock: every device waits for an op another device runs later "
-                f"(next ops: {', '.join(blocked[:8])}); fix the per-device orders"
-            )
+            raise _deadlock(problem, seqs, pos)
         est, d = heapq.heappop(heap)
         queued[d] = False
         s, t, j = seqs[d][pos[d]]
@@ -380,18 +342,18 @@ def _simulate(problem: ScheduleProblem, seqs: list[list[tuple[int, str, int]]], 
                 x = cal.earliest(s, lo, dur)
             cal.book(s, x, x + dur)
             if watch_any:
-                add_event(d, x, off_bytes[s])
+                memory.add(d, x, off_bytes[s])
             recs.append((x, s, 4, j, "R", x + dur))
             est = max(est, x + dur)
         if watch_any and t == "F":
-            est = fit_time(d, est, float(problem.mem_f[s]))
+            est = memory.fit_time(d, est, float(problem.mem_f[s]))
         dur = dur_of[t][s]
         fin = est + dur
         if watch_any:
-            add_event(d, est, float(delta[t][s]))
+            memory.add(d, est, float(delta[t][s]))
             if t == "B" and mem_b_tr[s]:  # the replayed forward of a recomputing stage
-                add_event(d, est, mem_b_tr[s])
-                add_event(d, fin, -mem_b_tr[s])
+                memory.add(d, est, mem_b_tr[s])
+                memory.add(d, fin, -mem_b_tr[s])
         if t == "F":
             end_f[s][j] = fin
         elif t == "B":
@@ -405,7 +367,7 @@ def _simulate(problem: ScheduleProblem, seqs: list[list[tuple[int, str, int]]], 
             x = cal.earliest(s, fin, dd)
             cal.book(s, x, x + dd)
             if watch_any:
-                add_event(d, x + dd, -off_bytes[s])
+                memory.add(d, x + dd, -off_bytes[s])
             off_end[(s, j)] = x + dd
             recs.append((x, s, 3, j, "O", x + dd))
         offer(d)  # its next op; then the ops that waited for this one
@@ -418,6 +380,64 @@ def _simulate(problem: ScheduleProblem, seqs: list[list[tuple[int, str, int]]], 
             if not queued[d2] and pos[d2] < lens[d2]:
                 offer(d2)
 
+    return _timed_schedule(problem, recs, method, meta, t0)
+
+
+def _deadlock(problem: ScheduleProblem, seqs: list[list[tuple[int, str, int]]], pos: list[int]) -> InputError:
+    """The error when no device's next op (``seqs[d][pos[d]]``) can ever start."""
+    blocked = [
+        f"{'stage ' + str(seqs[d][pos[d]][0]) if len(problem.stages_of_device(d)) == 1 else 'device ' + str(d)}: "
+        f"{seqs[d][pos[d]][0]}{seqs[d][pos[d]][1]}{seqs[d][pos[d]][2]}"
+        for d in range(problem.num_devices) if pos[d] < len(seqs[d])
+    ]
+    return InputError(
+        "the orders deadlock: every device waits for an op another device runs later "
+        f"(next ops: {', '.join(blocked[:8])}); fix the per-device orders"
+    )
+
+
+class _MemoryEvents:
+    """Per device, the memory events ``(time, delta)`` placed so far, kept sorted (with their
+    times and deltas apart), for memory-aware timing (``respect_memory``)."""
+
+    __slots__ = ("lims", "keys", "times", "deltas")
+
+    def __init__(self, lims: list[float]) -> None:
+        self.lims = lims
+        self.keys: list[list[tuple[float, float]]] = [[] for _ in lims]
+        self.times: list[list[float]] = [[] for _ in lims]
+        self.deltas: list[list[float]] = [[] for _ in lims]
+
+    def add(self, d: int, te: float, x: float) -> None:
+        """Device ``d`` changes by ``x`` bytes at ``te``."""
+        keys = self.keys[d]
+        i = bisect.bisect_right(keys, (te, x))
+        keys.insert(i, (te, x))
+        self.times[d].insert(i, te)
+        self.deltas[d].insert(i, x)
+
+    def fit_time(self, d: int, est: float, need: float) -> float:
+        """Earliest event time >= est at which `need` more bytes fit (sums as the events sorted)."""
+        lim = self.lims[d]
+        if not math.isfinite(lim):
+            return est
+        tol = 1e-9 * max(1.0, abs(lim))
+        times, xs = self.times[d], self.deltas[d]
+        k = bisect.bisect_right(times, est)
+        if sum(xs[:k]) + need <= lim + tol:
+            return est
+        n = len(times)
+        while k < n:
+            t = times[k]
+            k = bisect.bisect_right(times, t, k)
+            if sum(xs[:k]) + need <= lim + tol:
+                return t
+        return est
+
+
+def _timed_schedule(problem: ScheduleProblem, recs: list, method: str, meta: Mapping | None, t0: float) -> Schedule:
+    """The Schedule of the op records ``(start, stage, rank, mb, type, end)``: shifted to start
+    at 0, in :func:`~fxpipe.ir.sort_ops`' canonical order, with both objective values."""
     t_min = min((r[0] for r in recs), default=0.0)
     if t_min != 0.0 and math.isfinite(t_min):
         recs = [(r[0] - t_min, r[1], r[2], r[3], r[4], r[5] - t_min) for r in recs]
@@ -440,6 +460,8 @@ def _simulate(problem: ScheduleProblem, seqs: list[list[tuple[int, str, int]]], 
         objective=problem.objective,
         meta=dict(meta or {}),
     )
+
+
 
 
 _FIELDS = ("stage", "microbatch", "type", "start_s", "end_s")

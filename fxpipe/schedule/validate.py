@@ -43,6 +43,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from fxpipe.errors import InputError
 from fxpipe.ir import OP_TYPES, Schedule, ScheduledOp, ScheduleProblem
 
 __all__ = [
@@ -57,6 +58,7 @@ __all__ = [
     "peak_memory",
     "offloaded_peak",
     "stage_peaks",
+    "require_one_stage_per_device",
 ]
 
 _MAX_REPORTED = 50
@@ -76,6 +78,22 @@ class InvalidScheduleError(AssertionError):
         more = len(self.violations) - len(shown)
         body = "\n  ".join(shown) + (f"\n  ... and {more} more" if more > 0 else "")
         super().__init__(f"{head}\n  {body}")
+
+
+def require_one_stage_per_device(problem: ScheduleProblem, method: str) -> None:
+    """Raise :class:`InputError` unless every device holds exactly one stage.
+
+    The classic generators (GPipe, 1F1B, ZB-H1/H2, the Zero Bubble greedy, PipeOffload,
+    AdaOffload) schedule one stage per device; placements with several stages per device
+    have their own generators.
+    """
+    if not problem.one_stage_per_device:
+        d = next(d for d, st in enumerate(problem.device_stages) if len(st) > 1)
+        raise InputError(
+            f"{method} schedules one stage per device, but device {d} holds stages "
+            f"{list(problem.stages_of_device(d))}: use interleaved-1f1b (looped placement), zb-v or "
+            "dualpipe-v (V placement), greedy or milp (any placement)"
+        )
 
 
 def _ops_of(schedule_or_ops: Schedule | Iterable[ScheduledOp]) -> list[ScheduledOp]:

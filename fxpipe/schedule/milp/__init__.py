@@ -50,6 +50,7 @@ Solver-level techniques of OptPipe Section 4.1:
 * an event handler on ``BESTSOLFOUND`` reports each new incumbent (Section 4.3).
 
 Modules: :mod:`~fxpipe.schedule.milp.builder` (pure model builder),
+:mod:`~fxpipe.schedule.milp.feasibility` (memory feasibility, the trivial schedule),
 :mod:`~fxpipe.schedule.milp.warm_start` (heuristic start and its variable values),
 :mod:`~fxpipe.schedule.milp.extract` (solution to validated ops),
 :mod:`~fxpipe.schedule.milp.solve` (SCIP through :func:`fxpipe.mip.solve_model`),
@@ -66,12 +67,8 @@ from fxpipe.schedule.milp.builder import MilpVars, build_model, memory_implied_o
 from fxpipe.schedule.milp.extract import extract_schedule
 from fxpipe.schedule.milp.solve import Incumbent, solve
 from fxpipe.schedule.milp.time_indexed import ProbeBound, exact_grid, probe_lower_bound
-from fxpipe.schedule.milp.warm_start import (
-    check_memory_feasible,
-    sequential_schedule,
-    warm_start_schedule,
-    warm_start_values,
-)
+from fxpipe.schedule.milp.feasibility import check_memory_feasible, sequential_schedule
+from fxpipe.schedule.milp.warm_start import warm_start_schedule, warm_start_values
 
 #: Older name of :func:`sequential_schedule`.
 _sequential_schedule = sequential_schedule

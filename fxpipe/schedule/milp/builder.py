@@ -15,6 +15,8 @@ import numpy as np
 
 from fxpipe.errors import InputError
 from fxpipe.ir import ScheduleProblem
+from fxpipe.schedule.bounds import combinatorial_lower_bound
+from fxpipe.schedule.milp.feasibility import check_memory_feasible, objective_value, sequential_schedule
 
 __all__ = ["MilpVars", "build_model", "memory_implied_orders", "order_literal", "device_ops"]
 
@@ -291,59 +293,85 @@ def build_model(
     """
     import pyscipopt as scip
 
-    from fxpipe.schedule.milp.warm_start import check_memory_feasible, objective_value, sequential_schedule
-
     if not isinstance(problem, ScheduleProblem):
         raise InputError(f"expected a ScheduleProblem, got {type(problem).__name__}")
     check_memory_feasible(problem)
-    S, M, D = problem.num_stages, problem.num_microbatches, problem.num_devices
     durs = durations(problem)
     all_times = np.concatenate([problem.t_f, problem.t_b, problem.t_w, problem.t_comm, problem.t_offload])
     unit = float(np.max(all_times)) if all_times.size and np.max(all_times) > 0 else 1.0
-
-    if big_m is not None:
-        if not (isinstance(big_m, (int, float)) and math.isfinite(big_m) and big_m > 0):
-            raise InputError(f"big_m must be a positive number of seconds, got {big_m!r}")
-        H_s = float(big_m)
-    elif warm_start is not None:
-        H_s = objective_value(problem, warm_start.ops)
-    else:
-        H_s = objective_value(problem, sequential_schedule(problem).ops)
-    H = H_s / unit * (1 + 1e-9) + 1e-9
+    H = _horizon_s(problem, warm_start, big_m) / unit * (1 + 1e-9) + 1e-9
     T = {c: durs[c] / unit for c in durs}
-    comm = problem.t_comm_effective / unit
-    eps = 1e-5
 
-    V = MilpVars(unit_s=unit, horizon=H, eps=eps)
+    V = MilpVars(unit_s=unit, horizon=H, eps=1e-5)
     V.rB, V.rW = memory_implied_orders(problem)
     V.index, V.reach, anc = _closure(problem, V.rB, V.rW)
     model = scip.Model(f"fxpipe-schedule-{problem.name}")
     model.hideOutput()
-    n_cons = 0
-
-    def add(expr, name):
-        nonlocal n_cons
-        n_cons += 1
-        return model.addCons(expr, name=name)
-
-    def dur(o: Op) -> float:
-        return float(T[o[2]][o[0]])
-
+    add = _Rows(model)
     # absolute bound on every time: device windows are <= H long and stage s+1's first F
     # starts at most H after stage s's (B(s,0) waits on B(s+1,0), both in windows of <= H)
-    tmax = H if problem.objective == "makespan" else S * H
+    tmax = H if problem.objective == "makespan" else problem.num_stages * H
+    _add_times_and_dependencies(model, add, V, problem, T, tmax)
+    dev_ops = [device_ops(problem, d) for d in range(problem.num_devices)]
+    pair_list = _add_order_pairs(model, add, V, dev_ops, T, H)
+    n_ht = _add_head_tail(add, V, problem, dev_ops, anc, T)
+    n_mono = _add_monotone_cuts(add, V, pair_list, problem.num_microbatches)
+    n_tri = _add_triangle_cuts(add, V, dev_ops) if triangle_cuts else 0
+    _add_memory(model, add, V, problem, T, H, tmax)
+    _add_pcie_groups(model, add, V, problem, T, H)
+    _add_objective(model, add, V, problem, T, H, lower_bound_s)
+
+    V.counts = {
+        "variables": model.getNVars(),
+        "binaries": sum(1 for v in model.getVars() if v.vtype() == "BINARY"),
+        "constraints": add.count,
+        "monotone_cuts": n_mono,
+        "triangle_cuts": n_tri,
+        "head_tail": n_ht,
+        "memory_implied_orders": int(sum(V.rB.values()) + sum(V.rW.values())),
+    }
+    return model, V
+
+
+class _Rows:
+    """``add(expr, name)``: add a constraint to the model and count it."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+        self.count = 0
+
+    def __call__(self, expr, name: str):
+        self.count += 1
+        return self.model.addCons(expr, name=name)
+
+
+def _horizon_s(problem: ScheduleProblem, warm_start, big_m: float | None) -> float:
+    """The horizon ``H`` in seconds: ``big_m``, else the warm start's value, else the
+    one-micro-batch-at-a-time schedule's value."""
+    if big_m is not None:
+        if not (isinstance(big_m, (int, float)) and math.isfinite(big_m) and big_m > 0):
+            raise InputError(f"big_m must be a positive number of seconds, got {big_m!r}")
+        return float(big_m)
+    if warm_start is not None:
+        return objective_value(problem, warm_start.ops)
+    return objective_value(problem, sequential_schedule(problem).ops)
+
+
+def _add_times_and_dependencies(model, add: _Rows, V: MilpVars, problem: ScheduleProblem, T: dict,
+                                tmax: float) -> None:
+    """End-time variables, the time origin, the pipeline data dependencies (Eq. 5, 6, 8; comm
+    only between devices), the fixed micro-batch order (Eq. 1) and the memory-implied orders."""
+    S, M = problem.num_stages, problem.num_microbatches
+    comm = problem.t_comm_effective / V.unit_s
     for s in range(S):
         for j in range(M):
             for c in _COMPUTE:
                 V.E[(s, j, c)] = model.addVar(f"E_{s}_{j}_{c}", lb=T[c][s], ub=tmax)
-    V.C = model.addVar("C", lb=0.0, ub=H)
+    V.C = model.addVar("C", lb=0.0, ub=V.horizon)
     E = V.E
 
     # fix the time origin: F(0,0) starts at 0 (translation invariance)
     add(E[(0, 0, "F")] == T["F"][0], "origin")
-
-    # ---- pipeline data dependencies (Eq. 5, 6, 8), comm only between devices, and the
-    # fixed micro-batch order (Eq. 1)
     for s in range(S):
         for j in range(M):
             if s > 0:
@@ -361,12 +389,14 @@ def build_model(
     for (s, k), r in V.rW.items():
         add(E[(s, k, "F")] - T["F"][s] >= E[(s, r - 1, "W")], f"mem_ordW_{s}_{k}")
 
-    # ---- one binary per unordered undetermined pair of ops of a device (Section 4.1.1),
-    # big-M = H (Eq. 7): every op of a device lies in its window of length <= C <= H
+
+def _add_order_pairs(model, add: _Rows, V: MilpVars, dev_ops: list[list[Op]], T: dict, H: float) -> list:
+    """One binary per unordered undetermined pair of ops of a device (Section 4.1.1) with
+    big-M = H (Eq. 7): every op of a device lies in its window of length <= C <= H.
+    Returns the pairs in the order their variables were added."""
+    E = V.E
     pair_list = []
-    dev_ops = [device_ops(problem, d) for d in range(D)]
-    for d in range(D):
-        ops_d = dev_ops[d]
+    for ops_d in dev_ops:
         for ia, a in enumerate(ops_d):
             ra = V.reach[V.index[a]]
             for b in ops_d[ia + 1:]:
@@ -381,13 +411,18 @@ def build_model(
                 # y = 1: lo before hi; y = 0: hi before lo
                 add(E[hi] - T[hi[2]][hi[0]] >= E[lo] - H * (1 - y), f"seq1_{lo}_{hi}")
                 add(E[lo] - T[lo[2]][lo[0]] >= E[hi] - H * y, f"seq0_{lo}_{hi}")
+    return pair_list
 
-    # ---- energetic head/tail inequalities from the fixed (incl. memory-implied) orders:
-    # every op fixed before a runs between the device's first op (the first F of its lowest
-    # stage) and a's start; every op fixed after a runs after a, before the device's end.
+
+def _add_head_tail(add: _Rows, V: MilpVars, problem: ScheduleProblem, dev_ops: list[list[Op]], anc: list[int],
+                   T: dict) -> int:
+    """Energetic head/tail inequalities from the fixed (incl. memory-implied) orders: every op
+    fixed before ``a`` runs between the device's first op (the first F of its lowest stage)
+    and a's start; every op fixed after ``a`` runs after a, before the device's end.
+    Returns the number of rows."""
+    E = V.E
     n_ht = 0
-    for d in range(D):
-        ops_d = dev_ops[d]
+    for d, ops_d in enumerate(dev_ops):
         on_dev = 0
         for o in ops_d:
             on_dev |= 1 << V.index[o]
@@ -395,8 +430,8 @@ def build_model(
         f0_start = E[first] - T["F"][first[0]]
         for a in ops_d:
             i = V.index[a]
-            head = sum(dur(o) for o in _members(anc[i] & on_dev, V))
-            tail = sum(dur(o) for o in _members(V.reach[i] & on_dev, V))
+            head = sum(float(T[o[2]][o[0]]) for o in _members(anc[i] & on_dev, V))
+            tail = sum(float(T[o[2]][o[0]]) for o in _members(V.reach[i] & on_dev, V))
             a_start = E[a] - T[a[2]][a[0]]
             if head > 0:
                 add(a_start >= f0_start + head, f"head_{a}")
@@ -405,14 +440,17 @@ def build_model(
             else:
                 add(V.C >= a_start + T[a[2]][a[0]] + tail, f"tail_{a}")
             n_ht += 2
+    return n_ht
 
-    # ---- cuts: monotone (one fixed leg) always, full triangles optionally (Section 4.1.2)
-    n_mono = n_tri = 0
+
+def _add_monotone_cuts(add: _Rows, V: MilpVars, pair_list: list, M: int) -> int:
+    """Monotonicity cuts (triangles with one fixed leg, Section 4.1.2): a before b implies a
+    before every immediate successor of b on its stage, and every immediate predecessor of
+    a on its stage before b (when those orders are open). Returns the number of cuts."""
+    n_mono = 0
     for key in pair_list:
         y = V.pair[key]
         a, b = key
-        # a before b implies a before every immediate successor of b on its stage, and every
-        # immediate predecessor of a on its stage before b (when those orders are open)
         for nb in _stage_succ(b, M):
             lit = order_literal(V, a, nb)
             if not isinstance(lit, int):
@@ -423,56 +461,62 @@ def build_model(
             if not isinstance(lit, int):
                 add(_lit_expr(lit) >= y, f"mono_p_{a}_{b}_{pa}")
                 n_mono += 1
-    if triangle_cuts:
-        cuts = []
-        too_many = False
-        for d in range(D):
-            ops = dev_ops[d]
-            n = len(ops)
-            if n > _MAX_TRIANGLE_OPS:
-                too_many = True
-                break
-            for ia in range(n):
-                for ib in range(n):
-                    if ib == ia:
-                        continue
-                    lab = order_literal(V, ops[ia], ops[ib])
-                    if isinstance(lab, int):
-                        continue
-                    for ic in range(n):
-                        if ic == ia or ic == ib:
-                            continue
-                        lbc = order_literal(V, ops[ib], ops[ic])
-                        if isinstance(lbc, int):
-                            continue
-                        lac = order_literal(V, ops[ia], ops[ic])
-                        if lac == 1:
-                            continue
-                        cuts.append((lab, lbc, lac))
-                        if len(cuts) > _MAX_FULL_TRIANGLE_CUTS:
-                            too_many = True
-                            break
-                    if too_many:
-                        break
-                if too_many:
-                    break
-            if too_many:
-                break
-        if not too_many:
-            for i, (lab, lbc, lac) in enumerate(cuts):
-                add(_lit_expr(lac) >= _lit_expr(lab) + _lit_expr(lbc) - 1, f"tri_{i}")
-            n_tri = len(cuts)
+    return n_mono
 
-    # ---- memory (Contract 3 rule 5; OptPipe Eq. 9, 14-17 restated for start-time semantics)
+
+def _triangles(V: MilpVars, dev_ops: list[list[Op]]) -> list | None:
+    """The open triangles (a<b, b<c, a<c literals) of every device; None when a device has
+    more than ``_MAX_TRIANGLE_OPS`` ops or there are more than ``_MAX_FULL_TRIANGLE_CUTS``."""
+    cuts = []
+    for ops in dev_ops:
+        n = len(ops)
+        if n > _MAX_TRIANGLE_OPS:
+            return None
+        for ia in range(n):
+            for ib in range(n):
+                if ib == ia:
+                    continue
+                lab = order_literal(V, ops[ia], ops[ib])
+                if isinstance(lab, int):
+                    continue
+                for ic in range(n):
+                    if ic == ia or ic == ib:
+                        continue
+                    lbc = order_literal(V, ops[ib], ops[ic])
+                    if isinstance(lbc, int):
+                        continue
+                    lac = order_literal(V, ops[ia], ops[ic])
+                    if lac == 1:
+                        continue
+                    cuts.append((lab, lbc, lac))
+                    if len(cuts) > _MAX_FULL_TRIANGLE_CUTS:
+                        return None
+    return cuts
+
+
+def _add_triangle_cuts(add: _Rows, V: MilpVars, dev_ops: list[list[Op]]) -> int:
+    """Full triangle-inequality cuts (Section 4.1.2) when the model is small enough; returns
+    their number (0 when too many)."""
+    cuts = _triangles(V, dev_ops)
+    if cuts is None:
+        return 0
+    for i, (lab, lbc, lac) in enumerate(cuts):
+        add(_lit_expr(lac) >= _lit_expr(lab) + _lit_expr(lbc) - 1, f"tri_{i}")
+    return len(cuts)
+
+
+def _add_memory(model, add: _Rows, V: MilpVars, problem: ScheduleProblem, T: dict, H: float, tmax: float) -> None:
+    """Memory rows (Contract 3 rule 5; OptPipe Eq. 9, 14-17 restated for start-time
+    semantics) on every device whose limit can bind."""
     mem_devices = []
-    for d in range(D):
+    for d in range(problem.num_devices):
         lim = float(problem.mem_limit[d])
         stages = problem.stages_of_device(d)
         if not math.isfinite(lim) or _memory_upper_bound(problem, stages) <= lim:
             continue  # the limit can never bind on this device
         mem_devices.append(d)
         if len(stages) == 1:
-            _single_stage_memory(model, V, problem, stages[0], lim, T, H, tmax, eps, add)
+            _single_stage_memory(model, V, problem, stages[0], lim, T, H, tmax, V.eps, add)
         else:
             if any(float(problem.offload_bytes[s]) > 0 for s in stages):
                 V.restricted = "no offload on devices that hold several stages"
@@ -480,7 +524,10 @@ def build_model(
         _recompute_memory(V, problem, d, lim, add)
     V.mem_devices = tuple(mem_devices)
 
-    # ---- pcie groups (Eq. 18-19): copy ops of stages in one group never overlap
+
+def _add_pcie_groups(model, add: _Rows, V: MilpVars, problem: ScheduleProblem, T: dict, H: float) -> None:
+    """pcie groups (Eq. 18-19): copy ops of stages in one group never overlap."""
+    M = problem.num_microbatches
     for gi, grp in enumerate(problem.pcie_groups):
         stages = sorted(set(s for s in grp if any((s, j) in V.x for j in range(M))))
         for a_i, s1 in enumerate(stages):
@@ -498,8 +545,14 @@ def build_model(
                                 add(v2 >= v1 + T["O"][s1] - Mx * (1 - z) - Mx * both, f"pc1_{gi}_{s1}{t1}{j}_{s2}{t2}{k}")
                                 add(v1 >= v2 + T["O"][s2] - Mx * z - Mx * both, f"pc0_{gi}_{s1}{t1}{j}_{s2}{t2}{k}")
 
-    # ---- objective (per-device span or makespan) and a valid lower bound (device busy time)
-    for d in range(D):
+
+def _add_objective(model, add: _Rows, V: MilpVars, problem: ScheduleProblem, T: dict, H: float,
+                   lower_bound_s: float | None) -> None:
+    """The objective ``C`` (per-device span or makespan), minimised, with two valid lower
+    bounds: the busiest device's compute time and a proven bound (by default the
+    combinatorial one: memory-aware warm-up/drain bubbles)."""
+    E, M = V.E, problem.num_microbatches
+    for d in range(problem.num_devices):
         stages = problem.stages_of_device(d)
         first = stages[0]
         for s in stages:
@@ -508,30 +561,16 @@ def build_model(
             else:
                 add(V.C >= E[(s, M - 1, "W")], f"makespan_{d}_{s}")
     busy = max(float(sum(M * (T["F"][s] + T["B"][s] + T["W"][s]) for s in problem.stages_of_device(d)))
-               for d in range(D))
+               for d in range(problem.num_devices))
     add(V.C >= busy, "busy")
-    # objective cut from a proven bound (by default the combinatorial one: memory-aware
-    # warm-up/drain bubbles), slightly relaxed so rounding never cuts off the optimum, and
-    # capped at the horizon so a warm start at the bound stays feasible
+    # the proven bound is slightly relaxed so rounding never cuts off the optimum, and capped
+    # at the horizon so a warm start at the bound stays feasible
     if lower_bound_s is None:
-        from fxpipe.schedule.bounds import combinatorial_lower_bound
-
         lower_bound_s = combinatorial_lower_bound(problem)
-    comb = min(float(lower_bound_s) / unit * (1 - 1e-9), H)
+    comb = min(float(lower_bound_s) / V.unit_s * (1 - 1e-9), H)
     if comb > busy:
         add(V.C >= comb, "comb_lb")
     model.setObjective(V.C, "minimize")
-
-    V.counts = {
-        "variables": model.getNVars(),
-        "binaries": sum(1 for v in model.getVars() if v.vtype() == "BINARY"),
-        "constraints": n_cons,
-        "monotone_cuts": n_mono,
-        "triangle_cuts": n_tri,
-        "head_tail": n_ht,
-        "memory_implied_orders": int(sum(V.rB.values()) + sum(V.rW.values())),
-    }
-    return model, V
 
 
 def _members(bits: int, V: MilpVars) -> list[Op]:
@@ -566,6 +605,22 @@ def _stage_pred(o: Op) -> list[Op]:
     return out
 
 
+def _memory_at_start(V: MilpVars, problem: ScheduleProblem, ops_d: list[Op], e: Op, own: float, lim: float):
+    """Memory of a device at the start of its op ``e`` in units of its limit ``lim``: ``own``
+    (what ``e`` adds at its start) plus the delta of every other op of the device
+    (``ops_d``) ordered before ``e`` (a constant when every order is fixed)."""
+    delta = {"F": problem.mem_f, "B": problem.mem_b, "W": problem.mem_w}
+    expr = own
+    for o in ops_d:
+        if o == e:
+            continue
+        coef = float(delta[o[2]][o[0]]) / lim
+        if coef == 0.0:
+            continue
+        expr = expr + coef * _lit_expr(order_literal(V, o, e))
+    return expr
+
+
 # ---- begin recomputation (issue 9): memory rows at the B starts of recomputing stages --------
 def _memory_upper_bound(problem: ScheduleProblem, stages) -> float:
     """Most activation memory a device can ever hold (bytes): every micro-batch of each stage
@@ -589,22 +644,13 @@ def _recompute_memory(V: MilpVars, problem: ScheduleProblem, d: int, lim: float,
     recomputation share a device (then ``V.restricted`` says so).
     """
     ops_d = device_ops(problem, d)
-    delta = {"F": problem.mem_f, "B": problem.mem_b, "W": problem.mem_w}
     rise = problem.mem_b_start
     stages = problem.stages_of_device(d)
     rows = [e for e in ops_d if e[2] == "B" and float(rise[e[0]]) > 0.0]
     if rows and any(float(problem.offload_bytes[s]) > 0 for s in stages):
         V.restricted = "offloaded stashes are counted on the device at recomputing B starts"
     for e in rows:
-        expr = float(rise[e[0]]) / lim
-        for o in ops_d:
-            if o == e:
-                continue
-            coef = float(delta[o[2]][o[0]]) / lim
-            if coef == 0.0:
-                continue
-            lit = order_literal(V, o, e)
-            expr = expr + coef * (lit if isinstance(lit, int) else _lit_expr(lit))
+        expr = _memory_at_start(V, problem, ops_d, e, float(rise[e[0]]) / lim, lim)
         if not isinstance(expr, (int, float)):
             add(expr <= 1.0, f"memB_{d}_{e}")
         elif expr > 1.0 + 1e-9:
@@ -615,22 +661,10 @@ def _recompute_memory(V: MilpVars, problem: ScheduleProblem, d: int, lim: float,
 def _device_memory(model, V: MilpVars, problem: ScheduleProblem, d: int, lim: float, add) -> None:
     """Memory of a device holding several stages at every F start (no offload modelled)."""
     ops_d = device_ops(problem, d)
-    delta = {"F": problem.mem_f, "B": problem.mem_b, "W": problem.mem_w}
     for e in ops_d:
         if e[2] != "F":
             continue
-        expr = float(problem.mem_f[e[0]]) / lim
-        for o in ops_d:
-            if o == e:
-                continue
-            coef = float(delta[o[2]][o[0]]) / lim
-            if coef == 0.0:
-                continue
-            lit = order_literal(V, o, e)
-            if isinstance(lit, int):
-                expr = expr + coef * lit
-            else:
-                expr = expr + coef * _lit_expr(lit)
+        expr = _memory_at_start(V, problem, ops_d, e, float(problem.mem_f[e[0]]) / lim, lim)
         if not isinstance(expr, (int, float)):
             add(expr <= 1.0, f"memF_{d}_{e}")
 

@@ -10,14 +10,14 @@ from typing import Any, Callable
 
 from fxpipe.errors import InfeasibleError, InputError
 from fxpipe.ir import Schedule, ScheduleProblem
+from fxpipe.schedule.bounds import combinatorial_lower_bound
 from fxpipe.schedule.milp.builder import build_model
 from fxpipe.schedule.milp.extract import extract_schedule
-from fxpipe.schedule.milp.warm_start import (
-    check_memory_feasible,
-    objective_value,
-    warm_start_schedule,
-    warm_start_values,
-)
+from fxpipe.schedule.milp.feasibility import check_memory_feasible, objective_value
+from fxpipe.schedule.milp.time_indexed import probe_lower_bound
+from fxpipe.schedule.milp.warm_start import warm_start_schedule, warm_start_values
+import fxpipe.schedule.offload_search as offload_search_mod
+from fxpipe.schedule.validate import check_schedule, objective_values
 
 __all__ = ["Incumbent", "solve"]
 
@@ -122,14 +122,81 @@ def solve(
     ----------
     OptPipe Sections 3, 4.1, 4.3 and Appendix C.
     """
-    import pyscipopt as scip
-
-    from fxpipe.mip import scip_version, solve_model
-    from fxpipe.schedule.bounds import combinatorial_lower_bound
-    from fxpipe.schedule.validate import check_schedule, objective_values
+    from fxpipe.mip import solve_model  # imports pyscipopt (heavy): only when solving
 
     if not isinstance(problem, ScheduleProblem):
         raise InputError(f"expected a ScheduleProblem, got {type(problem).__name__}")
+    probe_time_s, search_time_s = _phase_budgets(time_limit_s, threads, gap_limit, probe_time_s, search_time_s)
+    t_start = time.perf_counter()
+    check_memory_feasible(problem)
+    warm_start = _valid_warm_start(problem, warm_start)
+    warm_val = objective_value(problem, warm_start.ops)
+    comb_lb = float(combinatorial_lower_bound(problem))
+    search_info, search_s, interrupted = None, 0.0, False
+    if search_time_s > 0 and problem.one_stage_per_device and not _meets(warm_val, comb_lb):
+        warm_start, warm_val, search_info, interrupted = _long_search(problem, warm_start, warm_val, search_time_s,
+                                                                      progress)
+        search_s = time.perf_counter() - t_start
+    probe_info, probe_s, bound_method = None, 0.0, "combinatorial"
+    if probe_time_s > 0 and not interrupted and not _meets(warm_val, comb_lb):
+        pb = probe_lower_bound(problem, upper_bound_s=warm_val, lower_bound_s=comb_lb, time_limit_s=float(probe_time_s),
+                               probe_time_s=max(1.0, float(probe_time_s) / 8))
+        probe_info, probe_s = pb.to_dict(), pb.wall_s
+        if pb.bound_s > comb_lb:
+            comb_lb = pb.bound_s  # a proven bound (see probe_lower_bound, "Soundness")
+            bound_method = "time-indexed probe"
+    warm_info = {"method": warm_start.method, "value_s": warm_val,
+                 "candidates": warm_start.meta.get("warm_candidates", {})}
+    phases = {"probe": probe_info, "search": search_info}
+
+    proven = _meets(warm_val, comb_lb)
+    if proven or interrupted or (probe_info is not None and probe_info.get("interrupted")):
+        # the warm start meets a proven lower bound: optimal, nothing to search; or Ctrl-C
+        # during the search or probing: the warm start with the bound proven so far
+        return _warm_start_result(problem, warm_start, warm_val, comb_lb, proven, t_start,
+                                  {**phases, "bound_method": bound_method, "warm_start": {**warm_info, "accepted": None}})
+
+    model, V = build_model(problem, warm_start=warm_start, triangle_cuts=triangle_cuts, lower_bound_s=comb_lb)
+    params = {"limits/gap": float(gap_limit), "lp/threads": int(threads)}
+    # measured on the Zero Bubble / offload instances (benchmarks/bench_schedule.py): SCIP's
+    # default probing spends tens of seconds in presolve on these big-M models, and on larger
+    # models the LNS heuristics (RINS, trust region) around the warm start are what improves
+    # the incumbent (p=4, m=8, limit 2: 28.5 with default separation, 28 without, in 30 s).
+    big = V.counts["binaries"] > 500
+    build_s = time.perf_counter() - t_start
+    found = _Incumbents(problem, V, warm_start, warm_val, comb_lb, on_incumbent)
+    res = solve_model(
+        model,
+        time_limit_s=max(1.0, float(time_limit_s) - probe_s - search_s),
+        params=params,
+        warm_start=warm_start_values(problem, V, warm_start),
+        warm_start_complete=True,
+        read_vars={v.name: v for v in model.getVars()},
+        heuristics="aggressive" if big else "default",
+        separating="off" if big else "default",
+        presolving="fast",
+        on_incumbent=found.consider,
+        progress=f"milp {problem.name}" if progress else None,
+        objective_scale=V.unit_s,
+    )
+    if res.callback_errors:  # a failure outside extraction / the user's callback: record it
+        found.extract_failures += len(res.callback_errors)
+        found.extract_errors.extend(res.callback_errors)
+    # the final best solution (the handler saw it already unless it came from presolve)
+    if res.n_solutions > 0 and res.values and res.raw_status != "infeasible":
+        found.consider(lambda var: res.values[var.name], res.wall_s, res.dual)
+    return _milp_result(problem, V, res, found, comb_lb, t_start,
+                        {**phases, "bound_method": bound_method, "build_s": build_s,
+                         "warm_start": {**warm_info, "accepted": res.warm_start_accepted}})
+
+
+def _meets(value: float, bound: float) -> bool:
+    """Whether ``value`` reaches the lower bound ``bound`` (up to rounding): optimal."""
+    return value <= bound * (1 + 1e-9) + 1e-12
+
+
+def _phase_budgets(time_limit_s, threads, gap_limit, probe_time_s, search_time_s) -> tuple[float, float]:
+    """Check :func:`solve`'s limits; the probe and search budgets with their defaults filled in."""
     if not (isinstance(time_limit_s, (int, float)) and time_limit_s > 0 and not math.isnan(time_limit_s)):
         raise InputError(f"time_limit_s must be > 0, got {time_limit_s!r}")
     if not (isinstance(threads, int) and threads >= 1):
@@ -144,9 +211,11 @@ def solve(
         search_time_s = 0.1 * float(time_limit_s) if time_limit_s >= 60 else 0.0
     if not (isinstance(search_time_s, (int, float)) and 0 <= search_time_s and probe_time_s + search_time_s < time_limit_s):
         raise InputError(f"search_time_s must lie in [0, time_limit_s - probe_time_s), got {search_time_s!r}")
-    t_start = time.perf_counter()
-    check_memory_feasible(problem)
+    return probe_time_s, search_time_s
 
+
+def _valid_warm_start(problem: ScheduleProblem, warm_start: Schedule | None) -> Schedule:
+    """The given warm start if valid, else the best valid heuristic schedule."""
     if warm_start is not None:
         if not isinstance(warm_start, Schedule):
             raise InputError(f"warm_start must be a Schedule, got {type(warm_start).__name__}")
@@ -154,122 +223,115 @@ def solve(
             warm_start = None
     if warm_start is None:
         warm_start = warm_start_schedule(problem)
-    warm_val = objective_value(problem, warm_start.ops)
-    comb_lb = float(combinatorial_lower_bound(problem))
-    search_info, search_s, interrupted = None, 0.0, False
-    if search_time_s > 0 and problem.one_stage_per_device and warm_val > comb_lb * (1 + 1e-9) + 1e-12:
-        from fxpipe.schedule.offload_search import offload_search
+    return warm_start
 
-        try:
-            found = offload_search(problem, time_limit_s=float(search_time_s), seed=1, progress=progress)
-        except KeyboardInterrupt:
-            found, interrupted = None, True
-        except InfeasibleError:
-            found = None
-        search_s = time.perf_counter() - t_start
-        if found is not None:
-            interrupted = bool(found.meta.get("interrupted"))
-            search_info = {"value_s": found.value, "evals": found.meta.get("evals"), "wall_s": found.solver_time_s,
-                           "interrupted": interrupted}
-            if not check_schedule(problem, found.ops) and objective_value(problem, found.ops) < warm_val - 1e-12 * max(1.0, warm_val):
-                warm_start = Schedule(ops=found.ops, makespan=found.makespan, stage_span=found.stage_span,
-                                      status="heuristic", method="offload-search", objective=problem.objective,
-                                      meta={"warm_candidates": {**warm_start.meta.get("warm_candidates", {}),
-                                                                "offload-search (long)": found.value}})
-                warm_val = objective_value(problem, warm_start.ops)
-    probe_info = None
-    probe_s = 0.0
-    bound_method = "combinatorial"
-    if probe_time_s > 0 and not interrupted and warm_val > comb_lb * (1 + 1e-9) + 1e-12:
-        from fxpipe.schedule.milp.time_indexed import probe_lower_bound
 
-        pb = probe_lower_bound(problem, upper_bound_s=warm_val, lower_bound_s=comb_lb, time_limit_s=float(probe_time_s),
-                               probe_time_s=max(1.0, float(probe_time_s) / 8))
-        probe_info = pb.to_dict()
-        probe_s = pb.wall_s
-        if pb.bound_s > comb_lb:
-            comb_lb = pb.bound_s  # a proven bound (see probe_lower_bound, "Soundness")
-            bound_method = "time-indexed probe"
-    warm_info = {"method": warm_start.method, "value_s": warm_val,
-                 "candidates": warm_start.meta.get("warm_candidates", {})}
+def _long_search(problem: ScheduleProblem, warm_start: Schedule, warm_val: float, search_time_s: float,
+                 progress: bool) -> tuple[Schedule, float, dict | None, bool]:
+    """The longer primal search (:func:`~fxpipe.schedule.offload_search.offload_search`) before
+    probing: (warm start, its value, ``meta["search"]``, interrupted). Its best schedule
+    replaces the warm start when valid and shorter."""
+    try:
+        found = offload_search_mod.offload_search(problem, time_limit_s=float(search_time_s), seed=1, progress=progress)
+    except KeyboardInterrupt:
+        return warm_start, warm_val, None, True
+    except InfeasibleError:
+        return warm_start, warm_val, None, False
+    interrupted = bool(found.meta.get("interrupted"))
+    search_info = {"value_s": found.value, "evals": found.meta.get("evals"), "wall_s": found.solver_time_s,
+                   "interrupted": interrupted}
+    if not check_schedule(problem, found.ops) and objective_value(problem, found.ops) < warm_val - 1e-12 * max(1.0, warm_val):
+        warm_start = Schedule(ops=found.ops, makespan=found.makespan, stage_span=found.stage_span,
+                              status="heuristic", method="offload-search", objective=problem.objective,
+                              meta={"warm_candidates": {**warm_start.meta.get("warm_candidates", {}),
+                                                        "offload-search (long)": found.value}})
+        warm_val = objective_value(problem, warm_start.ops)
+    return warm_start, warm_val, search_info, interrupted
 
-    proven = warm_val <= comb_lb * (1 + 1e-9) + 1e-12
-    if proven or interrupted or (probe_info is not None and probe_info.get("interrupted")):
-        # the warm start meets a proven lower bound: optimal, nothing to search; or Ctrl-C
-        # during the search or probing: the warm start with the bound proven so far
-        ms, span = objective_values(problem, warm_start.ops)
-        status = "optimal" if proven else "userinterrupt"
-        gap = 0.0 if proven else (warm_val - comb_lb) / warm_val if warm_val > 0 else 0.0
-        return Schedule(
-            ops=warm_start.ops, makespan=ms, stage_span=span, lower_bound_s=min(comb_lb, warm_val), status=status,
-            solver_time_s=time.perf_counter() - t_start, method="milp", objective=problem.objective,
-            meta={"gap": gap, "nodes": 0, "status": status, "primal": warm_val, "dual": comb_lb,
-                  "combinatorial_bound_s": comb_lb, "scip_version": scip_version(), "pyscipopt_version": scip.__version__,
-                  "params": {}, "model": {}, "warm_start": {**warm_info, "accepted": None}, "incumbents": [],
-                  "source": f"warm_start:{warm_start.method}", "proof": f"{bound_method} bound", "build_s": 0.0,
-                  "probe": probe_info, "search": search_info, "bound_method": bound_method},
-        )
 
-    model, V = build_model(problem, warm_start=warm_start, triangle_cuts=triangle_cuts, lower_bound_s=comb_lb)
-    params = {"limits/gap": float(gap_limit), "lp/threads": int(threads)}
-    # measured on the Zero Bubble / offload instances (benchmarks/bench_schedule.py): SCIP's
-    # default probing spends tens of seconds in presolve on these big-M models, and on larger
-    # models the LNS heuristics (RINS, trust region) around the warm start are what improves
-    # the incumbent (p=4, m=8, limit 2: 28.5 with default separation, 28 without, in 30 s).
-    big = V.counts["binaries"] > 500
-    build_s = time.perf_counter() - t_start
+def _versions() -> dict:
+    """The SCIP and PySCIPOpt versions (``meta``)."""
+    import pyscipopt as scip
 
-    state = {"best": warm_start, "best_val": warm_val, "incumbents": [], "callback_errors": [], "extract_failures": 0}
+    from fxpipe.mip import scip_version
 
-    def consider(values: Callable, when: float, dual_model: float) -> None:
+    return {"scip_version": scip_version(), "pyscipopt_version": scip.__version__}
+
+
+def _warm_start_result(problem: ScheduleProblem, warm_start: Schedule, warm_val: float, comb_lb: float,
+                       proven: bool, t_start: float, info: dict) -> Schedule:
+    """The warm start returned without a model: optimal when it meets the proven bound
+    ``comb_lb``, else after Ctrl-C (``userinterrupt``) with the bound proven so far."""
+    ms, span = objective_values(problem, warm_start.ops)
+    status = "optimal" if proven else "userinterrupt"
+    gap = 0.0 if proven else (warm_val - comb_lb) / warm_val if warm_val > 0 else 0.0
+    return Schedule(
+        ops=warm_start.ops, makespan=ms, stage_span=span, lower_bound_s=min(comb_lb, warm_val), status=status,
+        solver_time_s=time.perf_counter() - t_start, method="milp", objective=problem.objective,
+        meta={"gap": gap, "nodes": 0, "status": status, "primal": warm_val, "dual": comb_lb,
+              "combinatorial_bound_s": comb_lb, **_versions(),
+              "params": {}, "model": {}, "warm_start": info["warm_start"], "incumbents": [],
+              "source": f"warm_start:{warm_start.method}", "proof": f"{info['bound_method']} bound", "build_s": 0.0,
+              "probe": info["probe"], "search": info["search"], "bound_method": info["bound_method"]},
+    )
+
+
+class _Incumbents:
+    """The best valid schedule so far, fed with SCIP's solutions (OptPipe Section 4.3).
+
+    :meth:`consider` extracts and validates a solution and keeps it when it improves on the
+    best (the warm start counts until a solution at most as long replaces it), reporting it
+    to ``on_incumbent``; failures are counted, not raised.
+    """
+
+    def __init__(self, problem: ScheduleProblem, V, warm_start: Schedule, warm_val: float, comb_lb: float,
+                 on_incumbent: Callable[[Incumbent], Any] | None) -> None:
+        self.problem, self.V, self.warm_start, self.comb_lb = problem, V, warm_start, comb_lb
+        self.on_incumbent = on_incumbent
+        self.best, self.best_val = warm_start, warm_val
+        self.incumbents: list[dict] = []
+        self.callback_errors: list[str] = []
+        self.extract_failures = 0
+        self.extract_errors: list[str] = []
+
+    def consider(self, values: Callable, when: float, dual_model: float) -> None:
+        """A solution of the model (``values(var)``) found at ``when`` s with SCIP's dual bound."""
+        problem, V = self.problem, self.V
         dual = max(dual_model * V.unit_s, 0.0) if math.isfinite(dual_model) else 0.0
         try:
             ops = extract_schedule(problem, V, values)
         except Exception as exc:  # noqa: BLE001
-            state["extract_failures"] += 1
-            state.setdefault("extract_errors", []).append(repr(exc)[:200])
+            self.extract_failures += 1
+            self.extract_errors.append(repr(exc)[:200])
             return
         errs = check_schedule(problem, ops)
         if errs:
-            state["extract_failures"] += 1
-            state.setdefault("extract_errors", []).append(errs[0][:200])
+            self.extract_failures += 1
+            self.extract_errors.append(errs[0][:200])
             return
         val = objective_value(problem, ops)
         tol = 1e-12 * max(1.0, abs(val))
-        if state["best"] is warm_start:
-            if val > state["best_val"] + tol:
+        if self.best is self.warm_start:
+            if val > self.best_val + tol:
                 return
-        elif val >= state["best_val"] - tol:
+        elif val >= self.best_val - tol:
             return
         ms, span = objective_values(problem, ops)
-        lb = comb_lb if V.restricted else max(dual, comb_lb)
+        lb = self.comb_lb if V.restricted else max(dual, self.comb_lb)
         sched = Schedule(ops=tuple(ops), makespan=ms, stage_span=span, lower_bound_s=lb,
                          status="feasible", solver_time_s=when, method="milp", objective=problem.objective)
-        state["best"], state["best_val"] = sched, val
-        state["incumbents"].append({"value_s": val, "dual_bound_s": dual, "time_s": when})
-        if on_incumbent is not None:
+        self.best, self.best_val = sched, val
+        self.incumbents.append({"value_s": val, "dual_bound_s": dual, "time_s": when})
+        if self.on_incumbent is not None:
             try:
-                on_incumbent(Incumbent(value_s=val, dual_bound_s=dual, time_s=when, schedule=sched))
+                self.on_incumbent(Incumbent(value_s=val, dual_bound_s=dual, time_s=when, schedule=sched))
             except Exception as exc:  # noqa: BLE001
-                state["callback_errors"].append(repr(exc)[:200])
+                self.callback_errors.append(repr(exc)[:200])
 
-    res = solve_model(
-        model,
-        time_limit_s=max(1.0, float(time_limit_s) - probe_s - search_s),
-        params=params,
-        warm_start=warm_start_values(problem, V, warm_start),
-        warm_start_complete=True,
-        read_vars={v.name: v for v in model.getVars()},
-        heuristics="aggressive" if big else "default",
-        separating="off" if big else "default",
-        presolving="fast",
-        on_incumbent=consider,
-        progress=f"milp {problem.name}" if progress else None,
-        objective_scale=V.unit_s,
-    )
-    if res.callback_errors:  # a failure outside extraction / the user's callback: record it
-        state["extract_failures"] += len(res.callback_errors)
-        state.setdefault("extract_errors", []).extend(res.callback_errors)
+
+def _milp_result(problem: ScheduleProblem, V, res, found: _Incumbents, comb_lb: float, t_start: float,
+                 info: dict) -> Schedule:
+    """The best schedule after SCIP, with its status, proven bound and ``meta``."""
     status = res.status
     dual_s = max(res.dual * V.unit_s, 0.0) if math.isfinite(res.dual) else 0.0
     note = None
@@ -279,11 +341,8 @@ def solve(
         dual_s = 0.0
         status = "feasible"
         note = "the MILP found no schedule at most as long as the warm start; returning the warm start"
-    # the final best solution (the handler saw it already unless it came from presolve)
-    if res.n_solutions > 0 and res.values and res.raw_status != "infeasible":
-        consider(lambda var: res.values[var.name], res.wall_s, res.dual)
-    best: Schedule = state["best"]
-    value = state["best_val"]
+    best: Schedule = found.best
+    value = found.best_val
     primal_s = res.primal * V.unit_s if res.n_solutions > 0 else float("inf")
     lb = comb_lb if V.restricted else max(dual_s, comb_lb)
     lb = min(lb, value)  # the returned schedule's value may exceed the model optimum by repair noise
@@ -302,28 +361,27 @@ def solve(
         "primal": primal_s,
         "dual": dual_s,
         "combinatorial_bound_s": float(combinatorial_lower_bound(problem)),
-        "probe": probe_info,
-        "search": search_info,
-        "bound_method": bound_method if lb > dual_s or V.restricted else "scip",
-        "scip_version": scip_version(),
-        "pyscipopt_version": scip.__version__,
+        "probe": info["probe"],
+        "search": info["search"],
+        "bound_method": info["bound_method"] if lb > dual_s or V.restricted else "scip",
+        **_versions(),
         "params": res.params,
         "model": V.counts,
         "horizon_s": V.horizon * V.unit_s,
-        "warm_start": {**warm_info, "accepted": res.warm_start_accepted},
-        "incumbents": state["incumbents"],
-        "source": best.method if best is not warm_start else f"warm_start:{warm_start.method}",
-        "build_s": build_s,
+        "warm_start": info["warm_start"],
+        "incumbents": found.incumbents,
+        "source": best.method if best is not found.warm_start else f"warm_start:{found.warm_start.method}",
+        "build_s": info["build_s"],
     }
     if V.restricted:
         meta["restricted"] = V.restricted + ": the SCIP bound is not a bound for the problem, lower_bound_s is the combinatorial one"
     if note:
         meta["note"] = note
-    if state["callback_errors"]:
-        meta["callback_errors"] = state["callback_errors"]
-    if state["extract_failures"]:
-        meta["extract_failures"] = state["extract_failures"]
-        meta["extract_errors"] = state.get("extract_errors", [])[:5]
+    if found.callback_errors:
+        meta["callback_errors"] = found.callback_errors
+    if found.extract_failures:
+        meta["extract_failures"] = found.extract_failures
+        meta["extract_errors"] = found.extract_errors[:5]
     return Schedule(
         ops=best.ops, makespan=ms, stage_span=span, lower_bound_s=lb, status=status,
         solver_time_s=time.perf_counter() - t_start, method="milp", objective=problem.objective, meta=meta,

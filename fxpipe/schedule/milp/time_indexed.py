@@ -51,6 +51,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from fxpipe.ir import ScheduleProblem
+from fxpipe.schedule.milp.builder import _closure, memory_implied_orders
 
 __all__ = ["ProbeBound", "Windows", "build_probe", "exact_grid", "probe_lower_bound", "temporal_windows"]
 
@@ -158,8 +159,6 @@ def temporal_windows(problem: ScheduleProblem, T: int, grid: float) -> Windows:
     -------
     Windows
     """
-    from fxpipe.schedule.milp.builder import _closure, memory_implied_orders
-
     S, M = problem.num_stages, problem.num_microbatches
     rB, rW = memory_implied_orders(problem)
     index, reach, anc = _closure(problem, rB, rW)
@@ -275,149 +274,199 @@ def build_probe(problem: ScheduleProblem, T: int, grid: float, devices: Sequence
     if not win.feasible:
         return None, {"win": win}
     M = problem.num_microbatches
-    du = win.dur
-    es, ls = win.es, win.ls
     devs = list(range(problem.num_devices)) if devices is None else [int(d) for d in devices]
     keep_st = {s for d in devs for s in problem.device_stages[d]}
-    keep = {i for i, o in enumerate(win.ops) if o[0] in keep_st}
+    keep = sorted(i for i, o in enumerate(win.ops) if o[0] in keep_st)
     model = scip.Model("probe")
     model.hideOutput()
-    z: dict[tuple[int, int], Any] = {}
-    for i in sorted(keep):
-        o = win.ops[i]
-        for t in range(int(es[i]), int(ls[i])):
-            z[(i, t)] = model.addVar(f"z_{o[0]}{o[2]}{o[1]}_{t}", vtype="B")
-
-    def Z(i, t):
-        if t < es[i]:
-            return 0
-        if t >= ls[i]:
-            return 1
-        return z[(i, t)]
-
-    def is_one(e) -> bool:
-        return isinstance(e, int) and e == 1
-
-    ncons = 0
-    for i in sorted(keep):
-        for t in range(int(es[i]), int(ls[i]) - 1):
-            model.addCons(z[(i, t)] <= z[(i, t + 1)])
-            ncons += 1
-    for a, b, length in win.edges:
-        if a not in keep or b not in keep:
-            continue
-        for t in range(int(es[b]), int(ls[b])):
-            za = Z(a, t - length)
-            if is_one(za):
-                continue
-            model.addCons(Z(b, t) <= za)
-            ncons += 1
-    tau = [int(round(float(x) / grid)) for x in problem.t_offload]
-    Y: dict[tuple[int, int], tuple[Any, int, int]] = {}
-    U: dict[tuple[int, int, int], Any] = {}
-    V: dict[tuple[int, int, int], Any] = {}
+    p = _Probe(problem, win, model, grid, scip.quicksum)
+    p.add_start_vars(keep)
+    p.add_windows(set(keep))
     for d in devs:
         stages = problem.device_stages[d]
         idx = [win.index[(s, j, c)] for s in stages for j in range(M) for c in _COMPUTE]
-
-        def dur_i(i):
-            o = win.ops[i]
-            return du[o[2]][o[0]]
-
-        dlo = min(int(es[i]) for i in idx)
-        dhi = max(int(ls[i]) + dur_i(i) for i in idx)
-        # compute stream: op i runs in cell t iff it started in (t - d, t]
-        for t in range(dlo, dhi):
-            terms = []
-            for i in idx:
-                dd = dur_i(i)
-                if dd <= 0 or t - dd >= ls[i] or t < es[i]:
-                    continue
-                terms.append(Z(i, t) - Z(i, t - dd))
-            if len(terms) > 1:
-                model.addCons(scip.quicksum(terms) <= 1)
-                ncons += 1
+        dlo = min(int(win.es[i]) for i in idx)
+        dhi = max(int(win.ls[i]) + p.dur(i) for i in idx)
+        p.add_compute_stream(idx, dlo, dhi)
         lim = float(problem.mem_limit[d])
         if not math.isfinite(lim):
             continue
+        keys = p.add_offload_vars(stages)
+        p.add_offload_links(keys)
+        p.add_copy_stream(keys, dlo, dhi)
+        p.add_memory(stages, lim, dlo, dhi)
+    model.setObjective(0)
+    return model, {"win": win, "z": p.z, "y": p.Y, "u": p.U, "v": p.V, "constraints": p.ncons,
+                   "variables": model.getNVars()}
+
+
+class _Probe:
+    """The rows of :func:`build_probe`'s model, family by family (``ncons`` counts them).
+
+    ``started(i, t)``: op ``i`` has started by grid point ``t`` (0 before its earliest start,
+    1 from its latest, else its variable); ``step(D, s, j, t)``: the offload (``D = U``) has
+    ended / the reload (``D = V``) has started by ``t`` for stash ``(s, j)`` (0 when it
+    cannot be offloaded, ``y`` after its window).
+    """
+
+    def __init__(self, problem: ScheduleProblem, win: Windows, model, grid: float, quicksum) -> None:
+        self.problem, self.win, self.model, self.quicksum = problem, win, model, quicksum
+        self.M = problem.num_microbatches
+        self.tau = [int(round(float(x) / grid)) for x in problem.t_offload]
+        self.z: dict[tuple[int, int], Any] = {}
+        self.Y: dict[tuple[int, int], tuple[Any, int, int]] = {}
+        self.U: dict[tuple[int, int, int], Any] = {}
+        self.V: dict[tuple[int, int, int], Any] = {}
+        self.ncons = 0
+
+    def dur(self, i: int) -> int:
+        """Duration of op ``i`` in grid units."""
+        o = self.win.ops[i]
+        return self.win.dur[o[2]][o[0]]
+
+    def started(self, i: int, t: int):
+        if t < self.win.es[i]:
+            return 0
+        if t >= self.win.ls[i]:
+            return 1
+        return self.z[(i, t)]
+
+    def step(self, D: dict, s: int, j: int, t: int):
+        if (s, j) not in self.Y:
+            return 0
+        y, lo, hi = self.Y[(s, j)]
+        if t < lo:
+            return 0
+        if t >= hi:
+            return y
+        return D[(s, j, t)]
+
+    def add_start_vars(self, keep: list[int]) -> None:
+        """``z[i, t]`` for every kept op inside its window, nondecreasing in ``t``."""
+        es, ls = self.win.es, self.win.ls
+        for i in keep:
+            o = self.win.ops[i]
+            for t in range(int(es[i]), int(ls[i])):
+                self.z[(i, t)] = self.model.addVar(f"z_{o[0]}{o[2]}{o[1]}_{t}", vtype="B")
+        for i in keep:
+            for t in range(int(es[i]), int(ls[i]) - 1):
+                self.model.addCons(self.z[(i, t)] <= self.z[(i, t + 1)])
+                self.ncons += 1
+
+    def add_windows(self, keep: set[int]) -> None:
+        """The difference constraints of the windows: ``z[b, t] <= z[a, t - l]``."""
+        for a, b, length in self.win.edges:
+            if a not in keep or b not in keep:
+                continue
+            for t in range(int(self.win.es[b]), int(self.win.ls[b])):
+                za = self.started(a, t - length)
+                if _is_one(za):
+                    continue
+                self.model.addCons(self.started(b, t) <= za)
+                self.ncons += 1
+
+    def add_compute_stream(self, idx: list[int], dlo: int, dhi: int) -> None:
+        """At most one F/B/W of a device (ops ``idx``) per grid cell: op i runs in cell t iff
+        it started in (t - d, t]."""
+        es, ls = self.win.es, self.win.ls
+        for t in range(dlo, dhi):
+            terms = []
+            for i in idx:
+                dd = self.dur(i)
+                if dd <= 0 or t - dd >= ls[i] or t < es[i]:
+                    continue
+                terms.append(self.started(i, t) - self.started(i, t - dd))
+            if len(terms) > 1:
+                self.model.addCons(self.quicksum(terms) <= 1)
+                self.ncons += 1
+
+    def add_offload_vars(self, stages) -> list[tuple[int, int]]:
+        """``y``, ``u[t]``, ``v[t]`` of every stash of ``stages`` that may be offloaded (its
+        offload can end before its reload must start); returns those stashes."""
+        es, ls, du, tau = self.win.es, self.win.ls, self.win.dur, self.tau
         for s in stages:
-            if float(problem.offload_bytes[s]) <= 0:
+            if float(self.problem.offload_bytes[s]) <= 0:
                 continue
             f = du["F"][s]
-            for j in range(M):
-                iF, iB = win.index[(s, j, "F")], win.index[(s, j, "B")]
+            for j in range(self.M):
+                iF, iB = self.win.index[(s, j, "F")], self.win.index[(s, j, "B")]
                 lo = int(es[iF]) + f + tau[s]  # earliest end of the offload
                 hi = int(ls[iB]) - tau[s]  # latest start of the reload
                 if hi < lo:
                     continue
-                y = model.addVar(f"y_{s}_{j}", vtype="B")
-                Y[(s, j)] = (y, lo, hi)
+                y = self.model.addVar(f"y_{s}_{j}", vtype="B")
+                self.Y[(s, j)] = (y, lo, hi)
                 for t in range(lo, hi):
-                    U[(s, j, t)] = model.addVar(f"u_{s}_{j}_{t}", vtype="B")
-                    V[(s, j, t)] = model.addVar(f"v_{s}_{j}_{t}", vtype="B")
+                    self.U[(s, j, t)] = self.model.addVar(f"u_{s}_{j}_{t}", vtype="B")
+                    self.V[(s, j, t)] = self.model.addVar(f"v_{s}_{j}_{t}", vtype="B")
+        return [(s, j) for s in stages for j in range(self.M) if (s, j) in self.Y]
 
-        def step(D, s, j, t):
-            if (s, j) not in Y:
-                return 0
-            y, lo, hi = Y[(s, j)]
-            if t < lo:
-                return 0
-            if t >= hi:
-                return y
-            return D[(s, j, t)]
-
-        keys = [(s, j) for s in stages for j in range(M) if (s, j) in Y]
+    def add_offload_links(self, keys: list[tuple[int, int]]) -> None:
+        """``u``, ``v`` nondecreasing, ``v <= u``, ``O.start >= F.end``, ``R.end <= B.start``."""
+        U, V, tau, model = self.U, self.V, self.tau, self.model
         for (s, j) in keys:
-            y, lo, hi = Y[(s, j)]
-            iF, iB = win.index[(s, j, "F")], win.index[(s, j, "B")]
-            f = du["F"][s]
+            y, lo, hi = self.Y[(s, j)]
+            iF, iB = self.win.index[(s, j, "F")], self.win.index[(s, j, "B")]
+            f = self.win.dur["F"][s]
             for t in range(lo, hi):
-                model.addCons(step(U, s, j, t) <= step(U, s, j, t + 1))
-                model.addCons(step(V, s, j, t) <= step(V, s, j, t + 1))
-                model.addCons(step(V, s, j, t) <= step(U, s, j, t))
-                zf = Z(iF, t - f - tau[s])  # offload ended by t -> F ended by t - tau
-                if not is_one(zf):
-                    model.addCons(step(U, s, j, t) <= zf)
-                ncons += 4
-            for t in range(int(es[iB]), int(ls[iB])):  # B started by t -> reload ended by t
-                model.addCons(Z(iB, t) <= 1 - y + step(V, s, j, t - tau[s]))
-                ncons += 1
-        # copy stream: one O or R per device and grid cell
-        if keys and max(tau[s] for s, _ in keys) > 0:
-            for t in range(dlo, dhi):
-                terms = []
-                for (s, j) in keys:
-                    _, lo, hi = Y[(s, j)]
-                    ts = tau[s]
-                    if ts <= 0 or t + ts < lo or t - ts >= hi:
-                        continue
-                    terms.append(step(U, s, j, t + ts) - step(U, s, j, t) + step(V, s, j, t) - step(V, s, j, t - ts))
-                if len(terms) > 1:
-                    model.addCons(scip.quicksum(terms) <= 1)
-                    ncons += 1
-        # memory at every grid point (Contract 3 rule 5)
+                model.addCons(self.step(U, s, j, t) <= self.step(U, s, j, t + 1))
+                model.addCons(self.step(V, s, j, t) <= self.step(V, s, j, t + 1))
+                model.addCons(self.step(V, s, j, t) <= self.step(U, s, j, t))
+                zf = self.started(iF, t - f - tau[s])  # offload ended by t -> F ended by t - tau
+                if not _is_one(zf):
+                    model.addCons(self.step(U, s, j, t) <= zf)
+                self.ncons += 4
+            for t in range(int(self.win.es[iB]), int(self.win.ls[iB])):  # B started by t -> reload ended by t
+                model.addCons(self.started(iB, t) <= 1 - y + self.step(V, s, j, t - tau[s]))
+                self.ncons += 1
+
+    def add_copy_stream(self, keys: list[tuple[int, int]], dlo: int, dhi: int) -> None:
+        """At most one O or R per device and grid cell."""
+        U, V, tau = self.U, self.V, self.tau
+        if not keys or max(tau[s] for s, _ in keys) <= 0:
+            return
+        for t in range(dlo, dhi):
+            terms = []
+            for (s, j) in keys:
+                _, lo, hi = self.Y[(s, j)]
+                ts = tau[s]
+                if ts <= 0 or t + ts < lo or t - ts >= hi:
+                    continue
+                terms.append(self.step(U, s, j, t + ts) - self.step(U, s, j, t)
+                             + self.step(V, s, j, t) - self.step(V, s, j, t - ts))
+            if len(terms) > 1:
+                self.model.addCons(self.quicksum(terms) <= 1)
+                self.ncons += 1
+
+    def add_memory(self, stages, lim: float, dlo: int, dhi: int) -> None:
+        """The device memory at every grid point (Contract 3 rule 5): ops started by ``t``,
+        minus offloaded stashes with ``O.end <= t < R.start``."""
+        problem, index = self.problem, self.win.index
         for t in range(dlo, dhi):
             expr = 0
             const = 0.0
             for s in stages:
                 coef = {"F": float(problem.mem_f[s]), "B": float(problem.mem_b[s]), "W": float(problem.mem_w[s])}
-                for j in range(M):
+                for j in range(self.M):
                     for ty in _COMPUTE:
-                        zz = Z(win.index[(s, j, ty)], t)
+                        zz = self.started(index[(s, j, ty)], t)
                         if isinstance(zz, int):
                             const += coef[ty] * zz
                         else:
                             expr = expr + coef[ty] * zz
-                    if (s, j) in Y:
-                        expr = expr - float(problem.offload_bytes[s]) * (step(U, s, j, t) - step(V, s, j, t))
+                    if (s, j) in self.Y:
+                        expr = expr - float(problem.offload_bytes[s]) * (self.step(self.U, s, j, t)
+                                                                         - self.step(self.V, s, j, t))
             if isinstance(expr, (int, float)):
                 if const > lim * (1 + 1e-9):
-                    model.addCons(scip.quicksum([]) >= 1)  # fixed ops alone exceed the limit
+                    self.model.addCons(self.quicksum([]) >= 1)  # fixed ops alone exceed the limit
             else:
-                model.addCons(expr <= lim * (1 + 1e-9) - const)
-            ncons += 1
-    model.setObjective(0)
-    return model, {"win": win, "z": z, "y": Y, "u": U, "v": V, "constraints": ncons, "variables": model.getNVars()}
+                self.model.addCons(expr <= lim * (1 + 1e-9) - const)
+            self.ncons += 1
+
+
+def _is_one(e) -> bool:
+    return isinstance(e, int) and e == 1
 
 
 @dataclass
