@@ -684,12 +684,16 @@ def peak_memory(problem: ScheduleProblem, ops: Schedule | Iterable[ScheduledOp])
     -------
     float64 array (D,)
         Bytes; the maximum of :func:`device_memory_profile` of each device (0 for a device
-        without ops), comparable with ``mem_limit``.
+        without ops), comparable with ``mem_limit``; events within Contract 3's time
+        tolerance (``1e-9 * max(1, T)``) count as one instant, as :func:`check_schedule` reads them.
     """
     ops = _ops_of(ops)
+    # events closer than Contract 3's time tolerance are one instant (as check_schedule reads them):
+    # an F that starts when an O ends, up to rounding, does not count both stashes
+    ttol = _time_tol(ops, 1e-9)
     out = np.zeros(problem.num_devices)
     for d in range(problem.num_devices):
-        _, mem = device_memory_profile(problem, ops, d)
+        _, mem = _profile(problem, ops, problem.stages_of_device(d), ttol)
         out[d] = float(mem.max()) if mem.size else 0.0
     return out
 
