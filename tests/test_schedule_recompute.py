@@ -152,6 +152,14 @@ def test_auto_with_recompute_is_valid(p):
     assert set(p.recompute_stages) <= set(res.recompute_stages)
     assert np.all(independent_peak(res.problem, res.schedule.ops) <= res.problem.mem_limit * (1 + 1e-9))
     assert res.schedule.lower_bound_s <= res.schedule.value * (1 + 1e-9)
+    # never worse than the common fallback: 1F1B with every stage recomputing (where that saves memory)
+    full = p.with_recompute([s for s in range(p.num_stages) if p.recompute_mem_f[s] < p.mem_f[s]])
+    try:
+        fallback = generate(full, "1f1b")
+    except InfeasibleError:
+        return
+    if p.num_devices == p.num_stages and check_schedule(full, fallback) == []:
+        assert res.schedule.value <= fallback.value * (1 + 1e-9), (res.schedule.value, fallback.value)
 
 
 # ------------------------------------------------------------------------------ exact oracles

@@ -27,7 +27,8 @@ schedule of it:
    (``recompute_mem_f < mem_f``); the step-1 heuristics (else the offload ones, else the
    fewer-in-flight ones) run on the new problem and are candidates; repeated, one more
    stage per still-overflowing device each round, until 1F1B fits every device or no stage
-   is left.
+   is left. 1F1B with every stage recomputing (where that saves memory) is a candidate too,
+   so ``auto`` is never worse than that common fallback (one stage per device).
 4. **Choice.** The schedule with the lowest objective among steps 1-3: fewer micro-batches
    in flight costs bubbles, offload is free while the copy stream keeps up, recomputation
    costs one forward per micro-batch of each recomputing stage; the fastest wins.
@@ -286,6 +287,18 @@ def plain_peak(problem: ScheduleProblem) -> np.ndarray:
     return min_device_memory(problem, offload=False) if best is None else best
 
 
+def _full_recompute_1f1b(problem: ScheduleProblem, tried: dict) -> list[tuple[ScheduleProblem, Schedule]]:
+    """1F1B with every stage recomputing whose recomputation saves memory: the practitioners'
+    fallback, a candidate so that ``auto`` is never worse than it (one stage per device)."""
+    if problem.num_devices != problem.num_stages:
+        return []
+    saving = [s for s in range(problem.num_stages) if problem.recompute_mem_f[s] < problem.mem_f[s]]
+    if not saving:
+        return []
+    full = problem.with_recompute(saving)
+    return [(full, s) for s in _run(full, ("1f1b",), "recompute-all", tried)]
+
+
 def _next_recompute(problem: ScheduleProblem) -> list[int]:
     """One more stage to recompute on every device whose plain peak exceeds its limit."""
     peak = plain_peak(problem)
@@ -366,6 +379,7 @@ def auto_schedule(
                 if not found:
                     found = [(cur, s) for s in _degraded(cur, tag, tried)]
                 cands += found
+            cands += _full_recompute_1f1b(problem, tried)
         tried_rest = dict(tried)
         tried.clear()
         tried.update(tried_head)
@@ -388,9 +402,8 @@ def auto_schedule(
             d = int(np.argmax(peak - lim))
             msg = (f"no schedule found that fits: device {d} holds {peak[d]:.6g} bytes of activations under 1F1B, "
                    f"over its limit {lim[d]:.6g} by {peak[d] - lim[d]:.6g}, and no heuristic fit it")
-        err = InfeasibleError(f"{msg} (tried {what}); raise the memory, use more devices or fewer micro-batches in flight")
-        err.tried = tried
-        raise err
+        raise InfeasibleError(f"{msg} (tried {what}); raise the memory, use more devices or fewer micro-batches in flight",
+                              tried=tried)
     best_p, best_s = chosen
     bound = combinatorial_lower_bound(best_p)
     n_ops = 3 * best_p.num_stages * best_p.num_microbatches
