@@ -76,7 +76,9 @@ class TrainResult:
     meta : dict
         Extra information: ``stage_params`` (canonical parameter names of every stage),
         ``shared_params``, ``actions`` (per rank), ``device_of_stage``, ``relayed``,
-        ``cloned``, ``fused_full_backward`` (per stage), ``random_ops``, ``moved_nodes``,
+        ``cloned``, ``fused_full_backward`` (per stage), ``recv_buffers`` (per stage:
+        ``{"fwd": n, "bwd": n}`` buffers per received tensor after reuse,
+        :func:`fxpipe.codegen.runtime.recv_buffer_slots`), ``random_ops``, ``moved_nodes``,
         ``grad_precision`` and ``output_precision`` (:func:`fxpipe.codegen.compare.gradient_precision`,
         the tolerances per dtype),
         ``train_wall_s``, ``wall_s``.
@@ -396,6 +398,7 @@ def _write_run_results(out_dir: str, idx: int, rank: int, run: Mapping[str, Any]
                 "moved_nodes": {k: list(v) for k, v in staged.moved_nodes.items()},
                 "actions": sched.fxpipe_actions[pp_rank],
                 "fused_full_backward": {s: bool(v) for s, v in sched.fxpipe_fused_full_backward.items()},
+                "recv_buffers": {st.stage_index: st.fxpipe_recv_buffers for st in stages},
                 "compiled_stages": {st.stage_index: getattr(st.submod, "report", None) for st in stages},  # compile_stages (issue 10)
                 "random_ops": cap.random_ops,
                 "grad_precision": cap.grad_precision,
@@ -704,6 +707,7 @@ def _gather(out_dir: str, world: int, idx: int, wall: float) -> TrainResult:
     info: dict[str, Any] = {}
     actions: dict[int, list[str]] = {}
     fused: dict[int, bool] = {}
+    recv_buffers: dict[int, Any] = {}
     compiled: dict[int, Any] = {}
     activation: dict[int, Any] = {}
     materialized: dict[int, Any] = {}
@@ -716,6 +720,7 @@ def _gather(out_dir: str, world: int, idx: int, wall: float) -> TrainResult:
         stage_params.update({int(s): v for s, v in info["stage_param_fqns"].items()})
         actions[r] = info["actions"]
         fused.update({int(s): v for s, v in info["fused_full_backward"].items()})
+        recv_buffers.update({int(s): v for s, v in (info.get("recv_buffers") or {}).items()})
         compiled.update({int(s): v for s, v in (info.get("compiled_stages") or {}).items()})
         activation[r] = info.get("activation")
         materialized[r] = info.get("materialized")
@@ -746,6 +751,6 @@ def _gather(out_dir: str, world: int, idx: int, wall: float) -> TrainResult:
          "cloned": {int(k): v for k, v in info.get("cloned", {}).items()},
          "moved_nodes": info.get("moved_nodes", {}), "random_ops": info.get("random_ops", []),
          "grad_precision": info.get("grad_precision") or {}, "output_precision": info.get("output_precision"),
-         "fused_full_backward": fused, "compiled_stages": compiled, "train_wall_s": train_wall, "wall_s": wall,
+         "fused_full_backward": fused, "recv_buffers": recv_buffers, "compiled_stages": compiled, "train_wall_s": train_wall, "wall_s": wall,
          "activation": activation, "materialized": materialized, "held_state_bytes": held},
     )

@@ -357,6 +357,89 @@ def merge_param_groups(groups: list[dict]) -> list[dict]:
     return out
 
 
+def recv_buffer_slots(actions: Sequence[_Action], stages: Sequence[int]) -> dict[int, dict[str, dict[int, int]]]:
+    """Which receive buffer each micro-batch of each local stage uses, reusing buffers across micro-batches.
+
+    torch's ``PipelineStage`` allocates one receive buffer per micro-batch for every tensor a
+    stage receives forward (activations) and backward (gradients). A buffer is busy from the
+    ``RECV_F`` / ``RECV_B`` that fills it until the compute that last reads it: the activation
+    buffer is the stage input autograd saves, the gradient buffer the gradient of the stage output
+    that a split backward's weight pass reads again (torch's backward-input keeps it among the
+    intermediates' gradients): both until the micro-batch's weight gradient (``W``, or the full
+    backward ``B``; ``F`` itself for a stage without backward). Walking this rank's program in order (with
+    torch's send/recv actions, :func:`torch.distributed.pipelining.schedules._add_send_recv`),
+    each receive takes the lowest free slot, so a stage holds as many buffers as micro-batches
+    it has in flight, not ``num_microbatches``.
+
+    Parameters
+    ----------
+    actions : sequence of torch ``_Action``
+        This rank's program with communication (``pipeline_order_with_comms[rank]``).
+    stages : sequence of int
+        This rank's stages.
+
+    Returns
+    -------
+    dict
+        ``{stage: {"fwd": {microbatch: slot}, "bwd": {microbatch: slot}}}``; a stage's number
+        of buffers per received tensor is ``max(slot) + 1``.
+    """
+    C = _ComputationType
+    has_bwd = {s: False for s in stages}
+    for a in actions:
+        if a.stage_index in has_bwd and a.computation_type in (C.FULL_BACKWARD, C.BACKWARD_INPUT):
+            has_bwd[a.stage_index] = True
+    out = {s: {"fwd": {}, "bwd": {}} for s in stages}
+    busy = {(s, k): {} for s in stages for k in ("fwd", "bwd")}  # slot -> micro-batch
+
+    def take(s: int, kind: str, mb: int) -> None:
+        if mb in out[s][kind]:
+            return
+        used = busy[(s, kind)]
+        slot = next(i for i in range(len(used) + 1) if i not in used)
+        used[slot] = mb
+        out[s][kind][mb] = slot
+
+    def release(s: int, kind: str, mb: int) -> None:
+        slot = out[s][kind].get(mb)
+        if slot is not None and busy[(s, kind)].get(slot) == mb:
+            del busy[(s, kind)][slot]
+
+    for a in actions:
+        s, mb, ct = a.stage_index, a.microbatch_index, a.computation_type
+        if s not in out or mb is None:
+            continue
+        if ct == C.RECV_F:
+            take(s, "fwd", mb)
+        elif ct == C.RECV_B:
+            take(s, "bwd", mb)
+        elif ct == C.FORWARD and not has_bwd[s]:
+            release(s, "fwd", mb)
+        elif ct in (C.FULL_BACKWARD, C.BACKWARD_WEIGHT):
+            release(s, "fwd", mb)
+            release(s, "bwd", mb)
+    return out
+
+
+def _pool_recv_buffers(recv_info: dict, slots: Mapping[int, int] | None) -> int:
+    """Point every micro-batch's receive buffers at its slot's (the first micro-batch of a slot keeps
+    its own); returns the buffers per received tensor now in use (``len(recv_info)`` without slots)."""
+    if not slots or any(mb not in slots for mb in recv_info):
+        return len(recv_info)
+    pool: dict[tuple[int, int], torch.Tensor] = {}
+    for mb in sorted(recv_info):
+        for i, info in enumerate(recv_info[mb]):
+            buf = getattr(info, "buffer", None)
+            if not isinstance(buf, torch.Tensor):
+                continue
+            key = (i, slots[mb])
+            if key in pool and pool[key].shape == buf.shape and pool[key].dtype == buf.dtype:
+                info.buffer = pool[key]
+            else:
+                pool[key] = buf
+    return max(slots[mb] for mb in recv_info) + 1 if recv_info else 0
+
+
 class FxpipePipelineStage(PipelineStage):
     """torch's ``PipelineStage`` with a split backward that holds for shared weights.
 
@@ -370,6 +453,38 @@ class FxpipePipelineStage(PipelineStage):
       exact; the saved tensors are released when the micro-batch's W state is dropped, right
       after this call, instead of node by node.
     """
+
+    # ---- begin receive-buffer reuse (recv_buffer_slots): buffers per micro-batch in flight, not per micro-batch
+    #: ``{"fwd": {mb: slot}, "bwd": {mb: slot}}`` set by the runtime from the rank's program, or None
+    fxpipe_recv_slots = None
+    #: buffers per received activation / gradient after pooling (set when the infra is prepared)
+    fxpipe_recv_buffers: dict[str, int] | None = None
+
+    def _prepare_forward_infra(self, num_microbatches, args, kwargs=None, has_backward=False):
+        out = super()._prepare_forward_infra(num_microbatches, args, kwargs, has_backward=has_backward)
+        slots = self.fxpipe_recv_slots or {}
+        self.fxpipe_recv_buffers = dict(self.fxpipe_recv_buffers or {},
+                                        fwd=0 if self.is_first else _pool_recv_buffers(self.args_recv_info, slots.get("fwd")))
+        return out
+
+    def _prepare_backward_infra(self, num_microbatches, loss_fn=None, target=None, received_grad_meta=None,
+                                loss_kwargs=None):
+        out = super()._prepare_backward_infra(num_microbatches, loss_fn=loss_fn, target=target,
+                                              received_grad_meta=received_grad_meta, loss_kwargs=loss_kwargs)
+        slots = self.fxpipe_recv_slots or {}
+        self.fxpipe_recv_buffers = dict(self.fxpipe_recv_buffers or {},
+                                        bwd=0 if self.is_last else _pool_recv_buffers(self.grad_recv_info, slots.get("bwd")))
+        return out
+
+    def _retrieve_recv_activations(self, fwd_chunk_id):
+        # a pooled buffer is the stage-input leaf of every micro-batch of its slot in turn: torch's split
+        # backward-input accumulates into the leaf's .grad, so the previous micro-batch's must go
+        for info in self.args_recv_info.get(fwd_chunk_id, ()):
+            buf = getattr(info, "buffer", None)
+            if isinstance(buf, torch.Tensor) and buf.grad is not None:
+                buf.grad = None
+        return super()._retrieve_recv_activations(fwd_chunk_id)
+    # ---- end receive-buffer reuse
 
     # ---- begin activation stash hooks (fxpipe.codegen.stash: live saved bytes, offload/reload, recomputation)
     #: the rank's :class:`~fxpipe.codegen.stash.DeviceStash` (set by :func:`fxpipe.codegen.rank.build_rank`), or None
@@ -513,6 +628,10 @@ class FxpipeScheduleRuntime(_PipelineScheduleRuntime):
             self._prepare_schedule_with_comms({r: list(v) for r, v in parsed.items()})
         except (AssertionError, ValueError, RuntimeError) as exc:
             raise InputError(f"torch rejected the schedule on rank {self.rank}: {exc}") from None
+        local = [st.stage_index for st in self._stages]
+        slots = recv_buffer_slots(self.pipeline_order_with_comms.get(self.rank, []), local)
+        for st in self._stages:
+            st.fxpipe_recv_slots = slots[st.stage_index]
         mapping = {s: self.stage_index_to_group_rank[s] for s in range(self._num_stages)}
         if mapping != dict(enumerate(self._device_of_stage)):  # pragma: no cover - guarded by parse_torch_actions
             raise InputError(f"torch inferred the stage-to-rank map {mapping}, the placement is {list(self._device_of_stage)}")
