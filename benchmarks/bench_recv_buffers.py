@@ -1,0 +1,68 @@
+"""Receive buffers per stage with reuse across micro-batches, against torch's one per micro-batch (issue 19, item 2).
+
+A small GPT-2 is planned for 4 devices under GPipe, 1F1B, ZB-H1 and ZB-H2 with ``--microbatches``
+micro-batches and trained on 4 local gloo ranks (compared with one process on the same batch).
+For every stage the runtime reports how many buffers it holds per received activation and per
+received gradient after reuse (``recv_buffer_slots``: a buffer is busy from its RECV until the
+micro-batch's weight gradient); torch's ``PipelineStage`` allocates ``microbatches`` of each.
+The bytes column is the receive-buffer memory of the busiest stage, with reuse and without
+(the buffers' sizes read from the plan's stage boundaries, the model's dtype).
+
+    python benchmarks/bench_recv_buffers.py [--microbatches 16] [--layers 4] [--width 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--width", type=int, default=64)
+    ap.add_argument("--seq-len", type=int, default=32)
+    ap.add_argument("--microbatch-size", type=int, default=2)
+    ap.add_argument("--microbatches", type=int, default=16)
+    args = ap.parse_args()
+
+    import numpy as np
+    import torch
+
+    import fxpipe
+    from fxpipe.cli.plan_cmd import HFFactory, _BatchFn
+    from fxpipe.codegen.compare import compare_training
+    from fxpipe.codegen.launch import reference_train, spawn_train_many
+    from fxpipe.io import format_bytes
+    from fxpipe.partition.objective import io_bytes
+    from fxpipe.plan import _PlanStageOf
+
+    m = args.microbatches
+    cfg = {"n_layer": args.layers, "n_embd": args.width, "n_head": 2, "vocab_size": 256, "n_positions": args.seq_len}
+    fac = HFFactory("gpt2", cfg, m, args.microbatch_size, args.seq_len, 0)
+    model, a, k = fac.one_microbatch()
+    schedules = ("gpipe", "1f1b", "zb-h1", "zb-h2")
+    plans = [fxpipe.compile(model, a, k, devices=4, microbatches=m, schedule=s, time_limit_s=1.0, memory_bytes=float("inf"))
+             for s in schedules]
+    runs = [dict(make_model=fac, stage_of=_PlanStageOf(p.stage_of), orders=p.orders(), num_microbatches=m,
+                 make_batch=_BatchFn(fac), steps=1, lr=0.05, model_key="gpt2") for p in plans]
+    results = spawn_train_many(runs, world_size=4, timeout_s=1800)
+    ref = reference_train(fac, _BatchFn(fac), num_microbatches=m, steps=1, lr=0.05)
+    print(f"GPT-2 {args.layers} layers, width {args.width}, {m} micro-batches of {args.microbatch_size} x {args.seq_len} "
+          f"tokens, 4 stages on 4 gloo ranks, torch {torch.__version__}")
+    print("| schedule | equal to one process | activation buffers per stage | gradient buffers per stage | "
+          "busiest stage's buffers: reused / torch's |")
+    print("|---|---|---|---|---|")
+    for s, plan, res in zip(schedules, plans, results):
+        rb = res.meta["recv_buffers"]
+        fwd = [rb[i]["fwd"] for i in sorted(rb)]
+        bwd = [rb[i]["bwd"] for i in sorted(rb)]
+        inp, out = io_bytes(plan.graph, plan.partition.assignment, plan.num_stages, plan.comm)
+        reused = np.asarray(fwd) * inp + np.asarray(bwd) * out
+        full = m * (inp + out)
+        busiest = int(np.argmax(full))
+        ok = compare_training(res, ref).ok
+        print(f"| {s} | {ok} | {fwd} | {bwd} | {format_bytes(reused[busiest])} / {format_bytes(full[busiest])} |")
+
+
+if __name__ == "__main__":
+    main()
