@@ -275,19 +275,48 @@ class Topology:
         doc = (getattr(graph, "meta", None) or {}).get("topology")
         return None if not doc else cls.from_dict(doc)
 
-    def in_node(self, stride: int, size: int) -> bool:
+    def in_node(self, stride: int, size: int, world: int | None = None) -> bool:
         """Whether every group of ``size`` ranks ``stride`` apart lies inside one node.
 
-        With ranks numbered node by node, the groups of a row-major mesh dimension tile blocks
-        of ``stride * size`` consecutive ranks; they stay inside nodes when such a block divides
-        the node (otherwise some group crosses nodes, and a ring runs at its slowest link).
+        Ranks are numbered node by node (``rank // devices_per_node`` is the node). A mesh
+        dimension's groups are the arithmetic progressions ``base, base + stride, ...`` of
+        ``size`` ranks (row-major numbering, :func:`rank_coords`), each inside one node when its
+        first and last rank share it. ``world``: the job's ranks (default: ``stride * size``
+        rounded up to whole nodes); a job smaller than a node has all its groups inside it.
         """
-        span = int(stride) * int(size)
-        return size <= 1 or (span <= self.devices_per_node and self.devices_per_node % span == 0)
+        stride, size = int(stride), int(size)
+        if size <= 1:
+            return True
+        g = int(self.devices_per_node)
+        span = stride * size
+        world = int(world) if world is not None else -(-span // g) * g
+        for base in range(world):
+            if (base // stride) % size:  # not the first member of its group
+                continue
+            last = base + (size - 1) * stride
+            if last >= world:
+                break
+            if base // g != last // g:
+                return False
+        return True
 
-    def link(self, stride: int, size: int) -> tuple[float, float]:
-        """``(bandwidth_bytes_per_s, latency_s)`` of the collective over a mesh dimension's groups."""
-        if self.in_node(stride, size):
+    def link(self, stride: int, size: int, world: int | None = None) -> tuple[float, float]:
+        """``(bandwidth_bytes_per_s, latency_s)`` of a collective over a mesh dimension's groups.
+
+        Parameters
+        ----------
+        stride, size : int
+            The dimension's groups: ``size`` ranks ``stride`` apart.
+        world : int, optional
+            The job's ranks (see :meth:`in_node`).
+
+        Returns
+        -------
+        (float, float)
+            The intra-node link when every group stays inside a node, else the inter-node one
+            (a ring runs at its slowest link).
+        """
+        if self.in_node(stride, size, world):
             return float(self.intra_node_bytes_per_s), float(self.intra_node_latency_s)
         return float(self.inter_node_bytes_per_s), float(self.inter_node_latency_s)
 
@@ -296,15 +325,28 @@ def dp_links(mesh: Mapping[str, int], bandwidth_bytes_per_s: float, latency_s: f
              topology: Topology | None = None) -> dict[str, tuple[float, float]]:
     """``{"dp_shard": (bandwidth, latency), "dp_replicate": (...)}`` the data-parallel groups use.
 
-    With a topology, a dimension's groups are ``pp`` (``dp_shard``) or ``pp * dp_shard``
-    (``dp_replicate``) ranks apart (:func:`rank_coords`, pipeline rank innermost) and use
-    :meth:`Topology.link`; without one, every group uses ``bandwidth_bytes_per_s`` and ``latency_s``.
+    Parameters
+    ----------
+    mesh : Mapping[str, int]
+        The plan's mesh (``pp``, ``dp_shard``, ``dp_replicate``).
+    bandwidth_bytes_per_s, latency_s : float
+        The one link (bytes/s per rank, seconds per step) without a topology.
+    topology : Topology, optional
+        With one, a dimension's groups are ``pp`` (``dp_shard``) or ``pp * dp_shard``
+        (``dp_replicate``) ranks apart (:func:`rank_coords`, pipeline rank innermost) in a job of
+        ``pp * dp_shard * dp_replicate`` ranks and use :meth:`Topology.link`.
+
+    Returns
+    -------
+    dict[str, tuple[float, float]]
+        ``(bandwidth_bytes_per_s, latency_s)`` per data-parallel dimension.
     """
     pp, s, r = int(mesh.get("pp", 1)), int(mesh.get("dp_shard", 1)), int(mesh.get("dp_replicate", 1))
     if topology is None:
         return {"dp_shard": (float(bandwidth_bytes_per_s), float(latency_s)),
                 "dp_replicate": (float(bandwidth_bytes_per_s), float(latency_s))}
-    return {"dp_shard": topology.link(pp, s), "dp_replicate": topology.link(pp * s, r)}
+    world = pp * s * r
+    return {"dp_shard": topology.link(pp, s, world), "dp_replicate": topology.link(pp * s, r, world)}
 
 
 def dp_sync_time_s(param_bytes: float, mesh: Mapping[str, int], bandwidth_bytes_per_s: float,

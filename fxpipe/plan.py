@@ -193,7 +193,7 @@ class Plan:
         for dim, degree, coll in (("dp_shard", ds, "all-gather + reduce-scatter"), ("dp_replicate", dr, "all-reduce")):
             if degree > 1:
                 where = "" if topology is None else \
-                    (" inside a node" if topology.in_node(*_dim_span(self.mesh, dim)) else " across nodes")
+                    (" inside a node" if topology.in_node(*_dim_span(self.mesh, dim), self.world_size) else " across nodes")
                 used.append(f"{coll} over {dim}={degree}{where} at {links[dim][0] / 1e9:g} GB/s")
         return [f"mesh {format_mesh(self.mesh)} on {self.world_size} devices: {self.dp} data-parallel replicas of this "
                 f"pipeline, {self.global_microbatches} micro-batches per step ({self.microbatches} per replica); {how}",

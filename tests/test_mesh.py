@@ -101,12 +101,15 @@ def test_topology_puts_each_data_parallel_dimension_on_the_links_it_spans():
     assert (topo.devices_per_node, topo.intra_node_bytes_per_s, topo.inter_node_bytes_per_s) == (8, 450e9, 50e9)
     assert HARDWARE["cpu"].inter_node_bytes_per_s == 0  # unknown: its captures record no topology
     # ranks are numbered pipeline rank innermost: dp_shard groups are pp apart, dp_replicate groups pp * dp_shard
-    assert topo.in_node(4, 2) and topo.in_node(1, 8) and not topo.in_node(8, 2) and not topo.in_node(3, 2)
+    assert topo.in_node(4, 2) and topo.in_node(1, 8) and not topo.in_node(8, 2) and not topo.in_node(3, 3, 9)
+    assert topo.in_node(3, 2, 6)  # a 6-GPU job on one node: pp=3 x dp_shard=2 stays on NVLink
+    assert not topo.in_node(3, 2, 12)  # 12 ranks: the group {6, 9} spans nodes 0 and 1
     b = 8e9
     intra = lambda k: 2 * ((k - 1) / k * b / 450e9 + (k - 1) * topo.intra_node_latency_s)  # noqa: E731
     inter = lambda k: 2 * ((k - 1) / k * b / 50e9 + (k - 1) * topo.inter_node_latency_s)  # noqa: E731
     assert dp_sync_time_s(b, {"pp": 4, "dp_shard": 2}, 1.0, topology=topo) == pytest.approx(intra(2))
     assert dp_sync_time_s(b, {"pp": 8, "dp_shard": 2}, 1.0, topology=topo) == pytest.approx(inter(2))  # crosses nodes
+    assert dp_sync_time_s(b, {"pp": 3, "dp_shard": 2}, 1.0, topology=topo) == pytest.approx(intra(2))  # 6 GPUs, one node
     hsdp = dp_sync_time_s(b, {"pp": 4, "dp_shard": 2, "dp_replicate": 2}, 1.0, topology=topo)  # shard in, replicate across
     assert hsdp == pytest.approx(intra(2) + 2 * 0.5 * (b / 2) / 50e9 + 2 * topo.inter_node_latency_s)
     assert hsdp < dp_sync_time_s(b, {"pp": 4, "dp_shard": 4}, 1.0, topology=topo)  # dp_shard=4 spans 16 ranks: IB

@@ -280,3 +280,7 @@ def test_peak_reads_an_offload_ending_as_an_f_starts_as_one_instant():
     assert check_schedule(p, sched) == []
     assert np.all(peak_memory(p, sched) <= p.mem_limit * (1 + 1e-9)), peak_memory(p, sched)
     assert np.allclose(independent_peak(p, sched.ops), peak_memory(p, sched))
+    from fxpipe.schedule.validate import memory_profile, stage_peaks  # every peak reads it alike
+
+    assert np.allclose(stage_peaks(p, sched), peak_memory(p, sched))
+    assert np.allclose([memory_profile(p, sched, s)[1].max() for s in range(3)], peak_memory(p, sched))

@@ -7,11 +7,13 @@ ranks' state into one directory with ``torch.distributed.checkpoint`` (DCP) and 
 Hugging Face storage layer, so the files are ``safetensors`` and JSON (never pickle):
 
 ``model/``
-    The model's parameters and buffers as full tensors, keyed by the original model's fully
-    qualified names (``transformer.h.0.attn.c_attn.weight``), consolidated into
+    The model's parameters and buffers as full tensors, keyed by the fully qualified names in
+    the module given to ``fxpipe.compile`` (a wrapper's prefix included, e.g.
+    ``model.transformer.h.0.attn.c_attn.weight``), consolidated into
     ``model-00001-of-00001.safetensors`` with a ``model.safetensors.index.json``: the layout
-    of a Hugging Face checkpoint, readable by ``safetensors``, by ``transformers`` with the
-    model's config, and by ``plan.build(rank, checkpoint=...)`` (meta-built models).
+    of a Hugging Face checkpoint, readable by ``safetensors`` and by
+    ``plan.build(rank, checkpoint=...)`` (meta-built models); its buffers include
+    non-persistent ones (rotary tables, masks), which a ``state_dict`` leaves out.
 ``optimizer/``
     The optimizer's tensor state (``exp_avg``, ``momentum_buffer``, ``step``, ...), one
     ``safetensors`` file per rank holding its shards, keyed ``<fqn>.<state name>``.
@@ -135,6 +137,34 @@ def _optimizer_state(schedule, optimizer) -> tuple[dict[str, torch.Tensor], dict
     return tensors, hyper, stateful
 
 
+def _is_number_setting(v: Any) -> bool:
+    """A numeric hyper-parameter (lr, eps, weight decay, momentum, betas), not a flag or a tensor."""
+    if isinstance(v, bool) or v is None:
+        return False
+    if isinstance(v, (int, float)):
+        return True
+    return isinstance(v, (list, tuple)) and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v)
+
+
+def _agree(error: Exception | None) -> None:
+    """Collective: raise on every rank when any rank failed its local checks (no rank waits alone
+    in a later collective); the first failing rank's message."""
+    errors: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, None if error is None else str(error))
+    first = next(((r, e) for r, e in enumerate(errors) if e is not None), None)
+    if first is not None:
+        raise InputError(f"rank {first[0]}: {first[1]}") from error
+
+
+def _dcp():
+    """``torch.distributed.checkpoint`` with its safetensors storage (the ``checkpoint`` extra)."""
+    try:
+        import safetensors  # noqa: F401 - DCP's Hugging Face storage writes safetensors
+    except ImportError as exc:
+        raise InputError("training-state checkpoints are safetensors files: pip install 'fxpipe[checkpoint]'") from exc
+    return dcp
+
+
 def _temp_name(path: Path) -> Path:
     token = [f"{time.time_ns()}-{os.getpid()}" if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(token, src=0)
@@ -175,8 +205,14 @@ def save_training_state(path: str | os.PathLike, schedule, optimizer: torch.opti
     if not dist.is_initialized():
         raise InputError("save_training_state is collective: call torch.distributed.init_process_group first")
     path = Path(path)
-    model_state = _named_state(schedule)
-    optim_tensors, hyper, stateful = _optimizer_state(schedule, optimizer) if optimizer is not None else ({}, {}, [])
+    error = None
+    try:
+        _dcp()
+        model_state = _named_state(schedule)
+        optim_tensors, hyper, stateful = _optimizer_state(schedule, optimizer) if optimizer is not None else ({}, {}, [])
+    except InputError as exc:
+        error = exc
+    _agree(error)
     tmp = _temp_name(path)
     writer = dcp.HuggingFaceStorageWriter(str(tmp / "model"), save_distributed=True, enable_consolidation=True)
     dcp.save({k: v.detach() for k, v in model_state.items()}, storage_writer=writer)
@@ -185,21 +221,25 @@ def save_training_state(path: str | os.PathLike, schedule, optimizer: torch.opti
     if any(g[2] for g in gathered):
         dcp.save({k: v.detach() for k, v in optim_tensors.items()},
                  storage_writer=dcp.HuggingFaceStorageWriter(str(tmp / "optimizer"), save_distributed=True))
-    if dist.get_rank() == 0:
-        shutil.rmtree(tmp / "model" / "sharded", ignore_errors=True)  # consolidated above it
-        doc = {"format": TRAINSTATE_FORMAT, "step": int(step), "mesh": dict(mesh) if mesh else None,
-               "world_size": dist.get_world_size(),
-               "param_groups": {k: v for g in gathered for k, v in g[0].items()},
-               "optimizer_state": sorted({f for g in gathered for f in g[1]})}
-        write_json_atomic(tmp / _STATE_FILE, doc)
-        old = None
-        if path.exists():
-            old = path.parent / f".{path.name}.old-{tmp.name.rsplit('-', 2)[-2]}"
-            os.replace(path, old)
-        os.replace(tmp, path)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    dist.barrier()
+    error = None
+    if dist.get_rank() == 0:  # the others learn of a failure below instead of waiting in a barrier
+        try:
+            shutil.rmtree(tmp / "model" / "sharded", ignore_errors=True)  # consolidated above it
+            doc = {"format": TRAINSTATE_FORMAT, "step": int(step), "mesh": dict(mesh) if mesh else None,
+                   "world_size": dist.get_world_size(),
+                   "param_groups": {k: v for g in gathered for k, v in g[0].items()},
+                   "optimizer_state": sorted({f for g in gathered for f in g[1]})}
+            write_json_atomic(tmp / _STATE_FILE, doc)
+            old = None
+            if path.exists():
+                old = path.parent / f".{path.name}.old-{tmp.name.rsplit('-', 2)[-2]}"
+                os.replace(path, old)
+            os.replace(tmp, path)
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
+        except OSError as exc:
+            error = exc
+    _agree(error)
     return path
 
 
@@ -284,9 +324,18 @@ def load_training_state(path: str | os.PathLike, schedule, optimizer: torch.opti
     if not dist.is_initialized():
         raise InputError("load_training_state is collective: call torch.distributed.init_process_group first")
     path = Path(path)
-    doc = _read_doc(path)
+    error = None
+    try:
+        _dcp()
+        doc = _read_doc(path)
+        named = _named_state(schedule)
+        if optimizer is not None:
+            _fqn_of_params(schedule, optimizer)
+    except InputError as exc:
+        error = exc
+    _agree(error)
     model_dir = path / doc.get("_model_dir", "model")
-    _load({k: v.detach() for k, v in _named_state(schedule).items()}, model_dir, "model state")
+    _load({k: v.detach() for k, v in named.items()}, model_dir, "model state")
     if optimizer is not None and doc.get("optimizer_state") is not None:
         saved = set(doc["optimizer_state"])
         fqn_of = _fqn_of_params(schedule, optimizer)
@@ -295,8 +344,8 @@ def load_training_state(path: str | os.PathLike, schedule, optimizer: torch.opti
         for group in optimizer.param_groups:  # hyper-parameters, from the group's first parameter's record
             rec = next((doc["param_groups"][fqn_of[id(p)]] for p in group["params"]
                         if fqn_of[id(p)] in doc["param_groups"]), None)
-            for k, v in (rec or {}).items():
-                if k in group and not isinstance(group[k], torch.Tensor):
+            for k, v in (rec or {}).items():  # numbers only: flags (foreach, fused, ...) stay the caller's
+                if k in group and _is_number_setting(group[k]) and _is_number_setting(v):
                     group[k] = tuple(v) if isinstance(group[k], tuple) else v
             for p in group["params"]:
                 if fqn_of[id(p)] not in saved:

@@ -462,7 +462,10 @@ class FxpipePipelineStage(PipelineStage):
 
     def _prepare_forward_infra(self, num_microbatches, args, kwargs=None, has_backward=False):
         out = super()._prepare_forward_infra(num_microbatches, args, kwargs, has_backward=has_backward)
-        slots = self.fxpipe_recv_slots or {}
+        # not on the last stage: its outputs are views of what it computed, and a leaf it received and
+        # returns unchanged would be a view of a pooled buffer that later micro-batches overwrite
+        # before step() merges the outputs
+        slots = {} if self.is_last else (self.fxpipe_recv_slots or {})
         self.fxpipe_recv_buffers = dict(self.fxpipe_recv_buffers or {},
                                         fwd=0 if self.is_first else _pool_recv_buffers(self.args_recv_info, slots.get("fwd")))
         return out
@@ -484,6 +487,20 @@ class FxpipePipelineStage(PipelineStage):
             if isinstance(buf, torch.Tensor) and buf.grad is not None:
                 buf.grad = None
         return super()._retrieve_recv_activations(fwd_chunk_id)
+
+    def _unalias_input_grads(self, bwd_chunk_id) -> None:
+        # A stage that relays an input unchanged gets, from split backward-input, the received gradient
+        # buffer itself as that input's gradient; it is sent asynchronously (torch waits for sends at the
+        # end of the step) while its pooled buffer may receive another micro-batch's gradient: copy it.
+        if not (self.fxpipe_recv_buffers or {}).get("bwd") or bwd_chunk_id not in self.bwd_cache:
+            return
+        pooled = {info.buffer.untyped_storage().data_ptr() for info in self.grad_recv_info.get(bwd_chunk_id, ())
+                  if isinstance(getattr(info, "buffer", None), torch.Tensor)}
+        grads = self.bwd_cache[bwd_chunk_id]
+        if any(isinstance(g, torch.Tensor) and g.untyped_storage().data_ptr() in pooled for g in grads):
+            self.bwd_cache[bwd_chunk_id] = tuple(
+                g.clone() if isinstance(g, torch.Tensor) and g.untyped_storage().data_ptr() in pooled else g
+                for g in grads)
     # ---- end receive-buffer reuse
 
     # ---- begin activation stash hooks (fxpipe.codegen.stash: live saved bytes, offload/reload, recomputation)
@@ -510,6 +527,7 @@ class FxpipePipelineStage(PipelineStage):
         if stash is not None:
             stash.before_backward(self.stage_index, bwd_chunk_id)
         super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward)
+        self._unalias_input_grads(bwd_chunk_id)
         if stash is not None:
             if full_backward:
                 stash.release(self.stage_index, bwd_chunk_id)

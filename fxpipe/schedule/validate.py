@@ -246,8 +246,8 @@ def stage_peaks(problem: ScheduleProblem, ops: Schedule | Iterable[ScheduledOp])
     """Peak of :func:`memory_profile` of every stage, all stages at once (None: no events).
 
     The same numbers as ``memory_profile(problem, ops, s)[1].max()`` for each s (the same
-    events summed in the same order), for schedules with at most one op per (stage,
-    micro-batch, type); otherwise computed stage by stage.
+    events summed in the same order, events within Contract 3's time tolerance one instant), for
+    schedules with at most one op per (stage, micro-batch, type); otherwise computed stage by stage.
     """
     given, ops = ops, _ops_of(ops)
     S = problem.num_stages
@@ -258,10 +258,11 @@ def stage_peaks(problem: ScheduleProblem, ops: Schedule | Iterable[ScheduledOp])
         inside = (st >= 0) & (st < S) & (mb >= 0) & (mb < problem.num_microbatches)
         key = (st * problem.num_microbatches + mb) * len(OP_TYPES) + ty
         ok = bool(inside.all()) and np.unique(key).size == key.size
+    ttol = _time_tol(ops, 1e-9)  # Contract 3's time tolerance: closer events are one instant
     if not ok:
         out = []
         for s in range(S):
-            _, mem = memory_profile(problem, ops, s)
+            _, mem = memory_profile(problem, ops, s, _tol=ttol)
             out.append(float(mem.max()) if mem.size else None)
         return out
     order = np.argsort(st, kind="stable")
@@ -275,7 +276,7 @@ def stage_peaks(problem: ScheduleProblem, ops: Schedule | Iterable[ScheduledOp])
             continue
         cur = np.cumsum(x)
         last = np.ones(t.size, dtype=bool)  # the curve's value at an instant: after all its events
-        last[:-1] = t[1:] != t[:-1]
+        last[:-1] = (t[1:] - t[:-1]) > ttol
         out.append(float(cur[last].max()))
     return out
 
@@ -634,14 +635,16 @@ def memory_profile(
     ops: Schedule | Iterable[ScheduledOp],
     stage: int,
     *,
-    _tol: float = 0.0,
+    _tol: float | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Activation memory of one stage over time, as a right-continuous step curve.
 
     Events (Contract 3 rule 5): F start ``+mem_f``, B start ``+mem_b + mem_b_transient``,
     B end ``-mem_b_transient`` (only where it is non-zero: recomputing stages), W start
     ``+mem_w``, and for every micro-batch that has both O and R: O end ``-offload_bytes``,
-    R start ``+offload_bytes``. All events at one instant apply together.
+    R start ``+offload_bytes``. All events at one instant apply together; events closer than
+    Contract 3's time tolerance (``1e-9 * max(1, T)``) are one instant, as :func:`check_schedule`
+    reads them.
 
     Parameters
     ----------
@@ -658,7 +661,8 @@ def memory_profile(
         ``mem[i]`` is the memory held on ``[times[i], times[i+1])`` (bytes); the curve is 0
         before ``times[0]``.
     """
-    return _profile(problem, _ops_of(ops), (stage,), _tol)
+    ops = _ops_of(ops)
+    return _profile(problem, ops, (stage,), _time_tol(ops, 1e-9) if _tol is None else _tol)
 
 
 def device_memory_profile(
@@ -669,7 +673,8 @@ def device_memory_profile(
     Same events and format as :func:`memory_profile`; this is the curve Contract 3 rule 5
     limits by ``mem_limit[device]``.
     """
-    return _profile(problem, _ops_of(ops), problem.stages_of_device(device))
+    ops = _ops_of(ops)
+    return _profile(problem, ops, problem.stages_of_device(device), _time_tol(ops, 1e-9))
 
 
 def peak_memory(problem: ScheduleProblem, ops: Schedule | Iterable[ScheduledOp]) -> np.ndarray:
