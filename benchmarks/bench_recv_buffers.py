@@ -34,7 +34,6 @@ def main() -> None:
     from fxpipe.codegen.launch import reference_train, spawn_train_many
     from fxpipe.io import format_bytes
     from fxpipe.partition.objective import io_bytes
-    from fxpipe.plan import _PlanStageOf
 
     m = args.microbatches
     cfg = {"n_layer": args.layers, "n_embd": args.width, "n_head": 2, "vocab_size": 256, "n_positions": args.seq_len}
@@ -43,7 +42,7 @@ def main() -> None:
     schedules = ("gpipe", "1f1b", "zb-h1", "zb-h2")
     plans = [fxpipe.compile(model, a, k, devices=4, microbatches=m, schedule=s, time_limit_s=1.0, memory_bytes=float("inf"))
              for s in schedules]
-    runs = [dict(make_model=fac, stage_of=_PlanStageOf(p.stage_of), orders=p.orders(), num_microbatches=m,
+    runs = [dict(make_model=fac, stage_of=p.worker_stage_of(), orders=p.orders(), num_microbatches=m,
                  make_batch=_BatchFn(fac), steps=1, lr=0.05, model_key="gpt2") for p in plans]
     results = spawn_train_many(runs, world_size=4, timeout_s=1800)
     ref = reference_train(fac, _BatchFn(fac), num_microbatches=m, steps=1, lr=0.05)

@@ -157,6 +157,21 @@ def mesh_lower_bound_s(graph, mesh, microbatches: int, objective: str = "trainin
     average parameter bytes, so the data-parallel sync is at least
     :func:`fxpipe.mesh.dp_sync_time_s` of ``sum(size_param_bytes) / pp`` (it grows with the
     bytes). Communication between stages, bubbles and recomputation only add to both.
+
+    Parameters
+    ----------
+    graph : OpGraph
+        The costed graph of one micro-batch (times in seconds, parameter bytes, its topology).
+    mesh : Mapping[str, int]
+        ``pp``, ``dp_shard``, ``dp_replicate``.
+    microbatches : int
+        Global micro-batches per step (divided among the ``dp`` replicas).
+    objective : {"training", "inference"}
+
+    Returns
+    -------
+    float
+        Seconds.
     """
     work = float(np.sum(graph.t_fwd_s))
     if objective == "training":

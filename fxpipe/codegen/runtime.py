@@ -258,7 +258,15 @@ def torch_action(a: Action) -> _Action:
 
     fxpipe's F, B (backward-input), W and BW (full backward) become torch's F, I, W and B
     (:data:`fxpipe.ir.torch_csv.TORCH_TYPE`).
+
+    Raises
+    ------
+    InputError
+        For an offload / reload (O, R): they are not torch compute actions (lowering keeps
+        them out, :func:`fxpipe.ir.lowering.compute_only`).
     """
+    if a.type not in TORCH_TYPE:
+        raise InputError(f"{a} is not a compute action torch runs (F, B, W or BW); lower the orders first")
     return _Action(a.stage, _ComputationType.from_str(TORCH_TYPE[a.type]), a.microbatch)
 
 
