@@ -42,6 +42,8 @@ from fxpipe.options import (  # noqa: F401 (public re-exports)
 from fxpipe.plan import PLAN_FORMAT, CaptureCell, DeviceStats, Plan, StageStats, graph_signature, load_plan  # noqa: F401
 from fxpipe.plan_tables import device_stats, stage_stats  # noqa: F401 (public re-exports)
 from fxpipe.planner import auto_milp_budget_s, fill_empty_stages, plan_graph, plan_with_options, resolve_memory  # noqa: F401
+from fxpipe.progress import phase
+from fxpipe.schedule.dispatch import default_method
 
 
 def check_call_inputs(args: Any, kwargs: Any) -> tuple[tuple, dict]:
@@ -99,8 +101,7 @@ def _capture(model, args: tuple, kwargs: dict, *, costs: str, hardware, dtype, n
     """Capture ``model`` with ``torch.export`` and cost every op (``costs="measured"``: time them on this
     machine first; ``hardware`` None: the default of ``costs``). Returns the
     :class:`~fxpipe.passes.to_opgraph.TracedModel`, the hardware's name and the extra phase timings."""
-    from fxpipe.codegen.devicecheck import warn_meta_kernel_gaps
-    from fxpipe.progress import phase
+    from fxpipe.codegen.devicecheck import warn_meta_kernel_gaps  # lazy: torch
 
     if costs not in ("roofline", "measured"):
         raise InputError(f"costs must be 'roofline' or 'measured', got {costs!r}")
@@ -108,14 +109,14 @@ def _capture(model, args: tuple, kwargs: dict, *, costs: str, hardware, dtype, n
         hardware = "measured" if costs == "measured" else "h100-sxm"
     timings: dict[str, float] = {}
     if costs == "measured":
-        from fxpipe.cost.profile import trace_measured
+        from fxpipe.cost.profile import trace_measured  # lazy: torch
 
         with phase("capture with torch.export and time every op on this machine", on=progress):
             traced, report = trace_measured(model, args, kwargs, hardware=hardware, dtype=dtype, name=name, db=cost_db,
                                             threads=profile_threads, progress=progress)
         timings["profile"] = report.wall_s
     else:
-        from fxpipe.passes import trace_model
+        from fxpipe.passes import trace_model  # lazy: torch
 
         with phase("capture with torch.export and cost every op", on=progress):
             traced = trace_model(model, args, kwargs, hardware=hardware, dtype=dtype, name=name, replicate=replicate)
@@ -143,8 +144,6 @@ def _make_plan(traced, hardware_name: str, microbatches: int, options: PlanOptio
     """The :class:`Plan` of ``_plan_mesh``'s result ``planned`` for the capture ``traced`` (``microbatches``:
     the global number); ``recorded``: the compile options kept in ``plan.options`` besides the seed, the
     time limit, the resolved schedule and the mesh search."""
-    from fxpipe.schedule.dispatch import default_method
-
     mesh_degrees, model, (part, problem, sched, plan_timings), mesh_table = planned
     graph, pp = traced.graph, mesh_degrees["pp"]
     resolved = options.schedule if options.schedule is not None else default_method(problem.device_of_stage, pp)

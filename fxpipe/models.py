@@ -46,6 +46,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from fxpipe.errors import InputError, MissingDependencyError
+from fxpipe.io import read_json
 
 #: Attribute name under which :class:`LogitsOnly` holds the Hugging Face model.
 WRAPPER_PREFIX = "model"
@@ -903,7 +904,6 @@ def _read_config_path(path: str) -> tuple[dict[str, Any], Path | None]:
         cfg, folder = p, None
     else:
         raise InputError(f"--hf {path!r}: no such file or folder (give a preset, a model type, a config.json or a checkpoint folder)")
-    from fxpipe.io import read_json
 
     doc = read_json(cfg, "model config")
     if not isinstance(doc, dict) or not isinstance(doc.get("model_type"), str):
@@ -1345,7 +1345,8 @@ def seeded_cross_entropy(output: Any, target: torch.Tensor) -> torch.Tensor:
 def output_square_loss(output: Any, target: Any = None) -> torch.Tensor:
     """Mean square of every floating-point tensor in the output pytree (``target`` unused): the
     ``--run`` loss of a ``--model`` factory, whose output structure fxpipe does not know."""
-    from fxpipe.codegen.runtime import tree_flatten  # torch's pytree, known only there (private API)
+    # lazy: torch.distributed.pipelining; torch's pytree (private API) lives there
+    from fxpipe.codegen.runtime import tree_flatten
 
     leaves = tree_flatten(output)[0] if not isinstance(output, torch.Tensor) else [output]
     floats = [x for x in leaves if isinstance(x, torch.Tensor) and x.is_floating_point()]

@@ -30,12 +30,15 @@ from fxpipe.ir import OpGraph, Orders, Schedule, ScheduleProblem, read_json, sch
 from fxpipe.memory import MemoryModel
 from fxpipe.mesh import Topology, dp_links, format_mesh, mesh_dp, normalize_mesh, pipeline_dp_sync_s, pure_pipeline
 from fxpipe.partition.objective import Partition
+from fxpipe.partition.placement import placement_name
 from fxpipe.plan_build import PlanStageOf, build_rank, compile_stages_option
 from fxpipe.plan_build import replica_batch as _replica_batch
 from fxpipe.plan_build import worker_stage_of as _worker_stage_of
 from fxpipe.plan_io import PLAN_FORMAT, graph_signature, plan_fields_from_dict, plan_to_dict
 from fxpipe.plan_tables import MEMORY_FIELDS, DeviceStats, StageStats  # noqa: F401 (public re-exports)
 from fxpipe.reschedule import reschedule as _reschedule
+from fxpipe.schedule.bounds import combinatorial_lower_bound, device_span_bounds
+from fxpipe.schedule.validate import device_spans
 from fxpipe.train import train_local as _train_local
 
 __all__ = ["Plan", "StageStats", "DeviceStats", "PLAN_FORMAT", "graph_signature", "load_plan"]
@@ -219,8 +222,6 @@ class Plan:
     @property
     def placement(self) -> str:
         """``"looped"`` (also one stage per device), ``"v"`` or ``"custom"`` (:func:`fxpipe.partition.placement.placement_name`)."""
-        from fxpipe.partition.placement import placement_name
-
         return placement_name(self.device_of_stage, self.devices)
 
     # ------------------------------------------------------------------ figures
@@ -273,8 +274,6 @@ class Plan:
         cached = self.__dict__.get("_optimality")
         if cached is not None and cached[0] is self.schedule:
             return cached[1]
-        from fxpipe.schedule.bounds import combinatorial_lower_bound, device_span_bounds
-        from fxpipe.schedule.validate import device_spans
 
         sched, problem = self.schedule, self.problem
         minimised = sched.objective
@@ -417,8 +416,6 @@ class Plan:
     def memory_summary(self) -> str:
         """The memory table as text (lines joined by newlines, like :meth:`summary`): every
         device's memory by kind against its capacity."""
-        from fxpipe.memory import format_bytes
-
         m = self.memory
         cap = format_bytes(m.capacity_bytes)
         head = (f"memory per device ({m.precision.name}, {m.precision.training_bytes:g} B/param"
@@ -477,7 +474,7 @@ class Plan:
             return self.capture.traced
         if model is None:
             raise InputError("this plan was loaded from a file: pass the model and its example args to rebuild it")
-        from fxpipe.passes import trace_model
+        from fxpipe.passes import trace_model  # lazy: torch
 
         traced = trace_model(model, tuple(args), dict(kwargs or {}), hardware=self.hardware, name=self.name)
         self.adopt_capture(traced)
@@ -498,7 +495,7 @@ class Plan:
             If ``traced`` is not the graph the plan was made for (another layer count, width,
             input shape...): the message names the ops that differ.
         """
-        from fxpipe.passes.structure import PlanStructure, map_stage_of
+        from fxpipe.passes.structure import PlanStructure, map_stage_of  # lazy: torch
 
         structure = PlanStructure.from_graph(self.graph)
         if structure is None:  # a plan saved before structural keys: names must agree

@@ -13,6 +13,7 @@ from typing import Any, Callable
 import numpy as np
 
 from fxpipe.errors import InputError
+from fxpipe.mesh import rank_coords
 
 __all__ = ["build_rank", "replica_batch", "compile_stages_option", "worker_stage_of", "PlanStageOf"]
 
@@ -86,19 +87,19 @@ def build_rank(plan, rank: int, *, model=None, args=(), kwargs=None, loss_fn: Ca
     """
     if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or not 0 <= int(rank) < plan.world_size:
         raise InputError(f"rank must be an integer in 0..{plan.world_size - 1}, got {rank!r}")
-    from fxpipe.codegen import build_pipeline_rank
+    from fxpipe.codegen import build_pipeline_rank  # lazy: torch
 
     traced = plan.captured(model, args, kwargs)
     source = None
     if checkpoint is not None or seed is not None or init_fn is not None:
-        from fxpipe.codegen.materialize import StateSource
+        from fxpipe.codegen.materialize import StateSource  # lazy: torch
 
         source = StateSource(seed=0 if seed is None else int(seed), checkpoint=checkpoint, init_fn=init_fn,
                              model=model if model is not None else getattr(traced, "model", None))
     if plan.dp > 1:  # ---- mesh (fxpipe.codegen.mesh): pipeline x data parallelism
-        from fxpipe.codegen.mesh import build_mesh_rank
-        from fxpipe.codegen.rank import example_inputs_from_gm
-        from fxpipe.codegen.split import split_stages
+        from fxpipe.codegen.mesh import build_mesh_rank  # lazy: torch
+        from fxpipe.codegen.rank import example_inputs_from_gm  # lazy: torch
+        from fxpipe.codegen.split import split_stages  # lazy: torch
 
         stages, sched, _ = build_mesh_rank(
             split_stages(traced.gm, plan.captured_stage_of(), plan.num_stages), int(rank), plan.orders(), mesh=plan.mesh,
@@ -132,12 +133,10 @@ def replica_batch(plan, rank: int, inputs: Any, target: Any = None) -> tuple[Any
     micro-batches ``r * microbatches .. (r + 1) * microbatches - 1``. Returns
     ``(inputs, target)`` in the same forms.
     """
-    from fxpipe.mesh import rank_coords
-
     replica = rank_coords(int(rank), plan.mesh)["replica"]
     if plan.dp == 1:
         return inputs, target
-    from fxpipe.codegen.mesh import replica_slice
+    from fxpipe.codegen.mesh import replica_slice  # lazy: torch
 
     return replica_slice(inputs, replica, plan.dp), replica_slice(target, replica, plan.dp, "target")
 
@@ -159,7 +158,7 @@ def worker_stage_of(plan) -> PlanStageOf:
     worker runs exactly the planned partition whatever its hash seed or device; use it as the
     ``stage_of`` of :func:`fxpipe.codegen.launch.spawn_train_many` runs.
     """
-    from fxpipe.passes.structure import PlanStructure
+    from fxpipe.passes.structure import PlanStructure  # lazy: torch
 
     return PlanStageOf(dict(plan.stage_of), PlanStructure.from_graph(plan.graph))
 
@@ -178,7 +177,7 @@ class PlanStageOf:
 
     def __call__(self, gm) -> dict:
         if self.structure is not None:
-            from fxpipe.passes.structure import map_stage_of
+            from fxpipe.passes.structure import map_stage_of  # lazy: torch
 
             return map_stage_of(self.structure, self.stage_of, gm)
         names = {n.name for n in gm.graph.nodes if n.op != "get_attr"}

@@ -19,11 +19,14 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from fxpipe import __version__
 from fxpipe.errors import InputError
 from fxpipe.ir import OpGraph, Schedule, ScheduleProblem
 from fxpipe.memory import MemoryModel
-from fxpipe.partition.objective import Partition
+from fxpipe.mesh import normalize_mesh, pure_pipeline
+from fxpipe.partition.objective import Partition, validate_partition
 from fxpipe.plan_tables import DeviceStats, StageStats, device_stats, stage_stats
+from fxpipe.schedule.validate import check_schedule
 
 __all__ = ["PLAN_FORMAT", "PLAN_FORMATS_READ", "graph_signature", "plan_to_dict", "plan_fields_from_dict"]
 
@@ -42,7 +45,7 @@ def graph_signature(graph: OpGraph) -> str:
     that do no work (a ``contiguous`` a meta trace adds). Otherwise (plans saved before the keys,
     hand-made graphs) a hash of the names, kinds and edges.
     """
-    from fxpipe.passes.structure import SKEY, graph_preds, structure_signature
+    from fxpipe.passes.structure import SKEY, graph_preds, structure_signature  # lazy: torch
 
     ext = graph.extra or ()
     if len(ext) == graph.n and all(SKEY in e for e in ext):
@@ -56,8 +59,6 @@ def graph_signature(graph: OpGraph) -> str:
 
 def plan_to_dict(plan) -> dict[str, Any]:
     """The ``fxpipe.plan/2`` document of ``plan`` (every ``/1`` field, plus ``fxpipe_version``)."""
-    from fxpipe import __version__
-
     return {
         "format": PLAN_FORMAT,
         "fxpipe_version": __version__,
@@ -93,8 +94,6 @@ def plan_to_dict(plan) -> dict[str, Any]:
 
 def _mesh_from_doc(doc: Mapping[str, Any], source: str) -> dict:
     """The plan's mesh (a pure pipeline for files saved before meshes)."""
-    from fxpipe.mesh import normalize_mesh, pure_pipeline
-
     if doc.get("mesh") is None:
         return pure_pipeline(int(doc["devices"]))
     try:
@@ -139,9 +138,6 @@ def _parse(doc: Mapping[str, Any], source: str) -> dict[str, Any]:
 
 def _check_parts(f: Mapping[str, Any], source: str) -> None:
     """The graph, partition, stage map, placement and schedule agree with each other (InputError otherwise)."""
-    from fxpipe.partition.objective import validate_partition
-    from fxpipe.schedule.validate import check_schedule
-
     graph, partition, problem = f["graph"], f["partition"], f["problem"]
     if f["graph_signature"] != graph_signature(graph):
         raise InputError(f"{source}: the graph signature does not match the graph: the file was edited or corrupted")

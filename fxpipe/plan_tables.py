@@ -17,7 +17,10 @@ import numpy as np
 from fxpipe.ir import OpGraph, Schedule, ScheduleProblem
 from fxpipe.memory import MemoryModel
 from fxpipe.memory.model import ROW_FIELDS, MemoryRow
+from fxpipe.memory.plan_view import device_memory, stage_memory
 from fxpipe.partition.objective import Partition
+from fxpipe.partition.placement import device_costs
+from fxpipe.schedule.validate import device_busy_s, device_spans
 
 __all__ = ["StageStats", "DeviceStats", "MEMORY_FIELDS", "stage_stats", "device_stats"]
 
@@ -142,8 +145,6 @@ def stage_stats(graph: OpGraph, partition: Partition, problem: ScheduleProblem, 
     of the stage's curve in ``schedule``, receive buffers, the reserved fraction, and the
     stashes offloaded at once.
     """
-    from fxpipe.memory.plan_view import stage_memory
-
     model = memory if memory is not None else MemoryModel()
     a = partition.assignment
     rows = stage_memory(graph, a, problem, schedule, model, objective)
@@ -158,10 +159,6 @@ def device_stats(graph: OpGraph, partition: Partition, problem: ScheduleProblem,
     cost (:func:`fxpipe.partition.placement.device_costs`: its stages' work plus the transfers to
     other devices), its compute time per step and span in the schedule, and memory by kind
     (:func:`fxpipe.memory.plan_view.device_memory`)."""
-    from fxpipe.partition.placement import device_costs
-    from fxpipe.memory.plan_view import device_memory
-    from fxpipe.schedule.validate import device_busy_s, device_spans
-
     model = memory if memory is not None else MemoryModel()
     dev_of_node = np.asarray(problem.device_of_stage, dtype=np.int64)[partition.assignment]
     costs = device_costs(graph, partition.assignment, problem.device_of_stage, objective, partition.comm,

@@ -18,9 +18,11 @@ from typing import Any
 
 import numpy as np
 
+from fxpipe.cost.hardware import HARDWARE
 from fxpipe.errors import InfeasibleError, InputError
 from fxpipe.ir import OpGraph, Schedule, ScheduleProblem
 from fxpipe.memory import MemoryModel
+from fxpipe.memory.plan_view import schedule_mem_limit
 from fxpipe.options import (
     AUTO_MILP_MIN_SHARE,
     DEFAULT_AUTO_MILP_TIME_LIMIT_S,
@@ -29,7 +31,14 @@ from fxpipe.options import (
     PlanOptions,
     check_count,
 )
-from fxpipe.partition.objective import Partition
+from fxpipe.partition.colocate import check_no_forbidden_cuts, colocation_groups
+from fxpipe.partition.memory import PartitionMemory, stage_memory_bytes
+from fxpipe.partition.objective import Partition, block_costs
+from fxpipe.partition.placement import device_costs, placement_of
+from fxpipe.progress import phase
+from fxpipe.schedule.auto import AUTO_MILP_MAX_OPS, auto_schedule
+from fxpipe.schedule.dispatch import default_method, make_schedule, methods_for_placement
+from fxpipe.schedule.from_partition import problem_from_partition
 
 __all__ = ["plan_graph", "plan_with_options", "resolve_memory", "auto_milp_budget_s", "fill_empty_stages"]
 
@@ -46,8 +55,6 @@ def auto_milp_budget_s(problem: ScheduleProblem) -> float:
     it: a toy of 2 stages and 4 micro-batches gets 1 s, a problem of 240 compute ops the full
     5 s. (Larger problems skip the MILP.)
     """
-    from fxpipe.schedule.auto import AUTO_MILP_MAX_OPS
-
     n_ops = 3 * problem.num_stages * problem.num_microbatches
     share = min(1.0, max(AUTO_MILP_MIN_SHARE, n_ops / AUTO_MILP_MAX_OPS))
     return DEFAULT_AUTO_MILP_TIME_LIMIT_S * share
@@ -79,8 +86,6 @@ def resolve_memory(graph: OpGraph | None, memory: MemoryModel | None = None, mem
         return memory
     cap = getattr(hardware, "memory_bytes", None)
     if cap is None and graph is not None:
-        from fxpipe.cost.hardware import HARDWARE
-
         spec = HARDWARE.get(str(graph.meta.get("hardware", "")))
         cap = None if spec is None else spec.memory_bytes
     return base if cap is None else dataclasses.replace(base, capacity_bytes=float(cap))
@@ -94,8 +99,6 @@ def _ops_reachable_from_output(graph: OpGraph) -> np.ndarray:
     if graph.data_dependent.any():
         # the output may consume a data-dependent-size tensor: move the ops that must share
         # its stage (fxpipe.partition.colocate) and everything they feed (stays monotone)
-        from fxpipe.partition.colocate import colocation_groups
-
         group = colocation_groups(graph)
         if group is not None:
             moved = np.isin(group, group[out])
@@ -120,8 +123,6 @@ def fill_empty_stages(graph: OpGraph, partition: Partition, memory=None) -> Part
     with ``memory`` (the partitioner's :class:`~fxpipe.partition.memory.PartitionMemory`) so is
     ``meta["stage_memory_bytes"]`` (an empty stage holds the receive buffers of what it relays).
     """
-    from fxpipe.partition.objective import block_costs
-
     a = np.asarray(partition.assignment)
     k = partition.k
     used = np.unique(a)
@@ -136,8 +137,6 @@ def fill_empty_stages(graph: OpGraph, partition: Partition, memory=None) -> Part
     empty = sorted(set(range(k)) - set(np.unique(a2).tolist()))
     meta = {**partition.meta, "empty_stages": empty, "bottleneck_before_filling_s": partition.bottleneck}
     if memory is not None and "stage_memory_bytes" in meta:
-        from fxpipe.partition.memory import stage_memory_bytes
-
         meta["stage_memory_bytes"] = stage_memory_bytes(graph, a2, k, partition.objective, memory, partition.comm).tolist()
     return Partition(k=k, assignment=a2, block_costs=costs, bottleneck=float(costs.max()), objective=partition.objective,
                      comm=partition.comm, order=partition.order, meta=meta)
@@ -260,8 +259,6 @@ class _CandidateSearch:
     """
 
     def __init__(self, graph: OpGraph, devices: int, microbatches: int, options: PlanOptions, memory: MemoryModel):
-        from fxpipe.partition.memory import PartitionMemory
-
         self.graph, self.devices, self.microbatches, self.options, self.memory = graph, devices, microbatches, options, memory
         self.pmem = PartitionMemory(memory, microbatches, "floor") if math.isfinite(memory.capacity_bytes) else None
         self.several = len(options.placement_candidates()) > 1
@@ -282,9 +279,6 @@ class _CandidateSearch:
 
     def try_candidate(self, v: int, name: str) -> None:
         """Partition, place and schedule one candidate, keeping it when its schedule is the fastest so far."""
-        from fxpipe.partition.placement import placement_of
-        from fxpipe.schedule.dispatch import default_method, methods_for_placement
-
         graph, devices, options = self.graph, self.devices, self.options
         k = v * devices
         dev = placement_of(name, devices, v)
@@ -322,9 +316,7 @@ class _CandidateSearch:
     def _partition(self, k: int) -> Partition | Exception:
         """The partition into ``k`` stages (cached; an InfeasibleError is cached and returned with several
         candidates, raised with one)."""
-        from fxpipe.partition.colocate import check_no_forbidden_cuts
-        from fxpipe.partition.search import partition as run_partition
-        from fxpipe.progress import phase
+        from fxpipe.partition.search import partition as run_partition  # lazy: numba kernels
 
         if k in self.parts:
             return self.parts[k]
@@ -347,13 +339,6 @@ class _CandidateSearch:
 
     def _schedule(self, part: Partition, dev, method: str, record: dict[str, Any]) -> tuple[ScheduleProblem, Schedule]:
         """The scheduling problem of ``part`` placed by ``dev`` under the memory limit, and its schedule by ``method``."""
-        from fxpipe.partition.placement import device_costs
-        from fxpipe.memory.plan_view import schedule_mem_limit
-        from fxpipe.progress import phase
-        from fxpipe.schedule.auto import auto_schedule
-        from fxpipe.schedule.dispatch import make_schedule
-        from fxpipe.schedule.from_partition import problem_from_partition
-
         graph, opts, m, k = self.graph, self.options, self.microbatches, part.k
         limit = schedule_mem_limit(graph, part.assignment, k, dev, self.memory, m, opts.objective)
         if opts.mem_limit_bytes is not None:

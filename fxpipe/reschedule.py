@@ -12,6 +12,8 @@ import time
 from fxpipe.errors import InputError
 from fxpipe.options import SCHEDULES
 from fxpipe.plan_tables import device_stats, stage_stats
+from fxpipe.schedule.auto import auto_schedule
+from fxpipe.schedule.dispatch import make_schedule, methods_for_placement
 __all__ = ["reschedule"]
 
 
@@ -42,8 +44,6 @@ def reschedule(plan, schedule: str, *, time_limit_s: float = 60.0, progress: boo
     InfeasibleError
         When the schedule cannot fit the problem's memory limit.
     """
-    from fxpipe.schedule.dispatch import make_schedule, methods_for_placement
-
     if schedule not in SCHEDULES:
         raise InputError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
     valid = methods_for_placement(plan.device_of_stage, plan.devices)
@@ -55,7 +55,6 @@ def reschedule(plan, schedule: str, *, time_limit_s: float = 60.0, progress: boo
     t0 = time.perf_counter()
     problem = plan.problem
     if schedule == "auto":  # as in compile: recomputation where memory forces it
-        from fxpipe.schedule.auto import auto_schedule
 
         chosen = auto_schedule(problem, recompute=plan.objective == "training", time_limit_s=time_limit_s,
                                progress=progress)

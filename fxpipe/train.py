@@ -80,12 +80,12 @@ def train_local(
         When the model draws random numbers in training mode (active dropout): bitwise
         equality with the reference cannot hold; compare in eval mode or with p = 0.
     """
-    from fxpipe.codegen.compare import compare_training, random_ops_warning
-    from fxpipe.codegen.launch import reference_train, spawn_train_many
+    from fxpipe.codegen.compare import compare_training, random_ops_warning  # lazy: torch
+    from fxpipe.codegen.launch import reference_train, spawn_train_many  # lazy: torch
 
     rnd: list[str] | None = None
     if plan.capture.traced is not None:
-        from fxpipe.codegen.effects import random_ops
+        from fxpipe.codegen.effects import random_ops  # lazy: torch
 
         rnd = [str(o) for o in random_ops(plan.capture.traced.gm)]
         random_ops_warning(rnd)

@@ -14,6 +14,7 @@ import importlib
 import os
 import sys
 
+from fxpipe import __version__
 from fxpipe.errors import FxpipeError
 
 COMMANDS = ("partition", "bounds", "schedule", "plan", "report", "models")
@@ -81,8 +82,6 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.version:
-        from fxpipe import __version__
-
         print(__version__)
         return 0
     if not getattr(args, "func", None):

@@ -26,7 +26,7 @@ def parse_methods(text: str) -> list[str]:
     InputError
         On an unknown method name.
     """
-    from fxpipe.partition.bounds import METHODS  # noqa: PLC0415
+    from fxpipe.partition.bounds import METHODS  # noqa: PLC0415 (lazy: the bounds package loads SCIP)
 
     methods = [m.strip() for m in str(text).split(",") if m.strip()]
     bad = [m for m in methods if m not in METHODS]
@@ -64,7 +64,7 @@ def compute_from_args(args: argparse.Namespace):
     -------
     (graph, BoundsReport)
     """
-    from fxpipe.partition.bounds import compute_bounds  # noqa: PLC0415
+    from fxpipe.partition.bounds import compute_bounds  # noqa: PLC0415 (lazy: the bounds package loads SCIP)
 
     if args.k is None or args.k < 1:
         raise InputError(f"-k must be a positive number of stages, got {args.k}")
@@ -88,7 +88,7 @@ def compute_from_args(args: argparse.Namespace):
 
 def run(args: argparse.Namespace) -> int:
     """Run the sub-command; returns the exit code (errors raise FxpipeError -> exit 2)."""
-    from fxpipe.partition.bounds import write_certificate  # noqa: PLC0415
+    from fxpipe.partition.bounds import write_certificate  # noqa: PLC0415 (lazy: the bounds package loads SCIP)
 
     graph, report = compute_from_args(args)
     if args.certificate:

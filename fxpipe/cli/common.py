@@ -11,6 +11,9 @@ from typing import Any, Callable
 
 from fxpipe.errors import InputError
 from fxpipe.ir import OpGraph, _json_default, read_json
+from fxpipe.memory import DEFAULT_POLICY, DEFAULT_RESERVED_FRACTION, POLICIES, MemoryModel
+from fxpipe.partition import loaders
+from fxpipe.partition.memory import PartitionMemory
 
 GRAPH_FORMATS = ("auto", "fxpipe", "dnn-partitioning", "pipedream")
 
@@ -86,7 +89,6 @@ def load_graph(path: str, fmt: str = "auto") -> OpGraph:
                 return OpGraph.from_dict(doc, source=path)
     if fmt == "fxpipe":
         return OpGraph.load(path)
-    from fxpipe.partition import loaders  # noqa: PLC0415 (optional part)
 
     if fmt == "dnn-partitioning":
         return loaders.load_dnn_partitioning(path)
@@ -179,8 +181,6 @@ def add_memory_arguments(parser: argparse.ArgumentParser, *, plan: bool = False)
     off; otherwise memory is counted only when ``--memory`` is given (also spelled
     ``--memory-capacity``), and ``--microbatches`` sets the receive buffers counted.
     """
-    from fxpipe.memory import DEFAULT_POLICY, DEFAULT_RESERVED_FRACTION, POLICIES  # noqa: PLC0415
-
     if plan:
         parser.add_argument("--memory-bytes", "--memory", dest="memory", default=None, metavar="SIZE",
                             help="bytes per device, e.g. 80GB or 16GiB (default: the hardware profile's memory; 'inf': no "
@@ -211,8 +211,6 @@ def memory_model_from_args(args: argparse.Namespace, default_capacity_bytes: flo
     InputError
         On a malformed size or model option.
     """
-    from fxpipe.memory import MemoryModel  # noqa: PLC0415
-
     if args.memory is not None:
         cap = parse_bytes(args.memory, allow_inf=default_capacity_bytes is not None)
     elif default_capacity_bytes is not None:
@@ -231,8 +229,6 @@ def partition_memory_from_args(args: argparse.Namespace):
     InputError
         On a malformed size or model option, or ``--microbatches < 1``.
     """
-    from fxpipe.partition.memory import PartitionMemory  # noqa: PLC0415
-
     model = memory_model_from_args(args)
     if model is None:
         return None

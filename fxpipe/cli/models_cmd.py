@@ -44,7 +44,7 @@ def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def _preset_dims(name: str) -> dict[str, Any]:
     """Layers, width, heads, vocabulary and dtype of a preset, read from its config (not built)."""
-    from fxpipe.models import ARCHS, _transformers
+    from fxpipe.models import ARCHS, _transformers  # lazy: torch
 
     t = _transformers()
     base, over = ARCHS[name]
@@ -63,6 +63,7 @@ def _preset_dims(name: str) -> dict[str, Any]:
 
 
 def _type_info(name: str) -> dict[str, Any]:
+    # lazy: torch
     from fxpipe.models import ARCHS, TASKS, _task_class_name, _unknown_name_error, infer_task, known_model_types, model_tasks
 
     if name in ARCHS:
@@ -85,7 +86,7 @@ def _type_info(name: str) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from fxpipe.models import TASK_ORDER, TASKS, known_model_types, model_tasks
+    from fxpipe.models import TASK_ORDER, TASKS, known_model_types, model_tasks  # lazy: torch
 
     if args.name:
         info = _type_info(args.name)
@@ -106,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
         text += f"\n{len(rows)} model types; `fxpipe models TYPE` shows one, `fxpipe plan --hf TYPE --task TASK` plans it"
         emit(args, {"model_types": rows}, text)
         return 0
-    from fxpipe.models import ARCHS
+    from fxpipe.models import ARCHS  # lazy: torch
 
     presets = [_preset_dims(n) for n in ARCHS]
     lines = ["The three ways to name a model for `fxpipe plan`:", ""]
@@ -121,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
               "Other options of --hf models: --dtype (default the config's), --attn-implementation sdpa|eager "
               "(default Hugging Face's), --config KEY=VALUE (a sub-config's field as text_config.KEY=VALUE).",
               f"{len(known_model_types())} model types are known to this transformers install: `fxpipe models --all`."]
-    from fxpipe.models import MODEL_FACTORY_CONTRACT
+    from fxpipe.models import MODEL_FACTORY_CONTRACT  # lazy: torch
 
     lines += ["", "The --model contract:", *("  " + ln for ln in MODEL_FACTORY_CONTRACT.splitlines())]
     doc = {"ways": [{"flag": f, "what": w, "example": e} for f, w, e in WAYS], "presets": presets,

@@ -31,7 +31,7 @@ def register(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the sub-command; returns the exit code (errors raise FxpipeError -> exit 2)."""
-    from fxpipe.partition.search import partition  # noqa: PLC0415 (numba import is slow)
+    from fxpipe.partition.search import partition  # noqa: PLC0415 (lazy: numba kernels)
 
     graph, memory = load_stage_problem(args)
     part = partition(

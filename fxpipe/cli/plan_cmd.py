@@ -31,11 +31,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import fxpipe
 from fxpipe.api import PLACEMENTS, SCHEDULES
 from fxpipe.cli.common import add_command, add_memory_arguments, check_writable, emit, memory_model_from_args, parse_bytes, status
 from fxpipe.cost.hardware import list_hardware
-from fxpipe.errors import CaptureError, InputError
+from fxpipe.errors import CaptureError, InputError, PlanWarning
+from fxpipe.mesh import microbatches_per_replica, normalize_mesh, parse_mesh
 from fxpipe.progress import phase, stderr_is_terminal
+from fxpipe.report import write_plan_report
+from fxpipe.report.trace import chrome_trace
 
 
 
@@ -139,7 +143,7 @@ def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def _shape(text: str):
     """argparse type of --input-shape."""
-    from fxpipe.models import parse_shape
+    from fxpipe.models import parse_shape  # lazy: torch
 
     try:
         return parse_shape(text)
@@ -180,7 +184,7 @@ class HFFactory:
 
     @property
     def is_preset(self) -> bool:
-        from fxpipe.models import ARCHS
+        from fxpipe.models import ARCHS  # lazy: torch
 
         return self.arch in ARCHS
 
@@ -191,14 +195,14 @@ class HFFactory:
         return over
 
     def one_microbatch(self, device: str = "cpu"):
-        from fxpipe.models import build_hf_model
+        from fxpipe.models import build_hf_model  # lazy: torch
 
         return build_hf_model(self.arch, self._overrides(), device=device, dtype=self.dtype, seed=self.seed, task=self.task)
 
     @property
     def loss(self):
         """The training loss for :meth:`fxpipe.plan.Plan.train_local` (picklable)."""
-        from fxpipe.models import seeded_cross_entropy
+        from fxpipe.models import seeded_cross_entropy  # lazy: torch
 
         return "cross_entropy" if self.is_preset else seeded_cross_entropy
 
@@ -222,7 +226,7 @@ class HFFactory:
         g = torch.Generator().manual_seed(self.seed * 1000 + step)
         b = self.microbatches * self.microbatch_size
         if not self.is_preset:
-            from fxpipe.models import InputSpec, parse_dtype
+            from fxpipe.models import InputSpec, parse_dtype  # lazy: torch
 
             specs, dtype = _input_specs(self.arch, tuple(sorted((k, repr(v)) for k, v in self._overrides().items())),
                                         self.task, self.dtype)
@@ -242,7 +246,7 @@ def _input_specs(arch: str, overrides: tuple, task: str | None, dtype: str | Non
     """Input recipe and dtype of a generic model (built once per process, on meta)."""
     import ast
 
-    from fxpipe.models import build_hf_model
+    from fxpipe.models import build_hf_model  # lazy: torch
 
     over = {k: ast.literal_eval(v) for k, v in overrides}
     model, _, _ = build_hf_model(arch, {**over, "batch_size": 1}, device="meta", dtype=dtype, task=task)
@@ -268,7 +272,7 @@ class ModelFactory:
 
     def one_microbatch(self, device: str = "cpu"):
         """The factory's ``(model, args, kwargs)``, cast to ``dtype`` when set (``device`` is the factory's choice)."""
-        from fxpipe.models import cast_floating, load_model_factory, parse_dtype
+        from fxpipe.models import cast_floating, load_model_factory, parse_dtype  # lazy: torch
 
         model, args, kwargs = load_model_factory(self.spec, self.input_shapes, self.input_dtypes, seed=self.seed)
         if self.dtype is not None:
@@ -279,7 +283,7 @@ class ModelFactory:
 
     @property
     def loss(self):
-        from fxpipe.models import output_square_loss
+        from fxpipe.models import output_square_loss  # lazy: torch
 
         return output_square_loss
 
@@ -291,7 +295,7 @@ class ModelFactory:
     def batch(self, step: int, model=None):
         import torch
 
-        from fxpipe.codegen.interface import ModelInputs
+        from fxpipe.codegen.interface import ModelInputs  # lazy: torch
 
         _, args, kwargs = self.one_microbatch()
         rep = self.microbatches
@@ -309,7 +313,7 @@ class ModelFactory:
 @functools.lru_cache(maxsize=8)
 def _vocab_size(arch: str, overrides: tuple) -> int:
     """Vocabulary size of an architecture's config (built once per process, on meta)."""
-    from fxpipe.models import build_hf_model
+    from fxpipe.models import build_hf_model  # lazy: torch
 
     model, _, _ = build_hf_model(arch, {**dict(overrides), "seq_len": 1}, device="meta")
     return int(model.model.config.vocab_size)
@@ -324,8 +328,7 @@ class _BatchFn:
 
 
 def run(args: argparse.Namespace) -> int:
-    import fxpipe
-    from fxpipe.models import parse_overrides
+    from fxpipe.models import parse_overrides  # lazy: torch
 
     if args.profile_threads is not None and args.profile_threads < 1:
         raise InputError(f"--profile-threads must be >= 1, got {args.profile_threads}")
@@ -333,8 +336,6 @@ def run(args: argparse.Namespace) -> int:
     if args.mesh in ("auto", "search"):
         mesh = args.mesh
     elif args.mesh is not None:
-        from fxpipe.mesh import microbatches_per_replica, normalize_mesh, parse_mesh
-
         mesh = parse_mesh(args.mesh)
         if args.devices is None:
             args.devices = math.prod(mesh.values())
@@ -358,7 +359,7 @@ def run(args: argparse.Namespace) -> int:
     progress = not args.json and stderr_is_terminal()  # phases over 2 s on stderr, for people only
     overrides = parse_overrides(args.config)
     if args.dtype is not None:
-        from fxpipe.models import parse_dtype
+        from fxpipe.models import parse_dtype  # lazy: torch
 
         parse_dtype(args.dtype)  # a bad name fails here, before any model is built
     if args.model is not None:
@@ -378,8 +379,6 @@ def run(args: argparse.Namespace) -> int:
                             task=args.task, dtype=args.dtype, attn_implementation=args.attn_implementation)
         name = args.hf
     import warnings
-
-    from fxpipe.errors import PlanWarning
 
     warnings.simplefilter("ignore", PlanWarning)  # the summary and --json carry them (doc["warnings"])
     t0 = time.perf_counter()
@@ -415,8 +414,6 @@ def run(args: argparse.Namespace) -> int:
         doc["plan_file"] = args.out
         text.append(f"plan written to {args.out}")
     if args.trace:
-        from fxpipe.report.trace import chrome_trace
-
         doc["trace_file"] = str(chrome_trace(plan.schedule, args.trace, plan.problem))
         text.append(f"schedule trace written to {args.trace} (open in ui.perfetto.dev or chrome://tracing)")
     if args.report:
@@ -425,7 +422,7 @@ def run(args: argparse.Namespace) -> int:
         text.append(f"report written to {doc['report']['html']} and {doc['report']['markdown']}")
         text.append(format_bounds_table(doc["report"]["bounds"], plan.partition.bottleneck))
     if args.run:
-        from fxpipe.codegen.compare import TrainingComparison
+        from fxpipe.codegen.compare import TrainingComparison  # lazy: torch
 
         status(f"training {args.steps} steps on {plan.world_size} local gloo ranks, then a single-process reference ...")
         result = plan.train_local(factory, _BatchFn(factory), steps=args.steps, lr=args.lr, loss=factory.loss, reference=True)
@@ -481,8 +478,6 @@ def _write_report(plan, args: argparse.Namespace) -> dict[str, Any]:
     """HTML + Markdown report of a plan: certificates for its partition and its schedule's Gantt chart."""
     import shlex
     import sys
-
-    from fxpipe.report import write_plan_report
 
     return write_plan_report(
         plan,

@@ -14,6 +14,7 @@ import shlex
 
 from fxpipe.cli.bounds_cmd import add_bounds_arguments, compute_from_args
 from fxpipe.cli.common import add_command, emit
+from fxpipe.report import write_report
 
 
 def register(subparsers) -> None:
@@ -53,8 +54,7 @@ def reproduce_command(args: argparse.Namespace) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Run the sub-command; returns the exit code (errors raise FxpipeError -> exit 2)."""
-    from fxpipe.partition.bounds import write_certificate  # noqa: PLC0415
-    from fxpipe.report import write_report  # noqa: PLC0415
+    from fxpipe.partition.bounds import write_certificate  # noqa: PLC0415 (lazy: the bounds package loads SCIP)
 
     graph, report = compute_from_args(args)
     command = reproduce_command(args)

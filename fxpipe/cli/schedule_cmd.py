@@ -17,12 +17,13 @@ import sys
 from fxpipe.cli.common import add_command, emit
 from fxpipe.errors import InputError
 from fxpipe.ir import Schedule, ScheduleProblem, schedule_to_orders, write_json_atomic
+from fxpipe.ir.torch_csv import write_torch_csv
+from fxpipe.report import chrome_trace, gantt
+from fxpipe.schedule.dispatch import METHODS, make_schedule
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the ``schedule`` sub-command."""
-    from fxpipe.schedule.dispatch import METHODS
-
     p = add_command(subparsers, "schedule", run, help="schedule F/B/W/offload/reload ops of a pipeline problem",
                     description="Build a pipeline schedule for a fxpipe.schedproblem/1 file and validate it (Contract 3).")
     p.add_argument("problem", metavar="PROBLEM", help="schedule problem (fxpipe.schedproblem/1 JSON)")
@@ -63,8 +64,6 @@ def _text(problem: ScheduleProblem, sched: Schedule) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``fxpipe schedule``."""
-    from fxpipe.schedule.dispatch import make_schedule
-
     if args.time_limit <= 0:
         raise InputError(f"--time-limit must be > 0 seconds, got {args.time_limit}")
     problem = ScheduleProblem.load(args.problem)
@@ -73,15 +72,11 @@ def run(args: argparse.Namespace) -> int:
     if args.out:
         write_json_atomic(args.out, doc)
     if args.gantt or args.trace:
-        from fxpipe.report import chrome_trace, gantt
-
         if args.gantt:
             gantt(problem, sched, args.gantt)
         if args.trace:
             chrome_trace(sched, args.trace, problem)
     if args.csv:
-        from fxpipe.ir.torch_csv import write_torch_csv
-
         orders = schedule_to_orders(sched, problem)
         dropped = sum(1 for row in orders.actions for a in row if not a.is_compute)
         if dropped:

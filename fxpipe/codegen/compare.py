@@ -54,6 +54,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from fxpipe.codegen.split import canonical_param_names
 from fxpipe.errors import InputError
 
 __all__ = ["TrainingComparison", "DtypeCheck", "compare_training", "gradient_precision", "output_precision",
@@ -361,8 +362,6 @@ def gradient_precision(gm: torch.fx.GraphModule) -> dict[str, str]:
         Canonical parameter name (``named_parameters()``) -> dtype name without ``torch.``,
         for every parameter that requires grad and is read by the graph.
     """
-    from fxpipe.codegen.split import canonical_param_names
-
     canon = canonical_param_names(gm)
     nodes = list(gm.graph.nodes)
     anc: dict = {}

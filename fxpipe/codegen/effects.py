@@ -96,7 +96,7 @@ def _tensor_nodes(value) -> list[fx.Node]:
 
 def _call_effects(node: fx.Node) -> tuple[list[fx.Node], list[fx.Node], bool]:
     """``(written inputs, aliased inputs, returns a list of aliases)`` of one compute node."""
-    from fxpipe.codegen.runtime import op_aliasing
+    from fxpipe.codegen.runtime import op_aliasing  # lazy: torch.distributed.pipelining; planning imports this module
 
     if node.op == "call_method":
         name = str(node.target)
@@ -238,7 +238,7 @@ def random_ops(gm: fx.GraphModule) -> list[RandomOp]:
     list[RandomOp]
         In program order, with the module path each op belongs to.
     """
-    from fxpipe.codegen.runtime import op_aliasing
+    from fxpipe.codegen.runtime import op_aliasing  # lazy: torch.distributed.pipelining; planning imports this module
 
     out = []
     for n in gm.graph.nodes:

@@ -26,7 +26,10 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
+from fxpipe.codegen.compiled import compile_stage
 from fxpipe.codegen.interface import ModelInputs, as_call
+from fxpipe.codegen.runtime import tree_flatten
+from fxpipe.codegen.shapes import stage_io
 from fxpipe.codegen.split import StagedProgram
 from fxpipe.errors import DataDependentCutError, InputError
 
@@ -37,8 +40,6 @@ def stage_runner(staged: StagedProgram, stage: int, *, compile_stages: bool = Fa
     """The module that runs ``stage``: the stage's GraphModule, or it wrapped for Inductor."""
     module = staged.stages[stage].module
     if compile_stages:
-        from fxpipe.codegen.compiled import compile_stage
-
         return compile_stage(module)
     return module
 
@@ -141,8 +142,6 @@ class InferencePipeline:
 
     def __init__(self, staged: StagedProgram, rank: int, *, num_microbatches: int, example_microbatch_inputs: Any,
                  group=None, compile_stages: bool = False, device: str | torch.device | None = None):
-        from fxpipe.codegen.shapes import stage_io
-
         S = staged.num_stages
         if not dist.is_available() or not dist.is_initialized():
             raise InputError("a pipeline across ranks needs torch.distributed initialised (torchrun, init_process_group)")
@@ -219,8 +218,6 @@ class InferencePipeline:
             return self._broadcast(merged)
 
     def _broadcast(self, merged: Any):
-        from fxpipe.codegen.runtime import tree_flatten
-
         src = self._peer(self.num_stages - 1)
         if self.rank == self.num_stages - 1:
             leaves, _ = tree_flatten(merged)

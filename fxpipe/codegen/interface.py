@@ -114,6 +114,7 @@ def split_microbatches(tree: Any, m: int, what: str = "inputs") -> list:
     InputError
         If a tensor's dim 0 is not divisible by ``m``.
     """
+    # lazy: torch.distributed.pipelining; planning imports this module
     from fxpipe.codegen.runtime import tree_flatten, tree_unflatten
 
     if isinstance(tree, ModelInputs):
@@ -210,6 +211,7 @@ class ModelInterface:
             If the structure, a constant, or (with ``check_shapes``) a shape/dtype differs from
             the captured example; the message names the input and both values.
         """
+        # lazy: torch.distributed.pipelining; planning imports this module
         from fxpipe.codegen.runtime import spec_str, tree_flatten
 
         args, kwargs = as_call(inputs)
@@ -293,7 +295,7 @@ class ModelInterface:
         InputError
             If the number of tensors is not the number of tensor leaves.
         """
-        from fxpipe.codegen.runtime import tree_unflatten
+        from fxpipe.codegen.runtime import tree_unflatten  # lazy: torch.distributed.pipelining; planning imports this module
 
         if isinstance(tensors, torch.Tensor):
             tensors = (tensors,)
@@ -344,6 +346,7 @@ class ModelInterface:
         -------
         ModelInterface
         """
+        # lazy: torch.distributed.pipelining; planning imports this module
         from fxpipe.codegen.runtime import graph_pytree_specs, tree_flatten
 
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -398,7 +401,7 @@ def _tensor_valued(node: torch.fx.Node) -> bool:
 
 def _reorder_kwargs(kwargs: dict, in_spec) -> dict:
     """Keyword arguments in the captured order (pytree dict specs are key-ordered)."""
-    from fxpipe.codegen.runtime import spec_children_contexts
+    from fxpipe.codegen.runtime import spec_children_contexts  # lazy: torch.distributed.pipelining; planning imports this module
 
     order = spec_children_contexts(in_spec)
     if order is None or set(order) != set(kwargs):

@@ -48,6 +48,9 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
+from fxpipe.codegen.interface import split_microbatches
+from fxpipe.codegen.rank import build_rank
+from fxpipe.codegen.runtime import replicate_module
 from fxpipe.errors import InputError
 from fxpipe.ir.schedule import Orders
 from fxpipe.mesh import MESH_DIMS, format_mesh, mesh_dp, normalize_mesh, rank_coords, rank_of
@@ -161,8 +164,6 @@ def data_parallel_wrapper(mr: MeshRank) -> Callable[[int, torch.nn.Module], None
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor", category=UserWarning)
     dm = mr.device_mesh
     if kind == "replicate":
-        from fxpipe.codegen.runtime import replicate_module
-
         sub = dm["dp_replicate"]
 
         def wrap(stage: int, module: torch.nn.Module) -> None:
@@ -284,8 +285,6 @@ def build_mesh_rank(
         For a mesh whose ``pp`` is not the orders' number of devices, a process group of
         another size, or what data parallelism does not support yet (see the module docstring).
     """
-    from fxpipe.codegen.rank import build_rank
-
     m = normalize_mesh(mesh)
     check_mesh_run(m, orders, build_kwargs.get("recompute_stages", ()), build_kwargs.get("compile_stages", False))
     mr = mesh_rank(m, rank, device_mesh, torch.device(device).type)
@@ -354,8 +353,6 @@ def replica_slice(tree: Any, replica: int, dp: int, what: str = "inputs") -> Any
     InputError
         If a tensor's dim 0 is not divisible by ``dp``.
     """
-    from fxpipe.codegen.interface import split_microbatches
-
     if dp == 1:
         return tree
     return split_microbatches(tree, dp, what)[replica]

@@ -20,10 +20,13 @@ import torch
 import torch.distributed as dist
 
 from fxpipe.codegen.actions import lower_orders
-from fxpipe.codegen.interface import ModelInputs
-from fxpipe.codegen.runtime import FxpipePipelineStage, FxpipeScheduleRuntime
+from fxpipe.codegen.compiled import CompiledPipelineStage, compile_stage
+from fxpipe.codegen.interface import ModelInputs, ModelInterface
+from fxpipe.codegen.materialize import holds_meta, materialize_stage
+from fxpipe.codegen.runtime import FxpipePipelineStage, FxpipeScheduleRuntime, tree_unflatten
 from fxpipe.codegen.shapes import stage_io
 from fxpipe.codegen.split import StagedProgram, split_stages
+from fxpipe.codegen.stash import device_stash
 from fxpipe.errors import InputError
 from fxpipe.ir.lowering import full_backward
 from fxpipe.ir.schedule import Action, Orders
@@ -44,9 +47,6 @@ def example_inputs_from_gm(gm: torch.fx.GraphModule) -> ModelInputs:
     InputError
         If a tensor placeholder has no recorded value (``node.meta['val']``).
     """
-    from fxpipe.codegen.interface import ModelInterface
-    from fxpipe.codegen.runtime import tree_unflatten
-
     iface = ModelInterface.from_graph(gm)
     leaves = []
     for leaf in iface.input_leaves:
@@ -216,8 +216,6 @@ def build_rank(
     sched.fxpipe_named_state = {s: (modules[s], dict(staged.stages[s].param_targets), dict(staged.stages[s].buffer_targets))
                                 for s in modules}
     # ---- begin activation stash (fxpipe.codegen.stash): live saved bytes, offload/reload, recomputation
-    from fxpipe.codegen.stash import device_stash
-
     stash = device_stash(rank, orders, acts[rank], recompute_stages, modules, dev, track_activations)
     for st in pipeline_stages:
         st.fxpipe_stash = stash
@@ -309,8 +307,6 @@ def _materialize_stages(staged: StagedProgram, local: Sequence[int], state_sourc
     InputError
         If a stage holds meta tensors and no ``state_source`` is given.
     """
-    from fxpipe.codegen.materialize import holds_meta, materialize_stage
-
     materialized = {}
     made: dict = {}
     for s in local:
@@ -344,8 +340,6 @@ def _pipeline_stages(staged: StagedProgram, local: Sequence[int], ios: Mapping[i
         stage_cls, run_module = FxpipePipelineStage, module
         # ---- begin compile_stages (owner: issue 10): Inductor per stage with split backward
         if compile_stages:
-            from fxpipe.codegen.compiled import CompiledPipelineStage, compile_stage
-
             stage_cls, run_module = CompiledPipelineStage, compile_stage(module)
         # ---- end compile_stages
         pipeline_stages.append(stage_cls(run_module, stage_index=s, num_stages=staged.num_stages, device=dev,

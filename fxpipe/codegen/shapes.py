@@ -38,7 +38,16 @@ from typing import Any, Callable, Sequence
 import torch
 from torch.func import functional_call
 
+from fxpipe.codegen.runtime import (
+    construct_reverse_graph,
+    fake_on,
+    fake_tensor_mode,
+    grad_fn_or_grad_acc,
+    meta_literals_as,
+    reverse_closure,
+)
 from fxpipe.codegen.split import StagedProgram
+from fxpipe.errors import InputError
 
 __all__ = ["StageIO", "stage_io"]
 
@@ -92,8 +101,6 @@ def _leaf_like(t: torch.Tensor) -> torch.Tensor:
 def _propagate(staged: StagedProgram, stage: int, flat_inputs: Sequence[Any], copy: Callable):
     """Run stages ``0..stage`` on ``flat_inputs`` with copied state; returns
     ``(stage inputs, stage outputs, blind parameter names)``."""
-    from fxpipe.codegen.runtime import construct_reverse_graph, grad_fn_or_grad_acc, reverse_closure
-
     spec = staged.stages[stage]
     with torch.enable_grad():
         x = tuple(flat_inputs)
@@ -205,8 +212,6 @@ def stage_io(staged: StagedProgram, stage: int, flat_inputs: Sequence[Any], *, f
     target = _inference_device(staged, stage, flat_inputs, device)
     fake_exc: Exception | None = None
     if fake:
-        from fxpipe.codegen.runtime import fake_on, fake_tensor_mode, meta_literals_as
-
         retarget = contextlib.nullcontext()
         if target.type != "meta" and _meta_literals(staged, stage):
             retarget = meta_literals_as(target)
@@ -240,7 +245,6 @@ def stage_io(staged: StagedProgram, stage: int, flat_inputs: Sequence[Any], *, f
     except Exception as exc:
         if not on_meta:
             raise
-        from fxpipe.errors import InputError
 
         raise InputError(
             f"shape inference of stage {stage} failed: the model's weights are on meta and stages 0..{stage} run "

@@ -65,7 +65,9 @@ import torch
 import torch.fx as fx
 
 from fxpipe.codegen.effects import GraphEffects, analyze
-from fxpipe.errors import InputError
+from fxpipe.codegen.interface import ModelInputs, ModelInterface
+from fxpipe.errors import DataDependentCutError, InputError
+from fxpipe.passes.capture import has_data_dependent_size, user_source_line
 
 __all__ = [
     "StageSpec",
@@ -239,8 +241,6 @@ class StagedProgram:
 
     def flat_inputs(self, *args, **kwargs) -> tuple:
         """Stage 0's input tensors for one call ``model(*args, **kwargs)`` (no shape check)."""
-        from fxpipe.codegen.interface import ModelInputs
-
         return self.interface.flatten_inputs(ModelInputs(args, kwargs), check_shapes=False)
 
     def run(self, *args, **kwargs):
@@ -523,9 +523,6 @@ def _check_static_boundaries(boundaries: list[list[fx.Node]], st: dict[fx.Node, 
     """Refuse a boundary tensor whose size depends on the data (``x[mask]``, ``nonzero``, ...):
     receive buffers are sized from the example micro-batch (issue 17; the partitioner never
     cuts such edges, :mod:`fxpipe.partition.colocate`, but a given ``stage_of`` may)."""
-    from fxpipe.errors import DataDependentCutError
-    from fxpipe.passes.capture import has_data_dependent_size, user_source_line
-
     for b, cross in enumerate(boundaries):
         bad = [n for n in cross if has_data_dependent_size(n)]
         if bad:
@@ -592,7 +589,7 @@ def _build_stage(gm, s, nodes, st, rep, boundaries, eff: GraphEffects, out_node,
         g.output(tuple(outs))
         out_names = tuple(n.name for n in boundaries[s])
     else:
-        from fxpipe.codegen.runtime import tree_flatten
+        from fxpipe.codegen.runtime import tree_flatten  # lazy: torch.distributed.pipelining; planning imports this module
 
         leaves, _ = tree_flatten(out_node.args[0])
         outs, names = [], []
@@ -701,7 +698,6 @@ def split_stages(
         raise InputError(f"num_stages must be an integer >= 1, got {num_stages!r}")
     if not isinstance(gm, fx.GraphModule):
         raise InputError(f"split_stages needs a torch.fx.GraphModule, got {type(gm).__name__}")
-    from fxpipe.codegen.interface import ModelInterface
 
     nodes = list(gm.graph.nodes)
     st = _resolve_stages(gm, stage_of, num_stages)

@@ -70,6 +70,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
+from fxpipe.codegen.effects import analyze
 from fxpipe.codegen.offload import OffloadProgram, offload_program, programs_of
 from fxpipe.errors import InputError
 
@@ -233,7 +234,6 @@ def mutated_state(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     """
     if not isinstance(module, torch.fx.GraphModule):
         return []
-    from fxpipe.codegen.effects import analyze
 
     out = []
     for target in sorted(analyze(module).written_state()):

@@ -32,6 +32,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from fxpipe.cost.calibrate import load_profile
 from fxpipe.cost.specs import HARDWARE, HardwareSpec, list_hardware
 from fxpipe.errors import InputError
 
@@ -71,7 +72,7 @@ def get_hardware(name: str | os.PathLike | HardwareSpec) -> HardwareSpec:
     if key in HARDWARE:
         return HARDWARE[key]
     if key == "measured":
-        from fxpipe.cost.suite import measured_hardware  # torch: imported when measuring
+        from fxpipe.cost.suite import measured_hardware  # lazy: torch, imported when measuring
 
         return measured_hardware()
     if key.startswith("profile:"):
@@ -89,6 +90,4 @@ def get_hardware(name: str | os.PathLike | HardwareSpec) -> HardwareSpec:
 
 
 def _load_profile_spec(path: Path) -> HardwareSpec:
-    from fxpipe.cost.calibrate import load_profile  # numpy: imported when a profile is read
-
     return load_profile(path).hardware()

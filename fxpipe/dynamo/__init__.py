@@ -15,11 +15,11 @@ __all__ = ["backend", "fxpipe_backend", "last_plan", "plans", "clear_plans", "Fx
 
 def __getattr__(name):
     if name in ("backend", "fxpipe_backend", "last_plan", "plans", "clear_plans", "FxpipeBackend"):
-        from fxpipe.dynamo import compiler as _backend_module
+        from fxpipe.dynamo import compiler as _backend_module  # lazy: keeps `import fxpipe.dynamo` light
 
         return getattr(_backend_module, name)
     if name == "BackendOptions":
-        from fxpipe.dynamo.options import BackendOptions
+        from fxpipe.dynamo.options import BackendOptions  # lazy: keeps `import fxpipe.dynamo` light
 
         return BackendOptions
     raise AttributeError(f"module 'fxpipe.dynamo' has no attribute {name!r}")

@@ -37,8 +37,22 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
+import fxpipe
+from fxpipe import errors
+from fxpipe.codegen.compare import random_ops_warning
+from fxpipe.codegen.effects import analyze, random_ops
+from fxpipe.codegen.inference import InferencePipeline, merged_output_meta, run_stages, stage_runner
+from fxpipe.codegen.interface import split_microbatches
+from fxpipe.codegen.runtime import concrete_int, graph_break_info, inductor_compile, outside_dynamo_tracing
+from fxpipe.codegen.shapes import stage_io
+from fxpipe.codegen.split import split_stages
+from fxpipe.cost.hardware import HARDWARE
+from fxpipe.dynamo.lift import LiftedGraph, graph_name
 from fxpipe.dynamo.options import BackendOptions
 from fxpipe.errors import FxpipeError, InputError
+from fxpipe.passes import trace_model
+from fxpipe.plan import Plan
+from fxpipe.report import write_plan_report
 
 __all__ = ["FxpipeBackend", "backend", "fxpipe_backend", "last_plan", "plans", "clear_plans", "graph_break_message"]
 
@@ -147,8 +161,6 @@ class FxpipeBackend:
 
     # ------------------------------------------------------------------ compile one graph
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Callable:
-        from fxpipe.codegen.runtime import graph_break_info
-
         if kwargs.get("mode") not in (None, "default"):
             raise InputError(f"the fxpipe backend takes no mode= (got {kwargs['mode']!r}); pass its settings as options={{...}}")
         opts = self.options
@@ -174,8 +186,6 @@ class _GraphCompiler:
     """Plans one Dynamo graph and builds the callable that runs it (one per compiled graph)."""
 
     def __init__(self, gm: torch.fx.GraphModule, example_inputs: list, opts: BackendOptions):
-        from fxpipe.dynamo.lift import LiftedGraph, graph_name
-
         self.gm = gm
         self.opts = opts
         self.example_inputs = example_inputs
@@ -209,8 +219,6 @@ class _GraphCompiler:
 
     # ------------------------------------------------------------------ planning
     def _compile_kwargs(self, user_inputs: Sequence[Any]) -> tuple[dict, Any]:
-        from fxpipe.codegen.interface import split_microbatches
-
         ckw = dict(self.ckw)
         batch = _batch_size(user_inputs)
         m = ckw.get("microbatches")
@@ -239,8 +247,6 @@ class _GraphCompiler:
         return ckw, mb
 
     def _plan(self, user_inputs: Sequence[Any]):
-        import fxpipe
-
         ckw, mb = self._compile_kwargs(user_inputs)
         t0 = time.perf_counter()
         if not self.pipelined:
@@ -266,10 +272,6 @@ class _GraphCompiler:
     def _plan_collectively(self, mb: tuple, ckw: dict):
         """Rank 0 plans and broadcasts the plan; every rank captures the lifted graph and checks it."""
         import torch.distributed as dist
-
-        import fxpipe
-        from fxpipe.passes import trace_model
-        from fxpipe.plan import Plan
 
         rank = self._rank()
         src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
@@ -302,14 +304,10 @@ class _GraphCompiler:
 
     # ------------------------------------------------------------------ execution
     def compile(self) -> Callable:
-        from fxpipe.codegen.runtime import outside_dynamo_tracing
-
         with outside_dynamo_tracing():  # export, fake shape inference and Inductor see no Dynamo tracing context
             return self._compile()
 
     def _compile(self) -> Callable:
-        from fxpipe.codegen.runtime import concrete_int
-
         opts = self.opts
         example_user = tuple(concrete_int(v) for v in self.lifted.user_inputs(self.example_inputs))
         self.plan, self.mb = self._plan(example_user)
@@ -318,8 +316,6 @@ class _GraphCompiler:
             self.example_inputs = None
             return _named(lambda *args: gm(*args), "fxpipe_eager")
         if not self.pipelined and opts.execution == "inductor":
-            from fxpipe.codegen.runtime import inductor_compile
-
             fn, self.example_inputs = inductor_compile(gm, self.example_inputs), None
             return fn
         self._check_pipelinable(self.plan)
@@ -333,9 +329,6 @@ class _GraphCompiler:
         return (_signature(self.lifted.user_inputs(flat_inputs)), self.lifted.same_state(flat_inputs))
 
     def _check_pipelinable(self, plan) -> None:
-        from fxpipe.codegen.compare import random_ops_warning
-        from fxpipe.codegen.effects import analyze, random_ops
-
         gm = plan.captured().gm
         written = analyze(gm).written_state()
         if written:
@@ -350,10 +343,6 @@ class _GraphCompiler:
 
     def _check_output_shapes(self, runner) -> None:
         """Merged micro-batch outputs must have the shapes of Dynamo's graph on the whole batch."""
-        from fxpipe.codegen.inference import merged_output_meta
-        from fxpipe.codegen.runtime import concrete_int
-        from fxpipe.codegen.shapes import stage_io
-
         kind, staged, what, m = runner
         if kind == "pipeline":
             got = [meta.shape for meta in what.output_meta]
@@ -377,9 +366,6 @@ class _GraphCompiler:
         )
 
     def _build_runner(self, plan, mb: tuple):
-        from fxpipe.codegen.inference import InferencePipeline, stage_runner
-        from fxpipe.codegen.split import split_stages
-
         staged = split_stages(plan.captured().gm, plan.captured_stage_of(), plan.num_stages)
         if not self.pipelined:
             modules = [stage_runner(staged, s, compile_stages=self.opts.compile_stages) for s in range(staged.num_stages)]
@@ -416,8 +402,6 @@ class _GraphCompiler:
         kind, staged, what, m = runner
         user = self.lifted.user_inputs(flat_inputs)
         if kind == "stages":
-            from fxpipe.codegen.inference import run_stages
-
             out = run_stages(staged, tuple(user), m, what)
         else:
             out = what(tuple(user))
@@ -425,8 +409,6 @@ class _GraphCompiler:
 
     def _rebuild(self, flat_inputs: Sequence[Any]):
         """New input shapes (or a replaced parameter): plan and build again for this call (every rank does)."""
-        from fxpipe.dynamo.lift import LiftedGraph
-
         if not self.lifted.same_state(flat_inputs):
             logger.info("fxpipe backend: a parameter or buffer object was replaced; re-capturing the graph")
             self.lifted = LiftedGraph(self.gm, list(flat_inputs))
@@ -452,8 +434,6 @@ def _named(fn: Callable, name: str) -> Callable:
 
 
 def _error_of(kind: str, message: str) -> FxpipeError:
-    import fxpipe.errors as errors
-
     cls = getattr(errors, kind, None)
     if not (isinstance(cls, type) and issubclass(cls, FxpipeError)):
         cls = InputError
@@ -462,14 +442,10 @@ def _error_of(kind: str, message: str) -> FxpipeError:
 
 def _hardware_for_capture(plan) -> str:
     """Hardware to re-cost a broadcast plan's graph with (only its structure is compared)."""
-    from fxpipe.cost.hardware import HARDWARE
-
     return plan.hardware if str(plan.hardware).lower() in HARDWARE else "h100-sxm"
 
 
 def _write_report(plan, opts: BackendOptions) -> Path:
-    from fxpipe.report import write_plan_report
-
     base = Path(opts.report)
     n = _REPORT_COUNT[str(base)] = _REPORT_COUNT.get(str(base), 0) + 1
     path = base if n == 1 else base.with_name(f"{base.stem}-{n}{base.suffix}")

@@ -35,6 +35,7 @@ from typing import Any, Sequence
 import torch
 import torch.fx as fx
 
+from fxpipe.codegen.runtime import dynamo_frame_owner, dynamo_source_name, graph_break_info
 from fxpipe.errors import InputError
 
 __all__ = ["LiftedGraph", "InputKind", "classify_inputs", "fqn_from_source", "graph_name"]
@@ -110,8 +111,6 @@ def classify_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> list[I
     InputError
         If the number of example inputs differs from the number of placeholders.
     """
-    from fxpipe.codegen.runtime import dynamo_source_name
-
     phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
     if len(phs) != len(example_inputs):
         raise InputError(f"Dynamo's graph has {len(phs)} inputs but {len(example_inputs)} example inputs were given")
@@ -161,8 +160,6 @@ def classify_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> list[I
 
 def graph_name(gm: fx.GraphModule) -> str:
     """A readable default name: the class of the compiled module, else ``file.function`` of the frame."""
-    from fxpipe.codegen.runtime import dynamo_frame_owner, graph_break_info
-
     owner = dynamo_frame_owner()
     if owner:
         return owner

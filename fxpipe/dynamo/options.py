@@ -14,6 +14,7 @@ import inspect
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
+from fxpipe.api import compile as fx_compile
 from fxpipe.errors import InputError
 
 __all__ = ["BackendOptions", "EXECUTIONS", "PIPELINE_MODES", "GRAPH_BREAK_POLICIES", "compile_option_names",
@@ -32,8 +33,6 @@ _NOT_OPTIONS = ("model", "args", "kwargs")
 
 def compile_option_names() -> tuple[str, ...]:
     """Keyword arguments of :func:`fxpipe.compile` accepted as backend options (its signature, in order)."""
-    from fxpipe.api import compile as fx_compile
-
     params = inspect.signature(fx_compile).parameters
     return tuple(p for p in params if p not in _NOT_OPTIONS)
 

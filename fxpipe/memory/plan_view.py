@@ -26,6 +26,9 @@ from fxpipe.errors import InfeasibleError
 from fxpipe.ir import OpGraph, Schedule, ScheduleProblem
 from fxpipe.io import format_bytes
 from fxpipe.memory.model import DeviceMemory, MemoryModel
+from fxpipe.partition.memory import num_params
+from fxpipe.partition.objective import io_bytes
+from fxpipe.schedule.validate import memory_profile, offloaded_peak, peak_memory
 
 __all__ = ["StageStatic", "stage_static", "schedule_mem_limit", "stage_memory", "device_memory"]
 
@@ -64,9 +67,6 @@ def stage_static(graph: OpGraph, assignment, k: int, model: MemoryModel, num_mic
     num_microbatches : int
     objective : {"training", "inference"}
     """
-    from fxpipe.partition.memory import num_params
-    from fxpipe.partition.objective import io_bytes
-
     a = np.asarray(assignment, dtype=np.int64)
     params = np.bincount(a, weights=num_params(graph), minlength=k)
     in_b, out_b = io_bytes(graph, a, k, "relay")
@@ -105,8 +105,6 @@ def schedule_mem_limit(graph: OpGraph, assignment, k: int, device_of_stage: Sequ
 
 
 def _offloaded_of_stage(problem: ScheduleProblem, ops, s: int) -> float:
-    from fxpipe.schedule.validate import offloaded_peak
-
     mine = [o for o in ops if o.stage == s]
     return float(offloaded_peak(problem, mine)[problem.device_of_stage[s]])
 
@@ -119,8 +117,6 @@ def stage_memory(graph: OpGraph, assignment, problem: ScheduleProblem, schedule:
     maximum of the stage's memory curve in ``schedule``; the offloaded peak the most of its
     stashes in host memory at once.
     """
-    from fxpipe.schedule.validate import memory_profile
-
     k = problem.num_stages
     st = stage_static(graph, assignment, k, model, problem.num_microbatches, objective)
     ops = list(schedule.ops)
@@ -139,8 +135,6 @@ def device_memory(graph: OpGraph, assignment, problem: ScheduleProblem, schedule
     """Memory of every device by kind: its stages' static state, the peak of its activation
     curve in ``schedule`` (:func:`fxpipe.schedule.validate.peak_memory`), its offloaded peak
     (:func:`~fxpipe.schedule.validate.offloaded_peak`) and the reserved fraction."""
-    from fxpipe.schedule.validate import offloaded_peak, peak_memory
-
     st = stage_static(graph, assignment, problem.num_stages, model, problem.num_microbatches, objective)
     return model.breakdown(st.num_params, st.comm_buffer_bytes, peak_memory(problem, schedule.ops), objective,
                            offloaded_peak_bytes=offloaded_peak(problem, schedule.ops),

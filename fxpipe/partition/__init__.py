@@ -18,6 +18,7 @@
 - :mod:`~fxpipe.partition.bounds`: MIP lower bounds (SCIP) and certificates.
 """
 
+from fxpipe.partition.memory import PartitionMemory
 from fxpipe.partition.objective import Partition, block_costs, validate_partition
 
 __all__ = ["Partition", "block_costs", "validate_partition", "partition", "slice_order", "PartitionMemory", "BRKGAParams"]
@@ -32,10 +33,6 @@ def __getattr__(name):  # lazy: importing numba kernels costs time
         from fxpipe.partition.slicegraph import slice_order
 
         return slice_order
-    if name == "PartitionMemory":
-        from fxpipe.partition.memory import PartitionMemory
-
-        return PartitionMemory
     if name == "BRKGAParams":
         from fxpipe.partition.brkga import BRKGAParams
 

@@ -636,7 +636,7 @@ def random_orders(
     Archer et al. 2024, Appendix C.1 ("Random") and Table 2; Section 4.2 (Kahn with node
     priorities) and Algorithm 1 (SliceGraph).
     """
-    from fxpipe.partition.orders import random_order  # noqa: PLC0415 (numba import is slow)
+    from fxpipe.partition.orders import random_order  # noqa: PLC0415 (lazy: numba kernels)
     from fxpipe.partition.slicegraph import assignment_from_cuts, kernel_inputs, slice_order_arrays  # noqa: PLC0415
 
     k = _check(graph, k, objective, comm)
@@ -663,6 +663,6 @@ def random_orders(
 def _order(graph: OpGraph, order: Sequence[int] | np.ndarray | None) -> np.ndarray:
     if order is None:
         return program_order(graph)
-    from fxpipe.partition.slicegraph import check_order  # noqa: PLC0415
+    from fxpipe.partition.slicegraph import check_order  # noqa: PLC0415 (lazy: numba kernels)
 
     return check_order(graph, order)

@@ -85,7 +85,7 @@ class Contraction:
         Members of a group keep their relative order in a topological order of the
         original graph.
         """
-        from fxpipe.partition.orders import kahn_order  # noqa: PLC0415
+        from fxpipe.partition.orders import kahn_order  # noqa: PLC0415 (lazy: numba kernels)
 
         pos = np.empty(self.graph.n, dtype=np.float64)
         pos[np.asarray(order, dtype=np.int64)] = np.arange(self.graph.n)
@@ -96,7 +96,7 @@ class Contraction:
 
     def order_from_original(self, order: np.ndarray) -> np.ndarray:
         """A topological order of the contracted graph following an original order."""
-        from fxpipe.partition.orders import kahn_order  # noqa: PLC0415
+        from fxpipe.partition.orders import kahn_order  # noqa: PLC0415 (lazy: numba kernels)
 
         first = np.full(self.graph.n, np.inf)
         pos = np.empty(self.original.n)
@@ -151,7 +151,7 @@ def contract_trivial(graph: OpGraph, objective: str = "training") -> Contraction
         out_member[a] = leaving
         return True
 
-    from fxpipe.partition.orders import kahn_order  # noqa: PLC0415
+    from fxpipe.partition.orders import kahn_order  # noqa: PLC0415 (lazy: numba kernels)
 
     topo = kahn_order(graph, np.arange(n, dtype=np.float64))
     changed = True

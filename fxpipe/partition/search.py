@@ -306,7 +306,7 @@ def _check_arguments(graph, k, objective, comm, method, time_limit_s, evaluation
 def _lower_bound(graph: OpGraph, k: int, objective: str, comm: str, model, chain: bool) -> tuple:
     """The instant lower bound ``(lower_s, method, chain_partition or None)``: Lemma 3.3, and for
     relay communication the chain DP's bound and its partition (dropped if it does not fit)."""
-    from fxpipe.partition.bounds.simple import simple_work_bound  # noqa: PLC0415 (the bounds package loads SCIP)
+    from fxpipe.partition.bounds.simple import simple_work_bound  # noqa: PLC0415 (lazy: the bounds package loads SCIP)
 
     lower, lower_method = simple_work_bound(graph.work_s(objective), k), "simple"
     chain_part = None
@@ -549,7 +549,7 @@ def _partition_colocated(graph: OpGraph, con, k: int, warm_order, *, objective: 
     """:func:`partition` of ``graph`` whose data-dependent groups ``con``
     (:class:`fxpipe.partition.colocate.ColocatedContraction`) must each stay on one stage:
     search the contracted graph, expand, re-score on ``graph`` (Contract 2)."""
-    from fxpipe.partition.bounds.simple import simple_work_bound  # noqa: PLC0415 (the bounds package loads SCIP)
+    from fxpipe.partition.bounds.simple import simple_work_bound  # noqa: PLC0415 (lazy: the bounds package loads SCIP)
 
     t0 = time.perf_counter()
     sub_warm = None if warm_order is None else con.order_from_original(warm_order)

@@ -23,6 +23,7 @@ from pathlib import Path
 from fxpipe.errors import InputError
 from fxpipe.io import binary_unit, write_text_atomic
 from fxpipe.ir import Schedule, ScheduleProblem
+from fxpipe.schedule.validate import device_memory_profile
 
 __all__ = ["COLORS", "gantt", "gantt_rows"]
 
@@ -62,8 +63,6 @@ def gantt(problem: ScheduleProblem, schedule: Schedule, path: str | os.PathLike,
     matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
-
-    from fxpipe.schedule.validate import device_memory_profile
 
     path = Path(path)
     fmt = path.suffix.lower().lstrip(".")

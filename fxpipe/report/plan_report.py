@@ -12,6 +12,7 @@ from typing import Any
 
 from fxpipe.io import format_bytes
 from fxpipe.mesh import format_mesh
+from fxpipe.plan import _objective_lines
 from fxpipe.report.charts import memory_chart
 from fxpipe.report.document import ReportSection, write_report
 from fxpipe.report.gantt import gantt
@@ -59,7 +60,7 @@ def write_plan_report(plan, out_html: str | os.PathLike, *, bounds_time_limit_s:
         ratio, every bound, and ``rows``: one per method as
         :meth:`fxpipe.partition.bounds.BoundsReport.table_rows`).
     """
-    from fxpipe.partition.bounds import compute_bounds
+    from fxpipe.partition.bounds import compute_bounds  # lazy: the bounds package loads SCIP
 
     bounds = compute_bounds(  # certificates of the per-stage bottleneck of the plan's num_stages stages
         plan.graph,
@@ -77,7 +78,6 @@ def write_plan_report(plan, out_html: str | os.PathLike, *, bounds_time_limit_s:
     with tempfile.TemporaryDirectory() as tmp:
         png = gantt(plan.problem, plan.schedule, Path(tmp) / "gantt.png",
                     title=f"{plan.name}: {plan.schedule.method} schedule").read_bytes()
-    from fxpipe.plan import _objective_lines
 
     objective_text = "\n".join(_objective_lines(plan.optimality()))
     try:

@@ -28,6 +28,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Sequence
 
+import fxpipe
+from fxpipe.errors import InputError
 from fxpipe.schedule.registry import REGISTRY
 
 __all__ = ["SCHEDULES", "MULTI_STAGE_SCHEDULES", "MatrixCell", "MatrixResult", "run_matrix"]
@@ -175,8 +177,8 @@ def _references(zms: dict, cfg: _Settings, tmp_dir: str | None) -> tuple[dict, d
     meta model whose one-process build failed (a matrix cell, not a crash)."""
     import os
 
-    from fxpipe.codegen.launch import reference_train
-    from fxpipe.codegen.materialize import MetaInit
+    from fxpipe.codegen.launch import reference_train  # lazy: torch
+    from fxpipe.codegen.materialize import MetaInit  # lazy: torch
 
     refs: dict = {}
     for n, zm in zms.items():
@@ -203,8 +205,6 @@ def _plan_model(zm, name: str, k: int, cfg: _Settings) -> tuple[dict, dict[str, 
     """Plan one model on ``k`` ranks once per placement its schedules need (``fxpipe.compile``)
     and reschedule that plan into every schedule. Returns ``(plan per schedule, compile
     seconds per schedule)``: the compile plus the rescheduling. Planning errors propagate."""
-    import fxpipe
-
     model, args, kwargs = zm.one_microbatch()
     compile_s: dict[str, float] = {}
     by_placement: dict[str, Any] = {}
@@ -266,8 +266,8 @@ def _verdict_cell(name: str, family: str, k: int, schedule: str, compile_s: floa
                   cfg: _Settings) -> MatrixCell:
     """The cell of one finished run: an error, or its comparison with the reference
     (:func:`fxpipe.codegen.compare.compare_training`; random ops make it fail)."""
-    from fxpipe.codegen.compare import compare_training
-    from fxpipe.codegen.launch import RunError
+    from fxpipe.codegen.compare import compare_training  # lazy: torch
+    from fxpipe.codegen.launch import RunError  # lazy: torch
 
     if isinstance(result, RunError):
         return MatrixCell(name, family, k, schedule, False, error=_tail(result.message), compile_s=compile_s)
@@ -346,9 +346,8 @@ def run_matrix(
     """
     import tempfile
 
-    from fxpipe.codegen.launch import spawn_train_many
-    from fxpipe.errors import InputError
-    from fxpipe.testing import zoo
+    from fxpipe.codegen.launch import spawn_train_many  # lazy: torch
+    from fxpipe.testing import zoo  # lazy: torch
 
     say = log or (lambda msg: None)
     names = list(models) if models is not None else zoo.names()

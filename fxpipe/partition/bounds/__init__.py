@@ -252,7 +252,7 @@ def initial_partition(
     order. Returns None if the searcher finds no partition meeting the capacity.
     """
     try:
-        from fxpipe.partition.search import partition as _search  # noqa: PLC0415
+        from fxpipe.partition.search import partition as _search  # noqa: PLC0415 (lazy: numba kernels)
     except ImportError:
         _search = None
     if _search is not None and graph.n > 0:

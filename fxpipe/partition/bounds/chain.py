@@ -59,7 +59,7 @@ def chain_certificate(graph: OpGraph, k: int, objective: str = "training", comm:
             ),
             None,
         )
-    from fxpipe.partition.chain import solve_chain  # noqa: PLC0415
+    from fxpipe.partition.chain import solve_chain  # noqa: PLC0415 (lazy: numba kernels)
 
     res = solve_chain(graph, int(k), objective, comm, partition=True)
     lb = max(res.lower_bound_s, simple)
