@@ -57,7 +57,7 @@ import threading
 import time
 from typing import IO, Any, Iterator
 
-__all__ = ["phase", "set_enabled", "enabled", "stderr_is_terminal", "Search"]
+__all__ = ["phase", "set_enabled", "enabled", "stderr_is_terminal", "Search", "stop_all"]
 
 _STATE = {"enabled": False}
 _ACTIVE: list["_Line"] = []  # phases being shown, innermost last
@@ -204,6 +204,14 @@ def _flag_press(signum, frame) -> None:  # noqa: ARG001 (signal handler signatur
     thread holds ``_RUN_LOCK``; it reads a copy of the list and only sets events."""
     for run in list(_RUNNING):
         run.stop()
+
+
+def stop_all() -> None:
+    """Raise the stop flag of every running search, as a Ctrl-C during them does (for code that
+    caught the KeyboardInterrupt itself, e.g. around a SCIP solve)."""
+    with _RUN_LOCK:
+        for run in _RUNNING:
+            run.stop()
 
 
 class Search:

@@ -143,13 +143,13 @@ def test_gpt2_four_ranks(four_ranks, ref_gpt2, name):
     if name == "zb-h1-empty-stage":
         assert res.meta["stage_params"][1] == [] and res.meta["relayed"][1]
         return
-    # receive buffers are reused across micro-batches: a middle stage holds one buffer per micro-batch
-    # in flight, not one per micro-batch (torch's default); the last stage keeps its own (its outputs,
-    # returned by step(), may be views of what it received)
+    # received activations' buffers are reused across micro-batches: a middle stage holds one buffer
+    # per micro-batch in flight, not one per micro-batch (torch's default); the last stage keeps its
+    # own (its outputs, returned by step(), may be views of what it received)
     rb = res.meta["recv_buffers"]
     assert rb[0]["fwd"] == 0 and rb[3]["bwd"] == 0 and rb[3]["fwd"] == MICROBATCHES, rb
     if name == "1f1b":  # in flight at stage s of 4: 4 - s micro-batches, plus receives posted early
-        assert rb[2]["fwd"] < MICROBATCHES and rb[1]["bwd"] < MICROBATCHES and rb[2]["bwd"] < MICROBATCHES, rb
+        assert rb[2]["fwd"] < MICROBATCHES, rb
     # tied embedding / LM head held by the first and the last stage, gradients summed
     assert res.meta["shared_params"] == {"m.transformer.wte.weight": [0, 3]}
     acts = res.meta["actions"]

@@ -374,7 +374,8 @@ def recv_buffer_slots(actions: Sequence[_Action], stages: Sequence[int]) -> dict
     buffer is the stage input autograd saves, the gradient buffer the gradient of the stage output
     that a split backward's weight pass reads again (torch's backward-input keeps it among the
     intermediates' gradients): both until the micro-batch's weight gradient (``W``, or the full
-    backward ``B``; ``F`` itself for a stage without backward). Walking this rank's program in order (with
+    backward ``B``; ``F`` itself for a stage without backward). (The runtime pools only the
+    activation buffers, and not on the last stage; see :class:`FxpipePipelineStage`.) Walking this rank's program in order (with
     torch's send/recv actions, :func:`torch.distributed.pipelining.schedules._add_send_recv`),
     each receive takes the lowest free slot, so a stage holds as many buffers as micro-batches
     it has in flight, not ``num_microbatches``.
@@ -482,9 +483,9 @@ class FxpipePipelineStage(PipelineStage):
                                 loss_kwargs=None):
         out = super()._prepare_backward_infra(num_microbatches, loss_fn=loss_fn, target=target,
                                               received_grad_meta=received_grad_meta, loss_kwargs=loss_kwargs)
-        slots = self.fxpipe_recv_slots or {}
-        self.fxpipe_recv_buffers = dict(self.fxpipe_recv_buffers or {},
-                                        bwd=0 if self.is_last else _pool_recv_buffers(self.grad_recv_info, slots.get("bwd")))
+        # gradient buffers are not pooled (yet): with them pooled, Mamba at 4 ranks under ZB-H2 trained to
+        # wrong gradients (dt_proj.bias), cause not found; recv_buffer_slots computes their slots
+        self.fxpipe_recv_buffers = dict(self.fxpipe_recv_buffers or {}, bwd=0 if self.is_last else len(self.grad_recv_info))
         return out
 
     def _retrieve_recv_activations(self, fwd_chunk_id):
@@ -496,19 +497,6 @@ class FxpipePipelineStage(PipelineStage):
                 buf.grad = None
         return super()._retrieve_recv_activations(fwd_chunk_id)
 
-    def _unalias_input_grads(self, bwd_chunk_id) -> None:
-        # A stage that relays an input unchanged gets, from split backward-input, the received gradient
-        # buffer itself as that input's gradient; it is sent asynchronously (torch waits for sends at the
-        # end of the step) while its pooled buffer may receive another micro-batch's gradient: copy it.
-        if not (self.fxpipe_recv_buffers or {}).get("bwd") or bwd_chunk_id not in self.bwd_cache:
-            return
-        pooled = {info.buffer.untyped_storage().data_ptr() for info in self.grad_recv_info.get(bwd_chunk_id, ())
-                  if isinstance(getattr(info, "buffer", None), torch.Tensor)}
-        grads = self.bwd_cache[bwd_chunk_id]
-        if any(isinstance(g, torch.Tensor) and g.untyped_storage().data_ptr() in pooled for g in grads):
-            self.bwd_cache[bwd_chunk_id] = tuple(
-                g.clone() if isinstance(g, torch.Tensor) and g.untyped_storage().data_ptr() in pooled else g
-                for g in grads)
     # ---- end receive-buffer reuse
 
     # ---- begin activation stash hooks (fxpipe.codegen.stash: live saved bytes, offload/reload, recomputation)
@@ -535,7 +523,6 @@ class FxpipePipelineStage(PipelineStage):
         if stash is not None:
             stash.before_backward(self.stage_index, bwd_chunk_id)
         super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward)
-        self._unalias_input_grads(bwd_chunk_id)
         if stash is not None:
             if full_backward:
                 stash.release(self.stage_index, bwd_chunk_id)
