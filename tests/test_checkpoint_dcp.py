@@ -47,6 +47,18 @@ def test_load_and_save_need_a_process_group_and_a_checkpoint(tmp_path):
         _read_doc(tmp_path)
 
 
+def test_missing_safetensors_is_named_and_only_numeric_settings_are_restored(monkeypatch):
+    import sys
+
+    from fxpipe.codegen.checkpoint import _is_number_setting, _require_safetensors
+
+    monkeypatch.setitem(sys.modules, "safetensors", None)  # import fails as if not installed
+    with pytest.raises(InputError, match=r"fxpipe\[checkpoint\]"):
+        _require_safetensors()
+    assert _is_number_setting(0.01) and _is_number_setting((0.9, 0.999)) and _is_number_setting(0)
+    assert not any(_is_number_setting(v) for v in (True, None, "x", (True, False)))  # foreach, fused, ...
+
+
 @pytest.mark.slow
 def test_fsdp_pipeline_saves_and_resumes_on_the_same_and_another_plan(tmp_path):
     from safetensors.torch import load_file

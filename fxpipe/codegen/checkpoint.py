@@ -156,13 +156,12 @@ def _agree(error: Exception | None) -> None:
         raise InputError(f"rank {first[0]}: {first[1]}") from error
 
 
-def _dcp():
-    """``torch.distributed.checkpoint`` with its safetensors storage (the ``checkpoint`` extra)."""
+def _require_safetensors() -> None:
+    """DCP's Hugging Face storage writes safetensors (the ``checkpoint`` extra); InputError without it."""
     try:
-        import safetensors  # noqa: F401 - DCP's Hugging Face storage writes safetensors
+        import safetensors  # noqa: F401 - only checks that it is installed
     except ImportError as exc:
         raise InputError("training-state checkpoints are safetensors files: pip install 'fxpipe[checkpoint]'") from exc
-    return dcp
 
 
 def _temp_name(path: Path) -> Path:
@@ -207,7 +206,7 @@ def save_training_state(path: str | os.PathLike, schedule, optimizer: torch.opti
     path = Path(path)
     error = None
     try:
-        _dcp()
+        _require_safetensors()
         model_state = _named_state(schedule)
         optim_tensors, hyper, stateful = _optimizer_state(schedule, optimizer) if optimizer is not None else ({}, {}, [])
     except InputError as exc:
@@ -326,7 +325,7 @@ def load_training_state(path: str | os.PathLike, schedule, optimizer: torch.opti
     path = Path(path)
     error = None
     try:
-        _dcp()
+        _require_safetensors()
         doc = _read_doc(path)
         named = _named_state(schedule)
         if optimizer is not None:
