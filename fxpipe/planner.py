@@ -22,7 +22,7 @@ from fxpipe.cost.hardware import HARDWARE
 from fxpipe.errors import InfeasibleError, InputError
 from fxpipe.ir import OpGraph, Schedule, ScheduleProblem
 from fxpipe.memory import MemoryModel
-from fxpipe.memory.plan_view import schedule_mem_limit
+from fxpipe.memory.plan_view import schedule_mem_limit, stage_static
 from fxpipe.options import (
     AUTO_MILP_MIN_SHARE,
     DEFAULT_AUTO_MILP_TIME_LIMIT_S,
@@ -343,8 +343,10 @@ class _CandidateSearch:
         limit = schedule_mem_limit(graph, part.assignment, k, dev, self.memory, m, opts.objective)
         if opts.mem_limit_bytes is not None:
             limit = np.minimum(limit, float(opts.mem_limit_bytes))
+        pooled = stage_static(graph, part.assignment, k, self.memory, m, opts.objective).pooled_buffer_bytes
         problem = problem_from_partition(graph, part, num_microbatches=m, mem_limit_bytes=limit,
-                                         host_bandwidth_bytes_per_s=opts.host_bandwidth_bytes_per_s, device_of_stage=dev)
+                                         host_bandwidth_bytes_per_s=opts.host_bandwidth_bytes_per_s, device_of_stage=dev,
+                                         pooled_buffer_bytes=pooled)
         record["device_bottleneck_s"] = float(device_costs(graph, part.assignment, dev, opts.objective, "relay").max())
         record["stage_bottleneck_s"] = float(part.bottleneck)
         if method == "auto":

@@ -41,7 +41,7 @@ def segment_io(graph: OpGraph, order, l: int, r: int, comm: str) -> tuple[float,
 
 
 def _mem_ok(graph, order, l, r, s, mem, comm):
-    """``mem = (static bytes per node (n,), inflight (k,), capacity, buf_in, buf_out)``."""
+    """``mem = (static bytes per node (n,), inflight (k,), capacity, buf_in (k,), buf_out)``."""
     if mem is None:
         return True
     static_b, inflight, cap, buf_in, buf_out = mem
@@ -49,13 +49,13 @@ def _mem_ok(graph, order, l, r, s, mem, comm):
     static = sum(static_b[v] for v in nodes)
     act = sum(graph.act_bytes[v] for v in nodes)
     i, o = segment_io(graph, order, l, r, comm)
-    return static + act * inflight[s] + buf_in * i + buf_out * o <= cap
+    return static + act * inflight[s] + buf_in[s] * i + buf_out * o <= cap
 
 
 def naive_slice(graph: OpGraph, order, k: int, objective: str = "inference", comm: str = "dag", mem=None):
     """O(n^2 k) DP of Archer Algorithm 1 with every segment cost from :func:`segment_cost`.
 
-    ``mem = (static bytes per node (n,), inflight (k,), capacity_bytes, buf_in, buf_out)`` or
+    ``mem = (static bytes per node (n,), inflight (k,), capacity_bytes, buf_in (k,), buf_out)`` or
     None (see :func:`_mem_ok`). Returns the optimal bottleneck
     over slicings into at most k non-empty segments numbered from the front (inf if none fits).
     """
@@ -96,8 +96,8 @@ def brute_force_memory(graph: OpGraph, k: int, objective: str, comm: str, mem) -
 
     Enumerates monotone assignments, compresses the used blocks to 0..j-1 (what
     ``Partition.from_assignment`` does: empty blocks last), and checks stage s's memory
-    ``static + act * inflight[s] + buf_in * in_bytes + buf_out * out_bytes <= cap`` with
-    ``mem = (static bytes per node (n,), inflight (k,), cap, buf_in, buf_out)``.
+    ``static + act * inflight[s] + buf_in[s] * in_bytes + buf_out * out_bytes <= cap`` with
+    ``mem = (static bytes per node (n,), inflight (k,), cap, buf_in (k,), buf_out)``.
     """
     from fxpipe.partition.objective import io_bytes
 
@@ -120,7 +120,7 @@ def brute_force_memory(graph: OpGraph, k: int, objective: str, comm: str, mem) -
         for s in range(len(used)):
             nodes = [v for v in range(n) if a[v] == s]
             m = sum(static_b[v] for v in nodes) + sum(graph.act_bytes[v] for v in nodes) * inflight[s]
-            m += buf_in * ins[s] + buf_out * outs[s]
+            m += buf_in[s] * ins[s] + buf_out * outs[s]
             if m > cap:
                 ok = False
                 break

@@ -35,7 +35,7 @@ def _close(a, b):
 def _ref_mem(g, pm, objective, k):
     """The reference helpers' memory tuple, computed from the model's definitions."""
     static = num_params(g) * pm.model.static_bytes_per_param(objective)
-    f_in, f_out = pm.model.comm_buffer_factors(pm.num_microbatches, objective)
+    f_in, f_out = pm.model.comm_buffer_factors(k, pm.num_microbatches, objective)
     return static, inflight_stashes(k, pm.num_microbatches, pm.activation, objective), pm.usable_bytes, f_in, f_out
 
 
@@ -62,10 +62,13 @@ def test_stage_memory_by_hand():
     model = MemoryModel(capacity_bytes=1e9, policy="fp32-sgd", reserved_fraction=0.0)
     floor = PartitionMemory(model, num_microbatches=4)
     # stage 0 = {0, 1}: 30 params * 8 + 1 stash of 3 + 4 receive buffers of its 7-byte output's gradient
-    # stage 1 = {2}: 30 params * 8 + 3 + 4 buffers of its 7-byte input
-    assert stage_memory_bytes(g, [0, 0, 1], 3, "training", floor).tolist() == [240 + 3 + 28, 240 + 3 + 28, 0]
+    # stage 1 = {2} (not the last of 3 positions: it pools its activation buffers): 30 params * 8 + 3 + one
+    # buffer of its 7-byte input per micro-batch 1F1B keeps in flight there (2 of 3 positions), whatever the rule
+    assert stage_memory_bytes(g, [0, 0, 1], 3, "training", floor).tolist() == [240 + 3 + 28, 240 + 3 + 14, 0]
     one_f = PartitionMemory(model, num_microbatches=4, activation="1f1b")  # 3 and 2 stashes in flight
-    assert stage_memory_bytes(g, [0, 0, 1], 3, "training", one_f).tolist() == [240 + 9 + 28, 240 + 6 + 28, 0]
+    assert stage_memory_bytes(g, [0, 0, 1], 3, "training", one_f).tolist() == [240 + 9 + 28, 240 + 6 + 14, 0]
+    # as the last stage it keeps one buffer per micro-batch (the runtime pools no buffer there)
+    assert stage_memory_bytes(g, [0, 0, 1], 2, "training", one_f).tolist() == [240 + 6 + 28, 240 + 3 + 28]
     # inference: weights only (4 bytes per parameter), no gradient buffers
     assert stage_memory_bytes(g, [0, 0, 1], 3, "inference", floor).tolist() == [120 + 3, 120 + 3 + 28, 0]
     assert as_partition_memory(MemoryModel()) is None  # unlimited: nothing to check
@@ -184,5 +187,6 @@ def test_memory_inputs_match_the_model():
     pm = PartitionMemory(MemoryModel(capacity_bytes=1000.0, data_parallel=4, zero_stage=3), num_microbatches=5, activation="1f1b")
     mp, ma, infl, cap, bi, bo = memory_inputs(g, 3, "training", pm)
     assert mp.tolist() == [100.0 / 16 * 4] * 4  # ZeRO-3 over 4: 16 / 4 bytes per parameter
-    assert infl.tolist() == [3, 2, 1] and cap == 900.0 and (bi, bo) == (5.0, 5.0)
+    # activation receive buffers pooled (one per micro-batch in flight) but on the last stage; gradients one per micro-batch
+    assert infl.tolist() == [3, 2, 1] and cap == 900.0 and bi.tolist() == [3.0, 2.0, 5.0] and bo == 5.0
     assert memory_inputs(g, 3, "training", None)[3] == math.inf

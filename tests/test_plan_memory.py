@@ -43,21 +43,29 @@ def _relay_bytes_by_hand(graph, a, k):
 def _check_three_agree(plan, model: MemoryModel):
     """Partitioner (floor rule), schedule problem (mem_limit) and stage / device tables, each
     against the bytes recomputed from the graph with mixed-precision Adam's 2 + 2 + 12 bytes
-    per parameter (Rajbhandari et al. 2020, Sec. 3.1) and one receive buffer per micro-batch."""
+    per parameter (Rajbhandari et al. 2020, Sec. 3.1) and the receive buffers: one per micro-batch for
+    gradients and for the last stage's activations, one per micro-batch in flight (with its stash)
+    for the pooled activation buffers of the other stages."""
     g, part, problem, m = plan.graph, plan.partition, plan.problem, plan.microbatches
     k, a = part.k, part.assignment
     n_params = np.bincount(a, weights=[float(e["num_params"]) for e in g.extra], minlength=k)
     stash = np.bincount(a, weights=g.act_bytes, minlength=k)
     recv, send = _relay_bytes_by_hand(g, a, k)
-    comm = m * (recv + send)  # training: activations forward, gradients backward
+    pooled = np.where(np.arange(k) < k - 1, recv, 0.0)  # training: every stage but the last pools
+    comm = m * (recv - pooled + send)  # step-long: gradients backward, the last stage's activations
     static = 16.0 * n_params + comm
     usable = model.capacity_bytes * 0.9
-    # 1. the partitioner: static state + one stash + receive buffers, within the usable bytes
-    np.testing.assert_allclose(part.meta["stage_memory_bytes"], static + stash, rtol=1e-9)
+    # 1. the partitioner: static state + one stash + the pooled buffers of the micro-batches 1F1B keeps in
+    # flight + the other receive buffers, within the usable bytes
+    in_flight = np.minimum(np.arange(k, 0, -1), m)
+    np.testing.assert_allclose(part.meta["stage_memory_bytes"], static + stash + in_flight * pooled, rtol=1e-9)
     assert part.meta["usable_bytes"] == pytest.approx(usable)
     assert max(part.meta["stage_memory_bytes"]) <= usable
-    # 2. the schedule problem: activations get what the static state leaves (one stage per device)
+    # 2. the schedule problem: activations get what the static state leaves (one stage per device); a
+    # micro-batch's stash carries its pooled buffers, which an offload cannot move
     np.testing.assert_allclose(problem.mem_limit, usable - static, rtol=1e-9)
+    if not any(problem.recompute):
+        np.testing.assert_allclose(problem.mem_f, np.maximum(stash, 1.0 * (pooled == 0)) + pooled, rtol=1e-9)
     validate_schedule(problem, plan.schedule)  # includes the memory limit of every device
     # 3. the stage table: memory by kind, the activation peak from the schedule's curve
     peak = peak_memory(problem, plan.schedule.ops)

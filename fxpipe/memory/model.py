@@ -20,12 +20,22 @@ A stage holding ``P`` parameters on a device of ``capacity_bytes`` needs, in byt
     offloaded to host memory at that moment: read from the schedule's memory curve
     (:func:`fxpipe.schedule.validate.peak_memory`), never from a 1F1B formula;
 ``comm_buffer_bytes``
-    the receive buffers of ``torch.distributed.pipelining``: a ``PipelineStage`` allocates one
-    receive buffer per micro-batch for each tensor it receives forward and one per micro-batch
-    for each gradient it receives backward (torch 2.13 ``stage.py``,
-    ``_setup_forward_recv_info`` and ``_create_grad_recv_info`` run for every ``chunk_id``),
-    so ``m * (input_bytes + output_bytes)`` of the stage's boundary tensors in training and
-    ``m * input_bytes`` in inference;
+    the receive buffers of ``torch.distributed.pipelining`` that stay allocated for the whole
+    step: a ``PipelineStage`` allocates one receive buffer per micro-batch for each tensor it
+    receives forward and one per micro-batch for each gradient it receives backward (torch 2.13
+    ``stage.py``, ``_setup_forward_recv_info`` and ``_create_grad_recv_info`` run for every
+    ``chunk_id``). fxpipe's runtime reuses the *activation* buffers of every stage but the last
+    across micro-batches (:func:`fxpipe.codegen.runtime.recv_buffer_slots`: a buffer is busy
+    from the receive that fills it to the micro-batch's last backward op on the stage), so in
+    training this is ``m * output_bytes`` (the gradient buffers, not pooled) plus, on the last
+    stage only, ``m * input_bytes``; in inference ``m * input_bytes`` (counted unpooled);
+``pooled buffers``
+    the pooled activation receive buffers of a training stage but the last: ``input_bytes``
+    for every micro-batch in flight on the stage (:meth:`MemoryModel.pooled_buffer_bytes`).
+    They live and die with the micro-batch's stash, so they are counted there: the schedule
+    problem adds them to the stage's ``mem_f`` (not offloadable: the pool keeps them on the
+    device; :func:`fxpipe.schedule.from_partition.problem_from_partition`), the partitioner
+    counts one per counted stash, and the plan's ``activation_peak_bytes`` includes them;
 ``reserved_bytes``
     a fraction of the device kept for what no model counts: the CUDA context and kernels'
     workspaces, the caching allocator's fragmentation, NCCL's own buffers, temporaries of the
@@ -406,21 +416,60 @@ class MemoryModel:
         return self.capacity_bytes - self.reserved_bytes
 
     # ------------------------------------------------------------------ per stage
-    def comm_buffer_factors(self, num_microbatches: int, objective: str) -> tuple[float, float]:
-        """Receive-buffer bytes per byte of a stage's input and of its output boundary.
+    def pooled_stages(self, k: int, objective: str) -> np.ndarray:
+        """Which of ``k`` stages reuse their activation receive buffers, float64 (k,) of 0 / 1.
 
-        ``(m, m)`` in training (activations forward, their gradients backward), ``(m, 0)`` in
-        inference; see :meth:`comm_buffer_bytes`.
+        In training every stage but the last (fxpipe's runtime,
+        :func:`fxpipe.codegen.runtime.recv_buffer_slots`); in inference none is counted pooled.
+        """
+        if objective not in ("training", "inference"):
+            raise InputError(f"objective must be 'training' or 'inference', got {objective!r}")
+        k = int(k)
+        if k < 1:
+            raise InputError(f"k must be >= 1, got {k}")
+        pooled = np.zeros(k)
+        if objective == "training":
+            pooled[: k - 1] = 1.0
+        return pooled
+
+    def comm_buffer_factors(self, k: int, num_microbatches: int, objective: str) -> tuple[np.ndarray, float]:
+        """Receive-buffer bytes per byte of a stage's input and of its output boundary, before a schedule.
+
+        A pooled stage holds one activation buffer per micro-batch in flight, and neither
+        offload nor recomputation frees it (the pool keeps it; a recomputing stage keeps exactly
+        its inputs), so the partitioner counts the micro-batches a pipelined schedule keeps in
+        flight on pipeline position ``s`` of ``k``: ``min(k - s, m)`` (1F1B, Narayanan et al.
+        2021; fewer means a stage waits for the next micro-batch's backward before starting its
+        forward, serialising the pipeline), whatever activation rule counts the stashes.
+
+        Parameters
+        ----------
+        k : int
+            Stages.
+        num_microbatches : int
+            m.
+        objective : {"training", "inference"}
+
+        Returns
+        -------
+        (f_in float64 (k,), f_out float)
+            ``f_in[s]``: ``min(k - s, m)`` on a pooled stage, ``m`` otherwise; ``f_out``: ``m`` in
+            training (gradient buffers), 0 in inference. See :meth:`comm_buffer_bytes`.
         """
         m = int(num_microbatches)
         if m < 1:
             raise InputError(f"num_microbatches must be >= 1, got {num_microbatches!r}")
-        if objective not in ("training", "inference"):
-            raise InputError(f"objective must be 'training' or 'inference', got {objective!r}")
-        return float(m), (float(m) if objective == "training" else 0.0)
+        pooled = self.pooled_stages(k, objective)
+        inflight = np.minimum(np.arange(int(k), 0, -1, dtype=np.float64), float(m))
+        f_in = pooled * inflight + (1.0 - pooled) * m
+        return f_in, (float(m) if objective == "training" else 0.0)
 
     def comm_buffer_bytes(self, input_bytes, output_bytes, num_microbatches: int, objective: str) -> np.ndarray:
-        """Receive buffers of each stage (bytes), float64 (k,).
+        """Receive buffers of each stage allocated for the whole step (bytes), float64 (k,).
+
+        ``m * output_bytes`` (gradients, training) plus ``m * input_bytes`` on a stage that does
+        not pool its activation buffers (the last in training, all in inference); the pooled
+        ones are :meth:`pooled_buffer_bytes` per micro-batch in flight.
 
         Parameters
         ----------
@@ -432,12 +481,28 @@ class MemoryModel:
         objective : {"training", "inference"}
             Inference receives no gradients.
         """
+        inp, out = self._io_arrays(input_bytes, output_bytes)
+        m = int(num_microbatches)
+        if m < 1:
+            raise InputError(f"num_microbatches must be >= 1, got {num_microbatches!r}")
+        pooled = self.pooled_stages(inp.shape[0], objective)
+        return m * (1.0 - pooled) * inp + (float(m) if objective == "training" else 0.0) * out
+
+    def pooled_buffer_bytes(self, input_bytes, objective: str) -> np.ndarray:
+        """Pooled activation receive-buffer bytes of each stage per micro-batch in flight, float64 (k,).
+
+        ``input_bytes`` on a pooled stage (:meth:`pooled_stages`), 0 elsewhere.
+        """
+        inp, _ = self._io_arrays(input_bytes, input_bytes)
+        return self.pooled_stages(inp.shape[0], objective) * inp
+
+    @staticmethod
+    def _io_arrays(input_bytes, output_bytes) -> tuple[np.ndarray, np.ndarray]:
         inp = np.asarray(input_bytes, dtype=np.float64)
         out = np.asarray(output_bytes, dtype=np.float64)
-        if inp.shape != out.shape or inp.ndim != 1:
+        if inp.shape != out.shape or inp.ndim != 1 or inp.shape[0] < 1:
             raise InputError(f"input_bytes and output_bytes must be 1-d arrays of equal length, got {inp.shape} and {out.shape}")
-        f_in, f_out = self.comm_buffer_factors(num_microbatches, objective)
-        return f_in * inp + f_out * out
+        return inp, out
 
     def static_bytes(self, params_per_stage, objective: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(params, grads, optimizer)`` bytes of every stage, each float64 (k,).

@@ -4,7 +4,9 @@ This module applies :class:`fxpipe.memory.MemoryModel` to a costed graph, a part
 stages, their placement on devices and a schedule. It adds no formula of its own: the
 parameters of a stage are :func:`fxpipe.partition.memory.num_params` summed over its nodes,
 its receive buffers are :meth:`MemoryModel.comm_buffer_bytes` of its Contract-2 relay
-boundary bytes (:func:`fxpipe.partition.objective.io_bytes`), the static state is
+boundary bytes (:func:`fxpipe.partition.objective.io_bytes`) for the step-long ones and
+:meth:`MemoryModel.pooled_buffer_bytes` per micro-batch in flight for the pooled ones (the
+schedule problem adds those to each stash, so the activation peak counts them), the static state is
 :meth:`MemoryModel.static_bytes`, the activation budget the schedule gets is
 :meth:`MemoryModel.activation_budget_bytes` (Contract 3's ``mem_limit``), and the activation
 peak is read from the schedule's memory curve (:func:`fxpipe.schedule.validate.peak_memory`,
@@ -41,16 +43,21 @@ class StageStatic:
     num_params : float64 (k,)
         Parameters each stage holds.
     comm_buffer_bytes : float64 (k,)
-        Receive buffers of each stage (:meth:`MemoryModel.comm_buffer_bytes`).
+        Receive buffers of each stage allocated for the whole step (:meth:`MemoryModel.comm_buffer_bytes`).
+    pooled_buffer_bytes : float64 (k,)
+        Pooled receive buffers of each stage per micro-batch in flight
+        (:meth:`MemoryModel.pooled_buffer_bytes`; the schedule problem's ``mem_f`` includes them).
     input_bytes, output_bytes : float64 (k,)
         Relay bytes a stage receives / sends forward per micro-batch.
     """
 
-    def __init__(self, num_params, comm_buffer_bytes, input_bytes, output_bytes):
+    def __init__(self, num_params, comm_buffer_bytes, input_bytes, output_bytes, pooled_buffer_bytes=None):
         self.num_params = np.asarray(num_params, dtype=np.float64)
         self.comm_buffer_bytes = np.asarray(comm_buffer_bytes, dtype=np.float64)
         self.input_bytes = np.asarray(input_bytes, dtype=np.float64)
         self.output_bytes = np.asarray(output_bytes, dtype=np.float64)
+        self.pooled_buffer_bytes = (np.zeros_like(self.input_bytes) if pooled_buffer_bytes is None
+                                    else np.asarray(pooled_buffer_bytes, dtype=np.float64))
 
 
 def stage_static(graph: OpGraph, assignment, k: int, model: MemoryModel, num_microbatches: int,
@@ -71,7 +78,7 @@ def stage_static(graph: OpGraph, assignment, k: int, model: MemoryModel, num_mic
     params = np.bincount(a, weights=num_params(graph), minlength=k)
     in_b, out_b = io_bytes(graph, a, k, "relay")
     comm = model.comm_buffer_bytes(in_b, out_b, num_microbatches, objective)
-    return StageStatic(params, comm, in_b, out_b)
+    return StageStatic(params, comm, in_b, out_b, model.pooled_buffer_bytes(in_b, objective))
 
 
 def schedule_mem_limit(graph: OpGraph, assignment, k: int, device_of_stage: Sequence[int], model: MemoryModel,

@@ -11,11 +11,13 @@ pipeline position ``s`` of ``k`` holding the nodes ``V_s`` needs
 ``+ inflight[s] * act_bytes(V_s)``
     its stashes by the activation rule (:func:`fxpipe.memory.inflight_stashes`: ``"floor"``,
     one stash, the default, which no schedule can do without; ``"1f1b"``, ``min(k - s, m)``),
-``+ f_in * in_bytes(V_s) + f_out * out_bytes(V_s)``
-    the receive buffers (:meth:`MemoryModel.comm_buffer_factors`: one per micro-batch for
-    every tensor received forward and, in training, every gradient received backward), of
-    the stage's Contract-2 boundary bytes (``comm="relay"``: everything crossing its two
-    boundaries),
+``+ f_in[s] * in_bytes(V_s) + f_out * out_bytes(V_s)``
+    the receive buffers (:meth:`MemoryModel.comm_buffer_factors`) of the stage's Contract-2
+    boundary bytes (``comm="relay"``: everything crossing its two boundaries): in training one
+    per micro-batch for every gradient received backward, and for every tensor received
+    forward one per micro-batch a pipelined schedule keeps in flight (``min(k - s, m)``:
+    fxpipe's runtime reuses them across micro-batches, and neither offload nor recomputation
+    frees them) on every stage but the last, one per micro-batch on the last,
 
 and must fit ``capacity - reserved`` (:attr:`MemoryModel.usable_bytes`). A block that does
 not fit is infeasible: the SliceGraph DP gives it cost ``inf``.
@@ -148,23 +150,23 @@ def as_partition_memory(memory) -> PartitionMemory | None:
 
 
 def memory_inputs(graph: OpGraph, k: int, objective: str, memory) -> tuple:
-    """Kernel arrays ``(mem_param (n,), mem_act (n,), inflight (k,), usable_bytes, buf_in, buf_out)``.
+    """Kernel arrays ``(mem_param (n,), mem_act (n,), inflight (k,), usable_bytes, buf_in (k,), buf_out)``.
 
-    ``mem_param`` are static bytes per node, ``mem_act`` its stash bytes, ``buf_in`` /
-    ``buf_out`` the receive-buffer bytes per byte of a block's input / output boundary.
-    Without a memory model: zeros and ``usable_bytes = inf``.
+    ``mem_param`` are static bytes per node, ``mem_act`` its stash bytes, ``buf_in[s]`` /
+    ``buf_out`` the receive-buffer bytes per byte of the input / output boundary of the block
+    at pipeline position ``s``. Without a memory model: zeros and ``usable_bytes = inf``.
     """
     pm = as_partition_memory(memory)
     n = graph.n
     if pm is None:
-        return np.zeros(n), np.zeros(n), np.ones(k), math.inf, 0.0, 0.0
-    f_in, f_out = pm.model.comm_buffer_factors(pm.num_microbatches, objective)
+        return np.zeros(n), np.zeros(n), np.ones(k), math.inf, np.zeros(k), 0.0
+    f_in, f_out = pm.model.comm_buffer_factors(k, pm.num_microbatches, objective)
     return (
         np.array(num_params(graph) * pm.model.static_bytes_per_param(objective), dtype=np.float64),
         np.array(graph.act_bytes, dtype=np.float64),
         inflight_stashes(k, pm.num_microbatches, pm.activation, objective),
         float(pm.usable_bytes),
-        f_in,
+        np.ascontiguousarray(f_in, dtype=np.float64),
         f_out,
     )
 
@@ -184,7 +186,7 @@ def stage_memory_bytes(graph: OpGraph, assignment, k: int, objective: str, memor
     static = np.bincount(a, weights=num_params(graph) * pm.model.static_bytes_per_param(objective), minlength=k)
     act = np.bincount(a, weights=graph.act_bytes, minlength=k)
     in_b, out_b = io_bytes(graph, a, k, comm)
-    f_in, f_out = pm.model.comm_buffer_factors(pm.num_microbatches, objective)
+    f_in, f_out = pm.model.comm_buffer_factors(k, pm.num_microbatches, objective)
     return static + act * inflight_stashes(k, pm.num_microbatches, pm.activation, objective) + f_in * in_b + f_out * out_b
 
 

@@ -194,11 +194,13 @@ def slice_kernel(
         In-flight micro-batches of block position s.
     mem_cap : float
         Bytes per device (``inf``: no limit). A block with ``sum(mem_param) +
-        sum(mem_act) * inflight[s] + buf_in * in_bytes + buf_out * out_bytes > mem_cap`` is
+        sum(mem_act) * inflight[s] + buf_in[s] * in_bytes + buf_out * out_bytes > mem_cap`` is
         infeasible.
-    buf_in, buf_out : float
-        Receive-buffer bytes per byte of the block's Contract-2 input / output boundary
-        (:func:`fxpipe.partition.memory.memory_inputs`).
+    buf_in : float64 (k,)
+        Receive-buffer bytes per byte of the Contract-2 input boundary of the block at
+        pipeline position s (:func:`fxpipe.partition.memory.memory_inputs`).
+    buf_out : float
+        The same per byte of a block's output boundary.
 
     Returns
     -------
@@ -254,7 +256,7 @@ def slice_kernel(
                     pm += mem_param[order[p]]
                     am += mem_act[order[p]]
                 ib, ob = _segment_io(order, l, r, 2 * n + 2 + i, stamp, pred_ptr, pred_idx, last, size_out, relay, cut)
-                if pm + am * inflight[i] + buf_in * ib + buf_out * ob > mem_cap:
+                if pm + am * inflight[i] + buf_in[i] * ib + buf_out * ob > mem_cap:
                     c = np.inf
             if c > g:
                 g = c
@@ -349,15 +351,18 @@ def _bounded_dp(order, pred_ptr, pred_idx, work, size_out, io_scale, relay, k, T
             c = w + io_scale * io
             if c > T:
                 continue
-            bm = 0.0  # receive buffers of [l, r] (not monotone in l: checked, never a break)
+            bm_in = 0.0  # receive buffers of [l, r] per buf_in factor / in all (not monotone in l: checked, never a break)
+            bm = 0.0
             if has_mem:
                 if relay:
-                    bm = buf_in * (cut[l - 1] if l > 0 else 0.0) + buf_out * cut[r]
+                    bm_in = cut[l - 1] if l > 0 else 0.0
+                    bm = buf_out * cut[r]
                 else:
-                    bm = buf_in * inb + buf_out * outb
+                    bm_in = inb
+                    bm = buf_out * outb
             if l == 0:
                 if lo <= 1:
-                    if has_mem and pm + am * inflight[0] + bm > mem_cap:
+                    if has_mem and pm + am * inflight[0] + buf_in[0] * bm_in + bm > mem_cap:
                         continue
                     if c < F[1, r]:
                         F[1, r] = c
@@ -369,7 +374,7 @@ def _bounded_dp(order, pred_ptr, pred_idx, work, size_out, io_scale, relay, k, T
                 prev = F[j - 1, l - 1]
                 if prev >= F[j, r]:
                     continue
-                if has_mem and pm + am * inflight[j - 1] + bm > mem_cap:
+                if has_mem and pm + am * inflight[j - 1] + buf_in[j - 1] * bm_in + bm > mem_cap:
                     continue
                 val = prev if prev > c else c
                 if val < F[j, r]:
@@ -429,7 +434,7 @@ def kernel_inputs(graph: OpGraph, k: int, objective: str = "inference", comm: st
         ``(succ_ptr, succ_idx, pred_ptr, pred_idx, work (n,) s, size_out (n,) bytes,
         io_scale s/byte, relay bool, k)``: the arguments between ``order`` and ``bound``.
     mem : tuple
-        ``(mem_param (n,) bytes, mem_act (n,) bytes, inflight (k,), mem_cap bytes, buf_in,
+        ``(mem_param (n,) bytes, mem_act (n,) bytes, inflight (k,), mem_cap bytes, buf_in (k,),
         buf_out)`` from :func:`fxpipe.partition.memory.memory_inputs`: the arguments after
         ``bound``.
 

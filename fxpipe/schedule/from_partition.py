@@ -9,19 +9,21 @@ Per stage:
   consumed at a stage ``> s``, each counted once; Contract 2 ``comm="relay"``, i.e. the
   ``out`` bytes of :func:`fxpipe.partition.objective.io_bytes`) divided by the graph's
   bandwidth. The same time is used for activations forward and gradients backward;
-* ``mem_f[s] = sum act_bytes`` of its nodes. A stage whose nodes keep nothing (or an empty
-  stage) gets ``mem_f = 1`` byte, because Contract 3 needs ``mem_f > 0``; one byte is
-  negligible next to any real limit;
-* ``mem_b[s] = -mem_f[s] * t_b / (t_b + t_w)`` and ``mem_w[s] = -mem_f[s] - mem_b[s]``: B frees
+* ``mem_f[s] = sum act_bytes`` of its nodes (``a``) plus ``pooled_buffer_bytes[s]`` (``r``,
+  default 0): the activation receive buffers a runtime that reuses them holds for the
+  micro-batch from its F to its W (:meth:`fxpipe.memory.MemoryModel.pooled_buffer_bytes`). A
+  stage whose nodes keep nothing (or an empty stage) gets ``mem_f = 1`` byte, because
+  Contract 3 needs ``mem_f > 0``; one byte is negligible next to any real limit;
+* ``mem_b[s] = -a * t_b / (t_b + t_w)`` and ``mem_w[s] = -mem_f[s] - mem_b[s]``: B frees
   the share of the stash proportional to its share of the backward time (half each when
-  both times are 0). This is the simplest documented split; Zero Bubble's transformer
-  accounting (Qi et al. 2024 Table 1) frees most activations at B and keeps the inputs of
-  linear layers for W;
+  both times are 0), W the rest and the pooled buffers. This is the simplest documented
+  split; Zero Bubble's transformer accounting (Qi et al. 2024 Table 1) frees most
+  activations at B and keeps the inputs of linear layers for W;
 * ``recompute_mem_f[s]`` = the relay bytes stage s receives (its inputs, what a stage that
   recomputes its forward during B keeps from F; :meth:`ScheduleProblem.with_recompute`), at
   least 1 byte and at most ``mem_f[s]``;
-* ``offload_bytes[s] = mem_f[s]`` and ``t_offload[s] = mem_f[s] / host_bandwidth`` (or the
-  given ``t_offload_s``). Without either, offload is disabled: ``offload_bytes = 0``, so an
+* ``offload_bytes[s] = a`` and ``t_offload[s] = a / host_bandwidth`` (or the given
+  ``t_offload_s``): the pooled buffers stay on the device. Without either, offload is disabled: ``offload_bytes = 0``, so an
   offload frees nothing.
 """
 
@@ -54,6 +56,7 @@ def problem_from_partition(
     pcie_groups: Sequence[Sequence[int]] = (),
     name: str | None = None,
     device_of_stage: Sequence[int] | None = None,
+    pooled_buffer_bytes: Sequence[float] | np.ndarray | None = None,
 ) -> ScheduleProblem:
     """The scheduling problem of running ``graph`` split by ``partition`` as a pipeline.
 
@@ -81,6 +84,9 @@ def problem_from_partition(
         Placement of the stages on devices (default one stage per device; looped and V
         placements from :func:`fxpipe.ir.looped_placement` / :func:`fxpipe.ir.v_placement`).
         Comm between stages on one device is free (Contract 3).
+    pooled_buffer_bytes : float array (k,), optional
+        Receive-buffer bytes each stage holds per micro-batch in flight (added to ``mem_f``,
+        freed by W, never offloaded); default none.
 
     Returns
     -------
@@ -110,22 +116,26 @@ def problem_from_partition(
     t_f = np.bincount(a, weights=graph.t_fwd_s, minlength=k)
     t_b = np.bincount(a, weights=graph.t_bwd_input_s, minlength=k)
     t_w = np.bincount(a, weights=graph.t_bwd_weight_s, minlength=k)
-    mem_f = np.bincount(a, weights=graph.act_bytes, minlength=k)
-    mem_f = np.where(mem_f > 0, mem_f, MIN_STASH_BYTES)
+    stash = np.bincount(a, weights=graph.act_bytes, minlength=k)
+    pooled = np.zeros(k) if pooled_buffer_bytes is None else np.asarray(pooled_buffer_bytes, dtype=np.float64)
+    if pooled.shape != (k,) or not np.all(np.isfinite(pooled)) or np.any(pooled < 0):
+        raise InputError(f"pooled_buffer_bytes must be {k} finite bytes >= 0, got {pooled_buffer_bytes!r}")
+    stash = np.where(stash > 0, stash, np.where(pooled > 0, 0.0, MIN_STASH_BYTES))
+    mem_f = stash + pooled
     tot = t_b + t_w
     share = np.where(tot > 0, t_b / np.where(tot > 0, tot, 1.0), 0.5)
-    mem_b = -mem_f * share
+    mem_b = -stash * share
     mem_w = -mem_f - mem_b
     t_comm = out_b[: k - 1] / graph.bandwidth_bytes_per_s
     if t_offload_s is not None:
         t_off = np.broadcast_to(np.asarray(t_offload_s, dtype=float), (k,)).copy()
-        off_bytes = mem_f.copy()
+        off_bytes = stash.copy()
     elif host_bandwidth_bytes_per_s is not None:
         bw = float(host_bandwidth_bytes_per_s)
         if not math.isfinite(bw) or bw <= 0:
             raise InputError(f"host_bandwidth_bytes_per_s must be a positive number, got {host_bandwidth_bytes_per_s!r}")
-        t_off = mem_f / bw
-        off_bytes = mem_f.copy()
+        t_off = stash / bw
+        off_bytes = stash.copy()
     else:
         t_off = np.zeros(k)
         off_bytes = np.zeros(k)
