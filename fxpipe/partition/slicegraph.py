@@ -55,6 +55,7 @@ from fxpipe.ir import OpGraph
 from fxpipe.partition._numba import NJIT, njit
 from fxpipe.partition.memory import memory_inputs
 from fxpipe.partition.objective import Partition, check_objective
+from fxpipe.partition.orders import kernel_csr
 
 __all__ = [
     "slice_order",
@@ -440,13 +441,8 @@ def kernel_inputs(graph: OpGraph, k: int, objective: str = "inference", comm: st
     """
     check_objective(objective, comm)
     io_scale = (2.0 if objective == "training" else 1.0) / graph.bandwidth_bytes_per_s
-    # fresh writable copies: numba specialises on read-only vs writable arrays, and one
-    # signature per kernel keeps the on-disk cache to one entry
     base = (
-        np.array(graph.succ_ptr, dtype=np.int64),
-        np.array(graph.succ_idx, dtype=np.int64),
-        np.array(graph.pred_ptr, dtype=np.int64),
-        np.array(graph.pred_idx, dtype=np.int64),
+        *kernel_csr(graph),
         np.array(graph.work_s(objective), dtype=np.float64),
         np.array(graph.size_out_bytes, dtype=np.float64),
         float(io_scale),
