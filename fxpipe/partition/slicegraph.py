@@ -117,6 +117,23 @@ def _ceil_ratio(w, t):
     return int(math.ceil(w / t * (1.0 - 1e-9)))
 
 
+@njit(inline="always", **NJIT)
+def _grow_io(v, r, tag, inb, outb, stamp, pred_ptr, pred_idx, last, size_out):
+    """Dag-mode input and output bytes ``(inb, outb)`` of a segment ending at position ``r``
+    once node ``v`` joins it on the left (segments grow right to left; ``stamp[u] == tag``
+    marks the producers already counted as inputs)."""
+    if last[v] > r:
+        outb += size_out[v]
+    if stamp[v] == tag:
+        inb -= size_out[v]
+    for e in range(pred_ptr[v], pred_ptr[v + 1]):
+        u = pred_idx[e]
+        if stamp[u] != tag:
+            stamp[u] = tag
+            inb += size_out[u]
+    return inb, outb
+
+
 @njit(**NJIT)
 def _segment_io(order, l, r, tag, stamp, pred_ptr, pred_idx, last, size_out, relay, cut):
     """Input and output bytes of segment [l, r] (Contract 2), fresh ``tag``."""
@@ -125,16 +142,7 @@ def _segment_io(order, l, r, tag, stamp, pred_ptr, pred_idx, last, size_out, rel
     inb = 0.0
     outb = 0.0
     for p in range(r, l - 1, -1):
-        v = order[p]
-        if last[v] > r:
-            outb += size_out[v]
-        if stamp[v] == tag:
-            inb -= size_out[v]
-        for e in range(pred_ptr[v], pred_ptr[v + 1]):
-            u = pred_idx[e]
-            if stamp[u] != tag:
-                stamp[u] = tag
-                inb += size_out[u]
+        inb, outb = _grow_io(order[p], r, tag, inb, outb, stamp, pred_ptr, pred_idx, last, size_out)
     return inb, outb
 
 
@@ -337,15 +345,7 @@ def _bounded_dp(order, pred_ptr, pred_idx, work, size_out, io_scale, relay, k, T
             if relay:
                 io = cut[r] + (cut[l - 1] if l > 0 else 0.0)
             else:
-                if last[v] > r:
-                    outb += size_out[v]
-                if stamp[v] == r:
-                    inb -= size_out[v]
-                for e in range(pred_ptr[v], pred_ptr[v + 1]):
-                    u = pred_idx[e]
-                    if stamp[u] != r:
-                        stamp[u] = r
-                        inb += size_out[u]
+                inb, outb = _grow_io(v, r, r, inb, outb, stamp, pred_ptr, pred_idx, last, size_out)
                 io = inb + outb
             c = w + io_scale * io
             if c > T:
