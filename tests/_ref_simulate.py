@@ -39,7 +39,8 @@ class Timing(NamedTuple):
 
 
 def simulate(problem, orders, *, offload=None, respect_memory=False, method=""):
-    """The timed ops and both objective values of ``orders`` (as :func:`fxpipe.schedule.simulate.simulate`)."""
+    """The timed ops and both objective values of ``orders`` (as :func:`fxpipe.schedule.simulate.simulate`;
+    ``method`` is accepted and ignored)."""
     S, M, D = problem.num_stages, problem.num_microbatches, problem.num_devices
     checked = as_orders(problem, orders)
     programs = [[(a.stage, a.type, a.microbatch) for a in row if a.is_compute] for row in checked.actions]
@@ -59,6 +60,7 @@ def simulate(problem, orders, *, offload=None, respect_memory=False, method=""):
     timed: list[ScheduledOp] = []
 
     def free(s: int, x: float, dur: float) -> bool:
+        """``[x, x + dur]`` overlaps no booked copy of a conflicting stage (zero-length copies never conflict)."""
         if dur <= 0:
             return True
         return all(b <= x or a >= x + dur for p, a, b in copies if b > a and copies_conflict(s, p))
