@@ -148,12 +148,7 @@ class OpGraph:
             raise InputError(f"ops must have {n} entries, got {len(kinds)}")
         for key, arr in arrays.items():
             _check_finite_nonneg(arr, key, labels)
-        try:
-            bw = float(bandwidth_bytes_per_s)
-        except (TypeError, ValueError):
-            raise InputError(f"bandwidth_bytes_per_s must be a number, got {bandwidth_bytes_per_s!r}") from None
-        if not math.isfinite(bw) or bw <= 0:
-            raise InputError(f"bandwidth_bytes_per_s must be a positive finite number, got {bw}")
+        bw = check_bandwidth(bandwidth_bytes_per_s)
 
         edge_arr = _edge_array(edges, n)
         succ_ptr, succ_idx = _csr(edge_arr[:, 0], edge_arr[:, 1], n)
@@ -352,6 +347,23 @@ class OpGraph:
 
     def __repr__(self) -> str:  # short: arrays can be huge
         return f"OpGraph(name={self.name!r}, n={self.n}, m={self.m}, bandwidth_bytes_per_s={self.bandwidth_bytes_per_s:g})"
+
+
+def check_bandwidth(bandwidth_bytes_per_s: Any) -> float:
+    """The inter-device bandwidth of an OpGraph (bytes/s) as a float.
+
+    Raises
+    ------
+    InputError
+        If it is not a number, or not positive and finite.
+    """
+    try:
+        bw = float(bandwidth_bytes_per_s)
+    except (TypeError, ValueError):
+        raise InputError(f"bandwidth_bytes_per_s must be a number, got {bandwidth_bytes_per_s!r}") from None
+    if not math.isfinite(bw) or bw <= 0:
+        raise InputError(f"bandwidth_bytes_per_s must be a positive finite number, got {bw}")
+    return bw
 
 
 def _edge_array(edges: Iterable[Sequence[int]] | np.ndarray, n: int) -> np.ndarray:

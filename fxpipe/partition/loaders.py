@@ -73,6 +73,7 @@ import numpy as np
 from fxpipe.errors import InputError
 from fxpipe.io import read_text
 from fxpipe.ir import OpGraph, read_json
+from fxpipe.ir.opgraph import check_bandwidth
 
 __all__ = ["load_dnn_partitioning", "load_pipedream", "PIPEDREAM_DEFAULT_BANDWIDTH_BYTES_PER_S"]
 
@@ -550,12 +551,7 @@ def load_pipedream(
     src = str(path)
     if backward_split not in ("input", "even"):
         raise InputError(f"backward_split must be 'input' or 'even', got {backward_split!r}")
-    try:
-        bw = float(bandwidth_bytes_per_s)
-    except (TypeError, ValueError):
-        raise InputError(f"bandwidth_bytes_per_s must be a number, got {bandwidth_bytes_per_s!r}") from None
-    if not math.isfinite(bw) or bw <= 0:
-        raise InputError(f"bandwidth_bytes_per_s must be positive and finite, got {bw}")
+    bw = check_bandwidth(bandwidth_bytes_per_s)
     node_ids, descs, vals, edges = _pd_parse(read_text(path, "PipeDream profile"), src)
     n = len(node_ids)
     new = _pd_renumbering(node_ids, edges, src)

@@ -146,12 +146,17 @@ def node_classes(graph: OpGraph) -> np.ndarray:
     return cls
 
 
-def _csr(graph: OpGraph):
-    # writable copies: the same numba signature as the arrays of slicegraph.kernel_inputs
+def kernel_csr(graph: OpGraph) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The graph's CSR adjacency ``(succ_ptr, succ_idx, pred_ptr, pred_idx)`` as the numba kernels take it.
+
+    Fresh writable int64 copies: numba specialises on read-only vs writable arrays, and one
+    signature per kernel keeps the on-disk cache to one entry.
+    """
     return (
         np.array(graph.succ_ptr, dtype=np.int64),
         np.array(graph.succ_idx, dtype=np.int64),
         np.array(graph.pred_ptr, dtype=np.int64),
+        np.array(graph.pred_idx, dtype=np.int64),
     )
 
 
@@ -185,7 +190,7 @@ def kahn_order(graph: OpGraph, priorities: Sequence[float] | np.ndarray) -> np.n
         raise InputError(f"priorities must have shape ({graph.n},), got {keys.shape}")
     if not np.all(np.isfinite(keys)):
         raise InputError("priorities must be finite numbers")
-    sp, si, pp = _csr(graph)
+    sp, si, pp, _ = kernel_csr(graph)
     return kahn_kernel(np.array(keys, dtype=np.float64), node_classes(graph), sp, si, pp)
 
 

@@ -55,6 +55,7 @@ from fxpipe.ir import OpGraph
 from fxpipe.partition._numba import NJIT, njit
 from fxpipe.partition.memory import memory_inputs
 from fxpipe.partition.objective import Partition, check_objective
+from fxpipe.partition.orders import kernel_csr
 
 __all__ = [
     "slice_order",
@@ -116,6 +117,23 @@ def _ceil_ratio(w, t):
     return int(math.ceil(w / t * (1.0 - 1e-9)))
 
 
+@njit(inline="always", **NJIT)
+def _grow_io(v, r, tag, inb, outb, stamp, pred_ptr, pred_idx, last, size_out):
+    """Dag-mode input and output bytes ``(inb, outb)`` of a segment ending at position ``r``
+    once node ``v`` joins it on the left (segments grow right to left; ``stamp[u] == tag``
+    marks the producers already counted as inputs)."""
+    if last[v] > r:
+        outb += size_out[v]
+    if stamp[v] == tag:
+        inb -= size_out[v]
+    for e in range(pred_ptr[v], pred_ptr[v + 1]):
+        u = pred_idx[e]
+        if stamp[u] != tag:
+            stamp[u] = tag
+            inb += size_out[u]
+    return inb, outb
+
+
 @njit(**NJIT)
 def _segment_io(order, l, r, tag, stamp, pred_ptr, pred_idx, last, size_out, relay, cut):
     """Input and output bytes of segment [l, r] (Contract 2), fresh ``tag``."""
@@ -124,16 +142,7 @@ def _segment_io(order, l, r, tag, stamp, pred_ptr, pred_idx, last, size_out, rel
     inb = 0.0
     outb = 0.0
     for p in range(r, l - 1, -1):
-        v = order[p]
-        if last[v] > r:
-            outb += size_out[v]
-        if stamp[v] == tag:
-            inb -= size_out[v]
-        for e in range(pred_ptr[v], pred_ptr[v + 1]):
-            u = pred_idx[e]
-            if stamp[u] != tag:
-                stamp[u] = tag
-                inb += size_out[u]
+        inb, outb = _grow_io(order[p], r, tag, inb, outb, stamp, pred_ptr, pred_idx, last, size_out)
     return inb, outb
 
 
@@ -338,15 +347,7 @@ def _bounded_dp(order, pred_ptr, pred_idx, work, size_out, io_scale, relay, k, T
             if relay:
                 io = cut[r] + (cut[l - 1] if l > 0 else 0.0)
             else:
-                if last[v] > r:
-                    outb += size_out[v]
-                if stamp[v] == r:
-                    inb -= size_out[v]
-                for e in range(pred_ptr[v], pred_ptr[v + 1]):
-                    u = pred_idx[e]
-                    if stamp[u] != r:
-                        stamp[u] = r
-                        inb += size_out[u]
+                inb, outb = _grow_io(v, r, r, inb, outb, stamp, pred_ptr, pred_idx, last, size_out)
                 io = inb + outb
             c = w + io_scale * io
             if c > T:
@@ -445,13 +446,8 @@ def kernel_inputs(graph: OpGraph, k: int, objective: str = "inference", comm: st
     """
     check_objective(objective, comm)
     io_scale = (2.0 if objective == "training" else 1.0) / graph.bandwidth_bytes_per_s
-    # fresh writable copies: numba specialises on read-only vs writable arrays, and one
-    # signature per kernel keeps the on-disk cache to one entry
     base = (
-        np.array(graph.succ_ptr, dtype=np.int64),
-        np.array(graph.succ_idx, dtype=np.int64),
-        np.array(graph.pred_ptr, dtype=np.int64),
-        np.array(graph.pred_idx, dtype=np.int64),
+        *kernel_csr(graph),
         np.array(graph.work_s(objective), dtype=np.float64),
         np.array(graph.size_out_bytes, dtype=np.float64),
         float(io_scale),
