@@ -10,8 +10,8 @@ run only)" to the line, so the few seconds it takes are not silent.
 Interruptible searches
 ----------------------
 :class:`Search` is the one Ctrl-C / progress / best-so-far helper of every search
-(the partition search and BRKGA, the partition bounds, the SCIP solve wrapper; the schedule
-searches are to adopt it too)::
+(the partition search and BRKGA, the partition bounds, the SCIP solve wrapper, the schedule
+MILP and the offload policy search)::
 
     with Search("brkga", unit="gen", total=None, progress=True) as run:
         while not run.stopped:              # Ctrl-C sets the flag; the loop ends at its next check

@@ -127,7 +127,8 @@ def make_schedule(
     if method == "auto":
         sched = auto_schedule(problem, recompute=False, time_limit_s=time_limit_s, progress=progress).schedule
     elif method == "milp":
-        sched = milp.solve(problem, time_limit_s=time_limit_s, warm_start=milp.warm_start_schedule(problem), progress=progress, on_incumbent=on_incumbent)
+        # the warm start is computed inside milp.solve (its default), where a Ctrl-C during it stops the MILP
+        sched = milp.solve(problem, time_limit_s=time_limit_s, progress=progress, on_incumbent=on_incumbent)
         try:
             validate_schedule(problem, sched)
         except InvalidScheduleError as exc:

@@ -44,6 +44,7 @@ import numpy as np
 
 from fxpipe.errors import InfeasibleError
 from fxpipe.ir import Schedule, ScheduledOp, ScheduleProblem, sort_ops
+from fxpipe.progress import Search
 from fxpipe.schedule.validate import check_schedule, objective_values, require_one_stage_per_device
 
 __all__ = ["OffloadParams", "default_params", "offload_list_schedule", "offload_search"]
@@ -423,9 +424,12 @@ def offload_search(
     on_improve : callable(value, evals), optional
         Called on every improvement.
     progress : bool
-        A tqdm bar (stderr) with the evaluations and the best value.
+        A tqdm bar (stderr) with the evaluations and the best value so far.
 
-    Ctrl-C stops the search and returns the best schedule so far (``meta["interrupted"]``).
+    Ctrl-C (:class:`fxpipe.progress.Search`) stops the search at its next evaluation and
+    returns the best schedule so far with ``meta["interrupted"]`` true (an enclosing search,
+    e.g. :func:`fxpipe.schedule.milp.solve`, stops too); pressed before any valid schedule,
+    the ``KeyboardInterrupt`` goes on to the caller.
 
     Returns
     -------
@@ -443,44 +447,40 @@ def offload_search(
     require_one_stage_per_device(problem, "offload-search")
     t0 = time.perf_counter()
     rng = random.Random(seed)
-    best_p = default_params(problem)
-    best_v, best_ops = _evaluate(problem, best_p)
-    evals = 1
-    interrupted = False
-    from tqdm.auto import tqdm  # noqa: PLC0415
-
-    bar = tqdm(desc=f"offload-search {problem.name}", unit="schedule", disable=not progress, leave=False)
-    try:
-        while time.perf_counter() - t0 < time_limit_s and (max_evals is None or evals < max_evals):
-            if best_ops is None or rng.random() < 1 / 3:
+    best = None  # (value, ops, params) of the best valid schedule so far, replaced in one statement
+    evals = 0
+    with Search(f"offload-search {problem.name}", unit="schedule", progress=progress) as run:
+        p0 = default_params(problem)
+        v0, ops0 = _evaluate(problem, p0)
+        evals = 1
+        if ops0 is not None:
+            best = (v0, ops0, p0)
+        while (not run.stopped and time.perf_counter() - t0 < time_limit_s
+               and (max_evals is None or evals < max_evals)):
+            if best is None or rng.random() < 1 / 3:
                 cand = _random_params(problem, rng)
             else:
-                cand = _mutate(problem, best_p, rng)
+                cand = _mutate(problem, best[2], rng)
                 for _ in range(rng.randrange(0, 3)):
                     cand = _mutate(problem, cand, rng)
+            best_v = math.inf if best is None else best[0]
             v, ops = _evaluate(problem, cand, best_v)
             evals += 1
-            bar.update(1)
             if ops is not None and v <= best_v + _EPS:
-                improved = v < best_v - _EPS
-                best_v, best_ops, best_p = v, ops, cand
-                if improved:
-                    bar.set_postfix(best=f"{v:.6g}")
-                    if on_improve is not None:
-                        on_improve(v, evals)
-    except KeyboardInterrupt:
-        interrupted = True
-    finally:
-        bar.close()
-    if best_ops is None:
-        if interrupted:
-            raise KeyboardInterrupt
+                best = (v, ops, cand)  # ties accepted: the search drifts across plateaus
+                if v < best_v - _EPS and on_improve is not None:
+                    on_improve(v, evals)
+            run.update(1, best=f"{math.inf if best is None else best[0]:.6g}")
+    if best is None:
+        if run.interrupted:
+            raise KeyboardInterrupt  # pressed before the search had a schedule to return
         raise InfeasibleError(
             f"offload-search: cannot fit mem_limit with any of the {evals} list-scheduling policies tried (each "
             "deadlocked or overflowed a stage); raise the limit, use more stages or the MILP")
+    _, best_ops, best_p = best
     ops = sort_ops(best_ops)
     ms, span = objective_values(problem, ops)
     return Schedule(ops=tuple(ops), makespan=ms, stage_span=span, status="heuristic",
                     solver_time_s=time.perf_counter() - t0, method="offload-search", objective=problem.objective,
-                    meta={"evals": evals, "interrupted": interrupted, "params": {k: (list(v) if isinstance(v, tuple) else v)
-                                                     for k, v in best_p.__dict__.items()}})
+                    meta={"evals": evals, "interrupted": run.interrupted,
+                          "params": {k: (list(v) if isinstance(v, tuple) else v) for k, v in best_p.__dict__.items()}})

@@ -10,6 +10,7 @@ from typing import Any, Callable
 
 from fxpipe.errors import InfeasibleError, InputError
 from fxpipe.ir import Schedule, ScheduleProblem
+from fxpipe.progress import Search
 from fxpipe.schedule.bounds import combinatorial_lower_bound
 from fxpipe.schedule.milp.builder import build_model
 from fxpipe.schedule.milp.extract import extract_schedule
@@ -109,6 +110,12 @@ def solve(
         the combinatorial lower bound it is optimal and no model is built
         (``meta["proof"] = "combinatorial bound"``).
 
+    Ctrl-C (:class:`fxpipe.progress.Search`) in any phase stops it, the phases after it do not
+    run, and the best schedule so far comes back with ``status="userinterrupt"``: SCIP's
+    incumbent with its dual bound and gap, or before SCIP the warm start (improved by the
+    search if it ran) with the bound proven so far; an enclosing search stops too. Pressed
+    before any warm start existed, the ``KeyboardInterrupt`` goes on to the caller.
+
     Raises
     ------
     InputError
@@ -122,39 +129,58 @@ def solve(
     ----------
     OptPipe Sections 3, 4.1, 4.3 and Appendix C.
     """
-    from fxpipe.mip import solve_model  # imports pyscipopt (heavy): only when solving
-
     if not isinstance(problem, ScheduleProblem):
         raise InputError(f"expected a ScheduleProblem, got {type(problem).__name__}")
     probe_time_s, search_time_s = _phase_budgets(time_limit_s, threads, gap_limit, probe_time_s, search_time_s)
     t_start = time.perf_counter()
     check_memory_feasible(problem)
-    warm_start = _valid_warm_start(problem, warm_start)
-    warm_val = objective_value(problem, warm_start.ops)
     comb_lb = float(combinatorial_lower_bound(problem))
-    search_info, search_s, interrupted = None, 0.0, False
-    if search_time_s > 0 and problem.one_stage_per_device and not _meets(warm_val, comb_lb):
-        warm_start, warm_val, search_info, interrupted = _long_search(problem, warm_start, warm_val, search_time_s,
-                                                                      progress)
-        search_s = time.perf_counter() - t_start
-    probe_info, probe_s, bound_method = None, 0.0, "combinatorial"
-    if probe_time_s > 0 and not interrupted and not _meets(warm_val, comb_lb):
-        pb = probe_lower_bound(problem, upper_bound_s=warm_val, lower_bound_s=comb_lb, time_limit_s=float(probe_time_s),
-                               probe_time_s=max(1.0, float(probe_time_s) / 8))
-        probe_info, probe_s = pb.to_dict(), pb.wall_s
-        if pb.bound_s > comb_lb:
-            comb_lb = pb.bound_s  # a proven bound (see probe_lower_bound, "Soundness")
-            bound_method = "time-indexed probe"
-    warm_info = {"method": warm_start.method, "value_s": warm_val,
-                 "candidates": warm_start.meta.get("warm_candidates", {})}
-    phases = {"probe": probe_info, "search": search_info}
+    warm, warm_val, search_info, probe_info, bound_method = None, math.inf, None, None, "combinatorial"
+    search_s = probe_s = 0.0
+    result = None
+    # Ctrl-C in any phase (the searches inside it and SCIP stop this search too): the phases
+    # after it do not run and the best schedule so far comes back as "userinterrupt"
+    with Search(f"milp {problem.name}") as run:
+        warm = _valid_warm_start(problem, warm_start)
+        warm_val = objective_value(problem, warm.ops)
+        if search_time_s > 0 and problem.one_stage_per_device and not run.stopped and not _meets(warm_val, comb_lb):
+            warm, warm_val, search_info = _long_search(problem, warm, warm_val, search_time_s, progress)
+            search_s = time.perf_counter() - t_start
+        if probe_time_s > 0 and not run.stopped and not _meets(warm_val, comb_lb):
+            pb = probe_lower_bound(problem, upper_bound_s=warm_val, lower_bound_s=comb_lb,
+                                   time_limit_s=float(probe_time_s), probe_time_s=max(1.0, float(probe_time_s) / 8))
+            probe_info, probe_s = pb.to_dict(), pb.wall_s
+            if pb.bound_s > comb_lb:  # a proven bound (see probe_lower_bound, "Soundness")
+                comb_lb, bound_method = pb.bound_s, "time-indexed probe"
+            if pb.interrupted:
+                run.stop()  # a probe solve was stopped by Ctrl-C
+        if not run.stopped and not _meets(warm_val, comb_lb):
+            result = _solve_milp(problem, warm, warm_val, comb_lb, t_start,
+                                 {"probe": probe_info, "search": search_info, "bound_method": bound_method},
+                                 time_limit_s=max(1.0, float(time_limit_s) - probe_s - search_s), threads=threads,
+                                 gap_limit=gap_limit, triangle_cuts=triangle_cuts, on_incumbent=on_incumbent,
+                                 progress=progress)
+    if result is not None:
+        return result
+    if warm is None:
+        raise KeyboardInterrupt  # pressed before the warm start existed: nothing to return
+    warm_val = objective_value(problem, warm.ops)
+    # the warm start meets a proven lower bound: optimal, nothing to search; or Ctrl-C: the
+    # warm start with the bound proven so far
+    warm_info = {"method": warm.method, "value_s": warm_val, "candidates": warm.meta.get("warm_candidates", {}),
+                 "accepted": None}
+    return _warm_start_result(problem, warm, warm_val, comb_lb, _meets(warm_val, comb_lb), t_start,
+                              {"probe": probe_info, "search": search_info, "bound_method": bound_method,
+                               "warm_start": warm_info})
 
-    proven = _meets(warm_val, comb_lb)
-    if proven or interrupted or (probe_info is not None and probe_info.get("interrupted")):
-        # the warm start meets a proven lower bound: optimal, nothing to search; or Ctrl-C
-        # during the search or probing: the warm start with the bound proven so far
-        return _warm_start_result(problem, warm_start, warm_val, comb_lb, proven, t_start,
-                                  {**phases, "bound_method": bound_method, "warm_start": {**warm_info, "accepted": None}})
+
+def _solve_milp(problem: ScheduleProblem, warm_start: Schedule, warm_val: float, comb_lb: float, t_start: float,
+                phases: dict, *, time_limit_s: float, threads: int, gap_limit: float, triangle_cuts: bool,
+                on_incumbent: Callable[[Incumbent], Any] | None, progress: bool) -> Schedule:
+    """Build the model from the warm start and the proven bound ``comb_lb``, solve it with SCIP
+    for ``time_limit_s`` (:func:`fxpipe.mip.solve_model`, which a Ctrl-C stops with its best
+    so far) and return the best valid schedule (:func:`_milp_result`)."""
+    from fxpipe.mip import solve_model  # imports pyscipopt (heavy): only when solving
 
     model, V = build_model(problem, warm_start=warm_start, triangle_cuts=triangle_cuts, lower_bound_s=comb_lb)
     params = {"limits/gap": float(gap_limit), "lp/threads": int(threads)}
@@ -167,7 +193,7 @@ def solve(
     found = _Incumbents(problem, V, warm_start, warm_val, comb_lb, on_incumbent)
     res = solve_model(
         model,
-        time_limit_s=max(1.0, float(time_limit_s) - probe_s - search_s),
+        time_limit_s=time_limit_s,
         params=params,
         warm_start=warm_start_values(problem, V, warm_start),
         warm_start_complete=True,
@@ -185,9 +211,10 @@ def solve(
     # the final best solution (the handler saw it already unless it came from presolve)
     if res.n_solutions > 0 and res.values and res.raw_status != "infeasible":
         found.consider(lambda var: res.values[var.name], res.wall_s, res.dual)
+    warm_info = {"method": warm_start.method, "value_s": warm_val,
+                 "candidates": warm_start.meta.get("warm_candidates", {}), "accepted": res.warm_start_accepted}
     return _milp_result(problem, V, res, found, comb_lb, t_start,
-                        {**phases, "bound_method": bound_method, "build_s": build_s,
-                         "warm_start": {**warm_info, "accepted": res.warm_start_accepted}})
+                        {**phases, "build_s": build_s, "warm_start": warm_info})
 
 
 def _meets(value: float, bound: float) -> bool:
@@ -227,26 +254,24 @@ def _valid_warm_start(problem: ScheduleProblem, warm_start: Schedule | None) -> 
 
 
 def _long_search(problem: ScheduleProblem, warm_start: Schedule, warm_val: float, search_time_s: float,
-                 progress: bool) -> tuple[Schedule, float, dict | None, bool]:
+                 progress: bool) -> tuple[Schedule, float, dict | None]:
     """The longer primal search (:func:`~fxpipe.schedule.offload_search.offload_search`) before
-    probing: (warm start, its value, ``meta["search"]``, interrupted). Its best schedule
-    replaces the warm start when valid and shorter."""
+    probing: (warm start, its value, ``meta["search"]``). Its best schedule replaces the warm
+    start when valid and shorter. Ctrl-C stops it (and the enclosing :func:`solve`) with its
+    best so far; pressed before it had one, its ``KeyboardInterrupt`` ends :func:`solve`'s search."""
     try:
         found = offload_search_mod.offload_search(problem, time_limit_s=float(search_time_s), seed=1, progress=progress)
-    except KeyboardInterrupt:
-        return warm_start, warm_val, None, True
     except InfeasibleError:
-        return warm_start, warm_val, None, False
-    interrupted = bool(found.meta.get("interrupted"))
+        return warm_start, warm_val, None
     search_info = {"value_s": found.value, "evals": found.meta.get("evals"), "wall_s": found.solver_time_s,
-                   "interrupted": interrupted}
+                   "interrupted": bool(found.meta.get("interrupted"))}
     if not check_schedule(problem, found.ops) and objective_value(problem, found.ops) < warm_val - 1e-12 * max(1.0, warm_val):
         warm_start = Schedule(ops=found.ops, makespan=found.makespan, stage_span=found.stage_span,
                               status="heuristic", method="offload-search", objective=problem.objective,
                               meta={"warm_candidates": {**warm_start.meta.get("warm_candidates", {}),
                                                         "offload-search (long)": found.value}})
         warm_val = objective_value(problem, warm_start.ops)
-    return warm_start, warm_val, search_info, interrupted
+    return warm_start, warm_val, search_info
 
 
 def _versions() -> dict:
