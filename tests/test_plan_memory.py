@@ -9,6 +9,8 @@ import math
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 
@@ -206,3 +208,35 @@ def test_reschedule_auto_recomputes_like_compile(tiny_gpt2):
     assert again.options["schedule"] == "auto" and again.schedule.meta["auto"]["tried"]["binding"] is False
     validate_schedule(again.problem, again.schedule)
     assert again.schedule.value <= free.schedule.value * (1 + 1e-9)  # auto is at least as fast as ZB-H1
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10**6), n=st.integers(3, 10), k=st.integers(2, 4), m=st.integers(1, 6))
+def test_the_partitioners_memory_is_what_1f1b_with_full_recomputation_needs(seed, n, k, m):
+    """The partitioner's floor rule (static state + one stash + the pooled receive buffers of the
+    micro-batches 1F1B keeps in flight + the step-long buffers) is what 1F1B with every stage
+    recomputing needs on every stage (up to Contract 3's 1-byte stash of a stage that keeps
+    nothing), so a partition it accepts always has that schedule (issue 19 item 5: never worse
+    than 1F1B + full recomputation). Before a pooled buffer was counted once as the stash's and
+    once as the recomputing stage's inputs, and such partitions could be refused at schedule time."""
+    from naive_partition import random_dag
+
+    from fxpipe.memory.plan_view import stage_static
+    from fxpipe.partition.memory import stage_memory_bytes
+    from fxpipe.schedule.dispatch import make_schedule
+    from fxpipe.schedule.from_partition import problem_from_partition
+
+    g = random_dag(seed, n, bandwidth=100.0)
+    model = MemoryModel(capacity_bytes=1e18, reserved_fraction=0.0)
+    pm = PartitionMemory(model, num_microbatches=m)
+    part = partition(g, k, objective="training", comm="relay", time_limit_s=0, memory=pm)
+    kk, a = part.k, part.assignment
+    st_ = stage_static(g, a, kk, model, m, "training")
+    problem = problem_from_partition(g, part, num_microbatches=m, pooled_buffer_bytes=st_.pooled_buffer_bytes)
+    full = problem.with_recompute(list(range(kk)))
+    sched = make_schedule(full, "1f1b")
+    validate_schedule(full, sched)
+    need = st_.num_params * model.static_bytes_per_param("training") + st_.comm_buffer_bytes + peak_memory(full, sched.ops)
+    counted = stage_memory_bytes(g, a, kk, "training", pm, "relay")
+    # up to 1 byte per micro-batch in flight: Contract 3's 1-byte inputs of a stage that receives nothing
+    assert np.all(need <= counted + kk), (need - counted).tolist()

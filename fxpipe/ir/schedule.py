@@ -197,6 +197,13 @@ class ScheduleProblem:
         Bytes an F of stage s would keep if the stage recomputed (one micro-batch of the
         stage's inputs), ``> 0``; default ``mem_f`` (recomputing saves nothing). Used by
         :meth:`with_recompute`; for a recomputing stage it equals ``mem_f``.
+    pooled_bytes : float64 array (S,)
+        Bytes of ``mem_f`` that stay on the device from a micro-batch's F to its W whatever is
+        done, ``0 <= pooled_bytes <= mem_f`` (default 0): the stage's pooled receive buffers
+        (:meth:`fxpipe.memory.MemoryModel.pooled_buffer_bytes`). An offload cannot move them
+        (``offload_bytes <= mem_f - pooled_bytes``), and a recomputing stage's inputs
+        (``recompute_mem_f``) are them, so its B replays only ``mem_f - pooled_bytes``
+        (:meth:`with_recompute`).
     objective : str
         ``"stage_span"`` (default) or ``"makespan"`` (OptPipe Eq. 4). ``stage_span`` is the
         largest *per-device span*: for device d, the end of the last W op of any stage on d
@@ -228,6 +235,7 @@ class ScheduleProblem:
     recompute: tuple[bool, ...] = ()
     mem_b_transient: np.ndarray | None = None
     recompute_mem_f: np.ndarray | None = None
+    pooled_bytes: np.ndarray | None = None
 
     @classmethod
     def create(
@@ -253,13 +261,14 @@ class ScheduleProblem:
         recompute: Sequence[bool] | None = None,
         mem_b_transient: float | Sequence[float] | None = None,
         recompute_mem_f: float | Sequence[float] | None = None,
+        pooled_bytes: float | Sequence[float] | None = None,
     ) -> "ScheduleProblem":
         """Build and validate a problem; scalars are broadcast to every stage (device).
 
         Defaults: ``mem_b = -mem_f / 2``, ``mem_w = -mem_f - mem_b`` when not given (half of
         the stash freed by B, the rest by W), ``offload_bytes = mem_f``, one stage per
         device, no recomputation (``recompute`` all False, ``mem_b_transient = 0``,
-        ``recompute_mem_f = mem_f``). ``mem_limit`` is per device (D entries, or a scalar).
+        ``recompute_mem_f = mem_f``), ``pooled_bytes = 0``. ``mem_limit`` is per device (D entries, or a scalar).
 
         Raises
         ------
@@ -267,7 +276,8 @@ class ScheduleProblem:
             On a negative or non-finite time, ``mem_f <= 0``, positive ``mem_b`` on a stage
             that does not recompute, positive ``mem_w``, deltas that do not sum to zero,
             ``offload_bytes`` outside ``[0, mem_f]`` (0 on a recomputing stage), a negative
-            ``mem_b_transient``, ``recompute_mem_f <= 0``, a non-positive limit, a bad pcie
+            ``mem_b_transient``, ``recompute_mem_f <= 0``, ``pooled_bytes`` outside ``[0, mem_f]`` or
+            under ``offload_bytes + pooled_bytes <= mem_f``, a non-positive limit, a bad pcie
             group, an unknown objective, or a placement that names a device outside
             ``0..D-1`` or leaves a device without a stage.
         """
@@ -333,6 +343,11 @@ class ScheduleProblem:
             )
         if np.any(off_a < 0) or np.any(off_a > mem_f_a * (1 + 1e-12)):
             raise InputError("offload_bytes must lie in [0, mem_f] on every stage")
+        pool_a = np.zeros(S) if pooled_bytes is None else vec(pooled_bytes, "pooled_bytes")
+        if not np.all(np.isfinite(pool_a)) or np.any(pool_a < 0) or np.any(pool_a > mem_f_a * (1 + 1e-12)):
+            raise InputError(f"pooled_bytes must lie in [0, mem_f] on every stage, got {pool_a.tolist()}")
+        if np.any(off_a + pool_a > mem_f_a * (1 + 1e-12)):
+            raise InputError("offload_bytes + pooled_bytes must be <= mem_f: an offload cannot move the pooled buffers")
         if np.any(off_a[rec_a] > 0):
             raise InputError("a recomputing stage offloads nothing: offload_bytes must be 0 where recompute is set")
         if np.any(np.isnan(lim_a)) or np.any(lim_a <= 0):
@@ -371,6 +386,7 @@ class ScheduleProblem:
             recompute=rec,
             mem_b_transient=_freeze(trans_a),
             recompute_mem_f=_freeze(rmf_a),
+            pooled_bytes=_freeze(pool_a),
         )
 
     # ---------------------------------------------------------------- recomputation
@@ -398,14 +414,15 @@ class ScheduleProblem:
     def with_recompute(self, stages: Sequence[int] | Sequence[bool]) -> "ScheduleProblem":
         """The problem in which ``stages`` (also) recompute their forward during B.
 
-        For a newly recomputing stage s with stash ``a = mem_f[s]`` of which ``p = -mem_w[s]``
-        is what W needs, and inputs ``r = recompute_mem_f[s]``: F keeps ``r``
+        For a newly recomputing stage s with stash ``mem_f[s]`` of which ``p = -mem_w[s]``
+        is what W needs, ``c = pooled_bytes[s]`` stay anyway, and inputs
+        ``r = recompute_mem_f[s]`` (which include the pooled ``c``): F keeps ``r``
         (``mem_f = r``); B replays the forward (``t_b += t_f``) and holds, while it runs,
-        the inputs and the whole replayed stash, ``r + a`` for this micro-batch
-        (``mem_b + mem_b_transient = a``), and afterwards the ``p`` bytes W needs
-        (``mem_b = p - r``, ``mem_b_transient = r - mem_b_old``, where ``mem_b_old =
-        p - a <= 0``); W frees them (``mem_w`` unchanged); nothing is offloaded
-        (``offload_bytes = 0``). Stages that already recompute are left as they are.
+        the inputs and the replayed stash ``a = mem_f[s] - c``, ``r + a`` for this
+        micro-batch (``mem_b + mem_b_transient = a``), and afterwards the ``p`` bytes W needs
+        (``mem_b = p - r``, ``mem_b_transient = a - p + r >= 0``); W frees them (``mem_w``
+        unchanged); nothing is offloaded (``offload_bytes = 0``). Stages that already
+        recompute are left as they are.
 
         Parameters
         ----------
@@ -447,11 +464,12 @@ class ScheduleProblem:
         off = np.array(self.offload_bytes, dtype=float)
         rec = list(self.recompute)
         for s in new:
-            a, keep_w, r = float(self.mem_f[s]), -float(self.mem_w[s]), float(self.recompute_mem_f[s])
+            keep_w, r = -float(self.mem_w[s]), float(self.recompute_mem_f[s])
+            a = float(self.mem_f[s]) - float(self.pooled_bytes[s])
             t_b[s] += float(self.t_f[s])
             mem_f[s] = r
             mem_b[s] = keep_w - r
-            trans[s] = a - keep_w + r  # = r - mem_b_old >= 0
+            trans[s] = max(a - keep_w + r, 0.0)  # = r - mem_b_old >= 0 without pooled bytes
             off[s] = 0.0
             rec[s] = True
         return self.replace(t_b=t_b, mem_f=mem_f, mem_b=mem_b, mem_b_transient=trans, offload_bytes=off,
@@ -539,6 +557,7 @@ class ScheduleProblem:
             recompute=self.recompute,
             mem_b_transient=self.mem_b_transient,
             recompute_mem_f=self.recompute_mem_f,
+            pooled_bytes=self.pooled_bytes,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -553,7 +572,7 @@ class ScheduleProblem:
                 if not any(val):
                     continue
                 val = list(val)
-            elif key == "mem_b_transient" and not np.any(val):
+            elif key in ("mem_b_transient", "pooled_bytes") and not np.any(val):
                 continue
             elif key == "recompute_mem_f" and np.array_equal(val, self.mem_f):
                 continue
@@ -595,7 +614,7 @@ class ScheduleProblem:
         known = {
             "num_stages", "num_microbatches", "num_devices", "device_of_stage", "t_f", "t_b", "t_w", "t_comm",
             "t_offload", "mem_f", "mem_b", "mem_w", "offload_bytes", "mem_limit", "pcie_groups", "objective", "name",
-            "recompute", "mem_b_transient", "recompute_mem_f",
+            "recompute", "mem_b_transient", "recompute_mem_f", "pooled_bytes",
         }
         kwargs = {k: v for k, v in kwargs.items() if k in known}  # unknown keys are ignored
         try:

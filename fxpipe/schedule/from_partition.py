@@ -21,7 +21,10 @@ Per stage:
   activations at B and keeps the inputs of linear layers for W;
 * ``recompute_mem_f[s]`` = the relay bytes stage s receives (its inputs, what a stage that
   recomputes its forward during B keeps from F; :meth:`ScheduleProblem.with_recompute`), at
-  least 1 byte and at most ``mem_f[s]``;
+  least 1 byte and at most ``mem_f[s]``. With ``pooled_buffer_bytes`` the inputs are the
+  receive buffers: ``pooled_bytes = r`` and ``recompute_mem_f = max(r, 1)`` (on a stage whose
+  buffers are not pooled they are counted for the whole step, outside ``mem_f``, so keeping
+  them costs nothing more);
 * ``offload_bytes[s] = a`` and ``t_offload[s] = a / host_bandwidth`` (or the given
   ``t_offload_s``): the pooled buffers stay on the device. Without either, offload is disabled: ``offload_bytes = 0``, so an
   offload frees nothing.
@@ -151,7 +154,9 @@ def problem_from_partition(
         mem_b=mem_b,
         mem_w=mem_w,
         offload_bytes=off_bytes,
-        recompute_mem_f=np.minimum(np.maximum(in_b, MIN_STASH_BYTES), mem_f),
+        recompute_mem_f=(np.minimum(np.maximum(in_b, MIN_STASH_BYTES), mem_f) if pooled_buffer_bytes is None
+                         else np.maximum(pooled, MIN_STASH_BYTES)),
+        pooled_bytes=pooled,
         mem_limit=mem_limit_bytes,
         pcie_groups=pcie_groups,
         objective=objective,
