@@ -20,14 +20,12 @@ from __future__ import annotations
 import argparse
 import time
 
+from _common import add_small_gpt2_arguments, small_gpt2
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--width", type=int, default=64)
-    ap.add_argument("--seq-len", type=int, default=32)
-    ap.add_argument("--microbatch-size", type=int, default=2)
-    ap.add_argument("--microbatches", type=int, default=8, help="global micro-batches per step")
+    add_small_gpt2_arguments(ap, microbatches=8, microbatches_help="global micro-batches per step")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--hardware", default="profile:cpu")
     ap.add_argument("--all-schedules", action="store_true",
@@ -43,14 +41,13 @@ def main() -> None:
     import torch
 
     import fxpipe
-    from fxpipe.cli.plan_cmd import HFFactory, _BatchFn
+    from fxpipe.cli.plan_cmd import _BatchFn
     from fxpipe.codegen.compare import compare_training
     from fxpipe.codegen.launch import reference_train, spawn_train_many
     from fxpipe.mesh import format_mesh
     from fxpipe.plan import _PlanStageOf
 
-    cfg = {"n_layer": args.layers, "n_embd": args.width, "n_head": 2, "vocab_size": 256, "n_positions": args.seq_len}
-    fac = HFFactory("gpt2", cfg, args.microbatches, args.microbatch_size, args.seq_len, 0)
+    fac = small_gpt2(args)
     model, a, k = fac.one_microbatch()
     cases = [({"pp": 4}, s, {}) for s in ("1f1b", "zb-h1")]
     cases += [(m, s, {}) for m in ({"pp": 2, "dp_shard": 2}, {"pp": 2, "dp_replicate": 2}) for s in ("1f1b", "zb-h1")]

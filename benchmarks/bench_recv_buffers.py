@@ -15,29 +15,26 @@ from __future__ import annotations
 
 import argparse
 
+from _common import add_small_gpt2_arguments, small_gpt2
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--width", type=int, default=64)
-    ap.add_argument("--seq-len", type=int, default=32)
-    ap.add_argument("--microbatch-size", type=int, default=2)
-    ap.add_argument("--microbatches", type=int, default=16)
+    add_small_gpt2_arguments(ap, microbatches=16)
     args = ap.parse_args()
 
     import numpy as np
     import torch
 
     import fxpipe
-    from fxpipe.cli.plan_cmd import HFFactory, _BatchFn
+    from fxpipe.cli.plan_cmd import _BatchFn
     from fxpipe.codegen.compare import compare_training
     from fxpipe.codegen.launch import reference_train, spawn_train_many
     from fxpipe.io import format_bytes
     from fxpipe.partition.objective import io_bytes
 
     m = args.microbatches
-    cfg = {"n_layer": args.layers, "n_embd": args.width, "n_head": 2, "vocab_size": 256, "n_positions": args.seq_len}
-    fac = HFFactory("gpt2", cfg, m, args.microbatch_size, args.seq_len, 0)
+    fac = small_gpt2(args)
     model, a, k = fac.one_microbatch()
     schedules = ("gpipe", "1f1b", "zb-h1", "zb-h2")
     plans = [fxpipe.compile(model, a, k, devices=4, microbatches=m, schedule=s, time_limit_s=1.0, memory_bytes=float("inf"))

@@ -65,6 +65,7 @@ def train_through_plan(rank: int, world: int, name: str, options: dict, steps: i
 
     import fxpipe
     import fxpipe.testing.zoo as zoo
+    from _schedule_sgd import sgd_steps
     from fxpipe.codegen.interface import as_call
     from fxpipe.codegen.launch import _loss_fn
 
@@ -86,23 +87,14 @@ def train_through_plan(rank: int, world: int, name: str, options: dict, steps: i
     stages, sched = plan.build(rank, loss_fn=_loss_fn(zm.loss))  # compile_stages: the backend option
     params = sched.parameters()
     names = {id(p): n for n, p in model.named_parameters()}
-    opt = torch.optim.SGD(params, lr=lr)
-    losses, grads = [], {}
-    for step in range(steps):
-        batch, target = zm.batch(step)
-        b_args, b_kwargs = as_call(batch)
-        opt.zero_grad(set_to_none=True)
-        step_losses: list = []
-        sched.step(*b_args, target=target, losses=step_losses, return_outputs=False, **b_kwargs)
-        if sched.has_last_stage:
-            losses.append(sum(float(v.detach()) for v in step_losses) / len(step_losses))
-        grads = {names[id(p)]: (p.grad.tolist() if p.grad is not None else None) for p in params}
-        opt.step()
+    own_params = all(id(p) in names for p in params)
+    named = {names[id(p)]: p for p in params}
+    losses, grads = sgd_steps(sched, named, zm.batch, steps, lr, to_wire=lambda t: t.tolist())
     return {
         "losses": losses,
         "grads": grads,
-        "params": {names[id(p)]: p.detach().tolist() for p in params},
-        "own_params": all(id(p) in names for p in params),
+        "params": {n: p.detach().tolist() for n, p in named.items()},
+        "own_params": own_params,
         "compiled": [type(st.submod).__name__ for st in stages],
         "reports": [getattr(st.submod, "report", None) for st in stages],
         "actions": sched.fxpipe_actions[rank],

@@ -111,7 +111,7 @@ def train_meta_build(rank: int, world: int, runs: list, steps: int, lr: float) -
     real parameters this rank holds.
     """
     import fxpipe
-    from fxpipe.codegen.interface import as_call
+    from _schedule_sgd import sgd_steps
 
     torch.set_num_threads(1)
     out = {}
@@ -125,18 +125,7 @@ def train_meta_build(rank: int, world: int, runs: list, steps: int, lr: float) -
         for st in stages:
             for n, p in st.submod.named_parameters():
                 named.setdefault(n, p)
-        opt = torch.optim.SGD(list(named.values()), lr=lr)
-        losses, grads = [], {}
-        for step in range(steps):
-            inputs, target = batch(step)
-            args, kwargs = as_call(inputs)
-            opt.zero_grad(set_to_none=True)
-            mb_losses: list = []
-            sched.step(*args, target=target, losses=mb_losses, return_outputs=False, **kwargs)
-            if sched.has_last_stage:
-                losses.append(sum(float(v.detach()) for v in mb_losses) / len(mb_losses))
-            grads = {n: (_wire(p.grad) if p.grad is not None else None) for n, p in named.items()}
-            opt.step()
+        losses, grads = sgd_steps(sched, named, batch, steps, lr, to_wire=_wire)
         out[name] = {
             "losses": losses,
             "grads": grads,

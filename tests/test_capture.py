@@ -14,6 +14,8 @@ from fxpipe.models import build_hf_model, parse_overrides
 from fxpipe.passes import COST_KEY, capture, to_opgraph, trace_model
 from fxpipe.passes.annotate import AnnotateCosts
 
+from _autograd_oracle import saved_tensor_bytes
+
 pytestmark = pytest.mark.filterwarnings("ignore")
 
 # eager attention: the oracles below (autograd's saved bytes, FlopCounterMode, meta == cpu costs)
@@ -219,18 +221,7 @@ def test_activation_bytes_match_autograd(traced, arch):
     """Oracle: the bytes autograd really saves in an eager forward (distinct storages,
     parameters excluded) vs the sum of act_bytes; the estimate is a documented approximation."""
     model, args, kwargs, tm = traced[arch]
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in params:
-            seen[ptr] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(*args, **kwargs)
-    real = sum(seen.values())
+    real = saved_tensor_bytes(lambda: model(*args, **kwargs), model.parameters())
     assert tm.graph.act_bytes.sum() == pytest.approx(real, rel=0.10)
 
 

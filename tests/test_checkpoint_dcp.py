@@ -10,7 +10,6 @@ safetensors and JSON, the model consolidated under the original names.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -22,6 +21,8 @@ pytest.importorskip("safetensors")
 import fxpipe  # noqa: E402
 from fxpipe.cli.plan_cmd import HFFactory  # noqa: E402
 from fxpipe.errors import InputError  # noqa: E402
+
+from _torchrun import json_lines, torchrun  # noqa: E402
 
 GPT2 = {"n_layer": 2, "n_embd": 16, "n_head": 2, "vocab_size": 32, "n_positions": 16}
 MB = 8
@@ -70,14 +71,9 @@ def test_fsdp_pipeline_saves_and_resumes_on_the_same_and_another_plan(tmp_path):
             "plan_a": str(a.save(tmp_path / "a.plan.json")), "plan_b": str(b.save(tmp_path / "b.plan.json")),
             "checkpoint": str(tmp_path / "ckpt")}
     (tmp_path / "spec.json").write_text(json.dumps(spec))
-    root = Path(__file__).resolve().parents[1]
-    run = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-         str(root / "tests" / "_dcp_worker.py"), str(tmp_path / "spec.json")],
-        capture_output=True, text=True, timeout=500,
-    )
+    run = torchrun(4, Path(__file__).with_name("_dcp_worker.py"), str(tmp_path / "spec.json"), timeout_s=500)
     assert run.returncode == 0, run.stderr[-4000:]
-    rows = [json.loads(x) for x in run.stdout.splitlines() if x.startswith("{")]
+    rows = json_lines(run.stdout)
 
     def global_losses(name):  # the mean over the replicas' last stages (equal micro-batch counts)
         got = [r["losses"] for r in rows if r["run"] == name]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import operator
-import os
 
 import pytest
 import torch
@@ -51,20 +50,22 @@ def _check_composition(gm, staged, inputs, target):
         torch.testing.assert_close(g[k], g_ref[k], rtol=1e-5, atol=1e-7, msg=k)
 
 
-@pytest.fixture(scope="module")
-def gpt2():
+def _exported(make):
+    """``(model, gm, one micro-batch)`` of the model ``make()`` builds under seed 0."""
     torch.manual_seed(0)
-    model, ex = make_gpt2()
+    model, ex = make()
     gm, mb = export_gm(model, ex)
     return model, gm, mb
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    return _exported(make_gpt2)
 
 
 @pytest.fixture(scope="module")
 def t5():
-    torch.manual_seed(0)
-    model, ex = make_t5()
-    gm, mb = export_gm(model, ex)
-    return model, gm, mb
+    return _exported(make_t5)
 
 
 def test_gpt2_four_stages_compose_and_tie(gpt2):
@@ -401,18 +402,6 @@ def test_static_shape_inference_matches_real_run(t5):
         assert meta(fake.inputs) == meta(real.inputs) and meta(fake.outputs) == meta(real.outputs)
         assert fake.blind_params == real.blind_params
         assert all(t.is_contiguous() for t in fake.inputs)
-
-
-@pytest.fixture()
-def single_rank_group(tmp_path):
-    import torch.distributed as dist
-
-    store = dist.FileStore(os.path.join(tmp_path, "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def test_single_rank_runtime_matches_eager(gpt2, single_rank_group):

@@ -14,6 +14,8 @@ from fxpipe.cost import HARDWARE, OpCost, backward_times, get_hardware, is_compu
 from fxpipe.errors import InputError
 from fxpipe.passes import COST_KEY, AnnotateCosts, capture, to_opgraph
 
+from _autograd_oracle import saved_tensor_bytes
+
 pytestmark = pytest.mark.filterwarnings("ignore")
 
 
@@ -163,21 +165,9 @@ class _MLP(torch.nn.Module):
 
 
 def _saved_bytes_eager(model, args) -> int:
-    """Bytes autograd really saves (distinct storages; parameters and the model's inputs excluded:
-    they are resident, held by the module and the caller for the whole step)."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    params |= {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in params:
-            seen[ptr] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(*args)
-    return sum(seen.values())
+    """Bytes autograd really saves, parameters and the model's inputs excluded: they are
+    resident, held by the module and the caller for the whole step."""
+    return saved_tensor_bytes(lambda: model(*args), [*model.parameters(), *(a for a in args if isinstance(a, torch.Tensor))])
 
 
 def test_fbw_activation_and_param_accounting():

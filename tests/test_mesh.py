@@ -35,6 +35,8 @@ from fxpipe.mesh import (  # noqa: E402
 )
 from fxpipe.plan import Plan, _PlanStageOf, load_plan  # noqa: E402
 
+from _torchrun import fxpipe_cli, train_example_from_checkpoint  # noqa: E402
+
 GPT2 = {"n_layer": 2, "n_embd": 16, "n_head": 2, "vocab_size": 32, "n_positions": 16}
 GLOBAL_MB = 8  # global micro-batches per step: 4 per replica (ZB-H1 then differs from 1F1B)
 
@@ -223,39 +225,21 @@ def test_fsdp_and_replicate_pipelines_match_single_process():
 def test_cli_mesh_plan_trains_with_torchrun_from_a_checkpoint(tmp_path):
     """`fxpipe plan --mesh --run` (plan.train_local on 4 ranks) -> plan file -> torchrun: plan.build on 4 ranks
     (FSDP2, ZB-V), the weights read from a checkpoint."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
     pytest.importorskip("safetensors")
-    from safetensors.torch import save_model
-
-    root = Path(__file__).resolve().parents[1]
     config = [f"{k}={v}" for k, v in GPT2.items()]
     common = ["--hf", "gpt2", "--config", *config, "--seq-len", "4"]
     plan_file = tmp_path / "mesh.plan.json"
-    out = subprocess.run(
-        [sys.executable, "-m", "fxpipe.cli", "plan", *common, "--mesh", "pp=2,dp_shard=2", "--microbatches", str(GLOBAL_MB),
-         "--stages-per-device", "2", "--placement", "v", "--schedule", "zb-v", "--time-limit", "0.5", "--out", str(plan_file),
-         "--run", "--steps", "2", "--lr", "0.05", "--json"],
-        capture_output=True, text=True, timeout=600,
-    )
+    out = fxpipe_cli("plan", *common, "--mesh", "pp=2,dp_shard=2", "--microbatches", str(GLOBAL_MB), "--stages-per-device", "2",
+                     "--placement", "v", "--schedule", "zb-v", "--time-limit", "0.5", "--out", str(plan_file),
+                     "--run", "--steps", "2", "--lr", "0.05", "--json", timeout_s=600)
     assert out.returncode == 0, out.stderr[-4000:]  # --run: plan.train_local on 4 ranks agrees with one process
     doc = json.loads(out.stdout)
     assert doc["run"]["ok"] and doc["plan"]["mesh"] == {"pp": 2, "dp_shard": 2, "dp_replicate": 1}
     assert load_plan(plan_file).mesh == {"pp": 2, "dp_shard": 2, "dp_replicate": 1}
     fac = _factory()
     whole, _ = fac()
-    ckpt = tmp_path / "gpt2.safetensors"
-    save_model(whole, str(ckpt))
-    run = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-         str(root / "examples" / "train_torchrun.py"), "--plan", str(plan_file), *common, "--steps", "2", "--lr", "0.05",
-         "--checkpoint", str(ckpt)],
-        capture_output=True, text=True, timeout=400,
-    )
-    assert run.returncode == 0, run.stderr[-4000:]
-    lines = sorted((json.loads(x) for x in run.stdout.splitlines() if x.startswith("{")), key=lambda d: d["rank"])
+    lines = train_example_from_checkpoint(4, plan_file, whole, tmp_path, *common, "--steps", "2", "--lr", "0.05")
+    lines.sort(key=lambda d: d["rank"])
     assert [d["rank"] for d in lines] == [0, 2]  # the last stage (V: pipeline rank 0) of each replica
     ref_losses = doc["run"]["reference_losses"]  # the single-process run of `fxpipe plan --run`, same batches
     mean = [(a + b) / 2 for a, b in zip(lines[0]["losses"], lines[1]["losses"])]

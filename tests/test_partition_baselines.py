@@ -205,36 +205,43 @@ def test_random_orders_reproducible_and_improving():
     validate_partition(g, a)
 
 
+def _part_sums(w, cuts):
+    """The sums of the parts of ``w`` between the sorted cut positions ``cuts``."""
+    return [sum(w[a:b]) for a, b in zip((0, *cuts), (*cuts, len(w)))]
+
+
+def _assert_split(parts, n, k):
+    """``parts`` are k + 1 non-decreasing part boundaries from 0 to ``n``."""
+    assert parts[0] == 0 and parts[-1] == n and len(parts) == k + 1
+    assert all(a <= b for a, b in zip(parts, parts[1:]))
+
+
+# a few weights and a part count: small enough to enumerate every split
+_small_splits = given(w=st.lists(st.floats(0, 100), min_size=1, max_size=8), k=st.integers(1, 4))
+
+
 @settings(max_examples=60, deadline=None)
-@given(w=st.lists(st.floats(0, 100), min_size=1, max_size=8), k=st.integers(1, 4))
+@_small_splits
 def test_min_bottleneck_split_is_optimal(w, k):
     parts = B.min_bottleneck_split(w, k)
-    assert parts[0] == 0 and parts[-1] == len(w) and len(parts) == k + 1
-    assert all(a <= b for a, b in zip(parts, parts[1:]))
-    got = max(sum(w[parts[i]:parts[i + 1]]) for i in range(k))
-    best = min(
-        max(sum(w[a:b]) for a, b in zip((0,) + cuts, cuts + (len(w),)))
-        for cuts in itertools.combinations_with_replacement(range(len(w) + 1), k - 1)
-    )
+    _assert_split(parts, len(w), k)
+    got = max(_part_sums(w, parts[1:-1]))
+    best = min(max(_part_sums(w, cuts)) for cuts in itertools.combinations_with_replacement(range(len(w) + 1), k - 1))
     assert got <= best * (1 + 1e-9) + 1e-12
 
 
 @settings(max_examples=60, deadline=None)
-@given(w=st.lists(st.floats(0, 100), min_size=1, max_size=8), k=st.integers(1, 4))
+@_small_splits
 def test_min_spread_split_is_optimal(w, k):
     parts = B.min_spread_split(w, k)
-    assert parts[0] == 0 and parts[-1] == len(w) and len(parts) == k + 1
-    assert all(a <= b for a, b in zip(parts, parts[1:]))
+    _assert_split(parts, len(w), k)
     if len(w) <= k:
         assert parts == [min(p, len(w)) for p in range(k + 1)]
         return
     assert all(a < b for a, b in zip(parts, parts[1:]))  # k non-empty parts
-    sums = [sum(w[parts[i]:parts[i + 1]]) for i in range(k)]
-    best = min(
-        max(s) - min(s)
-        for cuts in itertools.combinations(range(1, len(w)), k - 1)
-        for s in [[sum(w[a:b]) for a, b in zip((0,) + cuts, cuts + (len(w),))]]
-    )
+    sums = _part_sums(w, parts[1:-1])
+    every_split = (_part_sums(w, cuts) for cuts in itertools.combinations(range(1, len(w)), k - 1))  # non-empty parts
+    best = min(max(s) - min(s) for s in every_split)
     assert max(sums) - min(sums) <= best + 1e-9 * max(1.0, sum(w))
 
 

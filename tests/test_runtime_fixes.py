@@ -10,7 +10,6 @@ per-parameter gradient ratios of ~0 gradients as the verdict, silent random ops.
 
 from __future__ import annotations
 
-import os
 import warnings
 
 import pytest
@@ -176,18 +175,6 @@ def test_split_backward_with_weights_shared_across_layers():
     loss.backward()
     for a, p in zip(split, params):
         torch.testing.assert_close(a, p.grad)
-
-
-@pytest.fixture()
-def single_rank_group(tmp_path):
-    import torch.distributed as dist
-
-    store = dist.FileStore(os.path.join(tmp_path, "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def test_pytree_inputs_and_outputs_reach_loss_fn(single_rank_group):

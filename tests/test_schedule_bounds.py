@@ -95,21 +95,27 @@ def test_bound_exact_cases():
 # ---------------------------------------------------------------- memory-aware bound
 
 
-def _mem_problem(draw, S, M):
-    frac = [draw(st.sampled_from([0.0, 0.5, 1.0])) for _ in range(S)]
+def _memory_problem(draw, S, M, *, t_max, comm_max, offload_s, mem_f, freed_by_b, limit_x):
+    """A drawn S-stage, M-micro-batch problem with memory: each stage's F stashes one of ``mem_f``,
+    its B frees a drawn fraction (``freed_by_b``) of it and its W the rest; an offload moves none,
+    half or all of the stash in one of ``offload_s`` seconds; the limit is a drawn multiple
+    (``limit_x``) of the stash. F, B, W and comm times are integers up to ``t_max`` / ``comm_max``."""
+    mf = [draw(st.sampled_from(mem_f)) for _ in range(S)]
+    frac = [draw(st.sampled_from(freed_by_b)) for _ in range(S)]
+    f_max, b_max, w_max = t_max
     return ScheduleProblem.create(
         num_stages=S,
         num_microbatches=M,
-        t_f=[draw(st.integers(1, 3)) for _ in range(S)],
-        t_b=[draw(st.integers(0, 3)) for _ in range(S)],
-        t_w=[draw(st.integers(0, 2)) for _ in range(S)],
-        t_comm=[draw(st.integers(0, 1)) for _ in range(S - 1)],
-        t_offload=[draw(st.sampled_from([0.0, 0.5, 1.0, 3.0])) for _ in range(S)],
-        mem_f=1.0,
-        mem_b=[-f for f in frac],
-        mem_w=[-(1.0 - f) for f in frac],
-        offload_bytes=[draw(st.sampled_from([0.0, 0.5, 1.0])) for _ in range(S)],
-        mem_limit=[draw(st.sampled_from([1.0, 1.5, 2.0, 100.0])) for _ in range(S)],
+        t_f=[draw(st.integers(1, f_max)) for _ in range(S)],
+        t_b=[draw(st.integers(0, b_max)) for _ in range(S)],
+        t_w=[draw(st.integers(0, w_max)) for _ in range(S)],
+        t_comm=[draw(st.integers(0, comm_max)) for _ in range(S - 1)],
+        t_offload=[draw(st.sampled_from(offload_s)) for _ in range(S)],
+        mem_f=mf,
+        mem_b=[-x * f for x, f in zip(mf, frac)],
+        mem_w=[-x * (1 - f) for x, f in zip(mf, frac)],
+        offload_bytes=[x * draw(st.sampled_from([0.0, 0.5, 1.0])) for x in mf],
+        mem_limit=[x * draw(st.sampled_from(limit_x)) for x in mf],
         objective=draw(st.sampled_from(["stage_span", "makespan"])),
     )
 
@@ -117,7 +123,8 @@ def _mem_problem(draw, S, M):
 @st.composite
 def tiny_memory_problems(draw):
     S, M = draw(st.sampled_from([(2, 2), (2, 2), (1, 3), (3, 1), (1, 2)]))
-    return _mem_problem(draw, S, M)
+    return _memory_problem(draw, S, M, t_max=(3, 3, 2), comm_max=1, offload_s=[0.0, 0.5, 1.0, 3.0], mem_f=[1.0],
+                           freed_by_b=[0.0, 0.5, 1.0], limit_x=[1.0, 1.5, 2.0, 100.0])
 
 
 @settings(max_examples=15, deadline=None)
@@ -148,23 +155,8 @@ def test_memory_bound_tighter_than_round_trip(kw, want_lb, want_opt):
 @st.composite
 def memory_problems(draw):
     S, M = draw(st.integers(1, 6)), draw(st.integers(1, 12))
-    mf = [float(draw(st.sampled_from([1, 2]))) for _ in range(S)]
-    frac = [draw(st.sampled_from([0.0, 0.25, 0.5, 1.0])) for _ in range(S)]
-    return ScheduleProblem.create(
-        num_stages=S,
-        num_microbatches=M,
-        t_f=[draw(st.integers(1, 4)) for _ in range(S)],
-        t_b=[draw(st.integers(0, 4)) for _ in range(S)],
-        t_w=[draw(st.integers(0, 4)) for _ in range(S)],
-        t_comm=[draw(st.integers(0, 2)) for _ in range(S - 1)],
-        t_offload=[draw(st.sampled_from([0.0, 0.5, 1.0, 2.0, 4.0])) for _ in range(S)],
-        mem_f=mf,
-        mem_b=[-x * f for x, f in zip(mf, frac)],
-        mem_w=[-x * (1 - f) for x, f in zip(mf, frac)],
-        offload_bytes=[x * draw(st.sampled_from([0.0, 0.5, 1.0])) for x in mf],
-        mem_limit=[x * draw(st.sampled_from([1.0, 1.5, 2.0, 3.0, 5.0, 100.0])) for x in mf],
-        objective=draw(st.sampled_from(["stage_span", "makespan"])),
-    )
+    return _memory_problem(draw, S, M, t_max=(4, 4, 4), comm_max=2, offload_s=[0.0, 0.5, 1.0, 2.0, 4.0],
+                           mem_f=[1.0, 2.0], freed_by_b=[0.0, 0.25, 0.5, 1.0], limit_x=[1.0, 1.5, 2.0, 3.0, 5.0, 100.0])
 
 
 @settings(max_examples=40, deadline=None)

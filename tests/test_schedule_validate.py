@@ -37,8 +37,14 @@ def _find(ops, stage, mb, t):
     return next(i for i, o in enumerate(ops) if (o.stage, o.microbatch, o.type) == (stage, mb, t))
 
 
-def _shift(op, dt):
-    return replace(op, start_s=op.start_s + dt, end_s=op.end_s + dt)
+def _op(ops, stage, mb, t):
+    return ops[_find(ops, stage, mb, t)]
+
+
+def _move(ops, stage, mb, t, start_s):
+    """Move the op ``t`` of (stage, mb) in ``ops`` (in place) to start at ``start_s``, its duration kept."""
+    i = _find(ops, stage, mb, t)
+    ops[i] = replace(ops[i], start_s=start_s, end_s=start_s + ops[i].end_s - ops[i].start_s)
 
 
 def _has(errs, rule, *words):
@@ -99,10 +105,8 @@ def test_wrong_duration():
 def test_forward_dependency_and_comm():
     p = _problem()
     ops = _valid_ops(p)
-    i = _find(ops, 1, 0, "F")
-    f0 = ops[_find(ops, 0, 0, "F")]
     # starts after F(0,0) ends but before the comm has arrived
-    ops[i] = replace(ops[i], start_s=f0.end_s + 0.25, end_s=f0.end_s + 2.25)
+    _move(ops, 1, 0, "F", _op(ops, 0, 0, "F").end_s + 0.25)
     errs = check_schedule(p, ops)
     assert _has(errs, "rule 2", "F(stage 1, mb 0)", "comm")
 
@@ -111,18 +115,13 @@ def test_backward_dependencies():
     p = _problem()
     ops = _valid_ops(p)
     # B on the last stage before its F ends
-    i = _find(ops, 1, 1, "B")
-    f = ops[_find(ops, 1, 1, "F")]
-    ops[i] = replace(ops[i], start_s=f.end_s - 1.0, end_s=f.end_s + 2.0)
+    _move(ops, 1, 1, "B", _op(ops, 1, 1, "F").end_s - 1.0)
     errs = check_schedule(p, ops)
     assert _has(errs, "rule 2", "B(stage 1, mb 1)", "F(stage 1, mb 1)")
     # B(0, j) before B(1, j) + comm; W before B
     ops = _valid_ops(p)
-    i = _find(ops, 0, 0, "B")
-    ops[i] = _shift(ops[i], -0.3)
-    j = _find(ops, 0, 1, "W")
-    b = ops[_find(ops, 0, 1, "B")]
-    ops[j] = replace(ops[j], start_s=b.end_s - 0.5, end_s=b.end_s + 0.5)
+    _move(ops, 0, 0, "B", _op(ops, 0, 0, "B").start_s - 0.3)
+    _move(ops, 0, 1, "W", _op(ops, 0, 1, "B").end_s - 0.5)
     errs = check_schedule(p, ops)
     assert _has(errs, "rule 2", "B(stage 0, mb 0)", "B(stage 1, mb 0)")
     assert _has(errs, "rule 2", "W(stage 0, mb 1)", "B(stage 0, mb 1)")
@@ -146,12 +145,12 @@ def test_compute_overlap():
 def test_offload_without_reload_and_reverse():
     p = _problem()
     ops = _valid_ops(p)
-    f = ops[_find(ops, 0, 0, "F")]
+    f = _op(ops, 0, 0, "F")
     ops.append(ScheduledOp(0, 0, "O", f.end_s, f.end_s + 1.0))
     errs = check_schedule(p, ops)
     assert _has(errs, "rule 1", "stage 0, mb 0", "O without R")
     ops = _valid_ops(p)
-    b = ops[_find(ops, 0, 1, "B")]
+    b = _op(ops, 0, 1, "B")
     ops.append(ScheduledOp(0, 1, "R", b.start_s - 1.0, b.start_s))
     errs = check_schedule(p, ops)
     assert _has(errs, "rule 1", "stage 0, mb 1", "R without O")
@@ -160,23 +159,17 @@ def test_offload_without_reload_and_reverse():
 def test_offload_placement_rules():
     p = _problem(num_microbatches=3)
     ops = _valid_ops(p, offload=[(0, 0)])
-    o = _find(ops, 0, 0, "O")
-    f = ops[_find(ops, 0, 0, "F")]
-    ops[o] = replace(ops[o], start_s=f.end_s - 0.5, end_s=f.end_s + 0.5)
+    _move(ops, 0, 0, "O", _op(ops, 0, 0, "F").end_s - 0.5)
     assert _has(check_schedule(p, ops), "rule 4", "O(stage 0, mb 0)", "before F(stage 0, mb 0)")
     ops = _valid_ops(p, offload=[(0, 0)])
-    r = _find(ops, 0, 0, "R")
-    b = ops[_find(ops, 0, 0, "B")]
-    ops[r] = replace(ops[r], start_s=b.start_s - 0.5, end_s=b.start_s + 0.5)
+    _move(ops, 0, 0, "R", _op(ops, 0, 0, "B").start_s - 0.5)
     assert _has(check_schedule(p, ops), "rule 4", "R(stage 0, mb 0)", "after B(stage 0, mb 0)")
 
 
 def test_copy_stream_overlap_same_stage():
     p = _problem(num_microbatches=3)
     ops = _valid_ops(p, offload=[(0, 0), (0, 1)])
-    o0 = ops[_find(ops, 0, 0, "O")]
-    i = _find(ops, 0, 1, "O")
-    ops[i] = replace(ops[i], start_s=o0.start_s + 0.5, end_s=o0.start_s + 1.5)
+    _move(ops, 0, 1, "O", _op(ops, 0, 0, "O").start_s + 0.5)
     errs = check_schedule(p, ops)
     assert _has(errs, "rule 3", "copy stream of stage 0")
 

@@ -46,6 +46,16 @@ def _plain_grads(model, x):
     return _grads(model)
 
 
+def _assert_backward_gives(stash, model, out, want):
+    """The backward of ``out`` (stage 0, micro-batch 0 of ``stash``) and its release give the
+    gradients ``want`` of :func:`_plain_grads` bit for bit."""
+    out.square().sum().backward()
+    stash.release(0, 0)
+    got = _grads(model)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=0, atol=0)
+
+
 def test_offload_moves_the_stash_to_host_and_reload_restores_gradients():
     torch.manual_seed(0)
     model, x = _MLP(), torch.randn(4, 8, requires_grad=True)
@@ -62,11 +72,7 @@ def test_offload_moves_the_stash_to_host_and_reload_restores_gradients():
     after = [t.data_ptr() for t in stash.stash_tensors(0, 0)]
     assert stash.live_saved_bytes(0) == saved and stash.offloaded_bytes() == 0
     assert not set(before) & set(after)  # new storage: the values went through the host buffer
-    out.square().sum().backward()
-    stash.release(0, 0)
-    got = _grads(model)
-    for k in want:
-        torch.testing.assert_close(got[k], want[k], rtol=0, atol=0)
+    _assert_backward_gives(stash, model, out, want)
     st = stash.stats().stages[0]
     assert st.offloads == 1 and st.reloads == 1 and st.peak_offloaded_bytes == saved and st.peak_saved_bytes == saved
     assert stash.live_saved_bytes() == 0
@@ -106,11 +112,7 @@ def test_recompute_replays_dropout_and_keeps_only_inputs():
     out = stash.forward(0, 0, model, (x,), {}, list(model.parameters()))
     torch.rand(100)  # the random state moves on before the backward
     assert stash.live_saved_bytes(0) == 0  # only the stage input (resident) is kept
-    out.square().sum().backward()
-    stash.release(0, 0)
-    got = _grads(model)
-    for k in want:
-        torch.testing.assert_close(got[k], want[k], rtol=0, atol=0)
+    _assert_backward_gives(stash, model, out, want)
     st = stash.stats().stages[0]
     assert st.recomputes == 1 and st.peak_saved_bytes > 0
 

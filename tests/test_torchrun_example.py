@@ -5,11 +5,6 @@ which holds the first and the last stage, reads the inputs and reports the losse
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -17,7 +12,8 @@ torch = pytest.importorskip("torch")
 from fxpipe.cli.plan_cmd import HFFactory, _BatchFn  # noqa: E402
 from fxpipe.codegen.launch import reference_train  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+from _torchrun import TRAIN_EXAMPLE, fxpipe_cli, json_lines, torchrun, train_example_from_checkpoint  # noqa: E402
+
 CONFIG = ["n_layer=4", "n_embd=32", "n_head=2", "vocab_size=64", "n_positions=32"]
 
 
@@ -25,19 +21,12 @@ CONFIG = ["n_layer=4", "n_embd=32", "n_head=2", "vocab_size=64", "n_positions=32
 def test_torchrun_trains_saved_plan_like_single_process(tmp_path):
     plan_file = tmp_path / "gpt2.plan.json"
     common = ["--hf", "gpt2", "--config", *CONFIG, "--seq-len", "8"]
-    out = subprocess.run(
-        [sys.executable, "-m", "fxpipe.cli", "plan", *common, "--devices", "2", "--microbatches", "4",
-         "--stages-per-device", "2", "--placement", "v", "--schedule", "zb-v", "--time-limit", "0.5", "--out", str(plan_file)],
-        capture_output=True, text=True, timeout=300,
-    )
+    out = fxpipe_cli("plan", *common, "--devices", "2", "--microbatches", "4", "--stages-per-device", "2", "--placement", "v",
+                     "--schedule", "zb-v", "--time-limit", "0.5", "--out", str(plan_file), timeout_s=300)
     assert out.returncode == 0, out.stderr
-    run = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         str(ROOT / "examples" / "train_torchrun.py"), "--plan", str(plan_file), *common, "--steps", "2", "--lr", "0.05"],
-        capture_output=True, text=True, timeout=400,
-    )
+    run = torchrun(2, TRAIN_EXAMPLE, "--plan", str(plan_file), *common, "--steps", "2", "--lr", "0.05", timeout_s=400)
     assert run.returncode == 0, run.stderr[-4000:]
-    lines = [json.loads(x) for x in run.stdout.splitlines() if x.startswith("{")]
+    lines = json_lines(run.stdout)
     assert len(lines) == 1 and lines[0]["rank"] == 0  # V placement: the last stage is on rank 0
     factory = HFFactory("gpt2", {k: int(v) for k, v in (c.split("=") for c in CONFIG)}, microbatches=4, microbatch_size=1, seq_len=8)
     ref = reference_train(factory, _BatchFn(factory), num_microbatches=4, steps=2, lr=0.05)
@@ -46,28 +35,13 @@ def test_torchrun_trains_saved_plan_like_single_process(tmp_path):
     # the model built on meta, each rank loading only its stages from a safetensors checkpoint of
     # the same weights (plan.build(rank, checkpoint=...)): the same training, less than the model per rank
     pytest.importorskip("safetensors")
-    from safetensors.torch import save_model
-
     whole, _ = factory()
-    ckpt = tmp_path / "gpt2.safetensors"
-    save_model(whole, str(ckpt))
-    run = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         str(ROOT / "examples" / "train_torchrun.py"), "--plan", str(plan_file), *common, "--steps", "2", "--lr", "0.05",
-         "--checkpoint", str(ckpt)],
-        capture_output=True, text=True, timeout=400,
-    )
-    assert run.returncode == 0, run.stderr[-4000:]
-    lines = [json.loads(x) for x in run.stdout.splitlines() if x.startswith("{")]
+    lines = train_example_from_checkpoint(2, plan_file, whole, tmp_path, *common, "--steps", "2", "--lr", "0.05")
     assert len(lines) == 1
     torch.testing.assert_close(torch.tensor(lines[0]["losses"]), torch.tensor(ref.losses), rtol=1e-4, atol=1e-6)
     whole_bytes = sum(p.numel() * p.element_size() for p in whole.parameters())
     assert 0 < lines[0]["param_bytes"] < whole_bytes
 
     # a plan for 2 stages refuses a launch with another world size, with a clear message
-    bad = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
-         str(ROOT / "examples" / "train_torchrun.py"), "--plan", str(plan_file), *common],
-        capture_output=True, text=True, timeout=300,
-    )
+    bad = torchrun(1, TRAIN_EXAMPLE, "--plan", str(plan_file), *common, timeout_s=300)
     assert bad.returncode != 0 and "launch 2 processes" in bad.stderr

@@ -71,19 +71,15 @@ def compute_from_args(args: argparse.Namespace):
     if not args.time_limit > 0:
         raise InputError(f"--time-limit must be > 0 seconds, got {args.time_limit}")
     methods = parse_methods(args.methods)
-    graph, memory = load_stage_problem(args)
+    problem = load_stage_problem(args)
     report = compute_bounds(
-        graph,
-        args.k,
-        objective=args.objective,
-        comm=args.comm,
+        **problem,
         methods=methods,
         time_limit_s=args.time_limit,
-        memory=memory,
         search_time_limit_s=args.search_time_limit,
         workers=max(1, args.workers),
     )
-    return graph, report
+    return problem["graph"], report
 
 
 def run(args: argparse.Namespace) -> int:

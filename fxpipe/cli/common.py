@@ -51,9 +51,11 @@ def add_stage_problem_arguments(parser: argparse.ArgumentParser, *, comm_help: s
     parser.add_argument("--comm", choices=("dag", "relay"), default="dag", help=comm_help)
 
 
-def load_stage_problem(args: argparse.Namespace):
-    """The graph and the partitioner's memory of :func:`add_stage_problem_arguments` and
-    :func:`add_memory_arguments`: ``(OpGraph, PartitionMemory or None)``.
+def load_stage_problem(args: argparse.Namespace) -> dict[str, Any]:
+    """The partition problem of :func:`add_stage_problem_arguments` and :func:`add_memory_arguments`
+    as the keyword arguments :func:`fxpipe.partition.search.partition` and
+    :func:`fxpipe.partition.bounds.compute_bounds` share: ``graph`` (OpGraph), ``k``,
+    ``objective``, ``comm`` and ``memory`` (PartitionMemory or None).
 
     Raises
     ------
@@ -63,7 +65,8 @@ def load_stage_problem(args: argparse.Namespace):
     """
     graph = load_graph(args.graph, args.format)
     check_stage_count(args.k, graph)
-    return graph, partition_memory_from_args(args)
+    return {"graph": graph, "k": args.k, "objective": args.objective, "comm": args.comm,
+            "memory": partition_memory_from_args(args)}
 
 
 def load_graph(path: str, fmt: str = "auto") -> OpGraph:

@@ -33,21 +33,16 @@ def run(args: argparse.Namespace) -> int:
     """Run the sub-command; returns the exit code (errors raise FxpipeError -> exit 2)."""
     from fxpipe.partition.search import partition  # noqa: PLC0415 (lazy: numba kernels)
 
-    graph, memory = load_stage_problem(args)
+    problem = load_stage_problem(args)
     part = partition(
-        graph,
-        args.k,
-        objective=args.objective,
-        comm=args.comm,
+        **problem,
         method=args.method,
         time_limit_s=args.time_limit,
         seed=args.seed,
         evaluations=args.evaluations,
-        memory=memory,
         progress=args.progress,
     )
-    doc = part.to_dict()
-    emit(args, doc, _table(graph, part))
+    emit(args, part.to_dict(), _table(problem["graph"], part))
     return 0
 
 
