@@ -120,7 +120,7 @@ def search_mesh(graph, *, devices: int, microbatches: int, memory, options: Plan
                                                         memory=mem, memory_bytes=mem.capacity_bytes)
         except (FxpipeError, InputError) as exc:
             first_error = first_error or exc
-            row["skipped"] = str(exc).split("\n")[0]
+            row["skipped"] = _first_sentence(str(exc))
             continue
         for k, v in t.items():
             timings[k] = timings.get(k, 0.0) + v
@@ -129,14 +129,48 @@ def search_mesh(graph, *, devices: int, microbatches: int, memory, options: Plan
         if best is None or _better(row, best[0]):
             best = (row, mesh, mem, (part, problem, sched))
     if best is None:
-        if first_error is not None:
-            raise first_error
-        reasons = "; ".join(f"{r['mesh_text']}: {r['skipped']}" for r in table if "skipped" in r)
-        raise InfeasibleError(f"no mesh of {devices} devices fits: {reasons}" if reasons else
-                              f"no mesh of {devices} devices divides {microbatches} micro-batches")
+        raise _no_mesh_fits(graph, devices, microbatches, memory, options.objective, table, first_error)
     row, mesh, mem, (part, problem, sched) = best
     row["chosen"] = True
     return mesh, mem, (part, problem, sched, timings), table
+
+
+def _first_sentence(text: str) -> str:
+    """The first sentence of an error message (the reason; the remedies follow it)."""
+    line = text.split("\n")[0]
+    cut = line.find(". ")
+    return line if cut < 0 else line[: cut + 1]
+
+
+def _no_mesh_fits(graph, devices: int, microbatches: int, memory, objective: str, table: list[dict],
+                  first_error: Exception | None) -> Exception:
+    """The error when no candidate mesh could be planned: why each was skipped, what the whole
+    training state needs against all devices' usable memory, and the pure pipeline's remedies."""
+    if not table:
+        return InfeasibleError(f"no mesh of {devices} devices divides {microbatches} micro-batches: "
+                               "use a micro-batch count that the data-parallel degrees divide")
+    if first_error is not None and not isinstance(first_error, InfeasibleError):
+        return first_error  # a bad option, not memory: the planner's own message
+    params = float(np.sum(num_params(graph)))
+    total = memory.static_bytes_per_param(objective) * params
+    usable = memory.usable_bytes * devices
+    lines = [f"no mesh of {devices} devices fits {format_bytes(memory.capacity_bytes)} per device:"]
+    lines += [f"  {r['mesh_text']}: {r['skipped']}" for r in table]
+    if objective == "training" and total > 0:
+        lines.append(
+            f"The training state alone ({params / 1e9:.3g}B parameters x {memory.static_bytes_per_param(objective):g} "
+            f"bytes under {memory.precision.name}) is {format_bytes(total)}, {100 * total / usable:.0f}% of the "
+            f"{format_bytes(usable)} all {devices} devices can use; whatever the mesh, the rest must hold the "
+            "activations, receive buffers and the largest stage's imbalance.")
+    remedies = getattr(first_error, "remedies", None) or {}
+    if remedies.get("devices"):
+        lines.append(remedies["devices"])
+    lines.append("Or: a precision policy with less state per parameter (MemoryModel(policy='bf16-adam'): 8 bytes), "
+                 "devices with more memory, or fewer micro-batches per step.")
+    return InfeasibleError("\n".join(lines), overflow_bytes=getattr(first_error, "overflow_bytes", None),
+                           required_capacity_bytes=getattr(first_error, "required_capacity_bytes", None),
+                           min_devices=getattr(first_error, "min_devices", None), remedies=remedies,
+                           tried={"meshes": [dict(r) for r in table]})
 
 
 def _better(row: dict, best: dict) -> bool:

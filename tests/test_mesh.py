@@ -20,7 +20,7 @@ torch = pytest.importorskip("torch")
 import fxpipe  # noqa: E402
 from fxpipe.memory import MemoryModel  # noqa: E402
 from fxpipe.cli.plan_cmd import HFFactory, _BatchFn  # noqa: E402
-from fxpipe.errors import InputError  # noqa: E402
+from fxpipe.errors import InfeasibleError, InputError  # noqa: E402
 from fxpipe.mesh import (  # noqa: E402
     candidate_meshes,
     dp_sync_time_s,
@@ -277,6 +277,16 @@ def test_mesh_search_keeps_the_fastest_mesh_that_fits(tmp_path):
                            time_limit_s=0.5, memory_bytes=50e3)
     assert tight.mesh == {"pp": 4, "dp_shard": 1, "dp_replicate": 1}
     assert ["skipped" in r for r in tight.options["mesh_search"]] == [False] + [True] * 5
+    assert all("\n" not in r["skipped"] and len(r["skipped"]) < 300 for r in tight.options["mesh_search"][1:])
+    # 5 kB: nothing fits; one error says why each mesh was skipped and what the training state needs of all devices
+    with pytest.raises(InfeasibleError) as err:
+        fxpipe.compile(model, args, kwargs, devices=4, microbatches=4, mesh="search", schedule="zb-h1",
+                       time_limit_s=0.5, memory_bytes=5e3)
+    text = str(err.value)
+    assert text.startswith("no mesh of 4 devices fits")
+    assert all(f"  {r['mesh_text']}: " in text for r in tight.options["mesh_search"])
+    assert "The training state alone" in text and "all 4 devices can use" in text
+    assert [r["mesh_text"] for r in err.value.tried["meshes"]] == [r["mesh_text"] for r in tight.options["mesh_search"]]
 
 
 @pytest.mark.parametrize("bandwidth", [1e6, 1e12])

@@ -258,7 +258,8 @@ def memory_remedies(graph: OpGraph, assignment, k: int, objective: str, comm: st
     when static state + one stash of every stage fits. ZeRO sharding (Rajbhandari et al. 2020,
     Sec. 5) divides the static state over a data-parallel degree: the smallest degree of
     :data:`ZERO_DEGREES` and the lowest stage (1, 2, 3) at which every stage of ``assignment``
-    fits is named, if any.
+    fits is named, if any: ZeRO-1 as the mesh that runs it (``pp=k x dp_shard=d``), ZeRO-2/3 with
+    the note that fxpipe's pipeline runtime does not give their memory.
     """
     pm = memory if isinstance(memory, PartitionMemory) else as_partition_memory(memory)
     floor = _dc.replace(pm, activation="floor")
@@ -287,9 +288,14 @@ def memory_remedies(graph: OpGraph, assignment, k: int, objective: str, comm: st
                     break
             if zero:
                 break
-    if zero:
-        out["zero"] = (f"ZeRO-{zero[1]} sharding over {zero[0]} data-parallel replicas would fit this partition "
-                       f"(with offload or recomputation where the schedule needs it).")
+    if zero and zero[1] == 1:
+        out["zero"] = (f"A mesh of {k * zero[0]} devices, pp={k} x dp_shard={zero[0]} (mesh=, --mesh; fxpipe shards "
+                       f"the optimizer state over dp_shard, ZeRO-1), would fit this partition (with offload or "
+                       f"recomputation where the schedule needs it).")
+    elif zero:
+        out["zero"] = (f"ZeRO-{zero[1]} sharding over {zero[0]} data-parallel replicas would fit this partition, but "
+                       "fxpipe's pipeline runtime gives ZeRO-1's memory only (torch's PipelineStage keeps a stage's "
+                       "full parameters and gradients for the whole step).")
     else:
         out["zero"] = f"ZeRO sharding over up to {ZERO_DEGREES[-1]} data-parallel replicas would not fit this partition."
     out["devices"] = "More pipeline devices would help (smaller stages)."  # refined by infeasible_error
