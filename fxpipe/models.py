@@ -73,6 +73,14 @@ ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
         "num_key_value_heads": 32, "intermediate_size": 11008, "vocab_size": 32000,
         "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "dtype": "float16",  # its config.json: float16
     }),
+    # Llama-3-8B dimensions (Grattafiori et al. 2024, "The Llama 3 Herd of Models", Table 3;
+    # HF meta-llama/Meta-Llama-3-8B config.json: vocab 128256, rope theta 500000, GQA 8 KV heads)
+    "llama-3-8b": ("llama", {
+        "num_hidden_layers": 32, "hidden_size": 4096, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 128256,
+        "max_position_embeddings": 8192, "rms_norm_eps": 1e-5,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}, "dtype": "bfloat16",  # its config.json
+    }),
     # Llama-3-70B dimensions (Grattafiori et al. 2024, "The Llama 3 Herd of Models", Table 3;
     # HF meta-llama/Meta-Llama-3-70B config.json: vocab 128256, rope theta 500000, GQA 8 KV heads)
     "llama-3-70b": ("llama", {
@@ -203,7 +211,9 @@ def _build_preset(
     arch : str
         One of ``"gpt2"``, ``"t5"``, ``"llama"``, ``"mixtral"`` or the presets
         ``"llama-2-7b"`` (32 layers, hidden 4096, 32 heads, intermediate 11008, vocab 32000,
-        float16) and ``"llama-3-70b"`` (80 layers, hidden 8192, GQA 64/8 heads, bfloat16).
+        float16), ``"llama-3-8b"`` (32 layers, hidden 4096, GQA 32/8 heads, intermediate 14336,
+        vocab 128256, bfloat16) and ``"llama-3-70b"`` (80 layers, hidden 8192, GQA 64/8 heads,
+        bfloat16).
     overrides : mapping, optional
         Config fields to override (e.g. ``{"n_layer": 2, "n_embd": 64}``), plus the
         example-input sizes ``batch_size`` (default 1), ``seq_len`` (default 128) and, for T5,
@@ -1128,7 +1138,7 @@ def build_hf_model(
     ----------
     arch : str
         A preset of :data:`ARCHS` (``"gpt2"``, ``"t5"``, ``"llama"``, ``"mixtral"``,
-        ``"llama-2-7b"``, ``"llama-3-70b"``); any other transformers ``model_type``
+        ``"llama-2-7b"``, ``"llama-3-8b"``, ``"llama-3-70b"``); any other transformers ``model_type``
         (``"qwen3"``, ``"bert"``, ``"whisper"``, ``"llava"``, ...; :func:`known_model_types`),
         built from its default config with the small sizes of :data:`TINY` (falling back to
         the default widths with 2 layers when the architecture rejects them); or a path to a

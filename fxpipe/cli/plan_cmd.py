@@ -50,7 +50,7 @@ def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument(
         "--hf", metavar="MODEL",
-        help="a preset (gpt2, t5, llama, mixtral, llama-2-7b, llama-3-70b), any transformers model type (qwen3, bert, "
+        help="a preset (gpt2, t5, llama, mixtral, llama-2-7b, llama-3-8b, llama-3-70b), any transformers model type (qwen3, bert, "
         "whisper, llava, ...: built from its default config at small sizes), or a config.json / checkpoint folder "
         "(sizes as written; weights from its safetensors with --run or --checkpoint). See `fxpipe models`",
     )
