@@ -29,17 +29,33 @@ H100_BYTES = 80e9  # the h100-sxm profile's datasheet capacity
 TINY_GPT2 = {"n_layer": 4, "n_embd": 32, "n_head": 2, "vocab_size": 64, "n_positions": 32, "batch_size": 2, "seq_len": 8}
 
 
-def _relay_bytes_by_hand(graph, a, k):
+def _relay_bytes_by_hand(graph, a, k, only=None):
     """Bytes each stage receives / sends forward: every tensor produced at a stage <= s and
-    consumed at a stage > s crosses boundary s once (DESIGN.md Contract 2, comm="relay")."""
+    consumed at a stage > s crosses boundary s once (DESIGN.md Contract 2, comm="relay");
+    ``only``: count the outputs of these nodes only."""
     recv, send = np.zeros(k), np.zeros(k)
     for u in range(graph.n):
+        if only is not None and not only[u]:
+            continue
         consumers = [int(a[v]) for v in graph.successors(u)]
         last = max(consumers, default=int(a[u]))
         for s in range(int(a[u]), last):  # crosses boundaries a[u] .. last-1
             send[s] += graph.size_out_bytes[u]
             recv[s + 1] += graph.size_out_bytes[u]
     return recv, send
+
+
+def _carries_grad_by_hand(graph, n_params):
+    """Nodes whose output requires grad: they own parameters or a predecessor's output requires grad
+    (a fixed point over the edges, not a topological pass)."""
+    grad = [p > 0 for p in n_params]
+    changed = True
+    while changed:
+        changed = False
+        for u, v in graph.edges.tolist():
+            if grad[u] and not grad[v]:
+                grad[v] = changed = True
+    return grad
 
 
 def _check_three_agree(plan, model: MemoryModel):
@@ -53,14 +69,19 @@ def _check_three_agree(plan, model: MemoryModel):
     n_params = np.bincount(a, weights=[float(e["num_params"]) for e in g.extra], minlength=k)
     stash = np.bincount(a, weights=g.act_bytes, minlength=k)
     recv, send = _relay_bytes_by_hand(g, a, k)
+    grad = _carries_grad_by_hand(g, [float(e["num_params"]) for e in g.extra])
+    grad_send = _relay_bytes_by_hand(g, a, k, only=grad)[1]  # torch allocates gradient buffers for these only
+    assert np.all(grad_send <= send)
     pooled = np.where(np.arange(k) < k - 1, recv, 0.0)  # training: every stage but the last pools
-    comm = m * (recv - pooled + send)  # step-long: gradients backward, the last stage's activations
+    comm = m * (recv - pooled + grad_send)  # step-long: gradients backward, the last stage's activations
     static = 16.0 * n_params + comm
     usable = model.capacity_bytes * 0.9
     # 1. the partitioner: static state + one stash + the pooled buffers of the micro-batches 1F1B keeps in
-    # flight + the other receive buffers, within the usable bytes
+    # flight + the other receive buffers (gradient buffers for every relayed tensor: conservative), within
+    # the usable bytes
     in_flight = np.minimum(np.arange(k, 0, -1), m)
-    np.testing.assert_allclose(part.meta["stage_memory_bytes"], static + stash + in_flight * pooled, rtol=1e-9)
+    part_static = 16.0 * n_params + m * (recv - pooled + send)
+    np.testing.assert_allclose(part.meta["stage_memory_bytes"], part_static + stash + in_flight * pooled, rtol=1e-9)
     assert part.meta["usable_bytes"] == pytest.approx(usable)
     assert max(part.meta["stage_memory_bytes"]) <= usable
     # 2. the schedule problem: activations get what the static state leaves (one stage per device); a

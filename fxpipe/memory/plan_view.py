@@ -4,7 +4,9 @@ This module applies :class:`fxpipe.memory.MemoryModel` to a costed graph, a part
 stages, their placement on devices and a schedule. It adds no formula of its own: the
 parameters of a stage are :func:`fxpipe.partition.memory.num_params` summed over its nodes,
 its receive buffers are :meth:`MemoryModel.comm_buffer_bytes` of its Contract-2 relay
-boundary bytes (:func:`fxpipe.partition.objective.io_bytes`) for the step-long ones and
+boundary bytes (:func:`fxpipe.partition.objective.io_bytes`; backward, only the tensors that
+carry a gradient, :func:`fxpipe.partition.memory.differentiable`: torch allocates no gradient
+buffer for a mask or a rotary table, which the partitioner still counts) for the step-long ones and
 :meth:`MemoryModel.pooled_buffer_bytes` per micro-batch in flight for the pooled ones (the
 schedule problem adds those to each stash, so the activation peak counts them), the static state is
 :meth:`MemoryModel.static_bytes`, the activation budget the schedule gets is
@@ -28,7 +30,7 @@ from fxpipe.errors import InfeasibleError
 from fxpipe.ir import OpGraph, Schedule, ScheduleProblem
 from fxpipe.io import format_bytes
 from fxpipe.memory.model import DeviceMemory, MemoryModel
-from fxpipe.partition.memory import num_params
+from fxpipe.partition.memory import differentiable, num_params
 from fxpipe.partition.objective import io_bytes
 from fxpipe.schedule.validate import memory_profile, offloaded_peak, peak_memory
 
@@ -77,7 +79,9 @@ def stage_static(graph: OpGraph, assignment, k: int, model: MemoryModel, num_mic
     a = np.asarray(assignment, dtype=np.int64)
     params = np.bincount(a, weights=num_params(graph), minlength=k)
     in_b, out_b = io_bytes(graph, a, k, "relay")
-    comm = model.comm_buffer_bytes(in_b, out_b, num_microbatches, objective)
+    # gradient buffers: only for relayed tensors that carry a gradient (not masks, positions, rotary tables)
+    grad_b = io_bytes(graph, a, k, "relay", producers=differentiable(graph))[1] if objective == "training" else out_b
+    comm = model.comm_buffer_bytes(in_b, grad_b, num_microbatches, objective)
     return StageStatic(params, comm, in_b, out_b, model.pooled_buffer_bytes(in_b, objective))
 
 

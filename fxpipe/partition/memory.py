@@ -44,6 +44,7 @@ __all__ = [
     "DEFAULT_PARAM_DTYPE_BYTES",
     "PartitionMemory",
     "as_partition_memory",
+    "differentiable",
     "fewest_stages_to_try",
     "infeasible_error",
     "memory_remedies",
@@ -147,6 +148,28 @@ def as_partition_memory(memory) -> PartitionMemory | None:
     else:
         out = PartitionMemory(MemoryModel(capacity_bytes=float(memory)))
     return None if not math.isfinite(out.capacity_bytes) else out
+
+
+def differentiable(graph: OpGraph) -> np.ndarray:
+    """Which nodes' outputs carry a gradient in training, bool (n,).
+
+    A node's output requires grad when the node owns parameters (:func:`num_params`) or one of
+    its inputs requires grad; graph inputs (data) do not. torch's ``PipelineStage`` allocates a
+    gradient receive buffer only for a stage output that requires grad (torch 2.13 ``stage.py``,
+    ``_create_grad_recv_info``), so masks, position ids and rotary tables computed from the inputs
+    and buffers get none. Conservative: an op with integer or boolean outputs downstream of a
+    parameter (a router's top-k indices) counts as differentiable.
+    """
+    import networkx as nx  # noqa: PLC0415 - heavy import kept off the partitioner's import path
+
+    dag = nx.DiGraph()
+    dag.add_nodes_from(range(graph.n))
+    dag.add_edges_from(graph.edges.tolist())
+    out = num_params(graph) > 0
+    for v in nx.topological_sort(dag):
+        if not out[v]:
+            out[v] = any(out[u] for u in graph.predecessors(v))
+    return out
 
 
 def memory_inputs(graph: OpGraph, k: int, objective: str, memory) -> tuple:

@@ -55,7 +55,8 @@ def _check_assignment(graph: OpGraph, assignment: Sequence[int] | np.ndarray, k:
     return a
 
 
-def io_bytes(graph: OpGraph, assignment: Sequence[int] | np.ndarray, k: int, comm: str = "dag") -> tuple[np.ndarray, np.ndarray]:
+def io_bytes(graph: OpGraph, assignment: Sequence[int] | np.ndarray, k: int, comm: str = "dag",
+             producers: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Bytes entering and leaving each block under Contract 2.
 
     Parameters
@@ -67,6 +68,9 @@ def io_bytes(graph: OpGraph, assignment: Sequence[int] | np.ndarray, k: int, com
     k : int
         Number of blocks.
     comm : {"dag", "relay"}
+    producers : bool array (n,), optional
+        Count only the outputs of these nodes (default all), e.g. those that carry a
+        gradient backward (:func:`fxpipe.partition.memory.differentiable`).
 
     Returns
     -------
@@ -82,7 +86,7 @@ def io_bytes(graph: OpGraph, assignment: Sequence[int] | np.ndarray, k: int, com
     out_b = np.zeros(k)
     for u in range(graph.n):
         cons = graph.successors(u)
-        if cons.size == 0:
+        if cons.size == 0 or (producers is not None and not producers[u]):
             continue
         bu = a[u]
         cb = np.unique(a[cons])
