@@ -148,8 +148,12 @@ def test_gpt2_four_ranks(four_ranks, ref_gpt2, name):
     # own (its outputs, returned by step(), may be views of what it received)
     rb = res.meta["recv_buffers"]
     assert rb[0]["fwd"] == 0 and rb[3]["bwd"] == 0 and rb[3]["fwd"] == MICROBATCHES, rb
-    if name == "1f1b":  # in flight at stage s of 4: 4 - s micro-batches, plus receives posted early
-        assert rb[2]["fwd"] < MICROBATCHES, rb
+    if name == "1f1b":  # in flight at stage s of 4: 4 - s micro-batches, plus the receive posted early: what
+        # the memory model counts (fxpipe.memory.MemoryModel.comm_buffer_factors)
+        from fxpipe.memory import MemoryModel
+
+        counted = MemoryModel().comm_buffer_factors(4, MICROBATCHES, "training")[0]
+        assert [rb[s]["fwd"] for s in (1, 2)] == [int(counted[1]), int(counted[2])] == [4, 3], rb
     # tied embedding / LM head held by the first and the last stage, gradients summed
     assert res.meta["shared_params"] == {"m.transformer.wte.weight": [0, 3]}
     acts = res.meta["actions"]

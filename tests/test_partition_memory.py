@@ -63,10 +63,11 @@ def test_stage_memory_by_hand():
     floor = PartitionMemory(model, num_microbatches=4)
     # stage 0 = {0, 1}: 30 params * 8 + 1 stash of 3 + 4 receive buffers of its 7-byte output's gradient
     # stage 1 = {2} (not the last of 3 positions: it pools its activation buffers): 30 params * 8 + 3 + one
-    # buffer of its 7-byte input per micro-batch 1F1B keeps in flight there (2 of 3 positions), whatever the rule
-    assert stage_memory_bytes(g, [0, 0, 1], 3, "training", floor).tolist() == [240 + 3 + 28, 240 + 3 + 14, 0]
+    # buffer of its 7-byte input per micro-batch 1F1B keeps in flight there (2 of 3 positions) and one for the
+    # next receive, whatever the rule
+    assert stage_memory_bytes(g, [0, 0, 1], 3, "training", floor).tolist() == [240 + 3 + 28, 240 + 3 + 21, 0]
     one_f = PartitionMemory(model, num_microbatches=4, activation="1f1b")  # 3 and 2 stashes in flight
-    assert stage_memory_bytes(g, [0, 0, 1], 3, "training", one_f).tolist() == [240 + 9 + 28, 240 + 6 + 14, 0]
+    assert stage_memory_bytes(g, [0, 0, 1], 3, "training", one_f).tolist() == [240 + 9 + 28, 240 + 6 + 21, 0]
     # as the last stage it keeps one buffer per micro-batch (the runtime pools no buffer there)
     assert stage_memory_bytes(g, [0, 0, 1], 2, "training", one_f).tolist() == [240 + 6 + 28, 240 + 3 + 28]
     # inference: weights only (4 bytes per parameter), no gradient buffers
@@ -188,5 +189,5 @@ def test_memory_inputs_match_the_model():
     mp, ma, infl, cap, bi, bo = memory_inputs(g, 3, "training", pm)
     assert mp.tolist() == [100.0 / 16 * 4] * 4  # ZeRO-3 over 4: 16 / 4 bytes per parameter
     # activation receive buffers pooled (one per micro-batch in flight) but on the last stage; gradients one per micro-batch
-    assert infl.tolist() == [3, 2, 1] and cap == 900.0 and bi.tolist() == [3.0, 2.0, 5.0] and bo == 5.0
+    assert infl.tolist() == [3, 2, 1] and cap == 900.0 and bi.tolist() == [4.0, 3.0, 5.0] and bo == 5.0
     assert memory_inputs(g, 3, "training", None)[3] == math.inf

@@ -73,14 +73,15 @@ def _check_three_agree(plan, model: MemoryModel):
     grad_send = _relay_bytes_by_hand(g, a, k, only=grad)[1]  # torch allocates gradient buffers for these only
     assert np.all(grad_send <= send)
     pooled = np.where(np.arange(k) < k - 1, recv, 0.0)  # training: every stage but the last pools
-    comm = m * (recv - pooled + grad_send)  # step-long: gradients backward, the last stage's activations
+    # step-long: gradients backward, the last stage's activations, the pooled stages' buffer the next receive fills
+    comm = m * (recv - pooled + grad_send) + pooled
     static = 16.0 * n_params + comm
     usable = model.capacity_bytes * 0.9
     # 1. the partitioner: static state + one stash + the pooled buffers of the micro-batches 1F1B keeps in
     # flight + the other receive buffers (gradient buffers for every relayed tensor: conservative), within
     # the usable bytes
     in_flight = np.minimum(np.arange(k, 0, -1), m)
-    part_static = 16.0 * n_params + m * (recv - pooled + send)
+    part_static = 16.0 * n_params + m * (recv - pooled + send) + pooled
     np.testing.assert_allclose(part.meta["stage_memory_bytes"], part_static + stash + in_flight * pooled, rtol=1e-9)
     assert part.meta["usable_bytes"] == pytest.approx(usable)
     assert max(part.meta["stage_memory_bytes"]) <= usable

@@ -27,8 +27,11 @@ A stage holding ``P`` parameters on a device of ``capacity_bytes`` needs, in byt
     ``chunk_id``). fxpipe's runtime reuses the *activation* buffers of every stage but the last
     across micro-batches (:func:`fxpipe.codegen.runtime.recv_buffer_slots`: a buffer is busy
     from the receive that fills it to the micro-batch's last backward op on the stage), so in
-    training this is ``m * output_bytes`` (the gradient buffers, not pooled) plus, on the last
-    stage only, ``m * input_bytes``; in inference ``m * input_bytes`` (counted unpooled);
+    training this is ``m * output_bytes`` (the gradient buffers, not pooled; only for tensors
+    that carry a gradient) plus, on the last stage, ``m * input_bytes``, and on the others
+    ``input_bytes``: the buffer the next micro-batch's receive fills while the micro-batches in
+    flight hold theirs (torch posts a ``RECV_F`` before the compute that frees a slot); in
+    inference ``m * input_bytes`` (counted unpooled);
 ``pooled buffers``
     the pooled activation receive buffers of a training stage but the last: ``input_bytes``
     for every micro-batch in flight on the stage (:meth:`MemoryModel.pooled_buffer_bytes`).
@@ -437,10 +440,11 @@ class MemoryModel:
 
         A pooled stage holds one activation buffer per micro-batch in flight, and neither
         offload nor recomputation frees it (the pool keeps it; a recomputing stage keeps exactly
-        its inputs), so the partitioner counts the micro-batches a pipelined schedule keeps in
-        flight on pipeline position ``s`` of ``k``: ``min(k - s, m)`` (1F1B, Narayanan et al.
-        2021; fewer means a stage waits for the next micro-batch's backward before starting its
-        forward, serialising the pipeline), whatever activation rule counts the stashes.
+        its inputs), plus the one the next receive fills; so the partitioner counts the
+        micro-batches a pipelined schedule keeps in flight on pipeline position ``s`` of ``k``,
+        ``min(k - s, m)`` (1F1B, Narayanan et al. 2021; fewer means a stage waits for the next
+        micro-batch's backward before starting its forward, serialising the pipeline), plus one,
+        whatever activation rule counts the stashes.
 
         Parameters
         ----------
@@ -453,22 +457,23 @@ class MemoryModel:
         Returns
         -------
         (f_in float64 (k,), f_out float)
-            ``f_in[s]``: ``min(k - s, m)`` on a pooled stage, ``m`` otherwise; ``f_out``: ``m`` in
-            training (gradient buffers), 0 in inference. See :meth:`comm_buffer_bytes`.
+            ``f_in[s]``: ``min(k - s, m) + 1`` on a pooled stage, ``m`` otherwise; ``f_out``: ``m``
+            in training (gradient buffers), 0 in inference. See :meth:`comm_buffer_bytes`.
         """
         m = int(num_microbatches)
         if m < 1:
             raise InputError(f"num_microbatches must be >= 1, got {num_microbatches!r}")
         pooled = self.pooled_stages(k, objective)
         inflight = np.minimum(np.arange(int(k), 0, -1, dtype=np.float64), float(m))
-        f_in = pooled * inflight + (1.0 - pooled) * m
+        f_in = pooled * (inflight + 1.0) + (1.0 - pooled) * m
         return f_in, (float(m) if objective == "training" else 0.0)
 
     def comm_buffer_bytes(self, input_bytes, output_bytes, num_microbatches: int, objective: str) -> np.ndarray:
         """Receive buffers of each stage allocated for the whole step (bytes), float64 (k,).
 
         ``m * output_bytes`` (gradients, training) plus ``m * input_bytes`` on a stage that does
-        not pool its activation buffers (the last in training, all in inference); the pooled
+        not pool its activation buffers (the last in training, all in inference) and
+        ``input_bytes`` on one that does (the buffer the next receive fills); the other pooled
         ones are :meth:`pooled_buffer_bytes` per micro-batch in flight.
 
         Parameters
@@ -486,7 +491,7 @@ class MemoryModel:
         if m < 1:
             raise InputError(f"num_microbatches must be >= 1, got {num_microbatches!r}")
         pooled = self.pooled_stages(inp.shape[0], objective)
-        return m * (1.0 - pooled) * inp + (float(m) if objective == "training" else 0.0) * out
+        return (m * (1.0 - pooled) + pooled) * inp + (float(m) if objective == "training" else 0.0) * out
 
     def pooled_buffer_bytes(self, input_bytes, objective: str) -> np.ndarray:
         """Pooled activation receive-buffer bytes of each stage per micro-batch in flight, float64 (k,).
