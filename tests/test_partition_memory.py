@@ -191,3 +191,17 @@ def test_memory_inputs_match_the_model():
     # activation receive buffers pooled (one per micro-batch in flight) but on the last stage; gradients one per micro-batch
     assert infl.tolist() == [3, 2, 1] and cap == 900.0 and bi.tolist() == [4.0, 3.0, 5.0] and bo == 5.0
     assert memory_inputs(g, 3, "training", None)[3] == math.inf
+
+
+def test_only_tensors_downstream_of_parameters_carry_gradients():
+    # 0 input ids -> 1 embedding (params) -> 3 attention (params) -> 4 output; 0 -> 2 mask -> 3
+    from fxpipe.partition.memory import differentiable
+
+    g = OpGraph.from_arrays(t_fwd_s=[1] * 5, size_out_bytes=[1, 8, 4, 8, 1], size_param_bytes=[0, 40, 0, 40, 0],
+                            edges=[[0, 1], [1, 3], [0, 2], [2, 3], [3, 4]], meta={"param_dtype_bytes": 4})
+    assert differentiable(g).tolist() == [False, True, False, True, True]
+    # stages {0, 1, 2} | {3, 4}: the hidden state (8 bytes) and the mask (4) cross; only the hidden state's
+    # gradient comes back
+    a = np.array([0, 0, 0, 1, 1])
+    assert io_bytes(g, a, 2, "relay")[1].tolist() == [12.0, 0.0]
+    assert io_bytes(g, a, 2, "relay", producers=differentiable(g))[1].tolist() == [8.0, 0.0]
