@@ -29,33 +29,37 @@ def segment_cost(graph: OpGraph, order, l: int, r: int, objective: str, comm: st
     return float(block_costs(graph, a, 3, objective, comm)[1])
 
 
-def segment_io(graph: OpGraph, order, l: int, r: int, comm: str) -> tuple[float, float]:
-    """Contract-2 (in, out) bytes of the block ``order[l..r]`` (3-block assignment as above)."""
+def segment_io(graph: OpGraph, order, l: int, r: int, comm: str, producers=None) -> tuple[float, float]:
+    """Contract-2 (in, out) bytes of the block ``order[l..r]`` (3-block assignment as above);
+    ``producers``: count only these nodes' outputs."""
     from fxpipe.partition.objective import io_bytes
 
     a = np.empty(graph.n, dtype=np.int64)
     for p, v in enumerate(order):
         a[v] = 0 if p < l else (1 if p <= r else 2)
-    i, o = io_bytes(graph, a, 3, comm)
+    i, o = io_bytes(graph, a, 3, comm, producers=producers)
     return float(i[1]), float(o[1])
 
 
 def _mem_ok(graph, order, l, r, s, mem, comm):
-    """``mem = (static bytes per node (n,), inflight (k,), capacity, buf_in (k,), buf_out)``."""
+    """``mem = (static bytes per node (n,), inflight (k,), capacity, buf_in (k,), buf_out, grad (n,) bool)``:
+    the output boundary counts in relay mode only the outputs of ``grad`` nodes (gradient buffers)."""
     if mem is None:
         return True
-    static_b, inflight, cap, buf_in, buf_out = mem
+    static_b, inflight, cap, buf_in, buf_out, grad = mem
     nodes = [order[p] for p in range(l, r + 1)]
     static = sum(static_b[v] for v in nodes)
     act = sum(graph.act_bytes[v] for v in nodes)
     i, o = segment_io(graph, order, l, r, comm)
+    if comm == "relay":
+        o = segment_io(graph, order, l, r, comm, producers=grad)[1]
     return static + act * inflight[s] + buf_in[s] * i + buf_out * o <= cap
 
 
 def naive_slice(graph: OpGraph, order, k: int, objective: str = "inference", comm: str = "dag", mem=None):
     """O(n^2 k) DP of Archer Algorithm 1 with every segment cost from :func:`segment_cost`.
 
-    ``mem = (static bytes per node (n,), inflight (k,), capacity_bytes, buf_in (k,), buf_out)`` or
+    ``mem = (static bytes per node (n,), inflight (k,), capacity_bytes, buf_in (k,), buf_out, grad (n,))`` or
     None (see :func:`_mem_ok`). Returns the optimal bottleneck
     over slicings into at most k non-empty segments numbered from the front (inf if none fits).
     """
@@ -97,11 +101,12 @@ def brute_force_memory(graph: OpGraph, k: int, objective: str, comm: str, mem) -
     Enumerates monotone assignments, compresses the used blocks to 0..j-1 (what
     ``Partition.from_assignment`` does: empty blocks last), and checks stage s's memory
     ``static + act * inflight[s] + buf_in[s] * in_bytes + buf_out * out_bytes <= cap`` with
-    ``mem = (static bytes per node (n,), inflight (k,), cap, buf_in (k,), buf_out)``.
+    ``mem = (static bytes per node (n,), inflight (k,), cap, buf_in (k,), buf_out, grad (n,))``
+    (relay: ``out_bytes`` of the ``grad`` nodes only).
     """
     from fxpipe.partition.objective import io_bytes
 
-    static_b, inflight, cap, buf_in, buf_out = mem
+    static_b, inflight, cap, buf_in, buf_out, grad = mem
     n = graph.n
     edges = graph.edges.tolist()
     best = math.inf
@@ -117,6 +122,8 @@ def brute_force_memory(graph: OpGraph, k: int, objective: str, comm: str, mem) -
         seen.add(a)
         ok = True
         ins, outs = io_bytes(graph, np.array(a), k, comm)
+        if comm == "relay":
+            outs = io_bytes(graph, np.array(a), k, comm, producers=grad)[1]
         for s in range(len(used)):
             nodes = [v for v in range(n) if a[v] == s]
             m = sum(static_b[v] for v in nodes) + sum(graph.act_bytes[v] for v in nodes) * inflight[s]

@@ -36,7 +36,20 @@ def _ref_mem(g, pm, objective, k):
     """The reference helpers' memory tuple, computed from the model's definitions."""
     static = num_params(g) * pm.model.static_bytes_per_param(objective)
     f_in, f_out = pm.model.comm_buffer_factors(k, pm.num_microbatches, objective)
-    return static, inflight_stashes(k, pm.num_microbatches, pm.activation, objective), pm.usable_bytes, f_in, f_out
+    grad = _carries_grad(g)
+    return static, inflight_stashes(k, pm.num_microbatches, pm.activation, objective), pm.usable_bytes, f_in, f_out, grad
+
+
+def _carries_grad(g):
+    """Outputs that come back as a gradient: downstream of a parameter (a fixed point over the edges)."""
+    grad = list(num_params(g) > 0)
+    changed = True
+    while changed:
+        changed = False
+        for u, v in g.edges.tolist():
+            if grad[u] and not grad[v]:
+                grad[v] = changed = True
+    return grad
 
 
 def test_parameters_are_counted_as_parameters():
@@ -146,17 +159,24 @@ def test_memory_changes_the_partition_when_binding():
 
 
 def test_receive_buffers_count():
-    # the balanced cut (after node 1) crosses a 100-byte tensor: m receive buffers each way
+    # the balanced cut (after node 1) crosses a 100-byte tensor: m receive buffers each way (node 0 owns one
+    # parameter, 16 bytes of state, so every tensor carries a gradient back)
     g = OpGraph.from_arrays(t_fwd_s=np.ones(4), size_out_bytes=[1, 100, 1, 0], edges=[[0, 1], [1, 2], [2, 3]],
-                            act_bytes=np.zeros(4), bandwidth_bytes_per_s=1e6)
+                            act_bytes=np.zeros(4), bandwidth_bytes_per_s=1e6, size_param_bytes=[2, 0, 0, 0])
     free = partition(g, 2, objective="training", comm="relay", method="orders", time_limit_s=0)
     assert free.assignment.tolist() == [0, 0, 1, 1]
-    pm = PartitionMemory(_model(4 * 100 - 1), num_microbatches=4)  # that cut needs 4 x 100 bytes of buffers per stage
+    pm = PartitionMemory(_model(16 + 4 * 100 - 1), num_microbatches=4)  # that cut needs 16 + 4 x 100 on stage 0
     p = partition(g, 2, objective="training", comm="relay", method="orders", time_limit_s=0, memory=pm)
     assert p.assignment.tolist() != [0, 0, 1, 1] and p.bottleneck > free.bottleneck
     i, o = io_bytes(g, p.assignment, 2, "relay")
-    assert (4 * (i + o)).max() <= pm.usable_bytes
-    assert p.meta["stage_memory_bytes"] == (4 * (i + o)).tolist()
+    need = [16 + 4 * o[0], 4 * i[1]]  # gradients received by stage 0; the last stage's activation buffers
+    assert max(need) <= pm.usable_bytes and p.meta["stage_memory_bytes"] == need
+    # without parameters no tensor carries a gradient: no gradient buffers, and the balanced cut fits
+    g0 = OpGraph.from_arrays(t_fwd_s=np.ones(4), size_out_bytes=[1, 100, 1, 0], edges=[[0, 1], [1, 2], [2, 3]],
+                             act_bytes=np.zeros(4), bandwidth_bytes_per_s=1e6)
+    p0 = partition(g0, 2, objective="training", comm="relay", method="orders", time_limit_s=0,
+                   memory=PartitionMemory(_model(4 * 100), num_microbatches=4))
+    assert p0.assignment.tolist() == [0, 0, 1, 1] and p0.meta["stage_memory_bytes"] == [0.0, 400.0]
 
 
 def test_infeasible_reports_overflow_and_what_would_fit():
@@ -186,10 +206,12 @@ def test_infeasible_for_every_device_count():
 def test_memory_inputs_match_the_model():
     g = _heavy_chain(n=4)
     pm = PartitionMemory(MemoryModel(capacity_bytes=1000.0, data_parallel=4, zero_stage=3), num_microbatches=5, activation="1f1b")
-    mp, ma, infl, cap, bi, bo = memory_inputs(g, 3, "training", pm)
+    mp, ma, infl, cap, bi, bo, grad = memory_inputs(g, 3, "training", pm)
     assert mp.tolist() == [100.0 / 16 * 4] * 4  # ZeRO-3 over 4: 16 / 4 bytes per parameter
-    # activation receive buffers pooled (one per micro-batch in flight) but on the last stage; gradients one per micro-batch
+    # activation receive buffers pooled (one per micro-batch in flight and one more) but on the last stage;
+    # gradients one per micro-batch, for the outputs that carry one (all: every node owns parameters)
     assert infl.tolist() == [3, 2, 1] and cap == 900.0 and bi.tolist() == [4.0, 3.0, 5.0] and bo == 5.0
+    assert grad.tolist() == list(g.size_out_bytes)
     assert memory_inputs(g, 3, "training", None)[3] == math.inf
 
 

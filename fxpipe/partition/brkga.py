@@ -77,6 +77,7 @@ def decode_population(
     mem_cap,
     buf_in,
     buf_out,
+    size_grad,
 ):
     """Fitness of every chromosome: Kahn with priorities, then SliceGraph.
 
@@ -105,7 +106,7 @@ def decode_population(
         order = kahn_kernel(keys[i], cls, succ_ptr, succ_idx, pred_ptr)
         best, _cuts = slice_kernel(
             order, succ_ptr, succ_idx, pred_ptr, pred_idx, work, size_out, io_scale, relay, k, bounds[i],
-            mem_param, mem_act, inflight, mem_cap, buf_in, buf_out,
+            mem_param, mem_act, inflight, mem_cap, buf_in, buf_out, size_grad,
         )
         fit[i] = best
     return fit

@@ -14,10 +14,12 @@ pipeline position ``s`` of ``k`` holding the nodes ``V_s`` needs
 ``+ f_in[s] * in_bytes(V_s) + f_out * out_bytes(V_s)``
     the receive buffers (:meth:`MemoryModel.comm_buffer_factors`) of the stage's Contract-2
     boundary bytes (``comm="relay"``: everything crossing its two boundaries): in training one
-    per micro-batch for every gradient received backward, and for every tensor received
-    forward one per micro-batch a pipelined schedule keeps in flight (``min(k - s, m)``:
-    fxpipe's runtime reuses them across micro-batches, and neither offload nor recomputation
-    frees them) on every stage but the last, one per micro-batch on the last,
+    per micro-batch for every gradient received backward (relay: only the tensors that carry
+    one, :func:`differentiable`; dag: every output), and for every tensor received forward one
+    per micro-batch a pipelined schedule keeps in flight plus the one the next receive fills
+    (``min(k - s, m) + 1``: fxpipe's runtime reuses them across micro-batches, and neither
+    offload nor recomputation frees them) on every stage but the last, one per micro-batch on
+    the last,
 
 and must fit ``capacity - reserved`` (:attr:`MemoryModel.usable_bytes`). A block that does
 not fit is infeasible: the SliceGraph DP gives it cost ``inf``.
@@ -173,16 +175,18 @@ def differentiable(graph: OpGraph) -> np.ndarray:
 
 
 def memory_inputs(graph: OpGraph, k: int, objective: str, memory) -> tuple:
-    """Kernel arrays ``(mem_param (n,), mem_act (n,), inflight (k,), usable_bytes, buf_in (k,), buf_out)``.
+    """Kernel arrays ``(mem_param (n,), mem_act (n,), inflight (k,), usable_bytes, buf_in (k,), buf_out, size_grad (n,))``.
 
     ``mem_param`` are static bytes per node, ``mem_act`` its stash bytes, ``buf_in[s]`` /
     ``buf_out`` the receive-buffer bytes per byte of the input / output boundary of the block
-    at pipeline position ``s``. Without a memory model: zeros and ``usable_bytes = inf``.
+    at pipeline position ``s``, ``size_grad`` the output bytes that come back as a gradient
+    (:func:`differentiable`; the relay output boundary counts only those). Without a memory
+    model: zeros and ``usable_bytes = inf``.
     """
     pm = as_partition_memory(memory)
     n = graph.n
     if pm is None:
-        return np.zeros(n), np.zeros(n), np.ones(k), math.inf, np.zeros(k), 0.0
+        return np.zeros(n), np.zeros(n), np.ones(k), math.inf, np.zeros(k), 0.0, np.zeros(n)
     f_in, f_out = pm.model.comm_buffer_factors(k, pm.num_microbatches, objective)
     return (
         np.array(num_params(graph) * pm.model.static_bytes_per_param(objective), dtype=np.float64),
@@ -191,6 +195,7 @@ def memory_inputs(graph: OpGraph, k: int, objective: str, memory) -> tuple:
         float(pm.usable_bytes),
         np.ascontiguousarray(f_in, dtype=np.float64),
         f_out,
+        np.where(differentiable(graph), np.asarray(graph.size_out_bytes, dtype=np.float64), 0.0),
     )
 
 
@@ -209,6 +214,8 @@ def stage_memory_bytes(graph: OpGraph, assignment, k: int, objective: str, memor
     static = np.bincount(a, weights=num_params(graph) * pm.model.static_bytes_per_param(objective), minlength=k)
     act = np.bincount(a, weights=graph.act_bytes, minlength=k)
     in_b, out_b = io_bytes(graph, a, k, comm)
+    if comm == "relay":  # gradient buffers: only the relayed tensors that carry one
+        out_b = io_bytes(graph, a, k, comm, producers=differentiable(graph))[1]
     f_in, f_out = pm.model.comm_buffer_factors(k, pm.num_microbatches, objective)
     return static + act * inflight_stashes(k, pm.num_microbatches, pm.activation, objective) + f_in * in_b + f_out * out_b
 

@@ -175,6 +175,7 @@ def slice_kernel(
     mem_cap,
     buf_in,
     buf_out,
+    size_grad,
 ):
     """Optimal slicing of ``order`` into at most ``k`` segments (Archer Alg. 1, 4-5).
 
@@ -209,7 +210,11 @@ def slice_kernel(
         Receive-buffer bytes per byte of the Contract-2 input boundary of the block at
         pipeline position s (:func:`fxpipe.partition.memory.memory_inputs`).
     buf_out : float
-        The same per byte of a block's output boundary.
+        The same per byte of a block's output boundary (its gradient buffers).
+    size_grad : float64 (n,)
+        Output bytes of each node that come back as a gradient (``size_out`` of the nodes that
+        carry one, 0 elsewhere): the output boundary ``buf_out`` counts in relay mode. Dag mode
+        counts every output byte.
 
     Returns
     -------
@@ -220,10 +225,12 @@ def slice_kernel(
     """
     n = order.shape[0]
     pos, last = _positions_and_last(order, succ_ptr, succ_idx)
+    has_mem = mem_cap < np.inf
     cut = np.zeros(n)
+    cutg = cut
     if relay:
         cut = _relay_cuts(order, pos, last, size_out)
-    has_mem = mem_cap < np.inf
+        cutg = _relay_cuts(order, pos, last, size_grad) if has_mem else cut
     wpre = np.zeros(n + 1)
     for p in range(n):
         wpre[p + 1] = wpre[p] + work[order[p]]
@@ -265,6 +272,8 @@ def slice_kernel(
                     pm += mem_param[order[p]]
                     am += mem_act[order[p]]
                 ib, ob = _segment_io(order, l, r, 2 * n + 2 + i, stamp, pred_ptr, pred_idx, last, size_out, relay, cut)
+                if relay:
+                    ob = cutg[r]
                 if pm + am * inflight[i] + buf_in[i] * ib + buf_out * ob > mem_cap:
                     c = np.inf
             if c > g:
@@ -294,17 +303,17 @@ def slice_kernel(
         t_try = 2.0 * lb
         while t_try < T:
             best, cuts = _bounded_dp(order, pred_ptr, pred_idx, work, size_out, io_scale, relay, k, t_try,
-                                     mem_param, mem_act, inflight, mem_cap, buf_in, buf_out, last, cut, wpre, stamp)
+                                     mem_param, mem_act, inflight, mem_cap, buf_in, buf_out, last, cut, cutg, wpre, stamp)
             if best < np.inf:
                 return best, cuts
             t_try *= 4.0
     return _bounded_dp(order, pred_ptr, pred_idx, work, size_out, io_scale, relay, k, T,
-                       mem_param, mem_act, inflight, mem_cap, buf_in, buf_out, last, cut, wpre, stamp)
+                       mem_param, mem_act, inflight, mem_cap, buf_in, buf_out, last, cut, cutg, wpre, stamp)
 
 
 @njit(**NJIT)
 def _bounded_dp(order, pred_ptr, pred_idx, work, size_out, io_scale, relay, k, T,
-                mem_param, mem_act, inflight, mem_cap, buf_in, buf_out, last, cut, wpre, stamp):
+                mem_param, mem_act, inflight, mem_cap, buf_in, buf_out, last, cut, cutg, wpre, stamp):
     """The DP of :func:`slice_kernel` restricted to slicings with bottleneck <= T."""
     n = order.shape[0]
     total = wpre[n]
@@ -357,7 +366,7 @@ def _bounded_dp(order, pred_ptr, pred_idx, work, size_out, io_scale, relay, k, T
             if has_mem:
                 if relay:
                     bm_in = cut[l - 1] if l > 0 else 0.0
-                    bm = buf_out * cut[r]
+                    bm = buf_out * cutg[r]
                 else:
                     bm_in = inb
                     bm = buf_out * outb
@@ -436,7 +445,7 @@ def kernel_inputs(graph: OpGraph, k: int, objective: str = "inference", comm: st
         io_scale s/byte, relay bool, k)``: the arguments between ``order`` and ``bound``.
     mem : tuple
         ``(mem_param (n,) bytes, mem_act (n,) bytes, inflight (k,), mem_cap bytes, buf_in (k,),
-        buf_out)`` from :func:`fxpipe.partition.memory.memory_inputs`: the arguments after
+        buf_out, size_grad (n,) bytes)`` from :func:`fxpipe.partition.memory.memory_inputs`: the arguments after
         ``bound``.
 
     Raises
