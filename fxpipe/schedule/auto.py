@@ -20,6 +20,9 @@ schedule of it:
    (``minimal=True``, longest-lived stashes first, Wan et al. 2025 Section 2),
    AdaOffload (OptPipe Appendix D) and the offload-aware list-scheduling search
    (:mod:`fxpipe.schedule.offload_search`), which decides offloads with the compute order.
+   They run after step 3 and are skipped when the problem's lower bound
+   (:func:`~fxpipe.schedule.bounds.combinatorial_lower_bound`, valid with offload) is above
+   the best candidate of steps 1 and 3: none of them could be chosen.
 3. **Recomputation** (memory binds and ``recompute=True``): devices whose 1F1B-family
    schedule without offload exceeds their limit (:func:`plain_peak`, simulated without a
    limit) get recomputation on their cheapest stage, the one with the smallest forward time
@@ -250,6 +253,25 @@ def _run(problem: ScheduleProblem, methods, tag: str, tried: dict) -> list[Sched
     return out
 
 
+def _value(cands: list[tuple[ScheduleProblem, Schedule]]) -> float | None:
+    """The best objective value among ``cands`` (None if there is none)."""
+    return min((s.value for _, s in cands), default=None)
+
+
+def _run_unless_hopeless(problem: ScheduleProblem, methods, tag: str, tried: dict, beat: float | None) -> list[Schedule]:
+    """:func:`_run`, unless the problem's lower bound (:func:`combinatorial_lower_bound`, valid
+    for every schedule of it, offloading or not) is above ``beat``, a value already found:
+    then no method can give the best candidate, and each is recorded as skipped."""
+    if beat is not None:
+        lb = combinatorial_lower_bound(problem)
+        if lb > beat * (1 + 1e-9) + 1e-12:
+            for m in methods:
+                tried[f"{tag}/{m}"] = (f"skipped: every schedule of this problem takes at least {lb:.6g} s "
+                                       f"(its lower bound), more than the {beat:.6g} s found")
+            return []
+    return _run(problem, methods, tag, tried)
+
+
 def _best(cands: list[tuple[ScheduleProblem, Schedule]]) -> tuple[ScheduleProblem, Schedule] | None:
     best = None
     for p, s in cands:
@@ -358,11 +380,12 @@ def auto_schedule(
         tried["binding"] = True
         cands += [(problem, s) for s in _run(problem, _plain_methods(problem), "plain", tried)]
         # fewer in flight (1F1B with a smaller warm-up) is tried last, against the best of the
-        # others: warm-ups that provably cannot beat it are not timed; results keep their order
+        # others: warm-ups that provably cannot beat it are not timed; the offload heuristics
+        # (the costly ones) run after the recomputation rounds, and not at all when the
+        # problem's lower bound is above the best found; results and `tried` keep their order
         at, tried_head = len(cands), dict(tried)
         tried.clear()
-        if _can_offload(problem):
-            cands += [(problem, s) for s in _run(problem, OFFLOAD_METHODS, "offload", tried)]
+        rounds: list[tuple[ScheduleProblem, Schedule]] = []
         if recompute:
             cur = problem
             for rnd in range(1, problem.num_stages + 1):
@@ -375,17 +398,24 @@ def auto_schedule(
                 tried[tag] = list(cur.recompute_stages)
                 found = [(cur, s) for s in _run(cur, _plain_methods(cur), tag, tried)]
                 if not found and _can_offload(cur):
-                    found = [(cur, s) for s in _run(cur, OFFLOAD_METHODS, tag, tried)]
+                    found = [(cur, s) for s in _run_unless_hopeless(cur, OFFLOAD_METHODS, tag, tried, _value(cands + rounds))]
                 if not found:
                     found = [(cur, s) for s in _degraded(cur, tag, tried)]
-                cands += found
-            cands += _full_recompute_1f1b(problem, tried)
-        tried_rest = dict(tried)
+                rounds += found
+            rounds += _full_recompute_1f1b(problem, tried)
+        tried_rounds = dict(tried)
+        tried.clear()
+        if _can_offload(problem):
+            cands += [(problem, s) for s in _run_unless_hopeless(problem, OFFLOAD_METHODS, "offload", tried,
+                                                                 _value(cands + rounds))]
+        tried_offload = dict(tried)
         tried.clear()
         tried.update(tried_head)
-        beat = min((s.value for _, s in cands), default=None)
+        cands += rounds
+        beat = _value(cands)
         cands[at:at] = [(problem, s) for s in _degraded(problem, "plain", tried, beat=beat)]
-        tried.update(tried_rest)
+        tried.update(tried_offload)
+        tried.update(tried_rounds)
     chosen = _best(cands)
     if chosen is None:
         need = None
