@@ -535,9 +535,7 @@ def zb_greedy(
         for prio in (True, False):
             for nbg in (True, False):
                 try:
-                    orders = greedy_orders(
-                        problem, budget, allow_bubble_before_first_b=allow, prioritize_b=prio, no_bubble_greedy=nbg
-                    )
+                    orders = _greedy_orders_once(problem, budget, allow, prio, nbg)
                 except _GreedyFail as exc:
                     reasons.append(str(exc))
                     continue
@@ -561,6 +559,34 @@ def zb_greedy(
             f"({reasons[0] if reasons else 'no schedule'}); raise mem_limit or use offload"
         )
     return _finish(problem, best, t0)
+
+
+#: The last runs of :func:`greedy_orders` from :func:`zb_greedy`: (problem, budget bytes,
+#: switches, orders or the failure message). ZB-H2 runs ZB-H1 inside it, and under a binding
+#: limit the budgets of ZB-H2, ZB-H1 and ``greedy`` are often all ``mem_limit``: one run each.
+_GREEDY_RUNS: list = []
+_GREEDY_RUNS_KEEP = 48
+
+
+def _greedy_orders_once(problem: ScheduleProblem, budget: np.ndarray, allow: bool, prio: bool,
+                        nbg: bool) -> StageOrders:
+    """:func:`greedy_orders` of (the very object) ``problem``, remembered (a fresh copy each time)."""
+    key = (np.asarray(budget, dtype=float).tobytes(), allow, prio, nbg)
+    for prob_seen, key_seen, out in _GREEDY_RUNS:
+        if prob_seen is problem and key_seen == key:
+            if isinstance(out, str):
+                raise _GreedyFail(out)
+            return {s: list(seq) for s, seq in out.items()}
+    try:
+        out = greedy_orders(problem, budget, allow_bubble_before_first_b=allow, prioritize_b=prio,
+                            no_bubble_greedy=nbg)
+    except _GreedyFail as exc:
+        _GREEDY_RUNS.append((problem, key, str(exc)))
+        del _GREEDY_RUNS[:-_GREEDY_RUNS_KEEP]
+        raise
+    _GREEDY_RUNS.append((problem, key, {s: list(seq) for s, seq in out.items()}))
+    del _GREEDY_RUNS[:-_GREEDY_RUNS_KEEP]
+    return out
 
 
 def zb_h1(problem: ScheduleProblem, *, per_stage: bool = False) -> Schedule:
