@@ -229,12 +229,12 @@ def _sequential(problem: ScheduleProblem) -> Schedule:
     return sequential_schedule(problem)
 
 
-def _run(problem: ScheduleProblem, methods, tag: str, tried: dict) -> list[Schedule]:
+def _run(problem: ScheduleProblem, methods, tag: str, tried: dict, beat: float | None = None) -> list[Schedule]:
     out = []
     for m in methods:
         try:
             if m == "pipeoffload":
-                sched = heuristics.pipeoffload(problem, minimal=True)
+                sched = heuristics.pipeoffload(problem, minimal=True, beat=beat)
             elif m == "1f1b-limited":
                 sched = limited_1f1b(problem)
             elif m == "sequential":
@@ -269,7 +269,23 @@ def _run_unless_hopeless(problem: ScheduleProblem, methods, tag: str, tried: dic
                 tried[f"{tag}/{m}"] = (f"skipped: every schedule of this problem takes at least {lb:.6g} s "
                                        f"(its lower bound), more than the {beat:.6g} s found")
             return []
-    return _run(problem, methods, tag, tried)
+    if "pipeoffload" not in methods or len(methods) == 1:
+        return _run(problem, methods, tag, tried, beat)
+    # PipeOffload (the costly one: every warm-up from p - 1 down until one fits) runs last,
+    # against the best of the others too; results and `tried` keep the methods' order
+    others = [m for m in methods if m != "pipeoffload"]
+    sub: dict = {}
+    got = dict(zip(others, _run_each(problem, others, tag, sub)))
+    best = min([beat] * (beat is not None) + [s.value for s in got.values() if s is not None], default=None)
+    got["pipeoffload"] = _run_each(problem, ["pipeoffload"], tag, sub, best)[0]
+    for m in methods:
+        tried[f"{tag}/{m}"] = sub[f"{tag}/{m}"]
+    return [got[m] for m in methods if got[m] is not None]
+
+
+def _run_each(problem: ScheduleProblem, methods, tag: str, tried: dict, beat: float | None = None) -> list[Schedule | None]:
+    """:func:`_run` method by method: the schedule of each, None where it failed."""
+    return [(found[0] if found else None) for found in (_run(problem, [m], tag, tried, beat) for m in methods)]
 
 
 def _best(cands: list[tuple[ScheduleProblem, Schedule]]) -> tuple[ScheduleProblem, Schedule] | None:

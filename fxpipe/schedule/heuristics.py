@@ -737,7 +737,7 @@ def _selective_offload(
     return best_s, best_e
 
 
-def pipeoffload(problem: ScheduleProblem, *, minimal: bool = False) -> Schedule:
+def pipeoffload(problem: ScheduleProblem, *, minimal: bool = False, beat: float | None = None) -> Schedule:
     """PipeOffload-style schedule: 1F1B orders with selective activation offload.
 
     Tries 1F1B warm-ups ``w`` = p-1, p-2, ..., 0 (stage s runs ``min(w, p - s - 1)`` warm-up
@@ -746,11 +746,22 @@ def pipeoffload(problem: ScheduleProblem, *, minimal: bool = False) -> Schedule:
     finite limit (``minimal=True``: only as many of them, longest first, as memory needs);
     see :func:`_selective_offload`. Returns the first (largest warm-up) that fits.
 
+    Parameters
+    ----------
+    problem : ScheduleProblem
+    minimal : bool
+        Offload only as many stashes as memory needs (see :func:`_selective_offload`).
+    beat : float, optional
+        A value (seconds) already found elsewhere: stop, raising InfeasibleError, at the first
+        warm-up whose bound (:func:`fxpipe.schedule.auto.limited_1f1b_bound`, which offload
+        and memory waits only raise) is above it; neither it nor any smaller warm-up could
+        beat it. The schedule returned when one fits before that is the one without ``beat``.
+
     Raises
     ------
     InfeasibleError
         If no warm-up fits even with every stash offloaded (the message gives the smallest
-        overflow seen).
+        overflow seen), or none can beat ``beat``.
 
     References
     ----------
@@ -762,6 +773,13 @@ def pipeoffload(problem: ScheduleProblem, *, minimal: bool = False) -> Schedule:
     _min_stash_check(problem, "pipeoffload")  # F allocates its whole stash before any offload
     best, least = None, math.inf
     for w in range(p - 1, -1, -1):
+        if beat is not None:
+            from fxpipe.schedule.auto import limited_1f1b_bound  # auto imports this module
+
+            lb = limited_1f1b_bound(problem, w)
+            if lb > beat * (1 + 1e-9) + 1e-12:
+                raise InfeasibleError(f"pipeoffload: skipped: warm-up {w} or less is at least {lb:.6g} s (its lower "
+                                      f"bound), more than the {beat:.6g} s found")
         warm = [min(w, p - s - 1, M) for s in range(p)]
         sched, ex = _selective_offload(problem, orders_1f1b(p, M, warm), "pipeoffload", minimal=minimal)
         sched = Schedule(sched.ops, sched.makespan, sched.stage_span, method="pipeoffload", objective=problem.objective,
