@@ -1,8 +1,9 @@
 """The shortcuts that keep ``schedule="auto"`` fast never change what it returns.
 
-* ``auto.limited_1f1b`` skips warm-ups that :func:`~fxpipe.schedule.auto._warmup_overflows`
+* ``auto.limited_1f1b`` skips warm-ups that :func:`~fxpipe.schedule.heuristics.warmup_overflow_bytes`
   proves over the limit: every one of them is refused by the validator when timed.
-* ``pipeoffload(beat=...)`` returns the schedule it returns without ``beat``, or refuses only
+* ``pipeoffload`` skips warm-ups that it proves over the limit whatever is offloaded;
+  ``pipeoffload(beat=...)`` returns the schedule it returns without ``beat``, or refuses only
   when that schedule is slower than ``beat``.
 * ``auto_schedule`` skips the offload heuristics when the problem's lower bound is above a
   recomputation candidate, and chooses the schedule the unpruned candidates would.
@@ -18,8 +19,8 @@ from hypothesis import strategies as st
 
 from fxpipe.errors import InfeasibleError
 from fxpipe.ir import ScheduleProblem
-from fxpipe.schedule.auto import _warmup_overflows, auto_schedule
-from fxpipe.schedule.heuristics import generate, orders_1f1b, pipeoffload
+from fxpipe.schedule.auto import auto_schedule
+from fxpipe.schedule.heuristics import generate, orders_1f1b, pipeoffload, warmup_overflow_bytes
 from fxpipe.schedule.simulate import simulate
 from fxpipe.schedule.validate import check_schedule
 
@@ -28,27 +29,39 @@ from fxpipe.schedule.validate import check_schedule
 def limited_problems(draw):
     S, M = draw(st.integers(2, 5)), draw(st.integers(1, 8))
     mf = [draw(st.sampled_from([1.0, 2.0])) for _ in range(S)]
-    return ScheduleProblem.create(
+    p = ScheduleProblem.create(
         num_stages=S,
         num_microbatches=M,
         t_f=[draw(st.sampled_from([0.0, 1e-12, 0.5, 1.0, 2.0])) for _ in range(S)],
         t_b=[draw(st.sampled_from([0.0, 1.0, 2.0])) for _ in range(S)],
         t_w=[draw(st.sampled_from([0.0, 1.0])) for _ in range(S)],
         t_comm=[draw(st.sampled_from([0.0, 0.5])) for _ in range(S - 1)],
+        t_offload=[draw(st.sampled_from([0.0, 0.5, 2.0])) for _ in range(S)],
         mem_f=mf,
         mem_b=[-x / 2 for x in mf],
         mem_w=[-x / 2 for x in mf],
+        offload_bytes=[x * draw(st.sampled_from([0.0, 0.5, 1.0])) for x in mf],
+        recompute_mem_f=[x / 4 for x in mf],
         mem_limit=[draw(st.sampled_from([1.0, 2.0, 2.0 + 1e-10, 3.0, 4.0, math.inf])) for _ in range(S)],
     )
+    rec = draw(st.lists(st.integers(0, S - 1), max_size=2))
+    return p.with_recompute(sorted(set(rec))) if rec else p
 
 
-@settings(max_examples=60, deadline=None)
-@given(limited_problems(), st.integers(0, 6))
-def test_warmup_overflow_shortcut_only_skips_refused_orders(problem, w):
+@settings(max_examples=80, deadline=None)
+@given(limited_problems(), st.integers(0, 6), st.data())
+def test_warmup_overflow_shortcut_only_skips_refused_orders(problem, w, data):
     p, M = problem.num_stages, problem.num_microbatches
     warm = [min(w, p - s - 1, M) for s in range(p)]
-    errs = check_schedule(problem, simulate(problem, orders_1f1b(p, M, warm)))
-    if _warmup_overflows(problem, warm):
+    orders = orders_1f1b(p, M, warm)
+    errs = check_schedule(problem, simulate(problem, orders))
+    if warmup_overflow_bytes(problem, warm) > 0:
+        assert errs and all(e.startswith("rule 5") for e in errs)
+    # with any offload, memory-aware or not (as pipeoffload times them)
+    off = data.draw(st.sets(st.tuples(st.integers(0, p - 1), st.integers(0, M - 1))))
+    respect = data.draw(st.booleans())
+    errs = check_schedule(problem, simulate(problem, orders, offload=off, respect_memory=respect))
+    if warmup_overflow_bytes(problem, warm, offload=True) > 0:
         assert errs and all(e.startswith("rule 5") for e in errs)
 
 
@@ -56,8 +69,8 @@ def test_warmup_overflow_shortcut_catches_the_plain_case():
     # 3 stashes of 2 bytes on stage 0 under a 5-byte limit: over whatever the timing
     p = ScheduleProblem.create(num_stages=3, num_microbatches=6, t_f=1.0, t_b=1.0, t_w=1.0, mem_f=2.0, mem_b=-1.0,
                                mem_w=-1.0, mem_limit=5.0)
-    assert _warmup_overflows(p, [2, 1, 0])
-    assert not _warmup_overflows(p, [1, 1, 0])
+    assert warmup_overflow_bytes(p, [2, 1, 0]) == pytest.approx(1.0)
+    assert warmup_overflow_bytes(p, [1, 1, 0]) < 0
 
 
 def _offload_problem(limit: float, t_off: float = 0.5, m: int = 6, t_f: float = 1.0) -> ScheduleProblem:

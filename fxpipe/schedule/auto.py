@@ -188,32 +188,6 @@ def limited_1f1b_bound(problem: ScheduleProblem, w: int) -> float:
     return best
 
 
-def _warmup_overflows(problem: ScheduleProblem, warm: list[int]) -> bool:
-    """True when 1F1B with these warm-ups (one stage per device, no offload) certainly breaks
-    Contract 3 rule 5, however it is timed.
-
-    On stage s the ``k = warm[s] + 1`` first ops are forwards (the last is the first steady-state
-    one), so when the k-th forward starts the device holds ``k mem_f[s]`` and nothing else, one
-    instant apart from any other event when ``t_f[s]`` exceeds the validator's time tolerance
-    (at most ``1e-9`` times every op and transfer run back to back, which bounds the ASAP
-    makespan). Stages within the memory tolerance (twice :func:`check_schedule`'s) are left to
-    the validator.
-    """
-    M = problem.num_microbatches
-    t_max = M * float(np.sum(problem.t_f + problem.t_b + problem.t_w)) + 2 * M * float(np.sum(problem.t_comm))
-    ttol = 1e-9 * max(1.0, t_max)
-    foot = problem.stash_footprint
-    for s, w in enumerate(warm):
-        a, lim = float(problem.mem_f[s]), problem.device_mem_limit(s)
-        k = min(w + 1, M)
-        if a <= 0 or not math.isfinite(lim) or float(problem.t_f[s]) <= ttol:
-            continue
-        mtol = 1e-9 * max(1.0, float(foot[s]), abs(lim))
-        if k * a > lim + 2 * mtol:
-            return True
-    return False
-
-
 def limited_1f1b(problem: ScheduleProblem, *, beat: float | None = None) -> Schedule:
     """1F1B with the largest uniform warm-up that fits memory, no offload (method ``1f1b-limited``).
 
@@ -245,7 +219,7 @@ def limited_1f1b(problem: ScheduleProblem, *, beat: float | None = None) -> Sche
                 raise _CannotBeat(f"skipped: warm-up {w} or less is at least {lb:.6g} s (its lower bound), "
                                   f"more than the {beat:.6g} s found")
         warm = [min(w, p - s - 1, M) for s in range(p)]
-        if _warmup_overflows(problem, warm):
+        if heuristics.warmup_overflow_bytes(problem, warm) > 0:
             continue  # check_schedule would refuse it (rule 5): not timed
         sched = simulate(problem, orders_1f1b(p, M, warm), method="1f1b-limited", meta={"warmup": warm})
         if not check_schedule(problem, sched):

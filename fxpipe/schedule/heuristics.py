@@ -85,6 +85,7 @@ __all__ = [
     "offload_search_schedule",
     "orders_1f1b",
     "orders_gpipe",
+    "warmup_overflow_bytes",
     "greedy_orders",
     "require_one_stage_per_device",
 ]
@@ -227,6 +228,42 @@ def orders_1f1b(num_stages: int, num_microbatches: int, warmup: Sequence[int] | 
             seq += [("B", j), ("W", j)]
         out[s] = seq
     return out
+
+
+def warmup_overflow_bytes(problem: ScheduleProblem, warm: Sequence[int], *, offload: bool = False) -> float:
+    """Bytes by which 1F1B orders with these warm-ups (:func:`orders_1f1b`, one stage per
+    device) certainly exceed some stage's limit however they are timed (-inf when not
+    certain); > 0 means :func:`~fxpipe.schedule.validate.check_schedule` refuses every timing.
+
+    On stage s the first ``k = min(warm[s] + 1, m)`` ops are forwards, then ``B(s, 0)``. When
+    the k-th forward starts the stage holds ``k mem_f[s]``, less at most ``k - 1`` offloaded
+    stashes (``offload=True``; the k-th one's offload has not started); when ``B(s, 0)`` starts
+    it holds that plus ``mem_b + mem_b_transient`` (its own stash is back, rule 4). Each is one
+    instant of the validator's curve, apart from the ops before and after it, when ``t_f[s]``
+    (and ``t_b[s]`` for the second) exceeds the validator's time tolerance times the number of
+    events that could chain into it (the tolerance is bounded with every op, transfer and
+    copy run back to back). The excess counted is beyond twice the validator's memory
+    tolerance.
+    """
+    S, M = problem.num_stages, problem.num_microbatches
+    t_max = M * (float(np.sum(problem.t_f + problem.t_b + problem.t_w)) + 2 * float(np.sum(problem.t_comm))
+                 + 2 * float(np.sum(problem.t_offload)))
+    chain_tol = (2 * M + 4) * 1e-9 * max(1.0, t_max)
+    foot, lims = problem.stash_footprint, _stage_limits(problem)
+    worst = -math.inf
+    for s in range(S):
+        a, lim = float(problem.mem_f[s]), float(lims[s])
+        off = max(0.0, float(problem.offload_bytes[s])) if offload else 0.0
+        if a < 0 or not math.isfinite(lim) or float(problem.t_f[s]) <= chain_tol:
+            continue
+        k = min(int(warm[s]) + 1, M)
+        mtol = 1e-9 * max(1.0, float(foot[s]), abs(lim))
+        held = k * a - (k - 1) * off
+        worst = max(worst, held - lim - 2 * mtol)
+        if float(problem.t_b[s]) > chain_tol:
+            rise = float(problem.mem_b[s]) + float(problem.mem_b_transient[s])
+            worst = max(worst, held + rise - lim - 2 * mtol)
+    return worst if worst > 0 else -math.inf
 
 
 def gpipe(problem: ScheduleProblem) -> Schedule:
@@ -781,6 +818,10 @@ def pipeoffload(problem: ScheduleProblem, *, minimal: bool = False, beat: float 
                 raise InfeasibleError(f"pipeoffload: skipped: warm-up {w} or less is at least {lb:.6g} s (its lower "
                                       f"bound), more than the {beat:.6g} s found")
         warm = [min(w, p - s - 1, M) for s in range(p)]
+        over = warmup_overflow_bytes(problem, warm, offload=True)
+        if over > 0:  # no offload choice fits this warm-up: not timed
+            least = min(least, over)
+            continue
         sched, ex = _selective_offload(problem, orders_1f1b(p, M, warm), "pipeoffload", minimal=minimal)
         sched = Schedule(sched.ops, sched.makespan, sched.stage_span, method="pipeoffload", objective=problem.objective,
                          meta={"warmup": warm, "offloaded": sum(o.type == "O" for o in sched.ops)})
