@@ -22,7 +22,11 @@ schedule of it:
    (:mod:`fxpipe.schedule.offload_search`), which decides offloads with the compute order.
    They run after step 3 and are skipped when the problem's lower bound
    (:func:`~fxpipe.schedule.bounds.combinatorial_lower_bound`, valid with offload) is above
-   the best candidate of steps 1 and 3: none of them could be chosen.
+   the best candidate of steps 1 and 3: none of them could be chosen. PipeOffload, which
+   times every warm-up from ``p - 1`` down until one fits, runs last of them and stops at the
+   first warm-up whose :func:`limited_1f1b_bound` is above the best found; warm-ups that
+   overflow whatever is offloaded (:func:`~fxpipe.schedule.heuristics.warmup_overflow_bytes`)
+   are not timed.
 3. **Recomputation** (memory binds and ``recompute=True``): devices whose 1F1B-family
    schedule without offload exceeds their limit (:func:`plain_peak`, simulated without a
    limit) get recomputation on their cheapest stage, the one with the smallest forward time
@@ -263,7 +267,8 @@ def _value(cands: list[tuple[ScheduleProblem, Schedule]]) -> float | None:
 def _run_unless_hopeless(problem: ScheduleProblem, methods, tag: str, tried: dict, beat: float | None) -> list[Schedule]:
     """:func:`_run`, unless the problem's lower bound (:func:`combinatorial_lower_bound`, valid
     for every schedule of it, offloading or not) is above ``beat``, a value already found:
-    then no method can give the best candidate, and each is recorded as skipped."""
+    then no method can give the best candidate, and each is recorded as skipped. PipeOffload
+    runs after the others, with the best of ``beat`` and their values as its ``beat``."""
     if beat is not None:
         lb = combinatorial_lower_bound(problem)
         if lb > beat * (1 + 1e-9) + 1e-12:

@@ -400,21 +400,23 @@ class _MemoryEvents:
     """Per device, the memory events ``(time, delta)`` placed so far, kept sorted (with their
     times and deltas apart), for memory-aware timing (``respect_memory``)."""
 
-    __slots__ = ("lims", "keys", "times", "deltas")
+    __slots__ = ("lims", "times", "deltas")
 
     def __init__(self, lims: list[float]) -> None:
         self.lims = lims
-        self.keys: list[list[tuple[float, float]]] = [[] for _ in lims]
         self.times: list[list[float]] = [[] for _ in lims]
         self.deltas: list[list[float]] = [[] for _ in lims]
 
     def add(self, d: int, te: float, x: float) -> None:
-        """Device ``d`` changes by ``x`` bytes at ``te``."""
-        keys = self.keys[d]
-        i = bisect.bisect_right(keys, (te, x))
-        keys.insert(i, (te, x))
-        self.times[d].insert(i, te)
-        self.deltas[d].insert(i, x)
+        """Device ``d`` changes by ``x`` bytes at ``te`` (kept sorted by (time, delta), after equal ones)."""
+        times, deltas = self.times[d], self.deltas[d]
+        hi = bisect.bisect_right(times, te)
+        if hi and times[hi - 1] == te:  # events at the same time: ordered by delta
+            i = bisect.bisect_right(deltas, x, bisect.bisect_left(times, te, 0, hi), hi)
+        else:
+            i = hi
+        times.insert(i, te)
+        deltas.insert(i, x)
 
     def fit_time(self, d: int, est: float, need: float) -> float:
         """Earliest event time >= est at which `need` more bytes fit (sums as the events sorted)."""
@@ -441,7 +443,7 @@ def _timed_schedule(problem: ScheduleProblem, recs: list, method: str, meta: Map
     t_min = min((r[0] for r in recs), default=0.0)
     if t_min != 0.0 and math.isfinite(t_min):
         recs = [(r[0] - t_min, r[1], r[2], r[3], r[4], r[5] - t_min) for r in recs]
-    recs.sort(key=lambda r: r[:4])  # sort_ops' canonical order (start, stage, type, micro-batch)
+    recs.sort()  # sort_ops' canonical order (start, stage, type, micro-batch): (stage, type, mb) are unique
     ops = tuple(_make_ops(recs))
     if recs:
         a, s, rk, j, _, e = zip(*recs)
