@@ -20,6 +20,13 @@ schedule of it:
    (``minimal=True``, longest-lived stashes first, Wan et al. 2025 Section 2),
    AdaOffload (OptPipe Appendix D) and the offload-aware list-scheduling search
    (:mod:`fxpipe.schedule.offload_search`), which decides offloads with the compute order.
+   They run after step 3 and are skipped when the problem's lower bound
+   (:func:`~fxpipe.schedule.bounds.combinatorial_lower_bound`, valid with offload) is above
+   the best candidate of steps 1 and 3: none of them could be chosen. PipeOffload, which
+   times every warm-up from ``p - 1`` down until one fits, runs last of them and stops at the
+   first warm-up whose :func:`limited_1f1b_bound` is above the best found; warm-ups that
+   overflow whatever is offloaded (:func:`~fxpipe.schedule.heuristics.warmup_overflow_bytes`)
+   are not timed.
 3. **Recomputation** (memory binds and ``recompute=True``): devices whose 1F1B-family
    schedule without offload exceeds their limit (:func:`plain_peak`, simulated without a
    limit) get recomputation on their cheapest stage, the one with the smallest forward time
@@ -216,6 +223,8 @@ def limited_1f1b(problem: ScheduleProblem, *, beat: float | None = None) -> Sche
                 raise _CannotBeat(f"skipped: warm-up {w} or less is at least {lb:.6g} s (its lower bound), "
                                   f"more than the {beat:.6g} s found")
         warm = [min(w, p - s - 1, M) for s in range(p)]
+        if heuristics.warmup_overflow_bytes(problem, warm) > 0:
+            continue  # check_schedule would refuse it (rule 5): not timed
         sched = simulate(problem, orders_1f1b(p, M, warm), method="1f1b-limited", meta={"warmup": warm})
         if not check_schedule(problem, sched):
             return sched
@@ -226,12 +235,12 @@ def _sequential(problem: ScheduleProblem) -> Schedule:
     return sequential_schedule(problem)
 
 
-def _run(problem: ScheduleProblem, methods, tag: str, tried: dict) -> list[Schedule]:
+def _run(problem: ScheduleProblem, methods, tag: str, tried: dict, beat: float | None = None) -> list[Schedule]:
     out = []
     for m in methods:
         try:
             if m == "pipeoffload":
-                sched = heuristics.pipeoffload(problem, minimal=True)
+                sched = heuristics.pipeoffload(problem, minimal=True, beat=beat)
             elif m == "1f1b-limited":
                 sched = limited_1f1b(problem)
             elif m == "sequential":
@@ -248,6 +257,42 @@ def _run(problem: ScheduleProblem, methods, tag: str, tried: dict) -> list[Sched
         tried[f"{tag}/{m}"] = float(sched.value)
         out.append(sched)
     return out
+
+
+def _value(cands: list[tuple[ScheduleProblem, Schedule]]) -> float | None:
+    """The best objective value among ``cands`` (None if there is none)."""
+    return min((s.value for _, s in cands), default=None)
+
+
+def _run_unless_hopeless(problem: ScheduleProblem, methods, tag: str, tried: dict, beat: float | None) -> list[Schedule]:
+    """:func:`_run`, unless the problem's lower bound (:func:`combinatorial_lower_bound`, valid
+    for every schedule of it, offloading or not) is above ``beat``, a value already found:
+    then no method can give the best candidate, and each is recorded as skipped. PipeOffload
+    runs after the others, with the best of ``beat`` and their values as its ``beat``."""
+    if beat is not None:
+        lb = combinatorial_lower_bound(problem)
+        if lb > beat * (1 + 1e-9) + 1e-12:
+            for m in methods:
+                tried[f"{tag}/{m}"] = (f"skipped: every schedule of this problem takes at least {lb:.6g} s "
+                                       f"(its lower bound), more than the {beat:.6g} s found")
+            return []
+    if "pipeoffload" not in methods or len(methods) == 1:
+        return _run(problem, methods, tag, tried, beat)
+    # PipeOffload (the costly one: every warm-up from p - 1 down until one fits) runs last,
+    # against the best of the others too; results and `tried` keep the methods' order
+    others = [m for m in methods if m != "pipeoffload"]
+    sub: dict = {}
+    got = dict(zip(others, _run_each(problem, others, tag, sub)))
+    best = min([beat] * (beat is not None) + [s.value for s in got.values() if s is not None], default=None)
+    got["pipeoffload"] = _run_each(problem, ["pipeoffload"], tag, sub, best)[0]
+    for m in methods:
+        tried[f"{tag}/{m}"] = sub[f"{tag}/{m}"]
+    return [got[m] for m in methods if got[m] is not None]
+
+
+def _run_each(problem: ScheduleProblem, methods, tag: str, tried: dict, beat: float | None = None) -> list[Schedule | None]:
+    """:func:`_run` method by method: the schedule of each, None where it failed."""
+    return [(found[0] if found else None) for found in (_run(problem, [m], tag, tried, beat) for m in methods)]
 
 
 def _best(cands: list[tuple[ScheduleProblem, Schedule]]) -> tuple[ScheduleProblem, Schedule] | None:
@@ -358,11 +403,12 @@ def auto_schedule(
         tried["binding"] = True
         cands += [(problem, s) for s in _run(problem, _plain_methods(problem), "plain", tried)]
         # fewer in flight (1F1B with a smaller warm-up) is tried last, against the best of the
-        # others: warm-ups that provably cannot beat it are not timed; results keep their order
+        # others: warm-ups that provably cannot beat it are not timed; the offload heuristics
+        # (the costly ones) run after the recomputation rounds, and not at all when the
+        # problem's lower bound is above the best found; results and `tried` keep their order
         at, tried_head = len(cands), dict(tried)
         tried.clear()
-        if _can_offload(problem):
-            cands += [(problem, s) for s in _run(problem, OFFLOAD_METHODS, "offload", tried)]
+        rounds: list[tuple[ScheduleProblem, Schedule]] = []
         if recompute:
             cur = problem
             for rnd in range(1, problem.num_stages + 1):
@@ -375,17 +421,24 @@ def auto_schedule(
                 tried[tag] = list(cur.recompute_stages)
                 found = [(cur, s) for s in _run(cur, _plain_methods(cur), tag, tried)]
                 if not found and _can_offload(cur):
-                    found = [(cur, s) for s in _run(cur, OFFLOAD_METHODS, tag, tried)]
+                    found = [(cur, s) for s in _run_unless_hopeless(cur, OFFLOAD_METHODS, tag, tried, _value(cands + rounds))]
                 if not found:
                     found = [(cur, s) for s in _degraded(cur, tag, tried)]
-                cands += found
-            cands += _full_recompute_1f1b(problem, tried)
-        tried_rest = dict(tried)
+                rounds += found
+            rounds += _full_recompute_1f1b(problem, tried)
+        tried_rounds = dict(tried)
+        tried.clear()
+        if _can_offload(problem):
+            cands += [(problem, s) for s in _run_unless_hopeless(problem, OFFLOAD_METHODS, "offload", tried,
+                                                                 _value(cands + rounds))]
+        tried_offload = dict(tried)
         tried.clear()
         tried.update(tried_head)
-        beat = min((s.value for _, s in cands), default=None)
+        cands += rounds
+        beat = _value(cands)
         cands[at:at] = [(problem, s) for s in _degraded(problem, "plain", tried, beat=beat)]
-        tried.update(tried_rest)
+        tried.update(tried_offload)
+        tried.update(tried_rounds)
     chosen = _best(cands)
     if chosen is None:
         need = None

@@ -85,6 +85,7 @@ __all__ = [
     "offload_search_schedule",
     "orders_1f1b",
     "orders_gpipe",
+    "warmup_overflow_bytes",
     "greedy_orders",
     "require_one_stage_per_device",
 ]
@@ -227,6 +228,42 @@ def orders_1f1b(num_stages: int, num_microbatches: int, warmup: Sequence[int] | 
             seq += [("B", j), ("W", j)]
         out[s] = seq
     return out
+
+
+def warmup_overflow_bytes(problem: ScheduleProblem, warm: Sequence[int], *, offload: bool = False) -> float:
+    """Bytes by which 1F1B orders with these warm-ups (:func:`orders_1f1b`, one stage per
+    device) certainly exceed some stage's limit however they are timed (-inf when not
+    certain); > 0 means :func:`~fxpipe.schedule.validate.check_schedule` refuses every timing.
+
+    On stage s the first ``k = min(warm[s] + 1, m)`` ops are forwards, then ``B(s, 0)``. When
+    the k-th forward starts the stage holds ``k mem_f[s]``, less at most ``k - 1`` offloaded
+    stashes (``offload=True``; the k-th one's offload has not started); when ``B(s, 0)`` starts
+    it holds that plus ``mem_b + mem_b_transient`` (its own stash is back, rule 4). Each is one
+    instant of the validator's curve, apart from the ops before and after it, when ``t_f[s]``
+    (and ``t_b[s]`` for the second) exceeds the validator's time tolerance times the number of
+    events that could chain into it (the tolerance is bounded with every op, transfer and
+    copy run back to back). The excess counted is beyond twice the validator's memory
+    tolerance.
+    """
+    S, M = problem.num_stages, problem.num_microbatches
+    t_max = M * (float(np.sum(problem.t_f + problem.t_b + problem.t_w)) + 2 * float(np.sum(problem.t_comm))
+                 + 2 * float(np.sum(problem.t_offload)))
+    chain_tol = (2 * M + 4) * 1e-9 * max(1.0, t_max)
+    foot, lims = problem.stash_footprint, _stage_limits(problem)
+    worst = -math.inf
+    for s in range(S):
+        a, lim = float(problem.mem_f[s]), float(lims[s])
+        off = max(0.0, float(problem.offload_bytes[s])) if offload else 0.0
+        if a < 0 or not math.isfinite(lim) or float(problem.t_f[s]) <= chain_tol:
+            continue
+        k = min(int(warm[s]) + 1, M)
+        mtol = 1e-9 * max(1.0, float(foot[s]), abs(lim))
+        held = k * a - (k - 1) * off
+        worst = max(worst, held - lim - 2 * mtol)
+        if float(problem.t_b[s]) > chain_tol:
+            rise = float(problem.mem_b[s]) + float(problem.mem_b_transient[s])
+            worst = max(worst, held + rise - lim - 2 * mtol)
+    return worst if worst > 0 else -math.inf
 
 
 def gpipe(problem: ScheduleProblem) -> Schedule:
@@ -535,9 +572,7 @@ def zb_greedy(
         for prio in (True, False):
             for nbg in (True, False):
                 try:
-                    orders = greedy_orders(
-                        problem, budget, allow_bubble_before_first_b=allow, prioritize_b=prio, no_bubble_greedy=nbg
-                    )
+                    orders = _greedy_orders_once(problem, budget, allow, prio, nbg)
                 except _GreedyFail as exc:
                     reasons.append(str(exc))
                     continue
@@ -561,6 +596,34 @@ def zb_greedy(
             f"({reasons[0] if reasons else 'no schedule'}); raise mem_limit or use offload"
         )
     return _finish(problem, best, t0)
+
+
+#: The last runs of :func:`greedy_orders` from :func:`zb_greedy`: (problem, budget bytes,
+#: switches, orders or the failure message). ZB-H2 runs ZB-H1 inside it, and under a binding
+#: limit the budgets of ZB-H2, ZB-H1 and ``greedy`` are often all ``mem_limit``: one run each.
+_GREEDY_RUNS: list = []
+_GREEDY_RUNS_KEEP = 48
+
+
+def _greedy_orders_once(problem: ScheduleProblem, budget: np.ndarray, allow: bool, prio: bool,
+                        nbg: bool) -> StageOrders:
+    """:func:`greedy_orders` of (the very object) ``problem``, remembered (a fresh copy each time)."""
+    key = (np.asarray(budget, dtype=float).tobytes(), allow, prio, nbg)
+    for prob_seen, key_seen, out in _GREEDY_RUNS:
+        if prob_seen is problem and key_seen == key:
+            if isinstance(out, str):
+                raise _GreedyFail(out)
+            return {s: list(seq) for s, seq in out.items()}
+    try:
+        out = greedy_orders(problem, budget, allow_bubble_before_first_b=allow, prioritize_b=prio,
+                            no_bubble_greedy=nbg)
+    except _GreedyFail as exc:
+        _GREEDY_RUNS.append((problem, key, str(exc)))
+        del _GREEDY_RUNS[:-_GREEDY_RUNS_KEEP]
+        raise
+    _GREEDY_RUNS.append((problem, key, {s: list(seq) for s, seq in out.items()}))
+    del _GREEDY_RUNS[:-_GREEDY_RUNS_KEEP]
+    return out
 
 
 def zb_h1(problem: ScheduleProblem, *, per_stage: bool = False) -> Schedule:
@@ -711,7 +774,7 @@ def _selective_offload(
     return best_s, best_e
 
 
-def pipeoffload(problem: ScheduleProblem, *, minimal: bool = False) -> Schedule:
+def pipeoffload(problem: ScheduleProblem, *, minimal: bool = False, beat: float | None = None) -> Schedule:
     """PipeOffload-style schedule: 1F1B orders with selective activation offload.
 
     Tries 1F1B warm-ups ``w`` = p-1, p-2, ..., 0 (stage s runs ``min(w, p - s - 1)`` warm-up
@@ -720,11 +783,22 @@ def pipeoffload(problem: ScheduleProblem, *, minimal: bool = False) -> Schedule:
     finite limit (``minimal=True``: only as many of them, longest first, as memory needs);
     see :func:`_selective_offload`. Returns the first (largest warm-up) that fits.
 
+    Parameters
+    ----------
+    problem : ScheduleProblem
+    minimal : bool
+        Offload only as many stashes as memory needs (see :func:`_selective_offload`).
+    beat : float, optional
+        A value (seconds) already found elsewhere: stop, raising InfeasibleError, at the first
+        warm-up whose bound (:func:`fxpipe.schedule.auto.limited_1f1b_bound`, which offload
+        and memory waits only raise) is above it; neither it nor any smaller warm-up could
+        beat it. The schedule returned when one fits before that is the one without ``beat``.
+
     Raises
     ------
     InfeasibleError
         If no warm-up fits even with every stash offloaded (the message gives the smallest
-        overflow seen).
+        overflow seen), or none can beat ``beat``.
 
     References
     ----------
@@ -736,7 +810,18 @@ def pipeoffload(problem: ScheduleProblem, *, minimal: bool = False) -> Schedule:
     _min_stash_check(problem, "pipeoffload")  # F allocates its whole stash before any offload
     best, least = None, math.inf
     for w in range(p - 1, -1, -1):
+        if beat is not None:
+            from fxpipe.schedule.auto import limited_1f1b_bound  # auto imports this module
+
+            lb = limited_1f1b_bound(problem, w)
+            if lb > beat * (1 + 1e-9) + 1e-12:
+                raise InfeasibleError(f"pipeoffload: skipped: warm-up {w} or less is at least {lb:.6g} s (its lower "
+                                      f"bound), more than the {beat:.6g} s found")
         warm = [min(w, p - s - 1, M) for s in range(p)]
+        over = warmup_overflow_bytes(problem, warm, offload=True)
+        if over > 0:  # no offload choice fits this warm-up: not timed
+            least = min(least, over)
+            continue
         sched, ex = _selective_offload(problem, orders_1f1b(p, M, warm), "pipeoffload", minimal=minimal)
         sched = Schedule(sched.ops, sched.makespan, sched.stage_span, method="pipeoffload", objective=problem.objective,
                          meta={"warmup": warm, "offloaded": sum(o.type == "O" for o in sched.ops)})

@@ -286,39 +286,47 @@ def _simulate(problem: ScheduleProblem, seqs: list[list[tuple[int, str, int]]], 
     free = [0.0] * D
     cal = CopyCalendar(S, problem.pcie_groups, dev)
     off_end: dict[tuple[int, int], float] = {}
-    delta = {"F": problem.mem_f, "B": problem.mem_b, "W": problem.mem_w}
+    mem_f = [float(x) for x in problem.mem_f]
+    delta = {"F": mem_f, "B": [float(x) for x in problem.mem_b], "W": [float(x) for x in problem.mem_w]}
     lims = [float(x) for x in problem.mem_limit]
     watch_any = respect_memory and any(math.isfinite(x) for x in lims)
     memory = _MemoryEvents(lims)
 
-    def dep_ready(s: int, t: str, j: int) -> float | None:
-        """Earliest start allowed by data dependencies, None if a predecessor is unscheduled."""
-        if t == "F":
-            if s == 0:
-                return 0.0
-            e = end_f[s - 1][j]
-            return None if e is None else e + comm[s - 1]
-        if t == "B":
-            if s == S - 1:
-                return end_f[s][j]
-            e = end_b[s + 1][j]
-            if e is None or end_f[s][j] is None:
-                return None
-            return e + comm[s]
-        return end_b[s][j]
-
     heap: list[tuple[float, int]] = []
     queued = [False] * D
     lens = [len(v) for v in seqs]
+    push = heapq.heappush
+    last = S - 1
 
     def offer(d: int) -> None:
+        """Queue device d's next op once its data dependencies have ended (rule 2)."""
         if queued[d] or pos[d] >= lens[d]:
             return
         s, t, j = seqs[d][pos[d]]
-        r = dep_ready(s, t, j)
-        if r is not None:
-            queued[d] = True
-            heapq.heappush(heap, (max(free[d], r), d))
+        if t == "F":
+            if s == 0:
+                r = 0.0
+            else:
+                r = end_f[s - 1][j]
+                if r is None:
+                    return
+                r = r + comm[s - 1]
+        elif t == "B":
+            if s == last:
+                r = end_f[s][j]
+                if r is None:
+                    return
+            else:
+                r = end_b[s + 1][j]
+                if r is None or end_f[s][j] is None:
+                    return
+                r = r + comm[s]
+        else:
+            r = end_b[s][j]
+            if r is None:
+                return
+        queued[d] = True
+        push(heap, (max(free[d], r), d))
 
     for d in range(D):
         offer(d)
@@ -346,11 +354,11 @@ def _simulate(problem: ScheduleProblem, seqs: list[list[tuple[int, str, int]]], 
             recs.append((x, s, 4, j, "R", x + dur))
             est = max(est, x + dur)
         if watch_any and t == "F":
-            est = memory.fit_time(d, est, float(problem.mem_f[s]))
+            est = memory.fit_time(d, est, mem_f[s])
         dur = dur_of[t][s]
         fin = est + dur
         if watch_any:
-            memory.add(d, est, float(delta[t][s]))
+            memory.add(d, est, delta[t][s])
             if t == "B" and mem_b_tr[s]:  # the replayed forward of a recomputing stage
                 memory.add(d, est, mem_b_tr[s])
                 memory.add(d, fin, -mem_b_tr[s])
@@ -397,24 +405,30 @@ def _deadlock(problem: ScheduleProblem, seqs: list[list[tuple[int, str, int]]], 
 
 
 class _MemoryEvents:
-    """Per device, the memory events ``(time, delta)`` placed so far, kept sorted (with their
-    times and deltas apart), for memory-aware timing (``respect_memory``)."""
+    """Per device, the memory events ``(time, delta)`` placed so far, kept sorted by (time,
+    delta) (times and deltas apart), for memory-aware timing (``respect_memory``). Devices
+    without a limit keep nothing (:meth:`fit_time` never reads them)."""
 
-    __slots__ = ("lims", "keys", "times", "deltas")
+    __slots__ = ("lims", "times", "deltas", "watch")
 
     def __init__(self, lims: list[float]) -> None:
         self.lims = lims
-        self.keys: list[list[tuple[float, float]]] = [[] for _ in lims]
+        self.watch = [math.isfinite(x) for x in lims]
         self.times: list[list[float]] = [[] for _ in lims]
         self.deltas: list[list[float]] = [[] for _ in lims]
 
     def add(self, d: int, te: float, x: float) -> None:
-        """Device ``d`` changes by ``x`` bytes at ``te``."""
-        keys = self.keys[d]
-        i = bisect.bisect_right(keys, (te, x))
-        keys.insert(i, (te, x))
-        self.times[d].insert(i, te)
-        self.deltas[d].insert(i, x)
+        """Device ``d`` changes by ``x`` bytes at ``te`` (kept sorted by (time, delta), after equal ones)."""
+        if not self.watch[d]:
+            return
+        times, deltas = self.times[d], self.deltas[d]
+        hi = bisect.bisect_right(times, te)
+        if hi and times[hi - 1] == te:  # events at the same time: ordered by delta
+            i = bisect.bisect_right(deltas, x, bisect.bisect_left(times, te, 0, hi), hi)
+        else:
+            i = hi
+        times.insert(i, te)
+        deltas.insert(i, x)
 
     def fit_time(self, d: int, est: float, need: float) -> float:
         """Earliest event time >= est at which `need` more bytes fit (sums as the events sorted)."""
@@ -441,7 +455,7 @@ def _timed_schedule(problem: ScheduleProblem, recs: list, method: str, meta: Map
     t_min = min((r[0] for r in recs), default=0.0)
     if t_min != 0.0 and math.isfinite(t_min):
         recs = [(r[0] - t_min, r[1], r[2], r[3], r[4], r[5] - t_min) for r in recs]
-    recs.sort(key=lambda r: r[:4])  # sort_ops' canonical order (start, stage, type, micro-batch)
+    recs.sort()  # sort_ops' canonical order (start, stage, type, micro-batch): (stage, type, mb) are unique
     ops = tuple(_make_ops(recs))
     if recs:
         a, s, rk, j, _, e = zip(*recs)
