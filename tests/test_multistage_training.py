@@ -93,9 +93,10 @@ def test_tied_embedding_on_one_rank_and_on_two(trained):
         key = next(k for k in res.meta["shared_params"] if k.endswith(wte))
         assert res.meta["shared_params"][key] == [0, 3]
         torch.testing.assert_close(res.grads[key], ref.grads[key], rtol=1e-4, atol=1e-6)
-    # the V run really split backward into I and W on a stage of each rank
-    acts = trained[("gpt2", "v", "zb-v")][0].meta["actions"]
-    assert all(any("I" in a for a in acts[r]) and any("W" in a for a in acts[r]) for r in (0, 1))
+    # the V runs really split backward into I and W on a stage of each rank (which rank defers a W
+    # depends on the memory ZB-V's greedy keeps to; every rank does in one of the ZB-V runs)
+    runs = [res.meta["actions"] for (name, _, schedule), (res, _, _) in trained.items() if schedule == "zb-v"]
+    assert all(any(any("I" in a for a in acts[r]) and any("W" in a for a in acts[r]) for acts in runs) for r in (0, 1))
 
 
 def test_buffers_unused_parameters_and_relays_with_several_stages_per_rank(trained):
