@@ -212,9 +212,7 @@ def slice_kernel(
     buf_out : float
         The same per byte of a block's output boundary (its gradient buffers).
     size_grad : float64 (n,)
-        Output bytes of each node that come back as a gradient (``size_out`` of the nodes that
-        carry one, 0 elsewhere): the output boundary ``buf_out`` counts in relay mode. Dag mode
-        counts every output byte.
+        Output bytes that come back as a gradient: what ``buf_out`` counts in relay mode.
 
     Returns
     -------

@@ -168,6 +168,7 @@ from fxpipe.ir import ScheduleProblem
 __all__ = [
     "combinatorial_lower_bound",
     "device_span_bounds",
+    "limited_1f1b_bound",
     "memory_lower_bound",
     "memory_stage_span_bounds",
     "memory_time_stage_span_bounds",
@@ -552,3 +553,28 @@ def combinatorial_lower_bound(problem: ScheduleProblem) -> float:
     Module docstring (derivation); OptPipe Eq. 3 and 4 for the objectives.
     """
     return max(round_trip_lower_bound(problem), memory_lower_bound(problem))
+
+
+def limited_1f1b_bound(problem: ScheduleProblem, w: int) -> float:
+    """Lower bound (seconds, both objectives) on 1F1B with warm-up ``w`` or less, no offload.
+
+    With ``k = min(w, p - s - 1, m) + 1`` micro-batches in flight on stage s, its program runs
+    ``F(j + k)`` right after ``W(j)``, so ``B(s, j + k)`` starts at least one round trip
+    ``C_s`` after ``B(s, j)`` does: B and W of s, the forwards of stages s..p-1, the backwards
+    of s+1..p-1 and the transfers between them both ways. Hence the span of device s is at
+    least ``t_f + floor((m - 1) / k) C_s + t_b + t_w``; fewer in flight only lengthens it.
+    """
+    p, M = problem.num_stages, problem.num_microbatches
+    tf, tb, tw = problem.t_f, problem.t_b, problem.t_w
+    comm = [problem.comm(s) for s in range(p - 1)]
+    best = 0.0
+    fwd = back = cm = 0.0  # suffix sums over stages s..p-1 (backwards over s+1..p-1)
+    for s in range(p - 1, -1, -1):
+        fwd += float(tf[s])
+        if s < p - 1:
+            back += float(tb[s + 1])
+            cm += comm[s]
+        k = min(w, p - s - 1, M) + 1
+        cycle = float(tb[s]) + float(tw[s]) + fwd + back + 2.0 * cm
+        best = max(best, float(tf[s]) + ((M - 1) // k) * cycle + float(tb[s]) + float(tw[s]))
+    return best

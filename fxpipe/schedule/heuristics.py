@@ -64,6 +64,7 @@ import numpy as np
 from fxpipe.errors import InfeasibleError, InputError
 from fxpipe.ir import Schedule, ScheduleProblem
 import fxpipe.schedule.registry as _registry
+from fxpipe.schedule.bounds import limited_1f1b_bound
 from fxpipe.schedule.device_greedy import device_greedy
 from fxpipe.schedule.simulate import simulate
 import fxpipe.schedule.offload_search as offload_search_mod
@@ -790,7 +791,7 @@ def pipeoffload(problem: ScheduleProblem, *, minimal: bool = False, beat: float 
         Offload only as many stashes as memory needs (see :func:`_selective_offload`).
     beat : float, optional
         A value (seconds) already found elsewhere: stop, raising InfeasibleError, at the first
-        warm-up whose bound (:func:`fxpipe.schedule.auto.limited_1f1b_bound`, which offload
+        warm-up whose bound (:func:`fxpipe.schedule.bounds.limited_1f1b_bound`, which offload
         and memory waits only raise) is above it; neither it nor any smaller warm-up could
         beat it. The schedule returned when one fits before that is the one without ``beat``.
 
@@ -811,8 +812,6 @@ def pipeoffload(problem: ScheduleProblem, *, minimal: bool = False, beat: float 
     best, least = None, math.inf
     for w in range(p - 1, -1, -1):
         if beat is not None:
-            from fxpipe.schedule.auto import limited_1f1b_bound  # auto imports this module
-
             lb = limited_1f1b_bound(problem, w)
             if lb > beat * (1 + 1e-9) + 1e-12:
                 raise InfeasibleError(f"pipeoffload: skipped: warm-up {w} or less is at least {lb:.6g} s (its lower "
