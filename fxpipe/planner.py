@@ -343,7 +343,7 @@ class _CandidateSearch:
         limit = schedule_mem_limit(graph, part.assignment, k, dev, self.memory, m, opts.objective)
         if opts.mem_limit_bytes is not None:
             limit = np.minimum(limit, float(opts.mem_limit_bytes))
-        pooled = stage_static(graph, part.assignment, k, self.memory, m, opts.objective).pooled_buffer_bytes
+        pooled = stage_static(graph, part.assignment, k, self.memory, m, opts.objective, dev).pooled_buffer_bytes
         problem = problem_from_partition(graph, part, num_microbatches=m, mem_limit_bytes=limit,
                                          host_bandwidth_bytes_per_s=opts.host_bandwidth_bytes_per_s, device_of_stage=dev,
                                          pooled_buffer_bytes=pooled)

@@ -82,6 +82,15 @@ def test_two_stages_per_rank_train_like_one_process(trained, case):
     for r, acts in res.meta["actions"].items():
         assert {int(a[0]) for a in acts} == {s for s in range(4) if dev[s] == r}, (r, acts)
     assert len(res.meta["stage_params"]) == 4
+    # a stage fed by a stage on its own rank (the turn of the V) receives nothing over the network and
+    # keeps torch's one activation buffer per micro-batch, as the memory model counts it
+    from fxpipe.memory import MemoryModel
+
+    pooled = MemoryModel().pooled_stages(4, "training", dev)
+    rb = res.meta["recv_buffers"]
+    assert pooled.tolist() == ([1.0, 1.0, 0.0, 0.0] if placement == "v" else [1.0, 1.0, 1.0, 0.0])
+    for s in range(1, 4):
+        assert (rb[s]["fwd"] == M) if pooled[s] == 0 else (rb[s]["fwd"] <= M), (s, rb)
 
 
 def test_tied_embedding_on_one_rank_and_on_two(trained):

@@ -227,3 +227,21 @@ def test_only_tensors_downstream_of_parameters_carry_gradients():
     a = np.array([0, 0, 0, 1, 1])
     assert io_bytes(g, a, 2, "relay")[1].tolist() == [12.0, 0.0]
     assert io_bytes(g, a, 2, "relay", producers=differentiable(g))[1].tolist() == [8.0, 0.0]
+
+
+def test_zero_remedy_names_the_zero1_mesh_fxpipe_runs_before_zero2_or_3():
+    """16 B/param under mixed-adam: ZeRO-1 over 2 needs 10, ZeRO-2 over 2 needs 9, ZeRO-3 over 2 needs 8,
+    ZeRO-1 over 4 needs 7. With 8.5 B/param usable the remedy is the pp=1 x dp_shard=4 mesh (ZeRO-1,
+    which fxpipe's runtime gives), not ZeRO-3 over 2 (which it does not)."""
+    from fxpipe.partition.memory import memory_remedies
+
+    g = OpGraph.from_arrays(t_fwd_s=[1.0], size_out_bytes=[0.0], size_param_bytes=[2000.0], edges=[],
+                            meta={"param_dtype_bytes": 2})  # 1000 parameters
+    pm = PartitionMemory(MemoryModel(capacity_bytes=8500.0, reserved_fraction=0.0), num_microbatches=4)
+    text = memory_remedies(g, np.zeros(1, dtype=np.int64), 1, "training", "relay", pm)["zero"]
+    assert "pp=1 x dp_shard=4" in text and "ZeRO-1" in text, text
+    # 3 micro-batches: no dp_shard divides them, so the lowest ZeRO stage past 1 that fits (ZeRO-2 over 4:
+    # 5.5 B/param), with the note of what the runtime cannot do
+    pm3 = PartitionMemory(MemoryModel(capacity_bytes=8500.0, reserved_fraction=0.0), num_microbatches=3)
+    text3 = memory_remedies(g, np.zeros(1, dtype=np.int64), 1, "training", "relay", pm3)["zero"]
+    assert text3.startswith("ZeRO-2 sharding over 4") and "ZeRO-1's memory only" in text3, text3

@@ -419,11 +419,16 @@ class MemoryModel:
         return self.capacity_bytes - self.reserved_bytes
 
     # ------------------------------------------------------------------ per stage
-    def pooled_stages(self, k: int, objective: str) -> np.ndarray:
+    def pooled_stages(self, k: int, objective: str, device_of_stage=None) -> np.ndarray:
         """Which of ``k`` stages reuse their activation receive buffers, float64 (k,) of 0 / 1.
 
-        In training every stage but the last (fxpipe's runtime,
-        :func:`fxpipe.codegen.runtime.recv_buffer_slots`); in inference none is counted pooled.
+        In training every stage but the last whose inputs come from another device (fxpipe's
+        runtime, :func:`fxpipe.codegen.runtime.recv_buffer_slots`, pools the buffers its
+        ``RECV_F`` actions fill; a stage fed by a stage on its own device, the turn of a V
+        placement, receives nothing over the network and keeps torch's one buffer per
+        micro-batch). ``device_of_stage`` (length k) gives the placement; without it stage s-1
+        is taken to be on another device (one stage per device, or looped). In inference none
+        is counted pooled.
         """
         if objective not in ("training", "inference"):
             raise InputError(f"objective must be 'training' or 'inference', got {objective!r}")
@@ -433,6 +438,13 @@ class MemoryModel:
         pooled = np.zeros(k)
         if objective == "training":
             pooled[: k - 1] = 1.0
+            if device_of_stage is not None:
+                dev = [int(d) for d in device_of_stage]
+                if len(dev) != k:
+                    raise InputError(f"device_of_stage must list the device of each of the {k} stages, got {dev}")
+                for s in range(1, k):
+                    if dev[s] == dev[s - 1]:
+                        pooled[s] = 0.0
         return pooled
 
     def comm_buffer_factors(self, k: int, num_microbatches: int, objective: str) -> tuple[np.ndarray, float]:
@@ -468,7 +480,8 @@ class MemoryModel:
         f_in = pooled * (inflight + 1.0) + (1.0 - pooled) * m
         return f_in, (float(m) if objective == "training" else 0.0)
 
-    def comm_buffer_bytes(self, input_bytes, output_bytes, num_microbatches: int, objective: str) -> np.ndarray:
+    def comm_buffer_bytes(self, input_bytes, output_bytes, num_microbatches: int, objective: str,
+                          device_of_stage=None) -> np.ndarray:
         """Receive buffers of each stage allocated for the whole step (bytes), float64 (k,).
 
         ``m * output_bytes`` (gradients, training) plus ``m * input_bytes`` on a stage that does
@@ -485,21 +498,23 @@ class MemoryModel:
             m: ``torch.distributed.pipelining`` keeps one receive buffer per micro-batch.
         objective : {"training", "inference"}
             Inference receives no gradients.
+        device_of_stage : int sequence (k,), optional
+            The placement (:meth:`pooled_stages`).
         """
         inp, out = self._io_arrays(input_bytes, output_bytes)
         m = int(num_microbatches)
         if m < 1:
             raise InputError(f"num_microbatches must be >= 1, got {num_microbatches!r}")
-        pooled = self.pooled_stages(inp.shape[0], objective)
+        pooled = self.pooled_stages(inp.shape[0], objective, device_of_stage)
         return (m * (1.0 - pooled) + pooled) * inp + (float(m) if objective == "training" else 0.0) * out
 
-    def pooled_buffer_bytes(self, input_bytes, objective: str) -> np.ndarray:
+    def pooled_buffer_bytes(self, input_bytes, objective: str, device_of_stage=None) -> np.ndarray:
         """Pooled activation receive-buffer bytes of each stage per micro-batch in flight, float64 (k,).
 
-        ``input_bytes`` on a pooled stage (:meth:`pooled_stages`), 0 elsewhere.
+        ``input_bytes`` on a pooled stage (:meth:`pooled_stages` of ``device_of_stage``), 0 elsewhere.
         """
         inp, _ = self._io_arrays(input_bytes, input_bytes)
-        return self.pooled_stages(inp.shape[0], objective) * inp
+        return self.pooled_stages(inp.shape[0], objective, device_of_stage) * inp
 
     @staticmethod
     def _io_arrays(input_bytes, output_bytes) -> tuple[np.ndarray, np.ndarray]:

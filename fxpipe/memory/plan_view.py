@@ -63,7 +63,7 @@ class StageStatic:
 
 
 def stage_static(graph: OpGraph, assignment, k: int, model: MemoryModel, num_microbatches: int,
-                 objective: str) -> StageStatic:
+                 objective: str, device_of_stage: Sequence[int] | None = None) -> StageStatic:
     """Parameters and receive buffers of the ``k`` stages of ``assignment`` (see the module docstring).
 
     Parameters
@@ -75,14 +75,17 @@ def stage_static(graph: OpGraph, assignment, k: int, model: MemoryModel, num_mic
     model : MemoryModel
     num_microbatches : int
     objective : {"training", "inference"}
+    device_of_stage : int sequence (k,), optional
+        The placement: a stage fed by a stage on its own device pools no receive buffer
+        (:meth:`MemoryModel.pooled_stages`); default one stage per device.
     """
     a = np.asarray(assignment, dtype=np.int64)
     params = np.bincount(a, weights=num_params(graph), minlength=k)
     in_b, out_b = io_bytes(graph, a, k, "relay")
     # gradient buffers: only for relayed tensors that carry a gradient (not masks, positions, rotary tables)
     grad_b = io_bytes(graph, a, k, "relay", producers=differentiable(graph))[1] if objective == "training" else out_b
-    comm = model.comm_buffer_bytes(in_b, grad_b, num_microbatches, objective)
-    return StageStatic(params, comm, in_b, out_b, model.pooled_buffer_bytes(in_b, objective))
+    comm = model.comm_buffer_bytes(in_b, grad_b, num_microbatches, objective, device_of_stage)
+    return StageStatic(params, comm, in_b, out_b, model.pooled_buffer_bytes(in_b, objective, device_of_stage))
 
 
 def schedule_mem_limit(graph: OpGraph, assignment, k: int, device_of_stage: Sequence[int], model: MemoryModel,
@@ -97,7 +100,7 @@ def schedule_mem_limit(graph: OpGraph, assignment, k: int, device_of_stage: Sequ
         When a device's static state (parameters, gradients, optimizer state, receive buffers)
         alone leaves no room for activations; the message names the device and the overflow.
     """
-    st = stage_static(graph, assignment, k, model, num_microbatches, objective)
+    st = stage_static(graph, assignment, k, model, num_microbatches, objective, device_of_stage)
     limit = model.activation_budget_bytes(st.num_params, st.comm_buffer_bytes, objective, device_of_stage)
     bad = np.flatnonzero(limit <= 0)
     if bad.size:
@@ -129,7 +132,7 @@ def stage_memory(graph: OpGraph, assignment, problem: ScheduleProblem, schedule:
     stashes in host memory at once.
     """
     k = problem.num_stages
-    st = stage_static(graph, assignment, k, model, problem.num_microbatches, objective)
+    st = stage_static(graph, assignment, k, model, problem.num_microbatches, objective, problem.device_of_stage)
     ops = list(schedule.ops)
     act = np.zeros(k)
     off = np.zeros(k)
@@ -146,7 +149,8 @@ def device_memory(graph: OpGraph, assignment, problem: ScheduleProblem, schedule
     """Memory of every device by kind: its stages' static state, the peak of its activation
     curve in ``schedule`` (:func:`fxpipe.schedule.validate.peak_memory`), its offloaded peak
     (:func:`~fxpipe.schedule.validate.offloaded_peak`) and the reserved fraction."""
-    st = stage_static(graph, assignment, problem.num_stages, model, problem.num_microbatches, objective)
+    st = stage_static(graph, assignment, problem.num_stages, model, problem.num_microbatches, objective,
+                      problem.device_of_stage)
     return model.breakdown(st.num_params, st.comm_buffer_bytes, peak_memory(problem, schedule.ops), objective,
                            offloaded_peak_bytes=offloaded_peak(problem, schedule.ops),
                            device_of_stage=problem.device_of_stage)

@@ -287,9 +287,10 @@ def memory_remedies(graph: OpGraph, assignment, k: int, objective: str, comm: st
     below one stash (:data:`fxpipe.memory.ACTIVATION_RULES`, ``"floor"``): they help only
     when static state + one stash of every stage fits. ZeRO sharding (Rajbhandari et al. 2020,
     Sec. 5) divides the static state over a data-parallel degree: the smallest degree of
-    :data:`ZERO_DEGREES` and the lowest stage (1, 2, 3) at which every stage of ``assignment``
-    fits is named, if any: ZeRO-1 as the mesh that runs it (``pp=k x dp_shard=d``), ZeRO-2/3 with
-    the note that fxpipe's pipeline runtime does not give their memory.
+    :data:`ZERO_DEGREES` dividing the micro-batches at which ZeRO-1 fits every stage of
+    ``assignment`` is named as the mesh that runs it (``pp=k x dp_shard=d``); failing that, the
+    smallest degree and stage at which ZeRO-2/3 would fit, with the note that fxpipe's pipeline
+    runtime does not give their memory.
     """
     pm = memory if isinstance(memory, PartitionMemory) else as_partition_memory(memory)
     floor = _dc.replace(pm, activation="floor")
@@ -302,21 +303,22 @@ def memory_remedies(graph: OpGraph, assignment, k: int, objective: str, comm: st
         out["recompute"] = ("Activation recomputation would help: it keeps only stage inputs between F and B.")
     else:
         s = int(np.argmax(need_floor))
-        out["offload"] = (f"Offload would not help: stage {s}'s static state plus a single micro-batch's stash "
-                          f"({format_bytes(float(need_floor[s]))}) already exceeds the usable {format_bytes(pm.usable_bytes)}.")
+        out["offload"] = (f"Offload would not help: stage {s}'s static state, receive buffers and a single "
+                          f"micro-batch's stash ({format_bytes(float(need_floor[s]))}) already exceed the usable "
+                          f"{format_bytes(pm.usable_bytes)}.")
         out["recompute"] = ("Activation recomputation would not help either (a recomputing B holds the whole replayed "
                             "stash).")
     zero = None
     if objective == "training":
-        for d in ZERO_DEGREES:
-            for z in (1, 2, 3):
-                if pm.model.zero_stage >= z and pm.model.data_parallel >= d:
-                    continue
-                m2 = _dc.replace(floor, model=_dc.replace(pm.model, data_parallel=d, zero_stage=z))
-                if stage_memory_bytes(graph, assignment, k, objective, m2, comm).max() <= pm.usable_bytes:
-                    zero = (d, z)
-                    break
-            if zero:
+        # ZeRO-1 at any degree first: it is what a mesh runs (dp_shard), and it must divide the micro-batches
+        tries = [(d, 1) for d in ZERO_DEGREES if pm.num_microbatches % d == 0]
+        tries += [(d, z) for z in (2, 3) for d in ZERO_DEGREES]
+        for d, z in tries:
+            if pm.model.zero_stage >= z and pm.model.data_parallel >= d:
+                continue
+            m2 = _dc.replace(floor, model=_dc.replace(pm.model, data_parallel=d, zero_stage=z))
+            if stage_memory_bytes(graph, assignment, k, objective, m2, comm).max() <= pm.usable_bytes:
+                zero = (d, z)
                 break
     if zero and zero[1] == 1:
         out["zero"] = (f"A mesh of {k * zero[0]} devices, pp={k} x dp_shard={zero[0]} (mesh=, --mesh; fxpipe shards "
