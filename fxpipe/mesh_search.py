@@ -83,9 +83,10 @@ def search_mesh(graph, *, devices: int, microbatches: int, memory, options: Plan
     Raises
     ------
     FxpipeError
-        The first planner error when no candidate could be planned (usually an
-        ``InfeasibleError`` with its remedies), or an ``InfeasibleError`` listing why each mesh
-        was skipped.
+        When no candidate could be planned: a planner error that is not about memory as it is;
+        else one ``InfeasibleError`` listing why each mesh was skipped, the training state
+        against all devices' usable memory and the pure pipeline's remedies (its
+        ``tried["meshes"]`` is the table).
     """
     if options is None:
         options = PlanOptions(**plan_kwargs)
@@ -102,7 +103,7 @@ def search_mesh(graph, *, devices: int, microbatches: int, memory, options: Plan
     table = [r for r, _, _ in rows]
     rows.sort(key=lambda x: x[0]["lower_bound_s"])  # stable: equal bounds keep more pipeline stages first
     best = None
-    first_error: Exception | None = None
+    errors: dict[str, Exception] = {}  # mesh_text -> the planner's error
     timings: dict[str, float] = {}
     for row, mesh, mem in rows:
         if best is not None and row["lower_bound_s"] >= best[0]["predicted_step_s"]:
@@ -119,7 +120,7 @@ def search_mesh(graph, *, devices: int, microbatches: int, memory, options: Plan
                                                         microbatches=microbatches // mesh_dp(mesh), options=options,
                                                         memory=mem, memory_bytes=mem.capacity_bytes)
         except (FxpipeError, InputError) as exc:
-            first_error = first_error or exc
+            errors[row["mesh_text"]] = exc
             row["skipped"] = _first_sentence(str(exc))
             continue
         for k, v in t.items():
@@ -129,7 +130,7 @@ def search_mesh(graph, *, devices: int, microbatches: int, memory, options: Plan
         if best is None or _better(row, best[0]):
             best = (row, mesh, mem, (part, problem, sched))
     if best is None:
-        raise _no_mesh_fits(graph, devices, microbatches, memory, options.objective, table, first_error)
+        raise _no_mesh_fits(graph, devices, microbatches, memory, options.objective, table, errors)
     row, mesh, mem, (part, problem, sched) = best
     row["chosen"] = True
     return mesh, mem, (part, problem, sched, timings), table
@@ -143,14 +144,18 @@ def _first_sentence(text: str) -> str:
 
 
 def _no_mesh_fits(graph, devices: int, microbatches: int, memory, objective: str, table: list[dict],
-                  first_error: Exception | None) -> Exception:
+                  errors: dict[str, Exception]) -> Exception:
     """The error when no candidate mesh could be planned: why each was skipped, what the whole
-    training state needs against all devices' usable memory, and the pure pipeline's remedies."""
+    training state needs against all devices' usable memory, and the pure pipeline's remedies
+    (``errors``: the planner's error of each mesh it tried, by ``mesh_text``)."""
     if not table:
         return InfeasibleError(f"no mesh of {devices} devices divides {microbatches} micro-batches: "
                                "use a micro-batch count that the data-parallel degrees divide")
-    if first_error is not None and not isinstance(first_error, InfeasibleError):
-        return first_error  # a bad option, not memory: the planner's own message
+    for exc in errors.values():
+        if not isinstance(exc, InfeasibleError):
+            return exc  # a bad option, not memory: the planner's own message
+    pure = next((r["mesh_text"] for r in table if r["mesh"]["pp"] == devices), None)
+    first_error = errors.get(pure) if pure in errors else next(iter(errors.values()), None)
     params = float(np.sum(num_params(graph)))
     total = memory.static_bytes_per_param(objective) * params
     usable = memory.usable_bytes * devices
@@ -163,7 +168,7 @@ def _no_mesh_fits(graph, devices: int, microbatches: int, memory, objective: str
             f"{format_bytes(usable)} all {devices} devices can use; whatever the mesh, the rest must hold the "
             "activations, receive buffers and the largest stage's imbalance.")
     remedies = getattr(first_error, "remedies", None) or {}
-    if remedies.get("devices"):
+    if remedies.get("devices") and pure in errors:  # the device count that fits, as a pure pipeline
         lines.append(remedies["devices"])
     lines.append("Or: a precision policy with less state per parameter (MemoryModel(policy='bf16-adam'): 8 bytes), "
                  "devices with more memory, or fewer micro-batches per step.")

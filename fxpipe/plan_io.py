@@ -1,12 +1,17 @@
 """The plan file: ``Plan.to_dict`` / ``Plan.from_dict`` documents (``fxpipe.plan/2``, reads ``/1``).
 
 Compatibility rule (``docs/design.md``, "The plan"): ``fxpipe.plan/2`` keeps every field of
-``fxpipe.plan/1`` with its name and meaning and only adds fields (``fxpipe_version``), so a
+``fxpipe.plan/1`` with its name and meaning and only adds fields (``fxpipe_version``,
+``memory_model``), so a
 reader of ``/1`` files reads ``/2`` files once it accepts the new format string. A ``/2``
 file always has the complete layout (``mesh``, ``device_of_stage``, the device table, the
 memory model, the stages' ``device``); the ``/1`` files of older layouts may lack them and are
 filled in on load (:func:`plan_fields_from_dict`): a pure-pipeline mesh, one stage per device,
-and the stage / device tables recomputed from the graph, partition and schedule.
+and the stage / device tables recomputed from the graph, partition and schedule. A plan saved
+under an older version of the memory model (``memory_model`` missing or below
+:data:`MEMORY_MODEL_VERSION`) keeps its saved tables, which that model counted more
+conservatively (one receive buffer per micro-batch for every relayed tensor), with a
+:class:`~fxpipe.errors.PlanWarning`: its tables cannot be recomputed from its schedule problem.
 
 Nothing here imports :mod:`fxpipe.plan`: the functions take the plan (or its fields) as
 arguments, and ``Plan.from_dict`` constructs the plan.
@@ -15,12 +20,13 @@ arguments, and ``Plan.from_dict`` constructs the plan.
 from __future__ import annotations
 
 import hashlib
+import warnings
 from typing import Any, Mapping
 
 import numpy as np
 
 from fxpipe import __version__
-from fxpipe.errors import InputError
+from fxpipe.errors import InputError, PlanWarning
 from fxpipe.ir import OpGraph, Schedule, ScheduleProblem
 from fxpipe.memory import MemoryModel
 from fxpipe.mesh import normalize_mesh, pure_pipeline
@@ -28,10 +34,17 @@ from fxpipe.partition.objective import Partition, validate_partition
 from fxpipe.plan_tables import DeviceStats, StageStats, device_stats, stage_stats
 from fxpipe.schedule.validate import check_schedule
 
-__all__ = ["PLAN_FORMAT", "PLAN_FORMATS_READ", "graph_signature", "plan_to_dict", "plan_fields_from_dict"]
+__all__ = ["MEMORY_MODEL_VERSION", "PLAN_FORMAT", "PLAN_FORMATS_READ", "graph_signature", "plan_to_dict", "plan_fields_from_dict"]
 
 #: The format :meth:`fxpipe.plan.Plan.to_dict` writes.
 PLAN_FORMAT = "fxpipe.plan/2"
+
+#: Version of the memory model a plan's tables and schedule problem were counted with: 2 counts
+#: the receive buffers as fxpipe's runtime holds them (pooled activation buffers carried by each
+#: micro-batch's stash, ``ScheduleProblem.pooled_bytes``; gradient buffers only for tensors that
+#: carry a gradient); plans without the field were counted by version 1 (one buffer per
+#: micro-batch for every relayed tensor, each way).
+MEMORY_MODEL_VERSION = 2
 #: The formats :meth:`fxpipe.plan.Plan.from_dict` reads (``/1``: every layout fxpipe has written).
 PLAN_FORMATS_READ = ("fxpipe.plan/1", PLAN_FORMAT)
 
@@ -62,6 +75,7 @@ def plan_to_dict(plan) -> dict[str, Any]:
     return {
         "format": PLAN_FORMAT,
         "fxpipe_version": __version__,
+        "memory_model": MEMORY_MODEL_VERSION,
         "name": plan.name,
         "devices": plan.devices,
         "mesh": dict(plan.mesh),
@@ -209,6 +223,14 @@ def plan_fields_from_dict(doc: Mapping[str, Any], source: str = "plan") -> dict[
         f["stages"], f["device_table"] = want_stages, want_devices
     if len(f["device_table"]) != len(want_devices):
         raise InputError(f"{source}: the device table has {len(f['device_table'])} rows for {f['devices']} devices")
+    if "memory" in doc and int(doc.get("memory_model", 1)) < MEMORY_MODEL_VERSION:
+        warnings.warn(
+            f"{source}: saved by fxpipe {doc.get('fxpipe_version', 'before 0.2')} under memory model "
+            f"{int(doc.get('memory_model', 1))}, which counted one receive buffer per micro-batch for every relayed "
+            f"tensor: its memory tables are kept as saved (conservative) and not checked; regenerate the plan with "
+            f"fxpipe.compile to count the buffers as the runtime holds them (model {MEMORY_MODEL_VERSION})",
+            PlanWarning, stacklevel=3)
+        return f
     _check_table("stage", f["stages"], want_stages, source)
     _check_table("device", f["device_table"], want_devices, source)
     return f

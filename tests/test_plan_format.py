@@ -124,3 +124,21 @@ def test_plan_tables_share_the_memory_columns():
         assert row.fits and row.memory_bytes >= row.params_bytes
     assert sum(d.num_ops for d in plan.device_table) == sum(s.num_ops for s in plan.stages) == 6
     assert np.isclose(sum(d.param_bytes for d in plan.device_table), 16.0)
+
+
+def test_plan_of_an_older_memory_model_keeps_its_tables_with_a_warning():
+    """Plans saved before the receive buffers were counted as the runtime holds them carry tables the
+    current model cannot recompute from their schedule problem: they load with a PlanWarning and their
+    (conservative) tables as saved; a current plan's edited table is still refused."""
+    from fxpipe.errors import PlanWarning
+    from fxpipe.plan_io import MEMORY_MODEL_VERSION
+
+    doc = _json(_chain_plan().to_dict())
+    assert doc["memory_model"] == MEMORY_MODEL_VERSION
+    old = {k: v for k, v in doc.items() if k != "memory_model"}
+    old["device_table"] = [{**d, "comm_buffer_bytes": d["comm_buffer_bytes"] + 1.0} for d in old["device_table"]]
+    with pytest.warns(PlanWarning, match="memory model 1"):
+        loaded = Plan.from_dict(old)
+    assert [d.comm_buffer_bytes for d in loaded.device_table] == [d["comm_buffer_bytes"] for d in old["device_table"]]
+    with pytest.raises(InputError, match="the device table was edited"):
+        Plan.from_dict({**old, "memory_model": MEMORY_MODEL_VERSION})

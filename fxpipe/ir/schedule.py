@@ -276,8 +276,9 @@ class ScheduleProblem:
             On a negative or non-finite time, ``mem_f <= 0``, positive ``mem_b`` on a stage
             that does not recompute, positive ``mem_w``, deltas that do not sum to zero,
             ``offload_bytes`` outside ``[0, mem_f]`` (0 on a recomputing stage), a negative
-            ``mem_b_transient``, ``recompute_mem_f <= 0``, ``pooled_bytes`` outside ``[0, mem_f]`` or
-            under ``offload_bytes + pooled_bytes <= mem_f``, a non-positive limit, a bad pcie
+            ``mem_b_transient``, ``recompute_mem_f <= 0``, ``pooled_bytes`` outside ``[0, mem_f]``,
+            ``offload_bytes + pooled_bytes > mem_f`` or ``recompute_mem_f < pooled_bytes`` (a
+            recomputing stage keeps at least its pooled inputs), a non-positive limit, a bad pcie
             group, an unknown objective, or a placement that names a device outside
             ``0..D-1`` or leaves a device without a stage.
         """
@@ -348,6 +349,8 @@ class ScheduleProblem:
             raise InputError(f"pooled_bytes must lie in [0, mem_f] on every stage, got {pool_a.tolist()}")
         if np.any(off_a + pool_a > mem_f_a * (1 + 1e-12)):
             raise InputError("offload_bytes + pooled_bytes must be <= mem_f: an offload cannot move the pooled buffers")
+        if np.any(rmf_a < pool_a * (1 - 1e-12)):
+            raise InputError("recompute_mem_f must be >= pooled_bytes: a recomputing stage keeps its pooled inputs")
         if np.any(off_a[rec_a] > 0):
             raise InputError("a recomputing stage offloads nothing: offload_bytes must be 0 where recompute is set")
         if np.any(np.isnan(lim_a)) or np.any(lim_a <= 0):
@@ -469,7 +472,7 @@ class ScheduleProblem:
             t_b[s] += float(self.t_f[s])
             mem_f[s] = r
             mem_b[s] = keep_w - r
-            trans[s] = max(a - keep_w + r, 0.0)  # = r - mem_b_old >= 0 without pooled bytes
+            trans[s] = max(a - keep_w + r, 0.0)  # = r - pooled - mem_b_old >= 0 (create checks r >= pooled), up to rounding
             off[s] = 0.0
             rec[s] = True
         return self.replace(t_b=t_b, mem_f=mem_f, mem_b=mem_b, mem_b_transient=trans, offload_bytes=off,

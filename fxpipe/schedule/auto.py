@@ -398,7 +398,7 @@ def auto_schedule(
                 if not found and _can_offload(cur):
                     found = [(cur, s) for s in _run_unless_hopeless(cur, OFFLOAD_METHODS, tag, tried, _value(cands + rounds))]
                 if not found:
-                    found = [(cur, s) for s in _degraded(cur, tag, tried)]
+                    found = [(cur, s) for s in _degraded(cur, tag, tried, beat=_value(cands + rounds))]
                 rounds += found
             rounds += _full_recompute_1f1b(problem, tried)
         tried_rounds = dict(tried)

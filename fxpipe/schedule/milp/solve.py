@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 from fxpipe.errors import InfeasibleError, InputError
 from fxpipe.ir import Schedule, ScheduleProblem
-from fxpipe.progress import Search
+from fxpipe.progress import Search, stop_all
 from fxpipe.schedule.bounds import combinatorial_lower_bound
 from fxpipe.schedule.milp.builder import build_model
 from fxpipe.schedule.milp.extract import extract_schedule
@@ -153,7 +153,7 @@ def solve(
             if pb.bound_s > comb_lb:  # a proven bound (see probe_lower_bound, "Soundness")
                 comb_lb, bound_method = pb.bound_s, "time-indexed probe"
             if pb.interrupted:
-                run.stop()  # a probe solve was stopped by Ctrl-C
+                stop_all()  # a probe solve was stopped by Ctrl-C: this search and any enclosing one stop
         if not run.stopped and not _meets(warm_val, comb_lb):
             result = _solve_milp(problem, warm, warm_val, comb_lb, t_start,
                                  {"probe": probe_info, "search": search_info, "bound_method": bound_method},
