@@ -92,6 +92,10 @@ def schedule_mem_limit(graph: OpGraph, assignment, k: int, device_of_stage: Sequ
                        num_microbatches: int, objective: str) -> np.ndarray:
     """Contract 3's ``mem_limit`` per device: ``capacity - reserved - static`` of its stages (bytes).
 
+    The static state counts the step-long receive buffers only; the pooled ones travel with each
+    micro-batch's stash, so the schedule problem must carry them
+    (``problem_from_partition(..., pooled_buffer_bytes=stage_static(...).pooled_buffer_bytes)``).
+
     ``inf`` everywhere for an unlimited capacity.
 
     Raises

@@ -89,7 +89,10 @@ def problem_from_partition(
         Comm between stages on one device is free (Contract 3).
     pooled_buffer_bytes : float array (k,), optional
         Receive-buffer bytes each stage holds per micro-batch in flight (added to ``mem_f``,
-        freed by W, never offloaded); default none.
+        freed by W, never offloaded); default none. A ``mem_limit_bytes`` from
+        :func:`fxpipe.memory.plan_view.schedule_mem_limit` leaves these out of the static state,
+        so pass them with it: ``stage_static(...).pooled_buffer_bytes`` of the same memory model
+        and placement (what ``fxpipe.planner`` does).
 
     Returns
     -------
