@@ -180,3 +180,16 @@ def random_dag(seed: int, n: int, p_edge: float = 0.35, *, ops: bool = False, in
         size_param_bytes=np.round(vals() * 1000), act_bytes=np.round(vals() * 100), edges=edges,
         bandwidth_bytes_per_s=bandwidth if bandwidth is not None else float(rng.choice([10.0, 100.0, 1000.0])), ops=kinds,
     )
+
+
+def carries_grad_by_hand(graph: OpGraph, n_params) -> list[bool]:
+    """Nodes whose output requires grad: they own parameters (``n_params[v] > 0``) or a predecessor's
+    output requires grad; a fixed point over the edges, not a topological pass."""
+    grad = [float(p) > 0 for p in n_params]
+    changed = True
+    while changed:
+        changed = False
+        for u, v in graph.edges.tolist():
+            if grad[u] and not grad[v]:
+                grad[v] = changed = True
+    return grad

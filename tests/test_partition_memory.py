@@ -25,7 +25,7 @@ from fxpipe.partition.orders import random_order
 from fxpipe.partition.search import partition
 from fxpipe.partition.slicegraph import kernel_inputs, slice_order, slice_order_arrays
 
-from naive_partition import brute_force_memory, naive_slice, random_dag
+from naive_partition import brute_force_memory, carries_grad_by_hand, naive_slice, random_dag
 
 
 def _close(a, b):
@@ -36,20 +36,8 @@ def _ref_mem(g, pm, objective, k):
     """The reference helpers' memory tuple, computed from the model's definitions."""
     static = num_params(g) * pm.model.static_bytes_per_param(objective)
     f_in, f_out = pm.model.comm_buffer_factors(k, pm.num_microbatches, objective)
-    grad = _carries_grad(g)
+    grad = carries_grad_by_hand(g, num_params(g))
     return static, inflight_stashes(k, pm.num_microbatches, pm.activation, objective), pm.usable_bytes, f_in, f_out, grad
-
-
-def _carries_grad(g):
-    """Outputs that come back as a gradient: downstream of a parameter (a fixed point over the edges)."""
-    grad = list(num_params(g) > 0)
-    changed = True
-    while changed:
-        changed = False
-        for u, v in g.edges.tolist():
-            if grad[u] and not grad[v]:
-                grad[v] = changed = True
-    return grad
 
 
 def test_parameters_are_counted_as_parameters():

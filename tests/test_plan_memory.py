@@ -45,19 +45,6 @@ def _relay_bytes_by_hand(graph, a, k, only=None):
     return recv, send
 
 
-def _carries_grad_by_hand(graph, n_params):
-    """Nodes whose output requires grad: they own parameters or a predecessor's output requires grad
-    (a fixed point over the edges, not a topological pass)."""
-    grad = [p > 0 for p in n_params]
-    changed = True
-    while changed:
-        changed = False
-        for u, v in graph.edges.tolist():
-            if grad[u] and not grad[v]:
-                grad[v] = changed = True
-    return grad
-
-
 def _check_three_agree(plan, model: MemoryModel):
     """Partitioner (floor rule), schedule problem (mem_limit) and stage / device tables, each
     against the bytes recomputed from the graph with mixed-precision Adam's 2 + 2 + 12 bytes
@@ -69,7 +56,9 @@ def _check_three_agree(plan, model: MemoryModel):
     n_params = np.bincount(a, weights=[float(e["num_params"]) for e in g.extra], minlength=k)
     stash = np.bincount(a, weights=g.act_bytes, minlength=k)
     recv, send = _relay_bytes_by_hand(g, a, k)
-    grad = _carries_grad_by_hand(g, [float(e["num_params"]) for e in g.extra])
+    from naive_partition import carries_grad_by_hand
+
+    grad = carries_grad_by_hand(g, [float(e["num_params"]) for e in g.extra])
     grad_send = _relay_bytes_by_hand(g, a, k, only=grad)[1]  # torch allocates gradient buffers for these only
     assert np.all(grad_send <= send)
     pooled = np.where(np.arange(k) < k - 1, recv, 0.0)  # training: every stage but the last pools

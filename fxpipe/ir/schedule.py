@@ -345,12 +345,9 @@ class ScheduleProblem:
         if np.any(off_a < 0) or np.any(off_a > mem_f_a * (1 + 1e-12)):
             raise InputError("offload_bytes must lie in [0, mem_f] on every stage")
         pool_a = np.zeros(S) if pooled_bytes is None else vec(pooled_bytes, "pooled_bytes")
-        if not np.all(np.isfinite(pool_a)) or np.any(pool_a < 0) or np.any(pool_a > mem_f_a * (1 + 1e-12)):
-            raise InputError(f"pooled_bytes must lie in [0, mem_f] on every stage, got {pool_a.tolist()}")
-        if np.any(off_a + pool_a > mem_f_a * (1 + 1e-12)):
-            raise InputError("offload_bytes + pooled_bytes must be <= mem_f: an offload cannot move the pooled buffers")
-        if np.any(rmf_a < pool_a * (1 - 1e-12)):
-            raise InputError("recompute_mem_f must be >= pooled_bytes: a recomputing stage keeps its pooled inputs")
+        if not (np.all(pool_a >= 0) and np.all(off_a + pool_a <= mem_f_a * (1 + 1e-12)) and np.all(rmf_a >= pool_a * (1 - 1e-12))):
+            raise InputError(f"pooled_bytes must be >= 0 with offload_bytes + pooled_bytes <= mem_f (no offload moves them) "
+                             f"and pooled_bytes <= recompute_mem_f (a recomputing stage keeps them), got {pool_a.tolist()}")
         if np.any(off_a[rec_a] > 0):
             raise InputError("a recomputing stage offloads nothing: offload_bytes must be 0 where recompute is set")
         if np.any(np.isnan(lim_a)) or np.any(lim_a <= 0):
