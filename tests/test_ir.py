@@ -123,3 +123,19 @@ def test_schedule_roundtrip(tmp_path):
     assert t == s and str(t.ops[0]) == "0F0"
     with pytest.raises(InputError, match="type"):
         Schedule.from_dict({"ops": [{"stage": 0, "microbatch": 0, "type": "X", "start_s": 0, "end_s": 1}]})
+
+
+def test_pooled_bytes_validated_round_tripped_and_kept_by_recomputation():
+    """pooled_bytes: bytes of mem_f no offload moves and a recomputing stage keeps as its inputs."""
+    kw = dict(num_stages=2, num_microbatches=2, t_f=1.0, t_b=1.0, t_w=1.0, mem_f=[10.0, 10.0], mem_b=[-4.0, -4.0],
+              mem_w=[-6.0, -6.0], offload_bytes=[0.0, 6.0], recompute_mem_f=[3.0, 4.0])
+    p = ScheduleProblem.create(**kw, pooled_bytes=[3.0, 4.0])
+    assert ScheduleProblem.from_dict(p.to_dict()).pooled_bytes.tolist() == [3.0, 4.0]
+    assert "pooled_bytes" not in ScheduleProblem.create(**kw).to_dict()  # written only when not 0
+    r = p.with_recompute([0])
+    # F keeps the 3 pooled bytes; B holds them and the replayed 7 (not 3 + 10); W frees what is left
+    assert r.mem_f[0] == 3.0 and r.mem_b[0] + r.mem_b_transient[0] == 7.0 and r.pooled_bytes[0] == 3.0
+    with pytest.raises(InputError, match="no offload moves them"):
+        ScheduleProblem.create(**kw, pooled_bytes=[3.0, 5.0])  # 6 offloaded + 5 pooled > 10
+    with pytest.raises(InputError, match="a recomputing stage keeps them"):
+        ScheduleProblem.create(**{**kw, "recompute_mem_f": [2.0, 4.0]}, pooled_bytes=[3.0, 4.0])
