@@ -582,6 +582,8 @@ def retarget_meta_devices(gm: torch.fx.GraphModule, device: str | torch.device) 
     checks and factory calls (``arange``, ``full``, ``zeros``, ``_to_copy``) carry
     ``device=meta``. The materialized stage runs on ``device``, so its graph must say so
     (:func:`torch.export.passes.move_to_device_pass` does the same on an ``ExportedProgram``).
+    The bodies of higher-order ops (``wrap_with_set_grad_enabled`` of a ``torch.no_grad()``
+    block, ``wrap_with_autocast``, ``cond``: submodules that are graphs) are rewritten too.
     """
     dev = torch.device(device)
 
@@ -597,13 +599,18 @@ def retarget_meta_devices(gm: torch.fx.GraphModule, device: str | torch.device) 
         return a
 
     changed = 0
-    for node in gm.graph.nodes:
-        args, kwargs = fix(node.args), fix(node.kwargs)
-        if args != node.args or kwargs != node.kwargs:
-            node.args, node.kwargs = args, kwargs
-            changed += 1
-    if changed:
-        gm.recompile()
+    for sub in gm.modules():  # gm first, then the bodies of its higher-order ops
+        if not isinstance(sub, torch.fx.GraphModule):
+            continue
+        here = 0
+        for node in sub.graph.nodes:
+            args, kwargs = fix(node.args), fix(node.kwargs)
+            if args != node.args or kwargs != node.kwargs:
+                node.args, node.kwargs = args, kwargs
+                here += 1
+        if here:
+            sub.recompile()
+        changed += here
     return changed
 
 

@@ -369,7 +369,7 @@ def profile_graph(
             continue
         todo[key] = node
     report.reused = len(set(report.keys.values())) - len(todo)
-    prev_threads = torch.get_num_threads()
+    prev_threads, prev_grad = torch.get_num_threads(), torch.is_grad_enabled()
     opts = dict(warmup=warmup, min_repeats=min_repeats, max_repeats=max_repeats, min_time_s=min_time_s)
     try:
         torch.set_num_threads(info.threads)
@@ -392,6 +392,7 @@ def profile_graph(
         report.autograd_call_overhead_s = call_s
     finally:
         torch.set_num_threads(prev_threads)
+        torch.set_grad_enabled(prev_grad)  # whatever the graph's no_grad bodies did
         if save:
             db.save()
     for key in set(report.keys.values()):

@@ -229,6 +229,23 @@ def _fix_args(x: Any, device: torch.device, dtype: torch.dtype | None) -> Any:
     return torch.fx.node.map_aggregate(x, fix)
 
 
+def _body_on(body: torch.fx.GraphModule, device: torch.device, dtype: torch.dtype | None) -> torch.fx.GraphModule:
+    """A copy of a higher-order op's body (``wrap_with_set_grad_enabled``, ``wrap_with_autocast``, ``cond``
+    branches: graphs the op's node reaches through a ``get_attr``) whose nodes, nested bodies included, read
+    devices, dtypes and sizes as :func:`_fix_args` makes them for the top-level nodes. A capture on ``meta``
+    records ``device=meta`` in its bodies too (``_assert_tensor_metadata``, ``to``, factories), which would fail
+    on the profiling device, inside a ``no_grad`` body that then never turns gradients back on."""
+    import copy
+
+    out = copy.deepcopy(body)
+    for sub in out.modules():
+        if isinstance(sub, torch.fx.GraphModule):
+            for node in sub.graph.nodes:
+                node.args, node.kwargs = _fix_args((node.args, node.kwargs), device, dtype)
+            sub.recompile()
+    return out
+
+
 def _graph_values(gm: torch.fx.GraphModule, device: torch.device, dtype: torch.dtype | None,
                   example_inputs: tuple[Sequence[Any], Mapping[str, Any]] | None) -> dict[torch.fx.Node, Any]:
     """Values of the placeholders and ``get_attr`` nodes for a graph-mode run.
@@ -237,7 +254,8 @@ def _graph_values(gm: torch.fx.GraphModule, device: torch.device, dtype: torch.d
     parameter; never the model's own tensors, whose ``.grad`` must not change); integer and
     bool buffers keep their real values when the model has them; placeholders take the example
     inputs when they are real and match the placeholders one to one, else random tensors of the
-    recorded shapes (zeros for integers).
+    recorded shapes (zeros for integers). Higher-order ops' bodies become copies on ``device``
+    (:func:`_body_on`).
     """
 
     env: dict[torch.fx.Node, Any] = {}
@@ -269,6 +287,8 @@ def _graph_values(gm: torch.fx.GraphModule, device: torch.device, dtype: torch.d
                 if isinstance(obj, torch.nn.Parameter) and obj.requires_grad:
                     t = t.detach().requires_grad_(True)
                 env[n] = t
+        elif isinstance(obj, torch.fx.GraphModule):
+            env[n] = _body_on(obj, device, dtype)
         else:
             env[n] = obj
     return env
@@ -364,7 +384,10 @@ def run_graph_mode(gm: torch.fx.GraphModule, todo: Mapping[str, Any], keys: Mapp
     def err(key: str, exc: BaseException) -> None:
         errors.setdefault(key, " ".join(f"{type(exc).__name__}: {exc}".split())[:300])
 
+    grad_mode = torch.is_grad_enabled()
+
     def one_rep(record: bool) -> None:
+        torch.set_grad_enabled(grad_mode)
         env = dict(base_env)
         for p in base_env.values():
             if isinstance(p, torch.Tensor) and p.requires_grad and p.grad is None:
@@ -379,6 +402,9 @@ def run_graph_mode(gm: torch.fx.GraphModule, todo: Mapping[str, Any], keys: Mapp
                 out = call()
                 t = sw.stop(h)
             except Exception as exc:  # noqa: BLE001 - keep the data flow going with a stand-in value
+                # an op failing inside a no_grad body (wrap_with_set_grad_enabled) leaves gradients off:
+                # every later op would run without autograd and measure B = W = 0
+                torch.set_grad_enabled(grad_mode)
                 if n.name in keys:
                     err(keys[n.name], exc)
                 out, t = _materialise_value(n.meta.get("val"), dtype, device), None
@@ -445,6 +471,7 @@ def run_graph_mode(gm: torch.fx.GraphModule, todo: Mapping[str, Any], keys: Mapp
     except KeyboardInterrupt:
         interrupted = True
     finally:
+        torch.set_grad_enabled(grad_mode)
         if enabled:
             gc.enable()
     out = []
