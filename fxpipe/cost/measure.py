@@ -89,6 +89,7 @@ __all__ = [
     "measure_autograd_overhead",
     "measured_profile",
     "profile_graph",
+    "recorded_clock",
 ]
 
 
@@ -147,6 +148,12 @@ def _cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine() or "unknown"
+
+
+def recorded_clock(info: DeviceInfo, clock: str) -> str:
+    """The clock a measurement of ``info``'s device records: ``"cuda"`` (event pairs) on a GPU, whatever CPU
+    clock was asked for; else ``clock`` (``"wall"`` or ``"cpu"``). Lookups of measurements compare with it."""
+    return "cuda" if info.is_cuda else clock
 
 
 def device_info(device: str | torch.device | None = None, threads: int | None = None) -> DeviceInfo:
@@ -344,7 +351,7 @@ def profile_graph(
     info = device_info(dev, threads)
     if clock == "cpu" and dev.type == "cpu" and info.threads != 1:
         raise InputError(f"clock='cpu' times the calling thread only: it needs threads=1, got {info.threads}")
-    clock_name = "cuda" if dev.type == "cuda" else clock
+    clock_name = recorded_clock(info, clock)
     check_repeats(warmup, min_repeats, max_repeats)
     base = base_hardware(info)
     if not isinstance(db, CostDatabase):

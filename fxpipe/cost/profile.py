@@ -46,6 +46,7 @@ from fxpipe.cost.measure import (
     measure_autograd_overhead,
     measured_profile,
     profile_graph,
+    recorded_clock,
 )
 from fxpipe.cost.suite import measured_hardware, run_suite
 from fxpipe.cost.timers import CLOCKS
@@ -270,7 +271,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         cmd = "python -m fxpipe.cost.profile " + " ".join(sys.argv[1:] if argv is None else argv)
         if keys is not None:  # the suite's measurements of this mode and clock only
             mine = db.entries(info)
-            keys = [k for k in keys if k in mine and mine[k].method == args.mode and mine[k].clock == args.clock]
+            clock = recorded_clock(info, args.clock)  # "cuda" on a GPU (event pairs), whatever --clock says
+            keys = [k for k in keys if k in mine and mine[k].method == args.mode and mine[k].clock == clock]
         link: dict[str, Any] = {}
         if args.p2p:
             lat, bw, times = measure_p2p()
