@@ -26,7 +26,7 @@ from typing import Any, Mapping, Sequence
 
 from fxpipe.errors import InputError, PlanWarning
 from fxpipe.memory import MemoryModel
-from fxpipe.mesh import mesh_memory, microbatches_per_replica, normalize_mesh
+from fxpipe.mesh import mesh_memory, microbatches_per_replica, normalize_mesh, pure_pipeline
 from fxpipe.mesh_search import search_mesh
 from fxpipe.options import (  # noqa: F401 (public re-exports)
     AUTO_MILP_MIN_SHARE,
@@ -83,14 +83,37 @@ def check_call_inputs(args: Any, kwargs: Any) -> tuple[tuple, dict]:
     return tuple(args), dict(kwargs)
 
 
+def _pinned_degrees(mesh: Any, devices: int) -> dict[str, int]:
+    """The degrees of a mesh request the search does not resolve: ``"pipeline"`` and ``"auto"`` (with a memory
+    model that shards over ``data_parallel > 1``) are the pure pipeline over ``devices``; a dict or
+    ``"pp=2,dp_shard=2"`` as :func:`fxpipe.mesh.normalize_mesh` reads it."""
+    if isinstance(mesh, str) and mesh in ("pipeline", "auto"):
+        return pure_pipeline(devices)
+    return normalize_mesh(mesh, devices)
+
+
+def _searches(mesh: Any, memory: Any) -> bool:
+    """Whether the mesh request is resolved by the joint search (:func:`fxpipe.mesh_search.search_mesh`):
+    ``"search"``, and ``"auto"`` unless ``memory`` already names a data-parallel degree (the user's own data
+    parallelism around the pipeline: ``devices`` are then the pipeline ranks, as before meshes)."""
+    if not isinstance(mesh, str):
+        return False
+    if mesh == "auto":
+        return not (isinstance(memory, MemoryModel) and memory.data_parallel != 1)
+    return mesh == "search"
+
+
 def _check_mesh(mesh: Any, devices: int, microbatches: int, memory: Any) -> None:
     """Bad mesh requests fail before the capture: degrees that do not multiply to ``devices``, replicas that
     do not divide ``microbatches``, a ZeRO degree of ``memory`` the mesh contradicts (:mod:`fxpipe.mesh`)."""
     if isinstance(mesh, str) and mesh == "search":  # fxpipe.mesh_search: chosen after the capture
         if isinstance(memory, MemoryModel) and memory.data_parallel != 1:
-            raise InputError("mesh='search' sets the data-parallel degree of the memory model: leave data_parallel at 1")
+            raise InputError("mesh='search' sets the data-parallel degree of the memory model: leave data_parallel at 1 "
+                             "(or pin the mesh, e.g. mesh={'pp': 2, 'dp_shard': 2})")
         return
-    degrees = normalize_mesh(mesh, devices)
+    if _searches(mesh, memory):
+        return
+    degrees = _pinned_degrees(mesh, devices)
     microbatches_per_replica(microbatches, degrees)
     if isinstance(memory, MemoryModel):
         mesh_memory(memory, degrees)
@@ -126,13 +149,15 @@ def _capture(model, args: tuple, kwargs: dict, *, costs: str, hardware, dtype, n
 
 
 def _plan_mesh(graph, mesh: Any, devices: int, microbatches: int, memory: MemoryModel, options: PlanOptions):
-    """Plan the pipeline of ``mesh`` (``"search"``: of the best mesh, :func:`fxpipe.mesh_search.search_mesh`).
+    """Plan the pipeline of ``mesh`` (``"auto"`` and ``"search"``: of the best mesh,
+    :func:`fxpipe.mesh_search.search_mesh`; ``"auto"`` with a memory model that already shards over
+    ``data_parallel > 1``: the pure pipeline over ``devices``).
 
     Returns ``(mesh_degrees, memory_model, (partition, problem, schedule, timings), mesh_table or None)``.
     """
-    if isinstance(mesh, str) and mesh == "search":
+    if _searches(mesh, memory):
         return search_mesh(graph, devices=devices, microbatches=microbatches, memory=memory, options=options)
-    degrees = normalize_mesh(mesh, devices)
+    degrees = _pinned_degrees(mesh, devices)
     model = mesh_memory(memory, degrees)
     planned = plan_with_options(graph, devices=degrees["pp"], microbatches=microbatches_per_replica(microbatches, degrees),
                                 options=options, memory=model, memory_bytes=model.capacity_bytes)  # resolved already
@@ -183,8 +208,9 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
         Example inputs of ONE micro-batch (costs are per micro-batch): a tuple of the
         positional inputs (one tensor ``x`` is ``(x,)``) and a dict of the keyword inputs.
     devices : int
-        Devices, >= 1: with a pure pipeline (the default mesh) the pipeline ranks p;
-        ``stages_per_device * p`` must not exceed the number of ops.
+        All devices, >= 1: ``pp * dp_shard * dp_replicate`` of the mesh (the default
+        ``mesh="auto"`` chooses the degrees); ``stages_per_device * pp`` must not exceed the
+        number of ops.
     microbatches : int
         Micro-batches per optimizer step (global: divided among the data-parallel replicas
         of ``mesh``), >= 1.
@@ -251,7 +277,7 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
         Capture a deep stack of identical layers by exporting three and replicating one
         (:func:`fxpipe.passes.capture.capture`; same graph as a full export, much faster for
         70B-class models). ``"never"`` forces a full ``torch.export``.
-    mesh : "auto", "search" or dict
+    mesh : "auto", "search", "pipeline" or dict
         Pipeline x data parallelism, torchtitan's names: ``{"pp": a, "dp_shard": b,
         "dp_replicate": c}`` (missing = 1, ``a * b * c == devices``): ``b * c`` replicas of a
         pipeline over ``a`` devices, each stage wrapped by FSDP2 ``fully_shard`` over
@@ -260,12 +286,16 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
         planned for ``a`` devices and ``microbatches / (b * c)`` micro-batches (``plan.devices``
         and ``plan.microbatches`` are those of one pipeline; ``plan.mesh`` the mesh,
         ``plan.world_size`` all devices). With ``dp_shard > 1`` the memory model shards the
-        optimizer state over it (:func:`fxpipe.mesh.mesh_memory`). ``"auto"`` (default): for now
-        the pure pipeline ``{"pp": devices}``. ``"search"``: a first joint search
-        (:func:`fxpipe.mesh_search.search_mesh`): every ``pp x dp_shard`` of ``devices`` whose
-        replicas divide ``microbatches`` is planned and the smallest predicted step (schedule +
-        data-parallel sync) that fits memory kept; ``plan.options["mesh_search"]`` and the
-        summary list the candidates (what it does not do yet: :mod:`fxpipe.mesh_search`).
+        optimizer state over it (:func:`fxpipe.mesh.mesh_memory`). ``"auto"`` (default): the joint
+        search (:func:`fxpipe.mesh_search.search_mesh`): every ``pp x dp_shard`` (``x
+        dp_replicate`` on a hardware with nodes) of ``devices`` whose replicas divide
+        ``microbatches`` is planned and the smallest predicted step (schedule + data-parallel
+        sync) that fits memory kept, so a small model on few devices may get pure data
+        parallelism (``pp = 1``); ``plan.options["mesh_search"]`` and the summary list the
+        candidates. With a ``memory`` model that already shards over ``data_parallel > 1``
+        (your own data parallelism around the pipeline) ``"auto"`` plans the pure pipeline
+        over ``devices``. ``"search"``: the search always. ``"pipeline"`` (or ``{"pp":
+        devices}``): the pure pipeline over all devices.
 
     Returns
     -------

@@ -22,7 +22,7 @@ TINY_GPT2 = {"n_layer": 4, "n_embd": 32, "n_head": 2, "vocab_size": 64, "n_posit
 @pytest.fixture(scope="module")
 def gpt2_plan():
     model, args, kwargs = build_hf_model("gpt2", TINY_GPT2)
-    plan = fxpipe.compile(model, args, kwargs, devices=2, microbatches=4, hardware="h100-sxm", schedule="zb-h1", time_limit_s=1.0)
+    plan = fxpipe.compile(model, args, kwargs, devices=2, microbatches=4, hardware="h100-sxm", schedule="zb-h1", time_limit_s=1.0, mesh="pipeline")
     return model, plan
 
 
@@ -88,7 +88,7 @@ def test_plan_save_load_roundtrip(gpt2_plan, tmp_path):
 def test_compile_bad_arguments(kwargs, message):
     model, args, kw = build_hf_model("gpt2", {**TINY_GPT2, "n_layer": 1})
     with pytest.raises(InputError, match=message):
-        fxpipe.compile(model, args, kw, **{"devices": 2, "microbatches": 2, "time_limit_s": 0.2, **kwargs})
+        fxpipe.compile(model, args, kw, **{"devices": 2, "microbatches": 2, "time_limit_s": 0.2, "mesh": "pipeline", **kwargs})
 
 
 def test_compile_unexportable_model_says_why():
@@ -106,7 +106,7 @@ def test_compile_unexportable_model_says_why():
             return y
 
     with pytest.raises(CaptureError) as info:
-        fxpipe.compile(Branchy(), (torch.randn(2, 4),), devices=2)
+        fxpipe.compile(Branchy(), (torch.randn(2, 4),), devices=2, mesh="pipeline")
     msg = str(info.value)
     assert "torch.export" in msg or "export" in msg
 
@@ -114,7 +114,7 @@ def test_compile_unexportable_model_says_why():
 def test_cli_plan_json():
     cmd = [
         sys.executable, "-m", "fxpipe.cli", "plan", "--hf", "gpt2", "--config", "n_layer=2", "n_embd=32", "n_head=2",
-        "vocab_size=64", "n_positions=32", "--seq-len", "8", "--devices", "2", "--microbatches", "4", "--time-limit", "0.5", "--json",
+        "vocab_size=64", "n_positions=32", "--seq-len", "8", "--devices", "2", "--mesh", "pipeline", "--microbatches", "4", "--time-limit", "0.5", "--json",
     ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
@@ -159,7 +159,7 @@ def test_cli_plan_report_has_certificates_and_gantt(tmp_path):
     out_html = tmp_path / "r.html"
     cmd = [
         sys.executable, "-m", "fxpipe.cli", "plan", "--hf", "gpt2", "--config", "n_layer=2", "n_embd=32", "n_head=2",
-        "vocab_size=64", "n_positions=32", "--seq-len", "8", "--devices", "2", "--microbatches", "4", "--time-limit", "0.5",
+        "vocab_size=64", "n_positions=32", "--seq-len", "8", "--devices", "2", "--mesh", "pipeline", "--microbatches", "4", "--time-limit", "0.5",
         "--report", str(out_html), "--bounds-time-limit", "20", "--json",
     ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)

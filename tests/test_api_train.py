@@ -21,7 +21,7 @@ T5 = {"num_layers": 2, "num_decoder_layers": 3, "d_model": 32, "d_ff": 64, "num_
 def _plan(factory: HFFactory, devices: int, schedule: str):
     model, args, kwargs = factory.one_microbatch()
     return fxpipe.compile(
-        model, args, kwargs, devices=devices, microbatches=factory.microbatches, schedule=schedule, time_limit_s=1.0, seed=0
+        model, args, kwargs, devices=devices, microbatches=factory.microbatches, schedule=schedule, time_limit_s=1.0, seed=0, mesh="pipeline"
     )
 
 

@@ -54,7 +54,7 @@ def test_k_equal_to_op_count_is_fine(three_ops, capsys):
 )
 def test_nonsense_config_overrides_are_rejected(override, needle, tmp_path, capsys):
     plan_file = tmp_path / "plan.json"
-    code, out, err = _run(["plan", "--hf", "gpt2", "--config", *TINY, override, "--devices", "2", "--out", str(plan_file)], capsys)
+    code, out, err = _run(["plan", "--hf", "gpt2", "--config", *TINY, override, "--devices", "2", "--mesh", "pipeline", "--out", str(plan_file)], capsys)
     assert code == 2, err
     assert needle in err and "Traceback" not in err
     assert not plan_file.exists() and out == ""
@@ -69,7 +69,7 @@ def test_nonsense_overrides_rejected_in_the_library_too():
 
 def test_repeated_config_flags_merge(capsys):
     argv = ["plan", "--hf", "gpt2", "--config", "n_layer=2", "n_embd=32", "--config", "n_head=2", "vocab_size=64",
-            "--config", "n_positions=32", "n_layer=1", "--seq-len", "8", "--devices", "2", "--time-limit", "0.3", "--json"]
+            "--config", "n_positions=32", "n_layer=1", "--seq-len", "8", "--devices", "2", "--mesh", "pipeline", "--time-limit", "0.3", "--json"]
     code, out, err = _run(argv, capsys)
     assert code == 0, err
     doc = json.loads(out)
@@ -89,7 +89,7 @@ def test_plan_without_run_builds_on_meta(monkeypatch, capsys):
         return real(self, device)
 
     monkeypatch.setattr(plan_cmd.HFFactory, "one_microbatch", spy)
-    code, _, err = _run(["plan", "--hf", "gpt2", "--config", *TINY, "--seq-len", "8", "--devices", "2", "--time-limit", "0.3"], capsys)
+    code, _, err = _run(["plan", "--hf", "gpt2", "--config", *TINY, "--seq-len", "8", "--devices", "2", "--mesh", "pipeline", "--time-limit", "0.3"], capsys)
     assert code == 0, err
     assert devices == ["meta"]
 
@@ -101,13 +101,13 @@ def test_unwritable_plan_output_fails_before_planning(tmp_path, capsys, monkeypa
         raise AssertionError("planned although the output path is unwritable")
 
     monkeypatch.setattr(fxpipe.api, "compile", boom)
-    code, _, err = _run(["plan", "--hf", "gpt2", "--config", *TINY, "--devices", "2", "--out", str(tmp_path)], capsys)
+    code, _, err = _run(["plan", "--hf", "gpt2", "--config", *TINY, "--devices", "2", "--mesh", "pipeline", "--out", str(tmp_path)], capsys)
     assert code == 2 and "is a directory" in err
 
 
 def test_plan_with_edited_stage_table_is_rejected(tmp_path, capsys):
     plan_file = tmp_path / "plan.json"
-    code, _, err = _run(["plan", "--hf", "gpt2", "--config", *TINY, "--seq-len", "8", "--devices", "2",
+    code, _, err = _run(["plan", "--hf", "gpt2", "--config", *TINY, "--seq-len", "8", "--devices", "2", "--mesh", "pipeline",
                          "--time-limit", "0.3", "--out", str(plan_file)], capsys)
     assert code == 0, err
     import fxpipe
@@ -132,7 +132,7 @@ def test_missing_hf_extra_names_the_extra(monkeypatch, capsys):
         return real_import(name, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "__import__", no_transformers)
-    code, out, err = _run(["plan", "--hf", "gpt2", "--devices", "2"], capsys)
+    code, out, err = _run(["plan", "--hf", "gpt2", "--devices", "2", "--mesh", "pipeline"], capsys)
     assert code == 2
     assert 'pip install -e ".[hf]"' in err and "Traceback" not in err
 

@@ -27,7 +27,7 @@ from fxpipe.errors import InputError  # noqa: E402
 pytestmark = [pytest.mark.filterwarnings("ignore"), pytest.mark.timeout(900)]
 
 REPO = Path(__file__).resolve().parents[1]
-FAST = ["--devices", "2", "--microbatches", "2", "--seq-len", "8", "--time-limit", "0.1", "--json"]
+FAST = ["--devices", "2", "--mesh", "pipeline", "--microbatches", "2", "--seq-len", "8", "--time-limit", "0.1", "--json"]
 
 #: family -> (model types, tasks fxpipe must infer, inputs one of which must be present)
 FAMILIES = {
@@ -158,7 +158,7 @@ def test_a_handful_of_architectures_train_like_one_process():
         runs, refs = [], []
         for fac in factories:
             model, args, kwargs = fac.one_microbatch("meta" if isinstance(fac, HFFactory) else "cpu")
-            plan = fxpipe.compile(model, args, kwargs, devices=2, microbatches=2, time_limit_s=0.1)
+            plan = fxpipe.compile(model, args, kwargs, devices=2, microbatches=2, time_limit_s=0.1, mesh="pipeline")
             runs.append(dict(make_model=fac, stage_of=plan.worker_stage_of(), orders=plan.orders(),
                              num_microbatches=2, make_batch=_BatchFn(fac), steps=1, lr=0.05, loss=fac.loss,
                              recompute_stages=plan.recompute_stages()))
@@ -186,7 +186,7 @@ def test_model_factory_plans_and_wrong_returns_say_what_to_return(capsys, monkey
         ("tests.helpers", [], "must look like package.module:factory"),
         ("tests.helpers:build", ["--task", "causal-lm"], "--task applies to --hf models"),
     ]:
-        code, out, err = _cli(["plan", "--model", spec, *extra, "--devices", "2"], capsys)
+        code, out, err = _cli(["plan", "--model", spec, *extra, "--devices", "2", "--mesh", "pipeline"], capsys)
         assert code == 2 and needle in err and "Traceback" not in err, (spec, err)
 
 
@@ -208,7 +208,7 @@ def test_dtype_defaults_to_the_config_and_is_honoured(capsys):
         doc = _plan(["--hf", "gpt2", *tiny, *extra, *FAST], capsys)
         assert doc["model_info"]["dtype"] == "bfloat16", extra
         assert 2 * sum(s["param_bytes"] for s in doc["plan"]["stages"]) == pytest.approx(fp32_bytes), extra
-    code, _, err = _cli(["plan", "--hf", "gpt2", "--dtype", "int8", "--devices", "2"], capsys)
+    code, _, err = _cli(["plan", "--hf", "gpt2", "--dtype", "int8", "--devices", "2", "--mesh", "pipeline"], capsys)
     assert code == 2 and "unknown dtype 'int8'" in err
 
 
@@ -249,7 +249,7 @@ def test_unknown_names_tasks_and_paths_are_clear_errors(capsys, tmp_path):
         (["--hf", "qwen3", "--input-shape", "2,3"], "--input-shape / --input-dtype apply to --model"),
         (["--hf", "qwen3", "--checkpoint"], "'qwen3' is not a folder"),
     ]:
-        code, out, err = _cli(["plan", *argv, "--devices", "2"], capsys)
+        code, out, err = _cli(["plan", *argv, "--devices", "2", "--mesh", "pipeline"], capsys)
         assert code == 2 and needle in err and "Traceback" not in err, (argv, err)
     from fxpipe.models import build_hf_model
 

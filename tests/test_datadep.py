@@ -230,7 +230,7 @@ def test_model_returning_masked_rows_splits_and_merges():
 
     torch.manual_seed(0)
     model, x = M.MaskedRows(), torch.randn(8, M.D)
-    plan = fxpipe.compile(model, (x[:4],), devices=3, microbatches=2, time_limit_s=0.2, schedule="1f1b")
+    plan = fxpipe.compile(model, (x[:4],), devices=3, microbatches=2, time_limit_s=0.2, schedule="1f1b", mesh="pipeline")
     staged = split_stages(plan.captured().gm, plan.stage_of, 3)
     assert staged.interface.output_shapes[0][0] == -1
     out = staged.interface.merge([staged.run(x[:4]), staged.run(x[4:])])
@@ -249,7 +249,7 @@ def test_masked_model_trains_like_single_process(devices):
 
     M, model, mb = _masked_model()
     plan = fxpipe.compile(model, (mb,), devices=devices, microbatches=M.MICROBATCHES, time_limit_s=0.3,
-                          schedule="1f1b")
+                          schedule="1f1b", mesh="pipeline")
     assert len(set(plan.stage_of.values())) == devices
     edges = _unbacked_edges(plan.captured().gm)
     assert ("relu", "linear_2") in edges

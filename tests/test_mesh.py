@@ -173,9 +173,9 @@ def test_compile_mesh_plan_round_trip_and_errors(tmp_path):
     with pytest.raises(InputError, match="data_parallel=4"):
         fxpipe.compile(model, args, kwargs, devices=4, microbatches=4, mesh={"pp": 2, "dp_shard": 2},
                        memory=MemoryModel(data_parallel=4, zero_stage=3))
-    # the default mesh ("auto", for now) is the pure pipeline
+    # "pipeline" is the pure pipeline over all devices
     assert fxpipe.compile(model, args, kwargs, devices=2, microbatches=2, schedule="1f1b",
-                          time_limit_s=0.5).mesh == {"pp": 2, "dp_shard": 1, "dp_replicate": 1}
+                          time_limit_s=0.5, mesh="pipeline").mesh == {"pp": 2, "dp_shard": 1, "dp_replicate": 1}
 
 
 # ----------------------------------------------------------------------------- runtime on 4 gloo ranks
@@ -273,8 +273,9 @@ def test_mesh_search_keeps_the_fastest_mesh_that_fits(tmp_path):
                             time_limit_s=0.5, memory_bytes=float("inf"))
     assert pinned.schedule.value + pinned.dp_sync_s == pytest.approx(other["predicted_step_s"])
     # 50 kB: a capacity only the 4-stage pipeline of this tiny GPT-2 fits; the other meshes are skipped with the reason
-    tight = fxpipe.compile(model, args, kwargs, devices=4, microbatches=4, mesh="search", schedule="zb-h1",
-                           time_limit_s=0.5, memory_bytes=50e3)
+    # (the default mesh, "auto", is this search)
+    tight = fxpipe.compile(model, args, kwargs, devices=4, microbatches=4, schedule="zb-h1", time_limit_s=0.5,
+                           memory_bytes=50e3)
     assert tight.mesh == {"pp": 4, "dp_shard": 1, "dp_replicate": 1}
     assert ["skipped" in r for r in tight.options["mesh_search"]] == [False] + [True] * 5
     assert all("\n" not in r["skipped"] and len(r["skipped"]) < 300 for r in tight.options["mesh_search"][1:])

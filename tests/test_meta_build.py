@@ -46,7 +46,7 @@ def _meta_plan(name: str):
     make, _, m, _ = mm.META_MODELS[name]
     with torch.device("meta"):
         model, example = make()
-    return fxpipe.compile(model, example.args, example.kwargs, devices=2, microbatches=m, time_limit_s=0.3, name=name)
+    return fxpipe.compile(model, example.args, example.kwargs, devices=2, microbatches=m, time_limit_s=0.3, name=name, mesh="pipeline")
 
 
 def test_stage_shapes_of_a_meta_model_from_cpu_inputs_are_static_and_exact():
@@ -60,7 +60,7 @@ def test_stage_shapes_of_a_meta_model_from_cpu_inputs_are_static_and_exact():
     assert all(t.device.type == "cpu" for t in flat)
     real_model, example = mm.make_inception()
     real_plan = fxpipe.compile(real_model, example.args, example.kwargs, devices=2, microbatches=mm.MICROBATCHES,
-                               time_limit_s=0.3)
+                               time_limit_s=0.3, mesh="pipeline")
     real_staged = split_stages(real_plan.captured().gm, plan.stage_of, 2)
     for s in range(2):
         got = stage_io(staged, s, flat)

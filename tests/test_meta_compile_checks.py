@@ -27,7 +27,7 @@ def test_meta_trace_of_a_device_branch_warns_at_compile_time():
         model, x = mm.DeviceBranchRouter(), torch.randn(4, 8)
     with warnings.catch_warnings(record=True) as rec:
         warnings.simplefilter("always")
-        fxpipe.compile(model, (x,), devices=2, microbatches=2, time_limit_s=0.2)
+        fxpipe.compile(model, (x,), devices=2, microbatches=2, time_limit_s=0.2, mesh="pipeline")
     found = [r for r in rec if "histc" in str(r.message)]
     assert len(found) == 1, [str(r.message)[:80] for r in rec]
     (w,) = found
@@ -58,4 +58,4 @@ def test_cpu_capture_of_the_same_branch_has_no_gap():
 def test_compile_names_misplaced_example_inputs(args, kwargs, message):
     model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
     with pytest.raises(InputError, match=message):
-        fxpipe.compile(model, args, kwargs, devices=2)
+        fxpipe.compile(model, args, kwargs, devices=2, mesh="pipeline")

@@ -52,7 +52,7 @@ def trained():
         if key not in plans:
             model, args, kwargs = zm.one_microbatch()
             plans[key] = fxpipe.compile(model, args, kwargs, devices=2, microbatches=M, stages_per_device=2,
-                                        placement=placement, time_limit_s=0.5, name=name, schedule=None)
+                                        placement=placement, time_limit_s=0.5, name=name, schedule=None, mesh="pipeline")
         plan = plans[key]
         if plan.options["schedule"] != schedule:
             plan = plan.reschedule(schedule)

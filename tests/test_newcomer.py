@@ -36,7 +36,7 @@ def auto_plan():
     with warnings.catch_warnings():
         warnings.simplefilter("error", PlanWarning)  # a balanced plan wastes nothing
         return fxpipe.compile(model, args, kwargs, devices=2, microbatches=4, stages_per_device="auto",
-                              time_limit_s=0.5, schedule_time_limit_s=0.5)
+                              time_limit_s=0.5, schedule_time_limit_s=0.5, mesh="pipeline")
 
 
 def visible_text(page: str) -> str:
@@ -147,7 +147,7 @@ def test_cli_plan_report_trace_readable(tmp_path, capsys):
     from fxpipe.cli import main
 
     html_path, trace_path = tmp_path / "r.html", tmp_path / "t.json"
-    code = main(["plan", *CLI_TINY, "--devices", "2", "--microbatches", "4", "--time-limit", "0.5",
+    code = main(["plan", *CLI_TINY, "--devices", "2", "--mesh", "pipeline", "--microbatches", "4", "--time-limit", "0.5",
                  "--report", str(html_path), "--bounds-time-limit", "5", "--trace", str(trace_path)])
     out, err = capsys.readouterr()
     assert code == 0, err
@@ -210,7 +210,7 @@ def test_report_renders_in_headless_chromium(tmp_path):  # pragma: no cover - on
     from fxpipe.report import write_plan_report
 
     model, args, kwargs = build_hf_model("gpt2", TINY, device="meta")
-    plan = fxpipe.compile(model, args, kwargs, devices=2, microbatches=4, time_limit_s=0.5, schedule_time_limit_s=0)
+    plan = fxpipe.compile(model, args, kwargs, devices=2, microbatches=4, time_limit_s=0.5, schedule_time_limit_s=0, mesh="pipeline")
     out = write_plan_report(plan, tmp_path / "r.html", bounds_time_limit_s=5)
     shot = tmp_path / "shot.png"
     run = subprocess.run([shutil.which("chromium") or "/usr/bin/chromium", "--headless", "--disable-gpu", "--no-sandbox",
@@ -283,7 +283,7 @@ def test_cli_progress_only_for_a_terminal_without_json(monkeypatch):
 
     monkeypatch.setattr(fxpipe, "compile", fake_compile, raising=False)
     monkeypatch.setattr(plan_cmd, "stderr_is_terminal", lambda: True)
-    base = ["plan", *CLI_TINY, "--devices", "2"]
+    base = ["plan", *CLI_TINY, "--devices", "2", "--mesh", "pipeline"]
     parser = argparse.ArgumentParser()
     plan_cmd.register(parser.add_subparsers())
     for extra, want in (([], True), (["--json"], False)):
@@ -299,7 +299,7 @@ def test_cli_progress_only_for_a_terminal_without_json(monkeypatch):
 def test_plans_that_waste_devices_warn_with_the_better_choice():
     model, args, kwargs = build_hf_model("gpt2", {"n_layer": 1, "seq_len": 8}, device="meta")  # lm_head dominates
     with pytest.warns(PlanWarning) as rec:
-        plan = fxpipe.compile(model, args, kwargs, devices=12, microbatches=2, schedule="1f1b", time_limit_s=0.3)
+        plan = fxpipe.compile(model, args, kwargs, devices=12, microbatches=2, schedule="1f1b", time_limit_s=0.3, mesh="pipeline")
     msgs = [str(w.message) for w in rec if issubclass(w.category, PlanWarning)]
     assert any("2 micro-batches for 12 devices" in m and "at least 12 micro-batches" in m for m in msgs), msgs
     idle = [m for m in msgs if "the work would fill about" in m]
@@ -365,4 +365,4 @@ def test_compile_says_what_to_pass_for_common_mistakes(args, kwargs, needle):
     args = {"tensor": x, "dict": {"input": x}}.get(args, args) if isinstance(args, str) else args
     kwargs = x if kwargs == "tensor" else kwargs
     with pytest.raises(InputError, match=re.escape(needle)):
-        fxpipe.compile(model, args, kwargs, devices=2, microbatches=2)
+        fxpipe.compile(model, args, kwargs, devices=2, microbatches=2, mesh="pipeline")

@@ -52,7 +52,7 @@ MODELS = ("gpt2", "mixtral")
 def _plan(name: str, devices: int):
     zm = zoo.get(name, microbatches=M)
     model, args, kwargs = zm.one_microbatch()
-    return zm, fxpipe.compile(model, args, kwargs, devices=devices, microbatches=M, time_limit_s=0.5, name=name)
+    return zm, fxpipe.compile(model, args, kwargs, devices=devices, microbatches=M, time_limit_s=0.5, name=name, mesh="pipeline")
 
 
 def _offloading(plan):
@@ -112,7 +112,7 @@ def _train(devices: int, with_state: bool, tmp_path=None):
             # the model built on meta, each rank materializing its two stages
             model, args, kwargs = zm.one_microbatch()
             vplan = fxpipe.compile(model, args, kwargs, devices=2, microbatches=M, stages_per_device=2, placement="v",
-                                   time_limit_s=0.5, name=name).reschedule("zb-v")
+                                   time_limit_s=0.5, name=name, mesh="pipeline").reschedule("zb-v")
             runs.append(dict(base, stage_of=vplan.worker_stage_of(), orders=offload_all(vplan.orders()),
                              state={"seed": 3}, model_key=(name, "v")))
             refs.append(refs[labels.index((name, "meta-seed"))])

@@ -26,7 +26,7 @@ CLI_TINY = ["n_layer=2", "n_embd=32", "n_head=2", "vocab_size=64", "n_positions=
 def v_plan():
     model, args, kwargs = build_hf_model("gpt2", TINY_GPT2)
     return fxpipe.compile(model, args, kwargs, devices=2, microbatches=4, stages_per_device=2, placement="v",
-                          time_limit_s=0.5)
+                          time_limit_s=0.5, mesh="pipeline")
 
 
 def test_v_plan_has_placement_tables_and_orders(v_plan):
@@ -74,7 +74,7 @@ def test_v_plan_save_load_and_tampering(v_plan, tmp_path):
 
 def test_plan_files_from_before_placements_still_load(tmp_path):
     model, args, kwargs = build_hf_model("gpt2", {**TINY_GPT2, "n_layer": 2})
-    plan = fxpipe.compile(model, args, kwargs, devices=2, microbatches=2, time_limit_s=0.3)
+    plan = fxpipe.compile(model, args, kwargs, devices=2, microbatches=2, time_limit_s=0.3, mesh="pipeline")
     doc = plan.to_dict()
     for key in ("num_stages", "stages_per_device", "placement", "device_of_stage", "device_table"):
         del doc[key]
@@ -96,14 +96,14 @@ def test_reschedule_keeps_the_placement_and_refuses_other_generators(v_plan):
 def test_compile_placement_errors():
     model, args, kwargs = build_hf_model("gpt2", {**TINY_GPT2, "n_layer": 1})
     with pytest.raises(InputError, match="placement must be one of"):
-        fxpipe.compile(model, args, kwargs, devices=2, stages_per_device=2, placement="zigzag")
+        fxpipe.compile(model, args, kwargs, devices=2, stages_per_device=2, placement="zigzag", mesh="pipeline")
     with pytest.raises(InputError, match="'zb-v' does not schedule the looped placement"):
         fxpipe.compile(model, args, kwargs, devices=2, microbatches=4, stages_per_device=2, schedule="zb-v",
-                       time_limit_s=0.2)
+                       time_limit_s=0.2, mesh="pipeline")
 
 
 def test_cli_plan_stages_per_device_and_placement(capsys):
-    code = main(["plan", "--hf", "gpt2", "--config", *CLI_TINY, "--seq-len", "8", "--devices", "2", "--microbatches", "4",
+    code = main(["plan", "--hf", "gpt2", "--config", *CLI_TINY, "--seq-len", "8", "--devices", "2", "--mesh", "pipeline", "--microbatches", "4",
                  "--stages-per-device", "auto", "--placement", "auto", "--time-limit", "0.3", "--json"])
     out = capsys.readouterr()
     assert code == 0, out.err
@@ -112,11 +112,11 @@ def test_cli_plan_stages_per_device_and_placement(capsys):
     assert len(plan["stages"]) == plan["num_stages"] and len(plan["device_table"]) == 2
     assert plan["options"]["stages_per_device"] == "auto" and plan["options"]["placement"] == "auto"
     with pytest.raises(SystemExit) as info:  # argparse: usage and exit 2
-        main(["plan", "--hf", "gpt2", "--config", *CLI_TINY, "--devices", "2", "--stages-per-device", "two"])
+        main(["plan", "--hf", "gpt2", "--config", *CLI_TINY, "--devices", "2", "--mesh", "pipeline", "--stages-per-device", "two"])
     assert info.value.code == 2 and "expected an integer or 'auto', got 'two'" in capsys.readouterr().err
     for argv, needle in ((["--stages-per-device", "0"], "--stages-per-device must be >= 1"),
                          (["--stages-per-device", "2", "--schedule", "zb-h1"], "use one of greedy, interleaved-1f1b, milp")):
-        code = main(["plan", "--hf", "gpt2", "--config", *CLI_TINY, "--seq-len", "8", "--devices", "2",
+        code = main(["plan", "--hf", "gpt2", "--config", *CLI_TINY, "--seq-len", "8", "--devices", "2", "--mesh", "pipeline",
                      "--time-limit", "0.2", *argv])
         err = capsys.readouterr().err
         assert code == 2 and needle in err and "Traceback" not in err, err

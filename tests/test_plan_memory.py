@@ -108,7 +108,7 @@ def test_llama3_70b_on_h100_32_devices_fit_and_8_give_the_clear_error(llama70b):
     remedy helps."""
     model, args, kwargs = llama70b
     plan = fxpipe.compile(model, args, kwargs, devices=32, microbatches=8, time_limit_s=5.0,
-                          schedule_time_limit_s=5.0)
+                          schedule_time_limit_s=5.0, mesh="pipeline")
     assert plan.memory.capacity_bytes == H100_BYTES and plan.options["schedule"] == "auto"
     assert all(s.fits and s.memory_bytes <= H100_BYTES for s in plan.stages)
     assert sum(s.params_bytes for s in plan.stages) / 2 == pytest.approx(70.55e9, rel=1e-3)  # Llama-3-70B
@@ -149,7 +149,7 @@ def test_capacity_binds_schedule_and_tables_agree(tiny_gpt2):
     memory model; an edited memory column is rejected."""
     model, args, kwargs = tiny_gpt2
     free = fxpipe.compile(model, args, kwargs, devices=2, microbatches=8, time_limit_s=0.5, memory_bytes=math.inf,
-                          schedule_time_limit_s=2.0)
+                          schedule_time_limit_s=2.0, mesh="pipeline")
     assert free.memory.capacity_bytes == math.inf and all(s.capacity_bytes is None for s in free.stages)
     # planned without a limit too (compile once resolved inf twice: the planner then took the datasheet's 80 GB)
     assert free.problem.mem_limit is None or np.isinf(np.asarray(free.problem.mem_limit, dtype=float)).all()
@@ -157,7 +157,7 @@ def test_capacity_binds_schedule_and_tables_agree(tiny_gpt2):
     static = max(d.params_bytes + d.grads_bytes + d.optimizer_bytes + d.comm_buffer_bytes for d in free.device_table)
     cap = (static + 0.5 * (need - static)) / 0.9  # half the activations the unlimited schedule holds
     plan = fxpipe.compile(model, args, kwargs, devices=2, microbatches=8, time_limit_s=0.5, memory_bytes=cap,
-                          schedule_time_limit_s=2.0)
+                          schedule_time_limit_s=2.0, mesh="pipeline")
     assert plan.schedule.meta["auto"]["tried"]["binding"] is True
     _check_three_agree(plan, plan.memory)
     doc = plan.to_dict()
@@ -170,9 +170,9 @@ def test_capacity_binds_schedule_and_tables_agree(tiny_gpt2):
 
 def test_policy_and_zero_change_the_static_state(tiny_gpt2):
     model, args, kwargs = tiny_gpt2
-    base = fxpipe.compile(model, args, kwargs, devices=2, microbatches=4, time_limit_s=0.5, memory_bytes=1e9)
+    base = fxpipe.compile(model, args, kwargs, devices=2, microbatches=4, time_limit_s=0.5, memory_bytes=1e9, mesh="pipeline")
     zero = fxpipe.compile(model, args, kwargs, devices=2, microbatches=4, time_limit_s=0.5,
-                          memory=MemoryModel(capacity_bytes=1e9, policy="fp32-adam", data_parallel=4, zero_stage=2))
+                          memory=MemoryModel(capacity_bytes=1e9, policy="fp32-adam", data_parallel=4, zero_stage=2), mesh="pipeline")
     for b, z in zip(base.stages, zero.stages):
         n = b.params_bytes / 2.0
         assert z.params_bytes == pytest.approx(4.0 * n) and z.grads_bytes == pytest.approx(4.0 * n / 4)
@@ -188,11 +188,11 @@ def test_cli_plan_memory_bytes_error_and_report(tmp_path, capsys):
     from fxpipe.cli import main
 
     cfg = ["--config", "n_layer=2", "n_embd=32", "n_head=2", "vocab_size=64", "n_positions=32"]
-    rc = main(["plan", "--hf", "gpt2", *cfg, "--devices", "2", "--seq-len", "16", "--memory-bytes", "100KB"])
+    rc = main(["plan", "--hf", "gpt2", *cfg, "--devices", "2", "--mesh", "pipeline", "--seq-len", "16", "--memory-bytes", "100KB"])
     err = capsys.readouterr().err
     assert rc != 0 and "no partition into 2 stages fits in 97.7 KiB per device" in err and "Offload would not help" in err
     out_html = tmp_path / "r.html"
-    rc = main(["plan", "--hf", "gpt2", *cfg, "--devices", "2", "--seq-len", "16", "--memory-bytes", "2MB",
+    rc = main(["plan", "--hf", "gpt2", *cfg, "--devices", "2", "--mesh", "pipeline", "--seq-len", "16", "--memory-bytes", "2MB",
                "--report", str(out_html), "--bounds-time-limit", "5"])
     assert rc == 0
     text = capsys.readouterr().out
@@ -205,7 +205,7 @@ def test_auto_reports_optimal_when_the_milp_proves_the_heuristic():
     """GPT-2 (4 layers, 64 tokens) on 2 devices: ZB-H2 is optimal but misses the combinatorial
     bound; auto's MILP proves it, and the schedule then says "optimal" (it said "heuristic")."""
     model, args, kwargs = build_hf_model("gpt2", {"num_hidden_layers": 4, "seq_len": 64}, device="meta")
-    plan = fxpipe.compile(model, args, kwargs, devices=2, microbatches=4, time_limit_s=0.5)
+    plan = fxpipe.compile(model, args, kwargs, devices=2, microbatches=4, time_limit_s=0.5, mesh="pipeline")
     milp = plan.schedule.meta["auto"]["tried"]["milp"]
     assert milp["status"] == "optimal" and milp["value_s"] == pytest.approx(plan.schedule.value, rel=1e-9)
     assert plan.schedule.status == "optimal"
@@ -215,7 +215,7 @@ def test_auto_reports_optimal_when_the_milp_proves_the_heuristic():
 def test_reschedule_auto_recomputes_like_compile(tiny_gpt2):
     model, args, kwargs = tiny_gpt2
     free = fxpipe.compile(model, args, kwargs, devices=2, microbatches=8, time_limit_s=0.5, schedule="zb-h1",
-                          schedule_time_limit_s=1.0)
+                          schedule_time_limit_s=1.0, mesh="pipeline")
     again = free.reschedule("auto", time_limit_s=1.0)
     assert again.options["schedule"] == "auto" and again.schedule.meta["auto"]["tried"]["binding"] is False
     validate_schedule(again.problem, again.schedule)
@@ -250,5 +250,6 @@ def test_the_partitioners_memory_is_what_1f1b_with_full_recomputation_needs(seed
     validate_schedule(full, sched)
     need = st_.num_params * model.static_bytes_per_param("training") + st_.comm_buffer_bytes + peak_memory(full, sched.ops)
     counted = stage_memory_bytes(g, a, kk, "training", pm, "relay")
-    # up to 1 byte per micro-batch in flight: Contract 3's 1-byte inputs of a stage that receives nothing
-    assert np.all(need <= counted + kk), (need - counted).tolist()
+    # up to 1 byte per stash in flight (at most m, plus the one a replay rebuilds): Contract 3's 1-byte stash
+    # of a stage that keeps nothing (seed 34015: a stage holding only an isolated op needed 3 bytes more)
+    assert np.all(need <= counted + m + 1), (need - counted).tolist()

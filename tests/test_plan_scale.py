@@ -20,7 +20,7 @@ def deep_llama():
 @pytest.mark.parametrize("devices", [8, 16, 24])
 def test_compile_deep_model_is_proven_and_uses_every_stage(deep_llama, devices):
     model, args, kwargs = deep_llama
-    plan = fxpipe.compile(model, args, kwargs, devices=devices, microbatches=2 * devices, time_limit_s=30.0)
+    plan = fxpipe.compile(model, args, kwargs, devices=devices, microbatches=2 * devices, time_limit_s=30.0, mesh="pipeline")
     part, g = plan.partition, plan.graph
     assert plan._captured.captured.replication is not None  # 20 >= 16 identical layers
     assert {"capture", "cost", "export", "partition", "schedule"} <= set(plan.timings_s)
@@ -45,7 +45,7 @@ def test_llama3_70b_for_64_devices_is_proven_with_no_trivial_stage():
     output node sits with the logits' producer (the previous search left an ``alias`` and
     the ``output`` node alone on stages at this k, with the same bottleneck)."""
     model, args, kwargs = build_hf_model("llama-3-70b", {"seq_len": 4096}, device="meta")
-    plan = fxpipe.compile(model, args, kwargs, devices=64, microbatches=8, time_limit_s=60.0)
+    plan = fxpipe.compile(model, args, kwargs, devices=64, microbatches=8, time_limit_s=60.0, mesh="pipeline")
     part, g = plan.partition, plan.graph
     assert plan._captured.captured.replication["layers"] == 80
     assert g.n > 80 * 50  # every layer is in the graph (no third-party op count pinned here)

@@ -275,6 +275,17 @@ def test_cuda_timers_with_fake_events():
     assert sw.seconds(sw.stop(h)) == pytest.approx(0.0125)
 
 
+def test_recorded_clock_of_a_gpu_is_cuda_whatever_cpu_clock_was_asked():
+    """``python -m fxpipe.cost.profile --suite --out`` on an H100 found no usable measurement: the suite's
+    CUDA measurements record clock "cuda" and the CLI kept only those of ``--clock`` (default "wall")."""
+    from fxpipe.cost.measure import recorded_clock
+
+    gpu = DeviceInfo("cuda: NVIDIA H100 80GB HBM3", "2.11.0+cu130", 16)
+    cpu = DeviceInfo("cpu: AMD EPYC", torch.__version__, 1)
+    assert recorded_clock(gpu, "wall") == recorded_clock(gpu, "cpu") == "cuda"
+    assert recorded_clock(cpu, "wall") == "wall" and recorded_clock(cpu, "cpu") == "cpu"
+
+
 def test_cpu_timer_repeats_and_null_subtraction():
     now = [0]
 
@@ -446,7 +457,7 @@ def test_compile_costs_measured(tmp_path):
                                 torch.nn.Linear(32, 8))
     x = torch.rand(4, 16)
     plan = fxpipe.compile(model, (x,), devices=2, microbatches=4, costs="measured", cost_db=path, profile_threads=1,
-                          time_limit_s=0.5)
+                          time_limit_s=0.5, mesh="pipeline")
     assert plan.hardware == "measured" and plan.options["costs"] == "measured" and "profile" in plan.timings_s
     db = CostDatabase(path)
     info = device_info("cpu", 1)
@@ -459,13 +470,13 @@ def test_compile_costs_measured(tmp_path):
     assert rep.measured == 0 and rep.reused > 0 and len(CostDatabase(path)) == n_before
     assert np.array_equal(traced.graph.t_fwd_s, plan.graph.t_fwd_s)
     with pytest.raises(InputError, match="datasheet"):
-        fxpipe.compile(model, (x,), devices=2, costs="measured", hardware="h100-sxm", cost_db=path)
+        fxpipe.compile(model, (x,), devices=2, costs="measured", hardware="h100-sxm", cost_db=path, mesh="pipeline")
     with pytest.raises(InputError, match="costs"):
-        fxpipe.compile(model, (x,), devices=2, costs="profiled")
+        fxpipe.compile(model, (x,), devices=2, costs="profiled", mesh="pipeline")
     other = CostProfile.from_measurements(db.entries(info).values(), device=DeviceInfo("cpu: elsewhere", "0", 1), base="cpu")
     other_path = other.save(tmp_path / "other.json")
     with pytest.raises(InputError, match="measured on"):
-        fxpipe.compile(model, (x,), devices=2, costs="measured", hardware=str(other_path), cost_db=path)
+        fxpipe.compile(model, (x,), devices=2, costs="measured", hardware=str(other_path), cost_db=path, mesh="pipeline")
 
 
 def test_measured_hardware_uses_the_database(tmp_path, monkeypatch):
@@ -518,13 +529,13 @@ def test_cli_plan_costs_measured(tmp_path, capsys):
 
     db = tmp_path / "db.json"
     argv = ["plan", "--hf", "gpt2", "--config", "n_layer=1", "n_embd=32", "n_head=2", "vocab_size=128",
-            "--seq-len", "8", "--devices", "2", "--microbatches", "2", "--time-limit", "0.5",
+            "--seq-len", "8", "--devices", "2", "--mesh", "pipeline", "--microbatches", "2", "--time-limit", "0.5",
             "--costs", "measured", "--cost-db", str(db), "--profile-threads", "1", "--json"]
     assert main(argv) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["plan"]["hardware"] == "measured" and doc["plan"]["options"]["costs"] == "measured"
     assert len(CostDatabase(db)) > 10
-    assert main(["plan", "--hf", "gpt2", "--meta", "--hardware", "tpu-v9", "--devices", "2"]) == 2
+    assert main(["plan", "--hf", "gpt2", "--meta", "--hardware", "tpu-v9", "--devices", "2", "--mesh", "pipeline"]) == 2
     assert "unknown hardware" in capsys.readouterr().err
     assert main(argv[:-3] + ["--profile-threads", "0"]) == 2
 

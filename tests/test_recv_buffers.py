@@ -20,7 +20,7 @@ from _recv_workers import ReturnsHidden, step_outputs  # noqa: E402
 
 def test_outputs_received_unchanged_by_the_last_stage_survive_buffer_reuse(tmp_path):
     model = ReturnsHidden.make()
-    plan = fxpipe.compile(model, (torch.randn(2, 8),), devices=2, microbatches=4, schedule="1f1b", time_limit_s=2.0)
+    plan = fxpipe.compile(model, (torch.randn(2, 8),), devices=2, microbatches=4, schedule="1f1b", time_limit_s=2.0, mesh="pipeline")
     path = str(plan.save(tmp_path / "p.json"))
     out = [r for r in launch(step_outputs, 2, args=(path,), timeout_s=300) if r]
     assert len(out) == 1

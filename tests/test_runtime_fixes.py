@@ -260,7 +260,7 @@ def test_train_local_compares_buffers_and_unused_parameters():
 
     model, (x,) = M.make_bn_unused()
     plan = fxpipe.compile(model, (x[: M.BATCH // M.MICROBATCHES],), devices=2, microbatches=M.MICROBATCHES,
-                          time_limit_s=0.5)
+                          time_limit_s=0.5, mesh="pipeline")
     res = plan.train_local(M.make_bn_unused, M.batch_bn_unused, steps=2, lr=0.1, loss="mse", timeout_s=300)
     assert res["ok"], res["comparison"]
     assert res["num_buffers"] == 3 and res["max_grad_rel_diff"] < 1e-5
@@ -276,7 +276,7 @@ def test_train_local_warns_about_active_dropout():
     from fxpipe.codegen.compare import RandomOpsWarning
 
     model, (x,) = M.make_dropout()
-    plan = fxpipe.compile(model, (x[:2],), devices=2, microbatches=M.MICROBATCHES, time_limit_s=0.5)
+    plan = fxpipe.compile(model, (x[:2],), devices=2, microbatches=M.MICROBATCHES, time_limit_s=0.5, mesh="pipeline")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         res = plan.train_local(M.make_dropout, M.batch_bn_unused, steps=1, loss="mse", timeout_s=300)

@@ -52,7 +52,7 @@ def test_hash_order_model_trains_the_planned_partition(devices, monkeypatch):
     """Workers under another PYTHONHASHSEED trace the branches in another order (other names on
     other wires); they must still run the planned partition and train like one process."""
     model, (ids,) = make_set_order()
-    plan = fxpipe.compile(model, (ids[:MB],), devices=devices, microbatches=MICROBATCHES, time_limit_s=2.0)
+    plan = fxpipe.compile(model, (ids[:MB],), devices=devices, microbatches=MICROBATCHES, time_limit_s=2.0, mesh="pipeline")
     planned = stage_param_sets(plan)
     stage = {k: tuple(next(s for s, ps in enumerate(planned) if f"branch.{k}.{i}.weight" in ps) for i in (0, 2))
              for k in KINDS}  # the stages of each branch's two linears
@@ -86,7 +86,7 @@ def test_modernbert_hash_order_keeps_the_plan(monkeypatch):
     ids = torch.randint(3, VOCAB, (MB, SEQ))
     torch.manual_seed(0)
     monkeypatch.setattr(mm, "set", _ordered_set(kinds), raising=False)
-    plan = fxpipe.compile(modernbert(), (ids,), devices=2, microbatches=MICROBATCHES, time_limit_s=2.0)
+    plan = fxpipe.compile(modernbert(), (ids,), devices=2, microbatches=MICROBATCHES, time_limit_s=2.0, mesh="pipeline")
     planned = stage_param_sets(plan)
     monkeypatch.setattr(mm, "set", _ordered_set(kinds[::-1]), raising=False)
     loaded = Plan.from_dict(plan.to_dict())
@@ -105,7 +105,7 @@ def _sdpa_plan(device: str, **model_kw):
     with torch.device(device):
         model = SdpaNet(**model_kw)
     ids = torch.randint(0, VOCAB, (MB, SEQ))
-    return fxpipe.compile(model, (ids,), devices=2, microbatches=MICROBATCHES, time_limit_s=2.0), ids
+    return fxpipe.compile(model, (ids,), devices=2, microbatches=MICROBATCHES, time_limit_s=2.0, mesh="pipeline"), ids
 
 
 def _contiguous(plan) -> int:

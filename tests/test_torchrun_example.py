@@ -21,7 +21,7 @@ CONFIG = ["n_layer=4", "n_embd=32", "n_head=2", "vocab_size=64", "n_positions=32
 def test_torchrun_trains_saved_plan_like_single_process(tmp_path):
     plan_file = tmp_path / "gpt2.plan.json"
     common = ["--hf", "gpt2", "--config", *CONFIG, "--seq-len", "8"]
-    out = fxpipe_cli("plan", *common, "--devices", "2", "--microbatches", "4", "--stages-per-device", "2", "--placement", "v",
+    out = fxpipe_cli("plan", *common, "--devices", "2", "--mesh", "pipeline", "--microbatches", "4", "--stages-per-device", "2", "--placement", "v",
                      "--schedule", "zb-v", "--time-limit", "0.5", "--out", str(plan_file), timeout_s=300)
     assert out.returncode == 0, out.stderr
     run = torchrun(2, TRAIN_EXAMPLE, "--plan", str(plan_file), *common, "--steps", "2", "--lr", "0.05", timeout_s=400)

@@ -79,13 +79,14 @@ def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         help="config overrides, e.g. n_layer=8 n_embd=256 (repeat the flag to add more; a later value of the same key wins)",
     )
     p.add_argument("--devices", type=int, default=None,
-                   help="devices (default 4, or the product of --mesh); without --mesh they are the pipeline ranks")
+                   help="all devices (default 4, or the product of --mesh); --mesh pipeline for a pure pipeline over them")
     p.add_argument(
-        "--mesh", default=None, metavar="pp=A,dp_shard=B,dp_replicate=C|auto|search",
+        "--mesh", default=None, metavar="pp=A,dp_shard=B,dp_replicate=C|auto|search|pipeline",
         help="pipeline x data parallelism (torchtitan's names, missing = 1, product = devices): dp_shard * dp_replicate "
         "replicas of a pipeline over pp devices, FSDP2 over dp_shard (HSDP with dp_replicate), replicate over "
-        "dp_replicate; --microbatches is then the global count, divided among the replicas; 'search': plan every "
-        "pp x dp_shard and keep the smallest predicted step that fits (default auto: a pure pipeline)",
+        "dp_replicate; --microbatches is then the global count, divided among the replicas; default auto (= search): "
+        "plan every pp x dp_shard (x dp_replicate on hardware with nodes) of --devices and keep the smallest "
+        "predicted step that fits, listing the candidates; 'pipeline': the pure pipeline over --devices",
     )
     p.add_argument(
         "--stages-per-device", type=_stages_per_device, default=1, metavar="V",
@@ -333,7 +334,7 @@ def run(args: argparse.Namespace) -> int:
     if args.profile_threads is not None and args.profile_threads < 1:
         raise InputError(f"--profile-threads must be >= 1, got {args.profile_threads}")
     mesh = "auto"
-    if args.mesh in ("auto", "search"):
+    if args.mesh in ("auto", "search", "pipeline"):
         mesh = args.mesh
     elif args.mesh is not None:
         mesh = parse_mesh(args.mesh)
