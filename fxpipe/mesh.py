@@ -71,7 +71,7 @@ __all__ = [
 MESH_DIMS = ("dp_replicate", "dp_shard", "pp")
 
 #: The rank orders fxpipe runs, outermost first: ``pp`` anywhere, ``dp_replicate`` outside ``dp_shard``.
-RANK_ORDERS = (MESH_DIMS, ("dp_replicate", "pp", "dp_shard"), ("pp", "dp_replicate", "dp_shard"))
+RANK_ORDERS = (MESH_DIMS, ("pp", "dp_replicate", "dp_shard"), ("dp_replicate", "pp", "dp_shard"))
 
 
 def normalize_rank_order(order: Any = None) -> tuple[str, str, str]:
