@@ -145,7 +145,7 @@ def search_mesh(graph, *, devices: int, microbatches: int, memory, options: Plan
     best = None
     errors: dict[str, Exception] = {}  # mesh_text -> the planner's error
     timings: dict[str, float] = {}
-    planned: dict[tuple, Any] = {}  # (pp, pipeline bandwidth) -> the planner's result or error
+    planned: dict[tuple, Any] = {}  # (mesh, pipeline bandwidth) -> the planner's result or error
     for row, entry, mesh, mem, order in cands:
         if best is not None and entry["lower_bound_s"] >= best[1]["predicted_step_s"]:
             entry["skipped"] = (f"pruned: its lower bound {entry['lower_bound_s'] * 1e3:.4g} ms is no better than "
@@ -156,7 +156,7 @@ def search_mesh(graph, *, devices: int, microbatches: int, memory, options: Plan
             entry["skipped"] = (f"cannot fit: the static state alone needs {format_bytes(static)} per device on "
                                 f"average, over the usable {format_bytes(mem.usable_bytes)}")
             continue
-        key = (mesh["pp"], mesh_dp(mesh), entry["pipeline_bytes_per_s"])
+        key = (row["mesh_text"], entry["pipeline_bytes_per_s"])  # the orders of one mesh on the same link share it
         if key not in planned:
             g = pipeline_graph(graph, mesh, order)
             try:
