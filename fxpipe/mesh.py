@@ -61,6 +61,9 @@ __all__ = [
     "format_mesh",
     "mesh_memory",
     "dp_sync_time_s",
+    "dp_sync_parts_s",
+    "pipeline_dp_sync_s",
+    "pipeline_step_s",
     "dp_links",
     "dim_strides",
     "Topology",
@@ -573,18 +576,28 @@ def dp_sync_time_s(param_bytes: float, mesh: Mapping[str, int], bandwidth_bytes_
     float
         0 without data parallelism.
     """
+    return sum(dp_sync_parts_s(param_bytes, mesh, bandwidth_bytes_per_s, latency_s, topology=topology, order=order))
+
+
+def dp_sync_parts_s(param_bytes: float, mesh: Mapping[str, int], bandwidth_bytes_per_s: float,
+                    latency_s: float = 0.0, *, topology: Topology | None = None,
+                    order: Any = None) -> tuple[float, float]:
+    """:func:`dp_sync_time_s` split into ``(gather_s, reduce_s)``: the parameters' all-gather before the
+    step's first compute, and the gradients' reduce-scatter (+ all-reduce over ``dp_replicate``) after
+    the last backward (same arguments and formulas)."""
     if topology is None and not bandwidth_bytes_per_s > 0:
         raise InputError(f"bandwidth_bytes_per_s must be > 0, got {bandwidth_bytes_per_s!r}")
     links = dp_links(mesh, bandwidth_bytes_per_s, latency_s, topology, order)
     s, r = int(mesh.get("dp_shard", 1)), int(mesh.get("dp_replicate", 1))
-    t = 0.0
-    if s > 1:  # all-gather of the parameters + reduce-scatter of the gradients
+    gather = reduce = 0.0
+    if s > 1:  # all-gather of the parameters, reduce-scatter of the gradients
         bw, lat = links["dp_shard"]
-        t += 2 * ((s - 1) / s * param_bytes / bw + (s - 1) * lat)
+        gather = (s - 1) / s * param_bytes / bw + (s - 1) * lat
+        reduce = gather
     if r > 1:  # all-reduce of the gradients (their shard under HSDP)
         bw, lat = links["dp_replicate"]
-        t += 2 * (r - 1) / r * (param_bytes / s) / bw + 2 * (r - 1) * lat
-    return t
+        reduce += 2 * (r - 1) / r * (param_bytes / s) / bw + 2 * (r - 1) * lat
+    return gather, reduce
 
 
 def candidate_meshes(devices: int, microbatches: int, *, replicate: bool = False) -> list[dict[str, int]]:
@@ -606,6 +619,14 @@ def candidate_meshes(devices: int, microbatches: int, *, replicate: bool = False
     return out
 
 
+def _device_param_bytes(graph, assignment, device_of_stage, pp: int):
+    """Parameter bytes of every pipeline device's stages (numpy array of ``pp``)."""
+    import numpy as np
+
+    dev = np.asarray(device_of_stage, dtype=np.int64)[np.asarray(assignment, dtype=np.int64)]
+    return np.bincount(dev, weights=graph.size_param_bytes, minlength=int(pp))
+
+
 def pipeline_dp_sync_s(graph, assignment, device_of_stage, mesh: Mapping[str, int], order: Any = None) -> float:
     """:func:`dp_sync_time_s` of the busiest device of a partitioned, placed pipeline (seconds).
 
@@ -615,12 +636,97 @@ def pipeline_dp_sync_s(graph, assignment, device_of_stage, mesh: Mapping[str, in
     ``device_of_stage`` the placement, ``order`` the rank order (default the mesh's ``"order"``,
     else :data:`MESH_DIMS`).
     """
-    import numpy as np
-
     if mesh_dp(mesh) == 1:
         return 0.0
-    dev = np.asarray(device_of_stage, dtype=np.int64)[np.asarray(assignment, dtype=np.int64)]
-    per_device = np.bincount(dev, weights=graph.size_param_bytes, minlength=int(mesh["pp"]))
+    per_device = _device_param_bytes(graph, assignment, device_of_stage, mesh["pp"])
     topology = Topology.of_graph(graph)
     return float(max(dp_sync_time_s(float(b), mesh, graph.bandwidth_bytes_per_s, topology=topology, order=order)
                      for b in per_device))
+
+
+#: Stages a device may hold for :func:`pipeline_step_s`'s overlap: torch's ``_add_unshard_reshard``
+#: prefetches (all-gathers at the step's start) this many stages and reshards none of them before the end.
+MAX_PREFETCHED_STAGES = 3
+
+
+def pipeline_step_s(graph, assignment, device_of_stage, schedule, mesh: Mapping[str, int],
+                    order: Any = None) -> float:
+    """Predicted step time (seconds) of one pipeline of a mesh with its data-parallel sync, as the runtime overlaps it.
+
+    What torch's pipelining runtime (``torch.distributed.pipelining.schedules``, on which
+    fxpipe's :class:`~fxpipe.codegen.runtime.FxpipeScheduleRuntime` is built) does with FSDP2
+    stages, read from torch 2.13's source:
+
+    * ``_add_unshard_reshard`` (``max_active_stages=3``) puts an ``UNSHARD`` of every stage a
+      device holds (up to 3) before its first action: ``FSDPModule.unshard(async_op=True)``,
+      waited (``_assert_unsharded``) before the stage's first compute. So device ``d``'s
+      all-gather ``G_d`` of all its parameters starts with the step and its first compute
+      waits for it: it hides behind the time ``first_d`` the device waits for its first input
+      anyway.
+    * ``_add_reduce_grad`` puts one ``REDUCE_GRAD`` right after a stage's last backward;
+      ``PipelineStage.perform_reduce_grad`` runs FSDP's ``post_backward`` (the reduce-scatter,
+      the all-reduce over ``dp_replicate``) and makes the compute stream wait for it. So device
+      ``d``'s reduction ``R_d`` starts when its last backward ends (``end_d``) and overlaps the
+      other devices' cool-down; a device with several stages serialises a reduction into its
+      remaining compute.
+
+    The model (every time from the schedule, :func:`dp_sync_parts_s` for ``G_d`` and ``R_d``):
+
+    * one stage per device, objective ``makespan`` (one step from a common start): shifting the whole schedule by ``delay = max_d max(0, G_d - first_d)``
+      satisfies every all-gather, and the step ends with the last reduction:
+      ``delay + max_d (end_d + R_d)``;
+    * one stage per device, objective ``stage_span`` (back-to-back steps; the schedule's value
+      is the largest device span ``end_d - first_d``): each device's cycle holds its span, its reduction and the next
+      step's all-gather, which cannot start before the reduction's optimizer step:
+      ``max_d (end_d - first_d + G_d + R_d)``;
+    * several stages on a device (a stage's reduction mid-step delays the device's later
+      compute and, through it, other devices'; more than :data:`MAX_PREFETCHED_STAGES` are
+      re-gathered mid-step): not overlapped, ``value + max_d (G_d + R_d)`` (what the search
+      assumed before; not a proven upper bound for those placements).
+
+    Every case is at least the average device's compute plus the sync of the average device's
+    parameters, so :func:`fxpipe.mesh_search.mesh_lower_bound_s` stays a lower bound.
+
+    Parameters
+    ----------
+    graph : OpGraph
+        Parameter bytes per op and the links (:func:`pipeline_dp_sync_s`).
+    assignment : array of int
+        Stage of every graph node.
+    device_of_stage : sequence of int
+        The placement.
+    schedule : Schedule
+        The timed schedule of one replica (``ops``, ``makespan`` / ``stage_span``, ``objective``).
+    mesh, order :
+        The mesh and its rank order (default the mesh's ``"order"``, else :data:`MESH_DIMS`).
+
+    Returns
+    -------
+    float
+        Seconds; ``schedule.value`` without data parallelism.
+    """
+    value = float(schedule.value)
+    if mesh_dp(mesh) == 1:
+        return value
+    per_device = _device_param_bytes(graph, assignment, device_of_stage, mesh["pp"])
+    topology = Topology.of_graph(graph)
+    parts = [dp_sync_parts_s(float(b), mesh, graph.bandwidth_bytes_per_s, topology=topology, order=order)
+             for b in per_device]
+    stages_per_device = max(list(device_of_stage).count(d) for d in range(int(mesh["pp"])))
+    first: dict[int, float] = {}
+    end: dict[int, float] = {}
+    for op in schedule.ops:
+        if op.type not in ("F", "B", "W"):
+            continue
+        d = int(device_of_stage[op.stage])
+        first[d] = min(first.get(d, op.start_s), op.start_s)
+        end[d] = max(end.get(d, op.end_s), op.end_s)
+    if not first or len(first) < int(mesh["pp"]):
+        return value + max(g + r for g, r in parts)
+    if stages_per_device == 1 and schedule.objective == "stage_span":
+        return max(value, max(end[d] - first[d] + g + r for d, (g, r) in enumerate(parts)))
+    if stages_per_device == 1:
+        t0 = min(first.values())
+        delay = max(0.0, max(g - (first[d] - t0) for d, (g, _) in enumerate(parts)))
+        return max(value, delay + max(end[d] - t0 + r for d, (_, r) in enumerate(parts)))
+    return value + max(g + r for g, r in parts)

@@ -8,11 +8,15 @@ planned as a pipeline over ``pp`` devices with ``microbatches / dp``
 micro-batches (:func:`fxpipe.planner.plan_with_options`, with the memory model of the mesh,
 :func:`fxpipe.mesh.mesh_memory`), and scored by
 
-    predicted step = the schedule's objective value (its step time) + data-parallel sync
+    predicted step = the schedule's objective value (its step time) + the data-parallel sync
+    the pipeline does not hide
 
-(:func:`fxpipe.mesh.pipeline_dp_sync_s`: ring collectives on the links each data-parallel
+(:func:`fxpipe.mesh.pipeline_step_s`: ring collectives on the links each data-parallel
 dimension spans, NVLink inside a node and InfiniBand between nodes when the hardware's
-topology is known, else the graph's one bandwidth; not overlapped). The smallest predicted step wins (ties: more pipeline stages).
+topology is known, else the graph's one bandwidth; with one stage per device a device's
+all-gather hides behind its wait for the first input and its reduction behind the others'
+cool-down, as torch's pipelining runtime issues them; with several, not overlapped). The
+smallest predicted step wins (ties: more pipeline stages).
 
 Rank placement (issue 18 item 2, "the most talkative dimension inside the node"): with a
 topology every mesh is costed under each rank order that places it differently
@@ -33,7 +37,7 @@ candidate whose average static state (parameters, gradients, optimizer state und
 memory model) already exceeds the usable memory is skipped without planning; so is one the
 planner finds infeasible, with its reason. Every candidate is a row of the returned table.
 
-Not yet: overlap of the gradient sync with the pipeline, per-hop pipeline links (a pipeline is
+Not yet: overlap of the sync with several stages per device, per-hop pipeline links (a pipeline is
 costed at the link most of its hops use, one bandwidth for every stage boundary), and reusing
 partitions across candidates (each ``pp`` and pipeline link is a separate partition search).
 """
@@ -58,6 +62,7 @@ from fxpipe.mesh import (
     pipeline_dp_sync_s,
     pipeline_graph,
     pipeline_link,
+    pipeline_step_s,
 )
 from fxpipe.partition.memory import num_params
 from fxpipe.options import PlanOptions
@@ -107,7 +112,8 @@ def search_mesh(graph, *, devices: int, microbatches: int, memory, options: Plan
         :func:`fxpipe.mesh.pipeline_graph` of the mesh: keep that graph in the plan), and one row per
         candidate mesh (in decreasing ``pp``): ``mesh``, ``mesh_text``, ``lower_bound_s`` (the
         smallest over its orders), then for its best order ``rank_order``, ``step_time_s`` (the
-        schedule's), ``dp_sync_s`` and ``predicted_step_s``, or ``skipped`` (why: pruned by its
+        schedule's), ``dp_sync_s`` (the busiest device's, whole), ``exposed_sync_s`` (what the
+        pipeline does not hide) and ``predicted_step_s`` (their sum), or ``skipped`` (why: pruned by its
         bound, static state over the memory, or the planner's error); ``by_order``: one entry per
         rank order tried (``rank_order``, ``pipeline_bytes_per_s``, ``lower_bound_s`` and the
         three times, or ``skipped``); ``chosen`` on the winner.
@@ -173,7 +179,9 @@ def search_mesh(graph, *, devices: int, microbatches: int, memory, options: Plan
             continue
         g, (part, problem, sched, _) = planned[key]
         sync = pipeline_dp_sync_s(g, part.assignment, problem.device_of_stage, mesh, order)
-        entry.update(step_time_s=float(sched.value), dp_sync_s=sync, predicted_step_s=float(sched.value) + sync)
+        step = pipeline_step_s(g, part.assignment, problem.device_of_stage, sched, mesh, order)
+        entry.update(step_time_s=float(sched.value), dp_sync_s=sync, exposed_sync_s=step - float(sched.value),
+                     predicted_step_s=step)
         if best is None or _better(entry, mesh, best[1], best[2]):
             best = (row, entry, mesh, mem, order, (part, problem, sched))
     for row in table:  # each mesh's row: its best planned order, else why its orders were skipped
@@ -181,14 +189,14 @@ def search_mesh(graph, *, devices: int, microbatches: int, memory, options: Plan
         if done:
             e = min(done, key=lambda e: e["predicted_step_s"])
             row.update(rank_order=e["rank_order"], step_time_s=e["step_time_s"], dp_sync_s=e["dp_sync_s"],
-                       predicted_step_s=e["predicted_step_s"])
+                       exposed_sync_s=e["exposed_sync_s"], predicted_step_s=e["predicted_step_s"])
         else:
             row["skipped"] = row["by_order"][0]["skipped"]
     if best is None:
         raise _no_mesh_fits(graph, devices, microbatches, memory, options.objective, table, errors)
     row, entry, mesh, mem, order, (part, problem, sched) = best
     row.update(rank_order=entry["rank_order"], step_time_s=entry["step_time_s"], dp_sync_s=entry["dp_sync_s"],
-               predicted_step_s=entry["predicted_step_s"], chosen=True)
+               exposed_sync_s=entry["exposed_sync_s"], predicted_step_s=entry["predicted_step_s"], chosen=True)
     entry["chosen"] = True
     return ({**mesh, "order": tuple(order)} if tuple(order) != MESH_DIMS else dict(mesh)), mem, \
         (part, problem, sched, timings), table
@@ -251,10 +259,11 @@ def mesh_lower_bound_s(graph, mesh, microbatches: int, objective: str = "trainin
     Every replica runs ``microbatches / dp`` micro-batches over ``pp`` devices, so its busiest
     device computes at least ``microbatches / dp * W / pp`` (``W`` the work of one micro-batch:
     F + B + W of every op for training, F for inference), and the step time of any schedule
-    (makespan or per-device span) is at least that; the busiest device holds at least the
-    average parameter bytes, so the data-parallel sync is at least
-    :func:`fxpipe.mesh.dp_sync_time_s` of ``sum(size_param_bytes) / pp`` (it grows with the
-    bytes). Communication between stages, bubbles and recomputation only add to both.
+    (makespan or per-device span) is at least that; every device's compute and data-parallel
+    sync lie end to end in :func:`fxpipe.mesh.pipeline_step_s`'s prediction, whose maximum over
+    the devices is at least their mean, the average compute plus
+    :func:`fxpipe.mesh.dp_sync_time_s` of ``sum(size_param_bytes) / pp`` (affine in the bytes).
+    Communication between stages, bubbles and recomputation only add to both.
 
     Parameters
     ----------

@@ -105,10 +105,44 @@ def test_mesh_search_keeps_the_data_parallel_groups_inside_a_node_when_their_syn
     # the default order alone would have lost to the pure pipeline (planned or pruned by its bound)
     assert default.get("predicted_step_s", default["lower_bound_s"]) > rows["pp=16"]["predicted_step_s"]
     assert by[TORCHTITAN]["predicted_step_s"] < rows["pp=16"]["predicted_step_s"]
-    assert chosen["predicted_step_s"] == pytest.approx(sched.value + chosen["dp_sync_s"])
+    assert chosen["predicted_step_s"] == pytest.approx(sched.value + chosen["exposed_sync_s"])
     # 8 pipeline ranks 2 apart: one hop in 7 crosses the node boundary, costed at the graph's link
     assert by[TORCHTITAN]["pipeline_bytes_per_s"] == 450e9
     json.dumps(table)  # the table is plain data (plan.options["mesh_search"])
+
+
+def test_sync_hides_where_the_runtime_issues_it():
+    """A chain whose last op holds 1 GB of parameters (an LM head), pp=2 x dp_shard=2 under 1F1B: the
+    last device's all-gather hides behind its wait for the first input and its reduce-scatter behind
+    device 0's cool-down (torch's UNSHARD at the step's start, REDUCE_GRAD after the last backward),
+    device 0's own sync does not; with two stages per device nothing is hidden."""
+    import dataclasses
+
+    from fxpipe.mesh import dp_sync_time_s, pipeline_dp_sync_s, pipeline_step_s
+    from fxpipe.mesh_search import mesh_lower_bound_s
+    from fxpipe.options import PlanOptions
+    from fxpipe.planner import plan_with_options
+
+    g = _chain(8, param_bytes=1e6, out_bytes=1e3)
+    g = dataclasses.replace(g, size_param_bytes=np.r_[np.full(7, 1e6), 1e9])
+    mesh = {"pp": 2, "dp_shard": 2, "dp_replicate": 1}
+    part, problem, sched, _ = plan_with_options(g, devices=2, microbatches=4, memory=MemoryModel(),
+                                                options=PlanOptions(schedule="1f1b", time_limit_s=0.5, seed=0))
+    dev_bytes = [sum(float(b) for b, s in zip(g.size_param_bytes, part.assignment) if problem.device_of_stage[s] == d)
+                 for d in range(2)]
+    assert dev_bytes[1] > 100 * dev_bytes[0]  # the LM head's device
+    busiest = pipeline_dp_sync_s(g, part.assignment, problem.device_of_stage, mesh)
+    sync0 = dp_sync_time_s(dev_bytes[0], mesh, 1.0, topology=H100)
+    for objective in ("stage_span", "makespan"):
+        s = dataclasses.replace(sched, objective=objective)
+        step = pipeline_step_s(g, part.assignment, problem.device_of_stage, s, mesh)
+        assert s.value + sync0 <= step * (1 + 1e-9) and step < s.value + 0.5 * busiest, objective
+        assert mesh_lower_bound_s(g, mesh, 8) <= step
+    # four stages placed two per device (V): a stage's reduction mid-step is not modelled as hidden
+    part4, problem4, sched4, _ = plan_with_options(g, devices=4, microbatches=4, memory=MemoryModel(),
+                                                   options=PlanOptions(schedule="1f1b", time_limit_s=0.5, seed=0))
+    twice = pipeline_step_s(g, part4.assignment, (0, 1, 1, 0), sched4, mesh)
+    assert twice == pytest.approx(sched4.value + pipeline_dp_sync_s(g, part4.assignment, (0, 1, 1, 0), mesh))
 
 
 # ----------------------------------------------------------------------------- runtime on 4 gloo ranks
