@@ -26,7 +26,8 @@ sets which data-parallel groups stay inside a node (their sync, above) and which
 pipeline's point-to-point sends cross: a candidate whose pipeline hops mostly cross nodes is
 planned on the graph with the inter-node bandwidth (:func:`fxpipe.mesh.pipeline_graph`,
 :func:`fxpipe.mesh.pipeline_link`); orders with the same pipeline link share one plan. The
-order with the smaller predicted step is the mesh's (ties: the default), recorded in its row
+order with the smaller predicted step is the mesh's (ties: the one planned first, the default on
+equal bounds), recorded in its row
 (``rank_order``, and every order's figures under ``by_order``) and in the returned mesh.
 
 Kept fast by bounds: the candidates are planned in increasing order of a lower bound that needs
@@ -246,7 +247,7 @@ def _no_mesh_fits(graph, devices: int, microbatches: int, memory, objective: str
 
 def _better(entry: dict, mesh: dict, best: dict, best_mesh: dict) -> bool:
     """Smaller predicted step; on a tie (1e-9 relative) more pipeline stages (the pure pipeline first), then
-    the order tried first (the default one)."""
+    the candidate planned first (smaller bound; on equal bounds the default rank order)."""
     a, b = entry["predicted_step_s"], best["predicted_step_s"]
     if a < b * (1 - 1e-9):
         return True
