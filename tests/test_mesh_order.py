@@ -146,6 +146,7 @@ def test_sync_hides_where_the_runtime_issues_it():
 
 
 # ----------------------------------------------------------------------------- runtime on 4 gloo ranks
+@pytest.mark.slow
 def test_pipeline_rank_outermost_trains_like_one_process(tmp_path):
     torch = pytest.importorskip("torch")
     import fxpipe
