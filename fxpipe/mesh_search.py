@@ -62,6 +62,7 @@ from fxpipe.mesh import (
     mesh_memory,
     pipeline_dp_sync_s,
     pipeline_graph,
+    pipeline_hops,
     pipeline_link,
     pipeline_step_s,
 )
@@ -116,8 +117,9 @@ def search_mesh(graph, *, devices: int, microbatches: int, memory, options: Plan
         schedule's), ``dp_sync_s`` (the busiest device's, whole), ``exposed_sync_s`` (what the
         pipeline does not hide) and ``predicted_step_s`` (their sum), or ``skipped`` (why: pruned by its
         bound, static state over the memory, or the planner's error); ``by_order``: one entry per
-        rank order tried (``rank_order``, ``pipeline_bytes_per_s``, ``lower_bound_s`` and the
-        three times, or ``skipped``); ``chosen`` on the winner.
+        rank order tried (``rank_order``, ``pipeline_bytes_per_s``, ``pipeline_hops_across_nodes``
+        ``[crossing, total]`` of :func:`fxpipe.mesh.pipeline_hops`, ``lower_bound_s`` and the
+        times, or ``skipped``); ``chosen`` on the winner.
 
     Raises
     ------
@@ -143,6 +145,7 @@ def search_mesh(graph, *, devices: int, microbatches: int, memory, options: Plan
         for order in rank_orders_to_try(mesh, topology):
             entry = {"rank_order": list(order),
                      "pipeline_bytes_per_s": pipeline_link(mesh, graph.bandwidth_bytes_per_s, topology, order),
+                     "pipeline_hops_across_nodes": list(pipeline_hops(mesh, topology, order)) if topology else [0, 0],
                      "lower_bound_s": mesh_lower_bound_s(graph, mesh, microbatches, options.objective, order)}
             row["by_order"].append(entry)
             cands.append((row, entry, mesh, mem, order))

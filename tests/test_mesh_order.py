@@ -107,7 +107,7 @@ def test_mesh_search_keeps_the_data_parallel_groups_inside_a_node_when_their_syn
     assert by[TORCHTITAN]["predicted_step_s"] < rows["pp=16"]["predicted_step_s"]
     assert chosen["predicted_step_s"] == pytest.approx(sched.value + chosen["exposed_sync_s"])
     # 8 pipeline ranks 2 apart: one hop in 7 crosses the node boundary, costed at the graph's link
-    assert by[TORCHTITAN]["pipeline_bytes_per_s"] == 450e9
+    assert by[TORCHTITAN]["pipeline_bytes_per_s"] == 450e9 and by[TORCHTITAN]["pipeline_hops_across_nodes"] == [2, 14]
     json.dumps(table)  # the table is plain data (plan.options["mesh_search"])
 
 
