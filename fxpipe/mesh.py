@@ -7,16 +7,23 @@ torchtitan's (``ParallelDims``): ``pp`` pipeline stages, ``dp_shard`` FSDP2 shar
 ``replicate``; HSDP together with ``dp_shard``).
 
 Rank mapping (one function, :func:`rank_coords`, used by the runtime and the docs): the ranks
-form a row-major grid over the dimensions :data:`MESH_DIMS` = ``("dp_replicate", "dp_shard",
-"pp")``, pipeline rank innermost::
+form a row-major grid over the dimensions in a *rank order*, outermost first. The default,
+:data:`MESH_DIMS` = ``("dp_replicate", "dp_shard", "pp")`` (what every plan without a
+``rank_order`` means), puts the pipeline rank innermost::
 
     rank = (dp_replicate_index * dp_shard + dp_shard_index) * pp + pp_rank
 
 so the ``pp`` consecutive ranks ``r * pp .. r * pp + pp - 1`` form data-parallel replica ``r``
 (``replica = dp_replicate_index * dp_shard + dp_shard_index``), and a pure pipeline
-(``dp = 1``) keeps rank = pipeline rank. (torchtitan puts ``pp`` outermost instead, to keep
-the chatty FSDP collectives inside a node; placing dimensions on a topology is left to the
-planner's later mesh search, see ``docs/``.)
+(``dp = 1``) keeps rank = pipeline rank. torchtitan's order ``("pp", "dp_replicate",
+"dp_shard")`` puts the pipeline rank outermost instead (``rank = pp_rank * dp + replica``), so
+the data-parallel groups are consecutive ranks and stay inside a node, where the per-step FSDP
+collectives are cheap; the pipeline's point-to-point sends then cross nodes.
+:data:`RANK_ORDERS` lists the orders fxpipe runs (``dp_replicate`` always outside ``dp_shard``:
+HSDP's ``(dp_replicate, dp_shard)`` sub-mesh must be sliced in the mesh's own order);
+``mesh={"pp": 2, "dp_shard": 8, "order": ["pp", "dp_replicate", "dp_shard"]}`` pins one, and
+the mesh search (:mod:`fxpipe.mesh_search`) picks the order with the smaller predicted step on
+the hardware's :class:`Topology`.
 
 ``microbatches`` of a mesh plan is the global number of micro-batches per optimizer step;
 every replica runs ``microbatches // dp`` of them (:func:`microbatches_per_replica`) on its
@@ -34,6 +41,15 @@ from fxpipe.errors import InputError
 
 __all__ = [
     "MESH_DIMS",
+    "RANK_ORDERS",
+    "normalize_rank_order",
+    "mesh_rank_order",
+    "mesh_degrees",
+    "format_rank_order",
+    "dim_span",
+    "pipeline_hops",
+    "pipeline_link",
+    "pipeline_graph",
     "normalize_mesh",
     "pure_pipeline",
     "mesh_dp",
@@ -45,13 +61,77 @@ __all__ = [
     "format_mesh",
     "mesh_memory",
     "dp_sync_time_s",
+    "dp_sync_parts_s",
+    "pipeline_dp_sync_s",
+    "pipeline_step_s",
     "dp_links",
+    "dim_strides",
     "Topology",
     "candidate_meshes",
 ]
 
-#: Mesh dimension names, outermost first (the order of :func:`rank_coords`).
+#: Mesh dimension names in the default rank order, outermost first (pipeline rank innermost).
 MESH_DIMS = ("dp_replicate", "dp_shard", "pp")
+
+#: The rank orders fxpipe runs, outermost first: ``pp`` anywhere, ``dp_replicate`` outside ``dp_shard``.
+RANK_ORDERS = (MESH_DIMS, ("pp", "dp_replicate", "dp_shard"), ("dp_replicate", "pp", "dp_shard"))
+
+
+def normalize_rank_order(order: Any = None) -> tuple[str, str, str]:
+    """A rank order as a tuple of the three dimension names, outermost first.
+
+    Parameters
+    ----------
+    order : sequence of str, str or None
+        ``["pp", "dp_replicate", "dp_shard"]``, the text ``"pp/dp_replicate/dp_shard"`` (or
+        comma separated), or None for the default :data:`MESH_DIMS`. Dimensions left out are
+        placed outermost in their default order (``["pp", "dp_shard"]`` means ``("dp_replicate",
+        "pp", "dp_shard")``).
+
+    Raises
+    ------
+    InputError
+        For an unknown or repeated name, or ``dp_shard`` outside ``dp_replicate`` (HSDP slices
+        the ``(dp_replicate, dp_shard)`` sub-mesh in the mesh's order).
+    """
+    if order is None:
+        return MESH_DIMS
+    if isinstance(order, str):
+        order = [t.strip() for t in order.replace("/", ",").split(",") if t.strip()]
+    try:
+        names = [str(n) for n in order]
+    except TypeError:
+        raise InputError(f"mesh order must be a list of dimension names such as ['pp', 'dp_replicate', 'dp_shard'], "
+                         f"got {order!r}") from None
+    bad = sorted({n for n in names if n not in MESH_DIMS})
+    if bad or len(set(names)) != len(names):
+        raise InputError(f"mesh order {names}: {'unknown name(s) ' + str(bad) if bad else 'a name repeated'}; "
+                         f"name each of {list(MESH_DIMS)} once, outermost first")
+    full = tuple([d for d in MESH_DIMS if d not in names] + names)
+    if full not in RANK_ORDERS:
+        raise InputError(f"mesh order {list(full)}: dp_replicate must be outside dp_shard (HSDP's sub-mesh); "
+                         f"use one of {[list(o) for o in RANK_ORDERS]}")
+    return full
+
+
+def mesh_rank_order(mesh: Any) -> tuple[str, str, str]:
+    """The rank order a mesh request names under ``"order"`` (:func:`normalize_rank_order`), default :data:`MESH_DIMS`."""
+    return normalize_rank_order(mesh.get("order")) if isinstance(mesh, Mapping) else MESH_DIMS
+
+
+def mesh_degrees(mesh: Mapping[str, Any]) -> dict[str, int]:
+    """``{"pp", "dp_shard", "dp_replicate"}`` of a mesh (an ``"order"`` entry left out; missing degrees = 1)."""
+    return {d: int(mesh.get(d, 1)) for d in ("pp", "dp_shard", "dp_replicate")}
+
+
+def format_rank_order(order: Any = None) -> str:
+    """``"pp/dp_replicate/dp_shard"`` (outermost first)."""
+    return "/".join(normalize_rank_order(order))
+
+
+def _effective_order(mesh: Mapping[str, Any], order: Any = None) -> tuple[str, ...]:
+    """The dimensions of degree > 1 in rank order: two orders with the same give the same rank mapping."""
+    return tuple(d for d in normalize_rank_order(order) if int(mesh.get(d, 1)) > 1)
 
 
 def pure_pipeline(devices: int) -> dict[str, int]:
@@ -66,7 +146,8 @@ def normalize_mesh(mesh: Any, devices: int | None = None) -> dict[str, int]:
     ----------
     mesh : Mapping[str, int], "auto" or None
         Degrees by torchtitan name (``"pp"``, ``"dp_shard"``, ``"dp_replicate"``); missing
-        names are 1. ``"auto"`` and None: the pure pipeline ``{"pp": devices}`` (the joint
+        names are 1. An ``"order"`` entry (the rank order, :func:`normalize_rank_order`) is
+        validated and kept. ``"auto"`` and None: the pure pipeline ``{"pp": devices}`` (the joint
         mesh search is not implemented yet).
     devices : int, optional
         The number of devices; the product of the degrees must equal it.
@@ -74,13 +155,14 @@ def normalize_mesh(mesh: Any, devices: int | None = None) -> dict[str, int]:
     Returns
     -------
     dict[str, int]
-        ``{"pp": a, "dp_shard": b, "dp_replicate": c}`` (all three keys, this order).
+        ``{"pp": a, "dp_shard": b, "dp_replicate": c}`` (all three keys, this order), plus
+        ``"order"`` (a tuple, outermost first) when ``mesh`` names one.
 
     Raises
     ------
     InputError
         For an unknown dimension name, a degree that is not an integer >= 1, a product that is
-        not ``devices``, or ``"auto"`` without ``devices``.
+        not ``devices``, a bad order, or ``"auto"`` without ``devices``.
     """
     if mesh is None or (isinstance(mesh, str) and mesh == "auto"):
         if devices is None:
@@ -92,7 +174,7 @@ def normalize_mesh(mesh: Any, devices: int | None = None) -> dict[str, int]:
         raise InputError(
             f"mesh must be 'auto' or a dict of degrees such as {{'pp': 2, 'dp_shard': 2}}, got {mesh!r}"
         )
-    unknown = sorted(str(k) for k in mesh if k not in MESH_DIMS)
+    unknown = sorted(str(k) for k in mesh if k not in MESH_DIMS and k != "order")
     if unknown:
         raise InputError(f"mesh: unknown dimension(s) {unknown}; the dimensions are {list(reversed(MESH_DIMS))}")
     out = {}
@@ -105,12 +187,14 @@ def normalize_mesh(mesh: Any, devices: int | None = None) -> dict[str, int]:
             raise InputError(f"mesh[{name!r}] must be an integer >= 1, got {v}")
         out[name] = v
     if devices is not None:
-        prod = math.prod(out.values())
+        prod = math.prod(out[d] for d in MESH_DIMS)
         if prod != int(devices):
             raise InputError(
                 f"mesh {format_mesh(out)} has {prod} devices but devices={devices}: the product "
                 "pp * dp_shard * dp_replicate must equal devices"
             )
+    if mesh.get("order") is not None:
+        out["order"] = normalize_rank_order(mesh["order"])
     return out
 
 
@@ -141,48 +225,92 @@ def microbatches_per_replica(microbatches: int, mesh: Mapping[str, int]) -> int:
     return microbatches // dp
 
 
-def rank_coords(rank: int, mesh: Mapping[str, int]) -> dict[str, int]:
+def dim_strides(mesh: Mapping[str, Any], order: Any = None) -> dict[str, int]:
+    """How many ranks apart consecutive indices of each dimension are, in the rank numbering of ``order``.
+
+    Row-major over ``order`` (outermost first, default :data:`MESH_DIMS`): the innermost
+    dimension has stride 1, each other the product of the degrees inside it.
+    """
+    strides, step = {}, 1
+    for d in reversed(normalize_rank_order(order)):
+        strides[d] = step
+        step *= int(mesh.get(d, 1))
+    return strides
+
+
+def dim_span(mesh: Mapping[str, Any], dim: str, order: Any = None) -> tuple[int, int]:
+    """``(stride, size)`` of the groups of mesh dimension ``dim``: ``size`` ranks ``stride`` apart."""
+    return dim_strides(mesh, order)[dim], int(mesh.get(dim, 1))
+
+
+def rank_coords(rank: int, mesh: Mapping[str, int], order: Any = None) -> dict[str, int]:
     """Coordinates of a global rank on the mesh (see the module docstring for the layout).
+
+    Parameters
+    ----------
+    rank : int
+        Global rank, ``0 .. pp * dp_shard * dp_replicate - 1``.
+    mesh : Mapping[str, int]
+        The degrees (an ``"order"`` entry is the rank order when ``order`` is None).
+    order : sequence of str, optional
+        The rank order, outermost first (:func:`normalize_rank_order`; default the mesh's
+        ``"order"``, else :data:`MESH_DIMS`, pipeline rank innermost).
 
     Returns
     -------
     dict
-        ``{"dp_replicate": i, "dp_shard": j, "pp": k, "replica": i * dp_shard + j}``.
+        ``{"dp_replicate": i, "dp_shard": j, "pp": k, "replica": i * dp_shard + j}`` (the replica
+        numbering is the same whatever the order).
 
     Raises
     ------
     InputError
-        For a rank outside ``0 .. devices - 1``.
+        For a rank outside ``0 .. devices - 1`` or a bad order.
     """
-    pp, ds, dr = int(mesh["pp"]), int(mesh.get("dp_shard", 1)), int(mesh.get("dp_replicate", 1))
-    world = pp * ds * dr
+    order = mesh_rank_order(mesh) if order is None else normalize_rank_order(order)
+    ds, dr = int(mesh.get("dp_shard", 1)), int(mesh.get("dp_replicate", 1))
+    world = int(mesh["pp"]) * ds * dr
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world:
         raise InputError(f"rank must be an integer in 0..{world - 1} for mesh {format_mesh(mesh)}, got {rank!r}")
-    replica, k = divmod(rank, pp)
-    i, j = divmod(replica, ds)
-    return {"dp_replicate": i, "dp_shard": j, "pp": k, "replica": replica}
+    out, rest = {}, rank
+    for d in reversed(order):
+        rest, out[d] = divmod(rest, int(mesh.get(d, 1)))
+    return {"dp_replicate": out["dp_replicate"], "dp_shard": out["dp_shard"], "pp": out["pp"],
+            "replica": out["dp_replicate"] * ds + out["dp_shard"]}
 
 
-def rank_of(mesh: Mapping[str, int], *, pp: int, replica: int) -> int:
-    """The global rank of pipeline rank ``pp`` in data-parallel replica ``replica`` (inverse of :func:`rank_coords`)."""
-    return int(replica) * int(mesh["pp"]) + int(pp)
+def rank_of(mesh: Mapping[str, int], *, pp: int, replica: int, order: Any = None) -> int:
+    """The global rank of pipeline rank ``pp`` in data-parallel replica ``replica`` (inverse of :func:`rank_coords`).
+
+    ``order``: the rank order (default the mesh's ``"order"``, else :data:`MESH_DIMS`).
+    """
+    order = mesh_rank_order(mesh) if order is None else normalize_rank_order(order)
+    i, j = divmod(int(replica), int(mesh.get("dp_shard", 1)))
+    strides = dim_strides(mesh, order)
+    return int(pp) * strides["pp"] + j * strides["dp_shard"] + i * strides["dp_replicate"]
 
 
 def parse_mesh(text: str) -> dict[str, int]:
     """Parse the CLI form ``"pp=4,dp_shard=8"`` (missing dimensions = 1).
+
+    ``order=pp/dp_replicate/dp_shard`` names the rank order (outermost first,
+    :func:`normalize_rank_order`).
 
     Raises
     ------
     InputError
         For an item that is not ``name=integer`` or an unknown name.
     """
-    out: dict[str, int] = {}
+    out: dict[str, Any] = {}
     for item in str(text).split(","):
         item = item.strip()
         if not item:
             continue
         name, sep, value = item.partition("=")
         name = name.strip()
+        if name == "order" and sep:
+            out["order"] = value.strip().split("/")
+            continue
         if not sep or not value.strip().lstrip("-").isdigit():
             raise InputError(f"mesh: {item!r} is not name=integer (example: pp=4,dp_shard=8)")
         if name in out:
@@ -322,7 +450,7 @@ class Topology:
 
 
 def dp_links(mesh: Mapping[str, int], bandwidth_bytes_per_s: float, latency_s: float = 0.0,
-             topology: Topology | None = None) -> dict[str, tuple[float, float]]:
+             topology: Topology | None = None, order: Any = None) -> dict[str, tuple[float, float]]:
     """``{"dp_shard": (bandwidth, latency), "dp_replicate": (...)}`` the data-parallel groups use.
 
     Parameters
@@ -332,9 +460,12 @@ def dp_links(mesh: Mapping[str, int], bandwidth_bytes_per_s: float, latency_s: f
     bandwidth_bytes_per_s, latency_s : float
         The one link (bytes/s per rank, seconds per step) without a topology.
     topology : Topology, optional
-        With one, a dimension's groups are ``pp`` (``dp_shard``) or ``pp * dp_shard``
-        (``dp_replicate``) ranks apart (:func:`rank_coords`, pipeline rank innermost) in a job of
+        With one, a dimension's groups are :func:`dim_span` of the rank order apart (default
+        order: ``pp`` ranks for ``dp_shard``, ``pp * dp_shard`` for ``dp_replicate``) in a job of
         ``pp * dp_shard * dp_replicate`` ranks and use :meth:`Topology.link`.
+    order : sequence of str, optional
+        The rank order (:func:`normalize_rank_order`; default the mesh's ``"order"``, else
+        :data:`MESH_DIMS`).
 
     Returns
     -------
@@ -345,12 +476,74 @@ def dp_links(mesh: Mapping[str, int], bandwidth_bytes_per_s: float, latency_s: f
     if topology is None:
         return {"dp_shard": (float(bandwidth_bytes_per_s), float(latency_s)),
                 "dp_replicate": (float(bandwidth_bytes_per_s), float(latency_s))}
+    order = mesh_rank_order(mesh) if order is None else order
     world = pp * s * r
-    return {"dp_shard": topology.link(pp, s, world), "dp_replicate": topology.link(pp * s, r, world)}
+    return {d: topology.link(*dim_span(mesh, d, order), world) for d in ("dp_shard", "dp_replicate")}
+
+
+def pipeline_hops(mesh: Mapping[str, int], topology: Topology, order: Any = None) -> tuple[int, int]:
+    """``(crossing, total)``: the pipelines' hops between consecutive pipeline ranks, and how many cross nodes.
+
+    Every replica's pipeline rank ``k`` sends to ``k + 1`` (:func:`rank_of`); a hop crosses
+    nodes when the two ranks' nodes (``rank // devices_per_node``) differ. Pipeline rank
+    innermost (the default order) keeps a pipeline of at most ``devices_per_node`` ranks inside a
+    node; ``pp`` outermost puts consecutive pipeline ranks ``dp`` ranks apart, every hop across
+    nodes once ``dp >= devices_per_node``. (The wrap-around hop of an interleaved or V
+    placement, last device to first, is not counted.)
+    """
+    order = mesh_rank_order(mesh) if order is None else order
+    g, pp = int(topology.devices_per_node), int(mesh["pp"])
+    crossing = total = 0
+    for replica in range(mesh_dp(mesh)):
+        nodes = [rank_of(mesh, pp=k, replica=replica, order=order) // g for k in range(pp)]
+        total += pp - 1
+        crossing += sum(a != b for a, b in zip(nodes, nodes[1:]))
+    return crossing, total
+
+
+def pipeline_link(mesh: Mapping[str, int], bandwidth_bytes_per_s: float, topology: Topology | None,
+                  order: Any = None) -> float:
+    """The bandwidth (bytes/s) the pipeline's point-to-point sends are costed at for this rank order.
+
+    The partition and schedule cost every stage boundary at one bandwidth (the graph's, the
+    intra-node link of a captured hardware). Without a topology, or when at most half of the
+    pipelines' hops cross nodes (:func:`pipeline_hops`; e.g. pipeline rank innermost with ``pp``
+    over ``devices_per_node``: one hop in ``devices_per_node`` crosses), that bandwidth; when
+    most hops cross nodes (``pp`` outermost over ``dp >= devices_per_node`` ranks), the
+    inter-node bandwidth (the smaller of the two). A majority rule: a pipeline whose hops are
+    mixed is costed at the link most of them use.
+    """
+    if topology is None or int(mesh["pp"]) < 2:
+        return float(bandwidth_bytes_per_s)
+    crossing, total = pipeline_hops(mesh, topology, order)
+    if 2 * crossing <= total:
+        return float(bandwidth_bytes_per_s)
+    return min(float(bandwidth_bytes_per_s), float(topology.inter_node_bytes_per_s))
+
+
+def pipeline_graph(graph, mesh: Mapping[str, Any], order: Any = None):
+    """``graph`` with its one link bandwidth set to the link the mesh's pipelines span in ``order``.
+
+    The partition and the schedule cost every stage boundary at ``graph.bandwidth_bytes_per_s``
+    (the intra-node link of a captured hardware). When the rank order makes most of the
+    pipelines' hops cross nodes (:func:`pipeline_link`, e.g. ``pp`` outermost over
+    ``dp >= devices_per_node`` ranks) that is the inter-node bandwidth; otherwise, and without a
+    :class:`Topology`, ``graph`` itself is returned. Plan a mesh's pipeline on this
+    graph and keep it as the plan's graph (the partition's costs are checked against it on load).
+
+    ``order``: the rank order (default the mesh's ``"order"`` entry, else pipeline rank innermost).
+    """
+    import dataclasses
+
+    order = mesh_rank_order(mesh) if order is None else normalize_rank_order(order)
+    bw = pipeline_link(mesh, graph.bandwidth_bytes_per_s, Topology.of_graph(graph), order)
+    if bw == float(graph.bandwidth_bytes_per_s):
+        return graph
+    return dataclasses.replace(graph, bandwidth_bytes_per_s=bw)
 
 
 def dp_sync_time_s(param_bytes: float, mesh: Mapping[str, int], bandwidth_bytes_per_s: float,
-                   latency_s: float = 0.0, *, topology: Topology | None = None) -> float:
+                   latency_s: float = 0.0, *, topology: Topology | None = None, order: Any = None) -> float:
     """Data-parallel communication of one device per optimizer step (seconds), not overlapped.
 
     What fxpipe's runtime does per step for a device whose stages hold ``param_bytes`` of
@@ -375,24 +568,36 @@ def dp_sync_time_s(param_bytes: float, mesh: Mapping[str, int], bandwidth_bytes_
         Nodes and their links: each dimension's groups run at the link they span
         (:func:`dp_links`; e.g. ``dp_shard`` inside a node on NVLink, ``dp_replicate`` across
         nodes on InfiniBand).
+    order : sequence of str, optional
+        The rank order (default the mesh's ``"order"``, else :data:`MESH_DIMS`).
 
     Returns
     -------
     float
         0 without data parallelism.
     """
+    return sum(dp_sync_parts_s(param_bytes, mesh, bandwidth_bytes_per_s, latency_s, topology=topology, order=order))
+
+
+def dp_sync_parts_s(param_bytes: float, mesh: Mapping[str, int], bandwidth_bytes_per_s: float,
+                    latency_s: float = 0.0, *, topology: Topology | None = None,
+                    order: Any = None) -> tuple[float, float]:
+    """:func:`dp_sync_time_s` split into ``(gather_s, reduce_s)``: the parameters' all-gather before the
+    step's first compute, and the gradients' reduce-scatter (+ all-reduce over ``dp_replicate``) after
+    the last backward (same arguments and formulas)."""
     if topology is None and not bandwidth_bytes_per_s > 0:
         raise InputError(f"bandwidth_bytes_per_s must be > 0, got {bandwidth_bytes_per_s!r}")
-    links = dp_links(mesh, bandwidth_bytes_per_s, latency_s, topology)
+    links = dp_links(mesh, bandwidth_bytes_per_s, latency_s, topology, order)
     s, r = int(mesh.get("dp_shard", 1)), int(mesh.get("dp_replicate", 1))
-    t = 0.0
-    if s > 1:  # all-gather of the parameters + reduce-scatter of the gradients
+    gather = reduce = 0.0
+    if s > 1:  # all-gather of the parameters, reduce-scatter of the gradients
         bw, lat = links["dp_shard"]
-        t += 2 * ((s - 1) / s * param_bytes / bw + (s - 1) * lat)
+        gather = (s - 1) / s * param_bytes / bw + (s - 1) * lat
+        reduce = gather
     if r > 1:  # all-reduce of the gradients (their shard under HSDP)
         bw, lat = links["dp_replicate"]
-        t += 2 * (r - 1) / r * (param_bytes / s) / bw + 2 * (r - 1) * lat
-    return t
+        reduce += 2 * (r - 1) / r * (param_bytes / s) / bw + 2 * (r - 1) * lat
+    return gather, reduce
 
 
 def candidate_meshes(devices: int, microbatches: int, *, replicate: bool = False) -> list[dict[str, int]]:
@@ -414,19 +619,114 @@ def candidate_meshes(devices: int, microbatches: int, *, replicate: bool = False
     return out
 
 
-def pipeline_dp_sync_s(graph, assignment, device_of_stage, mesh: Mapping[str, int]) -> float:
+def _device_param_bytes(graph, assignment, device_of_stage, pp: int):
+    """Parameter bytes of every pipeline device's stages (numpy array of ``pp``)."""
+    import numpy as np
+
+    dev = np.asarray(device_of_stage, dtype=np.int64)[np.asarray(assignment, dtype=np.int64)]
+    return np.bincount(dev, weights=graph.size_param_bytes, minlength=int(pp))
+
+
+def pipeline_dp_sync_s(graph, assignment, device_of_stage, mesh: Mapping[str, int], order: Any = None) -> float:
     """:func:`dp_sync_time_s` of the busiest device of a partitioned, placed pipeline (seconds).
 
     ``graph`` is the :class:`~fxpipe.ir.OpGraph` (its ``size_param_bytes``, and the links: its
     recorded :class:`Topology` if the capture knew the hardware's nodes, else its
     ``bandwidth_bytes_per_s`` for every group), ``assignment`` the stage of every node,
-    ``device_of_stage`` the placement.
+    ``device_of_stage`` the placement, ``order`` the rank order (default the mesh's ``"order"``,
+    else :data:`MESH_DIMS`).
     """
-    import numpy as np
-
     if mesh_dp(mesh) == 1:
         return 0.0
-    dev = np.asarray(device_of_stage, dtype=np.int64)[np.asarray(assignment, dtype=np.int64)]
-    per_device = np.bincount(dev, weights=graph.size_param_bytes, minlength=int(mesh["pp"]))
+    per_device = _device_param_bytes(graph, assignment, device_of_stage, mesh["pp"])
     topology = Topology.of_graph(graph)
-    return float(max(dp_sync_time_s(float(b), mesh, graph.bandwidth_bytes_per_s, topology=topology) for b in per_device))
+    return float(max(dp_sync_time_s(float(b), mesh, graph.bandwidth_bytes_per_s, topology=topology, order=order)
+                     for b in per_device))
+
+
+#: Stages a device may hold for :func:`pipeline_step_s`'s overlap: torch's ``_add_unshard_reshard``
+#: prefetches (all-gathers at the step's start) this many stages and reshards none of them before the end.
+MAX_PREFETCHED_STAGES = 3
+
+
+def pipeline_step_s(graph, assignment, device_of_stage, schedule, mesh: Mapping[str, int],
+                    order: Any = None) -> float:
+    """Predicted step time (seconds) of one pipeline of a mesh with its data-parallel sync, as the runtime overlaps it.
+
+    What torch's pipelining runtime (``torch.distributed.pipelining.schedules``, on which
+    fxpipe's :class:`~fxpipe.codegen.runtime.FxpipeScheduleRuntime` is built) does with FSDP2
+    stages, read from torch 2.13's source:
+
+    * ``_add_unshard_reshard`` (``max_active_stages=3``) puts an ``UNSHARD`` of every stage a
+      device holds (up to 3) before its first action: ``FSDPModule.unshard(async_op=True)``,
+      waited (``_assert_unsharded``) before the stage's first compute. So device ``d``'s
+      all-gather ``G_d`` of all its parameters starts with the step and its first compute
+      waits for it: it hides behind the time ``first_d`` the device waits for its first input
+      anyway.
+    * ``_add_reduce_grad`` puts one ``REDUCE_GRAD`` right after a stage's last backward;
+      ``PipelineStage.perform_reduce_grad`` runs FSDP's ``post_backward`` (the reduce-scatter,
+      the all-reduce over ``dp_replicate``) and makes the compute stream wait for it. So device
+      ``d``'s reduction ``R_d`` starts when its last backward ends (``end_d``) and overlaps the
+      other devices' cool-down; a device with several stages serialises a reduction into its
+      remaining compute.
+
+    The model (every time from the schedule, :func:`dp_sync_parts_s` for ``G_d`` and ``R_d``):
+
+    * one stage per device, objective ``makespan`` (one step from a common start): shifting the whole schedule by ``delay = max_d max(0, G_d - first_d)``
+      satisfies every all-gather, and the step ends with the last reduction:
+      ``delay + max_d (end_d + R_d)``;
+    * one stage per device, objective ``stage_span`` (back-to-back steps; the schedule's value
+      is the largest device span ``end_d - first_d``): each device's cycle holds its span, its reduction and the next
+      step's all-gather, which cannot start before the reduction's optimizer step:
+      ``max_d (end_d - first_d + G_d + R_d)``;
+    * several stages on a device (a stage's reduction mid-step delays the device's later
+      compute and, through it, other devices'; more than :data:`MAX_PREFETCHED_STAGES` are
+      re-gathered mid-step): not overlapped, ``value + max_d (G_d + R_d)`` (what the search
+      assumed before; not a proven upper bound for those placements).
+
+    Every case is at least the average device's compute plus the sync of the average device's
+    parameters, so :func:`fxpipe.mesh_search.mesh_lower_bound_s` stays a lower bound.
+
+    Parameters
+    ----------
+    graph : OpGraph
+        Parameter bytes per op and the links (:func:`pipeline_dp_sync_s`).
+    assignment : array of int
+        Stage of every graph node.
+    device_of_stage : sequence of int
+        The placement.
+    schedule : Schedule
+        The timed schedule of one replica (``ops``, ``makespan`` / ``stage_span``, ``objective``).
+    mesh, order :
+        The mesh and its rank order (default the mesh's ``"order"``, else :data:`MESH_DIMS`).
+
+    Returns
+    -------
+    float
+        Seconds; ``schedule.value`` without data parallelism.
+    """
+    value = float(schedule.value)
+    if mesh_dp(mesh) == 1:
+        return value
+    per_device = _device_param_bytes(graph, assignment, device_of_stage, mesh["pp"])
+    topology = Topology.of_graph(graph)
+    parts = [dp_sync_parts_s(float(b), mesh, graph.bandwidth_bytes_per_s, topology=topology, order=order)
+             for b in per_device]
+    stages_per_device = max(list(device_of_stage).count(d) for d in range(int(mesh["pp"])))
+    first: dict[int, float] = {}
+    end: dict[int, float] = {}
+    for op in schedule.ops:
+        if op.type not in ("F", "B", "W"):
+            continue
+        d = int(device_of_stage[op.stage])
+        first[d] = min(first.get(d, op.start_s), op.start_s)
+        end[d] = max(end.get(d, op.end_s), op.end_s)
+    if not first or len(first) < int(mesh["pp"]):
+        return value + max(g + r for g, r in parts)
+    if stages_per_device == 1 and schedule.objective == "stage_span":
+        return max(value, max(end[d] - first[d] + g + r for d, (g, r) in enumerate(parts)))
+    if stages_per_device == 1:
+        t0 = min(first.values())
+        delay = max(0.0, max(g - (first[d] - t0) for d, (g, _) in enumerate(parts)))
+        return max(value, delay + max(end[d] - t0 + r for d, (_, r) in enumerate(parts)))
+    return value + max(g + r for g, r in parts)

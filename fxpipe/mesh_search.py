@@ -8,11 +8,27 @@ planned as a pipeline over ``pp`` devices with ``microbatches / dp``
 micro-batches (:func:`fxpipe.planner.plan_with_options`, with the memory model of the mesh,
 :func:`fxpipe.mesh.mesh_memory`), and scored by
 
-    predicted step = the schedule's objective value (its step time) + data-parallel sync
+    predicted step = the schedule's objective value (its step time) + the data-parallel sync
+    the pipeline does not hide
 
-(:func:`fxpipe.mesh.pipeline_dp_sync_s`: ring collectives on the links each data-parallel
+(:func:`fxpipe.mesh.pipeline_step_s`: ring collectives on the links each data-parallel
 dimension spans, NVLink inside a node and InfiniBand between nodes when the hardware's
-topology is known, else the graph's one bandwidth; not overlapped). The smallest predicted step wins (ties: more pipeline stages).
+topology is known, else the graph's one bandwidth; with one stage per device a device's
+all-gather hides behind its wait for the first input and its reduction behind the others'
+cool-down, as torch's pipelining runtime issues them; with several, not overlapped). The
+smallest predicted step wins (ties: more pipeline stages).
+
+Rank placement (issue 18 item 2, "the most talkative dimension inside the node"): with a
+topology every mesh is costed under each rank order that places it differently
+(:func:`rank_orders_to_try` of :data:`fxpipe.mesh.RANK_ORDERS`: pipeline rank innermost, fxpipe's
+default, or outermost, torchtitan's, or between ``dp_replicate`` and ``dp_shard``). The order
+sets which data-parallel groups stay inside a node (their sync, above) and which links the
+pipeline's point-to-point sends cross: a candidate whose pipeline hops mostly cross nodes is
+planned on the graph with the inter-node bandwidth (:func:`fxpipe.mesh.pipeline_graph`,
+:func:`fxpipe.mesh.pipeline_link`); orders with the same pipeline link share one plan. The
+order with the smaller predicted step is the mesh's (ties: the one planned first, the default on
+equal bounds), recorded in its row
+(``rank_order``, and every order's figures under ``by_order``) and in the returned mesh.
 
 Kept fast by bounds: the candidates are planned in increasing order of a lower bound that needs
 no partition (:func:`mesh_lower_bound_s`: perfectly balanced work without bubbles plus the sync
@@ -22,22 +38,22 @@ candidate whose average static state (parameters, gradients, optimizer state und
 memory model) already exceeds the usable memory is skipped without planning; so is one the
 planner finds infeasible, with its reason. Every candidate is a row of the returned table.
 
-Not yet: choosing the rank placement on the topology (ranks are placed pipeline rank innermost,
-:func:`fxpipe.mesh.rank_coords`; torchtitan puts the data-parallel dimensions innermost),
-overlap of the gradient sync with the pipeline, pipeline links that cross nodes (the partition
-costs every stage boundary at the graph's bandwidth), and reusing partitions across
-candidates (each ``pp`` is a separate partition search).
+Not yet: overlap of the sync with several stages per device, per-hop pipeline links (a pipeline is
+costed at the link most of its hops use, one bandwidth for every stage boundary), and reusing
+partitions across candidates (each ``pp`` and pipeline link is a separate partition search).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
 import numpy as np
 
 from fxpipe.errors import FxpipeError, InfeasibleError, InputError
 from fxpipe.io import format_bytes
 from fxpipe.mesh import (
+    MESH_DIMS,
+    RANK_ORDERS,
     Topology,
     candidate_meshes,
     dp_sync_time_s,
@@ -45,17 +61,35 @@ from fxpipe.mesh import (
     mesh_dp,
     mesh_memory,
     pipeline_dp_sync_s,
+    pipeline_graph,
+    pipeline_hops,
+    pipeline_link,
+    pipeline_step_s,
 )
 from fxpipe.partition.memory import num_params
 from fxpipe.options import PlanOptions
 from fxpipe.planner import plan_with_options
 
-__all__ = ["search_mesh", "mesh_lower_bound_s"]
+__all__ = ["search_mesh", "mesh_lower_bound_s", "rank_orders_to_try"]
+
+
+def rank_orders_to_try(mesh: Mapping[str, Any], topology: Topology | None) -> list[tuple[str, str, str]]:
+    """The rank orders that place ``mesh`` differently, the default first (only it without a topology:
+    with one link every order costs the same)."""
+    if topology is None or mesh_dp(mesh) == 1:
+        return [MESH_DIMS]
+    out, seen = [], set()
+    for order in RANK_ORDERS:
+        eff = tuple(d for d in order if int(mesh.get(d, 1)) > 1)
+        if eff not in seen:
+            seen.add(eff)
+            out.append(order)
+    return out
 
 
 def search_mesh(graph, *, devices: int, microbatches: int, memory, options: PlanOptions | None = None,
                 **plan_kwargs: Any):
-    """Plan every candidate mesh and keep the one with the smallest predicted step time.
+    """Plan every candidate mesh and rank order and keep the one with the smallest predicted step time.
 
     Parameters
     ----------
@@ -74,11 +108,18 @@ def search_mesh(graph, *, devices: int, microbatches: int, memory, options: Plan
     Returns
     -------
     (mesh, memory, (partition, problem, schedule, timings), table)
-        The chosen mesh, its memory model, :func:`~fxpipe.planner.plan_with_options`'s result for it,
-        and one row per candidate (in decreasing ``pp``): ``mesh``, ``mesh_text``,
-        ``lower_bound_s``, then ``step_time_s`` (the schedule's), ``dp_sync_s`` and
-        ``predicted_step_s``, or ``skipped`` (why: pruned by its bound, static state over the
-        memory, or the planner's error); ``chosen`` on the winner.
+        The chosen mesh (its degrees and, under ``"order"``, its rank order, outermost first,
+        when it is not the default :data:`fxpipe.mesh.MESH_DIMS`),
+        its memory model, :func:`~fxpipe.planner.plan_with_options`'s result for it (planned on
+        :func:`fxpipe.mesh.pipeline_graph` of the mesh: keep that graph in the plan), and one row per
+        candidate mesh (in decreasing ``pp``): ``mesh``, ``mesh_text``, ``lower_bound_s`` (the
+        smallest over its orders), then for its best order ``rank_order``, ``step_time_s`` (the
+        schedule's), ``dp_sync_s`` (the busiest device's, whole), ``exposed_sync_s`` (what the
+        pipeline does not hide) and ``predicted_step_s`` (their sum), or ``skipped`` (why: pruned by its
+        bound, static state over the memory, or the planner's error); ``by_order``: one entry per
+        rank order tried (``rank_order``, ``pipeline_bytes_per_s``, ``pipeline_hops_across_nodes``
+        ``[crossing, total]`` of :func:`fxpipe.mesh.pipeline_hops`, ``lower_bound_s`` and the
+        times, or ``skipped``); ``chosen`` on the winner.
 
     Raises
     ------
@@ -93,47 +134,76 @@ def search_mesh(graph, *, devices: int, microbatches: int, memory, options: Plan
     elif plan_kwargs:
         raise InputError(f"search_mesh takes options or plan_graph keywords, not both: got {sorted(plan_kwargs)}")
     graph_params = float(np.sum(num_params(graph)))
-    rows = []
+    topology = Topology.of_graph(graph)
+    cands = []  # (row, order entry, mesh, memory model, order): one per mesh and rank order
+    table = []
     # HSDP (dp_shard x dp_replicate) only pays off on a topology: with one bandwidth it moves as
     # many bytes as dp_shard alone and shards less
-    for mesh in candidate_meshes(devices, microbatches, replicate=Topology.of_graph(graph) is not None):
+    for mesh in candidate_meshes(devices, microbatches, replicate=topology is not None):
         mem = mesh_memory(memory, mesh)
-        rows.append(({"mesh": dict(mesh), "mesh_text": format_mesh(mesh),
-                      "lower_bound_s": mesh_lower_bound_s(graph, mesh, microbatches, options.objective)}, mesh, mem))
-    table = [r for r, _, _ in rows]
-    rows.sort(key=lambda x: x[0]["lower_bound_s"])  # stable: equal bounds keep more pipeline stages first
+        row = {"mesh": dict(mesh), "mesh_text": format_mesh(mesh), "by_order": []}
+        for order in rank_orders_to_try(mesh, topology):
+            entry = {"rank_order": list(order),
+                     "pipeline_bytes_per_s": pipeline_link(mesh, graph.bandwidth_bytes_per_s, topology, order),
+                     "pipeline_hops_across_nodes": list(pipeline_hops(mesh, topology, order)) if topology else [0, 0],
+                     "lower_bound_s": mesh_lower_bound_s(graph, mesh, microbatches, options.objective, order)}
+            row["by_order"].append(entry)
+            cands.append((row, entry, mesh, mem, order))
+        row["lower_bound_s"] = min(e["lower_bound_s"] for e in row["by_order"])
+        table.append(row)
+    cands.sort(key=lambda x: x[1]["lower_bound_s"])  # stable: equal bounds keep more stages, the default order first
     best = None
     errors: dict[str, Exception] = {}  # mesh_text -> the planner's error
     timings: dict[str, float] = {}
-    for row, mesh, mem in rows:
-        if best is not None and row["lower_bound_s"] >= best[0]["predicted_step_s"]:
-            row["skipped"] = (f"pruned: its lower bound {row['lower_bound_s'] * 1e3:.4g} ms is no better than "
-                              f"{best[0]['mesh_text']}'s predicted {best[0]['predicted_step_s'] * 1e3:.4g} ms")
+    planned: dict[tuple, Any] = {}  # (mesh, pipeline bandwidth) -> the planner's result or error
+    for row, entry, mesh, mem, order in cands:
+        if best is not None and entry["lower_bound_s"] >= best[1]["predicted_step_s"]:
+            entry["skipped"] = (f"pruned: its lower bound {entry['lower_bound_s'] * 1e3:.4g} ms is no better than "
+                                f"{best[0]['mesh_text']}'s predicted {best[1]['predicted_step_s'] * 1e3:.4g} ms")
             continue
         static = mem.static_bytes_per_param(options.objective) * graph_params / mesh["pp"]
         if static > mem.usable_bytes:
-            row["skipped"] = (f"cannot fit: the static state alone needs {format_bytes(static)} per device on average, "
-                              f"over the usable {format_bytes(mem.usable_bytes)}")
+            entry["skipped"] = (f"cannot fit: the static state alone needs {format_bytes(static)} per device on "
+                                f"average, over the usable {format_bytes(mem.usable_bytes)}")
             continue
-        try:
-            part, problem, sched, t = plan_with_options(graph, devices=mesh["pp"],
-                                                        microbatches=microbatches // mesh_dp(mesh), options=options,
-                                                        memory=mem, memory_bytes=mem.capacity_bytes)
-        except (FxpipeError, InputError) as exc:
-            errors[row["mesh_text"]] = exc
-            row["skipped"] = _first_sentence(str(exc))
+        key = (row["mesh_text"], entry["pipeline_bytes_per_s"])  # the orders of one mesh on the same link share it
+        if key not in planned:
+            g = pipeline_graph(graph, mesh, order)
+            try:
+                planned[key] = (g, plan_with_options(g, devices=mesh["pp"], microbatches=microbatches // mesh_dp(mesh),
+                                                     options=options, memory=mem, memory_bytes=mem.capacity_bytes))
+            except (FxpipeError, InputError) as exc:
+                planned[key] = exc
+            else:
+                for k, v in planned[key][1][3].items():
+                    timings[k] = timings.get(k, 0.0) + v
+        if isinstance(planned[key], Exception):
+            errors[row["mesh_text"]] = planned[key]
+            entry["skipped"] = _first_sentence(str(planned[key]))
             continue
-        for k, v in t.items():
-            timings[k] = timings.get(k, 0.0) + v
-        sync = pipeline_dp_sync_s(graph, part.assignment, problem.device_of_stage, mesh)
-        row.update(step_time_s=float(sched.value), dp_sync_s=sync, predicted_step_s=float(sched.value) + sync)
-        if best is None or _better(row, best[0]):
-            best = (row, mesh, mem, (part, problem, sched))
+        g, (part, problem, sched, _) = planned[key]
+        sync = pipeline_dp_sync_s(g, part.assignment, problem.device_of_stage, mesh, order)
+        step = pipeline_step_s(g, part.assignment, problem.device_of_stage, sched, mesh, order)
+        entry.update(step_time_s=float(sched.value), dp_sync_s=sync, exposed_sync_s=step - float(sched.value),
+                     predicted_step_s=step)
+        if best is None or _better(entry, mesh, best[1], best[2]):
+            best = (row, entry, mesh, mem, order, (part, problem, sched))
+    for row in table:  # each mesh's row: its best planned order, else why its orders were skipped
+        done = [e for e in row["by_order"] if "predicted_step_s" in e]
+        if done:
+            e = min(done, key=lambda e: e["predicted_step_s"])
+            row.update(rank_order=e["rank_order"], step_time_s=e["step_time_s"], dp_sync_s=e["dp_sync_s"],
+                       exposed_sync_s=e["exposed_sync_s"], predicted_step_s=e["predicted_step_s"])
+        else:
+            row["skipped"] = row["by_order"][0]["skipped"]
     if best is None:
         raise _no_mesh_fits(graph, devices, microbatches, memory, options.objective, table, errors)
-    row, mesh, mem, (part, problem, sched) = best
-    row["chosen"] = True
-    return mesh, mem, (part, problem, sched, timings), table
+    row, entry, mesh, mem, order, (part, problem, sched) = best
+    row.update(rank_order=entry["rank_order"], step_time_s=entry["step_time_s"], dp_sync_s=entry["dp_sync_s"],
+               exposed_sync_s=entry["exposed_sync_s"], predicted_step_s=entry["predicted_step_s"], chosen=True)
+    entry["chosen"] = True
+    return ({**mesh, "order": tuple(order)} if tuple(order) != MESH_DIMS else dict(mesh)), mem, \
+        (part, problem, sched, timings), table
 
 
 def _first_sentence(text: str) -> str:
@@ -178,24 +248,26 @@ def _no_mesh_fits(graph, devices: int, microbatches: int, memory, objective: str
                            tried={"meshes": [dict(r) for r in table]})
 
 
-def _better(row: dict, best: dict) -> bool:
-    """Smaller predicted step; on a tie (1e-9 relative) more pipeline stages (the pure pipeline first)."""
-    a, b = row["predicted_step_s"], best["predicted_step_s"]
+def _better(entry: dict, mesh: dict, best: dict, best_mesh: dict) -> bool:
+    """Smaller predicted step; on a tie (1e-9 relative) more pipeline stages (the pure pipeline first), then
+    the candidate planned first (smaller bound; on equal bounds the default rank order)."""
+    a, b = entry["predicted_step_s"], best["predicted_step_s"]
     if a < b * (1 - 1e-9):
         return True
-    return a <= b * (1 + 1e-9) and row["mesh"]["pp"] > best["mesh"]["pp"]
+    return a <= b * (1 + 1e-9) and mesh["pp"] > best_mesh["pp"]
 
 
-def mesh_lower_bound_s(graph, mesh, microbatches: int, objective: str = "training") -> float:
+def mesh_lower_bound_s(graph, mesh, microbatches: int, objective: str = "training", order: Any = None) -> float:
     """A lower bound on the predicted step of ``mesh`` that needs no partition (seconds).
 
     Every replica runs ``microbatches / dp`` micro-batches over ``pp`` devices, so its busiest
     device computes at least ``microbatches / dp * W / pp`` (``W`` the work of one micro-batch:
     F + B + W of every op for training, F for inference), and the step time of any schedule
-    (makespan or per-device span) is at least that; the busiest device holds at least the
-    average parameter bytes, so the data-parallel sync is at least
-    :func:`fxpipe.mesh.dp_sync_time_s` of ``sum(size_param_bytes) / pp`` (it grows with the
-    bytes). Communication between stages, bubbles and recomputation only add to both.
+    (makespan or per-device span) is at least that; every device's compute and data-parallel
+    sync lie end to end in :func:`fxpipe.mesh.pipeline_step_s`'s prediction, whose maximum over
+    the devices is at least their mean, the average compute plus
+    :func:`fxpipe.mesh.dp_sync_time_s` of ``sum(size_param_bytes) / pp`` (affine in the bytes).
+    Communication between stages, bubbles and recomputation only add to both.
 
     Parameters
     ----------
@@ -206,6 +278,9 @@ def mesh_lower_bound_s(graph, mesh, microbatches: int, objective: str = "trainin
     microbatches : int
         Global micro-batches per step (divided among the ``dp`` replicas).
     objective : {"training", "inference"}
+    order : sequence of str, optional
+        The rank order the data-parallel groups' links follow (default: the mesh's ``"order"``,
+        else pipeline rank innermost).
 
     Returns
     -------
@@ -218,5 +293,5 @@ def mesh_lower_bound_s(graph, mesh, microbatches: int, objective: str = "trainin
     pp = int(mesh["pp"])
     per_replica = microbatches // mesh_dp(mesh)
     sync = dp_sync_time_s(float(np.sum(graph.size_param_bytes)) / pp, mesh, graph.bandwidth_bytes_per_s,
-                          topology=Topology.of_graph(graph))
+                          topology=Topology.of_graph(graph), order=order)
     return per_replica * work / pp + sync

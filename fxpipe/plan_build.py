@@ -28,7 +28,8 @@ def build_rank(plan, rank: int, *, model=None, args=(), kwargs=None, loss_fn: Ca
     (``plan.devices`` for a pure pipeline).
 
     With data parallelism (``plan.dp > 1``) the ranks form the mesh of
-    :func:`fxpipe.mesh.rank_coords` (``rank = replica * pp + pipeline rank``); the call is
+    :func:`fxpipe.mesh.rank_coords` in ``plan.rank_order`` (by default ``rank = replica * pp +
+    pipeline rank``; pipeline rank outermost: ``rank = pipeline rank * dp + replica``); the call is
     collective (it creates the ``DeviceMesh`` and process groups), every stage module is
     wrapped by ``fully_shard`` / ``replicate`` over its data-parallel sub-mesh
     (:mod:`fxpipe.codegen.mesh`), and ``schedule.step`` takes this rank's replica slice of
@@ -103,6 +104,7 @@ def build_rank(plan, rank: int, *, model=None, args=(), kwargs=None, loss_fn: Ca
 
         stages, sched, _ = build_mesh_rank(
             split_stages(traced.gm, plan.captured_stage_of(), plan.num_stages), int(rank), plan.orders(), mesh=plan.mesh,
+            rank_order=plan.rank_order,
             num_microbatches=plan.microbatches, loss_fn=loss_fn, device=device,
             example_microbatch_inputs=example_inputs_from_gm(traced.gm), recompute_stages=plan.recompute_stages(),
             state_source=source, compile_stages=compile_stages_option(plan, compile_stages),
@@ -133,7 +135,7 @@ def replica_batch(plan, rank: int, inputs: Any, target: Any = None) -> tuple[Any
     micro-batches ``r * microbatches .. (r + 1) * microbatches - 1``. Returns
     ``(inputs, target)`` in the same forms.
     """
-    replica = rank_coords(int(rank), plan.mesh)["replica"]
+    replica = rank_coords(int(rank), plan.mesh, plan.rank_order)["replica"]
     if plan.dp == 1:
         return inputs, target
     from fxpipe.codegen.mesh import replica_slice  # lazy: torch

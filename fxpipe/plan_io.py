@@ -2,11 +2,12 @@
 
 Compatibility rule (``docs/design.md``, "The plan"): ``fxpipe.plan/2`` keeps every field of
 ``fxpipe.plan/1`` with its name and meaning and only adds fields (``fxpipe_version``,
-``memory_model``), so a
+``memory_model``, ``rank_order``), so a
 reader of ``/1`` files reads ``/2`` files once it accepts the new format string. A ``/2``
 file always has the complete layout (``mesh``, ``device_of_stage``, the device table, the
 memory model, the stages' ``device``); the ``/1`` files of older layouts may lack them and are
-filled in on load (:func:`plan_fields_from_dict`): a pure-pipeline mesh, one stage per device,
+filled in on load (:func:`plan_fields_from_dict`): a pure-pipeline mesh, the default rank order
+(pipeline rank innermost, :data:`fxpipe.mesh.MESH_DIMS`), one stage per device,
 and the stage / device tables recomputed from the graph, partition and schedule. A plan saved
 under an older version of the memory model (``memory_model`` missing or below
 :data:`MEMORY_MODEL_VERSION`) keeps its saved tables, which that model counted more
@@ -29,7 +30,7 @@ from fxpipe import __version__
 from fxpipe.errors import InputError, PlanWarning
 from fxpipe.ir import OpGraph, Schedule, ScheduleProblem
 from fxpipe.memory import MemoryModel
-from fxpipe.mesh import normalize_mesh, pure_pipeline
+from fxpipe.mesh import MESH_DIMS, mesh_degrees, normalize_mesh, normalize_rank_order, pure_pipeline
 from fxpipe.partition.objective import Partition, validate_partition
 from fxpipe.plan_tables import DeviceStats, StageStats, device_stats, stage_stats
 from fxpipe.schedule.validate import check_schedule
@@ -79,6 +80,7 @@ def plan_to_dict(plan) -> dict[str, Any]:
         "name": plan.name,
         "devices": plan.devices,
         "mesh": dict(plan.mesh),
+        "rank_order": list(plan.rank_order),
         "dp_sync_s": plan.dp_sync_s,
         "num_stages": plan.num_stages,
         "stages_per_device": plan.stages_per_device,
@@ -116,7 +118,17 @@ def _mesh_from_doc(doc: Mapping[str, Any], source: str) -> dict:
         raise InputError(f"{source}: {exc}") from None
     if mesh["pp"] != int(doc["devices"]):
         raise InputError(f"{source}: mesh {mesh} disagrees with the plan's {doc['devices']} pipeline devices (pp)")
-    return mesh
+    return mesh_degrees(mesh)
+
+
+def _rank_order_from_doc(doc: Mapping[str, Any], source: str) -> tuple:
+    """The plan's rank order (the default, pipeline rank innermost, for files saved without one)."""
+    if doc.get("rank_order") is None:
+        return MESH_DIMS
+    try:
+        return normalize_rank_order(doc["rank_order"])
+    except InputError as exc:
+        raise InputError(f"{source}: {exc}") from None
 
 
 def _parse(doc: Mapping[str, Any], source: str) -> dict[str, Any]:
@@ -147,6 +159,7 @@ def _parse(doc: Mapping[str, Any], source: str) -> dict[str, Any]:
         options=dict(doc.get("options", {})),
         memory=MemoryModel.from_dict(doc["memory"]) if "memory" in doc else MemoryModel(),
         mesh=_mesh_from_doc(doc, source),  # /1 before meshes: a pure pipeline
+        rank_order=_rank_order_from_doc(doc, source),  # before rank orders: pipeline rank innermost
     )
 
 

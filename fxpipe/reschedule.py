@@ -65,5 +65,5 @@ def reschedule(plan, schedule: str, *, time_limit_s: float = 60.0, progress: boo
     return dataclasses.replace(
         plan, stage_of=dict(plan.stage_of), problem=problem, schedule=sched, stages=stage_stats(*args),
         device_table=device_stats(*args), timings_s={**plan.timings_s, "schedule": time.perf_counter() - t0},
-        options={**plan.options, "schedule": schedule}, mesh=dict(plan.mesh),
+        options={**plan.options, "schedule": schedule}, mesh=dict(plan.mesh), rank_order=plan.rank_order,
     )

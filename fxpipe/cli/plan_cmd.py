@@ -339,7 +339,7 @@ def run(args: argparse.Namespace) -> int:
     elif args.mesh is not None:
         mesh = parse_mesh(args.mesh)
         if args.devices is None:
-            args.devices = math.prod(mesh.values())
+            args.devices = math.prod(int(mesh.get(d, 1)) for d in ("pp", "dp_shard", "dp_replicate"))
         microbatches_per_replica(args.microbatches, normalize_mesh(mesh, args.devices))  # fail before the model is built
     if args.devices is None:
         args.devices = 4

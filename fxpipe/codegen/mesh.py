@@ -2,7 +2,9 @@
 
 A mesh plan (:mod:`fxpipe.mesh`: ``pp`` x ``dp_shard`` x ``dp_replicate``) runs ``dp =
 dp_shard * dp_replicate`` copies of one pipeline. Every rank belongs to one replica (its
-``pp`` consecutive ranks, :func:`fxpipe.mesh.rank_coords`) and builds its pipeline stages with
+``pp`` ranks, consecutive under the default rank order, :func:`fxpipe.mesh.rank_coords`; the
+``DeviceMesh`` is laid out in the same rank order, its dimensions named outermost first, so
+torch's sub-mesh groups are exactly the ranks fxpipe's mapping gives) and builds its pipeline stages with
 :func:`fxpipe.codegen.rank.build_rank` over the replica's ``pp`` process group; every stage
 module is then wrapped in place over the data-parallel sub-mesh of the ranks holding the same
 stage in the other replicas:
@@ -53,7 +55,7 @@ from fxpipe.codegen.rank import build_rank
 from fxpipe.codegen.runtime import replicate_module
 from fxpipe.errors import InputError
 from fxpipe.ir.schedule import Orders
-from fxpipe.mesh import MESH_DIMS, format_mesh, mesh_dp, normalize_mesh, rank_coords, rank_of
+from fxpipe.mesh import MESH_DIMS, format_mesh, mesh_degrees, mesh_dp, mesh_rank_order, normalize_mesh, normalize_rank_order, rank_coords, rank_of
 
 __all__ = [
     "MeshRank",
@@ -81,13 +83,16 @@ class MeshRank:
     coords : dict
         :func:`fxpipe.mesh.rank_coords` (``dp_replicate``, ``dp_shard``, ``pp``, ``replica``).
     device_mesh : torch.distributed.device_mesh.DeviceMesh
-        The 3-D mesh over :data:`fxpipe.mesh.MESH_DIMS`.
+        The 3-D mesh, its dimensions in ``rank_order``.
+    rank_order : tuple[str, str, str]
+        The mesh dimensions outermost first (:func:`fxpipe.mesh.rank_coords`).
     """
 
     mesh: dict
     rank: int
     coords: dict
     device_mesh: Any
+    rank_order: tuple = MESH_DIMS
 
     @property
     def pp_rank(self) -> int:
@@ -118,34 +123,52 @@ class MeshRank:
         return "replicate" if dr > 1 else None
 
 
-def init_mesh(mesh: Mapping[str, int], device_type: str = "cpu"):
-    """``init_device_mesh`` over :data:`fxpipe.mesh.MESH_DIMS` (collective: every rank calls it).
+def _order(mesh: Mapping[str, Any], rank_order: Any) -> tuple[str, str, str]:
+    """``rank_order``, else the mesh's ``"order"`` entry, else the default (pipeline rank innermost)."""
+    return mesh_rank_order(mesh) if rank_order is None else normalize_rank_order(rank_order)
 
-    Needs an initialised default process group of ``pp * dp_shard * dp_replicate`` ranks.
+
+def init_mesh(mesh: Mapping[str, int], device_type: str = "cpu", rank_order: Any = None):
+    """``init_device_mesh`` over the mesh's dimensions in rank order (collective: every rank calls it).
+
+    Needs an initialised default process group of ``pp * dp_shard * dp_replicate`` ranks. The
+    device mesh's shape and ``mesh_dim_names`` follow ``rank_order`` (default: the mesh's
+    ``"order"`` entry, else :data:`fxpipe.mesh.MESH_DIMS`), outermost first, so the rank at
+    coordinates ``c`` of the ``DeviceMesh`` (row-major over global ranks) is
+    :func:`fxpipe.mesh.rank_of`'s.
 
     Raises
     ------
     InputError
-        If the process group's size is not the mesh's number of devices.
+        If the process group's size is not the mesh's number of devices, or for a bad order.
     """
     from torch.distributed.device_mesh import init_device_mesh
 
-    m = normalize_mesh(mesh)
+    order = _order(mesh, rank_order)
+    m = mesh_degrees(normalize_mesh(mesh))
     world = dist.get_world_size()
     need = m["pp"] * m["dp_shard"] * m["dp_replicate"]
     if world != need:
         raise InputError(f"mesh {format_mesh(m)} needs {need} ranks but the process group has {world}: "
                          "launch one process per device")
-    return init_device_mesh(device_type, tuple(m[d] for d in MESH_DIMS), mesh_dim_names=MESH_DIMS)
+    return init_device_mesh(device_type, tuple(m[d] for d in order), mesh_dim_names=order)
 
 
-def mesh_rank(mesh: Mapping[str, int], rank: int, device_mesh=None, device_type: str = "cpu") -> MeshRank:
-    """The :class:`MeshRank` of global rank ``rank`` (creates the device mesh when not given)."""
-    m = normalize_mesh(mesh)
-    coords = rank_coords(int(rank), m)
+def mesh_rank(mesh: Mapping[str, int], rank: int, device_mesh=None, device_type: str = "cpu",
+              rank_order: Any = None) -> MeshRank:
+    """The :class:`MeshRank` of global rank ``rank`` (creates the device mesh when not given).
+
+    ``rank_order``: as :func:`init_mesh`; a given ``device_mesh`` must have been made in it.
+    """
+    order = _order(mesh, rank_order)
+    m = mesh_degrees(normalize_mesh(mesh))
+    coords = rank_coords(int(rank), m, order)
     if device_mesh is None:
-        device_mesh = init_mesh(m, device_type)
-    return MeshRank(m, int(rank), coords, device_mesh)
+        device_mesh = init_mesh(m, device_type, order)
+    elif tuple(device_mesh.mesh_dim_names or ()) != order:
+        raise InputError(f"the device mesh's dimensions {device_mesh.mesh_dim_names} are not in the rank order {order}: "
+                         "make it with init_mesh(mesh, rank_order=...) of the same order")
+    return MeshRank(m, int(rank), coords, device_mesh, order)
 
 
 def data_parallel_wrapper(mr: MeshRank) -> Callable[[int, torch.nn.Module], None] | None:
@@ -181,15 +204,16 @@ def data_parallel_wrapper(mr: MeshRank) -> Callable[[int, torch.nn.Module], None
 
 
 def make_shared_param_groups(staged, device_of_stage: Sequence[int], mesh: Mapping[str, int],
-                             cache: dict | None = None) -> dict:
+                             cache: dict | None = None, rank_order: Any = None) -> dict:
     """Create, collectively and in the same order on every rank, the tied-parameter groups of every replica.
 
     :func:`~fxpipe.codegen.rank.build_rank` all-reduces the gradient of a parameter held by
     stages on several pipeline ranks over a group of those ranks; with several replicas there is
     one such group per replica, and ``torch.distributed.new_group`` must be entered by every rank
     of the job. The groups go into ``cache`` (keyed by their global ranks), which ``build_rank``
-    then finds them in (``group_cache``).
+    then finds them in (``group_cache``). ``rank_order``: as :func:`init_mesh`.
     """
+    order = _order(mesh, rank_order)
     cache = {} if cache is None else cache
     sets = sorted({tuple(sorted({int(device_of_stage[s]) for s in stages}))
                    for stages in staged.shared_params.values()})
@@ -197,7 +221,7 @@ def make_shared_param_groups(staged, device_of_stage: Sequence[int], mesh: Mappi
         for ranks in sets:
             if len(ranks) < 2:
                 continue
-            key = tuple(rank_of(mesh, pp=r, replica=replica) for r in ranks)
+            key = tuple(rank_of(mesh, pp=r, replica=replica, order=order) for r in ranks)
             if key not in cache:
                 cache[key] = dist.new_group(ranks=list(key))
     return cache
@@ -243,6 +267,7 @@ def build_mesh_rank(
     device: str | torch.device = "cpu",
     example_microbatch_inputs: Any = None,
     group_cache: dict | None = None,
+    rank_order: Any = None,
     **build_kwargs: Any,
 ):
     """This global rank's pipeline stages on the mesh, wrapped for data parallelism, and its runtime.
@@ -261,7 +286,8 @@ def build_mesh_rank(
         The pipeline's per-device programs over ``mesh["pp"]`` devices, for
         ``num_microbatches`` micro-batches.
     mesh : Mapping[str, int]
-        ``{"pp", "dp_shard", "dp_replicate"}`` (missing = 1).
+        ``{"pp", "dp_shard", "dp_replicate"}`` (missing = 1; an ``"order"`` entry is the rank
+        order when ``rank_order`` is None).
     num_microbatches : int
         Micro-batches of ONE replica per step (the global count divided by ``dp``).
     loss_fn, device, example_microbatch_inputs, build_kwargs :
@@ -271,6 +297,9 @@ def build_mesh_rank(
         From :func:`init_mesh`, reused across builds (default: created here).
     group_cache : dict, optional
         Tied-parameter process groups kept across builds (see :func:`make_shared_param_groups`).
+    rank_order : sequence of str, optional
+        The mesh dimensions outermost first (``plan.rank_order``; default the mesh's ``"order"``,
+        else pipeline rank innermost, :data:`fxpipe.mesh.MESH_DIMS`); every rank must pass the same.
 
     Returns
     -------
@@ -285,10 +314,11 @@ def build_mesh_rank(
         For a mesh whose ``pp`` is not the orders' number of devices, a process group of
         another size, or what data parallelism does not support yet (see the module docstring).
     """
-    m = normalize_mesh(mesh)
+    order = _order(mesh, rank_order)
+    m = mesh_degrees(normalize_mesh(mesh))
     check_mesh_run(m, orders, build_kwargs.get("recompute_stages", ()), build_kwargs.get("compile_stages", False))
-    mr = mesh_rank(m, rank, device_mesh, torch.device(device).type)
-    cache = make_shared_param_groups(staged, orders.device_of_stage, m, group_cache)
+    mr = mesh_rank(m, rank, device_mesh, torch.device(device).type, order)
+    cache = make_shared_param_groups(staged, orders.device_of_stage, m, group_cache, order)
     wrap = data_parallel_wrapper(mr)
     if wrap is not None:
         wrap = _untie_then(wrap, staged)
@@ -339,7 +369,8 @@ def _tied_copies(staged, device_of_stage: Sequence[int], mr: MeshRank, cache: Ma
             p = staged.stages[s].module.get_parameter(staged.stages[s].param_targets[fqn])
             copies.setdefault(id(p), p)
         ranks = sorted({int(device_of_stage[s]) for s in holders})
-        grp = cache[tuple(rank_of(mr.mesh, pp=r, replica=mr.replica) for r in ranks)] if len(ranks) > 1 else None
+        key = tuple(rank_of(mr.mesh, pp=r, replica=mr.replica, order=mr.rank_order) for r in ranks)
+        grp = cache[key] if len(ranks) > 1 else None
         if len(copies) > 1 or grp is not None:
             out.append((tuple(copies.values()), grp))
     return out
