@@ -26,7 +26,7 @@ from typing import Any, Mapping, Sequence
 
 from fxpipe.errors import InputError, PlanWarning
 from fxpipe.memory import MemoryModel
-from fxpipe.mesh import mesh_memory, microbatches_per_replica, normalize_mesh, pure_pipeline
+from fxpipe.mesh import mesh_memory, microbatches_per_replica, normalize_mesh, pipeline_graph
 from fxpipe.mesh_search import search_mesh
 from fxpipe.options import (  # noqa: F401 (public re-exports)
     AUTO_MILP_MIN_SHARE,
@@ -87,9 +87,7 @@ def _pinned_degrees(mesh: Any, devices: int) -> dict[str, int]:
     """The degrees of a mesh request the search does not resolve: ``"pipeline"`` and ``"auto"`` (with a memory
     model that shards over ``data_parallel > 1``) are the pure pipeline over ``devices``; a dict or
     ``"pp=2,dp_shard=2"`` as :func:`fxpipe.mesh.normalize_mesh` reads it."""
-    if isinstance(mesh, str) and mesh in ("pipeline", "auto"):
-        return pure_pipeline(devices)
-    return normalize_mesh(mesh, devices)
+    return normalize_mesh(mesh, devices)  # "pipeline" / "auto": the pure pipeline
 
 
 def _searches(mesh: Any, memory: Any) -> bool:
@@ -159,7 +157,7 @@ def _plan_mesh(graph, mesh: Any, devices: int, microbatches: int, memory: Memory
         return search_mesh(graph, devices=devices, microbatches=microbatches, memory=memory, options=options)
     degrees = _pinned_degrees(mesh, devices)
     model = mesh_memory(memory, degrees)
-    planned = plan_with_options(graph, devices=degrees["pp"], microbatches=microbatches_per_replica(microbatches, degrees),
+    planned = plan_with_options(pipeline_graph(graph, degrees), devices=degrees["pp"], microbatches=microbatches_per_replica(microbatches, degrees),
                                 options=options, memory=model, memory_bytes=model.capacity_bytes)  # resolved already
     return degrees, model, planned, None
 
@@ -170,7 +168,7 @@ def _make_plan(traced, hardware_name: str, microbatches: int, options: PlanOptio
     the global number); ``recorded``: the compile options kept in ``plan.options`` besides the seed, the
     time limit, the resolved schedule and the mesh search."""
     mesh_degrees, model, (part, problem, sched, plan_timings), mesh_table = planned
-    graph, pp = traced.graph, mesh_degrees["pp"]
+    graph, pp = pipeline_graph(traced.graph, mesh_degrees), mesh_degrees["pp"]  # the link its pipelines span
     resolved = options.schedule if options.schedule is not None else default_method(problem.device_of_stage, pp)
     tables = (graph, part, problem, sched, options.objective, model)
     return Plan(
@@ -286,11 +284,13 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
         planned for ``a`` devices and ``microbatches / (b * c)`` micro-batches (``plan.devices``
         and ``plan.microbatches`` are those of one pipeline; ``plan.mesh`` the mesh,
         ``plan.world_size`` all devices). With ``dp_shard > 1`` the memory model shards the
-        optimizer state over it (:func:`fxpipe.mesh.mesh_memory`). ``"auto"`` (default): the joint
-        search (:func:`fxpipe.mesh_search.search_mesh`): every ``pp x dp_shard`` (``x
-        dp_replicate`` on a hardware with nodes) of ``devices`` whose replicas divide
-        ``microbatches`` is planned and the smallest predicted step (schedule + data-parallel
-        sync) that fits memory kept, so a small model on few devices may get pure data
+        optimizer state over it (:func:`fxpipe.mesh.mesh_memory`). An ``"order"`` entry
+        (e.g. ``["pp", "dp_replicate", "dp_shard"]``, torchtitan's; default pipeline rank
+        innermost, :func:`fxpipe.mesh.normalize_rank_order`) places the ranks (``plan.rank_order``).
+        ``"auto"`` (default): the joint search (:func:`fxpipe.mesh_search.search_mesh`): every
+        ``pp x dp_shard`` (``x dp_replicate`` and the rank orders on a hardware with nodes) of
+        ``devices`` whose replicas divide ``microbatches`` is planned and the smallest predicted
+        step (schedule + data-parallel sync not hidden by the pipeline) that fits memory kept, so a small model on few devices may get pure data
         parallelism (``pp = 1``); ``plan.options["mesh_search"]`` and the summary list the
         candidates. With a ``memory`` model that already shards over ``data_parallel > 1``
         (your own data parallelism around the pipeline) ``"auto"`` plans the pure pipeline

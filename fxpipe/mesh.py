@@ -144,11 +144,12 @@ def normalize_mesh(mesh: Any, devices: int | None = None) -> dict[str, int]:
 
     Parameters
     ----------
-    mesh : Mapping[str, int], "auto" or None
+    mesh : Mapping[str, int], "pipeline", "auto" or None
         Degrees by torchtitan name (``"pp"``, ``"dp_shard"``, ``"dp_replicate"``); missing
         names are 1. An ``"order"`` entry (the rank order, :func:`normalize_rank_order`) is
-        validated and kept. ``"auto"`` and None: the pure pipeline ``{"pp": devices}`` (the joint
-        mesh search is not implemented yet).
+        validated and kept. ``"pipeline"``, ``"auto"`` and None: the pure pipeline ``{"pp":
+        devices}`` (a function of the degrees alone cannot search: :func:`fxpipe.compile`
+        resolves its default ``"auto"`` by :func:`fxpipe.mesh_search.search_mesh` first).
     devices : int, optional
         The number of devices; the product of the degrees must equal it.
 
@@ -164,15 +165,16 @@ def normalize_mesh(mesh: Any, devices: int | None = None) -> dict[str, int]:
         For an unknown dimension name, a degree that is not an integer >= 1, a product that is
         not ``devices``, a bad order, or ``"auto"`` without ``devices``.
     """
-    if mesh is None or (isinstance(mesh, str) and mesh == "auto"):
+    if mesh is None or (isinstance(mesh, str) and mesh in ("auto", "pipeline")):
         if devices is None:
-            raise InputError("mesh='auto' needs the number of devices")
+            raise InputError(f"mesh={mesh!r} needs the number of devices")
         return pure_pipeline(devices)
     if isinstance(mesh, str):
         mesh = parse_mesh(mesh)
     if not isinstance(mesh, Mapping):
         raise InputError(
-            f"mesh must be 'auto' or a dict of degrees such as {{'pp': 2, 'dp_shard': 2}}, got {mesh!r}"
+            f"mesh must be 'auto', 'search', 'pipeline' or a dict of degrees such as {{'pp': 2, 'dp_shard': 2}}, "
+            f"got {mesh!r}"
         )
     unknown = sorted(str(k) for k in mesh if k not in MESH_DIMS and k != "order")
     if unknown:
