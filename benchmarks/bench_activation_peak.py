@@ -47,7 +47,7 @@ def _plan_runs(name: str, ranks: int, m: int, offload: bool):
 
     zm = zoo.get(name, microbatches=m)
     model, args, kwargs = zm.one_microbatch()
-    plan = fxpipe.compile(model, args, kwargs, devices=ranks, microbatches=m, time_limit_s=0.5, name=name)
+    plan = fxpipe.compile(model, args, kwargs, devices=ranks, microbatches=m, time_limit_s=0.5, name=name, mesh="pipeline")
     base = dict(make_model=zm, make_batch=zm.batch, loss=zm.loss, stage_of=plan.worker_stage_of(),
                 num_microbatches=m, steps=1, lr=0.01, model_key=name)
     out = []

@@ -79,7 +79,7 @@ def planning(name: str, devices: int, time_limit_s: float) -> dict:
                  for k, v in kwargs.items()}
     t0 = time.perf_counter()
     base = fxpipe.compile(model, mb, mb_kwargs, devices=devices, microbatches=MICROBATCHES, objective="inference",
-                          schedule="gpipe", time_limit_s=time_limit_s)
+                          schedule="gpipe", time_limit_s=time_limit_s, mesh="pipeline")
     compile_s = time.perf_counter() - t0
     torch._dynamo.reset()
     _mark(args, kwargs)
@@ -176,7 +176,7 @@ def train_schedules(names: list, microbatches: int = 4, steps: int = 2, lr: floa
             if not schedules:
                 continue
             plan = fxpipe.compile(model, args, kwargs, devices=2, microbatches=microbatches, time_limit_s=0.5, name=name,
-                                  stages_per_device=v, placement=placement)
+                                  stages_per_device=v, placement=placement, mesh="pipeline")
             for sched in schedules:
                 p = plan if plan.options["schedule"] == sched else plan.reschedule(sched)
                 runs.append(dict(make_model=zm, make_batch=zm.batch, loss=zm.loss, stage_of=p.worker_stage_of(),

@@ -14,7 +14,7 @@ schedule ``auto`` with heuristics only), in one process:
   mesh's predicted step under every order it tried (``pruned >= x``: its lower bound already
   lost);
 * the pinned baselines, each planned alone with the same options: the pure pipeline
-  (``pp = devices``, today's default ``mesh="auto"``) and torchtitan-style hand choices
+  (``pp = devices``, ``mesh="pipeline"``, the default before ``"auto"`` became the search) and torchtitan-style hand choices
   ``pp=8 x dp_shard=devices/8`` and ``pp=4 x dp_shard=devices/4`` (where they divide), each
   with the default rank order and with torchtitan's (``mesh={..., "order": [...]}``; its
   pipeline is costed at the link its hops cross, :func:`fxpipe.mesh.pipeline_graph`, once

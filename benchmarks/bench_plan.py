@@ -166,7 +166,7 @@ def main(argv=None) -> int:
             try:
                 plan = fxpipe.compile(model, margs, mkwargs, devices=k, microbatches=args.microbatches,
                                       hardware=args.hardware, dtype=dtype, objective="training",
-                                      time_limit_s=args.time_limit, name=name)
+                                      time_limit_s=args.time_limit, name=name, mesh="pipeline")
             except InfeasibleError as exc:
                 wall = time.perf_counter() - t2
                 rows.append({"model": name, "devices": k, "compile_wall_s": wall, "compile": True,

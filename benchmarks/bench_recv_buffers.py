@@ -37,7 +37,7 @@ def main() -> None:
     fac = small_gpt2(args)
     model, a, k = fac.one_microbatch()
     schedules = ("gpipe", "1f1b", "zb-h1", "zb-h2")
-    plans = [fxpipe.compile(model, a, k, devices=4, microbatches=m, schedule=s, time_limit_s=1.0, memory_bytes=float("inf"))
+    plans = [fxpipe.compile(model, a, k, devices=4, microbatches=m, schedule=s, time_limit_s=1.0, memory_bytes=float("inf"), mesh="pipeline")
              for s in schedules]
     runs = [dict(make_model=fac, stage_of=p.worker_stage_of(), orders=p.orders(), num_microbatches=m,
                  make_batch=_BatchFn(fac), steps=1, lr=0.05, model_key="gpt2") for p in plans]
