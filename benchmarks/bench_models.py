@@ -39,7 +39,7 @@ def plan_one(model_type: str, extra: list[str]) -> dict:
     out, err = io.StringIO(), io.StringIO()
     t0 = time.perf_counter()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main(["plan", "--hf", model_type, "--devices", "2", "--json", *extra])
+        code = main(["plan", "--hf", model_type, "--devices", "2", "--mesh", "pipeline", "--json", *extra])
     wall = time.perf_counter() - t0
     if code != 0:
         lines = [ln for ln in err.getvalue().strip().splitlines() if ln.strip()]
