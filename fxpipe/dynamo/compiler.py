@@ -244,6 +244,7 @@ class _GraphCompiler:
         if ckw.get("schedule") is None and ckw["objective"] == "inference":
             ckw["schedule"] = "gpipe"  # a forward-only pipeline runs GPipe's forward half
         ckw.setdefault("name", self.name)
+        ckw["mesh"] = "pipeline"  # the backend runs one pipeline over its devices (its runners know no mesh)
         return ckw, mb
 
     def _plan(self, user_inputs: Sequence[Any]):

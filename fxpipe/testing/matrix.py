@@ -217,7 +217,7 @@ def _plan_model(zm, name: str, k: int, cfg: _Settings) -> tuple[dict, dict[str, 
             by_placement[pl] = fxpipe.compile(
                 model, args, kwargs, devices=k, microbatches=cfg.microbatches, stages_per_device=cfg.stages_per_device,
                 placement=pl, time_limit_s=cfg.partition_time_limit_s, schedule=None,  # rescheduled below
-                schedule_time_limit_s=cfg.milp_time_limit_s, name=name)
+                schedule_time_limit_s=cfg.milp_time_limit_s, name=name, mesh="pipeline")
             placement_s[pl] = time.perf_counter() - tc
         plan = by_placement[pl]
         tc = time.perf_counter()
