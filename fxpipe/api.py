@@ -276,26 +276,20 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
         (:func:`fxpipe.passes.capture.capture`; same graph as a full export, much faster for
         70B-class models). ``"never"`` forces a full ``torch.export``.
     mesh : "auto", "search", "pipeline" or dict
-        Pipeline x data parallelism, torchtitan's names: ``{"pp": a, "dp_shard": b,
-        "dp_replicate": c}`` (missing = 1, ``a * b * c == devices``): ``b * c`` replicas of a
-        pipeline over ``a`` devices, each stage wrapped by FSDP2 ``fully_shard`` over
-        ``dp_shard`` (HSDP with ``dp_replicate``) or ``replicate`` over ``dp_replicate``
-        (:mod:`fxpipe.codegen.mesh`). ``b * c`` must divide ``microbatches``; the pipeline is
-        planned for ``a`` devices and ``microbatches / (b * c)`` micro-batches (``plan.devices``
-        and ``plan.microbatches`` are those of one pipeline; ``plan.mesh`` the mesh,
-        ``plan.world_size`` all devices). With ``dp_shard > 1`` the memory model shards the
-        optimizer state over it (:func:`fxpipe.mesh.mesh_memory`). An ``"order"`` entry
-        (e.g. ``["pp", "dp_replicate", "dp_shard"]``, torchtitan's; default pipeline rank
-        innermost, :func:`fxpipe.mesh.normalize_rank_order`) places the ranks (``plan.rank_order``).
-        ``"auto"`` (default): the joint search (:func:`fxpipe.mesh_search.search_mesh`): every
-        ``pp x dp_shard`` (``x dp_replicate`` and the rank orders on a hardware with nodes) of
-        ``devices`` whose replicas divide ``microbatches`` is planned and the smallest predicted
-        step (schedule + data-parallel sync not hidden by the pipeline) that fits memory kept, so a small model on few devices may get pure data
-        parallelism (``pp = 1``); ``plan.options["mesh_search"]`` and the summary list the
-        candidates. With a ``memory`` model that already shards over ``data_parallel > 1``
-        (your own data parallelism around the pipeline) ``"auto"`` plans the pure pipeline
-        over ``devices``. ``"search"``: the search always. ``"pipeline"`` (or ``{"pp":
-        devices}``): the pure pipeline over all devices.
+        Pipeline x data parallelism (:mod:`fxpipe.mesh`), torchtitan's names: ``{"pp": a,
+        "dp_shard": b, "dp_replicate": c}`` (missing = 1, ``a * b * c == devices``; ``b * c``
+        divides ``microbatches``): ``b * c`` replicas of a pipeline over ``a`` devices, each
+        planned for ``microbatches / (b * c)`` micro-batches, its stages wrapped by FSDP2
+        ``fully_shard`` over ``dp_shard`` (HSDP with ``dp_replicate``) or ``replicate``
+        (:mod:`fxpipe.codegen.mesh`), the optimizer state sharded over ``dp_shard``
+        (:func:`fxpipe.mesh.mesh_memory`); an ``"order"`` entry (e.g. torchtitan's ``["pp",
+        "dp_replicate", "dp_shard"]``) places the ranks (``plan.rank_order``). ``"auto"``
+        (default): the joint search (:func:`fxpipe.mesh_search.search_mesh`; ``"search"``
+        forces it): every such mesh (and rank order, on hardware with nodes) planned, the
+        smallest predicted step that fits kept, so a small model may get pure data parallelism
+        (``pp = 1``); ``plan.options["mesh_search"]`` and the summary list the candidates. With
+        a ``memory`` model already sharding over ``data_parallel > 1`` (your own data
+        parallelism), ``"auto"`` is ``"pipeline"``: the pure pipeline over all devices.
 
     Returns
     -------
