@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from naive_schedule import exhaustive_optimum
 
-from fxpipe.errors import FxpipeError
+from fxpipe.errors import FxpipeError, InfeasibleError
 from fxpipe.ir import ScheduleProblem
 from fxpipe.schedule import (
     METHODS,
@@ -332,11 +332,36 @@ def test_bounds_below_every_valid_heuristic_with_recomputation(drawn):
         assert s.value >= lb - 1e-9 * max(1.0, lb), method
 
 
+@st.composite
+def tiny_recompute_problems(draw):
+    S, M = draw(st.sampled_from([(2, 2), (1, 3), (3, 1)]))
+    p = _memory_problem(draw, S, M, t_max=(3, 3, 2), comm_max=1, offload_s=[0.5], mem_f=[1.0],
+                        freed_by_b=[0.0, 0.5, 1.0], limit_x=[1.5, 2.0, 2.5])
+    p = p.replace(offload_bytes=0.0, recompute_mem_f=[draw(st.sampled_from([0.25, 0.5])) for _ in range(S)])
+    return p.with_recompute([s for s in range(S) if draw(st.booleans())])
+
+
+@settings(max_examples=6, deadline=None, derandomize=True, database=None)
+@given(tiny_recompute_problems())
+def test_bound_below_exhaustive_optimum_with_recomputation(problem):
+    try:
+        opt, _ = exhaustive_optimum(problem)
+    except InfeasibleError:  # the replay does not fit beside the stash: no schedule to bound
+        return
+    assert combinatorial_lower_bound(problem) <= opt + 1e-9
+
+
 @settings(max_examples=25, deadline=None)
-@given(recompute_problems(max_stages=4))
-def test_recompute_bound_below_every_recompute_choice(drawn):
-    # part 7: below the combinatorial bound (hence every schedule) of each of the 2^S choices
+@given(recompute_problems(max_stages=4), st.data())
+def test_recompute_bound_below_every_recompute_choice(drawn, data):
+    # part 7: below the combinatorial bound (hence every schedule) of each of the 2^S choices,
+    # also with several stages on a device
     base, _ = drawn
+    S = base.num_stages
+    dev = data.draw(st.lists(st.integers(0, S - 1), min_size=S, max_size=S))
+    used = sorted(set(dev))
+    base = base.replace(num_devices=len(used), device_of_stage=[used.index(d) for d in dev],
+                        mem_limit=[data.draw(st.sampled_from([2.0, 3.0, 5.0, 8.0, math.inf])) for _ in used])
     lb = recompute_lower_bound(base)
     S = base.num_stages
     for mask in range(2 ** S):
