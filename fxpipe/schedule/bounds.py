@@ -177,8 +177,9 @@ bound for every choice of the others), and ``C(x)``, the objective bound of part
 (memory-blind) and 6 (with the limits) of the problem with choice ``x``. ``C`` never
 decreases when a stage starts recomputing: its B grows by the replayed forward (every term
 of parts 1, 4 and 6 grows with the B times, part 4's drain shrinks by at most the ``(m - 1)``
-B it adds to the busy time), and part 6's ``P_k`` falls (a recomputing B starts holding
-``a + r >= -w`` bytes, ``r`` the inputs). So ``LB(x) >= R(x) = max(max_i h_i(x_i), C(x))``
+B it adds to the busy time), and part 6's ``P_k`` falls (at its start a recomputing B holds
+``a - c + r >= a >= -w`` bytes, ``r >= c`` the inputs, ``c`` the pooled bytes; ``-w`` is
+unchanged). So ``LB(x) >= R(x) = max(max_i h_i(x_i), C(x))``
 and ``min_x R(x)`` is attained at a threshold choice: for ``x*`` optimal with value V, the
 choice ``x'_i = 1`` iff ``h_i(0) > V`` has ``x' <= x*`` (where ``x*_i = 0``, ``h_i(0) <= V``), so
 ``C(x') <= C(x*) <= V``, and ``h_i(x'_i) <= V`` (``x'_i = 1`` forces ``x*_i = 1``). Trying the
