@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from naive_schedule import exhaustive_optimum
 
-from fxpipe.errors import FxpipeError
+from fxpipe.errors import FxpipeError, InfeasibleError
 from fxpipe.ir import ScheduleProblem
 from fxpipe.schedule import (
     METHODS,
@@ -25,9 +26,11 @@ from fxpipe.schedule import (
     stage_span_bounds,
 )
 from fxpipe.schedule.bounds import (
+    chain_stage_span_bounds,
     memory_lower_bound,
     memory_stage_span_bounds,
     memory_time_stage_span_bounds,
+    recompute_lower_bound,
     round_trip_lower_bound,
 )
 from fxpipe.schedule.validate import check_schedule
@@ -270,3 +273,97 @@ def test_memory_time_bound_one_stash_in_flight():
                                mem_b=-1, mem_w=0, offload_bytes=1, t_offload=1, mem_limit=[1, math.inf])
     # n offloaded: max((n (1 + 2) + (4 - n) 11) / 1, 2 n) is smallest at n = 4: 12
     assert memory_time_stage_span_bounds(q)[0] == pytest.approx(12.0, rel=1e-6)
+
+
+# ---------------------------------------------------------------- downstream chain bound (part 6)
+
+
+def test_chain_bound_is_the_optimum_where_the_old_bounds_were_not():
+    # a slow last stage: stage 0's span holds F0 + B0 (the round trip) and all of stage 1's
+    # F and B work: 1 + 1 + 2 (2 + 2) + W0 1 = 11; parts 1-5 gave 9 (stage 0 fills its head)
+    p = ScheduleProblem.create(num_stages=2, num_microbatches=2, t_f=[1, 2], t_b=[1, 2], t_w=[1, 0])
+    assert chain_stage_span_bounds(p).tolist() == [11.0, -math.inf]
+    assert combinatorial_lower_bound(p) == 11.0 == exhaustive_optimum(p)[0]
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_chain_bound_counts_the_w_passes_memory_forces(recompute):
+    # stage 1 may owe no W at its last B's start (each owed W holds -w = 1 byte of a 1.5 / 1.6
+    # limit), so one W of stage 1 runs before that B: 2 + 2 (1 + B1) + 1 + 1 more than blind
+    if recompute:  # B1 replays F1 (B1 = 2) and holds inputs + replayed stash: a + b + tr = 1.25
+        p = ScheduleProblem.create(num_stages=2, num_microbatches=2, t_f=1, t_b=1, t_w=1, mem_f=1, mem_b=-0.5,
+                                   mem_w=-0.5, offload_bytes=0, mem_limit=[100, 1.6],
+                                   recompute_mem_f=0.25).with_recompute([1])
+        want = 10.0
+    else:
+        p = ScheduleProblem.create(num_stages=2, num_microbatches=2, t_f=1, t_b=1, t_w=1, mem_f=1, mem_b=0, mem_w=-1,
+                                   offload_bytes=0, mem_limit=[100, 1.5])
+        want = 8.0
+    assert chain_stage_span_bounds(p, memory=False)[0] == want - 1.0
+    assert chain_stage_span_bounds(p)[0] == want
+    assert combinatorial_lower_bound(p) == want == exhaustive_optimum(p)[0]
+
+
+@st.composite
+def recompute_problems(draw, max_stages=6):
+    """A memory problem (as :func:`memory_problems`) with a drawn ``recompute_mem_f`` and a drawn
+    set of stages to recompute."""
+    S, M = draw(st.integers(1, max_stages)), draw(st.integers(1, 12))
+    p = _memory_problem(draw, S, M, t_max=(4, 4, 4), comm_max=2, offload_s=[0.0, 0.5, 1.0, 2.0, 4.0],
+                        mem_f=[1.0, 2.0], freed_by_b=[0.0, 0.25, 0.5, 1.0], limit_x=[1.0, 1.5, 2.0, 3.0, 5.0, 100.0])
+    keep = [float(p.mem_f[s]) * draw(st.sampled_from([0.25, 0.5, 1.0])) for s in range(S)]
+    return p.replace(recompute_mem_f=keep), [s for s in range(S) if draw(st.booleans())]
+
+
+@settings(max_examples=60, deadline=None)
+@given(recompute_problems())
+def test_bounds_below_every_valid_heuristic_with_recomputation(drawn):
+    base, rec = drawn
+    problem = base.with_recompute(rec)
+    lb = combinatorial_lower_bound(problem)
+    assert lb >= max(chain_stage_span_bounds(problem)) - 1e-9 * max(1.0, lb)
+    for method in ("1f1b", "zb-h1", "zb-h2", "greedy", "pipeoffload", "adaoffload"):  # offload-search: 2 s each
+        try:
+            s = generate(problem, method)
+        except FxpipeError:
+            continue
+        if check_schedule(problem, s.ops):
+            continue
+        assert s.value >= lb - 1e-9 * max(1.0, lb), method
+
+
+@st.composite
+def tiny_recompute_problems(draw):
+    S, M = draw(st.sampled_from([(2, 2), (1, 3), (3, 1)]))
+    p = _memory_problem(draw, S, M, t_max=(3, 3, 2), comm_max=1, offload_s=[0.5], mem_f=[1.0],
+                        freed_by_b=[0.0, 0.5, 1.0], limit_x=[1.5, 2.0, 2.5])
+    p = p.replace(offload_bytes=0.0, recompute_mem_f=[draw(st.sampled_from([0.25, 0.5])) for _ in range(S)])
+    return p.with_recompute([s for s in range(S) if draw(st.booleans())])
+
+
+@settings(max_examples=6, deadline=None, derandomize=True, database=None)
+@given(tiny_recompute_problems())
+def test_bound_below_exhaustive_optimum_with_recomputation(problem):
+    try:
+        opt, _ = exhaustive_optimum(problem)
+    except InfeasibleError:  # the replay does not fit beside the stash: no schedule to bound
+        return
+    assert combinatorial_lower_bound(problem) <= opt + 1e-9
+
+
+@settings(max_examples=25, deadline=None)
+@given(recompute_problems(max_stages=4), st.data())
+def test_recompute_bound_below_every_recompute_choice(drawn, data):
+    # part 7: below the combinatorial bound (hence every schedule) of each of the 2^S choices,
+    # also with several stages on a device
+    base, _ = drawn
+    S = base.num_stages
+    dev = data.draw(st.lists(st.integers(0, S - 1), min_size=S, max_size=S))
+    used = sorted(set(dev))
+    base = base.replace(num_devices=len(used), device_of_stage=[used.index(d) for d in dev],
+                        mem_limit=[data.draw(st.sampled_from([2.0, 3.0, 5.0, 8.0, math.inf])) for _ in used])
+    lb = recompute_lower_bound(base)
+    S = base.num_stages
+    for mask in range(2 ** S):
+        q = base.with_recompute([s for s in range(S) if mask >> s & 1])
+        assert lb <= combinatorial_lower_bound(q) * (1 + 1e-9) + 1e-12, mask

@@ -46,7 +46,10 @@ schedule of it:
    nothing better.
 
 ``lower_bound_s`` of the result is a proven bound for the returned problem, i.e. for the
-chosen recomputation (the flags themselves are not proven optimal).
+chosen recomputation (the flags themselves are not proven optimal); it counts the memory that
+recomputation forces (a recomputing stage's pending W passes hold the replayed activations,
+part 6 of :mod:`fxpipe.schedule.bounds`). A bound valid for every recomputation choice of the
+input problem is :func:`~fxpipe.schedule.bounds.recompute_lower_bound` (not computed here).
 
 References
 ----------

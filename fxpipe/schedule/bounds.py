@@ -1,8 +1,8 @@
 """Combinatorial lower bounds on pipeline schedules (no solver).
 
-Two families of per-stage bounds on the stage span (from the first F start to the last W
-end of a stage, OptPipe Eq. 3), both purely combinatorial and sound for every schedule that
-satisfies Contract 3 of DESIGN.md; :func:`combinatorial_lower_bound` returns the larger.
+Families of per-stage bounds on the stage span (from the first F start to the last W
+end of a stage, OptPipe Eq. 3), all purely combinatorial and sound for every schedule that
+satisfies Contract 3 of DESIGN.md; :func:`combinatorial_lower_bound` returns the largest.
 
 Notation
 --------
@@ -138,6 +138,54 @@ stream needs ``sum_s 2 n_s tau_s <= span``. Relaxing the offload counts ``n_s`` 
 ``[0, m]`` (a lower bound on the integer minimum), the minimum of the two is found by taking
 the stages with the best memory saving per copy second first.
 
+6. Downstream chain bound (:func:`chain_stage_span_bounds`)
+-----------------------------------------------------------
+Stage s's span also contains the work of every later stage k > s, passed through the chain.
+Let ``t0`` be the first F start of s and ``phi_k`` the first F start of k: the micro-batch of
+that F passed stages s..k-1 in order, starting on s at ``>= t0``, so
+``phi_k >= t0 + sum_{i=s}^{k-1} (F_i + c_i)`` (Contract 3 rule 2; ``c`` the effective comm).
+Let ``tau`` be the start of the last-starting B of stage k (micro-batch ``j*``). Every F of k
+ended by ``tau`` (it precedes its own B), the other ``m - 1`` B of k ended by ``tau`` (they
+started no later and do not overlap ``B(k, j*)``, ``B_k > 0``), and so did every W of k that
+started before ``tau``; all of them lie in ``[phi_k, tau]`` on k's compute stream (rule 3).
+With ``n_W`` such W, ``B(k, j*)`` ends at ``T_k >= phi_k + m (F_k + B_k) + n_W W_k``. Its
+gradient then travels back: ``B(s, j*)`` starts ``>= T_k + sum_{i=s}^{k-1} c_i +
+sum_{i=s+1}^{k-1} B_i`` and ``W(s, j*)`` ends ``B_s + W_s`` later, inside the span of s. So
+
+``span_s >= sum_{i=s}^{k-1} (F_i + B_i + 2 c_i) + m (F_k + B_k) + n_W W_k + W_s``  for every k > s.
+
+Memory bounds ``n_W`` from below (``P_k``, the most W a stage may still owe at ``tau``): at
+``tau`` (rule 5, all deltas of ops started by ``tau``) each of the ``m - 1 - n_W`` other
+micro-batches whose W has not started holds ``a_k + b_k = -w_k >= 0`` (an offload only lasts
+until the R before its B), ``j*`` holds ``a_k + b_k + tr_k`` (its stash is back, its B has
+started; ``tr`` the replay transient of a recomputing stage), and every other stash or stage
+of the device holds ``>= 0``. So ``(m - 1 - n_W)(-w_k) + a_k + b_k + tr_k <= L`` and
+``n_W >= m - 1 - P_k`` with ``P_k = floor((L - a_k - b_k - tr_k) / (-w_k))`` (``P_k = m - 1``
+without a limit, with ``w_k = 0`` or with ``B_k = 0``, where the W term is dropped). With a
+recomputing stage each pending W holds the recomputed activations, so a binding limit
+forces most W passes of a stage before its last B: this is what bounds the 70B pipelines
+of issue 19, whose late stages' work reaches stage 0 only through the chain.
+
+7. Over every recomputation choice (:func:`recompute_lower_bound`)
+-------------------------------------------------------------------
+``auto`` chooses which stages recompute (:meth:`ScheduleProblem.with_recompute`); a bound
+valid for every choice ``x`` (``x_i = 1``: stage i recomputes) is
+``min_x LB(x)``, with ``2^S`` choices. Split the terms: ``h_i(x_i)``, the bounds of parts
+1-3 on stage i (plus ``A_i`` for the makespan) with stage i's choice and every *other* stage
+not recomputing (the least round trip ``D_i``: parts 1-3 grow with ``D_i``, so this is a
+bound for every choice of the others), and ``C(x)``, the objective bound of parts 1, 4
+(memory-blind) and 6 (with the limits) of the problem with choice ``x``. ``C`` never
+decreases when a stage starts recomputing: its B grows by the replayed forward (every term
+of parts 1, 4 and 6 grows with the B times, part 4's drain shrinks by at most the ``(m - 1)``
+B it adds to the busy time), and part 6's ``P_k`` falls (at its start a recomputing B holds
+``a - c + r >= a >= -w`` bytes, ``r >= c`` the inputs, ``c`` the pooled bytes; ``-w`` is
+unchanged). So ``LB(x) >= R(x) = max(max_i h_i(x_i), C(x))``
+and ``min_x R(x)`` is attained at a threshold choice: for ``x*`` optimal with value V, the
+choice ``x'_i = 1`` iff ``h_i(0) > V`` has ``x' <= x*`` (where ``x*_i = 0``, ``h_i(0) <= V``), so
+``C(x') <= C(x*) <= V``, and ``h_i(x'_i) <= V`` (``x'_i = 1`` forces ``x*_i = 1``). Trying the
+``S + 1`` thresholds ``V`` in ``{h_i(0)}`` and ``-inf`` gives ``min_x R(x)``, a lower bound on
+every schedule of every recomputation choice (stages that already recompute stay so).
+
 Objectives
 ----------
 Stage span (the largest per-device span): the largest device bound. Makespan (OptPipe
@@ -166,12 +214,14 @@ import numpy as np
 from fxpipe.ir import ScheduleProblem
 
 __all__ = [
+    "chain_stage_span_bounds",
     "combinatorial_lower_bound",
     "device_span_bounds",
     "limited_1f1b_bound",
     "memory_lower_bound",
     "memory_stage_span_bounds",
     "memory_time_stage_span_bounds",
+    "recompute_lower_bound",
     "round_trip_lower_bound",
     "stage_span_bounds",
 ]
@@ -205,6 +255,55 @@ def stage_span_bounds(problem: ScheduleProblem) -> np.ndarray:
             case_mixed = m * (F + B + W) + max(0.0, F + d - x * F) + max(0.0, d + B + W - y)
             best = min(best, case_mixed)
         out[s] = best
+    return out
+
+
+def chain_stage_span_bounds(problem: ScheduleProblem, *, memory: bool = True) -> np.ndarray:
+    """Downstream chain lower bound on the span of every stage (float64 array (S,), seconds).
+
+    Part 6 of the module docstring: stage s's span contains the path of one micro-batch to a
+    later stage k and back plus all of k's F and B work, and (``memory``) the W passes of k
+    that its memory limit forces before its last B.
+
+    Parameters
+    ----------
+    problem : ScheduleProblem
+        Contract 3 problem (any placement; comm between stages of one device is free).
+    memory : bool
+        Use the memory limits (False: the memory-blind bound, ``P_k = m - 1``).
+
+    Returns
+    -------
+    float64 array (S,)
+        Seconds; every valid schedule's span of stage s is at least entry s (``-inf`` for the
+        last stage, which has no later stage).
+
+    References
+    ----------
+    DESIGN.md Contract 3 rules 2, 3 and 5; OptPipe Eq. 3.
+    """
+    S, m = problem.num_stages, problem.num_microbatches
+    c = problem.t_comm_effective
+    F, B, W = (np.asarray(x, dtype=float) for x in (problem.t_f, problem.t_b, problem.t_w))
+    core = m * (F + B)
+    if memory:
+        a, b = np.asarray(problem.mem_f, dtype=float), np.asarray(problem.mem_b, dtype=float)
+        tr = np.asarray(problem.mem_b_transient, dtype=float)
+        held = -np.asarray(problem.mem_w, dtype=float)  # a + b: what a micro-batch holds until its W
+        for k in range(S):
+            L = problem.device_mem_limit(k)
+            if not math.isfinite(L) or held[k] <= 0.0 or B[k] <= 0.0 or W[k] <= 0.0:
+                continue
+            L_eff = L + _MEM_RTOL * max(1.0, abs(L), float(problem.stash_footprint[k]))  # in the schedule's favour
+            owed = math.floor((L_eff - a[k] - b[k] - tr[k]) / held[k])
+            core[k] += max(0, m - 1 - min(m - 1, max(0, owed))) * W[k]
+    out = np.full(S, -math.inf)
+    # path[s] = sum_{i < s} (F_i + B_i + 2 c_i): the bound of s is max_{k > s} (path[k] + core[k]) - path[s] + W_s
+    path = np.concatenate([[0.0], np.cumsum(F[:-1] + B[:-1] + 2.0 * np.asarray(c, dtype=float))])
+    best = -math.inf
+    for s in range(S - 2, -1, -1):
+        best = max(best, float(path[s + 1] + core[s + 1]))
+        out[s] = best - float(path[s]) + float(W[s])
     return out
 
 
@@ -445,7 +544,8 @@ def device_span_bounds(problem: ScheduleProblem, *, memory: bool = True) -> np.n
     """Lower bound on the span of every device (float64 array (D,), seconds).
 
     The largest of: the device's busy time; the per-stage bounds of the stages it holds
-    (a device's span contains each of its stages' spans); the device warm-up/drain bound
+    (a device's span contains each of its stages' spans; the downstream chain bound of part
+    6, with the limits when ``memory``); the device warm-up/drain bound
     (part 4 of the module docstring) and, with ``memory``, the per-stage memory-aware and
     memory-time bounds and the device memory-time bound (part 5).
 
@@ -460,7 +560,7 @@ def device_span_bounds(problem: ScheduleProblem, *, memory: bool = True) -> np.n
     float64 array (D,)
         Seconds; every valid schedule's span of device d is at least entry d.
     """
-    stage = stage_span_bounds(problem)
+    stage = np.maximum(stage_span_bounds(problem), chain_stage_span_bounds(problem, memory=memory))
     if memory:
         stage = np.maximum(stage, memory_stage_span_bounds(problem))
         stage = np.maximum(stage, memory_time_stage_span_bounds(problem))
@@ -491,7 +591,7 @@ def _objective_bound(problem: ScheduleProblem, spans: np.ndarray, dev_spans: np.
 
 
 def round_trip_lower_bound(problem: ScheduleProblem) -> float:
-    """The memory-blind bound (parts 1 and 4 of the module docstring) on the problem's objective.
+    """The memory-blind bound (parts 1, 4 and 6 without limits of the module docstring) on the objective.
 
     Parameters
     ----------
@@ -506,14 +606,15 @@ def round_trip_lower_bound(problem: ScheduleProblem) -> float:
     ----------
     OptPipe Eq. 3 and 4; Zero Bubble Section 2.
     """
-    return _objective_bound(problem, stage_span_bounds(problem), device_span_bounds(problem, memory=False))
+    spans = np.maximum(stage_span_bounds(problem), chain_stage_span_bounds(problem, memory=False))
+    return _objective_bound(problem, spans, device_span_bounds(problem, memory=False))
 
 
 def memory_lower_bound(problem: ScheduleProblem) -> float:
-    """The memory-aware bound (parts 2 to 5 of the module docstring) on the objective.
+    """The memory-aware bound (parts 2 to 6 of the module docstring) on the objective.
 
-    Uses, per stage, the largest of the round-trip, the warm-up/drain and the memory-time
-    stage span bounds, and per device :func:`device_span_bounds`.
+    Uses, per stage, the largest of the round-trip, the warm-up/drain, the memory-time and
+    the downstream chain stage span bounds, and per device :func:`device_span_bounds`.
 
     Parameters
     ----------
@@ -530,6 +631,7 @@ def memory_lower_bound(problem: ScheduleProblem) -> float:
     """
     spans = np.maximum(stage_span_bounds(problem), memory_stage_span_bounds(problem))
     spans = np.maximum(spans, memory_time_stage_span_bounds(problem))
+    spans = np.maximum(spans, chain_stage_span_bounds(problem))
     return _objective_bound(problem, spans, device_span_bounds(problem))
 
 
@@ -577,4 +679,61 @@ def limited_1f1b_bound(problem: ScheduleProblem, w: int) -> float:
         k = min(w, p - s - 1, M) + 1
         cycle = float(tb[s]) + float(tw[s]) + fwd + back + 2.0 * cm
         best = max(best, float(tf[s]) + ((M - 1) // k) * cycle + float(tb[s]) + float(tw[s]))
+    return best
+
+
+def _stage_terms(problem: ScheduleProblem, s: int) -> float:
+    """Parts 1-3 of the module docstring for stage s alone (seconds; ``+ A_s`` for makespan)."""
+    D = _round_trip(problem)
+    m = problem.num_microbatches
+    F, B, W, d = float(problem.t_f[s]), float(problem.t_b[s]), float(problem.t_w[s]), float(D[s])
+    best = max(max(m * F, F + d) + m * (B + W), m * F + d + B + W)
+    if m >= 2:
+        best = min(best, m * (F + B + W) + max(0.0, F + d - (m - 1) * F) + max(0.0, d + B + W - (m * (B + W) - B)))
+    best = max(best, _memory_stage_bound(problem, s, d), float(memory_time_stage_span_bounds(problem)[s]))
+    if problem.objective == "makespan":
+        c = problem.t_comm_effective
+        best += float(sum(problem.t_f[k] + c[k] for k in range(s)))
+    return best
+
+
+def _monotone_part(problem: ScheduleProblem) -> float:
+    """``C(x)`` of part 7: the objective bound of parts 1, 4 (memory-blind) and 6 (with limits)."""
+    spans = np.maximum(stage_span_bounds(problem), chain_stage_span_bounds(problem, memory=True))
+    return _objective_bound(problem, spans, device_span_bounds(problem, memory=False))
+
+
+def recompute_lower_bound(problem: ScheduleProblem) -> float:
+    """A lower bound on every schedule of ``problem`` under *any* choice of recomputing stages.
+
+    Part 7 of the module docstring: ``min`` over the choices ``x`` of a relaxation of
+    :func:`combinatorial_lower_bound` of ``problem.with_recompute(x)``, found exactly among
+    ``S + 1`` threshold choices. Stages that already recompute in ``problem`` stay so. What
+    ``auto`` reports next to its chosen problem's bound (its ``recompute_lower_bound_s``):
+    the quality of the recomputation choice and the schedule together.
+
+    Parameters
+    ----------
+    problem : ScheduleProblem
+        Contract 3 problem whose ``recompute_mem_f`` says what recomputing would keep.
+
+    Returns
+    -------
+    float
+        Seconds; every valid schedule of ``problem.with_recompute(x)``, for every ``x``, has
+        an objective value at least this large.
+
+    References
+    ----------
+    Module docstring parts 1-7; Chen et al. 2016 (activation recomputation).
+    """
+    S = problem.num_stages
+    h0 = np.array([_stage_terms(problem, i) for i in range(S)])
+    h1 = np.array([_stage_terms(problem.with_recompute([i]), i) for i in range(S)])
+    best = math.inf
+    for theta in sorted(set([-math.inf] + h0.tolist())):
+        rec = [i for i in range(S) if h0[i] > theta]
+        q = problem.with_recompute(rec) if rec else problem
+        val = max(float(np.max(np.where(h0 > theta, h1, h0))), _monotone_part(q))
+        best = min(best, val)
     return best
