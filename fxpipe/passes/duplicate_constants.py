@@ -51,13 +51,14 @@ model takes the same decision)
     anything that reads or writes much more than it produces.
 
 Placement
-    A copy has no input but constants, so nothing in the graph ties it to its layer: a
-    partitioner minimising the bottleneck stage could compute every copy on stage 0 and relay
-    them all. The copies (and the constant nodes whose original only one layer reads) are
-    marked ``meta["fxpipe_colocate"]``; :func:`fxpipe.passes.to_opgraph.to_opgraph` flags them
-    like ops of data-dependent size (``extra[i]["data_dependent"]``, with ``source`` saying
-    why), so the partitioner never cuts their output edges (:mod:`fxpipe.partition.colocate`):
-    each is computed on the stage of the layer that reads it.
+    A copy has no input but constants, so nothing would tie it to its layer: a partitioner
+    minimising the bottleneck stage could compute every copy on stage 0 and relay them all,
+    and the chain of layers (:mod:`fxpipe.partition.chain`) would lose its gates (a copy is
+    comparable with no op of the layers before). Each copy therefore reads what it takes from
+    outside itself (a small constant, a buffer) through ``type_as(x, e)``, with ``e`` an empty
+    view of a non-constant input ``h`` of the layer's first reader, and a ``full`` / ``ones`` /
+    ``zeros`` root becomes ``new_full(e, ...)`` etc.: three shape-only ops (no memory read, no
+    time, no gradient to ``h``) that put the copy downstream of its layer's input.
 
 The graph's outputs are unchanged (the copies compute the same values with the same ops);
 node names of the original graph are kept, copies are named ``<original>_dup<g>`` for
@@ -92,10 +93,6 @@ SMALL_RATIO = 16.0
 MAX_CONE_OPS = 64
 #: ``node.meta`` key set on every copy: the name of the node it copies.
 DUPLICATED_KEY = "fxpipe_duplicate_of"
-#: ``node.meta`` key set on the constant nodes a layer computes for itself (copies and the nodes
-#: whose original only one layer reads): the OpGraph marks them so that the partitioner keeps
-#: them on their readers' stage (:mod:`fxpipe.partition.colocate`).
-COLOCATE_KEY = "fxpipe_colocate"
 #: ``gm.meta`` key holding the :class:`DuplicationReport` as a dict.
 REPORT_KEY = "fxpipe_duplicated_constants"
 
@@ -245,6 +242,8 @@ def duplicate_constants(gm: torch.fx.GraphModule, *, ratio: float = RECOMPUTE_RA
                 m = stack.pop()
                 if m in acc or m.op != "call_function" or (m is not f and _numel(m.meta.get("val")) < floor):
                     continue
+                if not m.all_input_nodes and m.target not in _NEW_VARIANT and m is not f:
+                    continue  # e.g. an arange: read as it is, through the layer's anchor
                 acc.add(m)
                 stack.extend(m.all_input_nodes)
             got = cone_cache[f] = frozenset(acc)
@@ -291,32 +290,25 @@ def duplicate_constants(gm: torch.fx.GraphModule, *, ratio: float = RECOMPUTE_RA
     for m in sorted(owner, key=order.__getitem__):
         if any(owner.get(i, owner[m]) != owner[m] for i in m.all_input_nodes if i.op == "call_function"):
             owner[m] = nobody
-    copy_group: dict[torch.fx.Node, str] = {}
-    for gi, g in enumerate(layered, start=1):
+    for gi, g in enumerate(layered):  # group gi (in program order; 0 keeps the originals) names its copies _dup<gi>
         todo = sorted((m for m in cones[g] if owner[m] != g), key=order.__getitem__)
         if not todo:
             continue
         env: dict[torch.fx.Node, torch.fx.Node] = {}
         with gm.graph.inserting_before(first[g]):
+            tie = _Anchor(gm.graph, first[g], const)
             for m in todo:
-                new = gm.graph.create_node(m.op, m.target, torch.fx.node.map_arg(m.args, lambda x: env.get(x, x)),
-                                           torch.fx.node.map_arg(m.kwargs, lambda x: env.get(x, x)),
-                                           name=f"{m.name}_dup{gi}")
+                new = tie.copy(m, env, name=f"{m.name}_dup{gi}")
                 new.meta = dict(m.meta)
                 new.meta[DUPLICATED_KEY] = m.name
-                new.meta[COLOCATE_KEY] = True
                 env[m] = new
-                copy_group[new] = g
                 report.nodes_added += 1
+            report.nodes_added += tie.added
         for n in dict.fromkeys(n for n, _ in readers[g] if n in env):
             report.duplicated[n.name] = report.duplicated.get(n.name, 0) + 1
         for n, u in readers[g]:
             if n in env:
                 u.replace_input_with(n, env[n])
-    for m, g in owner.items():  # an original only layer g reads (and asserts check) stays with layer g
-        if isinstance(g, str) and all(owner.get(u) == g or copy_group.get(u) == g or (u in const and not u.users)
-                                      or (u not in const and _group_key(u, prefix) == g) for u in m.users):
-            m.meta[COLOCATE_KEY] = True
     _stable_topological_order(gm.graph)
     from fxpipe.passes.capture import remove_dead_code
 
@@ -351,3 +343,74 @@ def _stable_topological_order(graph: torch.fx.Graph) -> None:
     for n in out[1:]:
         prev.append(n)
         prev = n
+
+
+aten = torch.ops.aten
+#: Constructors without a tensor input, and the ``new_*`` form a copy uses to read the layer's anchor.
+_NEW_VARIANT = {aten.full.default: aten.new_full.default, aten.ones.default: aten.new_ones.default,
+                aten.zeros.default: aten.new_zeros.default}
+
+
+class _Anchor:
+    """Ties one layer's copies to the layer's data: every input a copy reads from outside the copy
+    (a small constant, a buffer) is read through ``type_as(x, e)``, and a constructor (``full``,
+    ``ones``, ``zeros``) becomes its ``new_*`` form on ``e``, where ``e`` is an empty view
+    (``as_strided(h, [0], [1], 0)``, viewed as the dtype needed) of ``h``, a non-constant input
+    of the layer's first reader. ``type_as`` to the same dtype returns its input and the views
+    read no memory: values, gradients (``h`` gets none through ``e``) and costs (all three are
+    shape-only ops) are unchanged, but the copy is now downstream of the layer's input, so
+    the partitioner cannot hoist it to an earlier stage and the chain of layers keeps its
+    gates (:mod:`fxpipe.partition.chain`)."""
+
+    def __init__(self, graph: torch.fx.Graph, reader: torch.fx.Node, const: set):
+        self.graph = graph
+        self.h = next((i for i in reader.all_input_nodes
+                       if i not in const and isinstance(i.meta.get("val"), torch.Tensor)), None)
+        self.empty: dict[torch.dtype, torch.fx.Node] = {}
+        self.tied: dict[torch.fx.Node, torch.fx.Node] = {}
+        self.added = 0
+
+    def _node(self, target, args, kwargs, val) -> torch.fx.Node:
+        node = self.graph.create_node("call_function", target, args, kwargs)
+        node.meta = {"val": val, **({"nn_module_stack": self.h.meta["nn_module_stack"]}
+                                    if "nn_module_stack" in self.h.meta else {})}
+        self.added += 1
+        return node
+
+    def empty_of(self, dtype: torch.dtype) -> torch.fx.Node:
+        e = self.empty.get(dtype)
+        if e is None:
+            hv = self.h.meta["val"]
+            base = self.empty.get(hv.dtype)
+            if base is None:
+                base = self.empty[hv.dtype] = self._node(aten.as_strided.default, (self.h, [0], [1], 0), {},
+                                                         hv.new_empty_strided((0,), (1,)))
+            e = base if dtype == hv.dtype else self._node(aten.view.dtype, (base, dtype), {},
+                                                          hv.new_empty_strided((0,), (1,), dtype=dtype))
+            self.empty[dtype] = e
+        return e
+
+    def read(self, x: Any, env: dict) -> Any:
+        """The argument ``x`` of a copy: its copy, or ``x`` read through the anchor."""
+        if not isinstance(x, torch.fx.Node):
+            return x
+        if x in env:
+            return env[x]
+        val = x.meta.get("val")
+        if self.h is None or x.op not in ("call_function", "get_attr") or not isinstance(val, torch.Tensor):
+            return x
+        t = self.tied.get(x)
+        if t is None:
+            t = self.tied[x] = self._node(aten.type_as.default, (x, self.empty_of(val.dtype)), {}, val)
+        return t
+
+    def copy(self, m: torch.fx.Node, env: dict, *, name: str) -> torch.fx.Node:
+        args = torch.fx.node.map_arg(m.args, lambda x: self.read(x, env))
+        kwargs = torch.fx.node.map_arg(m.kwargs, lambda x: self.read(x, env))
+        target = m.target
+        if target in _NEW_VARIANT and self.h is not None:  # full(size, ...) -> new_full(e, size, ...)
+            val = m.meta["val"]
+            kwargs = {**kwargs, "dtype": kwargs.get("dtype") or val.dtype,
+                      "device": kwargs.get("device", val.device)}
+            args, target = (self.empty_of(val.dtype), *args), _NEW_VARIANT[target]
+        return self.graph.create_node("call_function", target, args, kwargs, name=name)

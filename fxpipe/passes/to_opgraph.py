@@ -113,8 +113,6 @@ def to_opgraph(gm: torch.fx.GraphModule, hardware: str | HardwareSpec = "h100-sx
                       SKEY: skeys[node.name][0], OPKEY: skeys[node.name][1]})
         if has_data_dependent_size(node):  # must not cross a stage boundary (fxpipe.partition.colocate)
             extra[-1].update(data_dependent=True, source=user_source_line(node))
-        elif node.meta.get("fxpipe_colocate"):  # a layer's own constant (fxpipe.passes.duplicate_constants)
-            extra[-1].update(data_dependent=True, source="constant recomputed on its layer's stage")
         v = index[node]
         for inp in node.all_input_nodes:
             u = index.get(inp)
