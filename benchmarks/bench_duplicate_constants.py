@@ -7,12 +7,13 @@ twice: with the capture's :func:`fxpipe.passes.duplicate_constants.duplicate_con
 ("after", the default). Per run:
 
 * ops in the graph and the capture + plan time;
-* bytes of constant tensors (:func:`fxpipe.passes.duplicate_constants.constant_nodes`)
-  crossing stage boundaries per micro-batch (summed over the boundaries) and all relayed
-  bytes per micro-batch;
+* bytes of constant tensors (:func:`fxpipe.passes.duplicate_constants.constant_nodes` and the
+  layers' copies) crossing stage boundaries per micro-batch (summed over the boundaries) and
+  all relayed bytes per micro-batch;
 * per stage: receive buffers, activation peak and total memory (largest over the stages,
   and stage 3, the one issue 19 quotes);
-* the predicted step (the schedule objective) and the schedule's lower bound.
+* the predicted step (the schedule objective) and the schedule's lower bound; how the
+  partition was found and bounded (``rule``, ``lower_bound_method``, ``proven_optimal``).
 
 Usage::
 
@@ -38,9 +39,9 @@ def _run(model, margs, mkw, *, duplicate: bool, devices: int, microbatches: int,
     import fxpipe
     from fxpipe.partition.objective import io_bytes
     from fxpipe.passes.capture import capture
-    from fxpipe.passes.duplicate_constants import constant_nodes
+    from fxpipe.passes.duplicate_constants import DUPLICATED_KEY, constant_nodes
 
-    to_opgraph = importlib.import_module("fxpipe.passes.to_opgraph")  # the module (fxpipe.passes exports a function of this name)
+    to_opgraph = importlib.import_module("fxpipe.passes.to_opgraph")  # the module, not fxpipe.passes.to_opgraph()
     t0 = time.perf_counter()
     to_opgraph.capture = functools.partial(capture, duplicate_constants=duplicate)
     try:
@@ -50,7 +51,9 @@ def _run(model, margs, mkw, *, duplicate: bool, devices: int, microbatches: int,
         to_opgraph.capture = capture
     wall = time.perf_counter() - t0
     graph, a, k = plan.graph, np.asarray(plan.partition.assignment), plan.problem.num_stages
-    names = {n.name for n in constant_nodes(plan.capture.traced.gm) if n.op == "call_function"}
+    gm = plan.capture.traced.gm
+    names = {n.name for n in constant_nodes(gm) if n.op == "call_function"} | \
+        {n.name for n in gm.graph.nodes if DUPLICATED_KEY in n.meta}
     const = np.array([nm in names for nm in graph.names])
     in_all, _ = io_bytes(graph, a, k, "relay")
     in_const, _ = io_bytes(graph, a, k, "relay", producers=const)
@@ -68,6 +71,7 @@ def _run(model, margs, mkw, *, duplicate: bool, devices: int, microbatches: int,
                    "memory_gb": st[3].memory_bytes / 1e9 if len(st) > 3 else None},
         "step_s": float(plan.schedule.value), "lower_bound_s": float(plan.schedule.lower_bound_s),
         "schedule": plan.schedule.method,
+        "partition": {key: plan.partition.meta.get(key) for key in ("rule", "lower_bound_method", "proven_optimal")},
     }
 
 
@@ -104,7 +108,8 @@ def main(argv=None) -> int:
                   f"{row['relayed_mb_per_microbatch']:.1f} MB | max receive buffers {row['max_comm_buffer_gb']:.2f} GB, "
                   f"max act peak {row['max_activation_peak_gb']:.2f} GB, max memory {row['max_memory_gb']:.2f} GB | "
                   f"stage 3: {json.dumps(row['stage3'])} | step {row['step_s']:.3f} s ({row['schedule']}), "
-                  f"bound {row['lower_bound_s']:.3f} s | timings {row['timings_s']}", flush=True)
+                  f"bound {row['lower_bound_s']:.3f} s | timings {row['timings_s']} | partition {row['partition']}",
+                  flush=True)
     print(f"# load average at end: {' '.join(f'{x:.1f}' for x in os.getloadavg())}", flush=True)
     return 0
 

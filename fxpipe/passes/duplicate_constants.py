@@ -29,26 +29,36 @@ Groups
     readers are grouped by the layer they belong to: the module path up to its first numeric
     component (``model.layers.7.self_attn`` -> ``model.layers.7``), else its first component
     (``block1``); readers at the top level keep the original. The first group in program
-    order keeps the original nodes, every other group gets one copy of the constant
-    ancestors of the frontier tensors it reads (shared ancestors are copied once per group,
-    ``get_attr`` nodes are shared, never copied), inserted just before the group's first
-    reader.
+    order keeps the original nodes, every other group gets one copy of the frontier tensors it
+    reads and of their constant ancestors (shared ancestors are copied once per group),
+    inserted just before the group's first reader. A copy stops at ancestors with fewer than
+    ``numel(frontier) / SMALL_RATIO`` elements (``SMALL_RATIO = 16``: the index vectors a
+    4096 x 4096 mask is compared from), at ``get_attr`` nodes and at constructors other
+    than ``full`` / ``ones`` / ``zeros`` (an ``arange``): those are read as they are (relayed,
+    a few kilobytes).
 Decision rule (per frontier tensor, from shapes only, so every process that captures the
 model takes the same decision)
-    Duplicate when recomputing costs less than sending it one stage:
-    ``traffic(cone) <= RECOMPUTE_RATIO * numel(frontier)``, where ``traffic`` is the number
-    of elements the cone's ops read and write (views, ``getitem`` and no-op conversions are
-    free) and ``RECOMPUTE_RATIO = 16``, and the cone has at most :data:`MAX_CONE_OPS` compute
-    ops and no matmul-class op (one torch's FLOP counter knows, or a matmul, convolution or
-    attention composite of :mod:`fxpipe.passes.costing`: no "cheap" table needs one). Element counts rather than bytes keep the decision independent
-    of the dtype a model is captured in. Why 16: memory bandwidth is 7.4x the per-direction
-    device-to-device bandwidth on an H100 SXM (3.35 TB/s vs 450 GB/s), 10.7x on an H200 and
-    tens of times over PCIe or InfiniBand, elements on the link are at least as wide as those
-    read by mask comparisons (1-byte booleans), and a relayed tensor is sent through every stage
-    between producer and reader and held in a receive buffer per micro-batch on each, while a
-    copy is computed and freed on its stage; 16 admits the causal mask (about 7 elements of
-    traffic per mask element) and the rotary tables (about 12 per element) and refuses
-    anything that reads or writes much more than it produces.
+    Duplicate when recomputing costs less than sending the tensor one stage:
+    ``traffic + LAUNCH_ELEMENTS * kernels <= RECOMPUTE_RATIO * numel(frontier)``, where
+    ``kernels`` are the copy's ops that do work (views, ``getitem`` and no-op conversions are
+    free), ``traffic`` the elements they read and write, ``LAUNCH_ELEMENTS = 2**22`` the
+    traffic that takes as long as a kernel launch (5 us at 3.35 TB/s of 4-byte elements) and
+    ``RECOMPUTE_RATIO = 16``; and the copy has at most :data:`MAX_CONE_OPS` kernels and no
+    matmul-class op (one torch's FLOP counter knows, or a matmul, convolution or attention
+    composite of :mod:`fxpipe.passes.costing`: no "cheap" table needs one). Element counts
+    rather than bytes keep the decision independent of the dtype a model is captured in.
+    Why 16: memory bandwidth is 7.4x the per-direction device-to-device bandwidth on an H100
+    SXM (3.35 TB/s vs 450 GB/s), 10.7x on an H200 and tens of times over PCIe or InfiniBand,
+    and elements on the link are at least as wide as those of a mask (1-byte booleans), so a
+    copy within the bound takes about as long as sending the tensor one stage; a relayed
+    tensor is sent through every stage between its producer and its reader. For Llama-3-70B
+    at 4096 tokens the causal mask (16.8M elements: 4 kernels, about 7 elements of traffic
+    per element, 8 with the launches) is duplicated; the rotary ``cos`` / ``sin`` tables (0.5M
+    elements, 5 kernels each: about 48 per element with the launches) are not, they are
+    relayed as before (1 MB each).
+Input-dependent tensors
+    Not duplicated (see *Constant nodes*): an ``attention_mask`` given as a model input is
+    relayed from stage 0, which alone receives the model's inputs.
 
 Placement
     A copy has no input but constants, so nothing would tie it to its layer: a partitioner
@@ -62,9 +72,12 @@ Placement
 
 The graph's outputs are unchanged (the copies compute the same values with the same ops);
 node names of the original graph are kept, copies are named ``<original>_dup<g>`` for
-group ``g``. What a stage computes is then exactly what the OpGraph costs: two layers on one
-stage each compute their copy (a few microseconds of elementwise work per layer at 4096
-tokens, counted in the plan).
+group ``g`` (0 keeps the originals). What a stage computes is then exactly what the OpGraph
+costs: two layers on one stage each compute their copy (for Llama-3-70B's mask 55 us
+per layer and micro-batch on h100-sxm, counted in the plan), and each layer's attention
+saves its own copy for the backward (counted in its ``act_bytes``). Not done: one copy per
+stage (merging the copies of the layers a stage holds, which the plan would then over-count),
+and computing a constant once per step instead of once per micro-batch (held like a buffer).
 
 References
 ----------
@@ -82,11 +95,15 @@ from typing import Any
 import torch
 import torch.fx
 
-__all__ = ["RECOMPUTE_RATIO", "SMALL_RATIO", "MAX_CONE_OPS", "DUPLICATED_KEY", "DuplicationReport", "constant_nodes",
+__all__ = ["RECOMPUTE_RATIO", "LAUNCH_ELEMENTS", "SMALL_RATIO", "MAX_CONE_OPS", "DUPLICATED_KEY", "DuplicationReport",
+           "constant_nodes",
            "duplicate_constants"]
 
-#: Duplicate a frontier tensor when its cone reads and writes at most this many elements per element of the tensor.
+#: Duplicate a frontier tensor when its copy costs at most this many elements of traffic (launches included)
+#: per element of the tensor.
 RECOMPUTE_RATIO = 16.0
+#: A kernel launch, counted as the elements of memory traffic that take as long (5 us at 3.35 TB/s of 4-byte elements).
+LAUNCH_ELEMENTS = 1 << 22
 #: A layer's copy stops at constant tensors this many times smaller than the one it makes (they are relayed).
 SMALL_RATIO = 16.0
 #: Cones with more compute ops are not duplicated (a long chain is not a "cheap table").
@@ -266,7 +283,7 @@ def duplicate_constants(gm: torch.fx.GraphModule, *, ratio: float = RECOMPUTE_RA
             report.kept[n.name] = "expensive: a matmul-class op"
             continue
         traffic = sum(_numel(m.meta.get("val")) + sum(_numel(i.meta.get("val")) for i in set(m.all_input_nodes))
-                      for m in ops)
+                      for m in ops) + LAUNCH_ELEMENTS * len(ops)
         size = max(_numel(n.meta.get("val")), 1)
         if traffic > ratio * size:
             report.kept[n.name] = f"expensive: {traffic / size:.1f} elements of traffic per element"
