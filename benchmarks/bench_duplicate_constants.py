@@ -11,7 +11,7 @@ twice: with the capture's :func:`fxpipe.passes.duplicate_constants.duplicate_con
   layers' copies) crossing stage boundaries per micro-batch (summed over the boundaries) and
   all relayed bytes per micro-batch;
 * per stage: receive buffers, activation peak and total memory (largest over the stages,
-  and stage 3, the one issue 19 quotes);
+  and stage 3, the one issue 19 quotes; every stage with ``--json``);
 * the predicted step (the schedule objective) and the schedule's lower bound; how the
   partition was found and bounded (``rule``, ``lower_bound_method``, ``proven_optimal``).
 
@@ -69,6 +69,9 @@ def _run(model, margs, mkw, *, duplicate: bool, devices: int, microbatches: int,
         "stage3": {"comm_buffer_gb": st[3].comm_buffer_bytes / 1e9 if len(st) > 3 else None,
                    "activation_peak_gb": st[3].activation_peak_bytes / 1e9 if len(st) > 3 else None,
                    "memory_gb": st[3].memory_bytes / 1e9 if len(st) > 3 else None},
+        "per_stage_gb": {"activation_peak": [round(s.activation_peak_bytes / 1e9, 2) for s in st],
+                         "comm_buffer": [round(s.comm_buffer_bytes / 1e9, 2) for s in st],
+                         "memory": [round(s.memory_bytes / 1e9, 2) for s in st]},
         "step_s": float(plan.schedule.value), "lower_bound_s": float(plan.schedule.lower_bound_s),
         "schedule": plan.schedule.method,
         "partition": {key: plan.partition.meta.get(key) for key in ("rule", "lower_bound_method", "proven_optimal")},

@@ -38,7 +38,7 @@ Groups
     a few kilobytes).
 Decision rule (per frontier tensor, from shapes only, so every process that captures the
 model takes the same decision)
-    Duplicate when recomputing costs less than sending the tensor one stage:
+    Duplicate when recomputing costs less than relaying the tensor:
     ``traffic + LAUNCH_ELEMENTS * kernels <= RECOMPUTE_RATIO * numel(frontier)``, where
     ``kernels`` are the copy's ops that do work (views, ``getitem`` and no-op conversions are
     free), ``traffic`` the elements they read and write, ``LAUNCH_ELEMENTS = 2**22`` the
@@ -50,8 +50,9 @@ model takes the same decision)
     Why 16: memory bandwidth is 7.4x the per-direction device-to-device bandwidth on an H100
     SXM (3.35 TB/s vs 450 GB/s), 10.7x on an H200 and tens of times over PCIe or InfiniBand,
     and elements on the link are at least as wide as those of a mask (1-byte booleans), so a
-    copy within the bound takes about as long as sending the tensor one stage; a relayed
-    tensor is sent through every stage between its producer and its reader. For Llama-3-70B
+    copy within the bound takes at most about as long as sending the tensor two stages on an
+    H100 (a relayed tensor is sent through every stage between its producer and its reader,
+    and each of them holds a receive buffer for it per micro-batch in flight). For Llama-3-70B
     at 4096 tokens the causal mask (16.8M elements: 4 kernels, about 7 elements of traffic
     per element, 8 with the launches) is duplicated; the rotary ``cos`` / ``sin`` tables (0.5M
     elements, 5 kernels each: about 48 per element with the launches) are not, they are
