@@ -11,7 +11,9 @@
   node's shape/dtype) and ``node.meta["nn_module_stack"]``; it runs and trains like the
   original model (autograd flows to ``gm``'s parameters, which for a CPU model are the
   original model's parameter tensors). Its node names are stable: later passes only add
-  ``node.meta`` entries, never rename or reorder nodes.
+  ``node.meta`` entries, never rename or reorder nodes. (The capture itself gives each layer
+  its own copy of cheap constant tensors such as a causal mask,
+  :mod:`fxpipe.passes.duplicate_constants`: the copies are new nodes, the original names stay.)
 
 Preconditions: the example inputs are ONE micro-batch (the cost model costs exactly these
 shapes). A model on the ``meta`` device is captured without allocating weight memory.
