@@ -96,9 +96,8 @@ from typing import Any
 import torch
 import torch.fx
 
-__all__ = ["RECOMPUTE_RATIO", "LAUNCH_ELEMENTS", "SMALL_RATIO", "MAX_CONE_OPS", "DUPLICATED_KEY", "DuplicationReport",
-           "constant_nodes",
-           "duplicate_constants"]
+__all__ = ["RECOMPUTE_RATIO", "LAUNCH_ELEMENTS", "SMALL_RATIO", "MAX_CONE_OPS", "DUPLICATED_KEY", "REPORT_KEY",
+           "DuplicationReport", "constant_nodes", "duplicate_constants"]
 
 #: Duplicate a frontier tensor when its copy costs at most this many elements of traffic (launches included)
 #: per element of the tensor.
@@ -126,9 +125,10 @@ class DuplicationReport:
     duplicated : dict[str, int]
         Frontier node name -> copies made (groups beyond the first).
     kept : dict[str, str]
-        Frontier node name -> why it was not duplicated (``"one group"``, ``"expensive"``, ...).
+        Frontier node name -> why it was not duplicated (``"expensive: ..."``: too many ops, a
+        matmul-class op, or the traffic per element over the bound).
     nodes_added : int
-        Copies inserted in the graph.
+        Nodes inserted in the graph (the copies and the shape-only ops tying them to their layer).
     """
 
     duplicated: dict[str, int] = field(default_factory=dict)
@@ -230,7 +230,8 @@ def duplicate_constants(gm: torch.fx.GraphModule, *, ratio: float = RECOMPUTE_RA
         ``meta["val"]`` and ``meta["nn_module_stack"]``. Modified in place and recompiled when
         anything was copied; ``gm.meta["fxpipe_duplicated_constants"]`` holds the report.
     ratio : float
-        :data:`RECOMPUTE_RATIO`: the largest cone traffic per element of the frontier tensor.
+        :data:`RECOMPUTE_RATIO`: the largest traffic (launches included) of a copy per element of
+        the frontier tensor.
     max_cone_ops : int
         :data:`MAX_CONE_OPS`.
 
