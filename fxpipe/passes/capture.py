@@ -189,9 +189,9 @@ def capture(
         differ, a parent that does not iterate over its layer list) it falls back to the full
         export; ``Captured.replication`` says which happened. Never with ``dynamic``.
     duplicate_constants : bool
-        Give every layer that reads a cheap tensor computed from constants only (causal mask,
-        position ids, rotary tables) its own copy of the ops making it, so that a pipeline
-        computes it on each stage instead of relaying it
+        Give every layer that reads a tensor computed from constants only (e.g. a causal mask)
+        its own copy of the ops making it when that costs less than relaying the tensor, so that
+        a pipeline computes it on the layer's stage instead of relaying it
         (:func:`fxpipe.passes.duplicate_constants.duplicate_constants`; its report is
         ``gm.meta["fxpipe_duplicated_constants"]``). Every process that captures the model for
         a plan must use the same setting.
