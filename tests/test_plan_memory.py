@@ -113,8 +113,9 @@ def test_llama3_70b_on_h100_32_devices_fit_and_8_give_the_clear_error(llama70b):
     assert all(s.fits and s.memory_bytes <= H100_BYTES for s in plan.stages)
     assert sum(s.params_bytes for s in plan.stages) / 2 == pytest.approx(70.55e9, rel=1e-3)  # Llama-3-70B
     send, grad_send = _check_three_agree(plan, plan.memory)
-    # the causal mask and the rotary tables are relayed to every stage and get no gradient buffer
-    assert np.all(send[:-1] - grad_send[:-1] > 16e6)
+    # the rotary tables (and the position vectors the layers' causal-mask copies read) are relayed to every stage
+    # and get no gradient buffer (the mask itself is recomputed per layer: fxpipe.passes.duplicate_constants)
+    assert np.all(send[:-1] - grad_send[:-1] > 2e6)
     auto = plan.schedule.meta["auto"]
     assert auto["tried"]["binding"] is True  # 1F1B's stashes would not fit: offload / recomputation chosen
     assert auto["recompute_stages"] or auto["offloaded"]

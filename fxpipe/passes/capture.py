@@ -11,7 +11,9 @@
   node's shape/dtype) and ``node.meta["nn_module_stack"]``; it runs and trains like the
   original model (autograd flows to ``gm``'s parameters, which for a CPU model are the
   original model's parameter tensors). Its node names are stable: later passes only add
-  ``node.meta`` entries, never rename or reorder nodes.
+  ``node.meta`` entries, never rename or reorder nodes. (The capture itself gives each layer
+  its own copy of cheap constant tensors such as a causal mask,
+  :mod:`fxpipe.passes.duplicate_constants`: the copies are new nodes, the original names stay.)
 
 Preconditions: the example inputs are ONE micro-batch (the cost model costs exactly these
 shapes). A model on the ``meta`` device is captured without allocating weight memory.
@@ -164,6 +166,7 @@ def capture(
     *,
     dynamic: bool = False,
     replicate: str = "auto",
+    duplicate_constants: bool = True,
 ) -> Captured:
     """Capture ``model`` with ``torch.export.export(..., strict=False)``.
 
@@ -185,6 +188,13 @@ def capture(
         ``"never"`` for a plain full export. Whenever replication is not safe (layers that
         differ, a parent that does not iterate over its layer list) it falls back to the full
         export; ``Captured.replication`` says which happened. Never with ``dynamic``.
+    duplicate_constants : bool
+        Give every layer that reads a tensor computed from constants only (e.g. a causal mask)
+        its own copy of the ops making it when that costs less than relaying the tensor, so that
+        a pipeline computes it on the layer's stage instead of relaying it
+        (:func:`fxpipe.passes.duplicate_constants.duplicate_constants`; its report is
+        ``gm.meta["fxpipe_duplicated_constants"]``). Every process that captures the model for
+        a plan must use the same setting.
 
     Returns
     -------
@@ -208,6 +218,8 @@ def capture(
         rep = _capture_replicated(model, args, kwargs, min_layers=REPLICATE_MIN_LAYERS if replicate == "auto" else 4)
         if rep is not None:
             drop_layout_contiguous(rep.gm)
+            if duplicate_constants:
+                _duplicate_constants(rep.gm)
             return rep
     dynamic_shapes = None
     if dynamic:
@@ -245,9 +257,11 @@ def capture(
         gm = exported.module()
     drop_layout_contiguous(gm)
     remove_dead_code(gm)
-    capture_s = time.perf_counter() - t0
     prefix = _is_wrapper(model)
     gm.meta[MODULE_PREFIX_KEY] = prefix
+    if duplicate_constants:
+        _duplicate_constants(gm)
+    capture_s = time.perf_counter() - t0
     missing = [n.name for n in gm.graph.nodes if n.op == "placeholder" and "val" not in n.meta]
     if missing:
         raise CaptureError(
@@ -256,6 +270,12 @@ def capture(
         )
     return Captured(exported=exported, gm=gm, example_args=args, example_kwargs=kwargs,
                     capture_s=capture_s, module_prefix=prefix)
+
+
+def _duplicate_constants(gm: torch.fx.GraphModule) -> None:
+    from fxpipe.passes.duplicate_constants import duplicate_constants  # lazy: imports fxpipe.codegen
+
+    duplicate_constants(gm)
 
 
 def remove_dead_code(gm: torch.fx.GraphModule) -> int:
@@ -333,7 +353,7 @@ def _capture_replicated(model: torch.nn.Module, args: tuple, kwargs: dict, *, mi
     t0 = time.perf_counter()
     setattr(parent, attr, torch.nn.ModuleList(truncated_layers(layers)))
     try:
-        small = capture(model, args, kwargs, replicate="never")
+        small = capture(model, args, kwargs, replicate="never", duplicate_constants=False)
     except CaptureError:
         return None  # the full export will report the error (or succeed where the cut model failed)
     finally:
