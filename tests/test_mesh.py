@@ -3,7 +3,8 @@
 A tiny GPT-2 (tied embedding on the first and last stage) planned as pp=2 x dp_shard=2
 (FSDP2 ``fully_shard``) and pp=2 x dp_replicate=2 (``replicate``) under 1F1B and ZB-H1, as
 pp=2 x dp_shard=2 under ZB-V (split backward, the tied embedding twice on rank 0) and as
-pp=1 x dp_shard=2 x dp_replicate=2 (HSDP) must train to the losses, gradients and parameters
+pp=1 x dp_shard=2 x dp_replicate=2 (HSDP), and pp=2 x dp_shard=2 with torchtitan's rank order
+(pipeline rank outermost), must train to the losses, gradients and parameters
 of one process on the same global batch. The data-parallel runs share one set of 4 worker
 processes.
 """
@@ -201,13 +202,15 @@ def test_fsdp_and_replicate_pipelines_match_single_process():
     cases.append(({"pp": 2, "dp_shard": 2}, "zb-v", {"stages_per_device": 2, "placement": "v"}))
     # HSDP (fully_shard over the 2-D (dp_replicate, dp_shard) sub-mesh) of a one-stage pipeline
     cases.append(({"pp": 1, "dp_shard": 2, "dp_replicate": 2}, "1f1b", {}))
+    # torchtitan's rank order: pipeline rank outermost (tests/test_mesh_order.py plans it)
+    cases.append(({"pp": 2, "dp_shard": 2, "order": ["pp", "dp_replicate", "dp_shard"]}, "1f1b", {}))
     for mesh, schedule, extra in cases:
         plan = _plan(mesh, schedule, **extra)
-        names.append(f"{format_mesh(plan.mesh)} {schedule}")
+        names.append(f"{format_mesh(plan.mesh)} {'/'.join(plan.rank_order)} {schedule}")
         # the run plan.train_local launches (world_size = pp * dp ranks, the global micro-batch count)
         runs.append(dict(make_model=fac, stage_of=_PlanStageOf(plan.stage_of), orders=plan.orders(),
                          num_microbatches=plan.global_microbatches, make_batch=_BatchFn(fac), steps=2, lr=0.05,
-                         mesh=plan.mesh, model_key="gpt2"))
+                         mesh={**plan.mesh, "order": plan.rank_order}, model_key="gpt2"))
     results = spawn_train_many(runs, world_size=4, timeout_s=600)
     ref = reference_train(fac, _BatchFn(fac), num_microbatches=GLOBAL_MB, steps=2, lr=0.05)
     assert ref.losses[1] != ref.losses[0]
@@ -219,6 +222,9 @@ def test_fsdp_and_replicate_pipelines_match_single_process():
     zbv = results[4]
     assert all(any("I" in a for a in zbv.meta["actions"][r]) for r in range(4))
     assert [zbv.meta["fused_full_backward"][s] for s in (1, 2, 3)] == [False] * 3
+    # pipeline rank outermost: ranks 0, 1 run pipeline rank 0 (stage 0), ranks 2, 3 pipeline rank 1
+    acts = results[6].meta["actions"]
+    assert acts[0] == acts[1] and acts[2] == acts[3] and acts[0] != acts[2]
 
 
 @pytest.mark.slow
