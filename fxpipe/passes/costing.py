@@ -65,6 +65,7 @@ from fxpipe.cost.specs import HardwareSpec
 from fxpipe.cost.roofline import OpCost, backward_times, forward_time_s, roofline_s
 from fxpipe.errors import InputError
 from fxpipe.passes.capture import _leaves, _packet, _to_int, getattr_path
+from fxpipe.passes.op_families import ATTENTION, FLOP_COMPOSITE, MATMUL_COMPOSITE, packets  # noqa: F401 (re-exported)
 
 #: The single namespaced ``node.meta`` key this pass writes.
 COST_KEY = "fxpipe_cost"
@@ -72,12 +73,7 @@ COST_KEY = "fxpipe_cost"
 aten = torch.ops.aten
 
 
-def _packets(*names: str) -> frozenset:
-    out = set()
-    for n in names:
-        if hasattr(aten, n):
-            out.add(getattr(aten, n))
-    return frozenset(out)
+_packets = packets
 
 
 SHAPE_OPS = _packets(
@@ -93,18 +89,6 @@ SHAPE_OPS = _packets(
 #: Ops that are a no-op when the dtype/device/layout does not change.
 MAYBE_NOOP = _packets("to", "_to_copy", "contiguous", "type_as")
 DROPOUT = _packets("dropout", "native_dropout", "feature_dropout", "alpha_dropout")
-MATMUL_COMPOSITE = _packets("linear", "matmul")
-FLOP_COMPOSITE = _packets(
-    "einsum", "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d",
-    "conv_transpose3d", "scaled_dot_product_attention", "bilinear", "tensordot", "chain_matmul",
-    "addbmm", "addmv", "mv", "dot", "vdot", "outer", "inner",
-)
-ATTENTION = _packets(
-    "scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
-    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
-    "_scaled_dot_product_flash_attention_for_cpu", "_flash_attention_forward",
-    "_efficient_attention_forward",
-)
 EMBEDDING = _packets("embedding", "_embedding_bag", "embedding_bag")
 NORM_OR_SOFTMAX = _packets(
     "softmax", "_softmax", "log_softmax", "_log_softmax", "layer_norm", "native_layer_norm",

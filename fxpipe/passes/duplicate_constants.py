@@ -140,7 +140,7 @@ class DuplicationReport:
 
 
 def _numel(val: Any) -> int:
-    from fxpipe.passes.capture import _leaves, _to_int
+    from fxpipe.passes.fx_util import _leaves, _to_int
 
     total = 0
     for t in _leaves(val):
@@ -162,7 +162,7 @@ def constant_nodes(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
     """
     from fxpipe.codegen.effects import analyze
     from fxpipe.codegen.runtime import op_aliasing
-    from fxpipe.passes.capture import getattr_path, has_data_dependent_size
+    from fxpipe.passes.fx_util import getattr_path, has_data_dependent_size
 
     eff = analyze(gm)
     written = eff.written_bases()
@@ -202,7 +202,7 @@ def _has_flops(n: torch.fx.Node) -> bool:
     """A matmul-class op: one torch's FLOP counter knows, or a composite the cost model counts FLOPs of."""
     from torch.utils.flop_counter import flop_registry
 
-    from fxpipe.passes.costing import ATTENTION, FLOP_COMPOSITE, MATMUL_COMPOSITE
+    from fxpipe.passes.op_families import ATTENTION, FLOP_COMPOSITE, MATMUL_COMPOSITE
 
     packet = getattr(n.target, "overloadpacket", None)
     return packet is not None and (packet in flop_registry or packet in MATMUL_COMPOSITE or packet in FLOP_COMPOSITE
@@ -329,7 +329,7 @@ def duplicate_constants(gm: torch.fx.GraphModule, *, ratio: float = RECOMPUTE_RA
             if n in env:
                 u.replace_input_with(n, env[n])
     _stable_topological_order(gm.graph)
-    from fxpipe.passes.capture import remove_dead_code
+    from fxpipe.passes.fx_util import remove_dead_code
 
     gm.graph.lint()
     remove_dead_code(gm)
