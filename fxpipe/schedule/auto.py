@@ -454,6 +454,8 @@ def auto_schedule(
     elif time_limit_s > 0:
         tried["milp"] = ("skipped: the schedule meets the lower bound" if best_s.value <= bound * (1 + 1e-6)
                          else f"skipped: {n_ops} compute ops > {milp_max_ops}")
+    if best_s.value <= bound * (1 + 1e-6) and best_s.status != "optimal":  # its own proven bound: optimal
+        best_s = dataclasses.replace(best_s, status="optimal")
     rec = best_p.recompute_stages
     meta = {**best_s.meta, "auto": {"tried": tried, "recompute_stages": list(rec),
                                      "offloaded": sum(1 for o in best_s.ops if o.type == "O")}}
