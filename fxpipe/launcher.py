@@ -8,10 +8,13 @@ them and returns what each rank's entry function returned.
 
 Protocol (one folder per launch, ``out_dir``):
 
-* Rendezvous: ``tcp://127.0.0.1:<port>`` with a port that was free a moment ago
-  (:func:`free_port`); the address travels in the ranks' arguments, the environment
-  (``MASTER_ADDR`` / ``MASTER_PORT``) is left alone. A port taken between the choice and the
-  bind (``EADDRINUSE``) is retried once with a fresh one.
+* Rendezvous: a file store, ``file://<out_dir>/rendezvous-<uuid>``, new for every launch; the
+  address travels in the ranks' arguments, the environment (``MASTER_ADDR`` / ``MASTER_PORT``)
+  is left alone. No port is chosen ahead: with a TCP store on a port that "was free a moment
+  ago" (:func:`free_port`, the old way), two launches at once on one machine could pick the
+  same port, and the ranks of one joined the other's store and both waited until the time-out
+  (seen on 2026-11-26: a CI run's 4-rank test hung 600 s while a 2-rank test ran beside it).
+  gloo's own connections between the ranks bind ephemeral ports, exchanged through the store.
 * Each rank runs ``entry(ctx, *args)`` (:class:`RankContext`) after
   ``torch.distributed.init_process_group("gloo")``, with ``threads`` intra-op threads and,
   with ``cpus``, pinned to one core.
@@ -38,6 +41,7 @@ import socket
 import tempfile
 import time
 import traceback
+import uuid
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Callable, Mapping, Sequence
@@ -76,8 +80,8 @@ class RankContext:
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago (bind to port 0, then release it).
 
-    Another process may take the port before the ranks bind it; :func:`launch` retries once
-    with a new port when a rank reports ``EADDRINUSE``.
+    Another process may take the port before it is bound again: :func:`launch` no longer uses
+    it (its rendezvous is a file); for callers that need a port (a ``torchrun`` command line).
     """
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -111,10 +115,6 @@ def _rank_main(rank: int, spec: dict) -> None:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-class _PortTaken(Exception):
-    """A rank could not bind the rendezvous port (taken between free_port() and the bind)."""
 
 
 def launch(entry: Callable[..., Any], world_size: int, *, args: Sequence[Any] = (), timeout_s: float | None = 300.0,
@@ -172,15 +172,8 @@ def launch(entry: Callable[..., Any], world_size: int, *, args: Sequence[Any] = 
                           threads=threads, cpus=cpus, out_dir=tmp, poll=poll, what=what)
     spec = dict(entry=entry, args=tuple(args), world_size=world_size, out_dir=out_dir, threads=threads,
                 cpus=tuple(cpus), collective_timeout_s=float(collective_timeout_s or timeout_s or 300.0))
-    for attempt in (0, 1):
-        spec["init_method"] = f"tcp://127.0.0.1:{free_port()}"
-        try:
-            _spawn_and_wait(spec, timeout_s, poll, what)
-            break
-        except _PortTaken:
-            if attempt:
-                raise RuntimeError(f"a {what} worker failed twice to bind its port:{errors_text(out_dir)}") from None
-            clear_reports(out_dir)
+    spec["init_method"] = "file://" + os.path.join(os.path.abspath(out_dir), f"rendezvous-{uuid.uuid4().hex}")
+    _spawn_and_wait(spec, timeout_s, poll, what)
     results = []
     for r in range(world_size):
         with open(_result_path(out_dir, r), encoding="utf-8") as fh:
@@ -189,7 +182,7 @@ def launch(entry: Callable[..., Any], world_size: int, *, args: Sequence[Any] = 
 
 
 def _spawn_and_wait(spec: dict, timeout_s: float | None, poll: Callable[[], None] | None, what: str) -> None:
-    """Start the ranks and wait for them; raise on failure, time-out or a taken port."""
+    """Start the ranks and wait for them; raise on failure or time-out."""
     out_dir, world = spec["out_dir"], spec["world_size"]
     start = time.monotonic()
     ctx = mp.start_processes(_rank_main, args=(spec,), nprocs=world, join=False, start_method="spawn")
@@ -203,8 +196,6 @@ def _spawn_and_wait(spec: dict, timeout_s: float | None, poll: Callable[[], None
         if poll is not None:
             poll()
     except mp.ProcessRaisedException as exc:
-        if "EADDRINUSE" in errors_text(out_dir) or "EADDRINUSE" in str(exc):
-            raise _PortTaken() from None
         raise worker_error(out_dir, exc.error_index, str(exc), what) from None
     except mp.ProcessExitedException as exc:
         raise worker_error(out_dir, exc.error_index, f"the process exited abnormally: {exc}", what) from None

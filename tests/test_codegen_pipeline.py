@@ -182,33 +182,30 @@ def test_worker_error_is_reported():
         )
 
 
-def test_taken_port_is_retried_and_environment_untouched(monkeypatch):
-    """The rendezvous address travels in the worker config, and a port taken between
-    free_port() and the workers' bind is retried once with a fresh one."""
+def test_rendezvous_is_a_file_of_the_launch_and_environment_untouched(monkeypatch):
+    """The ranks meet in a file store of the launch's own folder, never on a port chosen ahead (two launches
+    at once could pick the same port and one's ranks join the other's store: a CI run hung 600 s so), and
+    the rendezvous address travels in the worker config, not in MASTER_ADDR / MASTER_PORT."""
     import os
-    import socket
 
     from fxpipe import launcher
 
-    busy = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    busy.bind(("127.0.0.1", 0))
-    busy.listen()
-    real = launcher.free_port
-    given: list[int] = []
+    seen: list[dict] = []
+    real = launcher._spawn_and_wait
 
-    def first_busy() -> int:
-        given.append(busy.getsockname()[1] if not given else real())
-        return given[-1]
+    def spy(spec, *a, **kw):
+        seen.append(dict(spec))
+        return real(spec, *a, **kw)
 
-    monkeypatch.setattr(launcher, "free_port", first_busy)
+    monkeypatch.setattr(launcher, "_spawn_and_wait", spy)
+    monkeypatch.setattr(launcher, "free_port", lambda: pytest.fail("launch chose a port"))
     env = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT")}
     stage_of = functools.partial(stage_of_by_fraction, num_stages=2)
-    try:
-        res = spawn_train(make_mlp, stage_of, orders_1f1b(2, MICROBATCHES), world_size=2, num_microbatches=MICROBATCHES,
-                          make_batch=make_batch_mlp, steps=1, loss="mse", timeout_s=200)
-    finally:
-        busy.close()
-    assert len(given) == 2 and given[0] != given[1]
+    res = spawn_train(make_mlp, stage_of, orders_1f1b(2, MICROBATCHES), world_size=2, num_microbatches=MICROBATCHES,
+                      make_batch=make_batch_mlp, steps=1, loss="mse", timeout_s=200)
+    assert len(seen) == 1
+    init = seen[0]["init_method"]
+    assert init.startswith("file://" + os.path.abspath(seen[0]["out_dir"]) + os.sep + "rendezvous-")
     assert {k: os.environ.get(k) for k in env} == env
     ref = reference_train(make_mlp, make_batch_mlp, num_microbatches=MICROBATCHES, steps=1, loss="mse")
     assert res.losses == pytest.approx(ref.losses, rel=RTOL)
