@@ -86,7 +86,8 @@ def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "replicas of a pipeline over pp devices, FSDP2 over dp_shard (HSDP with dp_replicate), replicate over "
         "dp_replicate; --microbatches is then the global count, divided among the replicas; default auto (= search): "
         "plan every pp x dp_shard (x dp_replicate on hardware with nodes) of --devices and keep the smallest "
-        "predicted step that fits, listing the candidates; 'pipeline': the pure pipeline over --devices",
+        "predicted step that fits, listing the candidates; 'pipeline': the pure pipeline over --devices; "
+        "order=pp/dp_replicate/dp_shard (torchtitan's) places the ranks of a pinned mesh (default dp_replicate/dp_shard/pp)",
     )
     p.add_argument(
         "--stages-per-device", type=_stages_per_device, default=1, metavar="V",
