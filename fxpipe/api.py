@@ -83,13 +83,6 @@ def check_call_inputs(args: Any, kwargs: Any) -> tuple[tuple, dict]:
     return tuple(args), dict(kwargs)
 
 
-def _pinned_degrees(mesh: Any, devices: int) -> dict[str, int]:
-    """The degrees of a mesh request the search does not resolve: ``"pipeline"`` and ``"auto"`` (with a memory
-    model that shards over ``data_parallel > 1``) are the pure pipeline over ``devices``; a dict or
-    ``"pp=2,dp_shard=2"`` as :func:`fxpipe.mesh.normalize_mesh` reads it."""
-    return normalize_mesh(mesh, devices)  # "pipeline" / "auto": the pure pipeline
-
-
 def _searches(mesh: Any, memory: Any) -> bool:
     """Whether the mesh request is resolved by the joint search (:func:`fxpipe.mesh_search.search_mesh`):
     ``"search"``, and ``"auto"`` unless ``memory`` already names a data-parallel degree (the user's own data
@@ -111,7 +104,7 @@ def _check_mesh(mesh: Any, devices: int, microbatches: int, memory: Any) -> None
         return
     if _searches(mesh, memory):
         return
-    degrees = _pinned_degrees(mesh, devices)
+    degrees = normalize_mesh(mesh, devices)  # "pipeline", and "auto" not searched: the pure pipeline
     microbatches_per_replica(microbatches, degrees)
     if isinstance(memory, MemoryModel):
         mesh_memory(memory, degrees)
@@ -155,10 +148,11 @@ def _plan_mesh(graph, mesh: Any, devices: int, microbatches: int, memory: Memory
     """
     if _searches(mesh, memory):
         return search_mesh(graph, devices=devices, microbatches=microbatches, memory=memory, options=options)
-    degrees = _pinned_degrees(mesh, devices)
+    degrees = normalize_mesh(mesh, devices)
     model = mesh_memory(memory, degrees)
-    planned = plan_with_options(pipeline_graph(graph, degrees), devices=degrees["pp"], microbatches=microbatches_per_replica(microbatches, degrees),
-                                options=options, memory=model, memory_bytes=model.capacity_bytes)  # resolved already
+    planned = plan_with_options(pipeline_graph(graph, degrees), devices=degrees["pp"],
+                                microbatches=microbatches_per_replica(microbatches, degrees), options=options,
+                                memory=model, memory_bytes=model.capacity_bytes)  # resolved already
     return degrees, model, planned, None
 
 
