@@ -267,7 +267,17 @@ def mesh_lower_bound_s(graph, mesh, microbatches: int, objective: str = "trainin
     sync lie end to end in :func:`fxpipe.mesh.pipeline_step_s`'s prediction, whose maximum over
     the devices is at least their mean, the average compute plus
     :func:`fxpipe.mesh.dp_sync_time_s` of ``sum(size_param_bytes) / pp`` (affine in the bytes).
-    Communication between stages, bubbles and recomputation only add to both.
+    Ops are atomic (a partition assigns each graph node to one stage), so the busiest device also
+    holds at least the largest op, and one device holds two of the ``pp + 1`` largest: the
+    classic lower bounds of makespan scheduling on identical machines, ``max(sum / P, p_1,
+    p_P + p_(P+1))`` for jobs ``p_1 >= p_2 >= ...`` on ``P`` machines (Graham 1969; Dell'Amico and
+    Martello 1995, bound L1 and its pigeonhole companion), each with that device's sync (at
+    least the sync of the largest op's parameters, resp. of none). Every device's compute and sync
+    lie end to end in :func:`fxpipe.mesh.pipeline_step_s` (see there), so each is a lower bound;
+    the bound is their maximum. For a long pipeline of a model with a large op (an 8B decoder's
+    ``lm_head`` is about 6 % of its work) the atomic-op terms dominate: that is what lets the
+    search skip 256-stage pipelines without planning them.
+    Communication between stages, bubbles and recomputation only add to all of them.
 
     Parameters
     ----------
@@ -287,11 +297,22 @@ def mesh_lower_bound_s(graph, mesh, microbatches: int, objective: str = "trainin
     float
         Seconds.
     """
-    work = float(np.sum(graph.t_fwd_s))
+    work_per_op = np.asarray(graph.t_fwd_s, dtype=np.float64)
     if objective == "training":
-        work += float(np.sum(graph.t_bwd_input_s) + np.sum(graph.t_bwd_weight_s))
+        work_per_op = work_per_op + np.asarray(graph.t_bwd_input_s) + np.asarray(graph.t_bwd_weight_s)
     pp = int(mesh["pp"])
     per_replica = microbatches // mesh_dp(mesh)
-    sync = dp_sync_time_s(float(np.sum(graph.size_param_bytes)) / pp, mesh, graph.bandwidth_bytes_per_s,
-                          topology=Topology.of_graph(graph), order=order)
-    return per_replica * work / pp + sync
+    topology = Topology.of_graph(graph)
+    param_bytes = np.asarray(graph.size_param_bytes, dtype=np.float64)
+
+    def sync(b: float) -> float:
+        return dp_sync_time_s(b, mesh, graph.bandwidth_bytes_per_s, topology=topology, order=order)
+
+    # the average device: its compute and the sync of its parameters (affine in the bytes)
+    bound = per_replica * float(work_per_op.sum()) / pp + sync(float(param_bytes.sum()) / pp)
+    if work_per_op.size:  # ops are atomic: the device holding the largest one, and two of the pp + 1 largest
+        top = np.argsort(-work_per_op, kind="stable")
+        bound = max(bound, per_replica * float(work_per_op[top[0]]) + sync(float(param_bytes[top[0]])))
+        if work_per_op.size > pp:
+            bound = max(bound, per_replica * float(work_per_op[top[pp - 1]] + work_per_op[top[pp]]) + sync(0.0))
+    return bound

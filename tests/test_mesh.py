@@ -296,6 +296,35 @@ def test_mesh_search_keeps_the_fastest_mesh_that_fits(tmp_path):
     assert [r["mesh_text"] for r in err.value.tried["meshes"]] == [r["mesh_text"] for r in tight.options["mesh_search"]]
 
 
+def test_mesh_bound_counts_atomic_ops_and_prunes_long_pipelines_unplanned():
+    """A chain whose last op (an LM head) is a quarter of the work, 8 devices, 16 micro-batches: the
+    pure pipeline's bound is 16 x that op (ops are atomic), not 16 x work / 8, and stays below its
+    planned step; the search prunes it by that bound without planning it."""
+    import numpy as np
+
+    from fxpipe.ir import OpGraph
+    from fxpipe.mesh_search import mesh_lower_bound_s, search_mesh
+    from fxpipe.options import PlanOptions
+    from fxpipe.planner import plan_with_options
+
+    n = 16
+    t = np.r_[np.full(n - 1, 1e-3), 5e-3]  # the last op: 5 of the 20 ms per pass
+    g = OpGraph.from_arrays(t_fwd_s=t, t_bwd_input_s=t, t_bwd_weight_s=t, size_out_bytes=np.full(n, 1e3),
+                            size_param_bytes=np.full(n, 1e3), edges=[(i, i + 1) for i in range(n - 1)],
+                            bandwidth_bytes_per_s=1e12)
+    pure = {"pp": 8, "dp_shard": 1, "dp_replicate": 1}
+    lb = mesh_lower_bound_s(g, pure, 16)
+    assert lb == pytest.approx(16 * 3 * 5e-3) and lb > 16 * float(np.sum(3 * t)) / 8 * 1.5
+    opts = PlanOptions(schedule="1f1b", time_limit_s=0.5, seed=0)
+    _, _, sched, _ = plan_with_options(g, devices=8, microbatches=16, options=opts, memory=MemoryModel())
+    assert lb <= float(sched.value) * (1 + 1e-9)
+    # two of the 3 largest ops share one of 2 devices
+    assert mesh_lower_bound_s(g, {"pp": 2, "dp_shard": 4, "dp_replicate": 1}, 16) >= 4 * 3 * (5e-3 + 1e-3)
+    mesh, _, _, table = search_mesh(g, devices=8, microbatches=16, memory=MemoryModel(), options=opts)
+    assert mesh["pp"] < 8
+    assert next(r for r in table if r["mesh"]["pp"] == 8)["skipped"].startswith("pruned")
+
+
 @pytest.mark.parametrize("bandwidth", [1e6, 1e12])
 def test_mesh_search_bounds_are_sound_and_pruning_keeps_the_best(bandwidth):
     """On a synthetic 12-op chain: every planned mesh's lower bound is at most its predicted step;
