@@ -64,6 +64,9 @@ __all__ = [
     "dp_sync_parts_s",
     "pipeline_dp_sync_s",
     "pipeline_step_s",
+    "host_links",
+    "optimizer_host_step_s",
+    "device_host_step_s",
     "dp_links",
     "dim_strides",
     "Topology",
@@ -340,7 +343,8 @@ def mesh_memory(memory, mesh: Mapping[str, int]):
     with ``dp_shard > 1`` gives a memory model with ``zero_stage=1, data_parallel=dp_shard``
     unless ``memory`` already names ``data_parallel == dp_shard`` (kept as given).
     ``dp_replicate`` shards nothing. (Not counted yet: the sharded copies of parameters and
-    gradients, ``1 / dp_shard`` of each.)
+    gradients, ``1 / dp_shard`` of each.) ``memory.offload_optimizer`` is kept: with ``True`` the
+    sharded optimizer state is on the host, not the device.
 
     Raises
     ------
@@ -651,8 +655,83 @@ def pipeline_dp_sync_s(graph, assignment, device_of_stage, mesh: Mapping[str, in
 MAX_PREFETCHED_STAGES = 3
 
 
+def host_links(graph) -> dict[str, float] | None:
+    """The host link and host memory of the hardware a captured graph was costed for, or ``None``.
+
+    ``graph.meta["host"]`` (recorded by the capture from the hardware spec,
+    :class:`fxpipe.cost.specs.HardwareSpec`): ``host_bytes_per_s`` (the device-host link per
+    direction), ``host_memory_bytes_per_s`` and ``host_memory_bytes`` (one device's share of
+    the node's DRAM bandwidth and capacity; 0: unknown).
+    """
+    doc = (getattr(graph, "meta", None) or {}).get("host")
+    if not doc:
+        return None
+    return {k: float(doc.get(k, 0.0)) for k in ("host_bytes_per_s", "host_memory_bytes_per_s", "host_memory_bytes")}
+
+
+def optimizer_host_step_s(num_params: float, memory, host: Mapping[str, float] | None) -> float:
+    """Seconds a device spends per step on an optimizer offloaded to the host (0 without offload).
+
+    Under :attr:`fxpipe.memory.MemoryModel.offload_optimizer` (ZeRO-Offload, Ren et al. 2021,
+    Sec. 4: the optimizer state and its update on the host; here FSDP2's ``CPUOffloadPolicy``)
+    each step a device moves its shard of the gradients to the host, the host updates the shard
+    and the next step moves the updated weights back. Per parameter of the device's shard
+    (``num_params / data_parallel``):
+
+    * over the host link (``host_bytes_per_s``, each direction once): ``grad_bytes`` down and
+      ``weight_bytes`` up;
+    * the update streams the weights and optimizer state in and out and the gradients in,
+      ``2 * (weight_bytes + optimizer_bytes) + grad_bytes`` bytes at the host memory bandwidth
+      (``host_memory_bytes_per_s``; Adam's update is memory-bound: a few flops per 30 bytes);
+      a roofline: torch's CPU ``AdamW`` reaches a fraction of it, measured by
+      ``benchmarks/bench_optimizer_offload.py``.
+
+    Not overlapped with the pipeline (torch's ``optimizer.step()`` runs after the schedule).
+
+    Parameters
+    ----------
+    num_params : float
+        Parameters of the device's stages.
+    memory : MemoryModel
+        Its precision policy, ``data_parallel`` (the shard) and ``offload_optimizer``.
+    host : Mapping[str, float] or None
+        :func:`host_links` of the graph.
+
+    Raises
+    ------
+    InputError
+        With offload but no known host link or host memory bandwidth (a graph not captured
+        from a hardware spec that gives them).
+    """
+    if getattr(memory, "offload_optimizer", None) is not True:
+        return 0.0
+    if not host or not host.get("host_bytes_per_s", 0) > 0 or not host.get("host_memory_bytes_per_s", 0) > 0:
+        raise InputError("offload_optimizer needs the host link and host memory bandwidth of the hardware: capture "
+                         "the model for a hardware spec that gives them (h100-sxm, h200, a100-80gb, cpu), or set "
+                         "graph.meta['host'] = {'host_bytes_per_s': ..., 'host_memory_bytes_per_s': ...}")
+    p = memory.precision
+    shard = float(num_params) / float(memory.data_parallel)
+    link = shard * (p.grad_bytes + p.weight_bytes) / host["host_bytes_per_s"]
+    update = shard * (2.0 * (p.weight_bytes + p.optimizer_bytes) + p.grad_bytes) / host["host_memory_bytes_per_s"]
+    return link + update
+
+
+def device_host_step_s(graph, assignment, device_of_stage, pp: int, memory) -> list[float]:
+    """:func:`optimizer_host_step_s` of every pipeline device of a partitioned, placed graph (seconds)."""
+    import numpy as np
+
+    from fxpipe.partition.memory import num_params
+
+    if getattr(memory, "offload_optimizer", None) is not True:
+        return [0.0] * int(pp)
+    dev = np.asarray(device_of_stage, dtype=np.int64)[np.asarray(assignment, dtype=np.int64)]
+    counts = np.bincount(dev, weights=num_params(graph), minlength=int(pp))
+    host = host_links(graph)
+    return [optimizer_host_step_s(float(c), memory, host) for c in counts]
+
+
 def pipeline_step_s(graph, assignment, device_of_stage, schedule, mesh: Mapping[str, int],
-                    order: Any = None) -> float:
+                    order: Any = None, memory=None) -> float:
     """Predicted step time (seconds) of one pipeline of a mesh with its data-parallel sync, as the runtime overlaps it.
 
     What torch's pipelining runtime (``torch.distributed.pipelining.schedules``, on which
@@ -686,8 +765,12 @@ def pipeline_step_s(graph, assignment, device_of_stage, schedule, mesh: Mapping[
       re-gathered mid-step): not overlapped, ``value + max_d (G_d + R_d)`` (what the search
       assumed before; not a proven upper bound for those placements).
 
-    Every case is at least the average device's compute plus the sync of the average device's
-    parameters, so :func:`fxpipe.mesh_search.mesh_lower_bound_s` stays a lower bound.
+    With the optimizer offloaded to the host (``memory.offload_optimizer``), each device's host
+    step (:func:`optimizer_host_step_s`) follows its reduction, like the reduction itself.
+
+    Every case is at least the average device's compute plus the sync (and host step) of the
+    average device's parameters, so :func:`fxpipe.mesh_search.mesh_lower_bound_s` stays a lower
+    bound.
 
     Parameters
     ----------
@@ -701,19 +784,23 @@ def pipeline_step_s(graph, assignment, device_of_stage, schedule, mesh: Mapping[
         The timed schedule of one replica (``ops``, ``makespan`` / ``stage_span``, ``objective``).
     mesh, order :
         The mesh and its rank order (default the mesh's ``"order"``, else :data:`MESH_DIMS`).
+    memory : MemoryModel, optional
+        The device's memory model; only its ``offload_optimizer`` matters here.
 
     Returns
     -------
     float
-        Seconds; ``schedule.value`` without data parallelism.
+        Seconds; ``schedule.value`` without data parallelism and optimizer offload.
     """
     value = float(schedule.value)
-    if mesh_dp(mesh) == 1:
+    host = device_host_step_s(graph, assignment, device_of_stage, mesh["pp"], memory)
+    if mesh_dp(mesh) == 1 and not any(host):
         return value
     per_device = _device_param_bytes(graph, assignment, device_of_stage, mesh["pp"])
     topology = Topology.of_graph(graph)
     parts = [dp_sync_parts_s(float(b), mesh, graph.bandwidth_bytes_per_s, topology=topology, order=order)
              for b in per_device]
+    parts = [(g, r + h) for (g, r), h in zip(parts, host)]  # the host step follows the reduction
     stages_per_device = max(list(device_of_stage).count(d) for d in range(int(mesh["pp"])))
     first: dict[int, float] = {}
     end: dict[int, float] = {}

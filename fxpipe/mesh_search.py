@@ -38,6 +38,16 @@ candidate whose average static state (parameters, gradients, optimizer state und
 memory model) already exceeds the usable memory is skipped without planning; so is one the
 planner finds infeasible, with its reason. Every candidate is a row of the returned table.
 
+Optimizer state on the host (ZeRO-Offload, Ren et al. 2021; :attr:`fxpipe.memory.MemoryModel.offload_optimizer`):
+when the memory model leaves it to the search (``offload_optimizer=None``, the default) and the graph
+records the hardware's host link and host memory bandwidth (:func:`fxpipe.mesh.host_links`), a
+mesh whose memory binds with the optimizer state on the device (its static state does not fit,
+the planner finds it infeasible, or its schedule recomputes or offloads activations) gets a
+second row, ``"<mesh>, optimizer on host"``: the same mesh with only weights and gradients on
+the device, its host step (:func:`fxpipe.mesh.optimizer_host_step_s`) in its bound and its
+predicted step, skipped when its host state exceeds the host memory. It is planned in bound
+order like every candidate, so it wins only on a faster predicted step.
+
 Not yet: overlap of the sync with several stages per device, per-hop pipeline links (a pipeline is
 costed at the link most of its hops use, one bandwidth for every stage boundary), and reusing
 partitions across candidates (each ``pp`` and pipeline link is a separate partition search).
@@ -45,6 +55,9 @@ partitions across candidates (each ``pp`` and pipeline link is a separate partit
 
 from __future__ import annotations
 
+import dataclasses
+import heapq
+import itertools
 from typing import Any, Mapping
 
 import numpy as np
@@ -56,10 +69,13 @@ from fxpipe.mesh import (
     RANK_ORDERS,
     Topology,
     candidate_meshes,
+    device_host_step_s,
     dp_sync_time_s,
     format_mesh,
+    host_links,
     mesh_dp,
     mesh_memory,
+    optimizer_host_step_s,
     pipeline_dp_sync_s,
     pipeline_graph,
     pipeline_hops,
@@ -70,7 +86,24 @@ from fxpipe.partition.memory import num_params
 from fxpipe.options import PlanOptions
 from fxpipe.planner import plan_with_options
 
-__all__ = ["search_mesh", "mesh_lower_bound_s", "rank_orders_to_try"]
+__all__ = ["search_mesh", "mesh_lower_bound_s", "rank_orders_to_try", "optimizer_placements", "OFFLOAD_SUFFIX"]
+
+#: Appended to a candidate's ``mesh_text`` when its optimizer state lives on the host.
+OFFLOAD_SUFFIX = ", optimizer on host"
+
+
+def optimizer_placements(memory, mesh: Mapping[str, Any], host: Mapping[str, float] | None,
+                         objective: str = "training") -> list[bool]:
+    """Where the search may keep the optimizer state of ``mesh``, in the order it tries them: ``[False]``
+    (on the device), then ``True`` (offloaded to the host, :attr:`fxpipe.memory.MemoryModel.offload_optimizer`)
+    in training when the hardware's host link and host memory bandwidth are known; ``[True]`` alone when
+    ``memory`` already offloads it (the user's choice)."""
+    if memory.offload_optimizer is not None:
+        return [bool(memory.offload_optimizer)]
+    if objective != "training" or not host or not host["host_bytes_per_s"] > 0 \
+            or not host["host_memory_bytes_per_s"] > 0:
+        return [False]
+    return [False, True]
 
 
 def rank_orders_to_try(mesh: Mapping[str, Any], topology: Topology | None) -> list[tuple[str, str, str]]:
@@ -135,28 +168,45 @@ def search_mesh(graph, *, devices: int, microbatches: int, memory, options: Plan
         raise InputError(f"search_mesh takes options or plan_graph keywords, not both: got {sorted(plan_kwargs)}")
     graph_params = float(np.sum(num_params(graph)))
     topology = Topology.of_graph(graph)
-    cands = []  # (row, order entry, mesh, memory model, order): one per mesh and rank order
+    host = host_links(graph)
+    heap: list = []  # (lower bound, sequence, row, order entry, mesh, memory model, order)
     table = []
-    # HSDP (dp_shard x dp_replicate) only pays off on a topology: with one bandwidth it moves as
-    # many bytes as dp_shard alone and shards less
-    for mesh in candidate_meshes(devices, microbatches, replicate=topology is not None):
-        mem = mesh_memory(memory, mesh)
-        row = {"mesh": dict(mesh), "mesh_text": format_mesh(mesh), "by_order": []}
+    seq = itertools.count()  # equal bounds: more stages first, the default order first, the device before the host
+
+    def add_row(mesh, offload: bool, after: dict | None = None) -> None:
+        """The row of ``mesh`` with the optimizer on the host or not, and a candidate per rank order."""
+        mem = mesh_memory(dataclasses.replace(memory, offload_optimizer=offload), mesh)
+        row = {"mesh": dict(mesh), "mesh_text": format_mesh(mesh) + (OFFLOAD_SUFFIX if offload else ""),
+               "offload_optimizer": offload, "by_order": []}
         for order in rank_orders_to_try(mesh, topology):
             entry = {"rank_order": list(order),
                      "pipeline_bytes_per_s": pipeline_link(mesh, graph.bandwidth_bytes_per_s, topology, order),
                      "pipeline_hops_across_nodes": list(pipeline_hops(mesh, topology, order)) if topology else [0, 0],
-                     "lower_bound_s": mesh_lower_bound_s(graph, mesh, microbatches, options.objective, order)}
+                     "lower_bound_s": mesh_lower_bound_s(graph, mesh, microbatches, options.objective, order, memory=mem)}
             row["by_order"].append(entry)
-            cands.append((row, entry, mesh, mem, order))
+            heapq.heappush(heap, (entry["lower_bound_s"], next(seq), row, entry, mesh, mem, order))
         row["lower_bound_s"] = min(e["lower_bound_s"] for e in row["by_order"])
-        table.append(row)
-    cands.sort(key=lambda x: x[1]["lower_bound_s"])  # stable: equal bounds keep more stages, the default order first
+        table.insert(table.index(after) + 1 if after is not None else len(table), row)
+
+    offload_next: dict[str, bool] = {}  # mesh_text -> whether its optimizer may still move to the host
+    # HSDP (dp_shard x dp_replicate) only pays off on a topology: with one bandwidth it moves as
+    # many bytes as dp_shard alone and shards less
+    for mesh in candidate_meshes(devices, microbatches, replicate=topology is not None):
+        placements = optimizer_placements(memory, mesh, host, options.objective)
+        add_row(mesh, placements[0])
+        offload_next[format_mesh(mesh)] = len(placements) > 1
     best = None
     errors: dict[str, Exception] = {}  # mesh_text -> the planner's error
     timings: dict[str, float] = {}
     planned: dict[tuple, Any] = {}  # (mesh, pipeline bandwidth) -> the planner's result or error
-    for row, entry, mesh, mem, order in cands:
+
+    def needs_host(row: dict, mesh) -> None:
+        """The optimizer state of ``mesh`` binds its memory on the device: try it on the host too (once)."""
+        if offload_next.pop(format_mesh(mesh), False) and not row["offload_optimizer"]:
+            add_row(mesh, True, after=row)
+
+    while heap:
+        _, _, row, entry, mesh, mem, order = heapq.heappop(heap)
         if best is not None and entry["lower_bound_s"] >= best[1]["predicted_step_s"]:
             entry["skipped"] = (f"pruned: its lower bound {entry['lower_bound_s'] * 1e3:.4g} ms is no better than "
                                 f"{best[0]['mesh_text']}'s predicted {best[1]['predicted_step_s'] * 1e3:.4g} ms")
@@ -165,6 +215,12 @@ def search_mesh(graph, *, devices: int, microbatches: int, memory, options: Plan
         if static > mem.usable_bytes:
             entry["skipped"] = (f"cannot fit: the static state alone needs {format_bytes(static)} per device on "
                                 f"average, over the usable {format_bytes(mem.usable_bytes)}")
+            needs_host(row, mesh)
+            continue
+        on_host = mem.host_bytes_per_param(options.objective) * graph_params / mesh["pp"]
+        if host and host["host_memory_bytes"] > 0 and on_host > host["host_memory_bytes"]:
+            entry["skipped"] = (f"cannot fit: the optimizer state on the host needs {format_bytes(on_host)} per device "
+                                f"on average, over its {format_bytes(host['host_memory_bytes'])} of host memory")
             continue
         key = (row["mesh_text"], entry["pipeline_bytes_per_s"])  # the orders of one mesh on the same link share it
         if key not in planned:
@@ -180,12 +236,17 @@ def search_mesh(graph, *, devices: int, microbatches: int, memory, options: Plan
         if isinstance(planned[key], Exception):
             errors[row["mesh_text"]] = planned[key]
             entry["skipped"] = _first_sentence(str(planned[key]))
+            if isinstance(planned[key], InfeasibleError):
+                needs_host(row, mesh)
             continue
         g, (part, problem, sched, _) = planned[key]
+        if _memory_binds(problem, sched):  # recomputation or activation offload: more room may be faster
+            needs_host(row, mesh)
         sync = pipeline_dp_sync_s(g, part.assignment, problem.device_of_stage, mesh, order)
-        step = pipeline_step_s(g, part.assignment, problem.device_of_stage, sched, mesh, order)
+        step = pipeline_step_s(g, part.assignment, problem.device_of_stage, sched, mesh, order, memory=mem)
+        host_s = max(device_host_step_s(g, part.assignment, problem.device_of_stage, mesh["pp"], mem))
         entry.update(step_time_s=float(sched.value), dp_sync_s=sync, exposed_sync_s=step - float(sched.value),
-                     predicted_step_s=step)
+                     optimizer_host_step_s=host_s, predicted_step_s=step)
         if best is None or _better(entry, mesh, best[1], best[2]):
             best = (row, entry, mesh, mem, order, (part, problem, sched))
     for row in table:  # each mesh's row: its best planned order, else why its orders were skipped
@@ -193,17 +254,25 @@ def search_mesh(graph, *, devices: int, microbatches: int, memory, options: Plan
         if done:
             e = min(done, key=lambda e: e["predicted_step_s"])
             row.update(rank_order=e["rank_order"], step_time_s=e["step_time_s"], dp_sync_s=e["dp_sync_s"],
-                       exposed_sync_s=e["exposed_sync_s"], predicted_step_s=e["predicted_step_s"])
+                       exposed_sync_s=e["exposed_sync_s"], optimizer_host_step_s=e["optimizer_host_step_s"],
+                       predicted_step_s=e["predicted_step_s"])
         else:
             row["skipped"] = row["by_order"][0]["skipped"]
     if best is None:
         raise _no_mesh_fits(graph, devices, microbatches, memory, options.objective, table, errors)
     row, entry, mesh, mem, order, (part, problem, sched) = best
     row.update(rank_order=entry["rank_order"], step_time_s=entry["step_time_s"], dp_sync_s=entry["dp_sync_s"],
-               exposed_sync_s=entry["exposed_sync_s"], predicted_step_s=entry["predicted_step_s"], chosen=True)
+               exposed_sync_s=entry["exposed_sync_s"], optimizer_host_step_s=entry["optimizer_host_step_s"],
+               predicted_step_s=entry["predicted_step_s"], chosen=True)
     entry["chosen"] = True
     return ({**mesh, "order": tuple(order)} if tuple(order) != MESH_DIMS else dict(mesh)), mem, \
         (part, problem, sched, timings), table
+
+
+def _memory_binds(problem, schedule) -> bool:
+    """Whether a planned pipeline recomputes activations or offloads them: its device memory binds."""
+    return bool(np.any(np.asarray(getattr(problem, "recompute", None) or (), dtype=bool))) or \
+        any(op.type in ("O", "R") for op in schedule.ops)
 
 
 def _first_sentence(text: str) -> str:
@@ -257,7 +326,8 @@ def _better(entry: dict, mesh: dict, best: dict, best_mesh: dict) -> bool:
     return a <= b * (1 + 1e-9) and mesh["pp"] > best_mesh["pp"]
 
 
-def mesh_lower_bound_s(graph, mesh, microbatches: int, objective: str = "training", order: Any = None) -> float:
+def mesh_lower_bound_s(graph, mesh, microbatches: int, objective: str = "training", order: Any = None,
+                       memory=None) -> float:
     """A lower bound on the predicted step of ``mesh`` that needs no partition (seconds).
 
     Every replica runs ``microbatches / dp`` micro-batches over ``pp`` devices, so its busiest
@@ -291,6 +361,9 @@ def mesh_lower_bound_s(graph, mesh, microbatches: int, objective: str = "trainin
     order : sequence of str, optional
         The rank order the data-parallel groups' links follow (default: the mesh's ``"order"``,
         else pipeline rank innermost).
+    memory : MemoryModel, optional
+        The mesh's memory model: with ``offload_optimizer`` every device's host step
+        (:func:`fxpipe.mesh.optimizer_host_step_s`, linear in its parameters) joins its sync.
 
     Returns
     -------
@@ -305,14 +378,19 @@ def mesh_lower_bound_s(graph, mesh, microbatches: int, objective: str = "trainin
     topology = Topology.of_graph(graph)
     param_bytes = np.asarray(graph.size_param_bytes, dtype=np.float64)
 
-    def sync(b: float) -> float:
-        return dp_sync_time_s(b, mesh, graph.bandwidth_bytes_per_s, topology=topology, order=order)
+    params = num_params(graph) if getattr(memory, "offload_optimizer", False) else np.zeros_like(param_bytes)
+    host = host_links(graph)
+
+    def sync(b: float, n: float = 0.0) -> float:  # the sync of b parameter bytes and the host step of n parameters
+        return (dp_sync_time_s(b, mesh, graph.bandwidth_bytes_per_s, topology=topology, order=order)
+                + (optimizer_host_step_s(n, memory, host) if n > 0 else 0.0))
 
     # the average device: its compute and the sync of its parameters (affine in the bytes)
-    bound = per_replica * float(work_per_op.sum()) / pp + sync(float(param_bytes.sum()) / pp)
+    bound = per_replica * float(work_per_op.sum()) / pp + sync(float(param_bytes.sum()) / pp, float(params.sum()) / pp)
     if work_per_op.size:  # ops are atomic: the device holding the largest one, and two of the pp + 1 largest
         top = np.argsort(-work_per_op, kind="stable")
-        bound = max(bound, per_replica * float(work_per_op[top[0]]) + sync(float(param_bytes[top[0]])))
+        bound = max(bound, per_replica * float(work_per_op[top[0]]) + sync(float(param_bytes[top[0]]),
+                                                                             float(params[top[0]])))
         if work_per_op.size > pp:
             bound = max(bound, per_replica * float(work_per_op[top[pp - 1]] + work_per_op[top[pp]]) + sync(0.0))
     return bound

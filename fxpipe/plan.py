@@ -28,8 +28,10 @@ from fxpipe.errors import InputError
 from fxpipe.io import format_bytes
 from fxpipe.ir import OpGraph, Orders, Schedule, ScheduleProblem, read_json, schedule_to_orders, write_json_atomic
 from fxpipe.memory import MemoryModel
-from fxpipe.mesh import (MESH_DIMS, Topology, dim_span, dp_links, format_mesh, format_rank_order, mesh_degrees, mesh_dp,
+from fxpipe.mesh import (MESH_DIMS, Topology, device_host_step_s, dim_span, dp_links, format_mesh, format_rank_order,
+                         mesh_degrees, mesh_dp,
                          normalize_mesh, normalize_rank_order, pipeline_dp_sync_s, pipeline_step_s, pure_pipeline)
+from fxpipe.partition.memory import num_params
 from fxpipe.partition.objective import Partition
 from fxpipe.partition.placement import placement_name
 from fxpipe.plan_build import PlanStageOf, build_rank, compile_stages_option
@@ -201,12 +203,24 @@ class Plan:
         the reductions behind the cool-down, as torch's pipelining runtime issues them.
         """
         return pipeline_step_s(self.graph, self.partition.assignment, self.device_of_stage, self.schedule, self.mesh,
-                               self.rank_order)
+                               self.rank_order, memory=self.memory)
+
+    @property
+    def optimizer_host_step_s(self) -> float:
+        """The longest per-device optimizer step on the host (seconds; 0 unless ``memory.offload_optimizer``):
+        :func:`fxpipe.mesh.optimizer_host_step_s`, part of :attr:`predicted_step_s`."""
+        return max(device_host_step_s(self.graph, self.partition.assignment, self.device_of_stage, self.devices,
+                                      self.memory), default=0.0)
 
     def mesh_summary(self) -> list[str]:
         """Summary lines for a plan with data parallelism or a mesh search (none for a pinned pure pipeline):
         the mesh, the links its data-parallel groups use, and the table of the meshes searched."""
         lines = _mesh_search_table(self.options.get("mesh_search") or [])
+        if self.memory.offload_optimizer is True:
+            lines.insert(0, f"optimizer state offloaded to the host (FSDP2 CPUOffloadPolicy): "
+                            f"{format_bytes(self.memory.host_bytes_per_param('training') * self._max_device_params())} "
+                            f"of host memory and a {self.optimizer_host_step_s * 1e3:.3f} ms host step on the busiest "
+                            "device, in the predicted step")
         if self.dp == 1:
             return lines
         ds, dr = self.mesh["dp_shard"], self.mesh["dp_replicate"]
@@ -227,6 +241,11 @@ class Plan:
                 f"data-parallel sync per step: {self.dp_sync_s * 1e3:.3f} ms on the busiest device ({'; '.join(used)}); "
                 f"predicted step with it {self.predicted_step_s * 1e3:.3f} ms "
                 f"({(self.predicted_step_s - self.schedule.value) * 1e3:.3f} ms not hidden by the pipeline)", *lines]
+
+    def _max_device_params(self) -> float:
+        """Parameters of the device holding the most."""
+        dev = np.asarray(self.device_of_stage, dtype=np.int64)[np.asarray(self.partition.assignment, dtype=np.int64)]
+        return float(np.bincount(dev, weights=num_params(self.graph), minlength=self.devices).max())
 
     # ------------------------------------------------------------------ placement
     @property
@@ -625,8 +644,8 @@ def _mesh_search_table(rows) -> list[str]:
         return []
     ms = lambda row, key: f"{row[key] * 1e3:.4g}" if key in row else "-"  # noqa: E731
     width = max(len(r["mesh_text"]) for r in rows)
-    out = ["mesh search (predicted step = schedule + data-parallel sync the pipeline does not hide, ms; planned in "
-           "order of the lower bound):",
+    out = ["mesh search (predicted step = schedule + data-parallel sync and host optimizer step the pipeline does "
+           "not hide, ms; planned in order of the lower bound):",
            f"  {'mesh':<{width}}  {'bound':>9}  {'schedule':>9}  {'sync':>9}  {'predicted':>9}"]
     for r in rows:
         tail = " (chosen)" if r.get("chosen") else (f"  skipped: {r['skipped']}" if "skipped" in r else "")

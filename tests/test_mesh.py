@@ -278,17 +278,29 @@ def test_mesh_search_keeps_the_fastest_mesh_that_fits(tmp_path):
     pinned = fxpipe.compile(model, args, kwargs, devices=4, microbatches=4, mesh=other["mesh"], schedule="zb-h1",
                             time_limit_s=0.5, memory_bytes=float("inf"))
     assert pinned.schedule.value + pinned.dp_sync_s == pytest.approx(other["predicted_step_s"])
-    # 50 kB: a capacity only the 4-stage pipeline of this tiny GPT-2 fits; the other meshes are skipped with the reason
-    # (the default mesh, "auto", is this search)
+    # 50 kB: a capacity only the 4-stage pipeline of this tiny GPT-2 fits with the optimizer on the device; the other
+    # meshes are skipped with the reason (the default mesh, "auto", is this search)
     tight = fxpipe.compile(model, args, kwargs, devices=4, microbatches=4, schedule="zb-h1", time_limit_s=0.5,
-                           memory_bytes=50e3)
+                           memory=MemoryModel(offload_optimizer=False), memory_bytes=50e3)
     assert tight.mesh == {"pp": 4, "dp_shard": 1, "dp_replicate": 1}
+    # left to the search (the default), the meshes that do not fit try the optimizer on the host, right after their row;
+    # the fastest prediction wins, its plan keeps the optimizer where it was planned
+    free = fxpipe.compile(model, args, kwargs, devices=4, microbatches=4, schedule="zb-h1", time_limit_s=0.5,
+                          memory_bytes=50e3)
+    rows = free.options["mesh_search"]
+    hosted = [r for r in rows if r["offload_optimizer"]]
+    assert hosted and all(rows[rows.index(r) - 1]["mesh_text"] + ", optimizer on host" == r["mesh_text"] for r in hosted)
+    chosen = next(r for r in rows if r.get("chosen"))
+    assert free.memory.offload_optimizer is chosen["offload_optimizer"]
+    assert chosen["predicted_step_s"] == pytest.approx(free.predicted_step_s)
+    assert chosen["predicted_step_s"] <= min(r.get("predicted_step_s", float("inf")) for r in rows)
+    assert all(r["lower_bound_s"] <= r.get("predicted_step_s", float("inf")) * (1 + 1e-9) for r in rows)
     assert ["skipped" in r for r in tight.options["mesh_search"]] == [False] + [True] * 5
     assert all("\n" not in r["skipped"] and len(r["skipped"]) < 300 for r in tight.options["mesh_search"][1:])
     # 5 kB: nothing fits; one error says why each mesh was skipped and what the training state needs of all devices
     with pytest.raises(InfeasibleError) as err:
         fxpipe.compile(model, args, kwargs, devices=4, microbatches=4, mesh="search", schedule="zb-h1",
-                       time_limit_s=0.5, memory_bytes=5e3)
+                       time_limit_s=0.5, memory=MemoryModel(offload_optimizer=False), memory_bytes=5e3)
     text = str(err.value)
     assert text.startswith("no mesh of 4 devices fits")
     assert all(f"  {r['mesh_text']}: " in text for r in tight.options["mesh_search"])

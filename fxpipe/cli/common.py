@@ -202,6 +202,11 @@ def add_memory_arguments(parser: argparse.ArgumentParser, *, plan: bool = False)
                         help="data-parallel degree the ZeRO stage shards over (default 1)")
     parser.add_argument("--reserved-fraction", type=float, default=DEFAULT_RESERVED_FRACTION, metavar="F",
                         help=f"fraction of each device kept for the runtime (default {DEFAULT_RESERVED_FRACTION:g})")
+    parser.add_argument("--offload-optimizer", action=argparse.BooleanOptionalAction, default=None,
+                        help="keep the optimizer state on the host and step it there (ZeRO-Offload; FSDP2's "
+                        "CPUOffloadPolicy at run time), so the devices hold weights and gradients only; "
+                        "--no-offload-optimizer: never (default: on the device, but `fxpipe plan --mesh auto` also tries "
+                        "the host for a mesh whose memory binds)")
 
 
 def memory_model_from_args(args: argparse.Namespace, default_capacity_bytes: float | None = None):
@@ -221,7 +226,8 @@ def memory_model_from_args(args: argparse.Namespace, default_capacity_bytes: flo
     else:
         return None
     return MemoryModel(capacity_bytes=cap, policy=args.precision, data_parallel=args.data_parallel,
-                       zero_stage=args.zero_stage, reserved_fraction=args.reserved_fraction)
+                       zero_stage=args.zero_stage, reserved_fraction=args.reserved_fraction,
+                       offload_optimizer=getattr(args, "offload_optimizer", None))
 
 
 def partition_memory_from_args(args: argparse.Namespace):

@@ -515,6 +515,8 @@ class CostProfile:
                 inter_node_bytes_per_s=float(b.get("inter_node_bytes_per_s", 0.0)),
                 intra_node_latency_s=float(b.get("intra_node_latency_s", 0.0)),
                 inter_node_latency_s=float(b.get("inter_node_latency_s", 0.0)),
+                host_memory_bytes_per_s=float(b.get("host_memory_bytes_per_s", 0.0)),
+                host_memory_bytes=float(b.get("host_memory_bytes", 0.0)),
             )
             ms = [Measurement.from_dict(e, source=f"{source}: {k}") for k, e in dict(doc["measurements"]).items()]
             device = DeviceInfo.from_dict(doc["device"])

@@ -50,6 +50,12 @@ class HardwareSpec:
         GPU), bytes/s; 0: unknown (one node, or every link at ``d2d_bytes_per_s``).
     intra_node_latency_s, inter_node_latency_s : float
         Per-hop latency of a collective step inside a node / between nodes, seconds.
+    host_memory_bytes_per_s : float
+        The host (CPU) memory bandwidth one device's share of the node gets, bytes/s: the
+        node's DRAM channels x their rate / ``devices_per_node``; what an optimizer step on the
+        host streams its state at (``MemoryModel(offload_optimizer=True)``). 0: unknown.
+    host_memory_bytes : float
+        Host memory per device (the node's DRAM / ``devices_per_node``), bytes; 0: unknown.
     source : str
         Datasheet (document name and URL) the numbers come from.
     profile : fxpipe.cost.calibrate.CostProfile, optional
@@ -71,6 +77,8 @@ class HardwareSpec:
     inter_node_bytes_per_s: float = 0.0
     intra_node_latency_s: float = 0.0
     inter_node_latency_s: float = 0.0
+    host_memory_bytes_per_s: float = 0.0
+    host_memory_bytes: float = 0.0
     source: str = field(default="", repr=False)
     profile: Any = field(default=None, repr=False, compare=False)
 
@@ -105,6 +113,8 @@ class HardwareSpec:
             "inter_node_bytes_per_s": self.inter_node_bytes_per_s,
             "intra_node_latency_s": self.intra_node_latency_s,
             "inter_node_latency_s": self.inter_node_latency_s,
+            "host_memory_bytes_per_s": self.host_memory_bytes_per_s,
+            "host_memory_bytes": self.host_memory_bytes,
             "source": self.source,
             **({"profile": self.profile.name} if self.profile is not None else {}),
         }
@@ -123,11 +133,15 @@ _H100 = HardwareSpec(
     inter_node_bytes_per_s=50e9,  # one 400 Gb/s NDR InfiniBand ConnectX-7 port per GPU
     intra_node_latency_s=3e-6,  # NCCL ring step over NVLink, modelled
     inter_node_latency_s=8e-6,  # NCCL ring step over InfiniBand, modelled
+    # DGX H100: 2 x Xeon Platinum 8480C, 8 channels of DDR5-4800 each (2 x 8 x 38.4 GB/s), 2 TB, for 8 GPUs
+    host_memory_bytes_per_s=2 * 8 * 38.4 * _GB / 8,
+    host_memory_bytes=2000 * _GB / 8,
     source=(
         "NVIDIA H100 Tensor Core GPU datasheet (H100 SXM column; dense = half the "
         "printed with-sparsity figures), https://resources.nvidia.com/en-us-tensor-core/"
         "nvidia-tensor-core-gpu-datasheet; node: NVIDIA DGX H100 datasheet (8 GPUs, 8 x 400 Gb/s "
-        "ConnectX-7), https://resources.nvidia.com/en-us-dgx-systems/ai-enterprise-dgx"
+        "ConnectX-7, 2 x Intel Xeon Platinum 8480C, 2 TB), https://resources.nvidia.com/en-us-dgx-systems/ai-enterprise-dgx; "
+        "host memory bandwidth: Intel ARK, Xeon Platinum 8480+ (8 channels of DDR5-4800)"
     ),
 )
 
@@ -147,11 +161,15 @@ HARDWARE: Mapping[str, HardwareSpec] = MappingProxyType({
             inter_node_bytes_per_s=25e9,  # one 200 Gb/s HDR InfiniBand ConnectX-6 port per GPU
             intra_node_latency_s=3e-6,
             inter_node_latency_s=8e-6,
+            # DGX A100: 2 x AMD EPYC 7742, 8 channels of DDR4-3200 each (2 x 8 x 25.6 GB/s), 1 TB, for 8 GPUs
+            host_memory_bytes_per_s=2 * 8 * 25.6 * _GB / 8,
+            host_memory_bytes=1000 * _GB / 8,
             source=(
                 "NVIDIA A100 Tensor Core GPU datasheet (nvidia-a100-datasheet-us-nvidia-1758950-r4), "
                 "https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/"
                 "nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf; node: NVIDIA DGX A100 datasheet "
-                "(8 GPUs, 8 x 200 Gb/s ConnectX-6)"
+                "(8 GPUs, 8 x 200 Gb/s ConnectX-6, 2 x AMD EPYC 7742, 1 TB); host memory bandwidth: AMD EPYC 7742 "
+                "product page (8 channels of DDR4-3200)"
             ),
         ),
         _H100,
@@ -164,7 +182,8 @@ HARDWARE: Mapping[str, HardwareSpec] = MappingProxyType({
             memory_bytes=141 * _GB,  # datasheet: 141GB HBM3e
             source=(
                 "NVIDIA H200 Tensor Core GPU datasheet / product page (H200 SXM column; dense = "
-                "half the with-sparsity figures), https://www.nvidia.com/en-us/data-center/h200/"
+                "half the with-sparsity figures), https://www.nvidia.com/en-us/data-center/h200/; node and host "
+                "as the DGX H100 (the DGX H200 has the same 2 x Xeon Platinum 8480C and 2 TB)"
             ),
         ),
         HardwareSpec(
@@ -178,6 +197,8 @@ HARDWARE: Mapping[str, HardwareSpec] = MappingProxyType({
             host_bytes_per_s=51.2e9,  # host memory is device memory
             memory_bytes=32 * _GB,  # modelled 32 GB of host memory
             launch_overhead_s=10e-6,  # PyTorch eager dispatch per op on CPU
+            host_memory_bytes_per_s=51.2e9,  # the host is the device
+            host_memory_bytes=32 * _GB,
             source=(
                 "derived profile, not a single datasheet: peak = cores x clock x 2 FMA x 8 lanes x 2; "
                 "bandwidth = JEDEC DDR4-3200 (25.6 GB/s per channel) x 2 channels"

@@ -348,13 +348,16 @@ class MemoryModel:
         ZeRO stage (0: no sharding; 1: optimizer state; 2: + gradients; 3: + weights).
     reserved_fraction : float
         Fraction of the capacity kept for the runtime, in [0, 1).
-    offload_optimizer : bool
-        Training only: the optimizer state lives in host memory and the optimizer steps on the
-        host (ZeRO-Offload, Ren et al. 2021, Sec. 4; FSDP2's ``CPUOffloadPolicy``, which also keeps
-        the sharded weights and gradients there). The device holds the weights it computes with
-        and their gradients for the whole step (torch's pipelining runtime keeps a stage
-        unsharded from its first compute to its ``REDUCE_GRAD``), so its optimizer bytes per
-        parameter are 0; :meth:`host_bytes_per_param` counts what moves to the host.
+    offload_optimizer : bool or None
+        Training only. ``True``: the optimizer state lives in host memory and the optimizer steps
+        on the host (ZeRO-Offload, Ren et al. 2021, Sec. 4; FSDP2's ``CPUOffloadPolicy``, which
+        also keeps the sharded weights and gradients there). The device holds the weights it
+        computes with and their gradients for the whole step (torch's pipelining runtime keeps a
+        stage unsharded from its first compute to its ``REDUCE_GRAD``), so its optimizer bytes
+        per parameter are 0; :meth:`host_bytes_per_param` counts what moves to the host.
+        ``False``: on the device, always. ``None`` (the default): on the device, except that the
+        mesh search (``mesh="auto"``, :mod:`fxpipe.mesh_search`) also tries the host for a
+        mesh whose memory binds and keeps it when it predicts a faster step.
 
     Raises
     ------
@@ -368,7 +371,7 @@ class MemoryModel:
     data_parallel: int = 1
     zero_stage: int = 0
     reserved_fraction: float = DEFAULT_RESERVED_FRACTION
-    offload_optimizer: bool = False
+    offload_optimizer: bool | None = None
     _policy: PrecisionPolicy = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -386,9 +389,11 @@ class MemoryModel:
             raise InputError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
         if not (isinstance(self.reserved_fraction, (int, float)) and 0.0 <= float(self.reserved_fraction) < 1.0):
             raise InputError(f"reserved_fraction must lie in [0, 1), got {self.reserved_fraction!r}")
-        if not isinstance(self.offload_optimizer, (bool, np.bool_)):
-            raise InputError(f"offload_optimizer must be True or False, got {self.offload_optimizer!r}")
-        object.__setattr__(self, "offload_optimizer", bool(self.offload_optimizer))
+        if self.offload_optimizer is not None:
+            if not isinstance(self.offload_optimizer, (bool, np.bool_)):
+                raise InputError(f"offload_optimizer must be True, False or None (let the mesh search choose), "
+                                 f"got {self.offload_optimizer!r}")
+            object.__setattr__(self, "offload_optimizer", bool(self.offload_optimizer))
 
     # ------------------------------------------------------------------ per parameter
     @property
@@ -413,7 +418,7 @@ class MemoryModel:
         w = p.weight_bytes / d if self.zero_stage >= 3 else p.weight_bytes
         g = p.grad_bytes / d if self.zero_stage >= 2 else p.grad_bytes
         o = p.optimizer_bytes / d if self.zero_stage >= 1 else p.optimizer_bytes
-        return (w, g, 0.0 if self.offload_optimizer else o)
+        return (w, g, 0.0 if self.offload_optimizer is True else o)
 
     def host_bytes_per_param(self, objective: str = "training") -> float:
         """Host-memory bytes per parameter of the device's stages under :attr:`offload_optimizer`.
@@ -423,7 +428,7 @@ class MemoryModel:
         (the shard over ``data_parallel`` ranks; all of it without data parallelism). 0 without
         offload or in inference.
         """
-        if not self.offload_optimizer or objective != "training":
+        if self.offload_optimizer is not True or objective != "training":
             return 0.0
         p = self._policy
         return (p.weight_bytes + p.grad_bytes + p.optimizer_bytes) / float(self.data_parallel)
@@ -656,7 +661,7 @@ class MemoryModel:
             "data_parallel": int(self.data_parallel),
             "zero_stage": int(self.zero_stage),
             "reserved_fraction": float(self.reserved_fraction),
-            "offload_optimizer": bool(self.offload_optimizer),
+            "offload_optimizer": self.offload_optimizer,
         }
 
     @classmethod
@@ -685,7 +690,7 @@ class MemoryModel:
                 data_parallel=int(doc.get("data_parallel", 1)),
                 zero_stage=int(doc.get("zero_stage", 0)),
                 reserved_fraction=float(doc.get("reserved_fraction", DEFAULT_RESERVED_FRACTION)),
-                offload_optimizer=bool(doc.get("offload_optimizer", False)),
+                offload_optimizer=None if doc.get("offload_optimizer") is None else bool(doc["offload_optimizer"]),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise InputError(f"malformed memory model {dict(doc)!r:.200}: {exc}") from None

@@ -128,7 +128,10 @@ def to_opgraph(gm: torch.fx.GraphModule, hardware: str | HardwareSpec = "h100-sx
         **cols, edges=edges if edges else [], bandwidth_bytes_per_s=hw.d2d_bytes_per_s, names=names,
         ops=[n.op for n in nodes], name=name, extra=extra,
         meta={"hardware": hw.name, "source": "fxpipe.passes.to_opgraph",
-              **({"topology": hw.topology()} if hw.inter_node_bytes_per_s > 0 else {})},
+              **({"topology": hw.topology()} if hw.inter_node_bytes_per_s > 0 else {}),
+              "host": {"host_bytes_per_s": float(hw.host_bytes_per_s),
+                       "host_memory_bytes_per_s": float(hw.host_memory_bytes_per_s),
+                       "host_memory_bytes": float(hw.host_memory_bytes)}},
     )
     return graph, names
 

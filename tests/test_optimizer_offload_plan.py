@@ -1,0 +1,115 @@
+"""Optimizer state on the host (issue 18: 70B on 16 x 80 GB): the memory model, the host step's cost,
+and the mesh search's choice of where the optimizer lives (planning only; the gloo runs of such plans
+are in tests/test_optimizer_offload.py)."""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+import pytest
+
+from fxpipe.errors import InputError
+from fxpipe.ir import OpGraph
+from fxpipe.memory import MemoryModel
+from fxpipe.mesh import candidate_meshes, device_host_step_s, host_links, optimizer_host_step_s, pipeline_step_s
+from fxpipe.mesh_search import mesh_lower_bound_s, search_mesh
+from fxpipe.options import PlanOptions
+from fxpipe.planner import plan_with_options
+
+HOST = {"host_bytes_per_s": 64e9, "host_memory_bytes_per_s": 76.8e9, "host_memory_bytes": 250e9}  # h100-sxm's
+
+
+def _chain(n: int = 12, param_bytes: float = 2e6, host=HOST) -> OpGraph:
+    """A chain of equal ops with 1e6 bf16 parameters each (2 bytes per parameter)."""
+    t = np.full(n, 1e-3)
+    return OpGraph.from_arrays(t_fwd_s=t, t_bwd_input_s=t, t_bwd_weight_s=t, size_out_bytes=np.full(n, 1e3),
+                               size_param_bytes=np.full(n, param_bytes), edges=[(i, i + 1) for i in range(n - 1)],
+                               bandwidth_bytes_per_s=1e10, meta={"param_dtype_bytes": 2, **({"host": host} if host else {})})
+
+
+def test_memory_model_moves_the_optimizer_state_to_the_host():
+    on, off = MemoryModel(offload_optimizer=True), MemoryModel()
+    assert off.offload_optimizer is None and off.bytes_per_param("training") == (2.0, 2.0, 12.0)
+    assert on.bytes_per_param("training") == (2.0, 2.0, 0.0) and on.host_bytes_per_param() == 16.0
+    assert off.host_bytes_per_param() == 0.0 and on.host_bytes_per_param("inference") == 0.0
+    sharded = MemoryModel(offload_optimizer=True, data_parallel=4, zero_stage=1)
+    assert sharded.host_bytes_per_param() == 4.0  # the rank's shard of weights, gradients and optimizer state
+    for m in (on, off, MemoryModel(offload_optimizer=False)):
+        assert MemoryModel.from_dict(m.to_dict()) == m
+    with pytest.raises(InputError, match="offload_optimizer must be True, False or None"):
+        MemoryModel(offload_optimizer="yes")
+
+
+def test_host_step_is_the_shards_transfer_and_its_memory_bound_update():
+    m = MemoryModel(offload_optimizer=True, data_parallel=2, zero_stage=1)  # mixed-adam: 2 + 2 + 12 bytes
+    shard = 0.5e9
+    expected = shard * (2 + 2) / 64e9 + shard * (2 * (2 + 12) + 2) / 76.8e9
+    assert optimizer_host_step_s(1e9, m, HOST) == pytest.approx(expected)
+    assert optimizer_host_step_s(1e9, MemoryModel(), HOST) == 0.0
+    with pytest.raises(InputError, match="host link and host memory bandwidth"):
+        optimizer_host_step_s(1e9, m, None)
+    g = _chain()
+    assert host_links(g) == HOST and host_links(_chain(host=None)) is None
+    per_device = device_host_step_s(g, np.repeat([0, 1, 2], 4), [0, 1, 2], 3, MemoryModel(offload_optimizer=True))
+    assert per_device == pytest.approx([optimizer_host_step_s(4e6, MemoryModel(offload_optimizer=True), HOST)] * 3)
+
+
+@pytest.mark.parametrize("objective", ["makespan", "stage_span"])
+def test_predicted_step_adds_each_devices_host_step_after_its_last_backward(objective):
+    import dataclasses
+
+    g = _chain()
+    mem = MemoryModel(offload_optimizer=True)
+    part, problem, sched, _ = plan_with_options(g, devices=3, microbatches=6, memory=mem,
+                                                options=PlanOptions(schedule="1f1b", time_limit_s=0.5, seed=0))
+    sched = dataclasses.replace(sched, objective=objective)
+    mesh = {"pp": 3, "dp_shard": 1, "dp_replicate": 1}
+    host = device_host_step_s(g, part.assignment, problem.device_of_stage, 3, mem)
+    step = pipeline_step_s(g, part.assignment, problem.device_of_stage, sched, mesh, memory=mem)
+    assert pipeline_step_s(g, part.assignment, problem.device_of_stage, sched, mesh) == float(sched.value)
+    assert float(sched.value) + min(host) * (1 - 1e-9) <= step <= float(sched.value) + max(host) * (1 + 1e-9)
+    assert mesh_lower_bound_s(g, mesh, 6, memory=mem) <= step * (1 + 1e-9)
+
+
+def test_search_offloads_only_where_memory_binds_and_keeps_the_fastest():
+    """2e8 parameters (16 bytes each: 3.2 GB of state) on 4 devices of 0.7 GB: no mesh fits with the optimizer
+    on the device; with it on the host (4 bytes per parameter on the device) every mesh with pp >= 2 can.
+    The search tries the host right after each mesh that does not fit, its bounds stay below its predictions,
+    and it keeps the fastest; without a known host link it cannot offload and says no mesh fits."""
+    from fxpipe.errors import InfeasibleError
+
+    g = _chain(n=8, param_bytes=2 * 2.5e7)
+    opts = PlanOptions(schedule="1f1b", time_limit_s=0.5, seed=0)
+    mem = MemoryModel(capacity_bytes=0.7e9)
+    mesh, chosen_mem, (part, problem, sched, _), table = search_mesh(g, devices=4, microbatches=8, memory=mem,
+                                                                      options=opts)
+    assert chosen_mem.offload_optimizer is True
+    assert [r["mesh_text"] for r in table if not r["offload_optimizer"]] == \
+        [f"pp={m['pp']}" + (f" x dp_shard={m['dp_shard']}" if m["dp_shard"] > 1 else "") if m["pp"] > 1
+         else f"dp_shard={m['dp_shard']}" for m in candidate_meshes(4, 8)]
+    for i, r in enumerate(table):
+        if r["offload_optimizer"]:
+            assert table[i - 1]["mesh_text"] + ", optimizer on host" == r["mesh_text"]
+            assert table[i - 1]["skipped"].startswith("cannot fit")
+        assert r["lower_bound_s"] <= r.get("predicted_step_s", float("inf")) * (1 + 1e-9)
+    best = next(r for r in table if r.get("chosen"))
+    assert best["offload_optimizer"] and best["optimizer_host_step_s"] > 0
+    assert best["predicted_step_s"] == min(r.get("predicted_step_s", float("inf")) for r in table)
+    # unlimited memory: nothing binds, no row offloads
+    _, free_mem, _, free_table = search_mesh(g, devices=4, microbatches=8, memory=MemoryModel(), options=opts)
+    assert free_mem.offload_optimizer is False and not any(r["offload_optimizer"] for r in free_table)
+    # the user's "never" and an unknown host link: no mesh fits
+    for graph, memory in ((g, MemoryModel(capacity_bytes=0.7e9, offload_optimizer=False)),
+                          (_chain(n=8, param_bytes=2 * 2.5e7, host=None), mem)):
+        with pytest.raises(InfeasibleError, match="no mesh of 4 devices fits"):
+            search_mesh(graph, devices=4, microbatches=8, memory=memory, options=opts)
+
+
+def test_cli_offload_optimizer_flag_is_three_way():
+    from fxpipe.cli.common import add_memory_arguments, memory_model_from_args
+
+    p = argparse.ArgumentParser()
+    add_memory_arguments(p, plan=True)
+    for argv, want in (([], None), (["--offload-optimizer"], True), (["--no-offload-optimizer"], False)):
+        assert memory_model_from_args(p.parse_args(argv), float("inf")).offload_optimizer is want
