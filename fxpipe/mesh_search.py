@@ -309,8 +309,12 @@ def _no_mesh_fits(graph, devices: int, microbatches: int, memory, objective: str
     remedies = getattr(first_error, "remedies", None) or {}
     if remedies.get("devices") and pure in errors:  # the device count that fits, as a pure pipeline
         lines.append(remedies["devices"])
+    tried_host = any(r.get("offload_optimizer") for r in table)
     lines.append("Or: a precision policy with less state per parameter (MemoryModel(policy='bf16-adam'): 8 bytes), "
-                 "devices with more memory, or fewer micro-batches per step.")
+                 + ("" if tried_host or memory.offload_optimizer is True else
+                    "the optimizer state on the host (MemoryModel(offload_optimizer=True), on hardware whose host "
+                    "link and memory bandwidth fxpipe knows), ")
+                 + "devices with more memory, or fewer micro-batches per step.")
     return InfeasibleError("\n".join(lines), overflow_bytes=getattr(first_error, "overflow_bytes", None),
                            required_capacity_bytes=getattr(first_error, "required_capacity_bytes", None),
                            min_devices=getattr(first_error, "min_devices", None), remedies=remedies,
