@@ -270,7 +270,7 @@ def infeasible_error(graph: OpGraph, k: int, objective: str, comm: str, memory, 
         f"({format_bytes(pm.usable_bytes)} usable; {objective}): the best partition ignoring memory needs "
         f"{format_bytes(need)} on stage {worst} (overflow {format_bytes(over)} = {over:.0f} bytes). "
     )
-    msg += " ".join(remedies[key] for key in ("devices", "offload", "recompute", "zero"))
+    msg += " ".join(remedies[key] for key in ("devices", "offload", "recompute", "zero", "host") if key in remedies)
     return InfeasibleError(msg, overflow_bytes=over, required_capacity_bytes=required, stage=worst,
                            min_devices=min_devices, remedies=remedies)
 
@@ -282,7 +282,9 @@ ZERO_DEGREES = (2, 4, 8, 16, 32, 64)
 def memory_remedies(graph: OpGraph, assignment, k: int, objective: str, comm: str, memory) -> dict[str, str]:
     """Which remedy would let ``assignment`` (a partition that overflows) fit, one sentence each.
 
-    Keys ``"offload"``, ``"recompute"``, ``"zero"``, ``"devices"``. Offload and activation
+    Keys ``"offload"``, ``"recompute"``, ``"zero"``, ``"devices"``, and ``"host"`` when keeping the
+    optimizer state on the host (:attr:`fxpipe.memory.MemoryModel.offload_optimizer`, not already
+    set) would fit ``assignment`` by the ``"floor"`` rule. Offload and activation
     recomputation reduce the micro-batches whose stashes are on the device at once, never
     below one stash (:data:`fxpipe.memory.ACTIVATION_RULES`, ``"floor"``): they help only
     when static state + one stash of every stage fits. ZeRO sharding (Rajbhandari et al. 2020,
@@ -330,5 +332,11 @@ def memory_remedies(graph: OpGraph, assignment, k: int, objective: str, comm: st
                        "full parameters and gradients for the whole step).")
     else:
         out["zero"] = f"ZeRO sharding over up to {ZERO_DEGREES[-1]} data-parallel replicas would not fit this partition."
+    if objective == "training" and pm.model.offload_optimizer is not True:
+        hosted = _dc.replace(floor, model=_dc.replace(pm.model, offload_optimizer=True))
+        if stage_memory_bytes(graph, assignment, k, objective, hosted, comm).max() <= pm.usable_bytes:
+            out["host"] = ("Keeping the optimizer state on the host would fit this partition (MemoryModel("
+                           "offload_optimizer=True), --offload-optimizer; ZeRO-Offload: the devices hold weights and "
+                           "gradients only, the optimizer steps on the host).")
     out["devices"] = "More pipeline devices would help (smaller stages)."  # refined by infeasible_error
     return out
