@@ -464,16 +464,6 @@ class FxpipePipelineStage(PipelineStage):
       after this call, instead of node by node.
     """
 
-    # ---- begin optimizer offload (fxpipe.codegen.mesh): host parameters stay on the host
-    def _move_submod_to_device(self):
-        # fxpipe moves every stage module to its device before wrapping it (fxpipe.codegen.rank); torch's
-        # second move would copy the host shards of a CPUOffloadPolicy module to the device (FSDP2's _apply
-        # then keeps them there unless they are pinned): leave an offloaded module where FSDP put it
-        if _cpu_offloaded(self.submod):
-            return
-        super()._move_submod_to_device()
-    # ---- end optimizer offload
-
     # ---- begin receive-buffer reuse (recv_buffer_slots): buffers per micro-batch in flight, not per micro-batch
     #: ``{"fwd": {mb: slot}, "bwd": {mb: slot}}`` set by the runtime from the rank's program, or None
     fxpipe_recv_slots = None
@@ -769,12 +759,6 @@ def fsdp_offload_policy(module: torch.nn.Module):
         return None
     groups = module._get_fsdp_state()._fsdp_param_groups
     return groups[0].offload_policy if groups else None
-
-
-def _cpu_offloaded(module: torch.nn.Module) -> bool:
-    from torch.distributed.fsdp import CPUOffloadPolicy
-
-    return isinstance(fsdp_offload_policy(module), CPUOffloadPolicy)
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
