@@ -36,6 +36,12 @@ def build_rank(plan, rank: int, *, model=None, args=(), kwargs=None, loss_fn: Ca
     the global batch (:func:`replica_batch`); ``schedule.fxpipe_mesh_rank`` holds the rank's
     coordinates. Gradients are those of the mean loss over all ``global_microbatches``.
 
+    With optimizer offload (``plan.memory.offload_optimizer``, ZeRO-Offload) the stages are
+    wrapped the same way with FSDP2's ``CPUOffloadPolicy``, a pure pipeline's by ``fully_shard``
+    over a size-1 sub-mesh (collective too; rank = pipeline rank as before): the parameters
+    ``schedule.parameters()`` lists are host-resident DTensor shards, their gradients arrive on
+    the host, and an optimizer built over them keeps its state and steps on the host.
+
     Parameters
     ----------
     plan : Plan
@@ -97,17 +103,25 @@ def build_rank(plan, rank: int, *, model=None, args=(), kwargs=None, loss_fn: Ca
 
         source = StateSource(seed=0 if seed is None else int(seed), checkpoint=checkpoint, init_fn=init_fn,
                              model=model if model is not None else getattr(traced, "model", None))
-    if plan.dp > 1:  # ---- mesh (fxpipe.codegen.mesh): pipeline x data parallelism
+    offload = bool(getattr(plan.memory, "offload_optimizer", False))
+    if plan.dp > 1 or offload:  # ---- mesh (fxpipe.codegen.mesh): pipeline x data parallelism, optimizer offload
+        import torch.distributed as dist  # lazy: torch
+
         from fxpipe.codegen.mesh import build_mesh_rank  # lazy: torch
         from fxpipe.codegen.rank import example_inputs_from_gm  # lazy: torch
         from fxpipe.codegen.split import split_stages  # lazy: torch
 
+        if group is not None and dist.get_world_size(group) != dist.get_world_size():
+            raise InputError(
+                f"a plan with {'data parallelism' if plan.dp > 1 else 'optimizer offload'} runs on the default process "
+                f"group (its device mesh): leave group=None and launch exactly {plan.world_size} processes"
+            )
         stages, sched, _ = build_mesh_rank(
             split_stages(traced.gm, plan.captured_stage_of(), plan.num_stages), int(rank), plan.orders(), mesh=plan.mesh,
             rank_order=plan.rank_order,
             num_microbatches=plan.microbatches, loss_fn=loss_fn, device=device,
             example_microbatch_inputs=example_inputs_from_gm(traced.gm), recompute_stages=plan.recompute_stages(),
-            state_source=source, compile_stages=compile_stages_option(plan, compile_stages),
+            state_source=source, compile_stages=compile_stages_option(plan, compile_stages), offload_optimizer=offload,
         )
         return stages, sched
     return build_pipeline_rank(

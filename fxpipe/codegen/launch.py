@@ -36,8 +36,9 @@ from fxpipe.codegen.compare import gradient_precision, output_precision, random_
 from fxpipe.codegen.effects import random_ops
 from fxpipe.codegen.interface import ModelInputs, as_call, call_model, split_microbatches
 from fxpipe.codegen.materialize import StateSource, real_state_bytes
-from fxpipe.codegen.mesh import build_mesh_rank, check_mesh_run, full_tensors, init_mesh, replica_slice
+from fxpipe.codegen.mesh import build_mesh_rank, check_mesh_run, check_offload_run, full_tensors, init_mesh, replica_slice
 from fxpipe.codegen.rank import build_rank
+from fxpipe.codegen.runtime import fsdp_offload_policy
 from fxpipe.codegen.split import split_stages
 from fxpipe.errors import InputError, WorkerError
 from fxpipe.io import write_text_atomic
@@ -297,7 +298,8 @@ def _build_rank_program(rank: int, run: Mapping[str, Any], cap: _Captured, stage
     mkey = ("device_mesh", tuple(sorted(mesh.items())))
     if mkey not in groups:
         groups[mkey] = init_mesh(mesh)
-    stages, sched, mr = build_mesh_rank(staged, rank, run["orders"], mesh=mesh, device_mesh=groups[mkey], **build_kwargs)
+    stages, sched, mr = build_mesh_rank(staged, rank, run["orders"], mesh=mesh, device_mesh=groups[mkey],
+                                        offload_optimizer=bool(run.get("offload_optimizer")), **build_kwargs)
     return stages, sched, mr.replica, mr.pp_rank
 
 
@@ -377,7 +379,7 @@ def _write_run_results(out_dir: str, idx: int, rank: int, run: Mapping[str, Any]
         owned = {fqn for fqn, o in staged.buffer_owner.items() if o == s}
         bufs.update({k: b.detach().clone() for k, b in staged.stages[s].named_buffers().items() if k in owned})
     params = {k: p.detach().clone() for k, p in named.items()}
-    if dp > 1:  # sharded / replicated DTensors: full values (collective over each stage's data-parallel group)
+    if dp > 1 or run.get("offload_optimizer"):  # DTensors: full values (collective over each stage's dp group)
         grads, params = full_tensors(grads), full_tensors(params)
         if replica:  # replica 0 reports the model state; the others only their losses
             grads, params, bufs = {}, {}, {}
@@ -407,6 +409,7 @@ def _write_run_results(out_dir: str, idx: int, rank: int, run: Mapping[str, Any]
                 "activation": stash.stats().to_dict() if stash is not None else None,
                 "materialized": {s: r.to_dict() for s, r in mat.items()} if mat else None,
                 "held_state_bytes": held,
+                "offload_policy": {st.stage_index: repr(fsdp_offload_policy(st.submod)) for st in stages},
             }
         ),
     )
@@ -551,7 +554,10 @@ def spawn_train_many(runs: Sequence[Mapping[str, Any]], *, world_size: int, time
         replicas of the ``pp``-device orders, stages wrapped by FSDP2; ``num_microbatches`` is
         then the global count, ``num_microbatches / dp`` per replica, every replica training on
         its slice of the batch; results hold the full parameters and gradients, the losses are
-        the mean over the replicas). The ``Orders`` may carry offload/reload actions
+        the mean over the replicas), and ``offload_optimizer`` (with ``mesh``, also a pure
+        pipeline's: parameters, gradients and optimizer state on the host, FSDP2's
+        ``CPUOffloadPolicy``, :mod:`fxpipe.codegen.mesh`; ``TrainResult.meta["offload_policy"]``
+        names every stage's policy). The ``Orders`` may carry offload/reload actions
         (``Action(s, "O", j)`` / ``"R"``; :func:`fxpipe.ir.schedule_to_orders` keeps a
         schedule's), which the workers execute. ``TrainResult.meta`` then holds,
         per rank, ``activation`` (the saved-tensor hooks' measurements,
@@ -595,7 +601,11 @@ def spawn_train_many(runs: Sequence[Mapping[str, Any]], *, world_size: int, time
                 mesh = normalize_mesh(run["mesh"], world_size)
                 check_mesh_run(mesh, run["orders"], tuple(run.get("recompute_stages", ())), run["compile_stages"])
                 m_pipe = microbatches_per_replica(run["num_microbatches"], mesh)
-                run["mesh"] = None if is_pure_pipeline(mesh) else mesh
+                run["mesh"] = None if is_pure_pipeline(mesh) and not run.get("offload_optimizer") else mesh
+            if run.get("offload_optimizer"):
+                if run.get("mesh") is None:
+                    raise InputError("offload_optimizer needs the run's mesh (a pure pipeline: {'pp': world_size})")
+                check_offload_run(run["orders"], tuple(run.get("recompute_stages", ())), run["compile_stages"])
             check_orders(run["orders"], m_pipe)
         except InputError as exc:
             raise InputError(f"run {i}: {exc}") from None
@@ -712,6 +722,7 @@ def _gather(out_dir: str, world: int, idx: int, wall: float) -> TrainResult:
     activation: dict[int, Any] = {}
     materialized: dict[int, Any] = {}
     held: dict[int, Any] = {}
+    offload: dict[int, Any] = {}
     train_wall = 0.0
     for r in range(world):
         with open(os.path.join(out_dir, f"run{idx}_rank{r}.json")) as f:
@@ -725,6 +736,7 @@ def _gather(out_dir: str, world: int, idx: int, wall: float) -> TrainResult:
         activation[r] = info.get("activation")
         materialized[r] = info.get("materialized")
         held[r] = info.get("held_state_bytes")
+        offload.update({int(s): v for s, v in (info.get("offload_policy") or {}).items()})
         train_wall = max(train_wall, info["train_wall_s"])
         if info["has_last_stage"]:  # one per data-parallel replica
             replica_losses.append(info["losses"])
@@ -752,5 +764,6 @@ def _gather(out_dir: str, world: int, idx: int, wall: float) -> TrainResult:
          "moved_nodes": info.get("moved_nodes", {}), "random_ops": info.get("random_ops", []),
          "grad_precision": info.get("grad_precision") or {}, "output_precision": info.get("output_precision"),
          "fused_full_backward": fused, "recv_buffers": recv_buffers, "compiled_stages": compiled, "train_wall_s": train_wall, "wall_s": wall,
-         "activation": activation, "materialized": materialized, "held_state_bytes": held},
+         "activation": activation, "materialized": materialized, "held_state_bytes": held,
+         "offload_policy": offload},
     )

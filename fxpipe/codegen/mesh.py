@@ -37,8 +37,28 @@ A tied parameter held by two stages of one rank (GPT-2's embedding on a V placem
 one copy per stage (FSDP2 cannot manage one parameter in two modules) whose gradients are
 summed; the optimizer must then take ``schedule.parameters()`` (every copy).
 
-Not yet supported with data parallelism (clear errors): activation offload / recomputation and
-``compile_stages``.
+Optimizer-state offload (``MemoryModel.offload_optimizer``, a plan's ``plan.memory``;
+``offload_optimizer=True`` here): ZeRO-Offload (Ren et al. 2021, "ZeRO-Offload: Democratizing
+Billion-Scale Model Training", USENIX ATC) with FSDP2's ``CPUOffloadPolicy``. Every stage module
+is wrapped as above with ``offload_policy=CPUOffloadPolicy(pin_memory=<device is CUDA>)``: the
+sharded parameters (the optimizer's parameters), their gradients and so the optimizer state
+live in host memory, and ``optimizer.step()`` over ``schedule.parameters()`` runs on the host.
+``UNSHARD`` copies a stage's shard to the device and all-gathers it there; ``REDUCE_GRAD``
+reduces the gradients on the device and copies the result to the host (FSDP waits for the
+copy before it returns). A pure pipeline (``dp == 1``) is then wrapped by ``fully_shard``
+over its size-1 ``dp_shard`` sub-mesh (the ranks are still the pipeline ranks, the ``DeviceMesh``
+has the size-1 dimensions); ``dp_shard == 1 < dp_replicate`` by ``replicate`` with the same
+policy (the host then holds a full copy per replica, as ``MemoryModel.host_bytes_per_param``
+with ``data_parallel == dp_shard == 1`` counts). fxpipe's own gradient work after
+``REDUCE_GRAD`` handles host gradients on an accelerator: the division by the micro-batch count
+runs on the host tensors; the sum of tied parameters' gradients over pipeline ranks
+(:meth:`~fxpipe.codegen.runtime.FxpipeScheduleRuntime.sync_shared_grads`) stages them on the
+device for the collective (NCCL reduces device tensors only); :func:`full_tensors` all-gathers
+on the device and returns host tensors. Checkpoints (:mod:`fxpipe.codegen.checkpoint`, DCP)
+read and write the host shards in place.
+
+Not yet supported with data parallelism or optimizer offload (clear errors): activation
+offload / recomputation and ``compile_stages``.
 """
 
 from __future__ import annotations
@@ -65,6 +85,7 @@ __all__ = [
     "make_shared_param_groups",
     "build_mesh_rank",
     "check_mesh_run",
+    "check_offload_run",
     "replica_slice",
     "full_tensors",
 ]
@@ -171,15 +192,28 @@ def mesh_rank(mesh: Mapping[str, int], rank: int, device_mesh=None, device_type:
     return MeshRank(m, int(rank), coords, device_mesh, order)
 
 
-def data_parallel_wrapper(mr: MeshRank) -> Callable[[int, torch.nn.Module], None] | None:
+def data_parallel_wrapper(mr: MeshRank, offload_optimizer: bool = False) -> Callable[[int, torch.nn.Module], None] | None:
     """The in-place wrapper of a stage module for :func:`~fxpipe.codegen.rank.build_rank`'s ``wrap_module``.
 
     ``fully_shard`` over the ``dp_shard`` sub-mesh (HSDP over ``(dp_replicate, dp_shard)``), or
     ``replicate`` over ``dp_replicate``; None without data parallelism.
+
+    With ``offload_optimizer`` (ZeRO-Offload, Ren et al. 2021; the plan's
+    ``MemoryModel.offload_optimizer``) the same wrapping gets FSDP2's
+    ``CPUOffloadPolicy(pin_memory=...)`` (pinned host memory on a CUDA mesh only: pinning needs
+    an accelerator), so the sharded parameters, their gradients and the optimizer's state over
+    them live in host memory and the optimizer steps there; without data parallelism the stage
+    is wrapped by ``fully_shard`` over the size-1 ``dp_shard`` sub-mesh (the module docstring
+    says what runs where).
     """
     kind = mr.data_parallel
-    if kind is None:
+    if kind is None and not offload_optimizer:
         return None
+    policy = {}
+    if offload_optimizer:
+        from torch.distributed.fsdp import CPUOffloadPolicy
+
+        policy = {"offload_policy": CPUOffloadPolicy(pin_memory=mr.device_mesh.device_type == "cuda")}
     # FSDP2 warns when a wrapped module returns a view: an in-place op on that output would drop its
     # pre-backward hook. A stage's outputs are never modified in place: the next stage gets them through
     # send/recv or, on the same rank, detached (torch's PipelineStage), and the unshard before a backward
@@ -190,15 +224,15 @@ def data_parallel_wrapper(mr: MeshRank) -> Callable[[int, torch.nn.Module], None
         sub = dm["dp_replicate"]
 
         def wrap(stage: int, module: torch.nn.Module) -> None:
-            replicate_module(module, sub)
+            replicate_module(module, sub, **policy)
 
         return wrap
     from torch.distributed.fsdp import fully_shard
 
-    sub = dm["dp_replicate", "dp_shard"] if kind == "hsdp" else dm["dp_shard"]
+    sub = dm["dp_replicate", "dp_shard"] if kind == "hsdp" else dm["dp_shard"]  # FSDP or offload alone: dp_shard
 
     def wrap(stage: int, module: torch.nn.Module) -> None:  # noqa: F811 - one of the two wrappers
-        fully_shard(module, mesh=sub)
+        fully_shard(module, mesh=sub, **policy)
 
     return wrap
 
@@ -255,6 +289,28 @@ def check_mesh_run(mesh: Mapping[str, int], orders: Orders, recompute_stages: Se
         )
 
 
+def check_offload_run(orders: Orders, recompute_stages: Sequence[int] = (), compile_stages: bool = False) -> None:
+    """Refuse, before any process group is touched, what optimizer offload does not support yet.
+
+    Optimizer offload wraps every stage in FSDP2 (:func:`data_parallel_wrapper`), also in a pure
+    pipeline, so it has the limits of data parallelism (:func:`check_mesh_run`).
+
+    Raises
+    ------
+    InputError
+        For ``compile_stages``, activation recomputation or offload/reload actions in ``orders``.
+    """
+    if compile_stages:
+        raise InputError("optimizer offload (offload_optimizer=True) with compile_stages=True is not supported yet: "
+                         "use compile_stages=False or a memory model without offload_optimizer")
+    if tuple(recompute_stages) or orders.offloaded():
+        raise InputError(
+            "optimizer offload (offload_optimizer=True) wraps the stages in FSDP2, which does not run with activation "
+            "recomputation or offload/reload (O/R) yet: plan with a schedule that keeps every stash (schedule='1f1b', "
+            "'zb-h1', 'zb-v', ...) or without offload_optimizer"
+        )
+
+
 def build_mesh_rank(
     staged,
     rank: int,
@@ -268,6 +324,7 @@ def build_mesh_rank(
     example_microbatch_inputs: Any = None,
     group_cache: dict | None = None,
     rank_order: Any = None,
+    offload_optimizer: bool = False,
     **build_kwargs: Any,
 ):
     """This global rank's pipeline stages on the mesh, wrapped for data parallelism, and its runtime.
@@ -300,6 +357,10 @@ def build_mesh_rank(
     rank_order : sequence of str, optional
         The mesh dimensions outermost first (``plan.rank_order``; default the mesh's ``"order"``,
         else pipeline rank innermost, :data:`fxpipe.mesh.MESH_DIMS`); every rank must pass the same.
+    offload_optimizer : bool
+        Keep the sharded parameters, gradients and optimizer state on the host
+        (``plan.memory.offload_optimizer``; :func:`data_parallel_wrapper`); also wraps a pure
+        pipeline's stages (``fully_shard`` over a size-1 sub-mesh).
 
     Returns
     -------
@@ -317,9 +378,11 @@ def build_mesh_rank(
     order = _order(mesh, rank_order)
     m = mesh_degrees(normalize_mesh(mesh))
     check_mesh_run(m, orders, build_kwargs.get("recompute_stages", ()), build_kwargs.get("compile_stages", False))
+    if offload_optimizer:
+        check_offload_run(orders, build_kwargs.get("recompute_stages", ()), build_kwargs.get("compile_stages", False))
     mr = mesh_rank(m, rank, device_mesh, torch.device(device).type, order)
     cache = make_shared_param_groups(staged, orders.device_of_stage, m, group_cache, order)
-    wrap = data_parallel_wrapper(mr)
+    wrap = data_parallel_wrapper(mr, offload_optimizer)
     if wrap is not None:
         wrap = _untie_then(wrap, staged)
     stages, sched = build_rank(
@@ -393,14 +456,20 @@ def full_tensors(named: Mapping[str, torch.Tensor | None]) -> dict[str, torch.Te
     """The full (unsharded) value of every DTensor in ``named``, other tensors as they are.
 
     Collective over each DTensor's mesh: every rank holding the same stages calls it with the
-    same names in the same order.
+    same names in the same order. A DTensor whose shard lives on the host while its mesh is on
+    an accelerator (optimizer offload) is all-gathered on the mesh's device; the full tensor
+    comes back on the shard's device.
     """
     from torch.distributed.tensor import DTensor
 
     out: dict[str, torch.Tensor | None] = {}
     for k, t in named.items():
         if isinstance(t, DTensor):
-            out[k] = t.full_tensor().detach().clone()
+            local = t.to_local()
+            if local.device.type != t.device_mesh.device_type:  # host shard (optimizer offload): gather on the device
+                t = DTensor.from_local(local.to(t.device_mesh.device_type), t.device_mesh, t.placements,
+                                       run_check=False, shape=t.shape, stride=t.stride())
+            out[k] = t.full_tensor().detach().to(local.device, copy=True)
         else:
             out[k] = None if t is None else t.detach().clone()
     return out

@@ -82,6 +82,7 @@ __all__ = [
     "FxpipeScheduleRuntime",
     "local_tensor",
     "replicate_module",
+    "fsdp_offload_policy",
 ]
 
 logger = logging.getLogger(__name__)
@@ -714,6 +715,18 @@ class FxpipeScheduleRuntime(_PipelineScheduleRuntime):
         """
         self._shared_grads = list(shared_grads)
 
+    def _all_reduce_sum(self, t: torch.Tensor, grp) -> None:
+        """``all_reduce(t, SUM)`` over ``grp`` in place; a host tensor of an accelerator rank (an
+        FSDP2 gradient under optimizer offload) goes through the stages' device: NCCL reduces
+        device tensors only."""
+        dev = self._stages[0].device if self._stages else t.device
+        if t.device.type == "cpu" and torch.device(dev).type != "cpu":
+            buf = t.to(dev)
+            dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=grp)
+            t.copy_(buf)
+        else:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=grp)
+
     def sync_shared_grads(self) -> None:
         """All-reduce (sum) the gradients of tied parameters over the ranks that hold them."""
         for entry, grp in self._shared_grads:
@@ -729,13 +742,25 @@ class FxpipeScheduleRuntime(_PipelineScheduleRuntime):
             # a sharded (FSDP2) parameter: every pipeline rank holding it shards it the same way over
             # its own data-parallel group, so the local shards of one replica line up
             if grp is not None:
-                dist.all_reduce(local_tensor(total), op=dist.ReduceOp.SUM, group=grp)
+                self._all_reduce_sum(local_tensor(total), grp)
             if len(copies) > 1:
                 for p in copies:
                     p.grad.copy_(total)
 
 
 # ---- begin data parallelism adapters (used by fxpipe/codegen/mesh.py)
+def fsdp_offload_policy(module: torch.nn.Module):
+    """The offload policy of an FSDP2 module (``fully_shard`` / ``replicate``): FSDP2's
+    ``CPUOffloadPolicy`` (parameters, gradients and optimizer state on the host) or its
+    ``OffloadPolicy`` (none); None for a module FSDP2 does not manage or one without parameters."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(module, FSDPModule):
+        return None
+    groups = module._get_fsdp_state()._fsdp_param_groups
+    return groups[0].offload_policy if groups else None
+
+
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """The local shard of a DTensor (sharing its storage: in-place ops write the DTensor), else ``t``."""
     from torch.distributed.tensor import DTensor
@@ -746,16 +771,20 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def replicate_module(module: torch.nn.Module, mesh) -> torch.nn.Module:
+def replicate_module(module: torch.nn.Module, mesh, offload_policy=None) -> torch.nn.Module:
     """Replicate ``module`` in place over the 1-D ``mesh`` (FSDP2-based DDP: ``replicate_with_fsdp.replicate``).
 
     The module becomes an ``FSDPModule`` (torch's pipelining runtime accumulates the
     micro-batches' gradients unsynchronised and all-reduces them once, in its ``REDUCE_GRAD``
-    action); its parameters become replicated DTensors.
+    action); its parameters become replicated DTensors. ``offload_policy``: FSDP2's
+    ``CPUOffloadPolicy`` keeps them, their gradients and the optimizer state on the host
+    (torch 2.13's ``replicate`` takes it as ``fully_shard`` does).
     """
     from torch.distributed._composable.replicate_with_fsdp import replicate
 
-    return replicate(module, mesh=mesh)
+    if offload_policy is None:
+        return replicate(module, mesh=mesh)
+    return replicate(module, mesh=mesh, offload_policy=offload_policy)
 # ---- end data parallelism adapters
 
 
