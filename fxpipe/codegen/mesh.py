@@ -37,8 +37,18 @@ A tied parameter held by two stages of one rank (GPT-2's embedding on a V placem
 one copy per stage (FSDP2 cannot manage one parameter in two modules) whose gradients are
 summed; the optimizer must then take ``schedule.parameters()`` (every copy).
 
-Not yet supported with data parallelism (clear errors): activation offload / recomputation and
-``compile_stages``.
+Activation recomputation and offload/reload (``recompute_stages``, ``O`` / ``R`` actions in the
+orders) run under FSDP2 and ``replicate`` as without data parallelism
+(:mod:`fxpipe.codegen.stash`): inside a stage forward the module holds its unsharded parameters
+(other tensors than the sharded DTensors), which the stash reads there as resident, so they are
+never stashed, counted or offloaded; a recomputation replays the stage forward without FSDP2's
+forward hooks (:func:`fxpipe.codegen.runtime.forward_without_dp_hooks`: the stage is unsharded
+between torch's ``UNSHARD`` and ``RESHARD`` actions, and the replayed graph, discarded, must not
+register hooks or leave FSDP2's training state in ``FORWARD``), once per micro-batch, split
+backward included; gradients reach the unsharded parameters only through the original graph, so
+``REDUCE_GRAD`` reduces them as without recomputation.
+
+Not yet supported with data parallelism (a clear error): ``compile_stages``.
 """
 
 from __future__ import annotations
@@ -231,11 +241,15 @@ def check_mesh_run(mesh: Mapping[str, int], orders: Orders, recompute_stages: Se
                    compile_stages: bool = False) -> None:
     """Refuse, before any process group is touched, what data parallelism does not support yet.
 
+    Activation recomputation (``recompute_stages``) and offload/reload actions in ``orders``
+    run with any mesh (see the module docstring); ``recompute_stages`` is accepted for the
+    callers' uniformity.
+
     Raises
     ------
     InputError
-        With ``dp > 1``: ``compile_stages``, activation recomputation or offload/reload actions
-        in ``orders``; a ``pp`` other than the orders' number of devices.
+        With ``dp > 1``: ``compile_stages``; with any mesh, a ``pp`` other than the orders'
+        number of devices.
     """
     m = normalize_mesh(mesh)
     if orders.num_devices != m["pp"]:
@@ -247,12 +261,6 @@ def check_mesh_run(mesh: Mapping[str, int], orders: Orders, recompute_stages: Se
     if compile_stages:
         raise InputError(f"{what}: compile_stages=True with data parallelism is not supported yet; "
                          "use compile_stages=False")
-    if tuple(recompute_stages) or orders.offloaded():
-        raise InputError(
-            f"{what}: activation recomputation and offload/reload (O/R) are not supported with data parallelism "
-            "yet: plan with a schedule that keeps every stash (schedule='1f1b', 'zb-h1', 'zb-v', ...) or without "
-            "data parallelism"
-        )
 
 
 def build_mesh_rank(

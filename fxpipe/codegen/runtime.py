@@ -82,6 +82,7 @@ __all__ = [
     "FxpipeScheduleRuntime",
     "local_tensor",
     "replicate_module",
+    "forward_without_dp_hooks",
 ]
 
 logger = logging.getLogger(__name__)
@@ -515,8 +516,13 @@ class FxpipePipelineStage(PipelineStage):
         stash = self.fxpipe_stash
         if stash is None or not torch.is_grad_enabled():
             return super().forward_maybe_with_nosync(*args, **kwargs)
-        resident = list(self.submod.parameters()) + list(self.submod.buffers())
-        return stash.forward(self.stage_index, self._fxpipe_mb, self.submod, args, kwargs, resident)
+        submod = self.submod
+
+        def resident():  # read again inside the forward, where FSDP2 has put the unsharded parameters in place
+            return list(submod.parameters()) + list(submod.buffers())
+
+        return stash.forward(self.stage_index, self._fxpipe_mb, submod, args, kwargs, resident,
+                             recompute_fn=forward_without_dp_hooks(submod))
 
     def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
         stash = self.fxpipe_stash
@@ -736,6 +742,37 @@ class FxpipeScheduleRuntime(_PipelineScheduleRuntime):
 
 
 # ---- begin data parallelism adapters (used by fxpipe/codegen/mesh.py)
+def forward_without_dp_hooks(module: torch.nn.Module) -> Callable:
+    """``module``'s forward for a recomputation during the backward, around FSDP2's hooks.
+
+    A stage wrapped by ``fully_shard`` / ``replicate`` (an ``FSDPModule``) runs its forward
+    through FSDP2's forward pre- and post-hooks: unshard, register the post-backward hooks on
+    the inputs and the pre-backward hooks on the outputs, set the training state (``FORWARD``,
+    then ``IDLE``) and reshard. A recomputation replays the forward inside a backward (``B`` or,
+    with a split backward, ``W``) and stops as soon as the saved tensors are back
+    (:mod:`fxpipe.codegen.stash`), so the post-hook would never run: outside FSDP2's own
+    activation-checkpointing case (training state ``PRE_BACKWARD``, set only by a backward that
+    starts at the stage outputs) that would leave the state in ``FORWARD`` and skip the next
+    forward's hook registration. The returned function instead makes sure the parameters are
+    unsharded (``FSDPModule.unshard``, a no-op while torch's runtime holds the stage unsharded
+    between its ``UNSHARD`` and ``RESHARD`` actions) and calls ``module.forward`` directly, which
+    runs no hook of ``module`` itself (fxpipe's stage modules carry only FSDP2's; no input cast:
+    fxpipe wraps without a mixed-precision policy). Gradients still flow to the unsharded
+    parameters only through the original forward's graph: the replayed graph is discarded.
+    Other modules: ``module`` itself.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(module, FSDPModule):
+        return module
+
+    def replay(*args, **kwargs):
+        module.unshard()
+        return module.forward(*args, **kwargs)
+
+    return replay
+
+
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """The local shard of a DTensor (sharing its storage: in-place ops write the DTensor), else ``t``."""
     from torch.distributed.tensor import DTensor
