@@ -76,7 +76,7 @@ def test_check_mesh_run_accepts_recompute_and_offload_with_data_parallelism():
 
 def _mlp():
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4))
+    return torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.Tanh(), torch.nn.Dropout(0.5), torch.nn.Linear(64, 4))
 
 
 def _still_idle(model):
@@ -87,15 +87,16 @@ def _still_idle(model):
     assert fully_shard.state(model)._training_state.name == "IDLE"
 
 
-def _stash_run(model, stash, xs, fn=None, recompute_fn=None, replay_early=None):
+def _stash_run(model, stash, xs, recompute_fn=None, replay_early=None):
     """Forward every micro-batch under ``stash`` (the module's residents read as the runtime does), then backward."""
     outs = []
+    torch.manual_seed(1)  # the same dropout masks in every run (a replay restores the forward's random state)
     for mb, x in enumerate(xs):
-        outs.append(stash.forward(0, mb, fn or model, (x,), {},
+        outs.append(stash.forward(0, mb, model, (x,), {},
                                   lambda: list(model.parameters()) + list(model.buffers()), recompute_fn=recompute_fn))
     peak = stash.stats().stages[0].max_microbatch_bytes
     if replay_early:  # a recomputation outside a backward from the outputs (as in a W-first replay): read a saved tensor
-        assert outs[0].grad_fn.name() == "AddmmBackward0" and outs[0].grad_fn._saved_mat1.shape == (2, 64)
+        assert outs[0].grad_fn.name() == "AddmmBackward0" and outs[0].grad_fn._saved_mat1.shape == (2, 64)  # replays
         replay_early(model)
     for mb, out in enumerate(outs):
         out.square().sum().backward()
@@ -117,9 +118,11 @@ def test_fsdp_resharding_after_forward_keeps_parameters_out_of_the_stash(tmp_pat
 
     xs = [torch.randn(2, 8, generator=torch.Generator().manual_seed(i)) for i in range(2)]
     plain = _mlp()
-    want = _stash_run(plain, DeviceStash("cpu"), xs)  # the activations only: tanh's output, 2 x 64 fp32
-    assert want == 2 * 64 * 4
+    want = _stash_run(plain, DeviceStash("cpu"), xs)
+    assert want == 3 * (2 * 64 * 4)  # activations only: tanh's and dropout's outputs, dropout's mask (fp32 on CPU)
     grads = {k: p.grad.clone() for k, p in plain.named_parameters()}
+    if dist.is_initialized():  # pragma: no cover - this test needs its own one-rank process group
+        pytest.skip("a process group is already initialised in this process")
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
     try:
         mesh = init_device_mesh("cpu", (1,))
