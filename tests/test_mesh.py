@@ -148,8 +148,6 @@ def test_compile_mesh_plan_round_trip_and_errors(tmp_path):
 
     run = dict(make_model=_factory(), stage_of=plan.stage_of, orders=plan.orders(), num_microbatches=GLOBAL_MB,
                make_batch=_BatchFn(_factory()), mesh=plan.mesh)
-    with pytest.raises(InputError, match="recomputation"):
-        spawn_train_many([{**run, "recompute_stages": (0,)}], world_size=4)
     with pytest.raises(InputError, match="compile_stages"):
         spawn_train_many([{**run, "compile_stages": True}], world_size=4)
     with pytest.raises(InputError, match="not divisible"):

@@ -4,8 +4,9 @@ A plan whose memory model has ``offload_optimizer=True`` runs every stage module
 with ``CPUOffloadPolicy`` (:mod:`fxpipe.codegen.mesh`): parameters, gradients and optimizer state
 on the host. A tiny GPT-2 (tied embedding on the first and last stage) planned with it as
 pp=2 x dp_shard=2 (``fully_shard``), pp=2 x dp_replicate=2 (``replicate``) and as a 4-rank pure
-pipeline (``fully_shard`` over a size-1 sub-mesh; in the same 4 worker processes) must train to the losses, gradients and
-parameters of one process, every stage under a ``CPUOffloadPolicy``. In one process,
+pipeline (``fully_shard`` over a size-1 sub-mesh; in the same 4 worker processes), and the sharded mesh again
+recomputing every stage's activations, must train to the losses, gradients and parameters of one process, every
+stage under a ``CPUOffloadPolicy``. In one process,
 ``plan.build`` of such a plan gives host-resident sharded parameters whose Adam state is sharded
 the same way, and a DCP checkpoint of them round-trips.
 """
@@ -69,7 +70,10 @@ def test_offloaded_meshes_and_pure_pipeline_match_single_process():
     plans = [_plan({"pp": 2, "dp_shard": 2}, 4), _plan({"pp": 2, "dp_replicate": 2}, 4), pipe]
     assert all(p.memory.offload_optimizer for p in plans)
     assert pipe.mesh == {"pp": 4, "dp_shard": 1, "dp_replicate": 1} and pipe.world_size == 4
-    results = spawn_train_many([_run(p) for p in plans], world_size=4, timeout_s=600)
+    # and the sharded mesh recomputing every stage's activations (FSDP2 and the stash together)
+    runs = [_run(p) for p in plans] + [{**_run(plans[0]), "recompute_stages": tuple(range(plans[0].num_stages))}]
+    results = spawn_train_many(runs, world_size=4, timeout_s=600)
+    results, recomputed = results[:-1], results[-1]
     pipe_res = results[-1]
     fac = _factory()
     ref = reference_train(fac, _BatchFn(fac), num_microbatches=GLOBAL_MB, steps=2, lr=0.05)
@@ -79,6 +83,7 @@ def test_offloaded_meshes_and_pure_pipeline_match_single_process():
         _assert_same_training(res, ref, what)
         # every stage module is an FSDP2 module whose parameters (the optimizer's) FSDP keeps on the host
         assert res.meta["offload_policy"] == {s: POLICY for s in range(plan.num_stages)}, what
+    _assert_same_training(recomputed, ref, "offloaded pp=2 x dp_shard=2 recomputing every stage")
     # the pure pipeline keeps rank = pipeline rank: rank r runs exactly the stages the plan puts on device r
     for r, acts in pipe_res.meta["actions"].items():
         ran = {int(re.match(r"\d+", a).group()) for a in acts}
@@ -138,8 +143,7 @@ def test_offload_refuses_what_fsdp_stages_do_not_run_yet():
     from fxpipe.codegen.mesh import check_offload_run
 
     plan = _plan("pipeline", 2)
-    with pytest.raises(InputError, match="offload_optimizer.*recomputation"):
-        spawn_train_many([{**_run(plan), "recompute_stages": (0,)}], world_size=2)
+    check_offload_run(plan.orders(), recompute_stages=(0, 1))  # recomputation runs under FSDP2 (test above)
     with pytest.raises(InputError, match="compile_stages"):
         check_offload_run(plan.orders(), compile_stages=True)
     with pytest.raises(InputError, match="needs the run's mesh"):

@@ -57,8 +57,18 @@ device for the collective (NCCL reduces device tensors only); :func:`full_tensor
 on the device and returns host tensors. Checkpoints (:mod:`fxpipe.codegen.checkpoint`, DCP)
 read and write the host shards in place.
 
-Not yet supported with data parallelism or optimizer offload (clear errors): activation
-offload / recomputation and ``compile_stages``.
+Activation recomputation and offload/reload (``recompute_stages``, ``O`` / ``R`` actions in the
+orders) run under FSDP2 and ``replicate`` as without data parallelism
+(:mod:`fxpipe.codegen.stash`): inside a stage forward the module holds its unsharded parameters
+(other tensors than the sharded DTensors), which the stash reads there as resident, so they are
+never stashed, counted or offloaded; a recomputation replays the stage forward without FSDP2's
+forward hooks (:func:`fxpipe.codegen.runtime.forward_without_dp_hooks`: the stage is unsharded
+between torch's ``UNSHARD`` and ``RESHARD`` actions, and the replayed graph, discarded, must not
+register hooks or leave FSDP2's training state in ``FORWARD``), once per micro-batch, split
+backward included; gradients reach the unsharded parameters only through the original graph, so
+``REDUCE_GRAD`` reduces them as without recomputation.
+
+Not yet supported with data parallelism or optimizer offload (a clear error): ``compile_stages``.
 """
 
 from __future__ import annotations
@@ -265,11 +275,15 @@ def check_mesh_run(mesh: Mapping[str, int], orders: Orders, recompute_stages: Se
                    compile_stages: bool = False) -> None:
     """Refuse, before any process group is touched, what data parallelism does not support yet.
 
+    Activation recomputation (``recompute_stages``) and offload/reload actions in ``orders``
+    run with any mesh (see the module docstring); ``recompute_stages`` is accepted for the
+    callers' uniformity.
+
     Raises
     ------
     InputError
-        With ``dp > 1``: ``compile_stages``, activation recomputation or offload/reload actions
-        in ``orders``; a ``pp`` other than the orders' number of devices.
+        With ``dp > 1``: ``compile_stages``; with any mesh, a ``pp`` other than the orders'
+        number of devices.
     """
     m = normalize_mesh(mesh)
     if orders.num_devices != m["pp"]:
@@ -281,34 +295,23 @@ def check_mesh_run(mesh: Mapping[str, int], orders: Orders, recompute_stages: Se
     if compile_stages:
         raise InputError(f"{what}: compile_stages=True with data parallelism is not supported yet; "
                          "use compile_stages=False")
-    if tuple(recompute_stages) or orders.offloaded():
-        raise InputError(
-            f"{what}: activation recomputation and offload/reload (O/R) are not supported with data parallelism "
-            "yet: plan with a schedule that keeps every stash (schedule='1f1b', 'zb-h1', 'zb-v', ...) or without "
-            "data parallelism"
-        )
 
 
 def check_offload_run(orders: Orders, recompute_stages: Sequence[int] = (), compile_stages: bool = False) -> None:
     """Refuse, before any process group is touched, what optimizer offload does not support yet.
 
     Optimizer offload wraps every stage in FSDP2 (:func:`data_parallel_wrapper`), also in a pure
-    pipeline, so it has the limits of data parallelism (:func:`check_mesh_run`).
+    pipeline, so it has the limits of data parallelism (:func:`check_mesh_run`): activation
+    recomputation and offload/reload run (as under data parallelism), ``compile_stages`` does not.
 
     Raises
     ------
     InputError
-        For ``compile_stages``, activation recomputation or offload/reload actions in ``orders``.
+        For ``compile_stages``.
     """
     if compile_stages:
         raise InputError("optimizer offload (offload_optimizer=True) with compile_stages=True is not supported yet: "
                          "use compile_stages=False or a memory model without offload_optimizer")
-    if tuple(recompute_stages) or orders.offloaded():
-        raise InputError(
-            "optimizer offload (offload_optimizer=True) wraps the stages in FSDP2, which does not run with activation "
-            "recomputation or offload/reload (O/R) yet: plan with a schedule that keeps every stash (schedule='1f1b', "
-            "'zb-h1', 'zb-v', ...) or without offload_optimizer"
-        )
 
 
 def build_mesh_rank(

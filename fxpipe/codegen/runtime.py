@@ -83,6 +83,7 @@ __all__ = [
     "local_tensor",
     "replicate_module",
     "fsdp_offload_policy",
+    "forward_without_dp_hooks",
 ]
 
 logger = logging.getLogger(__name__)
@@ -516,8 +517,13 @@ class FxpipePipelineStage(PipelineStage):
         stash = self.fxpipe_stash
         if stash is None or not torch.is_grad_enabled():
             return super().forward_maybe_with_nosync(*args, **kwargs)
-        resident = list(self.submod.parameters()) + list(self.submod.buffers())
-        return stash.forward(self.stage_index, self._fxpipe_mb, self.submod, args, kwargs, resident)
+        submod = self.submod
+
+        def resident():  # read again inside the forward, where FSDP2 has put the unsharded parameters in place
+            return list(submod.parameters()) + list(submod.buffers())
+
+        return stash.forward(self.stage_index, self._fxpipe_mb, submod, args, kwargs, resident,
+                             recompute_fn=forward_without_dp_hooks(submod))
 
     def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
         stash = self.fxpipe_stash
@@ -759,6 +765,37 @@ def fsdp_offload_policy(module: torch.nn.Module):
         return None
     groups = module._get_fsdp_state()._fsdp_param_groups
     return groups[0].offload_policy if groups else None
+
+
+def forward_without_dp_hooks(module: torch.nn.Module) -> Callable:
+    """``module``'s forward for a recomputation during the backward, around FSDP2's hooks.
+
+    A stage wrapped by ``fully_shard`` / ``replicate`` (an ``FSDPModule``) runs its forward
+    through FSDP2's forward pre- and post-hooks: unshard, register the post-backward hooks on
+    the inputs and the pre-backward hooks on the outputs, set the training state (``FORWARD``,
+    then ``IDLE``) and reshard. A recomputation replays the forward inside a backward (``B`` or,
+    with a split backward, ``W``) and stops as soon as the saved tensors are back
+    (:mod:`fxpipe.codegen.stash`), so the post-hook would never run: outside FSDP2's own
+    activation-checkpointing case (training state ``PRE_BACKWARD``, set only by a backward that
+    starts at the stage outputs) that would leave the state in ``FORWARD`` and skip the next
+    forward's hook registration. The returned function instead makes sure the parameters are
+    unsharded (``FSDPModule.unshard``, a no-op while torch's runtime holds the stage unsharded
+    between its ``UNSHARD`` and ``RESHARD`` actions) and calls ``module.forward`` directly, which
+    runs no hook of ``module`` itself (fxpipe's stage modules carry only FSDP2's; no input cast:
+    fxpipe wraps without a mixed-precision policy). Gradients still flow to the unsharded
+    parameters only through the original forward's graph: the replayed graph is discarded.
+    Other modules: ``module`` itself.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(module, FSDPModule):
+        return module
+
+    def replay(*args, **kwargs):
+        module.unshard()
+        return module.forward(*args, **kwargs)
+
+    return replay
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:

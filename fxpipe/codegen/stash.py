@@ -51,6 +51,15 @@ Recomputation (a stage in ``recompute_stages``)
     that saves tensors of other shapes or fewer tensors than the original forward raises
     :class:`StashError`.
 
+Data parallelism (:mod:`fxpipe.codegen.mesh`)
+    A stage wrapped by FSDP2's ``fully_shard`` or ``replicate`` holds sharded (or replicated)
+    DTensor parameters outside its forward and, inside it, the unsharded parameters (other
+    tensor objects, all-gathered by FSDP2's pre-forward hook), which are what the forward saves.
+    The runtime therefore passes the resident tensors as a callable, read again at the first
+    saved tensor (inside the forward), so unsharded parameters are never stashed, counted or
+    offloaded, whether or not FSDP2 reshards after the forward. A recomputation replays the
+    forward with ``recompute_fn`` (the module's forward without FSDP2's hooks).
+
 Only public torch APIs are used (``saved_tensors_hooks``, ``UntypedStorage``, CUDA streams and
 events).
 
@@ -226,6 +235,12 @@ def _ptr(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
 
+def _resident_ptrs(tensors: Iterable[Any]) -> set[int]:
+    """Storage addresses of the plain tensors among ``tensors`` (a DTensor, e.g. a sharded FSDP2
+    parameter, is skipped: the forward saves the unsharded parameter, another tensor)."""
+    return {_ptr(t) for t in tensors if _plain(t)}
+
+
 def mutated_state(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     """The parameters and buffers a stage's forward updates in place (``(target, tensor)``).
 
@@ -391,15 +406,24 @@ class DeviceStash:
             return self._device_host if stage is None else self._host.get(stage, 0)
 
     # ------------------------------------------------------------------ forward
-    def forward(self, stage: int, mb: int, fn: Callable, args: tuple, kwargs: dict, resident: Iterable[torch.Tensor]):
+    def forward(self, stage: int, mb: int, fn: Callable, args: tuple, kwargs: dict,
+                resident: Iterable[torch.Tensor] | Callable[[], Iterable[torch.Tensor]],
+                recompute_fn: Callable | None = None):
         """Run ``fn(*args, **kwargs)`` (stage ``stage``'s forward of micro-batch ``mb``) under the stash hooks.
 
         Parameters
         ----------
-        resident : iterable of Tensor
+        resident : iterable of Tensor, or a callable returning them
             Tensors that stay alive anyway (the stage's parameters and buffers); saved tensors
             sharing their storage, or the storage of a tensor in ``args``/``kwargs``, are not
-            stashed.
+            stashed. A callable is also called again when the forward saves its first tensor,
+            i.e. inside ``fn``, after its module's forward pre-hooks: FSDP2 swaps a module's
+            sharded parameters (DTensors) for the unsharded ones there, and only those are
+            what the forward saves.
+        recompute_fn : callable, optional
+            What a recomputing stage runs again during the backward (default ``fn``), on the
+            same inputs; it must save the same tensors in the same order as ``fn`` does
+            (:mod:`fxpipe.codegen.runtime` gives the module's forward without FSDP2's hooks).
         """
         key = (int(stage), int(mb))
         with self._lock:
@@ -409,16 +433,17 @@ class DeviceStash:
             ms = _MicrobatchStash(self, key[0], key[1])
             self._stashes[key] = ms
             self._stage_stats(key[0])
-        ptrs = {_ptr(t) for t in resident if _plain(t)}
+        lazy = resident if callable(resident) else None
+        ptrs = _resident_ptrs(resident() if lazy is not None else resident)
         inputs: dict[int, int] = {}
         for t in list(args) + list(kwargs.values()):
             if _plain(t) and _ptr(t) not in ptrs:
                 inputs[_ptr(t)] = t.untyped_storage().nbytes()
         ptrs |= set(inputs)
         if stage in self.recompute_stages:
-            return self._forward_recompute(ms, fn, args, kwargs, ptrs)
+            return self._forward_recompute(ms, fn, args, kwargs, ptrs, lazy, recompute_fn or fn)
         saved_inputs: set[int] = set()
-        with torch.autograd.graph.saved_tensors_hooks(self._packer(ms, ptrs, inputs, saved_inputs), self._unpack):
+        with torch.autograd.graph.saved_tensors_hooks(self._packer(ms, ptrs, inputs, saved_inputs, lazy), self._unpack):
             out = fn(*args, **kwargs)
         self._stashed(ms, sum(inputs[p] for p in saved_inputs))
         return out
@@ -450,10 +475,12 @@ class DeviceStash:
             g.live += 1
 
     def _packer(self, ms: _MicrobatchStash, resident_ptrs: set[int], inputs: Mapping[int, int] | None = None,
-                saved_inputs: set[int] | None = None):
+                saved_inputs: set[int] | None = None, lazy: Callable | None = None):
         inputs = inputs or {}
 
         def pack(t):
+            if ms.npacks == 0 and lazy is not None:  # inside the forward: FSDP2 has unsharded the parameters
+                resident_ptrs.update(_resident_ptrs(lazy()))
             ms.npacks += 1
             if not _plain(t) or _ptr(t) in resident_ptrs:
                 if saved_inputs is not None and _plain(t) and _ptr(t) in inputs:
@@ -493,9 +520,10 @@ class DeviceStash:
         )
 
     # ------------------------------------------------------------------ recompute
-    def _forward_recompute(self, ms: _MicrobatchStash, fn, args, kwargs, resident_ptrs: set[int]):
+    def _forward_recompute(self, ms: _MicrobatchStash, fn, args, kwargs, resident_ptrs: set[int],
+                           lazy: Callable | None = None, recompute_fn: Callable | None = None):
         ms.recompute = True
-        ms.fn, ms.inputs, ms.kwargs = fn, tuple(args), dict(kwargs)
+        ms.fn, ms.inputs, ms.kwargs = recompute_fn or fn, tuple(args), dict(kwargs)
         ms.rng = torch.get_rng_state()
         if self._cuda:
             ms.cuda_rng = torch.cuda.get_rng_state(self.device)
@@ -503,6 +531,8 @@ class DeviceStash:
             ms.state_before = [(t, t.detach().clone()) for _, t in self.mutated.get(ms.stage, ())]
 
         def pack(t):
+            if ms.npacks == 0 and lazy is not None:  # inside the forward: FSDP2 has unsharded the parameters
+                resident_ptrs.update(_resident_ptrs(lazy()))
             ms.npacks += 1
             if not _plain(t) or _ptr(t) in resident_ptrs:
                 return t
