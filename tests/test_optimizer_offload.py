@@ -72,8 +72,16 @@ def test_offloaded_meshes_and_pure_pipeline_match_single_process():
     assert pipe.mesh == {"pp": 4, "dp_shard": 1, "dp_replicate": 1} and pipe.world_size == 4
     # and the sharded mesh recomputing every stage's activations (FSDP2 and the stash together)
     runs = [_run(p) for p in plans] + [{**_run(plans[0]), "recompute_stages": tuple(range(plans[0].num_stages))}]
+    # and what the default (mesh="auto", schedule="auto", the optimizer's place left to the search) plans on devices
+    # so small that the optimizer state must leave them and activations are offloaded or recomputed too
+    model, args, kwargs = _factory().one_microbatch()
+    chosen = [fxpipe.compile(model, args, kwargs, devices=4, microbatches=GLOBAL_MB, time_limit_s=0.5, seed=0,
+                             memory_bytes=cap) for cap in (30e3, 20e3)]
+    for p in chosen:
+        assert p.memory.offload_optimizer is True and (p.recompute_stages() or p.orders().offloaded()), p.summary()
+    runs += [{**_run(p), "recompute_stages": p.recompute_stages()} for p in chosen]
     results = spawn_train_many(runs, world_size=4, timeout_s=600)
-    results, recomputed = results[:-1], results[-1]
+    results, recomputed, auto_results = results[:3], results[3], results[4:]
     pipe_res = results[-1]
     fac = _factory()
     ref = reference_train(fac, _BatchFn(fac), num_microbatches=GLOBAL_MB, steps=2, lr=0.05)
@@ -84,6 +92,8 @@ def test_offloaded_meshes_and_pure_pipeline_match_single_process():
         # every stage module is an FSDP2 module whose parameters (the optimizer's) FSDP keeps on the host
         assert res.meta["offload_policy"] == {s: POLICY for s in range(plan.num_stages)}, what
     _assert_same_training(recomputed, ref, "offloaded pp=2 x dp_shard=2 recomputing every stage")
+    for res, plan in zip(auto_results, chosen):
+        _assert_same_training(res, ref, f"the default plan at {plan.memory.capacity_bytes:g} B: {format_mesh(plan.mesh)}")
     # the pure pipeline keeps rank = pipeline rank: rank r runs exactly the stages the plan puts on device r
     for r, acts in pipe_res.meta["actions"].items():
         ran = {int(re.match(r"\d+", a).group()) for a in acts}
