@@ -96,8 +96,9 @@ def optimizer_placements(memory, mesh: Mapping[str, Any], host: Mapping[str, flo
                          objective: str = "training") -> list[bool]:
     """Where the search may keep the optimizer state of ``mesh``, in the order it tries them: ``[False]``
     (on the device), then ``True`` (offloaded to the host, :attr:`fxpipe.memory.MemoryModel.offload_optimizer`)
-    in training when the hardware's host link and host memory bandwidth are known; ``[True]`` alone when
-    ``memory`` already offloads it (the user's choice)."""
+    in training when the hardware's host link and host memory bandwidth are known and ``memory`` leaves the
+    choice to the search (``offload_optimizer=None``); the user's choice alone when it is ``True`` or
+    ``False``. :func:`search_mesh` plans the second only for a mesh whose memory binds on the device."""
     if memory.offload_optimizer is not None:
         return [bool(memory.offload_optimizer)]
     if objective != "training" or not host or not host["host_bytes_per_s"] > 0 \

@@ -23,6 +23,7 @@ from fxpipe.errors import InfeasibleError, InputError
 from fxpipe.ir import OpGraph, Schedule, ScheduleProblem
 from fxpipe.memory import MemoryModel
 from fxpipe.memory.plan_view import schedule_mem_limit, stage_static
+from fxpipe.mesh import host_links, optimizer_host_step_s
 from fxpipe.options import (
     AUTO_MILP_MIN_SHARE,
     DEFAULT_AUTO_MILP_TIME_LIMIT_S,
@@ -245,7 +246,10 @@ def plan_with_options(graph: OpGraph, *, devices: int, microbatches: int, option
     tried. Same returns and errors as :func:`plan_graph`."""
     devices = check_count(devices, "devices")
     microbatches = check_count(microbatches, "microbatches")
-    search = _CandidateSearch(graph, devices, microbatches, options, resolve_memory(graph, memory, memory_bytes))
+    memory = resolve_memory(graph, memory, memory_bytes)
+    if memory.offload_optimizer is True and options.objective == "training":
+        optimizer_host_step_s(1.0, memory, host_links(graph))  # its cost needs the host's links: say so now
+    search = _CandidateSearch(graph, devices, microbatches, options, memory)
     for v, name in options.placement_candidates():
         search.try_candidate(v, name)
     return search.result()

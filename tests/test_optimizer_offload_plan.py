@@ -113,3 +113,9 @@ def test_cli_offload_optimizer_flag_is_three_way():
     add_memory_arguments(p, plan=True)
     for argv, want in (([], None), (["--offload-optimizer"], True), (["--no-offload-optimizer"], False)):
         assert memory_model_from_args(p.parse_args(argv), float("inf")).offload_optimizer is want
+
+
+def test_offload_without_a_known_host_link_is_a_clear_error_at_plan_time():
+    with pytest.raises(InputError, match="offload_optimizer needs the host link"):
+        plan_with_options(_chain(host=None), devices=2, microbatches=2, memory=MemoryModel(offload_optimizer=True),
+                          options=PlanOptions(schedule="1f1b", time_limit_s=0.2, seed=0))
