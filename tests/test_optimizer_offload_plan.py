@@ -119,3 +119,23 @@ def test_offload_without_a_known_host_link_is_a_clear_error_at_plan_time():
     with pytest.raises(InputError, match="offload_optimizer needs the host link"):
         plan_with_options(_chain(host=None), devices=2, microbatches=2, memory=MemoryModel(offload_optimizer=True),
                           options=PlanOptions(schedule="1f1b", time_limit_s=0.2, seed=0))
+
+
+def test_plan_file_keeps_where_the_optimizer_lives(tmp_path):
+    """A compiled plan with the optimizer on the host: the summary says so, the host step is in the predicted
+    step, and save -> load keeps both."""
+    pytest.importorskip("torch")
+    import fxpipe
+    from fxpipe.cli.plan_cmd import HFFactory
+
+    fac = HFFactory("gpt2", {"n_layer": 2, "n_embd": 16, "n_head": 2, "vocab_size": 32, "n_positions": 16},
+                    microbatches=4, microbatch_size=1, seq_len=4, seed=0)
+    model, args, kwargs = fac.one_microbatch()
+    plan = fxpipe.compile(model, args, kwargs, devices=2, microbatches=4, mesh="pipeline", schedule="1f1b",
+                          time_limit_s=0.5, seed=0, memory=MemoryModel(offload_optimizer=True))
+    assert plan.memory.offload_optimizer is True and plan.optimizer_host_step_s > 0
+    assert plan.predicted_step_s > float(plan.schedule.value)
+    assert "optimizer state offloaded to the host" in plan.summary()
+    path = plan.save(tmp_path / "plan.json")
+    back = fxpipe.load_plan(path)
+    assert back.memory == plan.memory and back.predicted_step_s == pytest.approx(plan.predicted_step_s)
