@@ -464,6 +464,7 @@ class Plan:
         cap = format_bytes(m.capacity_bytes)
         head = (f"memory per device ({m.precision.name}, {m.precision.training_bytes:g} B/param"
                 + (f", ZeRO-{m.zero_stage} over {m.data_parallel}" if m.zero_stage else "")
+                + (", optimizer state on the host" if m.offload_optimizer is True else "")
                 + f"; capacity {cap}, {m.reserved_fraction:.0%} reserved)")
         rows = [head, f"{'device':>6} {'params':>10} {'grads':>10} {'optimizer':>10} {'act peak':>10} {'offloaded':>10} "
                       f"{'comm buf':>10} {'reserved':>10} {'total':>10} {'capacity':>10}"]

@@ -136,6 +136,7 @@ def test_plan_file_keeps_where_the_optimizer_lives(tmp_path):
     assert plan.memory.offload_optimizer is True and plan.optimizer_host_step_s > 0
     assert plan.predicted_step_s > float(plan.schedule.value)
     assert "optimizer state offloaded to the host" in plan.summary()
+    assert "optimizer state on the host; capacity" in plan.memory_summary()
     path = plan.save(tmp_path / "plan.json")
     back = fxpipe.load_plan(path)
     assert back.memory == plan.memory and back.predicted_step_s == pytest.approx(plan.predicted_step_s)
