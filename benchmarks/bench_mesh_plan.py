@@ -21,7 +21,9 @@ schedule ``auto`` with heuristics only), in one process:
   ``fxpipe.compile`` plans pinned meshes on it: the note says when it does not).
 
 The search never predicts a slower step than a pinned mesh it could have chosen (it plans the
-same pipeline for the same mesh); a pinned mesh that does not fit prints why.
+same pipeline for the same mesh); a pinned mesh that does not fit prints why and is planned again
+with the optimizer state on the host (``MemoryModel(offload_optimizer=True)``), which the search
+tries for every mesh whose memory binds.
 
     python benchmarks/bench_mesh_plan.py [--models llama-3-8b llama-3-70b] [--devices 8 16 32 64]
         [--microbatches-per-device 2]
@@ -73,6 +75,7 @@ def main() -> None:
 
     import fxpipe
     from fxpipe.errors import FxpipeError
+    from fxpipe.memory import MemoryModel
     from fxpipe.mesh import format_mesh, format_rank_order, pipeline_graph
     from fxpipe.models import build_hf_model
 
@@ -95,7 +98,8 @@ def main() -> None:
                 chosen = next(r for r in table if r.get("chosen"))
                 note = (f"search: {len(table)} meshes, {planned} planned, {pruned} pruned by their bound, "
                         f"{len(table) - planned - pruned} do not fit; chosen mesh by order: {_by_order(chosen)}")
-                print(f"| {name} | {d} | {m} | search: {format_mesh(plan.mesh)} | {format_rank_order(plan.rank_order)} | "
+                where = ", optimizer on host" if plan.memory.offload_optimizer else ""
+                print(f"| {name} | {d} | {m} | search: {format_mesh(plan.mesh)}{where} | {format_rank_order(plan.rank_order)} | "
                       f"{plan.predicted_step_s:.3f} | {plan.schedule.value:.3f} | {_sync(plan)} | "
                       f"{wall:.0f} | {note} |", flush=True)
             except FxpipeError as exc:
@@ -109,11 +113,20 @@ def main() -> None:
                     print(f"| {name} | {d} | {m} | {format_mesh({'dp_shard': 1, 'dp_replicate': 1, **mesh})} | "
                           f"{format_rank_order(mesh.get('order'))} | - | - | - | "
                           f"{time.perf_counter() - t0:.0f} | does not fit: {str(exc).splitlines()[0][:100]} |", flush=True)
-                    continue
+                    t0 = time.perf_counter()  # the same mesh with the optimizer state on the host
+                    try:
+                        p = fxpipe.compile(model, a, k, mesh=mesh, memory=MemoryModel(offload_optimizer=True), **common)
+                    except FxpipeError as exc:
+                        print(f"| {name} | {d} | {m} | {format_mesh({'dp_shard': 1, 'dp_replicate': 1, **mesh})}, "
+                              f"optimizer on host | {format_rank_order(mesh.get('order'))} | - | - | - | "
+                              f"{time.perf_counter() - t0:.0f} | does not fit: {str(exc).splitlines()[0][:100]} |",
+                              flush=True)
+                        continue
                 link = pipeline_graph(p.graph, p.mesh, p.rank_order).bandwidth_bytes_per_s
                 note = "" if link == p.graph.bandwidth_bytes_per_s else \
                     f"; pipeline planned at {p.graph.bandwidth_bytes_per_s / 1e9:g} GB/s, its hops cross nodes at {link / 1e9:g} GB/s"
-                print(f"| {name} | {d} | {m} | {format_mesh(p.mesh)} | {format_rank_order(p.rank_order)} | "
+                where = ", optimizer on host" if p.memory.offload_optimizer else ""
+                print(f"| {name} | {d} | {m} | {format_mesh(p.mesh)}{where} | {format_rank_order(p.rank_order)} | "
                       f"{p.predicted_step_s:.3f} | {p.schedule.value:.3f} | {_sync(p)} | "
                       f"{time.perf_counter() - t0:.0f} | schedule {p.schedule.method}{note} |", flush=True)
 
