@@ -26,7 +26,7 @@ with the optimizer state on the host (``MemoryModel(offload_optimizer=True)``), 
 tries for every mesh whose memory binds.
 
     python benchmarks/bench_mesh_plan.py [--models llama-3-8b llama-3-70b] [--devices 8 16 32 64]
-        [--microbatches-per-device 2]
+        [--microbatches-per-device 2] [--no-pure]
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ import argparse
 import time
 
 
-def _pinned(devices: int) -> list[dict[str, int]]:
-    out = [{"pp": devices}]
+def _pinned(devices: int, pure: bool = True) -> list[dict[str, int]]:
+    out = [{"pp": devices}] if pure else []
     for pp in (8, 4):
         if devices % pp == 0 and devices > pp:
             out.append({"pp": pp, "dp_shard": devices // pp})
@@ -71,6 +71,9 @@ def main() -> None:
                     help="global micro-batches per step = this x devices (default 2: 128 at 64 devices)")
     ap.add_argument("--seq-len", type=int, default=4096)
     ap.add_argument("--time-limit", type=float, default=5.0, help="partition search seconds per pipeline")
+    ap.add_argument("--no-pure", action="store_true",
+                    help="skip the pure-pipeline baseline (pp = devices: a 256-stage pipeline of 512 micro-batches "
+                    "takes longer to plan than 25 minutes)")
     args = ap.parse_args()
 
     import torch
@@ -107,7 +110,7 @@ def main() -> None:
             except FxpipeError as exc:
                 print(f"| {name} | {d} | {m} | search | - | - | - | - | - | {time.perf_counter() - t0:.0f} | "
                       f"no mesh fits: {str(exc).splitlines()[0][:100]} |", flush=True)
-            for mesh in _pinned(d):
+            for mesh in _pinned(d, pure=not args.no_pure):
                 t0 = time.perf_counter()
                 try:
                     p = fxpipe.compile(model, a, k, mesh=mesh, **common)
