@@ -50,3 +50,15 @@ def build_wrong():
 def build_bare_tensor_args():
     """Not the contract: the args are a bare tensor instead of a tuple."""
     return TinyMLP(), torch.randn(2, 16), {}
+
+
+def assert_same_training(res, ref, what: str) -> None:
+    """A distributed run's losses, gradients and parameters equal the single-process reference's
+    (``fxpipe.codegen.launch`` results: ``losses``, ``grads``, ``params``), within the mesh tests' tolerances."""
+    torch.testing.assert_close(torch.tensor(res.losses), torch.tensor(ref.losses), rtol=1e-6, atol=0,
+                               msg=lambda m: f"{what}: losses: {m}")
+    assert set(res.grads) == set(ref.grads), what
+    for name, g in ref.grads.items():
+        torch.testing.assert_close(res.grads[name], g, rtol=1e-5, atol=1e-7, msg=lambda m, n=name: f"{what} {n}: {m}")
+    for name, p in ref.params.items():
+        torch.testing.assert_close(res.params[name], p, rtol=1e-5, atol=1e-7, msg=lambda m, n=name: f"{what} {n}: {m}")

@@ -37,6 +37,7 @@ from fxpipe.mesh import (  # noqa: E402
 from fxpipe.plan import Plan, _PlanStageOf, load_plan  # noqa: E402
 
 from _torchrun import fxpipe_cli, train_example_from_checkpoint  # noqa: E402
+from helpers import assert_same_training  # noqa: E402
 
 GPT2 = {"n_layer": 2, "n_embd": 16, "n_head": 2, "vocab_size": 32, "n_positions": 16}
 GLOBAL_MB = 8  # global micro-batches per step: 4 per replica (ZB-H1 then differs from 1F1B)
@@ -178,16 +179,6 @@ def test_compile_mesh_plan_round_trip_and_errors(tmp_path):
 
 
 # ----------------------------------------------------------------------------- runtime on 4 gloo ranks
-def _assert_same_training(res, ref, what):
-    torch.testing.assert_close(torch.tensor(res.losses), torch.tensor(ref.losses), rtol=1e-6, atol=0,
-                               msg=lambda m: f"{what}: losses: {m}")
-    assert set(res.grads) == set(ref.grads), what
-    for name, g in ref.grads.items():
-        torch.testing.assert_close(res.grads[name], g, rtol=1e-5, atol=1e-7, msg=lambda m, n=name: f"{what} {n}: {m}")
-    for name, p in ref.params.items():
-        torch.testing.assert_close(res.params[name], p, rtol=1e-5, atol=1e-7, msg=lambda m, n=name: f"{what} {n}: {m}")
-
-
 @pytest.mark.slow
 def test_fsdp_and_replicate_pipelines_match_single_process():
     from fxpipe.codegen.launch import reference_train, spawn_train_many
@@ -213,7 +204,7 @@ def test_fsdp_and_replicate_pipelines_match_single_process():
     ref = reference_train(fac, _BatchFn(fac), num_microbatches=GLOBAL_MB, steps=2, lr=0.05)
     assert ref.losses[1] != ref.losses[0]
     for res, what in zip(results, names):
-        _assert_same_training(res, ref, what)
+        assert_same_training(res, ref, what)
     # ZB-H1 ran its own order (not 1F1B's): rank 0 defers work behind later forwards
     assert results[1].meta["actions"][0] != results[0].meta["actions"][0]
     # split backward (I/W) ran under FSDP2 on both pipeline ranks of the V placement

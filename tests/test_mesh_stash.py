@@ -32,6 +32,7 @@ from fxpipe.ir import schedule_to_orders  # noqa: E402
 from fxpipe.mesh import format_mesh  # noqa: E402
 from fxpipe.plan import _PlanStageOf  # noqa: E402
 from fxpipe.schedule.dispatch import make_schedule  # noqa: E402
+from helpers import assert_same_training  # noqa: E402
 
 # wide enough that one unsharded weight matrix outweighs a micro-batch's whole stash (2 tokens)
 GPT2 = {"n_layer": 2, "n_embd": 32, "n_head": 2, "vocab_size": 32, "n_positions": 8}
@@ -143,16 +144,6 @@ def test_fsdp_resharding_after_forward_keeps_parameters_out_of_the_stash(tmp_pat
         dist.destroy_process_group()
 
 
-def _assert_same_training(res, ref, what):
-    torch.testing.assert_close(torch.tensor(res.losses), torch.tensor(ref.losses), rtol=1e-6, atol=0,
-                               msg=lambda m: f"{what}: losses: {m}")
-    assert set(res.grads) == set(ref.grads), what
-    for name, g in ref.grads.items():
-        torch.testing.assert_close(res.grads[name], g, rtol=1e-5, atol=1e-7, msg=lambda m, n=name: f"{what} {n}: {m}")
-    for name, p in ref.params.items():
-        torch.testing.assert_close(res.params[name], p, rtol=1e-5, atol=1e-7, msg=lambda m, n=name: f"{what} {n}: {m}")
-
-
 def _stage_stats(res):
     """``{stage: stats dict}`` over every rank of the run (replicas measure the same stages)."""
     out: dict[int, list] = {}
@@ -192,7 +183,7 @@ def test_recompute_and_offload_under_fsdp_and_replicate_match_single_process():
     ref = reference_train(fac, _BatchFn(fac), num_microbatches=GLOBAL_MB, steps=2, lr=0.05)
     assert ref.losses[1] != ref.losses[0]
     for name, res in results.items():
-        _assert_same_training(res, ref, f"{format_mesh(cases[name][0])} {name}")
+        assert_same_training(res, ref, f"{format_mesh(cases[name][0])} {name}")
     stats = {name: _stage_stats(res) for name, res in results.items()}
     base = stats["fsdp 1f1b"]
     # no parameter bytes in the stash: a micro-batch's stash is smaller than one unsharded c_attn weight

@@ -25,6 +25,7 @@ from fxpipe.errors import InputError  # noqa: E402
 from fxpipe.memory import MemoryModel  # noqa: E402
 from fxpipe.mesh import format_mesh  # noqa: E402
 from fxpipe.plan import _PlanStageOf  # noqa: E402
+from helpers import assert_same_training  # noqa: E402
 
 GPT2 = {"n_layer": 2, "n_embd": 16, "n_head": 2, "vocab_size": 32, "n_positions": 16}
 GLOBAL_MB = 4
@@ -49,16 +50,6 @@ def _run(plan) -> dict:
                 num_microbatches=plan.global_microbatches, make_batch=_BatchFn(fac), steps=2, lr=0.05,
                 mesh={**plan.mesh, "order": plan.rank_order}, offload_optimizer=plan.memory.offload_optimizer,
                 model_key="gpt2")
-
-
-def _assert_same_training(res, ref, what):
-    torch.testing.assert_close(torch.tensor(res.losses), torch.tensor(ref.losses), rtol=1e-6, atol=0,
-                               msg=lambda m: f"{what}: losses: {m}")
-    assert set(res.grads) == set(ref.grads), what
-    for name, g in ref.grads.items():
-        torch.testing.assert_close(res.grads[name], g, rtol=1e-5, atol=1e-7, msg=lambda m, n=name: f"{what} {n}: {m}")
-    for name, p in ref.params.items():
-        torch.testing.assert_close(res.params[name], p, rtol=1e-5, atol=1e-7, msg=lambda m, n=name: f"{what} {n}: {m}")
 
 
 @pytest.mark.slow
@@ -88,12 +79,12 @@ def test_offloaded_meshes_and_pure_pipeline_match_single_process():
     assert ref.losses[1] != ref.losses[0]
     for res, plan in zip(results, plans):
         what = f"offloaded {format_mesh(plan.mesh)}"
-        _assert_same_training(res, ref, what)
+        assert_same_training(res, ref, what)
         # every stage module is an FSDP2 module whose parameters (the optimizer's) FSDP keeps on the host
         assert res.meta["offload_policy"] == {s: POLICY for s in range(plan.num_stages)}, what
-    _assert_same_training(recomputed, ref, "offloaded pp=2 x dp_shard=2 recomputing every stage")
+    assert_same_training(recomputed, ref, "offloaded pp=2 x dp_shard=2 recomputing every stage")
     for res, plan in zip(auto_results, chosen):
-        _assert_same_training(res, ref, f"the default plan at {plan.memory.capacity_bytes:g} B: {format_mesh(plan.mesh)}")
+        assert_same_training(res, ref, f"the default plan at {plan.memory.capacity_bytes:g} B: {format_mesh(plan.mesh)}")
     # the pure pipeline keeps rank = pipeline rank: rank r runs exactly the stages the plan puts on device r
     for r, acts in pipe_res.meta["actions"].items():
         ran = {int(re.match(r"\d+", a).group()) for a in acts}
