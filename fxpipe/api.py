@@ -260,11 +260,8 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
         Device capacity in bytes (default: the hardware profile's ``memory_bytes``; ``inf``:
         no limit). See :func:`plan_graph` for how it bounds the partition and the schedule.
     memory : MemoryModel, optional
-        Precision policy, ZeRO sharding, reserved fraction and where the optimizer state lives
-        (:mod:`fxpipe.memory`; ``offload_optimizer=True``: on the host, stepped there, FSDP2's
-        ``CPUOffloadPolicy`` at run time; ``False``: on the device; ``None``, the default: on the
-        device unless the mesh search finds a faster step with it on the host for a mesh whose
-        memory binds).
+        Precision policy, ZeRO sharding, reserved fraction, where the optimizer state lives
+        (:mod:`fxpipe.memory`; ``offload_optimizer``: True host, False device, None the search's choice).
     name : str, optional
         Model name for reports (default: the class name).
     progress : bool
