@@ -260,8 +260,7 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
         Device capacity in bytes (default: the hardware profile's ``memory_bytes``; ``inf``:
         no limit). See :func:`plan_graph` for how it bounds the partition and the schedule.
     memory : MemoryModel, optional
-        Precision policy, ZeRO sharding, reserved fraction, where the optimizer state lives
-        (:mod:`fxpipe.memory`; ``offload_optimizer``: True host, False device, None the search's choice).
+        Precision policy, ZeRO sharding, reserved fraction, the optimizer's place (:mod:`fxpipe.memory`).
     name : str, optional
         Model name for reports (default: the class name).
     progress : bool
