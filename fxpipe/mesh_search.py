@@ -82,9 +82,11 @@ from fxpipe.mesh import (
     pipeline_link,
     pipeline_step_s,
 )
-from fxpipe.partition.memory import num_params
+from fxpipe.memory.plan_view import schedule_mem_limit
 from fxpipe.options import PlanOptions
+from fxpipe.partition.memory import num_params
 from fxpipe.planner import plan_with_options
+from fxpipe.schedule.validate import check_schedule
 
 __all__ = ["search_mesh", "mesh_lower_bound_s", "rank_orders_to_try", "optimizer_placements", "OFFLOAD_SUFFIX"]
 
@@ -200,6 +202,7 @@ def search_mesh(graph, *, devices: int, microbatches: int, memory, options: Plan
     errors: dict[str, Exception] = {}  # mesh_text -> the planner's error
     timings: dict[str, float] = {}
     planned: dict[tuple, Any] = {}  # (mesh, pipeline bandwidth) -> the planner's result or error
+    siblings: dict[tuple, list] = {}  # (pp, pipeline bandwidth, optimizer on host) -> [(memory, planner's result)]
 
     def needs_host(row: dict, mesh) -> None:
         """The optimizer state of ``mesh`` binds its memory on the device: try it on the host too (once)."""
@@ -226,14 +229,30 @@ def search_mesh(graph, *, devices: int, microbatches: int, memory, options: Plan
         key = (row["mesh_text"], entry["pipeline_bytes_per_s"])  # the orders of one mesh on the same link share it
         if key not in planned:
             g = pipeline_graph(graph, mesh, order)
-            try:
-                planned[key] = (g, plan_with_options(g, devices=mesh["pp"], microbatches=microbatches // mesh_dp(mesh),
-                                                     options=options, memory=mem, memory_bytes=mem.capacity_bytes))
-            except (FxpipeError, InputError) as exc:
-                planned[key] = exc
+            # meshes of one pp (so one dp and the same micro-batches per replica) on one pipeline link differ
+            # only in their memory (ZeRO-1 over dp_shard) and sync: a sibling's plan made under memory at
+            # least as loose is the plan of this one too when it fits here (this one's feasible plans are
+            # a subset of the sibling's)
+            group = (int(mesh["pp"]), entry["pipeline_bytes_per_s"], bool(row["offload_optimizer"]))
+            reused = None
+            for looser, result in siblings.get(group, ()):
+                if looser.static_bytes_per_param(options.objective) <= mem.static_bytes_per_param(options.objective):
+                    reused = _reuse(g, result, mem, options)
+                    if reused is not None:
+                        break
+            if reused is not None:
+                planned[key] = (g, reused)
+                entry["reused"] = True
             else:
-                for k, v in planned[key][1][3].items():
-                    timings[k] = timings.get(k, 0.0) + v
+                try:
+                    planned[key] = (g, plan_with_options(g, devices=mesh["pp"], microbatches=microbatches // mesh_dp(mesh),
+                                                         options=options, memory=mem, memory_bytes=mem.capacity_bytes))
+                except (FxpipeError, InputError) as exc:
+                    planned[key] = exc
+                else:
+                    siblings.setdefault(group, []).append((mem, planned[key][1]))
+                    for k, v in planned[key][1][3].items():
+                        timings[k] = timings.get(k, 0.0) + v
         if isinstance(planned[key], Exception):
             errors[row["mesh_text"]] = planned[key]
             entry["skipped"] = _first_sentence(str(planned[key]))
@@ -268,6 +287,25 @@ def search_mesh(graph, *, devices: int, microbatches: int, memory, options: Plan
     entry["chosen"] = True
     return ({**mesh, "order": tuple(order)} if tuple(order) != MESH_DIMS else dict(mesh)), mem, \
         (part, problem, sched, timings), table
+
+
+def _reuse(graph, result, memory, options: PlanOptions):
+    """``result`` (a :func:`~fxpipe.planner.plan_with_options` result for another memory model) as the plan under
+    ``memory``: its problem with ``memory``'s activation limits, when its schedule still satisfies every rule
+    there (so every device fits); else None. The schedule's bounds stay valid: a tighter problem's optimum is
+    no smaller."""
+    part, problem, sched, _ = result
+    try:
+        limit = schedule_mem_limit(graph, part.assignment, part.k, problem.device_of_stage, memory,
+                                   problem.num_microbatches, options.objective)
+    except InfeasibleError:
+        return None
+    if options.mem_limit_bytes is not None:
+        limit = np.minimum(limit, float(options.mem_limit_bytes))
+    there = dataclasses.replace(problem, mem_limit=np.asarray(limit, dtype=np.float64))
+    if check_schedule(there, sched):
+        return None
+    return part, there, sched, {}
 
 
 def _memory_binds(problem, schedule) -> bool:

@@ -140,3 +140,34 @@ def test_plan_file_keeps_where_the_optimizer_lives(tmp_path):
     path = plan.save(tmp_path / "plan.json")
     back = fxpipe.load_plan(path)
     assert back.memory == plan.memory and back.predicted_step_s == pytest.approx(plan.predicted_step_s)
+
+
+def test_a_looser_siblings_plan_is_reused_only_where_it_fits():
+    """The mesh search reuses a plan made under looser memory for a sibling mesh (same pp, same link) when its
+    schedule satisfies every rule under the sibling's activation limits: the problem then carries those
+    limits; a sibling whose memory the schedule exceeds is planned afresh."""
+    from fxpipe.memory.plan_view import schedule_mem_limit
+    from fxpipe.mesh_search import _reuse
+    from fxpipe.schedule.validate import check_schedule
+
+    g = _chain(n=8, param_bytes=2 * 2.5e7)  # 2e8 parameters
+    opts = PlanOptions(schedule="1f1b", time_limit_s=0.5, seed=0)
+    loose = MemoryModel(capacity_bytes=4e9, data_parallel=4, zero_stage=1)  # 2 + 2 + 3 B/param
+    result = plan_with_options(g, devices=2, microbatches=4, options=opts, memory=loose)
+    part, problem, sched, _ = result
+    roomy = MemoryModel(capacity_bytes=4e9, data_parallel=2, zero_stage=1)  # 2 + 2 + 6 B/param: 1e9 B per device
+    reused = _reuse(g, result, roomy, opts)
+    assert reused is not None and reused[0] is part and reused[2] is sched
+    want = schedule_mem_limit(g, part.assignment, part.k, problem.device_of_stage, roomy, 4, "training")
+    assert np.allclose(reused[1].mem_limit, want) and not check_schedule(reused[1], sched)
+    assert _reuse(g, result, MemoryModel(capacity_bytes=1.05e9, data_parallel=2, zero_stage=1), opts) is None  # 1e9 static
+    # static state fits, but the looser plan's stashes (1F1B: two of 4e7 bytes on stage 0) exceed 5e7 bytes
+    t = np.full(8, 1e-3)
+    g2 = OpGraph.from_arrays(t_fwd_s=t, t_bwd_input_s=t, t_bwd_weight_s=t, size_out_bytes=np.full(8, 1e3),
+                             act_bytes=np.full(8, 1e7), size_param_bytes=np.full(8, 5e7),
+                             edges=[(i, i + 1) for i in range(7)], bandwidth_bytes_per_s=1e10,
+                             meta={"param_dtype_bytes": 2, "host": HOST})
+    result2 = plan_with_options(g2, devices=2, microbatches=4, options=opts, memory=loose)
+    assert not any(op.type in ("O", "R") for op in result2[2].ops) and not any(result2[1].recompute)
+    assert _reuse(g2, result2, MemoryModel(capacity_bytes=(1e9 + 5e7) / 0.9, data_parallel=2, zero_stage=1),
+                  opts) is None
