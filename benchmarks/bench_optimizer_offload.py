@@ -3,8 +3,8 @@ torch's CPU AdamW on this machine, and what the default mesh search plans for Ll
 
 1. ``--measure`` (default on): the cost model (:func:`fxpipe.mesh.optimizer_host_step_s`) streams
    ``2 * (weight + optimizer) + grad`` bytes per parameter at the host memory bandwidth. Here the
-   host is this CPU: its memory bandwidth is measured with a large tensor copy (``dst.copy_(src)``:
-   read + write), then ``torch.optim.AdamW`` (``foreach`` and, where torch has it on CPU, ``fused``)
+   host is this CPU: its memory bandwidth is measured with STREAM's triad (``c = a + 3 b`` over
+   three 400 MB fp32 tensors at the default size: two reads and one write), then ``torch.optim.AdamW`` (``foreach`` and, where torch has it on CPU, ``fused``)
    steps ``--params`` parameters in fp32 (policy ``fp32-adam``: 4 + 4 + 8 bytes, 28 streamed) and
    bf16 (``bf16-adam``: 2 + 2 + 4, 14 streamed). Printed: measured step, the model's prediction at the
    measured bandwidth, and their ratio (what fraction of the roofline the optimizer reaches).
@@ -38,11 +38,11 @@ def measure(n: int, repeats: int) -> None:
     from fxpipe.memory import MemoryModel
     from fxpipe.mesh import optimizer_host_step_s
 
-    src, dst = torch.ones(n * 4, dtype=torch.float32), torch.empty(n * 4, dtype=torch.float32)
-    copy_s = _best_s(lambda: dst.copy_(src), repeats)
-    bandwidth = 2 * src.numel() * 4 / copy_s
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; host memory bandwidth (copy, read + write): "
-          f"{bandwidth / 1e9:.2f} GB/s")
+    a, b, c = (torch.ones(n * 2, dtype=torch.float32) for _ in range(3))
+    triad_s = _best_s(lambda: torch.add(a, b, alpha=3.0, out=c), repeats)  # STREAM's triad: 2 reads + 1 write
+    bandwidth = 3 * a.numel() * 4 / triad_s
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; host memory bandwidth (STREAM triad "
+          f"c = a + 3 b, best of {repeats}): {bandwidth / 1e9:.2f} GB/s")
     host = {"host_bytes_per_s": float("inf"), "host_memory_bytes_per_s": bandwidth, "host_memory_bytes": 0.0}
     print("| dtype (policy) | AdamW | parameters | measured step s | model s | measured / model |")
     print("|---|---|---|---|---|---|")
