@@ -148,14 +148,17 @@ def search_mesh(graph, *, devices: int, microbatches: int, memory, options: Plan
         when it is not the default :data:`fxpipe.mesh.MESH_DIMS`),
         its memory model, :func:`~fxpipe.planner.plan_with_options`'s result for it (planned on
         :func:`fxpipe.mesh.pipeline_graph` of the mesh: keep that graph in the plan), and one row per
-        candidate mesh (in decreasing ``pp``): ``mesh``, ``mesh_text``, ``lower_bound_s`` (the
+        candidate mesh and optimizer placement (in decreasing ``pp``, a mesh's "optimizer on host"
+        row right after its own): ``mesh``, ``mesh_text``, ``offload_optimizer``, ``lower_bound_s`` (the
         smallest over its orders), then for its best order ``rank_order``, ``step_time_s`` (the
-        schedule's), ``dp_sync_s`` (the busiest device's, whole), ``exposed_sync_s`` (what the
-        pipeline does not hide) and ``predicted_step_s`` (their sum), or ``skipped`` (why: pruned by its
-        bound, static state over the memory, or the planner's error); ``by_order``: one entry per
-        rank order tried (``rank_order``, ``pipeline_bytes_per_s``, ``pipeline_hops_across_nodes``
-        ``[crossing, total]`` of :func:`fxpipe.mesh.pipeline_hops`, ``lower_bound_s`` and the
-        times, or ``skipped``); ``chosen`` on the winner.
+        schedule's), ``dp_sync_s`` (the busiest device's, whole), ``optimizer_host_step_s`` (the
+        busiest device's host step, 0 without offload), ``exposed_sync_s`` (what of the sync and the
+        host step the pipeline does not hide) and ``predicted_step_s`` (the schedule's plus that), or
+        ``skipped`` (why: pruned by its bound, static state over the memory, or the planner's error);
+        ``by_order``: one entry per rank order tried (``rank_order``, ``pipeline_bytes_per_s``,
+        ``pipeline_hops_across_nodes`` ``[crossing, total]`` of :func:`fxpipe.mesh.pipeline_hops`,
+        ``lower_bound_s`` and the times, ``reused`` when it took a sibling's plan, or ``skipped``);
+        ``chosen`` on the winner.
 
     Raises
     ------
