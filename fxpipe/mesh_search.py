@@ -48,9 +48,16 @@ the device, its host step (:func:`fxpipe.mesh.optimizer_host_step_s`) in its bou
 predicted step, skipped when its host state exceeds the host memory. It is planned in bound
 order like every candidate, so it wins only on a faster predicted step.
 
+Plans are reused across sibling candidates: meshes of one ``pp`` (so one ``dp`` and the same
+micro-batches per replica) on one pipeline link, with the optimizer in the same place, differ
+only in their memory (ZeRO-1 over ``dp_shard``) and sync; a plan made under memory at least as
+loose is taken for a sibling when its schedule satisfies every rule of Contract 3 under the
+sibling's activation limits (:func:`_reuse`; the sibling's feasible plans are a subset of the
+looser one's, so the bounds stay valid), else the sibling is planned afresh.
+
 Not yet: overlap of the sync with several stages per device, per-hop pipeline links (a pipeline is
-costed at the link most of its hops use, one bandwidth for every stage boundary), and reusing
-partitions across candidates (each ``pp`` and pipeline link is a separate partition search).
+costed at the link most of its hops use, one bandwidth for every stage boundary), reuse from a
+tighter sibling to a looser one, and planning candidates in parallel processes.
 """
 
 from __future__ import annotations
