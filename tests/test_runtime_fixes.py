@@ -283,3 +283,28 @@ def test_train_local_warns_about_active_dropout():
     msgs = [str(w.message) for w in caught if issubclass(w.category, RandomOpsWarning)]
     assert len(msgs) == 1 and "model.eval()" in msgs[0] and "dropout" in msgs[0]
     assert res["random_ops"] and res["comparison"]["random_ops"]
+
+
+def test_stage_io_cache_never_serves_another_program_at_the_same_address():
+    """Shape inference is cached per staged program; a mesh run splits the graph afresh, and CPython may
+    allocate the new program where a collected one lived. An entry left under that address (here one made
+    for another split of the same graph) must not be served to the new program: it gave a 4-stage V
+    partition the stage inputs of a 2-stage one (``forward() takes 4 positional arguments but 5 were given``)."""
+    from fxpipe.codegen.rank import _stage_ios
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 4, D)
+    gm = _export(M.StridedGrads(), x)
+    staged = split_stages(gm, M._cut(gm, "linear_2"), 2)
+    other = split_stages(gm, M._cut(gm, "linear"), 2)
+    flat = staged.interface.example_inputs((x,))
+    shape_key = tuple((tuple(t.shape), t.dtype) for t in flat)
+    def shapes(io):
+        return [tuple(t.shape) for t in io.inputs]
+
+    stale = _stage_ios(other, [1], flat, None)[1]
+    fresh = _stage_ios(staged, [1], flat, None)[1]
+    assert shapes(stale) != shapes(fresh)  # the two splits' stage 1 receives different tensors
+    for entry in (stale, (other, stale)):  # the old format; held for another program
+        cache = {(id(staged), 1, shape_key): entry}
+        assert shapes(_stage_ios(staged, [1], flat, cache)[1]) == shapes(fresh)

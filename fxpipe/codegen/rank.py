@@ -257,17 +257,21 @@ def _stage_ios(staged: StagedProgram, local: Sequence[int], flat: Sequence[torch
     """Static shape inference of every stage in ``local`` (:func:`stage_io`), reusing ``io_cache``.
 
     The results depend on the staged program, the stage and the example inputs' shapes and
-    dtypes, not on the schedule, so the cache key is those.
+    dtypes, not on the schedule, so the cache key is those. An entry holds its staged program and
+    is used only for that very object: a key of ``id(staged)`` alone outlives the program, and a
+    new one (a mesh run splits the graph afresh, its stage modules are wrapped in place) can be
+    allocated at the same address, which gave a 4-stage V partition the inputs of a 2-stage one.
     """
     shape_key = tuple((tuple(t.shape), t.dtype) for t in flat)
     ios = {}
     for s in local:
         key = (id(staged), s, shape_key)
-        io = io_cache.get(key) if io_cache is not None else None
+        hit = io_cache.get(key) if io_cache is not None else None
+        io = hit[1] if isinstance(hit, tuple) and hit[0] is staged else None
         if io is None:
             io = stage_io(staged, s, flat)
             if io_cache is not None:
-                io_cache[key] = io
+                io_cache[key] = (staged, io)  # keeps the program alive, so its id is not reused while cached
         ios[s] = io
     return ios
 
