@@ -238,31 +238,7 @@ def search_mesh(graph, *, devices: int, microbatches: int, memory, options: Plan
             continue
         key = (row["mesh_text"], entry["pipeline_bytes_per_s"])  # the orders of one mesh on the same link share it
         if key not in planned:
-            g = pipeline_graph(graph, mesh, order)
-            # meshes of one pp (so one dp and the same micro-batches per replica) on one pipeline link differ
-            # only in their memory (ZeRO-1 over dp_shard) and sync: a sibling's plan made under memory at
-            # least as loose is the plan of this one too when it fits here (this one's feasible plans are
-            # a subset of the sibling's)
-            group = (int(mesh["pp"]), entry["pipeline_bytes_per_s"], bool(row["offload_optimizer"]))
-            reused = None
-            for looser, result in siblings.get(group, ()):
-                if looser.static_bytes_per_param(options.objective) <= mem.static_bytes_per_param(options.objective):
-                    reused = _reuse(g, result, mem, options)
-                    if reused is not None:
-                        break
-            if reused is not None:
-                planned[key] = (g, reused)
-                entry["reused"] = True
-            else:
-                try:
-                    planned[key] = (g, plan_with_options(g, devices=mesh["pp"], microbatches=microbatches // mesh_dp(mesh),
-                                                         options=options, memory=mem, memory_bytes=mem.capacity_bytes))
-                except (FxpipeError, InputError) as exc:
-                    planned[key] = exc
-                else:
-                    siblings.setdefault(group, []).append((mem, planned[key][1]))
-                    for k, v in planned[key][1][3].items():
-                        timings[k] = timings.get(k, 0.0) + v
+            planned[key] = _plan_or_reuse(graph, row, entry, mesh, mem, order, microbatches, options, siblings, timings)
         if isinstance(planned[key], Exception):
             errors[row["mesh_text"]] = planned[key]
             entry["skipped"] = _first_sentence(str(planned[key]))
@@ -282,21 +258,51 @@ def search_mesh(graph, *, devices: int, microbatches: int, memory, options: Plan
     for row in table:  # each mesh's row: its best planned order, else why its orders were skipped
         done = [e for e in row["by_order"] if "predicted_step_s" in e]
         if done:
-            e = min(done, key=lambda e: e["predicted_step_s"])
-            row.update(rank_order=e["rank_order"], step_time_s=e["step_time_s"], dp_sync_s=e["dp_sync_s"],
-                       exposed_sync_s=e["exposed_sync_s"], optimizer_host_step_s=e["optimizer_host_step_s"],
-                       predicted_step_s=e["predicted_step_s"])
+            _copy_figures(row, min(done, key=lambda e: e["predicted_step_s"]))
         else:
             row["skipped"] = row["by_order"][0]["skipped"]
     if best is None:
         raise _no_mesh_fits(graph, devices, microbatches, memory, options.objective, table, errors)
     row, entry, mesh, mem, order, (part, problem, sched) = best
-    row.update(rank_order=entry["rank_order"], step_time_s=entry["step_time_s"], dp_sync_s=entry["dp_sync_s"],
-               exposed_sync_s=entry["exposed_sync_s"], optimizer_host_step_s=entry["optimizer_host_step_s"],
-               predicted_step_s=entry["predicted_step_s"], chosen=True)
-    entry["chosen"] = True
+    _copy_figures(row, entry)
+    row["chosen"] = entry["chosen"] = True
     return ({**mesh, "order": tuple(order)} if tuple(order) != MESH_DIMS else dict(mesh)), mem, \
         (part, problem, sched, timings), table
+
+
+def _copy_figures(row: dict, entry: dict) -> None:
+    """A rank order's figures (``entry``) as its mesh's (``row``)."""
+    for k in ("rank_order", "step_time_s", "dp_sync_s", "exposed_sync_s", "optimizer_host_step_s", "predicted_step_s"):
+        row[k] = entry[k]
+
+
+def _plan_or_reuse(graph, row: dict, entry: dict, mesh, mem, order, microbatches: int, options: PlanOptions,
+                   siblings: dict, timings: dict):
+    """``(pipeline graph, planner's result)`` of a candidate, or the planner's error.
+
+    Meshes of one pp (so one dp and the same micro-batches per replica) on one pipeline link, with
+    the optimizer in the same place, differ only in their memory (ZeRO-1 over dp_shard) and sync:
+    a sibling's plan made under memory at least as loose is taken when it fits here (:func:`_reuse`;
+    this mesh's feasible plans are a subset of the sibling's), marked ``reused`` in ``entry``;
+    else the pipeline is planned and kept in ``siblings``, its phase times added to ``timings``.
+    """
+    g = pipeline_graph(graph, mesh, order)
+    group = (int(mesh["pp"]), entry["pipeline_bytes_per_s"], bool(row["offload_optimizer"]))
+    for looser, result in siblings.get(group, ()):
+        if looser.static_bytes_per_param(options.objective) <= mem.static_bytes_per_param(options.objective):
+            reused = _reuse(g, result, mem, options)
+            if reused is not None:
+                entry["reused"] = True
+                return g, reused
+    try:
+        result = plan_with_options(g, devices=mesh["pp"], microbatches=microbatches // mesh_dp(mesh), options=options,
+                                   memory=mem, memory_bytes=mem.capacity_bytes)
+    except (FxpipeError, InputError) as exc:
+        return exc
+    siblings.setdefault(group, []).append((mem, result))
+    for k, v in result[3].items():
+        timings[k] = timings.get(k, 0.0) + v
+    return g, result
 
 
 def _reuse(graph, result, memory, options: PlanOptions):
