@@ -67,6 +67,7 @@ __all__ = [
     "host_links",
     "optimizer_host_step_s",
     "device_host_step_s",
+    "device_num_params",
     "dp_links",
     "dim_strides",
     "Topology",
@@ -716,18 +717,23 @@ def optimizer_host_step_s(num_params: float, memory, host: Mapping[str, float] |
     return link + update
 
 
-def device_host_step_s(graph, assignment, device_of_stage, pp: int, memory) -> list[float]:
-    """:func:`optimizer_host_step_s` of every pipeline device of a partitioned, placed graph (seconds)."""
+def device_num_params(graph, assignment, device_of_stage, pp: int):
+    """Parameters of every pipeline device's stages (numpy array of ``pp``)."""
     import numpy as np
 
     from fxpipe.partition.memory import num_params
 
+    dev = np.asarray(device_of_stage, dtype=np.int64)[np.asarray(assignment, dtype=np.int64)]
+    return np.bincount(dev, weights=num_params(graph), minlength=int(pp))
+
+
+def device_host_step_s(graph, assignment, device_of_stage, pp: int, memory) -> list[float]:
+    """:func:`optimizer_host_step_s` of every pipeline device of a partitioned, placed graph (seconds)."""
     if getattr(memory, "offload_optimizer", None) is not True:
         return [0.0] * int(pp)
-    dev = np.asarray(device_of_stage, dtype=np.int64)[np.asarray(assignment, dtype=np.int64)]
-    counts = np.bincount(dev, weights=num_params(graph), minlength=int(pp))
     host = host_links(graph)
-    return [optimizer_host_step_s(float(c), memory, host) for c in counts]
+    return [optimizer_host_step_s(float(c), memory, host)
+            for c in device_num_params(graph, assignment, device_of_stage, pp)]
 
 
 def pipeline_step_s(graph, assignment, device_of_stage, schedule, mesh: Mapping[str, int],

@@ -28,10 +28,9 @@ from fxpipe.errors import InputError
 from fxpipe.io import format_bytes
 from fxpipe.ir import OpGraph, Orders, Schedule, ScheduleProblem, read_json, schedule_to_orders, write_json_atomic
 from fxpipe.memory import MemoryModel
-from fxpipe.mesh import (MESH_DIMS, Topology, device_host_step_s, dim_span, dp_links, format_mesh, format_rank_order,
-                         mesh_degrees, mesh_dp,
-                         normalize_mesh, normalize_rank_order, pipeline_dp_sync_s, pipeline_step_s, pure_pipeline)
-from fxpipe.partition.memory import num_params
+from fxpipe.mesh import (MESH_DIMS, Topology, device_host_step_s, device_num_params, dim_span, dp_links, format_mesh,
+                         format_rank_order, mesh_degrees, mesh_dp, normalize_mesh, normalize_rank_order,
+                         pipeline_dp_sync_s, pipeline_step_s, pure_pipeline)
 from fxpipe.partition.objective import Partition
 from fxpipe.partition.placement import placement_name
 from fxpipe.plan_build import PlanStageOf, build_rank, compile_stages_option
@@ -217,8 +216,10 @@ class Plan:
         the mesh, the links its data-parallel groups use, and the table of the meshes searched."""
         lines = _mesh_search_table(self.options.get("mesh_search") or [])
         if self.memory.offload_optimizer is True:
+            max_params = float(device_num_params(self.graph, self.partition.assignment, self.device_of_stage,
+                                                 self.devices).max())
             lines.insert(0, f"optimizer state offloaded to the host (FSDP2 CPUOffloadPolicy): "
-                            f"{format_bytes(self.memory.host_bytes_per_param('training') * self._max_device_params())} "
+                            f"{format_bytes(self.memory.host_bytes_per_param('training') * max_params)} "
                             f"of host memory and a {self.optimizer_host_step_s * 1e3:.3f} ms host step on the busiest "
                             "device, in the predicted step")
         if self.dp == 1:
@@ -241,11 +242,6 @@ class Plan:
                 f"data-parallel sync per step: {self.dp_sync_s * 1e3:.3f} ms on the busiest device ({'; '.join(used)}); "
                 f"predicted step with it {self.predicted_step_s * 1e3:.3f} ms "
                 f"({(self.predicted_step_s - self.schedule.value) * 1e3:.3f} ms not hidden by the pipeline)", *lines]
-
-    def _max_device_params(self) -> float:
-        """Parameters of the device holding the most."""
-        dev = np.asarray(self.device_of_stage, dtype=np.int64)[np.asarray(self.partition.assignment, dtype=np.int64)]
-        return float(np.bincount(dev, weights=num_params(self.graph), minlength=self.devices).max())
 
     # ------------------------------------------------------------------ placement
     @property

@@ -99,11 +99,22 @@ def test_search_offloads_only_where_memory_binds_and_keeps_the_fastest():
     # unlimited memory: nothing binds, no row offloads
     _, free_mem, _, free_table = search_mesh(g, devices=4, microbatches=8, memory=MemoryModel(), options=opts)
     assert free_mem.offload_optimizer is False and not any(r["offload_optimizer"] for r in free_table)
-    # the user's "never" and an unknown host link: no mesh fits
+    # the user's "never" and an unknown host link: no mesh fits, and the error names the host as a remedy
     for graph, memory in ((g, MemoryModel(capacity_bytes=0.7e9, offload_optimizer=False)),
                           (_chain(n=8, param_bytes=2 * 2.5e7, host=None), mem)):
-        with pytest.raises(InfeasibleError, match="no mesh of 4 devices fits"):
+        with pytest.raises(InfeasibleError, match="no mesh of 4 devices fits") as err:
             search_mesh(graph, devices=4, microbatches=8, memory=memory, options=opts)
+        assert "the optimizer state on the host (MemoryModel(offload_optimizer=True)" in str(err.value)
+    # a host too small for the optimizer state: the host rows are skipped, saying why, and the error does not
+    # suggest the host again
+    small = _chain(n=8, param_bytes=2 * 2.5e7, host={**HOST, "host_memory_bytes": 1e8})
+    with pytest.raises(InfeasibleError) as err:
+        search_mesh(small, devices=4, microbatches=8, memory=mem, options=opts)
+    rows = err.value.tried["meshes"]
+    hosted = [r for r in rows if r["offload_optimizer"]]
+    assert hosted and all(r["skipped"].startswith("cannot fit") for r in hosted)
+    assert any("of host memory" in r["skipped"] for r in hosted)
+    assert "MemoryModel(offload_optimizer=True)" not in str(err.value)
 
 
 def test_cli_offload_optimizer_flag_is_three_way():
