@@ -36,8 +36,8 @@ def test_every_architecture_and_schedule_equals_single_process_training(ranks):
     assert not failures, "\n\n".join(failures)
     # the hard cases were really exercised
     cells = {(c.model, c.schedule): c for c in res.cells}
-    if ranks == 4:  # split-backward-blind stages (T5, CLIP, ...); at 2 ranks whether a stage is blind depends on
-        # where the partition cuts (since dead ops leave the capture, no 2-rank cut is), and
-        # tests/test_codegen_split.py checks the detection itself
-        assert any(c.full_backward_stages for c in res.cells)
+    # Whether a zoo model gets a split-backward-blind stage (T5, CLIP, ...) depends on where its
+    # time-limited partition cuts, so it is not asserted here (a CI run once cut none at 4 ranks):
+    # tests/test_codegen_pipeline.py::test_t5_relay_four_ranks trains a pinned blind cut, and
+    # tests/test_codegen_split.py checks the detection itself
     assert cells[("batchnorm", "zb-h1")].max_buffer_rel_diff >= 0.0

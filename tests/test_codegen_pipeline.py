@@ -171,6 +171,9 @@ def test_t5_relay_four_ranks(four_ranks, ref_t5):
     acts = res.meta["actions"]
     assert any(a.startswith("1B") for a in acts[1])
     assert any(a.startswith("0I") for a in acts[0])
+    # stage 1 (decoder embedding) and stage 2 (relative position bias sent on) are the blind ones
+    # (tests/test_codegen_split.py::test_split_backward_blind_parameters_detected); the others split
+    assert res.meta["fused_full_backward"] == {0: False, 1: True, 2: True, 3: False}, res.meta["fused_full_backward"]
 
 
 def test_worker_error_is_reported():
