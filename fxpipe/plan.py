@@ -551,7 +551,14 @@ class Plan:
         self.capture.traced, self.capture.stage_of = traced, stage_map
 
     def captured_stage_of(self) -> dict[str, int]:
-        """The stage map keyed by the node names of :meth:`captured` (``stage_of`` for the plan's own capture)."""
+        """The stage map keyed by the node names of :meth:`captured`.
+
+        The plan's own capture goes through :meth:`adopt_capture` too, so every process (this
+        one, workers, torchrun ranks loading the plan file) splits its capture alike: the same
+        node order, trivial ops placed by the split, the same tensors crossing each boundary.
+        """
+        if self.capture.stage_of is None and self.capture.traced is not None:
+            self.adopt_capture(self.capture.traced)
         return dict(self.capture.stage_of) if self.capture.stage_of is not None else dict(self.stage_of)
 
     def worker_stage_of(self) -> PlanStageOf:

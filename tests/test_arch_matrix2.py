@@ -46,8 +46,6 @@ META_CHECKPOINT = ("olmo2", "mamba", "distilbert", "pegasus", "swin", "inception
 
 #: (model, ranks or None for both, "train" | "meta") -> why it fails today (issue 17 item)
 KNOWN = {
-    ("modernbert", 4, "train"): "a 4-rank worker failed in 2 of 4 runs on 2026-11-26 (once SIGABRT) after the structural "
-                                "matching fixed its hash-order graphs (the other runs were equal): to investigate",
     ("granitemoe", None, "meta"): "traced on meta, histc's input is cast to int32 (a device-dependent branch) that "
                                   "has no CPU kernel: fxpipe.compile warns (DeviceBranchWarning), no rewrite yet",
     ("segformer", None, "meta"): "the meta trace differs from the CPU plan's by _assert_tensor_metadata nodes, "

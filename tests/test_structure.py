@@ -77,9 +77,9 @@ def _ordered_set(order):
     return make
 
 
-def test_modernbert_hash_order_keeps_the_plan(monkeypatch):
-    """Real ModernBERT: its rotary embeddings are computed in ``set(layer_types)`` order. A plan
-    made under one order is rebuilt under the other on the same partition."""
+def _modernbert_in_two_orders(monkeypatch):
+    """A ModernBERT plan made under one ``set(layer_types)`` order, loaded and captured under the
+    other: ``(plan, loaded plan, the loaded plan's capture)``."""
     from transformers.models.modernbert import modeling_modernbert as mm
 
     kinds = ["full_attention", "sliding_attention"]
@@ -87,17 +87,48 @@ def test_modernbert_hash_order_keeps_the_plan(monkeypatch):
     torch.manual_seed(0)
     monkeypatch.setattr(mm, "set", _ordered_set(kinds), raising=False)
     plan = fxpipe.compile(modernbert(), (ids,), devices=2, microbatches=MICROBATCHES, time_limit_s=2.0, mesh="pipeline")
-    planned = stage_param_sets(plan)
     monkeypatch.setattr(mm, "set", _ordered_set(kinds[::-1]), raising=False)
     loaded = Plan.from_dict(plan.to_dict())
     torch.manual_seed(0)
-    gm = loaded.captured(modernbert(), (ids,)).gm
+    return plan, loaded, loaded.captured(modernbert(), (ids,)).gm
+
+
+def test_modernbert_hash_order_keeps_the_plan(monkeypatch):
+    """Real ModernBERT: its rotary embeddings are computed in ``set(layer_types)`` order. A plan
+    made under one order is rebuilt under the other on the same partition."""
+    plan, loaded, gm = _modernbert_in_two_orders(monkeypatch)
     targets = {n.name: str(n.target) for n in gm.graph.nodes if n.op == "get_attr"}
     mine = {n.name: [targets.get(a.name) for a in n.all_input_nodes] for n in gm.graph.nodes}
     theirs = {n.name: [str(a.target) if a.op == "get_attr" else None for a in n.all_input_nodes]
               for n in plan.captured().gm.graph.nodes}
     assert any(mine[k] != theirs.get(k) for k in mine), "the two orders must wire the same names differently"
-    assert stage_param_sets(loaded) == planned
+    assert stage_param_sets(loaded) == stage_param_sets(plan)
+
+
+def test_modernbert_hash_order_sends_the_same_boundaries(monkeypatch):
+    """Every capture lists a stage's inputs (what the previous rank sends) and parameters in the
+    plan's order, whatever its hash order: a rank that kept its own order read its neighbour's
+    tensors in another order (gloo aborted on a size mismatch in 1 of 2 runs of the 4-rank
+    matrix; equal-shaped tensors, such as the two rotary tables, would have been swapped)."""
+    from fxpipe.codegen.split import split_stages
+    from fxpipe.passes.structure import PlanStructure, map_stage_of, match_nodes
+
+    plan, loaded, gm = _modernbert_in_two_orders(monkeypatch)
+    ref = plan.captured().gm
+    # three stages cut at thirds of the plan's program order (a prefix of a topological order is
+    # a valid cut): the rotary tables and masks, made before the first layer, cross both cuts
+    nodes = [n.name for n in ref.graph.nodes if n.op != "get_attr"]
+    stage_of = {n: 3 * i // len(nodes) for i, n in enumerate(nodes)}
+    structure = PlanStructure.from_graph(plan.graph)
+    theirs = split_stages(ref, map_stage_of(structure, stage_of, ref), 3)  # as every process does
+    mine = split_stages(gm, map_stage_of(structure, stage_of, gm), 3)
+    to_plan = {here: p for p, here in match_nodes(structure, gm).items()}
+    sent = [list(b) for b in theirs.boundary_names]
+    assert all(len(b) >= 4 for b in sent), sent
+    assert [[to_plan.get(n, n) for n in b] for b in mine.boundary_names] == sent
+    for a, b in zip(mine.stages, theirs.stages):
+        assert list(a.param_fqns) == list(b.param_fqns)
+        assert [n for n, _ in a.module.named_parameters()] == [n for n, _ in b.module.named_parameters()]
 
 
 def _sdpa_plan(device: str, **model_kw):

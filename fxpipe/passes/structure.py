@@ -29,6 +29,8 @@ structure. This module does that in three steps:
    data edge checked. A stage map keyed by the plan's names becomes one keyed by this
    capture's names; this capture's trivial ops are left to
    :func:`fxpipe.codegen.split.split_stages`, which runs them as late as their consumers allow.
+   :func:`align_order` then puts this capture's nodes in the plan's order, so the tensors
+   crossing each stage boundary are listed in the same order by every process.
 
 A truly different model (another layer count, width, input shape, parameter name) has
 another multiset of keys and is refused with :class:`~fxpipe.errors.InputError` naming the
@@ -61,6 +63,7 @@ __all__ = [
     "structure_signature",
     "graph_preds",
     "match_nodes",
+    "align_order",
     "map_stage_of",
 ]
 
@@ -474,12 +477,78 @@ def match_nodes(plan: PlanStructure, gm: torch.fx.GraphModule) -> dict[str, str]
     return {plan.names[i]: n.name for i, n in image.items()}
 
 
+def align_order(plan: PlanStructure, names: Mapping[str, str], gm: torch.fx.GraphModule) -> None:
+    """Reorder ``gm``'s nodes (in place) so that its matched nodes run in the plan's order.
+
+    Everything :func:`fxpipe.codegen.split.split_stages` derives from program order (the order
+    of the tensors crossing each stage boundary, of a stage's parameters) must be the same in
+    every process, or a receiving rank reads another rank's tensors in another order: a size
+    mismatch at best (gloo aborts), silently swapped equal-shaped tensors at worst. Two
+    captures that differ in hash order (``PYTHONHASHSEED``) differ exactly there, so every
+    capture adopts the plan's order, a topological order of the same graph.
+
+    A stable topological sort (Kahn's algorithm with a priority): placeholders first in their
+    own order; a matched node by its position in the plan; every other node (``get_attr``,
+    ``getitem``, trivial ops, the output) right after the matched node that precedes it in
+    ``gm``, ``get_attr`` nodes by target name (their order in ``gm`` may follow hash order too).
+    Edges are kept, so the program computes the same values; ``gm`` is recompiled.
+
+    Parameters
+    ----------
+    plan : PlanStructure
+        The plan's graph.
+    names : Mapping[str, str]
+        Plan node name -> ``gm`` node name (:func:`match_nodes`).
+    gm : torch.fx.GraphModule
+        The capture to reorder.
+    """
+    import heapq
+
+    nodes = list(gm.graph.nodes)
+    plan_pos = {p: i for i, p in enumerate(plan.names)}
+    here_pos = {here: plan_pos[p] for p, here in names.items()}
+    prio: dict = {}
+    anchor = -1
+    for i, n in enumerate(nodes):
+        if n.op == "placeholder":
+            prio[n] = (-2, 0, "", i)
+        elif n.name in here_pos:
+            anchor = here_pos[n.name]
+            prio[n] = (anchor, 0, "", i)
+        elif n.op == "output":
+            prio[n] = (len(plan.names), 2, "", i)
+        else:
+            prio[n] = (anchor, 1, str(n.target) if n.op == "get_attr" else "", i)
+    indegree = {n: len(n.all_input_nodes) for n in nodes}
+    ready = [prio[n] for n in nodes if not indegree[n]]  # priorities are unique (the last item is gm's index)
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        n = nodes[heapq.heappop(ready)[-1]]
+        order.append(n)
+        for user in n.users:
+            indegree[user] -= 1
+            if not indegree[user]:
+                heapq.heappush(ready, prio[user])
+    if len(order) != len(nodes):  # pragma: no cover - a graph module is acyclic
+        raise InputError("the captured graph has a cycle: it cannot be reordered into the plan's order")
+    if order == nodes:
+        return
+    first = nodes[0]
+    if order[0] is not first:
+        first.prepend(order[0])
+    for prev, n in zip(order, order[1:]):
+        prev.append(n)
+    gm.recompile()
+
+
 def map_stage_of(plan: PlanStructure, stage_of: Mapping[str, int], gm: torch.fx.GraphModule) -> dict[str, int]:
     """A plan's stage map (keyed by the plan's node names) for another capture ``gm`` of the model.
 
     The stage of every matched node (:func:`match_nodes`); ``gm``'s trivial ops are left out
     (:func:`fxpipe.codegen.split.split_stages` places them as late as their consumers allow),
-    and so are the plan's trivial ops that ``gm`` lacks.
+    and so are the plan's trivial ops that ``gm`` lacks. ``gm``'s nodes are reordered into the
+    plan's order first (:func:`align_order`, in place), so every process splits them alike.
 
     Raises
     ------
@@ -487,4 +556,5 @@ def map_stage_of(plan: PlanStructure, stage_of: Mapping[str, int], gm: torch.fx.
         As :func:`match_nodes`.
     """
     names = match_nodes(plan, gm)
+    align_order(plan, names, gm)
     return {here: int(stage_of[p]) for p, here in names.items()}
