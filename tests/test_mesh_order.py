@@ -112,6 +112,42 @@ def test_mesh_search_keeps_the_data_parallel_groups_inside_a_node_when_their_syn
     json.dumps(table)  # the table is plain data (plan.options["mesh_search"])
 
 
+def test_mesh_search_stops_at_ctrl_c_with_the_best_mesh_so_far(monkeypatch):
+    """A press while the first candidate is planned (the stop flag every running search shares):
+    that candidate ends with its planner's result and is returned, with a PlanWarning; the others
+    are marked not planned. A KeyboardInterrupt before any candidate has a plan is a clear error."""
+    import fxpipe.mesh_search as ms
+    from fxpipe.errors import FxpipeError, PlanWarning
+    from fxpipe.options import PlanOptions
+    from fxpipe.progress import stop_all
+
+    real = ms.plan_with_options
+    calls = []
+
+    def pressed_during(*args, **kwargs):
+        calls.append(kwargs["devices"])
+        stop_all()  # what the SIGINT handler does
+        return real(*args, **kwargs)
+
+    g = _chain(16, param_bytes=2.5e8, out_bytes=1e3)
+    opts = PlanOptions(schedule="1f1b", time_limit_s=0.5, seed=0)
+    monkeypatch.setattr(ms, "plan_with_options", pressed_during)
+    with pytest.warns(PlanWarning, match="stopped .Ctrl-C. with [1-9][0-9]* candidate.s. not planned"):
+        mesh, _, (part, _, sched, _), table = ms.search_mesh(g, devices=16, microbatches=2, memory=MemoryModel(),
+                                                             options=opts)
+    assert len(calls) == 1 and mesh["pp"] == calls[0] and part.k == calls[0]
+    entries = [e for r in table for e in r["by_order"]]
+    assert sum("predicted_step_s" in e for e in entries) == 1
+    assert any("not planned: the search was stopped" in e.get("skipped", "") for e in entries)
+
+    def pressed_before(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ms, "plan_with_options", pressed_before)
+    with pytest.raises(FxpipeError, match="stopped .Ctrl-C. before any mesh was planned"):
+        ms.search_mesh(g, devices=16, microbatches=2, memory=MemoryModel(), options=opts)
+
+
 def test_sync_hides_where_the_runtime_issues_it():
     """A chain whose last op holds 1 GB of parameters (an LM head), pp=2 x dp_shard=2 under 1F1B: the
     last device's all-gather hides behind its wait for the first input and its reduce-scatter behind
