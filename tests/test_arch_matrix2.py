@@ -48,8 +48,9 @@ META_CHECKPOINT = ("olmo2", "mamba", "distilbert", "pegasus", "swin", "inception
 KNOWN = {
     ("granitemoe", None, "meta"): "traced on meta, histc's input is cast to int32 (a device-dependent branch) that "
                                   "has no CPU kernel: fxpipe.compile warns (DeviceBranchWarning), no rewrite yet",
-    ("segformer", None, "meta"): "the meta trace differs from the CPU plan's by _assert_tensor_metadata nodes, "
-                                 "which structural matching does not read through yet, so the plan is refused",
+    ("segformer", None, "meta"): "traced on meta, upsample_bilinear2d is decomposed (its meta kernel is a Python "
+                                 "decomposition) into ~90 ops the CPU plan lacks, so structural matching refuses the "
+                                 "plan: tracing on fake tensors of the target device would fix it and granitemoe's",
 }
 
 
