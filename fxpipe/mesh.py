@@ -626,12 +626,17 @@ def candidate_meshes(devices: int, microbatches: int, *, replicate: bool = False
     return out
 
 
-def _device_param_bytes(graph, assignment, device_of_stage, pp: int):
-    """Parameter bytes of every pipeline device's stages (numpy array of ``pp``)."""
+def _per_device(assignment, device_of_stage, pp: int, per_node):
+    """The sum of ``per_node`` (one value per graph node) over every pipeline device's stages (numpy array of ``pp``)."""
     import numpy as np
 
     dev = np.asarray(device_of_stage, dtype=np.int64)[np.asarray(assignment, dtype=np.int64)]
-    return np.bincount(dev, weights=graph.size_param_bytes, minlength=int(pp))
+    return np.bincount(dev, weights=per_node, minlength=int(pp))
+
+
+def _device_param_bytes(graph, assignment, device_of_stage, pp: int):
+    """Parameter bytes of every pipeline device's stages (numpy array of ``pp``)."""
+    return _per_device(assignment, device_of_stage, pp, graph.size_param_bytes)
 
 
 def pipeline_dp_sync_s(graph, assignment, device_of_stage, mesh: Mapping[str, int], order: Any = None) -> float:
@@ -719,12 +724,9 @@ def optimizer_host_step_s(num_params: float, memory, host: Mapping[str, float] |
 
 def device_num_params(graph, assignment, device_of_stage, pp: int):
     """Parameters of every pipeline device's stages (numpy array of ``pp``)."""
-    import numpy as np
-
     from fxpipe.partition.memory import num_params
 
-    dev = np.asarray(device_of_stage, dtype=np.int64)[np.asarray(assignment, dtype=np.int64)]
-    return np.bincount(dev, weights=num_params(graph), minlength=int(pp))
+    return _per_device(assignment, device_of_stage, pp, num_params(graph))
 
 
 def device_host_step_s(graph, assignment, device_of_stage, pp: int, memory) -> list[float]:
