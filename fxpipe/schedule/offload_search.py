@@ -117,6 +117,7 @@ def offload_list_schedule(problem: ScheduleProblem, params: OffloadParams) -> li
     S, M = problem.num_stages, problem.num_microbatches
     tF, tB, tW, tO, comm, mF, mB, mW, trB, off, lim = _stage_tables(problem)
     can_off = [off[s] > 0 and math.isfinite(lim[s]) for s in range(S)]
+    cap, keep, w_first, margin, eager_w = params.cap, params.keep, params.w_first, params.margin, params.eager_w
 
     # per stage and micro-batch: end of F, start and end of B, end of the offload and reload
     F_end, B_start, B_end, O_end, R_end = ([[math.inf] * M for _ in range(S)] for _ in range(5))
@@ -125,10 +126,14 @@ def offload_list_schedule(problem: ScheduleProblem, params: OffloadParams) -> li
     nf, nb, nw = [0] * S, [0] * S, [0] * S
     comp_free = [0.0] * S
     copy = _CopyStreams(problem)
+    copy_until = copy.until  # per stage: when all its copy resources are free
+    copies: list[tuple[float, int, int]] = []  # (end, stage, mb) of the offloads / reloads running
+    offloaded: list[list[int]] = [[] for _ in range(S)]  # per stage a heap of its offloaded stashes (lazy: state 2)
     mem = [0.0] * S  # memory at the current time, all starts and ends so far applied
     ops: list[ScheduledOp] = []
     pend: list[tuple[float, int, int, float]] = []  # (time, kind, stage, delta) memory changes ahead
     events: list[float] = [0.0]
+    pushed = [[math.nan, math.nan] for _ in range(S)]  # per stage: the forward and backward ready times last pushed
     n_total = 3 * S * M
     n_done = 0
     t = 0.0
@@ -166,7 +171,7 @@ def offload_list_schedule(problem: ScheduleProblem, params: OffloadParams) -> li
             return None
         t = _pop_time(events)
         _apply_due(pend, mem, t)  # memory changes due by t (offload ends, a recomputing B's transient)
-        _advance_copies(state, O_end, R_end, nb, nf, t)
+        _advance_copies(copies, state, offloaded, t)
         progressed = False
         for s in reversed(range(S)):
             # ---- compute stream
@@ -177,13 +182,13 @@ def offload_list_schedule(problem: ScheduleProblem, params: OffloadParams) -> li
                     rise = mB[s] + trB[s]  # > 0 only for a recomputing B replaying its forward
                     if rise <= 0 or mem[s] + rise <= lim[s] * (1 + 1e-12) + _EPS:
                         choice = "B"
-                if choice is None and nw[s] < nb[s] and B_end[s][nw[s]] <= t + _EPS and nb[s] - nw[s] >= params.w_first[s]:
+                if choice is None and nw[s] < nb[s] and B_end[s][nw[s]] <= t + _EPS and nb[s] - nw[s] >= w_first[s]:
                     choice = "W"
-                if choice is None and nf[s] < M and f_ready(s, nf[s]) <= t + _EPS and nf[s] - nb[s] < params.cap[s]:
+                if choice is None and nf[s] < M and f_ready(s, nf[s]) <= t + _EPS and nf[s] - nb[s] < cap[s]:
                     if mem[s] + mF[s] + reserve(s) <= lim[s] * (1 + 1e-12) + _EPS:
                         choice = "F"
                 if choice is None and nw[s] < nb[s] and B_end[s][nw[s]] <= t + _EPS:
-                    if params.eager_w:
+                    if eager_w:
                         choice = "W"
                     else:
                         nxt = min(b_ready(s, jb) if jb < nf[s] else math.inf,
@@ -215,25 +220,27 @@ def offload_list_schedule(problem: ScheduleProblem, params: OffloadParams) -> li
                     progressed = True
                     n_done += 1
             # ---- copy stream
-            if can_off[s] and copy.is_free(s, t):
+            if can_off[s] and copy_until[s] <= t + _EPS:
                 # reload the oldest offloaded stash whose backward is near
-                jr = next((j for j in range(nb[s], nf[s]) if state[s][j] == 2), None)
+                jr = _oldest_offloaded(offloaded[s], state[s])
                 if jr is not None:
                     if near(s, jr) and mem[s] + off[s] <= lim[s] * (1 + 1e-12) + _EPS:
                         run(s, jr, "R", tO[s])
                         state[s][jr] = 3
                         R_end[s][jr] = t + tO[s]
+                        heapq.heappush(copies, (t + tO[s], s, jr))
                         mem[s] += off[s]
                         copy.book(s, t + tO[s])
                         progressed = True
                         continue
                 # offload the stash needed last, under memory pressure
-                if mem[s] + params.margin * mF[s] > lim[s] + _EPS:
-                    jo = _last_resident(state[s], F_end[s], nb[s] + params.keep[s], nf[s], t)
+                if mem[s] + margin * mF[s] > lim[s] + _EPS:
+                    jo = _last_resident(state[s], F_end[s], nb[s] + keep[s], nf[s], t)
                     if jo is not None:
                         run(s, jo, "O", tO[s])
                         state[s][jo] = 1
                         O_end[s][jo] = t + tO[s]
+                        heapq.heappush(copies, (t + tO[s], s, jo))
                         heapq.heappush(pend, (t + tO[s], 1, s, -off[s]))
                         copy.book(s, t + tO[s])
                         progressed = True
@@ -241,7 +248,7 @@ def offload_list_schedule(problem: ScheduleProblem, params: OffloadParams) -> li
             push(t)  # a start at t may enable another op at t (e.g. a reload after an offload ends)
             # avoid an endless loop: the same t is processed again only while something starts
         # ready times of forwards / backwards that depend on ops ended in the past are events too
-        _push_ready_times(events, f_ready, b_ready, nf, nb, M, t)
+        _push_ready_times(events, pushed, f_ready, b_ready, nf, nb, M, t)
     return ops
 
 
@@ -287,45 +294,66 @@ def _stage_tables(problem: ScheduleProblem) -> tuple[list, ...]:
 
 class _CopyStreams:
     """The copy resources of every stage: its own stream and every pcie group it is in
-    (Contract 3 rule 3), each free from a time on."""
+    (Contract 3 rule 3), each free from a time on; ``until[s]``: when all of stage s's are free."""
 
     def __init__(self, problem: ScheduleProblem) -> None:
+        S = problem.num_stages
         self.res_of = [[("stage", s)] + [("group", g) for g, grp in enumerate(problem.pcie_groups) if s in set(grp)]
-                       for s in range(problem.num_stages)]
+                       for s in range(S)]
         self.free: dict[tuple[str, int], float] = {r: 0.0 for rs in self.res_of for r in rs}
+        self.until = [0.0] * S
+        # the stages that share a copy resource with s (s included)
+        self.sharing = [[b for b in range(S) if set(self.res_of[b]) & set(self.res_of[s])] for s in range(S)]
 
     def is_free(self, s: int, t: float) -> bool:
         """Whether every copy resource of stage ``s`` is free at ``t``."""
-        return all(self.free[r] <= t + _EPS for r in self.res_of[s])
+        return self.until[s] <= t + _EPS
 
     def book(self, s: int, until: float) -> None:
         """Hold every copy resource of stage ``s`` until ``until``."""
         for r in self.res_of[s]:
             self.free[r] = until
+        for b in self.sharing[s]:
+            self.until[b] = max(self.free[r] for r in self.res_of[b])
 
 
-def _advance_copies(state: list[list[int]], O_end, R_end, nb: list[int], nf: list[int], t: float) -> None:
-    """Stashes whose offload (reload) ended by ``t`` become offloaded (reloaded)."""
-    for s in range(len(state)):
-        st = state[s]
-        for j in range(nb[s], nf[s]):
-            if st[j] == 1 and O_end[s][j] <= t + _EPS:
-                st[j] = 2
-            elif st[j] == 3 and R_end[s][j] <= t + _EPS:
-                st[j] = 4
+def _advance_copies(copies: list[tuple[float, int, int]], state: list[list[int]], offloaded: list[list[int]],
+                    t: float) -> None:
+    """Stashes whose offload (reload) ended by ``t`` become offloaded (reloaded); ``copies`` is the heap
+    ``(end, stage, mb)`` of the copies running, an offloaded stash joins its stage's heap ``offloaded``."""
+    while copies and copies[0][0] <= t + _EPS:
+        _, s, j = heapq.heappop(copies)
+        if state[s][j] == 1:
+            state[s][j] = 2
+            heapq.heappush(offloaded[s], j)
+        else:  # 3: reloading
+            state[s][j] = 4
 
 
-def _push_ready_times(events: list[float], f_ready, b_ready, nf: list[int], nb: list[int], M: int, t: float) -> None:
-    """The future ready times of every stage's next forward and backward become events."""
+def _oldest_offloaded(offloaded: list[int], state: list[int]) -> int | None:
+    """The oldest micro-batch of a stage whose stash is offloaded (state 2), from its heap ``offloaded``
+    (entries no longer offloaded are dropped)."""
+    while offloaded and state[offloaded[0]] != 2:
+        heapq.heappop(offloaded)
+    return offloaded[0] if offloaded else None
+
+
+def _push_ready_times(events: list[float], pushed: list[list[float]], f_ready, b_ready, nf: list[int],
+                      nb: list[int], M: int, t: float) -> None:
+    """The future ready times of every stage's next forward and backward become events (a time
+    already pushed for the stage is not pushed again: :func:`_pop_time` drops repeats)."""
     for s in range(len(nf)):
+        last = pushed[s]
         if nf[s] < M:
             r = f_ready(s, nf[s])
-            if math.isfinite(r) and r > t + _EPS:
+            if r != last[0] and math.isfinite(r) and r > t + _EPS:
                 heapq.heappush(events, r)
+                last[0] = r
         if nb[s] < nf[s]:
             r = b_ready(s, nb[s])
-            if math.isfinite(r) and r > t + _EPS:
+            if r != last[1] and math.isfinite(r) and r > t + _EPS:
                 heapq.heappush(events, r)
+                last[1] = r
 
 
 def _evaluate(problem: ScheduleProblem, params: OffloadParams,
