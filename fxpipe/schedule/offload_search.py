@@ -134,6 +134,7 @@ def offload_list_schedule(problem: ScheduleProblem, params: OffloadParams) -> li
     pend: list[tuple[float, int, int, float]] = []  # (time, kind, stage, delta) memory changes ahead
     events: list[float] = [0.0]
     pushed = [[math.nan, math.nan] for _ in range(S)]  # per stage: the forward and backward ready times last pushed
+    moved = set(range(S))  # stages whose next forward's or backward's ready time may have changed
     n_total = 3 * S * M
     n_done = 0
     t = 0.0
@@ -204,6 +205,7 @@ def offload_list_schedule(problem: ScheduleProblem, params: OffloadParams) -> li
                         heapq.heappush(pend, (t + tB[s], 0, s, -trB[s]))
                     nb[s] += 1
                     comp_free[s] = t + tB[s]
+                    moved.update((s, s - 1) if s else (s,))  # its next B; the gradient for stage s - 1
                 elif choice == "W":
                     run(s, nw[s], "W", tW[s])
                     mem[s] += mW[s]
@@ -216,6 +218,7 @@ def offload_list_schedule(problem: ScheduleProblem, params: OffloadParams) -> li
                     mem[s] += mF[s]
                     nf[s] += 1
                     comp_free[s] = t + tF[s]
+                    moved.update((s, s + 1) if s + 1 < S else (s,))  # its next F and B; the input of stage s + 1
                 if choice is not None:
                     progressed = True
                     n_done += 1
@@ -248,7 +251,7 @@ def offload_list_schedule(problem: ScheduleProblem, params: OffloadParams) -> li
             push(t)  # a start at t may enable another op at t (e.g. a reload after an offload ends)
             # avoid an endless loop: the same t is processed again only while something starts
         # ready times of forwards / backwards that depend on ops ended in the past are events too
-        _push_ready_times(events, pushed, f_ready, b_ready, nf, nb, M, t)
+        _push_ready_times(events, pushed, moved, f_ready, b_ready, nf, nb, M, t)
     return ops
 
 
@@ -338,11 +341,14 @@ def _oldest_offloaded(offloaded: list[int], state: list[int]) -> int | None:
     return offloaded[0] if offloaded else None
 
 
-def _push_ready_times(events: list[float], pushed: list[list[float]], f_ready, b_ready, nf: list[int],
-                      nb: list[int], M: int, t: float) -> None:
-    """The future ready times of every stage's next forward and backward become events (a time
-    already pushed for the stage is not pushed again: :func:`_pop_time` drops repeats)."""
-    for s in range(len(nf)):
+def _push_ready_times(events: list[float], pushed: list[list[float]], moved: set[int], f_ready, b_ready,
+                      nf: list[int], nb: list[int], M: int, t: float) -> None:
+    """The future ready times of every stage's next forward and backward become events.
+
+    Only the stages in ``moved`` (emptied here) are looked at: the others' ready times are those
+    already seen, and a time already pushed for the stage is not pushed again (:func:`_pop_time`
+    drops repeats; a time once not in the future never is again)."""
+    for s in moved:
         last = pushed[s]
         if nf[s] < M:
             r = f_ready(s, nf[s])
@@ -354,6 +360,7 @@ def _push_ready_times(events: list[float], pushed: list[list[float]], f_ready, b
             if r != last[1] and math.isfinite(r) and r > t + _EPS:
                 heapq.heappush(events, r)
                 last[1] = r
+    moved.clear()
 
 
 def _evaluate(problem: ScheduleProblem, params: OffloadParams,
