@@ -11,10 +11,14 @@ so every timing schedules the same problems). Each case then prints the seconds
 
 ``--baseline PATH`` times the same problems with the fxpipe checkout at ``PATH`` (e.g. a
 ``git worktree`` of main) in a subprocess, prints both side by side and checks that the
-schedules are identical (same ops, same start and end times).
+schedules are identical (same ops, same start and end times). The offload-aware search
+(:func:`fxpipe.schedule.heuristics.offload_search_schedule`) stops after 200 policies or 2 s,
+whichever comes first: on these pipelines the clock stops it, so a faster checkout evaluates
+more policies in the same time and may find another schedule. ``--offload-evals N`` makes it
+evaluate exactly ``N`` policies, with no time limit, on both sides (the schedules compare).
 
     python benchmarks/bench_schedule_speed.py [--cases llama-3-70b:16x32 llama-3-70b:32x16 ...]
-        [--devices 256] [--baseline PATH] [--profile OUT.prof]
+        [--devices 256] [--baseline PATH] [--offload-evals N] [--profile OUT.prof]
 
 The graphs come from ``benchmarks/model_graphs.py`` (traced on meta once and cached).
 """
@@ -104,13 +108,16 @@ def _digest(sched) -> str:
     return h.hexdigest()[:16]
 
 
-def time_problems(paths: list[str], profile: str | None = None) -> dict:
+def time_problems(paths: list[str], profile: str | None = None, offload_evals: int | None = None) -> dict:
     """``auto_schedule`` of every problem file (``-recompute`` in its name: with recomputation, as the
     planner ran it): total seconds, and per problem its method, makespan and digest."""
     import fxpipe
     from fxpipe.ir import ScheduleProblem
+    import fxpipe.schedule.heuristics as heuristics
     from fxpipe.schedule.auto import auto_schedule
 
+    if offload_evals is not None:
+        heuristics.OFFLOAD_SEARCH_EVALS, heuristics.OFFLOAD_SEARCH_TIME_S = offload_evals, float("inf")
     problems = [(ScheduleProblem.load(p), p.endswith("-recompute.json")) for p in paths]
     prof = None
     if profile:
@@ -131,10 +138,11 @@ def time_problems(paths: list[str], profile: str | None = None) -> dict:
     return {"seconds": seconds, "rows": rows, "fxpipe": os.path.dirname(fxpipe.__file__)}
 
 
-def _run_baseline(path: str, paths: list[str]) -> dict:
+def _run_baseline(path: str, paths: list[str], offload_evals: int | None) -> dict:
     env = {**os.environ, "PYTHONPATH": os.path.abspath(path)}
-    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--time-only", *paths], env=env, check=True,
-                         capture_output=True, text=True).stdout
+    evals = [] if offload_evals is None else ["--offload-evals", str(offload_evals)]
+    out = subprocess.run([sys.executable, os.path.abspath(__file__), *evals, "--time-only", *paths], env=env,
+                         check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
@@ -144,11 +152,13 @@ def main() -> None:
     ap.add_argument("--devices", type=int, default=256)
     ap.add_argument("--time-limit", type=float, default=5.0, help="partition search seconds (capture only)")
     ap.add_argument("--baseline", help="an fxpipe checkout to time the same problems with (subprocess)")
+    ap.add_argument("--offload-evals", type=int, help="the offload search evaluates exactly this many policies "
+                    "(no time limit; default: up to 200 policies or 2 s)")
     ap.add_argument("--profile", help="write a cProfile of the schedule phase of the last case here")
     ap.add_argument("--time-only", nargs="+", help=argparse.SUPPRESS)  # the baseline subprocess
     args = ap.parse_args()
     if args.time_only:
-        print(json.dumps(time_problems(args.time_only)))
+        print(json.dumps(time_problems(args.time_only, offload_evals=args.offload_evals)))
         return
 
     head = "| case | problems | schedule s | method | makespan s |" + (" baseline s | speed-up | same schedules |"
@@ -157,8 +167,8 @@ def main() -> None:
     print("|" + "---|" * head.count(" |"))
     for i, case in enumerate(args.cases):
         paths = capture(case, args.devices, args.time_limit)
-        base = _run_baseline(args.baseline, paths) if args.baseline else None
-        new = time_problems(paths, args.profile if i == len(args.cases) - 1 else None)
+        base = _run_baseline(args.baseline, paths, args.offload_evals) if args.baseline else None
+        new = time_problems(paths, args.profile if i == len(args.cases) - 1 else None, args.offload_evals)
         last = new["rows"][-1] if new["rows"] else {}
         best = min(new["rows"], key=lambda r: r["value_s"]) if new["rows"] else last
         line = (f"| {case} | {len(paths)} | {new['seconds']:.1f} | {best.get('method', '-')} | "
