@@ -591,6 +591,8 @@ def zb_greedy(
                 except InputError as exc:  # the orders deadlock: this combination fails
                     reasons.append(str(exc))
                     continue
+                if best is not None and _best(problem, [best, sched]) is best:
+                    continue  # not better than the best so far: whether it is valid does not matter
                 if check_schedule(problem, sched):
                     reasons.append("a combination produced an invalid schedule")
                     continue
