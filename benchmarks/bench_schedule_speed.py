@@ -35,7 +35,7 @@ import time
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 PROBLEM_DIR = os.path.join(ROOT, ".fxpipe-cache", "schedule-problems")
-DEFAULT_CASES = ["llama-3-70b:16x32", "llama-3-70b:32x16", "llama-3-70b:32x32"]
+DEFAULT_CASES = ["llama-3-70b:16x32", "llama-3-70b:32x16", "llama-3-70b:32x32", "llama-3-70b:32x64"]
 
 
 def _parse_case(text: str) -> tuple[str, int, int]:
@@ -128,7 +128,8 @@ def time_problems(paths: list[str], profile: str | None = None, offload_evals: i
     rows = []
     for p, recompute in problems:
         r = auto_schedule(p, recompute=recompute, time_limit_s=0)
-        rows.append({"method": r.schedule.method, "makespan_s": float(r.schedule.makespan),
+        method = r.schedule.method + (f" ({r.schedule.meta['evals']} policies)" if "evals" in r.schedule.meta else "")
+        rows.append({"method": method, "makespan_s": float(r.schedule.makespan),
                      "value_s": float(r.schedule.value), "recompute": list(r.recompute_stages),
                      "offloaded": r.offloaded, "digest": _digest(r.schedule)})
     seconds = time.perf_counter() - t0
@@ -175,8 +176,9 @@ def main() -> None:
                 f"{best.get('makespan_s', float('nan')):.4f} |")
         if base is not None:
             same = [a["digest"] == b["digest"] for a, b in zip(new["rows"], base["rows"])]
+            other = "; ".join(f"{b['method']}, {b['makespan_s']:.4f} s" for b, ok in zip(base["rows"], same) if not ok)
             line += (f" {base['seconds']:.1f} | {base['seconds'] / max(new['seconds'], 1e-9):.1f}x | "
-                     f"{'yes' if all(same) and len(same) == len(paths) else 'NO: ' + str(same)} |")
+                     f"{'yes' if all(same) and len(same) == len(paths) else 'no: baseline ' + other} |")
         print(line, flush=True)
 
 
