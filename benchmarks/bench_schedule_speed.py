@@ -166,8 +166,14 @@ def main() -> None:
                                                                       if args.baseline else "")
     print(head)
     print("|" + "---|" * head.count(" |"))
+    from fxpipe.errors import FxpipeError
+
     for i, case in enumerate(args.cases):
-        paths = capture(case, args.devices, args.time_limit)
+        try:
+            paths = capture(case, args.devices, args.time_limit)
+        except FxpipeError as exc:
+            print(f"| {case} | - | does not fit: {str(exc).splitlines()[0][:120]} |", flush=True)
+            continue
         base = _run_baseline(args.baseline, paths, args.offload_evals) if args.baseline else None
         new = time_problems(paths, args.profile if i == len(args.cases) - 1 else None, args.offload_evals)
         last = new["rows"][-1] if new["rows"] else {}
