@@ -370,7 +370,7 @@ def greedy_orders(
     cost = {"F": floats(problem.t_f), "B": floats(problem.t_b), "W": floats(problem.t_w)}
     memd = {"F": floats(problem.mem_f), "B": floats(problem.mem_b), "W": floats(problem.mem_w)}
     transient = floats(problem.mem_b_transient)
-    # rise[t][s]: memory rise at the op's start (a recomputing B replays its forward)
+    # rises[t][s]: memory rise at the op's start (a recomputing B replays its forward)
     rises = {"F": memd["F"], "B": [x + y for x, y in zip(memd["B"], transient)], "W": memd["W"]}
     budget = np.asarray(mem_budget, dtype=float)
     eps = 1e-12
