@@ -363,64 +363,68 @@ def greedy_orders(
     its ``auto_schedule.py`` (``initial_solution``), re-implemented here for per-stage costs.
     """
     S, M = problem.num_stages, problem.num_microbatches
-    cost = {"F": problem.t_f, "B": problem.t_b, "W": problem.t_w}
-    memd = {"F": problem.mem_f, "B": problem.mem_b, "W": problem.mem_w}
+    # per-problem constants as Python floats (the same values as the arrays' entries)
+    def floats(x) -> list[float]:
+        return np.asarray(x, dtype=float).tolist()
+
+    cost = {"F": floats(problem.t_f), "B": floats(problem.t_b), "W": floats(problem.t_w)}
+    memd = {"F": floats(problem.mem_f), "B": floats(problem.mem_b), "W": floats(problem.mem_w)}
+    transient = floats(problem.mem_b_transient)
+    # rises[t][s]: memory rise at the op's start (a recomputing B replays its forward)
+    rises = {"F": memd["F"], "B": [x + y for x, y in zip(memd["B"], transient)], "W": memd["W"]}
     budget = np.asarray(mem_budget, dtype=float)
+    eps = 1e-12
+    room = [b + eps * max(1.0, abs(b)) for b in budget.tolist()]  # the budget with its tolerance
     comm = [problem.comm(s) for s in range(S - 1)]
 
     cnt = {t: [0] * S for t in "FBW"}
     busy_until = [0.0] * S  # end of the stage's last op
     mem = [0.0] * S
     bubble = [0.0] * S
-    done: dict[tuple[str, int, int], float] = {}  # (type, stage, mb) -> end time
+    # end time of every placed op: done[t][s][j] (0.0 until placed)
+    done = {t: [[0.0] * M for _ in range(S)] for t in "FBW"}
     orders: StageOrders = {s: [] for s in range(S)}
-    eps = 1e-12
+    n_f, n_b, n_w = cnt["F"], cnt["B"], cnt["W"]
+    t_w = cost["W"]
 
     def c(t, s):
-        return float(cost[t][s])
+        return cost[t][s]
 
     def d(t, s):
-        return float(memd[t][s])
-
-    def rise(t, s):  # memory rise at the op's start (a recomputing B replays its forward)
-        return d(t, s) + (float(problem.mem_b_transient[s]) if t == "B" else 0.0)
+        return memd[t][s]
 
     def place(s: int, t: str) -> None:
-        j = cnt[t][s]
-        if mem[s] + rise(t, s) > budget[s] + eps * max(1.0, abs(budget[s])):
+        n_t = cnt[t]
+        j = n_t[s]
+        if mem[s] + rises[t][s] > room[s]:
             raise _GreedyFail(f"stage {s}: {t}{j} exceeds the memory budget")
-        end = busy_until[s] + c(t, s)
+        dur = cost[t][s]
+        end = busy_until[s] + dur
         tight = end
         if t == "F" and s > 0:
-            end = max(end, done.get(("F", s - 1, j), 0.0) + comm[s - 1] + c(t, s))
+            end = max(end, done["F"][s - 1][j] + comm[s - 1] + dur)
         if t == "B" and s < S - 1:
-            end = max(end, done.get(("B", s + 1, j), 0.0) + comm[s] + c(t, s))
-        if cnt["F"][s] > 0:
+            end = max(end, done["B"][s + 1][j] + comm[s] + dur)
+        if n_f[s] > 0:
             bubble[s] += end - tight
         busy_until[s] = end
-        done[(t, s, j)] = end
-        mem[s] += d(t, s)
-        cnt[t][s] += 1
+        done[t][s][j] = end
+        mem[s] += memd[t][s]
+        n_t[s] = j + 1
         orders[s].append((t, j))
 
-    def max_bubble() -> float:
-        return max(bubble)
-
-    def pending_w(s: int) -> bool:
-        return cnt["W"][s] < cnt["B"][s]
-
     def free_memory_for(s: int, t: str) -> None:
-        while mem[s] + rise(t, s) > budget[s] + eps * max(1.0, abs(budget[s])):
-            if not pending_w(s):
+        while mem[s] + rises[t][s] > room[s]:
+            if n_w[s] >= n_b[s]:
                 raise _GreedyFail(f"stage {s}: no W left to free memory for {t}{cnt[t][s]}")
             place(s, "W")
 
     def fill_with_w(s: int, arrival: float) -> None:
         # W passes that end before the input of the next op arrives
-        while pending_w(s) and busy_until[s] + c("W", s) <= arrival:
+        while n_w[s] < n_b[s] and busy_until[s] + t_w[s] <= arrival:
             place(s, "W")
-        if pending_w(s) and busy_until[s] < arrival:
-            if arrival - busy_until[s] <= max_bubble() - bubble[s]:
+        if n_w[s] < n_b[s] and busy_until[s] < arrival:
+            if arrival - busy_until[s] <= max(bubble) - bubble[s]:
                 if no_bubble_greedy:
                     place(s, "W")
             else:
@@ -430,7 +434,7 @@ def greedy_orders(
         if i == 0:
             for s in range(S):
                 place(s, "F")
-            extra = _warmup_forwards(S, M, c, d, comm, budget, mem, busy_until, done[("F", S - 1, 0)], cnt["F"],
+            extra = _warmup_forwards(S, M, c, d, comm, budget, mem, busy_until, done["F"][S - 1][0], cnt["F"],
                                      allow_bubble_before_first_b)
             for s in range(S - 1, -1, -1):
                 for _ in range(extra[s]):
@@ -444,7 +448,7 @@ def greedy_orders(
                 continue
             free_memory_for(s, "F")
             if s > 0:
-                fill_with_w(s, done.get(("F", s - 1, cnt["F"][s]), 0.0) + comm[s - 1])
+                fill_with_w(s, (done["F"][s - 1][n_f[s]] if n_f[s] < M else 0.0) + comm[s - 1])
             place(s, "F")
         for s in range(S - 1, -1, -1):
             if cnt["B"][s] != i:
@@ -454,9 +458,9 @@ def greedy_orders(
                 place(s, "F")
             free_memory_for(s, "B")
             if s + 1 < S:
-                fill_with_w(s, done[("B", s + 1, i)] + comm[s])
+                fill_with_w(s, done["B"][s + 1][i] + comm[s])
             if s == 0 and cnt["F"][s] == M:
-                while pending_w(s):
+                while n_w[s] < n_b[s]:
                     place(s, "W")
             place(s, "B")
     for s in range(S):
@@ -587,6 +591,8 @@ def zb_greedy(
                 except InputError as exc:  # the orders deadlock: this combination fails
                     reasons.append(str(exc))
                     continue
+                if best is not None and _best(problem, [best, sched]) is best:
+                    continue  # not better than the best so far: whether it is valid does not matter
                 if check_schedule(problem, sched):
                     reasons.append("a combination produced an invalid schedule")
                     continue

@@ -29,11 +29,13 @@ keeps the best schedule that passes the Contract-3 validator. Its result is a *h
 (no optimality claim); the MILP uses it as a warm start.
 
 One stage per device only (the other placements have :mod:`fxpipe.schedule.device_greedy`).
+One run of the list scheduler is a numba kernel (:mod:`fxpipe.schedule._offload_kernel`,
+compiled on first use and cached), so the search's time budget buys many policies on large
+pipelines (a 32-stage, 16 micro-batch Llama-3-70B problem: about 4 ms a policy).
 """
 
 from __future__ import annotations
 
-import heapq
 import math
 import random
 import time
@@ -114,158 +116,23 @@ def offload_list_schedule(problem: ScheduleProblem, params: OffloadParams) -> li
         None when memory blocks every stage before all ops ran (the policy deadlocked).
         The result is *not* validated here (:func:`offload_search` does that).
     """
+    from fxpipe.schedule._offload_kernel import list_schedule  # noqa: PLC0415 (lazy: a numba kernel)
+
     S, M = problem.num_stages, problem.num_microbatches
-    tF, tB, tW, tO, comm, mF, mB, mW, trB, off, lim = _stage_tables(problem)
-    can_off = [off[s] > 0 and math.isfinite(lim[s]) for s in range(S)]
-
-    # per stage and micro-batch: end of F, start and end of B, end of the offload and reload
-    F_end, B_start, B_end, O_end, R_end = ([[math.inf] * M for _ in range(S)] for _ in range(5))
-    # stash state: 0 resident, 1 offloading (O running), 2 offloaded, 3 reloading, 4 reloaded
-    state = [[0] * M for _ in range(S)]
-    nf, nb, nw = [0] * S, [0] * S, [0] * S
-    comp_free = [0.0] * S
-    copy = _CopyStreams(problem)
-    mem = [0.0] * S  # memory at the current time, all starts and ends so far applied
-    ops: list[ScheduledOp] = []
-    pend: list[tuple[float, int, int, float]] = []  # (time, kind, stage, delta) memory changes ahead
-    events: list[float] = [0.0]
-    n_total = 3 * S * M
-    n_done = 0
-    t = 0.0
-
-    def push(x: float) -> None:
-        heapq.heappush(events, x)
-
-    def run(s: int, j: int, ty: str, d: float) -> None:
-        ops.append(ScheduledOp(s, j, ty, t, t + d))
-        push(t + d)
-
-    def f_ready(s: int, j: int) -> float:
-        if s == 0:
-            return params.delay[0] if j == 0 else 0.0
-        r = F_end[s - 1][j] + comm[s - 1]
-        return r + params.delay[s] if j == 0 else r
-
-    def b_ready(s: int, j: int) -> float:
-        return F_end[s][j] if s == S - 1 else B_end[s + 1][j] + comm[s]
-
-    def near(s: int, j: int) -> bool:
-        """The backward of stash j is at most ``reload_ahead`` micro-batches or ``reload_stages`` stages away."""
-        return j - nb[s] < params.reload_ahead or any(
-            B_start[k][j] <= t for k in range(s + 1, min(S, s + 1 + params.reload_stages)))
-
-    def reserve(s: int) -> float:
-        """Room kept for the reload of the next backward once it is near."""
-        j = nb[s]
-        if j >= M or state[s][j] != 2:
-            return 0.0
-        return off[s] if near(s, j) else 0.0
-
-    while n_done < n_total:
-        if not events:
-            return None
-        t = _pop_time(events)
-        _apply_due(pend, mem, t)  # memory changes due by t (offload ends, a recomputing B's transient)
-        _advance_copies(state, O_end, R_end, nb, nf, t)
-        progressed = False
-        for s in reversed(range(S)):
-            # ---- compute stream
-            if comp_free[s] <= t + _EPS:
-                choice = None
-                jb = nb[s]
-                if jb < nf[s] and b_ready(s, jb) <= t + _EPS and state[s][jb] in (0, 4):
-                    rise = mB[s] + trB[s]  # > 0 only for a recomputing B replaying its forward
-                    if rise <= 0 or mem[s] + rise <= lim[s] * (1 + 1e-12) + _EPS:
-                        choice = "B"
-                if choice is None and nw[s] < nb[s] and B_end[s][nw[s]] <= t + _EPS and nb[s] - nw[s] >= params.w_first[s]:
-                    choice = "W"
-                if choice is None and nf[s] < M and f_ready(s, nf[s]) <= t + _EPS and nf[s] - nb[s] < params.cap[s]:
-                    if mem[s] + mF[s] + reserve(s) <= lim[s] * (1 + 1e-12) + _EPS:
-                        choice = "F"
-                if choice is None and nw[s] < nb[s] and B_end[s][nw[s]] <= t + _EPS:
-                    if params.eager_w:
-                        choice = "W"
-                    else:
-                        nxt = min(b_ready(s, jb) if jb < nf[s] else math.inf,
-                                  f_ready(s, nf[s]) if nf[s] < M else math.inf)
-                        if t + tW[s] <= nxt + _EPS:
-                            choice = "W"
-                if choice == "B":
-                    run(s, jb, "B", tB[s])
-                    B_start[s][jb] = t
-                    B_end[s][jb] = t + tB[s]
-                    mem[s] += mB[s] + trB[s]
-                    if trB[s]:
-                        heapq.heappush(pend, (t + tB[s], 0, s, -trB[s]))
-                    nb[s] += 1
-                    comp_free[s] = t + tB[s]
-                elif choice == "W":
-                    run(s, nw[s], "W", tW[s])
-                    mem[s] += mW[s]
-                    nw[s] += 1
-                    comp_free[s] = t + tW[s]
-                elif choice == "F":
-                    j = nf[s]
-                    run(s, j, "F", tF[s])
-                    F_end[s][j] = t + tF[s]
-                    mem[s] += mF[s]
-                    nf[s] += 1
-                    comp_free[s] = t + tF[s]
-                if choice is not None:
-                    progressed = True
-                    n_done += 1
-            # ---- copy stream
-            if can_off[s] and copy.is_free(s, t):
-                # reload the oldest offloaded stash whose backward is near
-                jr = next((j for j in range(nb[s], nf[s]) if state[s][j] == 2), None)
-                if jr is not None:
-                    if near(s, jr) and mem[s] + off[s] <= lim[s] * (1 + 1e-12) + _EPS:
-                        run(s, jr, "R", tO[s])
-                        state[s][jr] = 3
-                        R_end[s][jr] = t + tO[s]
-                        mem[s] += off[s]
-                        copy.book(s, t + tO[s])
-                        progressed = True
-                        continue
-                # offload the stash needed last, under memory pressure
-                if mem[s] + params.margin * mF[s] > lim[s] + _EPS:
-                    jo = _last_resident(state[s], F_end[s], nb[s] + params.keep[s], nf[s], t)
-                    if jo is not None:
-                        run(s, jo, "O", tO[s])
-                        state[s][jo] = 1
-                        O_end[s][jo] = t + tO[s]
-                        heapq.heappush(pend, (t + tO[s], 1, s, -off[s]))
-                        copy.book(s, t + tO[s])
-                        progressed = True
-        if progressed:
-            push(t)  # a start at t may enable another op at t (e.g. a reload after an offload ends)
-            # avoid an endless loop: the same t is processed again only while something starts
-        # ready times of forwards / backwards that depend on ops ended in the past are events too
-        _push_ready_times(events, f_ready, b_ready, nf, nb, M, t)
-    return ops
-
-
-def _pop_time(events: list[float]) -> float:
-    """The next event time, with every event within ``_EPS`` of it dropped."""
-    t = heapq.heappop(events)
-    while events and events[0] <= t + _EPS:
-        heapq.heappop(events)
-    return t
-
-
-def _apply_due(pend: list, mem: list[float], t: float) -> None:
-    """Apply the memory changes ``(time, kind, stage, delta)`` due by ``t``."""
-    while pend and pend[0][0] <= t + _EPS:
-        _, _, s, dm = heapq.heappop(pend)
-        mem[s] += dm
-
-
-def _last_resident(state: list[int], F_end: list[float], lo: int, hi: int, t: float) -> int | None:
-    """The latest micro-batch in ``lo..hi-1`` whose stash is resident and whose F ended by ``t``."""
-    for j in range(hi - 1, lo - 1, -1):
-        if state[j] == 0 and F_end[j] <= t + _EPS:
-            return j
-    return None
+    tables = [np.asarray(x, dtype=np.float64) for x in _stage_tables(problem)]
+    tables[4] = np.append(tables[4], 0.0)  # comm: S entries (the last stage sends nothing)
+    groups = [[g for g, grp in enumerate(problem.pcie_groups) if s in set(grp)] for s in range(S)]
+    res_of = np.full((S, 1 + max(map(len, groups))), -1, dtype=np.int64)  # copy resources: stream s, group S + g
+    for s in range(S):
+        res_of[s, :1 + len(groups[s])] = [s] + [S + g for g in groups[s]]
+    ints = [np.asarray(x, dtype=np.int64) for x in (params.cap, params.keep, params.w_first)]
+    *cols, n = list_schedule(M, *tables, res_of, S + len(problem.pcie_groups), *ints,
+                             np.asarray(params.delay, dtype=np.float64), int(params.reload_ahead),
+                             int(params.reload_stages), float(params.margin), bool(params.eager_w))
+    if n < 0:
+        return None
+    s_, j_, ty_, t0_, t1_ = (c[:n].tolist() for c in cols)
+    return [ScheduledOp(s, j, "FBWOR"[ty], a, e) for s, j, ty, a, e in zip(s_, j_, ty_, t0_, t1_)]
 
 
 def _stage_tables(problem: ScheduleProblem) -> tuple[list, ...]:
@@ -283,49 +150,6 @@ def _stage_tables(problem: ScheduleProblem) -> tuple[list, ...]:
             [float(problem.mem_b_transient[s]) for s in range(S)],
             [float(problem.offload_bytes[s]) for s in range(S)],
             [float(problem.mem_limit[problem.device_of_stage[s]]) for s in range(S)])
-
-
-class _CopyStreams:
-    """The copy resources of every stage: its own stream and every pcie group it is in
-    (Contract 3 rule 3), each free from a time on."""
-
-    def __init__(self, problem: ScheduleProblem) -> None:
-        self.res_of = [[("stage", s)] + [("group", g) for g, grp in enumerate(problem.pcie_groups) if s in set(grp)]
-                       for s in range(problem.num_stages)]
-        self.free: dict[tuple[str, int], float] = {r: 0.0 for rs in self.res_of for r in rs}
-
-    def is_free(self, s: int, t: float) -> bool:
-        """Whether every copy resource of stage ``s`` is free at ``t``."""
-        return all(self.free[r] <= t + _EPS for r in self.res_of[s])
-
-    def book(self, s: int, until: float) -> None:
-        """Hold every copy resource of stage ``s`` until ``until``."""
-        for r in self.res_of[s]:
-            self.free[r] = until
-
-
-def _advance_copies(state: list[list[int]], O_end, R_end, nb: list[int], nf: list[int], t: float) -> None:
-    """Stashes whose offload (reload) ended by ``t`` become offloaded (reloaded)."""
-    for s in range(len(state)):
-        st = state[s]
-        for j in range(nb[s], nf[s]):
-            if st[j] == 1 and O_end[s][j] <= t + _EPS:
-                st[j] = 2
-            elif st[j] == 3 and R_end[s][j] <= t + _EPS:
-                st[j] = 4
-
-
-def _push_ready_times(events: list[float], f_ready, b_ready, nf: list[int], nb: list[int], M: int, t: float) -> None:
-    """The future ready times of every stage's next forward and backward become events."""
-    for s in range(len(nf)):
-        if nf[s] < M:
-            r = f_ready(s, nf[s])
-            if math.isfinite(r) and r > t + _EPS:
-                heapq.heappush(events, r)
-        if nb[s] < nf[s]:
-            r = b_ready(s, nb[s])
-            if math.isfinite(r) and r > t + _EPS:
-                heapq.heappush(events, r)
 
 
 def _evaluate(problem: ScheduleProblem, params: OffloadParams,

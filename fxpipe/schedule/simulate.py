@@ -378,13 +378,15 @@ def _simulate(problem: ScheduleProblem, seqs: list[list[tuple[int, str, int]]], 
                 memory.add(d, x + dd, -off_bytes[s])
             off_end[(s, j)] = x + dd
             recs.append((x, s, 3, j, "O", x + dd))
-        offer(d)  # its next op; then the ops that waited for this one
-        if s > 0:
+        offer(d)  # its next op; then the ops that waited for this one: a forward feeds the next
+        # stage's forward, a backward the previous stage's backward (the rest waits on device d)
+        if t == "F":
+            if s + 1 < S:
+                d2 = dev[s + 1]
+                if not queued[d2] and pos[d2] < lens[d2]:
+                    offer(d2)
+        elif t == "B" and s > 0:
             d2 = dev[s - 1]
-            if not queued[d2] and pos[d2] < lens[d2]:
-                offer(d2)
-        if s + 1 < S:
-            d2 = dev[s + 1]
             if not queued[d2] and pos[d2] < lens[d2]:
                 offer(d2)
 
