@@ -6,6 +6,11 @@ arrays in the order they were started. Compiled on its first call (numba is impo
 the schedule package loads no heavy package when imported), with the partitioner's flags
 (:mod:`fxpipe.partition._numba`: ``cache=True``, ``nogil=True``; ``NUMBA_DISABLE_JIT=1`` runs
 it as Python). No fastmath: the times are those of the same IEEE operations in Python.
+
+The kernel is one long function on purpose: its helpers are closures, which numba inlines.
+Module-level jitted helpers (the compute stream's choice, the ready-time events) gave the same
+schedules but ran 3.8x slower per policy (14.2 ms against 3.7 ms, 32 stages x 32 micro-batches,
+measured 2026-11-26).
 """
 
 from __future__ import annotations
