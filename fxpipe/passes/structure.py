@@ -487,7 +487,7 @@ def align_order(plan: PlanStructure, names: Mapping[str, str], gm: torch.fx.Grap
     captures that differ in hash order (``PYTHONHASHSEED``) differ exactly there, so every
     capture adopts the plan's order, a topological order of the same graph.
 
-    A stable topological sort (Kahn's algorithm with a priority): placeholders first in their
+    A stable topological sort (Kahn 1962, with a priority queue): placeholders first in their
     own order; a matched node by its position in the plan; every other node (``get_attr``,
     ``getitem``, trivial ops, the output) right after the matched node that precedes it in
     ``gm``, ``get_attr`` nodes by target name (their order in ``gm`` may follow hash order too).
