@@ -59,7 +59,7 @@ Not yet: overlap of the sync with several stages per device, per-hop pipeline li
 costed at the link most of its hops use, one bandwidth for every stage boundary), reuse from a
 tighter sibling to a looser one, and planning candidates in parallel processes.
 
-Long searches (Llama-3-70B on 256 devices plans 35 candidates in 13 minutes on 2 cores) show a
+Long searches (Llama-3-70B on 256 devices plans 35 candidates in 8 minutes on 2 cores) show a
 progress line with ``progress=True`` (candidates planned, the best so far) and stop at Ctrl-C
 (:class:`fxpipe.progress.Search`): the candidate being planned ends with its planner's best so
 far, the rest are marked not planned, and the best mesh so far is returned with a
