@@ -45,7 +45,7 @@ def main() -> None:
     from fxpipe.codegen.compare import compare_training
     from fxpipe.codegen.launch import reference_train, spawn_train_many
     from fxpipe.mesh import format_mesh
-    from fxpipe.plan import _PlanStageOf
+    from fxpipe.plan.core import _PlanStageOf
 
     fac = small_gpt2(args)
     model, a, k = fac.one_microbatch()
@@ -87,7 +87,7 @@ def _zoo(args) -> None:
     from fxpipe.codegen.compare import compare_training
     from fxpipe.codegen.launch import reference_train, spawn_train_many
     from fxpipe.mesh import format_mesh
-    from fxpipe.plan import _PlanStageOf
+    from fxpipe.plan.core import _PlanStageOf
 
     print(f"fxpipe.testing.zoo models, {args.microbatches} micro-batches of 2 per step, {args.steps} SGD steps, 4 gloo ranks")
     print("| model | mesh | schedule | ok | loss diff | grad diff | param diff | buffer diff |")

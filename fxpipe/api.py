@@ -27,7 +27,7 @@ from typing import Any, Mapping, Sequence
 from fxpipe.errors import InputError, PlanWarning
 from fxpipe.memory import MemoryModel
 from fxpipe.mesh import mesh_memory, microbatches_per_replica, normalize_mesh, pipeline_graph
-from fxpipe.mesh_search import search_mesh
+from fxpipe.mesh.search import search_mesh
 from fxpipe.options import (  # noqa: F401 (public re-exports)
     AUTO_MILP_MIN_SHARE,
     AUTO_STAGES_PER_DEVICE,
@@ -40,7 +40,7 @@ from fxpipe.options import (  # noqa: F401 (public re-exports)
     check_count,
 )
 from fxpipe.plan import PLAN_FORMAT, CaptureCell, DeviceStats, Plan, StageStats, graph_signature, load_plan  # noqa: F401
-from fxpipe.plan_tables import device_stats, stage_stats  # noqa: F401 (public re-exports)
+from fxpipe.plan.tables import device_stats, stage_stats  # noqa: F401 (public re-exports)
 from fxpipe.planner import auto_milp_budget_s, fill_empty_stages, plan_graph, plan_with_options, resolve_memory  # noqa: F401
 from fxpipe.progress import phase
 from fxpipe.schedule.dispatch import default_method
@@ -84,7 +84,7 @@ def check_call_inputs(args: Any, kwargs: Any) -> tuple[tuple, dict]:
 
 
 def _searches(mesh: Any, memory: Any) -> bool:
-    """Whether the mesh request is resolved by the joint search (:func:`fxpipe.mesh_search.search_mesh`):
+    """Whether the mesh request is resolved by the joint search (:func:`fxpipe.mesh.search.search_mesh`):
     ``"search"``, and ``"auto"`` unless ``memory`` already names a data-parallel degree (the user's own data
     parallelism around the pipeline: ``devices`` are then the pipeline ranks, as before meshes)."""
     if not isinstance(mesh, str):
@@ -97,7 +97,7 @@ def _searches(mesh: Any, memory: Any) -> bool:
 def _check_mesh(mesh: Any, devices: int, microbatches: int, memory: Any) -> None:
     """Bad mesh requests fail before the capture: degrees that do not multiply to ``devices``, replicas that
     do not divide ``microbatches``, a ZeRO degree of ``memory`` the mesh contradicts (:mod:`fxpipe.mesh`)."""
-    if isinstance(mesh, str) and mesh == "search":  # fxpipe.mesh_search: chosen after the capture
+    if isinstance(mesh, str) and mesh == "search":  # fxpipe.mesh.search: chosen after the capture
         if isinstance(memory, MemoryModel) and memory.data_parallel != 1:
             raise InputError("mesh='search' sets the data-parallel degree of the memory model: leave data_parallel at 1 "
                              "(or pin the mesh, e.g. mesh={'pp': 2, 'dp_shard': 2})")
@@ -141,7 +141,7 @@ def _capture(model, args: tuple, kwargs: dict, *, costs: str, hardware, dtype, n
 
 def _plan_mesh(graph, mesh: Any, devices: int, microbatches: int, memory: MemoryModel, options: PlanOptions):
     """Plan the pipeline of ``mesh`` (``"auto"`` and ``"search"``: of the best mesh,
-    :func:`fxpipe.mesh_search.search_mesh`; ``"auto"`` with a memory model that already shards over
+    :func:`fxpipe.mesh.search.search_mesh`; ``"auto"`` with a memory model that already shards over
     ``data_parallel > 1``: the pure pipeline over ``devices``).
 
     Returns ``(mesh_degrees, memory_model, (partition, problem, schedule, timings), mesh_table or None)``.
@@ -278,7 +278,7 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
         (:mod:`fxpipe.codegen.mesh`), the optimizer state sharded over ``dp_shard``
         (:func:`fxpipe.mesh.mesh_memory`); an ``"order"`` entry (e.g. torchtitan's ``["pp",
         "dp_replicate", "dp_shard"]``) places the ranks (``plan.rank_order``). ``"auto"``
-        (default): the joint search (:func:`fxpipe.mesh_search.search_mesh`; ``"search"``
+        (default): the joint search (:func:`fxpipe.mesh.search.search_mesh`; ``"search"``
         forces it): every such mesh (and rank order, on hardware with nodes) planned, the
         smallest predicted step that fits kept, so a small model may get pure data parallelism
         (``pp = 1``); ``plan.options["mesh_search"]`` and the summary list the candidates. With

@@ -6,7 +6,7 @@ into ``v * devices`` stages (:func:`fxpipe.partition.search.partition`), places 
 (:func:`fxpipe.partition.placement.placement_of`), builds the scheduling problem with the
 placement and the memory limit of the memory model, schedules it, and keeps the candidate
 with the smallest predicted step time. :func:`plan_with_options` is the same with the options
-already built (used by :func:`fxpipe.compile` and :func:`fxpipe.mesh_search.search_mesh`).
+already built (used by :func:`fxpipe.compile` and :func:`fxpipe.mesh.search.search_mesh`).
 """
 
 from __future__ import annotations

@@ -38,6 +38,10 @@ def step_outputs(ctx, plan_path: str) -> dict:
     out = sched.step(x, target=torch.zeros(8, 8), losses=[])
     if out is None:
         return {}
-    ref = ReturnsHidden.make()(x)
+    # the reference runs the same micro-batches (rows 2j, 2j+1): a matmul over 8 rows may round
+    # differently from four over 2 (the CPU's kernels depend on the shape), so equality stays exact
+    model = ReturnsHidden.make()
+    parts = [model(x[i:i + 2]) for i in range(0, 8, 2)]
+    ref = tuple(torch.cat([p[k] for p in parts]) for k in range(2))
     return {"y": float((out[0] - ref[0]).abs().max()), "h": float((out[1] - ref[1]).abs().max()),
             "buffers": [st.fxpipe_recv_buffers for st in sched.stages]}

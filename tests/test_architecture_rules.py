@@ -30,7 +30,7 @@ PACKAGE = ROOT / "fxpipe"
 #: Packages and modules that plan without torch: they never import torch, directly or through fxpipe.
 NEVER_TORCH = ("fxpipe.partition", "fxpipe.schedule", "fxpipe.mip", "fxpipe.ir")
 #: Modules (and packages) whose import loads none of :data:`HEAVY` (they may import them inside functions).
-LIGHT = NEVER_TORCH + ("fxpipe.memory", "fxpipe.mesh", "fxpipe.mesh_search", "fxpipe.planner", "fxpipe.options",
+LIGHT = NEVER_TORCH + ("fxpipe.memory", "fxpipe.mesh", "fxpipe.planner", "fxpipe.options",
                        "fxpipe.progress", "fxpipe.io", "fxpipe.errors", "fxpipe.report", "fxpipe.cost.specs")
 HEAVY = ("torch", "numba", "pyscipopt", "matplotlib", "transformers")
 #: Heavy packages that some LIGHT modules may load when imported: the partitioner's numba kernels and the
@@ -205,3 +205,15 @@ def test_few_functions_over_150_lines():
     assert len(long) <= MAX_LONG_FUNCTIONS, (
         f"{len(long)} functions over {LONG_LINES} lines (at most {MAX_LONG_FUNCTIONS}: split them into named "
         "steps):\n  " + "\n  ".join(f"{path} {fn}: {n} lines" for n, path, fn in long))
+
+
+#: Modules allowed at the package's top level besides these (issue 32): one package per concept below.
+TOP_LEVEL_FREE = ("__init__", "errors", "api")
+MAX_TOP_LEVEL_MODULES = 8
+
+
+def test_top_level_holds_few_modules():
+    loose = sorted(p.stem for p in PACKAGE.glob("*.py") if p.stem not in TOP_LEVEL_FREE)
+    assert len(loose) <= MAX_TOP_LEVEL_MODULES, (
+        f"fxpipe/ has {len(loose)} top-level modules besides {', '.join(TOP_LEVEL_FREE)} ({', '.join(loose)}); "
+        f"at most {MAX_TOP_LEVEL_MODULES}: put modules of one concept into its package (fxpipe/plan/, fxpipe/mesh/, ...)")

@@ -34,7 +34,7 @@ from fxpipe.mesh import (  # noqa: E402
     rank_of,
     Topology,
 )
-from fxpipe.plan import Plan, _PlanStageOf, load_plan  # noqa: E402
+from fxpipe.plan.core import Plan, _PlanStageOf, load_plan  # noqa: E402
 
 from _torchrun import fxpipe_cli, train_example_from_checkpoint  # noqa: E402
 from helpers import assert_same_training  # noqa: E402
@@ -304,7 +304,7 @@ def test_mesh_bound_counts_atomic_ops_and_prunes_long_pipelines_unplanned():
     import numpy as np
 
     from fxpipe.ir import OpGraph
-    from fxpipe.mesh_search import mesh_lower_bound_s, search_mesh
+    from fxpipe.mesh.search import mesh_lower_bound_s, search_mesh
     from fxpipe.options import PlanOptions
     from fxpipe.planner import plan_with_options
 
@@ -334,7 +334,7 @@ def test_mesh_search_bounds_are_sound_and_pruning_keeps_the_best(bandwidth):
     import numpy as np
 
     from fxpipe.ir import OpGraph
-    from fxpipe.mesh_search import mesh_lower_bound_s, search_mesh
+    from fxpipe.mesh.search import mesh_lower_bound_s, search_mesh
     from fxpipe.options import PlanOptions
     from fxpipe.planner import plan_with_options
 

@@ -16,7 +16,7 @@ import fxpipe  # noqa: E402
 from fxpipe.cli.plan_cmd import HFFactory, _BatchFn  # noqa: E402
 from fxpipe.codegen.compare import compare_training  # noqa: E402
 from fxpipe.mesh import format_mesh  # noqa: E402
-from fxpipe.plan import _PlanStageOf  # noqa: E402
+from fxpipe.plan.core import _PlanStageOf  # noqa: E402
 
 GPT2 = {"n_layer": 3, "n_embd": 16, "n_head": 2, "vocab_size": 32, "n_positions": 16}
 GLOBAL_MB = 8

@@ -90,7 +90,7 @@ def test_mesh_search_keeps_the_data_parallel_groups_inside_a_node_when_their_syn
     """16 devices, 2 micro-batches: pp=16 or pp=8 x dp=2. With the pipeline rank innermost the dp_shard
     pairs (r, r + 8) sync 4 GB over InfiniBand and the pure pipeline wins; with it outermost they are
     neighbours on NVLink and pp=8 x dp_shard=2 wins: the search must find that order."""
-    from fxpipe.mesh_search import search_mesh
+    from fxpipe.mesh.search import search_mesh
     from fxpipe.options import PlanOptions
 
     g = _chain(16, param_bytes=2.5e8, out_bytes=1e3)
@@ -116,7 +116,7 @@ def test_mesh_search_stops_at_ctrl_c_with_the_best_mesh_so_far(monkeypatch):
     """A press while the first candidate is planned (the stop flag every running search shares):
     that candidate ends with its planner's result and is returned, with a PlanWarning; the others
     are marked not planned. A KeyboardInterrupt before any candidate has a plan is a clear error."""
-    import fxpipe.mesh_search as ms
+    import fxpipe.mesh.search as ms
     from fxpipe.errors import FxpipeError, PlanWarning
     from fxpipe.options import PlanOptions
     from fxpipe.progress import stop_all
@@ -156,7 +156,7 @@ def test_sync_hides_where_the_runtime_issues_it():
     import dataclasses
 
     from fxpipe.mesh import dp_sync_time_s, pipeline_dp_sync_s, pipeline_step_s
-    from fxpipe.mesh_search import mesh_lower_bound_s
+    from fxpipe.mesh.search import mesh_lower_bound_s
     from fxpipe.options import PlanOptions
     from fxpipe.planner import plan_with_options
 

@@ -30,7 +30,7 @@ from fxpipe.codegen.offload import offload_all  # noqa: E402
 from fxpipe.errors import InputError  # noqa: E402
 from fxpipe.ir import schedule_to_orders  # noqa: E402
 from fxpipe.mesh import format_mesh  # noqa: E402
-from fxpipe.plan import _PlanStageOf  # noqa: E402
+from fxpipe.plan.core import _PlanStageOf  # noqa: E402
 from fxpipe.schedule.dispatch import make_schedule  # noqa: E402
 from helpers import assert_same_training  # noqa: E402
 

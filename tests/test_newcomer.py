@@ -100,7 +100,7 @@ def test_makespan_bound_holds_for_other_schedules(auto_plan):
 
 
 def test_status_lines_do_not_lend_optimal_to_another_figure():
-    from fxpipe.plan import _objective_lines
+    from fxpipe.plan.core import _objective_lines
 
     opt = {"schedule_objective": "stage_span", "schedule_method": "zb-h1",
            "stage_span": {"value_s": 5.422e-3, "lower_bound_s": 5.422e-3, "status": "optimal", "above_bound": 0.0},

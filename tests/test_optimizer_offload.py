@@ -24,7 +24,7 @@ from fxpipe.cli.plan_cmd import HFFactory, _BatchFn  # noqa: E402
 from fxpipe.errors import InputError  # noqa: E402
 from fxpipe.memory import MemoryModel  # noqa: E402
 from fxpipe.mesh import format_mesh  # noqa: E402
-from fxpipe.plan import _PlanStageOf  # noqa: E402
+from fxpipe.plan.core import _PlanStageOf  # noqa: E402
 from helpers import assert_same_training  # noqa: E402
 
 GPT2 = {"n_layer": 2, "n_embd": 16, "n_head": 2, "vocab_size": 32, "n_positions": 16}
@@ -44,7 +44,7 @@ def _plan(mesh, devices, **kw):
 
 
 def _run(plan) -> dict:
-    """The run ``plan.train_local`` launches for ``plan`` (fxpipe/train.py)."""
+    """The run ``plan.train_local`` launches for ``plan`` (fxpipe/plan/train.py)."""
     fac = _factory()
     return dict(make_model=fac, stage_of=_PlanStageOf(plan.stage_of), orders=plan.orders(),
                 num_microbatches=plan.global_microbatches, make_batch=_BatchFn(fac), steps=2, lr=0.05,

@@ -13,7 +13,7 @@ from fxpipe.errors import InputError
 from fxpipe.ir import OpGraph
 from fxpipe.memory import MemoryModel
 from fxpipe.mesh import candidate_meshes, device_host_step_s, host_links, optimizer_host_step_s, pipeline_step_s
-from fxpipe.mesh_search import mesh_lower_bound_s, search_mesh
+from fxpipe.mesh.search import mesh_lower_bound_s, search_mesh
 from fxpipe.options import PlanOptions
 from fxpipe.planner import plan_with_options
 
@@ -158,7 +158,7 @@ def test_a_looser_siblings_plan_is_reused_only_where_it_fits():
     schedule satisfies every rule under the sibling's activation limits: the problem then carries those
     limits; a sibling whose memory the schedule exceeds is planned afresh."""
     from fxpipe.memory.plan_view import schedule_mem_limit
-    from fxpipe.mesh_search import _reuse
+    from fxpipe.mesh.search import _reuse
     from fxpipe.schedule.validate import check_schedule
 
     g = _chain(n=8, param_bytes=2 * 2.5e7)  # 2e8 parameters

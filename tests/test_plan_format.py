@@ -1,4 +1,4 @@
-"""The plan file (fxpipe.plan_io): /2 round-trips, keeps every /1 field, and /1 files of the oldest layout load;
+"""The plan file (fxpipe.plan.file): /2 round-trips, keeps every /1 field, and /1 files of the oldest layout load;
 the shared planning options (fxpipe.options). Torch-free plans of a hand-made chain graph: fast."""
 
 import dataclasses
@@ -14,8 +14,8 @@ from fxpipe.errors import InputError
 from fxpipe.ir import OpGraph
 from fxpipe.options import DEFAULTS, PlanOptions
 from fxpipe.plan import Plan
-from fxpipe.plan_io import graph_signature
-from fxpipe.plan_tables import device_stats, stage_stats
+from fxpipe.plan.file import graph_signature
+from fxpipe.plan.tables import device_stats, stage_stats
 from fxpipe.planner import plan_graph
 
 #: Every top-level field a fxpipe.plan/1 file had (fxpipe 0.1.0): /2 may add fields, never drop or rename one.
@@ -131,7 +131,7 @@ def test_plan_of_an_older_memory_model_keeps_its_tables_with_a_warning():
     current model cannot recompute from their schedule problem: they load with a PlanWarning and their
     (conservative) tables as saved; a current plan's edited table is still refused."""
     from fxpipe.errors import PlanWarning
-    from fxpipe.plan_io import MEMORY_MODEL_VERSION
+    from fxpipe.plan.file import MEMORY_MODEL_VERSION
 
     doc = _json(_chain_plan().to_dict())
     assert doc["memory_model"] == MEMORY_MODEL_VERSION

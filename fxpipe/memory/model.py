@@ -356,7 +356,7 @@ class MemoryModel:
         stage unsharded from its first compute to its ``REDUCE_GRAD``), so its optimizer bytes
         per parameter are 0; :meth:`host_bytes_per_param` counts what moves to the host.
         ``False``: on the device, always. ``None`` (the default): on the device, except that the
-        mesh search (``mesh="auto"``, :mod:`fxpipe.mesh_search`) also tries the host for a
+        mesh search (``mesh="auto"``, :mod:`fxpipe.mesh.search`) also tries the host for a
         mesh whose memory binds and keeps it when it predicts a faster step.
 
     Raises

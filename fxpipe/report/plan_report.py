@@ -12,7 +12,7 @@ from typing import Any
 
 from fxpipe.io import format_bytes
 from fxpipe.mesh import format_mesh
-from fxpipe.plan import _objective_lines
+from fxpipe.plan.core import _objective_lines
 from fxpipe.report.charts import memory_chart
 from fxpipe.report.document import ReportSection, write_report
 from fxpipe.report.gantt import gantt

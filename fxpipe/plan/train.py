@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import Any, Callable
 
-from fxpipe.plan_build import compile_stages_option
+from fxpipe.plan.build import compile_stages_option
 
 __all__ = ["train_local"]
 
@@ -49,7 +49,7 @@ def train_local(
         :class:`fxpipe.codegen.interface.ModelInputs`, of any pytree structure.
     make_batch : picklable callable(step) -> (inputs, target)
         The full batch (``global_microbatches`` micro-batches along dim 0) of each step;
-        with data parallelism every replica trains on its slice (:func:`fxpipe.plan_build.replica_batch`) and
+        with data parallelism every replica trains on its slice (:func:`fxpipe.plan.build.replica_batch`) and
         the reference on the whole batch.
     steps, lr, loss, seed :
         SGD steps and learning rate, loss (``"cross_entropy"``, ``"mse"`` or a picklable

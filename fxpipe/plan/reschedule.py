@@ -11,7 +11,7 @@ import time
 
 from fxpipe.errors import InputError
 from fxpipe.options import SCHEDULES
-from fxpipe.plan_tables import device_stats, stage_stats
+from fxpipe.plan.tables import device_stats, stage_stats
 from fxpipe.schedule.auto import auto_schedule
 from fxpipe.schedule.dispatch import make_schedule, methods_for_placement
 __all__ = ["reschedule"]

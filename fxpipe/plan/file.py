@@ -32,7 +32,7 @@ from fxpipe.ir import OpGraph, Schedule, ScheduleProblem
 from fxpipe.memory import MemoryModel
 from fxpipe.mesh import MESH_DIMS, mesh_degrees, normalize_mesh, normalize_rank_order, pure_pipeline
 from fxpipe.partition.objective import Partition, validate_partition
-from fxpipe.plan_tables import DeviceStats, StageStats, device_stats, stage_stats
+from fxpipe.plan.tables import DeviceStats, StageStats, device_stats, stage_stats
 from fxpipe.schedule.validate import check_schedule
 
 __all__ = ["MEMORY_MODEL_VERSION", "PLAN_FORMAT", "PLAN_FORMATS_READ", "graph_signature", "plan_to_dict", "plan_fields_from_dict"]

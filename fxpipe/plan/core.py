@@ -6,12 +6,12 @@ per-device figures) plus, for a plan made in this process, the captured fx progr
 state in :attr:`Plan.capture`, not plan data). :meth:`Plan.orders` is the typed handoff to code
 generation (:class:`fxpipe.ir.Orders`, per device, with the placement). The operations on a
 plan live in their own modules, and ``Plan`` keeps thin methods for them:
-:meth:`Plan.to_dict` / :meth:`Plan.from_dict` (:mod:`fxpipe.plan_io`, the file format and the
-loader of older files), :meth:`Plan.build` (:mod:`fxpipe.plan_build`: this rank's
+:meth:`Plan.to_dict` / :meth:`Plan.from_dict` (:mod:`fxpipe.plan.file`, the file format and the
+loader of older files), :meth:`Plan.build` (:mod:`fxpipe.plan.build`: this rank's
 ``torch.distributed.pipelining`` stages and runtime), :meth:`Plan.reschedule`
-(:mod:`fxpipe.reschedule`) and :meth:`Plan.train_local` (:mod:`fxpipe.train`: local gloo
+(:mod:`fxpipe.plan.reschedule`) and :meth:`Plan.train_local` (:mod:`fxpipe.plan.train`: local gloo
 ranks next to a single-process reference). The stage and device tables are
-:mod:`fxpipe.plan_tables`'s. A loaded plan re-captures the model and checks that the graph is
+:mod:`fxpipe.plan.tables`'s. A loaded plan re-captures the model and checks that the graph is
 the one the plan was made for (:func:`graph_signature`).
 """
 
@@ -33,19 +33,19 @@ from fxpipe.mesh import (MESH_DIMS, Topology, device_host_step_s, device_num_par
                          pipeline_dp_sync_s, pipeline_step_s, pure_pipeline)
 from fxpipe.partition.objective import Partition
 from fxpipe.partition.placement import placement_name
-from fxpipe.plan_build import PlanStageOf, build_rank, compile_stages_option
-from fxpipe.plan_build import replica_batch as _replica_batch
-from fxpipe.plan_build import worker_stage_of as _worker_stage_of
-from fxpipe.plan_io import PLAN_FORMAT, graph_signature, plan_fields_from_dict, plan_to_dict
-from fxpipe.plan_tables import MEMORY_FIELDS, DeviceStats, StageStats  # noqa: F401 (public re-exports)
-from fxpipe.reschedule import reschedule as _reschedule
+from fxpipe.plan.build import PlanStageOf, build_rank, compile_stages_option
+from fxpipe.plan.build import replica_batch as _replica_batch
+from fxpipe.plan.build import worker_stage_of as _worker_stage_of
+from fxpipe.plan.file import PLAN_FORMAT, graph_signature, plan_fields_from_dict, plan_to_dict
+from fxpipe.plan.tables import MEMORY_FIELDS, DeviceStats, StageStats  # noqa: F401 (public re-exports)
+from fxpipe.plan.reschedule import reschedule as _reschedule
 from fxpipe.schedule.bounds import combinatorial_lower_bound, device_span_bounds
 from fxpipe.schedule.validate import device_spans
-from fxpipe.train import train_local as _train_local
+from fxpipe.plan.train import train_local as _train_local
 
 __all__ = ["Plan", "StageStats", "DeviceStats", "PLAN_FORMAT", "graph_signature", "load_plan"]
 
-#: The plan's stage map for worker processes (:func:`fxpipe.plan_build.worker_stage_of`); old name.
+#: The plan's stage map for worker processes (:func:`fxpipe.plan.build.worker_stage_of`); old name.
 _PlanStageOf = PlanStageOf
 
 #: A stage whose work is under this share of the bottleneck stage's cost counts as idle
@@ -478,9 +478,9 @@ class Plan:
             rows.append(f"memory binds: {n_off} stashes offloaded" + (f", stages {rec} recompute their forward" if rec else ""))
         return "\n".join(rows)
 
-    # ------------------------------------------------------------------ JSON (fxpipe.plan_io)
+    # ------------------------------------------------------------------ JSON (fxpipe.plan.file)
     def to_dict(self) -> dict[str, Any]:
-        """The ``fxpipe.plan/2`` document (:func:`fxpipe.plan_io.plan_to_dict`): every ``/1`` field, plus ``fxpipe_version``."""
+        """The ``fxpipe.plan/2`` document (:func:`fxpipe.plan.file.plan_to_dict`): every ``/1`` field, plus ``fxpipe_version``."""
         return plan_to_dict(self)
 
     def save(self, path: str | Path) -> Path:
@@ -491,7 +491,7 @@ class Plan:
     def from_dict(cls, doc: Mapping[str, Any], *, source: str = "plan") -> "Plan":
         """Rebuild a plan from its ``fxpipe.plan/2`` or ``fxpipe.plan/1`` document, re-validating every part.
 
-        Older ``/1`` layouts are filled in (:func:`fxpipe.plan_io.plan_fields_from_dict`).
+        Older ``/1`` layouts are filled in (:func:`fxpipe.plan.file.plan_fields_from_dict`).
 
         Raises
         ------

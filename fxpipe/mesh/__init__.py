@@ -1,0 +1,20 @@
+"""The device mesh around the pipeline: ``pp`` x ``dp_shard`` x ``dp_replicate`` (torch-free).
+
+* :mod:`fxpipe.mesh.layout`: the mesh's dimensions (torchtitan's names), rank order and
+  rank coordinates, parsing and formatting (``pp=2 x dp_shard=4``);
+* :mod:`fxpipe.mesh.costs`: what a mesh costs: its links (:class:`Topology`), data-parallel
+  synchronisation, the host optimizer step, the predicted step of a pipeline on the mesh;
+* :mod:`fxpipe.mesh.search`: ``mesh="auto"``, the search over meshes pruned by lower bounds
+  (imported on its own: it plans, so it sits above :mod:`fxpipe.planner`).
+
+The runtime half (a rank's stages on a ``DeviceMesh``, wrapped by FSDP2 / DDP) is
+:mod:`fxpipe.codegen.mesh`. Everything in ``layout`` and ``costs`` is re-exported here, so
+``from fxpipe.mesh import normalize_mesh, Topology`` works.
+"""
+
+from fxpipe.mesh.costs import *  # noqa: F401,F403
+from fxpipe.mesh.costs import __all__ as _costs_all
+from fxpipe.mesh.layout import *  # noqa: F401,F403
+from fxpipe.mesh.layout import __all__ as _layout_all
+
+__all__ = list(_layout_all) + list(_costs_all)
