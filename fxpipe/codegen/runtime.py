@@ -601,6 +601,9 @@ class FxpipeScheduleRuntime(_PipelineScheduleRuntime):
         self._shared_grads = list(shared_grads)
         self.fxpipe_actions: dict[int, list[str]] = {}
         self.fxpipe_fused_full_backward: dict[int, bool] = {s.stage_index: False for s in stages}
+        #: callables run after the step's last backward, before the gradients are scaled and tied ones summed
+        #: (tensor parallelism reduces partial-sum DTensor gradients there, fxpipe.codegen.tensor_parallel)
+        self.fxpipe_before_grad_scaling: list[Callable[[], None]] = []
 
     # ------------------------------------------------------------------ this rank's view
     @property
@@ -682,6 +685,8 @@ class FxpipeScheduleRuntime(_PipelineScheduleRuntime):
         for stash in stashes:
             stash.end_step()
         if self._has_backward:
+            for hook in self.fxpipe_before_grad_scaling:
+                hook()
             self.scale_local_grads()
             self.sync_shared_grads()
         if last and return_outputs:

@@ -29,7 +29,7 @@ from fxpipe.io import format_bytes
 from fxpipe.ir import OpGraph, Orders, Schedule, ScheduleProblem, read_json, schedule_to_orders, write_json_atomic
 from fxpipe.memory import MemoryModel
 from fxpipe.mesh import (MESH_DIMS, Topology, device_host_step_s, device_num_params, dim_span, dp_links, format_mesh,
-                         format_rank_order, mesh_degrees, mesh_dp, normalize_mesh, normalize_rank_order,
+                         format_rank_order, mesh_degrees, mesh_dp, mesh_tp, normalize_mesh, normalize_rank_order,
                          pipeline_dp_sync_s, pipeline_step_s, pure_pipeline)
 from fxpipe.partition.objective import Partition
 from fxpipe.partition.placement import placement_name
@@ -114,7 +114,9 @@ class Plan:
         Hash of the op graph's structure, checked when a loaded plan is rebuilt.
     mesh : dict
         ``{"pp": p, "dp_shard": b, "dp_replicate": c}`` (:mod:`fxpipe.mesh`): ``b * c``
-        data-parallel replicas of this pipeline; default (and plans saved before meshes) the
+        data-parallel replicas of this pipeline; with ``"tp": t`` (tensor parallelism, only
+        when t > 1) every pipeline rank is ``t`` devices sharing each stage's matmuls
+        (:mod:`fxpipe.mesh.tensor_parallel`); default (and plans saved before meshes) the
         pure pipeline ``{"pp": devices, "dp_shard": 1, "dp_replicate": 1}``. An ``"order"``
         entry given here becomes :attr:`rank_order`.
     rank_order : tuple[str, str, str]
@@ -174,9 +176,14 @@ class Plan:
         return mesh_dp(self.mesh)
 
     @property
+    def tp(self) -> int:
+        """Tensor-parallel degree (devices per pipeline rank; 1 without tensor parallelism)."""
+        return mesh_tp(self.mesh)
+
+    @property
     def world_size(self) -> int:
-        """All devices of the plan: ``pp * dp_shard * dp_replicate`` (= ``devices`` for a pure pipeline)."""
-        return self.devices * self.dp
+        """All devices of the plan: ``pp * dp_shard * dp_replicate * tp`` (= ``devices`` for a pure pipeline)."""
+        return self.devices * self.dp * self.tp
 
     @property
     def global_microbatches(self) -> int:

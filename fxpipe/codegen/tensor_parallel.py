@@ -1,0 +1,322 @@
+"""Tensor parallelism at run time: a rank's stage modules on DTensor over its ``tp`` sub-mesh.
+
+The plan's sharding (:mod:`fxpipe.mesh.tensor_parallel`, found on the graph by
+:mod:`fxpipe.passes.tensor_parallel`) is applied to each stage's ``GraphModule`` in place,
+before FSDP2 / ``replicate`` wrap it (:mod:`fxpipe.codegen.mesh`):
+
+* **parameters** become ``DTensor`` parameters on the ``tp`` sub-mesh with their planned
+  placements (``distribute_tensor`` of the full value every rank holds, no communication):
+  column weights ``Shard`` along their output features, row weights along their input
+  features, vocab-parallel tables along the vocabulary, everything else ``Replicate``;
+* **every node runs in one of three domains**: a split region (attention, MLP, embedding,
+  output projection) on DTensor, where DTensor's sharding propagation computes each op on the
+  local shards and inserts no collective (the rules of the finder are exactly those ops); the
+  sequence-parallel ops on DTensor ``Shard(1)``; the rest on plain tensors, replicated (every
+  tensor-parallel rank computes it whole);
+* **between domains values travel as local tensors** of a known layout: whole (``R``) or the
+  sequence shard (``S1``). A region's input is ``DTensor.from_local(x, [Replicate()])`` (from a
+  sequence shard: ``from_local(x, [Shard(1)]).redistribute([Replicate()])``, the all-gather
+  whose backward is a reduce-scatter); its output is ``redistribute`` d to ``Replicate`` (the
+  row's all-reduce) or to ``Shard(1)`` (the reduce-scatter of sequence parallelism) and
+  ``to_local`` ed. ``from_local``'s backward turns every gradient into its forward placement,
+  so a gradient never reaches a region's boundary as a partial sum of another kind (DTensor
+  cannot turn a partial sum back into the vocab-parallel embedding's masked one);
+* **stage inputs and outputs** are local tensors in the layout of their value: the sequence
+  shard for sequence-parallel values (the pipeline sends ``1 / tp`` of them), whole otherwise;
+  the model's outputs whole. :meth:`TensorParallelRank.local_io` gives torch's
+  ``PipelineStage`` the local shapes.
+
+Gradients: a ``Replicate`` parameter read by sharded activations (a norm's weight under
+sequence parallelism, k / v replicated for grouped-query attention) gets a partial-sum DTensor
+gradient; :meth:`TensorParallelRank.reduce_grads` redistributes every gradient to its
+parameter's placement once per step (FSDP2 does the same for its stages in ``REDUCE_GRAD``).
+
+Not yet with tensor parallelism (a clear error before any process group is touched):
+activation recomputation and offload/reload (the stash saves plain tensors; DTensor activations
+would be neither counted nor moved), ``compile_stages``.
+
+Sources: Shoeybi et al. 2019 (Megatron-LM, Sec. 3: column / row parallel matmuls);
+Korthikanti et al. 2022 (sequence parallelism, Sec. 4.2.2); torch's DTensor
+(``torch.distributed.tensor``: ``distribute_tensor``, ``DTensor.from_local`` / ``to_local`` /
+``redistribute``) and torchtitan's ``parallelize_module`` plans (``ColwiseParallel``,
+``RowwiseParallel``, ``SequenceParallel``), whose layouts these are, applied to exported graphs
+whose module structure is gone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Mapping
+
+import torch
+import torch.fx as fx
+
+from fxpipe.codegen.shapes import StageIO
+from fxpipe.codegen.split import last_stage_output, stage_input, stage_output
+from fxpipe.errors import InputError
+from fxpipe.mesh.tensor_parallel import REPLICATE, TensorParallelLayout, resolve_tensor_parallel
+
+__all__ = ["TensorParallelRank", "check_tensor_parallel_run"]
+
+_R, _S1 = "R", "S1"  # local layouts: whole, or the sequence shard (dim 1)
+
+
+class _Convert:
+    """A layout conversion, an fx ``call_function`` target bound to the ``tp`` sub-mesh."""
+
+    def __init__(self, name: str, fn: Callable, mesh):
+        self.__name__ = self.__qualname__ = f"tp_{name}"
+        self.__module__ = __name__
+        self._fn, self._mesh = fn, mesh
+
+    def __call__(self, x):
+        return self._fn(x, self._mesh)
+
+    def __repr__(self) -> str:
+        return self.__name__
+
+
+def _placements():
+    from torch.distributed.tensor import Replicate, Shard
+
+    return [Replicate()], [Shard(1)]
+
+
+def _from_local(x, mesh, layout: str):
+    from torch.distributed.tensor import DTensor
+
+    rep, seq = _placements()
+    return DTensor.from_local(x, mesh, rep if layout == _R else seq, run_check=False)
+
+
+def _redistribute_local(x, mesh, layout: str):
+    """A DTensor's value in ``layout``, as a local tensor."""
+    rep, seq = _placements()
+    return x.redistribute(mesh, rep if layout == _R else seq).to_local()
+
+
+def _gathered(x, mesh):  # a fresh sequence-shard DTensor, all-gathered (backward: reduce-scatter)
+    rep, _ = _placements()
+    return _from_local(x, mesh, _S1).redistribute(mesh, rep)
+
+
+#: (produced, needed) -> conversion (None: nothing to do); kinds: "R"/"S1" local tensors, "param",
+#: "dsp" a sequence-parallel DTensor, "dt" a region's DTensor; needed adds "out:R"/"out:S1" (stage outputs)
+_CONVERSIONS: dict[tuple[str, str], tuple[str, Callable] | None] = {
+    (_R, _R): None, (_R, "out:R"): None,
+    (_R, "dsp"): ("r_to_sp", lambda x, m: _from_local(x, m, _R).redistribute(m, _placements()[1])),
+    (_R, "dt"): ("r_to_dt", lambda x, m: _from_local(x, m, _R)),
+    (_S1, "dsp"): ("s1_to_sp", lambda x, m: _from_local(x, m, _S1)),
+    (_S1, "dt"): ("s1_to_dt", _gathered),
+    (_S1, _R): ("s1_to_r", lambda x, m: _gathered(x, m).to_local()),
+    (_S1, "out:R"): ("s1_to_r", lambda x, m: _gathered(x, m).to_local()),
+    (_S1, "out:S1"): None,
+    ("dsp", "dsp"): None,
+    ("dsp", "dt"): ("sp_to_dt", lambda x, m: _gathered(x.to_local(), m)),
+    ("dsp", _R): ("sp_to_r", lambda x, m: _redistribute_local(x, m, _R)),
+    ("dsp", "out:R"): ("sp_to_r", lambda x, m: _redistribute_local(x, m, _R)),
+    ("dsp", "out:S1"): ("sp_to_s1", lambda x, m: x.to_local()),
+    ("dt", _R): ("dt_to_r", lambda x, m: _redistribute_local(x, m, _R)),
+    ("dt", "out:R"): ("dt_to_r", lambda x, m: _redistribute_local(x, m, _R)),
+    ("dt", "dsp"): ("dt_to_sp", lambda x, m: _from_local(_redistribute_local(x, m, _S1), m, _S1)),
+    ("dt", "dt:other"): ("dt_to_dt", lambda x, m: _from_local(_redistribute_local(x, m, _R), m, _R)),
+    ("param", "dt"): None, ("param", "dsp"): None,
+    ("param", _R): ("param_to_local", lambda x, m: x.to_local()),
+    ("param", "out:R"): ("param_to_local", lambda x, m: x.to_local()),
+}
+
+
+def check_tensor_parallel_run(tp: int, recompute_stages=(), offloads: bool = False, compile_stages: bool = False) -> None:
+    """Refuse, before any process group is touched, what tensor parallelism does not run yet.
+
+    Raises
+    ------
+    InputError
+        With ``tp > 1``: activation recomputation, offload/reload actions, ``compile_stages``.
+    """
+    if int(tp) <= 1:
+        return
+    what = []
+    if tuple(recompute_stages):
+        what.append(f"activation recomputation (stages {list(recompute_stages)})")
+    if offloads:
+        what.append("activation offload/reload (O/R actions)")
+    if compile_stages:
+        what.append("compile_stages=True")
+    if what:
+        raise InputError(f"tensor parallelism (tp={tp}) does not run with {' or '.join(what)} yet: the activation "
+                         "stash and Inductor see plain tensors, not DTensor shards; use a schedule without them "
+                         "(1f1b, zb-h1, ...) or tp=1")
+
+
+class TensorParallelRank:
+    """One rank's tensor parallelism: the resolved layout, applied to its stage modules.
+
+    Parameters
+    ----------
+    structure : fxpipe.passes.tensor_parallel.TensorParallelStructure
+        :func:`~fxpipe.passes.tensor_parallel.find_tensor_parallel` of the graph the stages were
+        split from (this process's capture: node names are its).
+    tp_mesh : DeviceMesh
+        The 1-D ``tp`` sub-mesh of this rank.
+    expected_params : Mapping[str, str], optional
+        The plan's placements (``plan.tensor_parallel.params``): the layout resolved here must
+        equal them.
+
+    Raises
+    ------
+    InputError
+        When ``tp`` does not divide the model's blocks, nothing can be split, or the placements
+        differ from the plan's.
+    """
+
+    def __init__(self, structure, tp_mesh, expected_params: Mapping[str, str] | None = None):
+        tp = int(tp_mesh.size())
+        self.layout: TensorParallelLayout = resolve_tensor_parallel(structure.meta(), tp)
+        if self.layout.refusals:
+            raise InputError(f"tp={tp}: {self.layout.refusals[0]}")
+        if not self.layout.regions:
+            raise InputError(f"tp={tp}: nothing in the model can be split across tensor-parallel ranks")
+        if expected_params is not None and dict(expected_params) != self.layout.params:
+            diff = sorted(set(expected_params.items()) ^ set(self.layout.params.items()))[:3]
+            raise InputError(f"the plan's tensor-parallel placements differ from those found on this capture "
+                             f"(e.g. {diff}): the model is not the one the plan was made for; run fxpipe.compile again")
+        self.roles, self.node_region = dict(structure.roles), dict(structure.node_region)
+        self.mesh = tp_mesh
+        self._convert = {k: (None if v is None else _Convert(v[0], v[1], tp_mesh)) for k, v in _CONVERSIONS.items()}
+        self._distributed: dict[int, torch.nn.Parameter] = {}
+
+    @property
+    def tp(self) -> int:
+        return self.layout.tp
+
+    def domain(self, name: str) -> tuple[str, int | None]:
+        """``("tp", region)``, ``("sp", None)`` or ``("plain", None)`` of a node of the capture."""
+        region = self.node_region.get(name)
+        d = self.layout.domain(self.roles.get(name), region)
+        return d, (region if d == "tp" else None)
+
+    def value_layout(self, name: str) -> str:
+        """``"S1"`` for a sequence-parallel value (it crosses a stage boundary as its shard), else ``"R"``."""
+        return _S1 if self.domain(name)[0] == "sp" else _R
+
+    # ------------------------------------------------------------------ stage modules
+    def shard_stage(self, spec, module: torch.nn.Module) -> None:
+        """Make ``module`` (stage ``spec.index``'s, on its device) run tensor-parallel, in place.
+
+        Its parameters become DTensors of their planned placements (a parameter tied across this
+        rank's stages stays one object) and its graph gets the layout conversions between
+        domains (module docstring).
+        """
+        from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+        for fqn, target in spec.param_targets.items():
+            p = module.get_parameter(target)
+            new = self._distributed.get(id(p))
+            if new is None:
+                text = self.layout.params.get(fqn, REPLICATE)
+                pl = Replicate() if text == REPLICATE else Shard(int(text[len("Shard("):-1]))
+                new = torch.nn.Parameter(distribute_tensor(p.detach(), self.mesh, [pl], src_data_rank=None),
+                                         requires_grad=p.requires_grad)
+                self._distributed[id(p)] = new
+                self._distributed[id(new)] = new
+            owner, _, name = target.rpartition(".")
+            setattr(module.get_submodule(owner) if owner else module, name, new)
+        self._rewrite(spec, module)
+
+    def _rewrite(self, spec, module: fx.GraphModule) -> None:
+        graph = module.graph
+        placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+        origin: dict[fx.Node, str] = dict(zip(placeholders, spec.input_names))
+        produced: dict[fx.Node, tuple[str, Any]] = {}
+        cache: dict = {}
+        for n in list(graph.nodes):
+            if n.op == "placeholder":
+                produced[n] = (self.value_layout(origin[n]) if spec.index > 0 else _R, None)
+            elif n.op == "get_attr":
+                obj = _attr(module, n.target)
+                produced[n] = ("param" if isinstance(obj, torch.nn.Parameter) else _R, None)
+            elif n.op == "call_function" and n.target is stage_input:
+                origin[n] = origin[n.args[0]]
+                produced[n] = produced[n.args[0]]
+            elif n.op == "call_function" and n.target in (stage_output, last_stage_output):
+                src = n.args[0]
+                name = origin.get(src, src.name)
+                self._convert_args(graph, n, "out:R" if n.target is last_stage_output else f"out:{self.value_layout(name)}",
+                                   None, produced, cache)
+            elif n.op in ("call_function", "call_method", "call_module"):
+                dom, region = self.domain(n.name)
+                need = {"plain": _R, "sp": "dsp", "tp": "dt"}[dom]
+                if need != _R and str(n.target).endswith("_assert_tensor_metadata.default"):
+                    graph.erase_node(n)  # a dtype / device check: DTensor has no rule for it
+                    continue
+                self._convert_args(graph, n, need, region, produced, cache)
+                produced[n] = ({_R: _R, "dsp": "dsp", "dt": "dt"}[need], region)
+        graph.lint()
+        module.recompile()
+
+    def _convert_args(self, graph: fx.Graph, node: fx.Node, need: str, region, produced: dict, cache: dict) -> None:
+        """Replace every tensor argument of ``node`` by its conversion to ``need`` (one conversion node per
+        value and kind, inserted before its first consumer)."""
+
+        def convert(a: fx.Node):
+            kind, where = produced.get(a, (_R, None))
+            key = need
+            if kind == "dt" and need == "dt":
+                if where == region:
+                    return a
+                key = "dt:other"
+            if (kind, key) not in self._convert:
+                raise InputError(f"tensor parallelism: no conversion of node {a.name} ({kind}) for node {node.name} "
+                                 f"({need}); this is a bug in fxpipe")
+            fn = self._convert[(kind, key)]
+            if fn is None or not _is_tensor(a):
+                return a
+            hit = cache.get((a, key))
+            if hit is None:
+                with graph.inserting_before(node):
+                    hit = graph.call_function(fn, (a,))
+                hit.meta = dict(a.meta)
+                cache[(a, key)] = hit
+            return hit
+
+        node.args = fx.node.map_arg(node.args, convert)
+        node.kwargs = fx.node.map_arg(node.kwargs, convert)
+
+    def local_io(self, spec, io: StageIO, last: bool) -> StageIO:
+        """``io`` with the sequence-parallel inputs and outputs of stage ``spec.index`` at their local shard shape
+        (``last``: the pipeline's last stage, whose outputs are the model's, whole)."""
+        def local(t, name):
+            if not isinstance(t, torch.Tensor) or self.value_layout(name) != _S1:
+                return t
+            shape = list(t.shape)
+            shape[1] //= self.tp
+            z = torch.zeros(shape, dtype=t.dtype, device=t.device)
+            return z.requires_grad_(t.requires_grad) if t.requires_grad else z
+
+        ins = io.inputs if spec.index == 0 else tuple(local(t, n) for t, n in zip(io.inputs, spec.input_names))
+        outs = io.outputs if last else tuple(local(t, n) for t, n in zip(io.outputs, spec.output_names))
+        return dataclasses.replace(io, inputs=ins, outputs=outs)
+
+    # ------------------------------------------------------------------ gradients
+    @staticmethod
+    def reduce_grads(params) -> None:
+        """Redistribute every DTensor gradient to its parameter's placements (partial sums reduced)."""
+        from torch.distributed.tensor import DTensor
+
+        for p in params:
+            g = p.grad
+            if isinstance(g, DTensor) and isinstance(p, DTensor) and tuple(g.placements) != tuple(p.placements):
+                p.grad = g.redistribute(p.device_mesh, p.placements)
+
+
+def _attr(module: torch.nn.Module, target: str) -> Any:
+    obj = module
+    for part in str(target).split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _is_tensor(node: fx.Node) -> bool:
+    v = node.meta.get("val", node.meta.get("example_value"))
+    return v is None or isinstance(v, torch.Tensor)
