@@ -69,8 +69,9 @@ class DataDependentCutError(InfeasibleError, InputError):
 
 class PlanWarning(UserWarning):
     """A plan that runs but wastes devices (stages with almost no work, fewer micro-batches than
-    devices); the message says what would be better. ``fxpipe.compile`` warns with it and
-    ``Plan.summary()`` repeats it (``Plan.waste_warnings()``)."""
+    devices, stages tensor parallelism does not split) or whose figures leave something out (the
+    costs of tensor parallelism); the message says what would be better. ``fxpipe.compile`` warns with it and
+    ``Plan.summary()`` repeats it (``Plan.plan_warnings()``)."""
 
 
 class WorkerError(FxpipeError, RuntimeError):

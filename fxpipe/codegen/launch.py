@@ -305,6 +305,7 @@ def _build_rank_program(rank: int, run: Mapping[str, Any], cap: _Captured, stage
 
             cap.tp_structure = find_tensor_parallel(cap.gm)
         build_kwargs["tensor_parallel"] = cap.tp_structure
+        build_kwargs["tensor_parallel_params"] = run.get("tensor_parallel_params")
     stages, sched, mr = build_mesh_rank(staged, rank, run["orders"], mesh=mesh, device_mesh=groups[mkey],
                                         offload_optimizer=bool(run.get("offload_optimizer")), **build_kwargs)
     return stages, sched, mr.replica, mr.pp_rank
@@ -567,7 +568,9 @@ def spawn_train_many(runs: Sequence[Mapping[str, Any]], *, world_size: int, time
         the mean over the replicas), and ``offload_optimizer`` (with ``mesh``, also a pure
         pipeline's: parameters, gradients and optimizer state on the host, FSDP2's
         ``CPUOffloadPolicy``, :mod:`fxpipe.codegen.mesh`; ``TrainResult.meta["offload_policy"]``
-        names every stage's policy). The ``Orders`` may carry offload/reload actions
+        names every stage's policy). A mesh with ``"tp"`` runs tensor parallelism
+        (:mod:`fxpipe.codegen.tensor_parallel`, ``world_size = pp * dp * tp``), optionally checked
+        against the plan's ``tensor_parallel_params`` (``plan.tensor_parallel.params``). The ``Orders`` may carry offload/reload actions
         (``Action(s, "O", j)`` / ``"R"``; :func:`fxpipe.ir.schedule_to_orders` keeps a
         schedule's), which the workers execute. ``TrainResult.meta`` then holds,
         per rank, ``activation`` (the saved-tensor hooks' measurements,

@@ -108,7 +108,10 @@ class TensorParallelLayout:
 
 
 def _unit_text(what: str, count: int, params: Sequence[str]) -> str:
-    return f"the {count} {what} of {', '.join(sorted(params)) or 'it'}"
+    owner = ", ".join(sorted(params)) or "it"
+    if what == "vocabulary":
+        return f"the vocabulary of {count} rows of {owner}"
+    return f"the {count} {what} of {owner}"
 
 
 def _region_placements(region: Mapping[str, Any], replicated: set[int]) -> dict[str, str]:

@@ -355,8 +355,9 @@ class _Finder:
             kind = "embedding" if embedding else ("attention" if self._has_softmax(root) else
                                                   ("mlp" if rows else "output"))
             region_of_root[root] = len(regions)
+            paths = [self._module_of(self.columns[c].node) for c in cols] + [self._module_of(r["node"]) for r in rows]
             regions.append({
-                "id": len(regions), "kind": kind, "module": self._module_of(first),
+                "id": len(regions), "kind": kind, "module": _common_module(paths),
                 "columns": [{"node": self.columns[c].node, "params": dict(self.columns[c].params),
                              "units": [list(u) for u in self.columns[c].units]} for c in cols],
                 "rows": [{"node": r["node"], "params": dict(r["params"]),
@@ -377,6 +378,19 @@ class _Finder:
     def _has_softmax(self, root: int) -> bool:
         return any(_opname(n) in ("softmax", "_softmax", "_safe_softmax", "scaled_dot_product_attention")
                    for n, st in self.state.items() if isinstance(st, _Sh) and self._find(next(iter(st.origins))) == root)
+
+
+def _common_module(paths: list[str]) -> str:
+    """The longest dotted prefix of module paths (``model.layers.0.self_attn`` of its q / k / v / o projections)."""
+    parts = [p.split(".") for p in paths if p]
+    if not parts:
+        return ""
+    common = []
+    for level in zip(*parts):
+        if len(set(level)) != 1:
+            break
+        common.append(level[0])
+    return ".".join(common) or parts[0][0]
 
 
 def _origins(st: Any) -> frozenset:

@@ -31,6 +31,7 @@ from fxpipe.memory import MemoryModel
 from fxpipe.mesh import (MESH_DIMS, Topology, device_host_step_s, device_num_params, dim_span, dp_links, format_mesh,
                          format_rank_order, mesh_degrees, mesh_dp, mesh_tp, normalize_mesh, normalize_rank_order,
                          pipeline_dp_sync_s, pipeline_step_s, pure_pipeline)
+from fxpipe.mesh.tensor_parallel import TP_COSTS_WARNING, TensorParallelLayout, graph_tensor_parallel, stage_tensor_parallel
 from fxpipe.partition.objective import Partition
 from fxpipe.partition.placement import placement_name
 from fxpipe.plan.build import PlanStageOf, build_rank, compile_stages_option
@@ -186,6 +187,38 @@ class Plan:
         return self.devices * self.dp * self.tp
 
     @property
+    def tensor_parallel(self) -> TensorParallelLayout:
+        """What tensor parallelism splits at this plan's ``tp`` (:func:`fxpipe.mesh.tensor_parallel.resolve_tensor_parallel`
+        of the graph's record): every split parameter's placement, sequence parallelism, notes."""
+        cached = self.__dict__.get("_tensor_parallel")
+        if cached is None or cached.tp != self.tp:
+            cached = graph_tensor_parallel(self.graph, self.tp)
+            self.__dict__["_tensor_parallel"] = cached
+        return cached
+
+    def tensor_parallel_stages(self) -> list[dict]:
+        """Per stage, the share of its FLOPs tensor parallelism splits and why a stage gets none
+        (:func:`fxpipe.mesh.tensor_parallel.stage_tensor_parallel`)."""
+        return stage_tensor_parallel(self.graph, self.partition.assignment, self.num_stages, self.tensor_parallel)
+
+    def tensor_parallel_warnings(self) -> list[str]:
+        """Sentences about tensor parallelism (none with ``tp = 1``): its costs are not modelled yet, what it
+        does not split (odd vocabularies, the sequence length) and the stages it is not offered for, with the reason."""
+        if self.tp == 1:
+            return []
+        layout = self.tensor_parallel
+        out = [TP_COSTS_WARNING] + [f"tensor parallelism: {note}" for note in layout.notes]
+        for row in self.tensor_parallel_stages():
+            if row["reason"]:
+                out.append(f"stage {row['stage']}: tensor parallelism not offered (its tp={self.tp} ranks each compute "
+                           f"it whole): {row['reason']}")
+        return out
+
+    def plan_warnings(self) -> list[str]:
+        """Every warning of the plan: :meth:`waste_warnings` and :meth:`tensor_parallel_warnings`."""
+        return self.waste_warnings() + self.tensor_parallel_warnings()
+
+    @property
     def global_microbatches(self) -> int:
         """Micro-batches per optimizer step over all replicas (``microbatches * dp``)."""
         return self.microbatches * self.dp
@@ -229,6 +262,8 @@ class Plan:
                             f"{format_bytes(self.memory.host_bytes_per_param('training') * max_params)} "
                             f"of host memory and a {self.optimizer_host_step_s * 1e3:.3f} ms host step on the busiest "
                             "device, in the predicted step")
+        if self.tp > 1:
+            lines.insert(0, self._tensor_parallel_line())
         if self.dp == 1:
             return lines
         ds, dr = self.mesh["dp_shard"], self.mesh["dp_replicate"]
@@ -249,6 +284,23 @@ class Plan:
                 f"data-parallel sync per step: {self.dp_sync_s * 1e3:.3f} ms on the busiest device ({'; '.join(used)}); "
                 f"predicted step with it {self.predicted_step_s * 1e3:.3f} ms "
                 f"({(self.predicted_step_s - self.schedule.value) * 1e3:.3f} ms not hidden by the pipeline)", *lines]
+
+    def _tensor_parallel_line(self) -> str:
+        """The summary line of tensor parallelism: what is split, sequence parallelism, the costs' status."""
+        layout = self.tensor_parallel
+        regions = (self.graph.meta or {}).get("tensor_parallel", {}).get("regions", [])
+        kinds: dict[str, int] = {}
+        for r in regions:
+            if int(r["id"]) in layout.regions:
+                kinds[r["kind"]] = kinds.get(r["kind"], 0) + 1
+        sharded = sum(1 for v in layout.params.values() if v.startswith("Shard"))
+        gqa = sum(len(v) for v in layout.replicated_columns.values())
+        return (f"tensor parallelism tp={self.tp} (innermost, consecutive ranks): {len(layout.regions)} of "
+                f"{len(regions)} column/row regions split ({', '.join(f'{n} {k}' for k, n in sorted(kinds.items()))}), "
+                f"{sharded} parameters sharded"
+                + (f", {gqa} k/v projections replicated (fewer kv heads than tp)" if gqa else "")
+                + f"; sequence parallelism {'on' if layout.sequence_parallel else 'off'}; "
+                "costs as for tp=1 (not modelled yet)")
 
     # ------------------------------------------------------------------ placement
     @property
@@ -402,6 +454,8 @@ class Plan:
                  f"{self.num_stages} stages on {self.devices} devices ({v} per device, {self.placement} placement)")
         if self.dp > 1:  # mesh (fxpipe.mesh): the table is one pipeline of the replicas
             where = f"a pipeline of {where} x {self.dp} data-parallel replicas"
+        if self.tp > 1:
+            where += f", each pipeline rank {self.tp} tensor-parallel devices ({self.world_size} devices in all)"
         lines = [
             f"fxpipe plan for {self.name!r}: {where}, {self.microbatches} micro-batches, "
             f"hardware {self.hardware}, objective {self.objective}, schedule {self.schedule.method}",
@@ -455,7 +509,7 @@ class Plan:
                 f"note: stages {empty} hold no ops and only relay tensors: the best partition found uses "
                 f"{self.num_stages - len(empty)} stages; fewer would do as well"
             )
-        lines += [f"warning: {w}" for w in self.waste_warnings()]
+        lines += [f"warning: {w}" for w in self.plan_warnings()]
         if self.timings_s:
             lines.append("time: " + ", ".join(f"{k} {v:.2f} s" for k, v in self.timings_s.items()))
         return "\n".join(lines)
