@@ -76,6 +76,37 @@ class _Convert:
         return self.__name__
 
 
+class _LocalAttention:
+    """``scaled_dot_product_attention`` of head-sharded DTensors, computed on the local heads.
+
+    DTensor has no sharding rule for every backend's attention backward (torch 2.13 on CPU lacks
+    ``_scaled_dot_product_flash_attention_for_cpu_backward``); attention over a head shard is
+    exactly the attention of those heads, so q / k / v (and a mask with a head dim) are taken as
+    their ``Shard(1)`` local tensors (a replicated k / v is sliced locally, no communication), the
+    op runs on plain tensors and its output is the ``Shard(1)`` DTensor of the result (what
+    ``torch.distributed.tensor.experimental.local_map`` does).
+    """
+
+    __name__ = __qualname__ = "tp_local_attention"
+    __module__ = __name__
+
+    def __init__(self, mesh):
+        self._mesh = mesh
+
+    def __call__(self, q, k, v, attn_mask=None, *args, **kwargs):
+        from torch.distributed.tensor import DTensor
+
+        _, seq = _placements()
+        local = [x.redistribute(self._mesh, seq).to_local() for x in (q, k, v)]
+        if isinstance(attn_mask, DTensor):
+            attn_mask = _redistribute_local(attn_mask, self._mesh, _S1 if attn_mask.shape[1] > 1 else _R)
+        out = torch.ops.aten.scaled_dot_product_attention.default(*local, attn_mask, *args, **kwargs)
+        return DTensor.from_local(out, self._mesh, seq, run_check=False)
+
+    def __repr__(self) -> str:
+        return self.__name__
+
+
 def _placements():
     from torch.distributed.tensor import Replicate, Shard
 
@@ -184,6 +215,7 @@ class TensorParallelRank:
         self.roles, self.node_region = dict(structure.roles), dict(structure.node_region)
         self.mesh = tp_mesh
         self._convert = {k: (None if v is None else _Convert(v[0], v[1], tp_mesh)) for k, v in _CONVERSIONS.items()}
+        self._attention = _LocalAttention(tp_mesh)
         self._distributed: dict[int, torch.nn.Parameter] = {}
 
     @property
@@ -251,6 +283,8 @@ class TensorParallelRank:
                     graph.erase_node(n)  # a dtype / device check: DTensor has no rule for it
                     continue
                 self._convert_args(graph, n, need, region, produced, cache)
+                if need == "dt" and n.target is torch.ops.aten.scaled_dot_product_attention.default:
+                    n.target = self._attention  # on the local heads (DTensor has no CPU backward rule for it)
                 produced[n] = ({_R: _R, "dsp": "dsp", "dt": "dt"}[need], region)
         graph.lint()
         module.recompile()

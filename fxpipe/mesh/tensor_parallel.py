@@ -42,6 +42,7 @@ __all__ = [
     "TensorParallelLayout",
     "resolve_tensor_parallel",
     "graph_tensor_parallel",
+    "node_domains",
     "stage_tensor_parallel",
     "check_tensor_parallel",
     "TP_COSTS_WARNING",

@@ -472,6 +472,8 @@ def _sharded_rule(node: torch.fx.Node, state: Mapping[torch.fx.Node, Any]) -> An
         return _binary(node, state, out)
     if op in ("matmul", "bmm"):
         return _matmul_rule(node, state, out)
+    if op == "scaled_dot_product_attention":
+        return _attention_rule(node, state, out)
     if not isinstance(st0, _Sh) or any(isinstance(state.get(a), (_Sh, tuple)) for a in node.all_input_nodes[1:]):
         return None
     src = _shape(args[0])
@@ -587,6 +589,31 @@ def _matmul_rule(node: torch.fx.Node, state: Mapping[torch.fx.Node, Any], out: t
     if len(dims) != 1:
         return None
     return _Sh(dims.pop(), max(units), origins)
+
+
+def _attention_rule(node: torch.fx.Node, state: Mapping[torch.fx.Node, Any], out: tuple[int, ...] | None) -> Any:
+    """``scaled_dot_product_attention(q, k, v, mask, ...)`` split over the heads (dim 1 of ``[B, H, S, D]``).
+
+    Every sharded operand (q, k, v, the mask) must be sharded along dim 1; a replicated k / v
+    (grouped-query attention with fewer kv heads than ``tp``) or mask is sliced locally.
+    """
+    if out is None or len(out) != 4:
+        return None
+    gqa = node.kwargs.get("enable_gqa", node.args[7] if len(node.args) > 7 else False)
+    if gqa and (_shape(node.args[1]) or (0, 0))[1] != out[1]:
+        return None  # kv heads grouped inside the op: a replicated k / v could not be sliced to the local query heads
+    units, origins = [], frozenset()
+    for a in list(node.args[:4]) + [node.kwargs.get("attn_mask")]:
+        st = state.get(a) if isinstance(a, torch.fx.Node) else None
+        if st is None:
+            continue
+        if not isinstance(st, _Sh) or st.dim != 1 or len(_shape(a) or ()) != 4:
+            return None
+        units.append(st.units)
+        origins |= st.origins
+    if not isinstance(state.get(node.args[0]), _Sh):
+        return None  # the query's heads carry the shard
+    return _Sh(1, max(units), origins)
 
 
 def _cat_rule(node: torch.fx.Node, state: Mapping[torch.fx.Node, Any]) -> Any:
