@@ -12,7 +12,10 @@ the same global batch:
   ranks, sharing one set of workers; ``{"pp": 2, "tp": 2, "dp_shard": 2}`` on 8 ranks;
 * slow: a DCP checkpoint of AdamW training saved at ``{"pp": 2, "tp": 2}`` resumes at tp = 1
   (``{"pp": 2, "dp_shard": 2}``) and at tp = 2 with the losses of the uninterrupted run
-  (torchrun, ``tests/_dcp_worker.py``).
+  (torchrun, ``tests/_dcp_worker.py``);
+* slow: ``fxpipe plan --mesh pp=2,tp=2 --run`` (plan.train_local) writes the plan file that
+  torchrun trains with ``plan.build`` on 4 ranks, each rank reading its stages from a safetensors
+  file of the whole model (meta-built model, sharded after materialization), to the same losses.
 """
 
 from __future__ import annotations
@@ -35,8 +38,9 @@ from helpers import assert_same_training  # noqa: E402
 GLOBAL_MB = 4
 
 
-def _run(name, mesh, schedule, **kw):
-    """A spawn_train_many run of zoo model ``name`` planned with ``mesh``, and its label."""
+def _run(name, mesh, schedule, offload=False, **kw):
+    """A spawn_train_many run of zoo model ``name`` planned with ``mesh``, and its label (``offload``: the
+    optimizer state on the host, FSDP2's CPUOffloadPolicy around the tensor-parallel stages)."""
     zm = zoo.get(name, microbatches=GLOBAL_MB)
     model, args, kwargs = zm.one_microbatch()
     world = 1
@@ -47,8 +51,8 @@ def _run(name, mesh, schedule, **kw):
     assert plan.tp == mesh["tp"] and plan.world_size == world
     run = dict(make_model=zm, stage_of=plan.worker_stage_of(), orders=plan.orders(), num_microbatches=GLOBAL_MB,
                make_batch=zm.batch, loss=zm.loss, steps=2, lr=0.05, mesh={**plan.mesh, "order": plan.rank_order},
-               model_key=name, tensor_parallel_params=plan.tensor_parallel.params)
-    return run, f"{name} {format_mesh(plan.mesh)} {schedule}"
+               model_key=name, tensor_parallel_params=plan.tensor_parallel.params, offload_optimizer=offload)
+    return run, f"{name} {format_mesh(plan.mesh)} {schedule}" + (" optimizer on the host" if offload else "")
 
 
 def _check(results, labels, runs):
@@ -74,7 +78,8 @@ def test_tp_composes_with_split_backward_fsdp_ddp_and_moe_on_4_ranks():
              ("llama", {"pp": 2, "tp": 2}, "zb-v", {"stages_per_device": 2, "placement": "v"}),
              ("llama", {"pp": 1, "tp": 2, "dp_shard": 2}, "1f1b", {}),
              ("llama", {"pp": 1, "tp": 2, "dp_replicate": 2}, "1f1b", {}),
-             ("qwen3_moe", {"pp": 2, "tp": 2}, "1f1b", {})]
+             ("qwen3_moe", {"pp": 2, "tp": 2}, "1f1b", {}),
+             ("llama", {"pp": 2, "tp": 2}, "1f1b", {"offload": True})]
     runs, labels = zip(*(_run(n, m, s, **kw) for n, m, s, kw in cases))
     res = spawn_train_many(list(runs), world_size=4, timeout_s=1500)
     _check(res, labels, runs)
@@ -125,3 +130,29 @@ def test_dcp_checkpoint_saved_at_tp2_resumes_at_tp1(tmp_path):
     torch.testing.assert_close(global_losses("resharded"), straight[2:], rtol=1e-5, atol=0)  # tp=2 -> tp=1
     doc = json.loads((tmp_path / "ckpt" / "fxpipe_state.json").read_text())
     assert doc["mesh"]["tp"] == 2
+
+
+@pytest.mark.slow
+def test_cli_tp_plan_trains_with_torchrun_from_a_safetensors_checkpoint(tmp_path):
+    pytest.importorskip("safetensors")
+    from fxpipe.cli.plan_cmd import HFFactory
+
+    from _torchrun import fxpipe_cli, train_example_from_checkpoint
+
+    config = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "vocab_size": 96, "num_hidden_layers": 2}
+    common = ["--hf", "llama", "--config", *[f"{k}={v}" for k, v in config.items()], "--seq-len", "8"]
+    plan_file = tmp_path / "tp.plan.json"
+    out = fxpipe_cli("plan", *common, "--mesh", "pp=2,tp=2", "--microbatches", str(GLOBAL_MB), "--schedule", "1f1b",
+                     "--time-limit", "0.3", "--out", str(plan_file), "--run", "--steps", "2", "--lr", "0.05", "--json",
+                     timeout_s=900)
+    assert out.returncode == 0, out.stderr[-4000:]
+    doc = json.loads(out.stdout)
+    assert doc["run"]["ok"] and doc["plan"]["mesh"]["tp"] == 2 and doc["warnings"]
+    whole, _ = HFFactory("llama", config, microbatches=GLOBAL_MB, microbatch_size=1, seq_len=8, seed=0)()
+    lines = train_example_from_checkpoint(4, plan_file, whole, tmp_path, *common, "--steps", "2", "--lr", "0.05")
+    lines.sort(key=lambda d: d["rank"])
+    assert [d["rank"] for d in lines] == [2, 3]  # the last stage's two tensor-parallel ranks
+    torch.testing.assert_close(torch.tensor(lines[0]["losses"]), torch.tensor(doc["run"]["reference_losses"]),
+                               rtol=1e-6, atol=0)
+    assert lines[0]["losses"] == lines[1]["losses"]
