@@ -46,7 +46,8 @@ Initializers and "the same seed"
 Checkpoints (``StateSource(checkpoint=...)``)
     A ``.safetensors`` file, a sharded set (its ``*.safetensors.index.json``, whose
     ``weight_map`` names the file of every key, inside the index's folder), a directory holding
-    either, a torch state dict
+    either, a training-state checkpoint of :func:`fxpipe.codegen.checkpoint.save_training_state`
+    (its committed version's ``model/``), a torch state dict
     file (``torch.load(weights_only=True, mmap=True)``: memory-mapped, only the needed tensors
     are read), or an in-memory mapping. Keys are the model's fully qualified names
     (``model.state_dict()``); a tied tensor may appear under any of its aliases. safetensors
@@ -356,6 +357,10 @@ def initialize(model: torch.nn.Module, names: Iterable[str] | None = None, *, se
 # ----------------------------------------------------------------------------- checkpoints
 def _resolve_checkpoint(path: Path) -> tuple[str, Path]:
     """('safetensors' | 'index' | 'torch', file) for a checkpoint path."""
+    if path.is_dir() and ((path / "latest.json").exists() or (path / "fxpipe_state.json").is_file()):
+        from fxpipe.codegen.checkpoint import latest_state_dir  # a training-state checkpoint: its model folder
+
+        path = latest_state_dir(path) / "model"
     if path.is_dir():
         idx = sorted(path.glob("*.safetensors.index.json"))
         if len(idx) == 1:
