@@ -7,7 +7,9 @@ a temporary file in the same folder, fsync, rename (:func:`write_text_atomic`,
 numbers read from JSON into validated numpy arrays and integers; :func:`check_number` checks one
 number against its allowed range (by default the bound of its unit suffix: :data:`MAX_TIME_S`,
 :data:`MAX_BYTES`, :data:`MAX_BYTES_PER_S`, :data:`MAX_FLOPS`), the range check every file loader
-uses. :func:`format_bytes` is
+uses. Numbers for people: :func:`fixed` (positional notation), :func:`format_ms` (a time) and
+:func:`ms_column` (a column of times) are the one way fxpipe writes times (summaries, the mesh
+search table, reports); :func:`format_bytes` is
 the one way fxpipe writes a byte count for people (binary units), :func:`binary_unit` the
 unit of a column or an axis of byte counts.
 """
@@ -26,7 +28,7 @@ import numpy as np
 from fxpipe.errors import InputError
 
 __all__ = ["write_text_atomic", "write_json_atomic", "read_json", "read_text", "format_bytes", "binary_unit",
-           "BINARY_UNITS", "check_number", "MAX_TIME_S", "MAX_BYTES", "MAX_BYTES_PER_S", "MAX_FLOPS"]
+           "BINARY_UNITS", "fixed", "format_ms", "ms_column", "check_number", "MAX_TIME_S", "MAX_BYTES", "MAX_BYTES_PER_S", "MAX_FLOPS"]
 
 #: The largest time a file may give one op (or one stage) of one micro-batch, seconds (11.6 days): beyond it a
 #: time is no measurement, and sums of such times lose every other op to rounding or overflow.
@@ -79,6 +81,56 @@ def format_bytes(n: float, digits: int = 1) -> str:
         return "inf" if n > 0 else ("-inf" if n < 0 else "nan")
     unit, div = binary_unit(n)
     return f"{n:.0f} B" if unit == "B" else f"{n / div:.{digits}f} {unit}"
+
+
+#: Beyond this magnitude a number for people is written in scientific notation (positional notation
+#: would print up to 300 digits); validated inputs never get there.
+_POSITIONAL_MAX = 1e15
+
+
+def fixed(x: float, digits: int = 3) -> str:
+    """``x`` for people in positional notation (never ``1e-05``, never ``1.363e+04``).
+
+    ``digits`` decimals, more for values below 1 so that about four significant digits show;
+    thousands grouped by spaces from 10 000 on (``13 630.000``); ``"unlimited"`` for ``+inf`` and
+    ``"-"`` for ``-inf`` / NaN. Magnitudes of 1e15 and more (no validated input gets there) are
+    written as ``1.000e+15`` rather than in hundreds of digits.
+    """
+    x = float(x)
+    if not math.isfinite(x):
+        return "unlimited" if x > 0 else "-"
+    if abs(x) >= _POSITIONAL_MAX:
+        return f"{x:.3e}"
+    if x != 0 and abs(x) < 1:
+        digits = max(digits, min(12, 3 - int(math.floor(math.log10(abs(x))))))
+    return f"{x:,.{digits}f}".replace(",", " ") if abs(x) >= 1e4 else f"{x:.{digits}f}"
+
+
+def format_ms(x_s: float | None) -> str:
+    """Seconds as milliseconds for people (``0.5700 ms``, ``13 630.000 ms``; :func:`fixed`); ``"-"`` for None.
+
+    The one way fxpipe writes a time in a summary, a table or a report."""
+    if x_s is None:
+        return "-"
+    return f"{fixed(float(x_s) * 1e3)} ms"
+
+
+def ms_column(values_s: Sequence[float]) -> list[str]:
+    """A column of seconds as milliseconds, one number of decimals for all its rows (no unit, no grouping).
+
+    Three decimals, more when the largest value is below 0.1 ms; a value of 1e15 ms or more in
+    scientific notation, like :func:`fixed`."""
+    finite = [abs(float(v)) for v in values_s if math.isfinite(float(v))]
+    most = max(finite + [0.0]) * 1e3
+    digits = 3 if most >= 0.1 or most == 0 else min(9, 3 - int(math.floor(math.log10(most))))
+
+    def one(v: float) -> str:
+        ms = float(v) * 1e3
+        if not math.isfinite(ms):
+            return "unlimited" if ms > 0 else "-"
+        return f"{ms:.3e}" if abs(ms) >= _POSITIONAL_MAX else f"{ms:.{digits}f}"
+
+    return [one(v) for v in values_s]
 
 
 def write_text_atomic(path: str | os.PathLike, data: str | bytes) -> Path:
