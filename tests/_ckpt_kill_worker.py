@@ -43,7 +43,17 @@ torch.set_num_threads(1)  # no OpenMP pool in the parent: fork-safe
 import torch.distributed as dist  # noqa: E402
 
 import fxpipe  # noqa: E402
-from fxpipe.codegen.checkpoint import latest_state_dir, load_training_state, rank_state, save_training_state  # noqa: E402
+from fxpipe.codegen.checkpoint import load_training_state, rank_state, save_training_state  # noqa: E402
+
+
+def _committed(path: Path) -> Path | None:
+    """The folder of the committed state: the version latest.json names; the directory itself in the first
+    layout (fxpipe before issue 30, so that this harness shows what it did); None when there is none."""
+    try:
+        from fxpipe.codegen.checkpoint import latest_state_dir
+    except ImportError:
+        return path if (path / "fxpipe_state.json").is_file() else None
+    return latest_state_dir(path)
 
 WRITE_EVENTS = ("os.mkdir", "os.rename", "os.remove", "os.rmdir", "shutil.rmtree")
 WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
@@ -297,16 +307,22 @@ def _bad_checkpoints(work: Path, out: Path) -> dict:
     """Load each damaged copy of the reference's committed checkpoint on 2 ranks: (per rank: error type, message)."""
     cases_dir = work / "cases"
     cases = _cases()
+    damaged = {}
     for name, (damage, _) in cases.items():
         shutil.copytree(work / "ref", cases_dir / name)
-        damage(latest_state_dir(cases_dir / name) if name != "never-committed" else
-               next(p for p in (cases_dir / name).iterdir() if p.is_dir()))
+        try:
+            damage(_committed(cases_dir / name) if name != "never-committed" else
+                   next(p for p in (cases_dir / name).iterdir() if p.is_dir()))
+            damaged[name] = True
+        except Exception as exc:  # noqa: BLE001 - a layout without the damaged part
+            damaged[name] = f"{type(exc).__name__}: {exc}"
     ended = _run({"name": "cases", "out": str(out), "ckpt": str(cases_dir), "cases": list(cases),
                   "cases_dir": str(cases_dir)})
     got = {r: json.loads((out / f"cases-rank{r}.json").read_text()) for r in range(2)
            if (out / f"cases-rank{r}.json").exists()}
     return {"ended": ended, "expected": {n: words for n, (_, words) in cases.items()},
-            "got": {n: [got[r][n] for r in sorted(got)] for n in cases}}
+            "got": {n: [got[r][n] if damaged[n] is True else ["(not damaged)", damaged[n]] for r in sorted(got)]
+                    for n in cases}}
 
 
 def main() -> None:
@@ -321,7 +337,8 @@ def main() -> None:
     report["ref"] = _run(ref)
     writes = {r: json.loads((out / f"ref-writes-rank{r}.json").read_text()) for r in range(2)}
     report["writes"] = writes
-    commit = writes[0].index("os.rename CKPT/.latest.json.TMP.tmp")
+    renames = [i for i, w in enumerate(writes[0]) if w in ("os.rename CKPT/.latest.json.TMP.tmp", "os.rename CKPT")]
+    commit = renames[-1]  # the rename that commits: the pointer's (before issue 30: the folder's, into its name)
     report["commit_index"] = commit
     refs = {(s, r): _tensors(out / f"ref-step{s}-rank{r}.safetensors") for s in (1, 2) for r in range(2)}
 
@@ -335,18 +352,18 @@ def main() -> None:
             return target(rank, next(i for i, w in enumerate(writes[rank]) if pred(w)))
 
         kills = [
-            first(1, lambda w: w.startswith("open CKPT/step2-VERSION/model/sharded/")),          # rank 1's model shard
-            first(0, lambda w: w == "open CKPT/step2-VERSION/model/model-00001-of-00001.safetensors"),  # consolidation
-            first(1, lambda w: w.startswith("open CKPT/step2-VERSION/optimizer/")),              # rank 1's optimizer
-            first(0, lambda w: w.startswith("shutil.rmtree CKPT/step2-VERSION/model/sharded")),  # the shards dropped
+            first(1, lambda w: w.startswith("open ") and "/model/sharded/" in w),              # rank 1's model shard
+            first(0, lambda w: w.startswith("open ") and w.endswith("/model/model-00001-of-00001.safetensors")),  # consolidation
+            first(1, lambda w: w.startswith("open ") and "/optimizer/" in w),                  # rank 1's optimizer
+            first(0, lambda w: w.startswith("shutil.rmtree ") and w.endswith("/model/sharded")),  # shards dropped
             first(0, lambda w: "fxpipe_state.json" in w),                                        # the record
-            target(0, commit),                                                                   # pointer written, not renamed
+            target(0, commit),                                                                   # the commit's rename
             target(0, commit + 1),                                                               # collection begins
             target(0, len(writes[0]) - 1),                                                       # the last write
         ]
     ckpt = work / "ckpt"
     # what the trials start from: a checkpoint of the first layout (step 1), and leftovers of its saves
-    shutil.copytree(latest_state_dir(work / "ref-step1"), ckpt)
+    shutil.copytree(_committed(work / "ref-step1"), ckpt)
     (work / ".ckpt.partial-1-2" / "model").mkdir(parents=True)
     (work / ".ckpt.old-1").mkdir()
     previous: dict | None = {"first_layout": True, "expect_step": 1}
@@ -362,17 +379,19 @@ def main() -> None:
             _equal(_tensors(out / f"t{i}-loaded-rank{r}.safetensors"), refs[(step, r)]) for r in range(2)))
         if rank is None:
             break
-        versions = sorted(p.name for p in ckpt.iterdir() if p.is_dir())
-        committed = latest_state_dir(ckpt)
+        versions = sorted(p.name for p in ckpt.iterdir() if p.is_dir()) if ckpt.is_dir() else []
+        committed = _committed(ckpt) if ckpt.is_dir() else None  # None: no checkpoint under its name
         killed = any(e == f"signal {signal.SIGKILL}" for e in ended.values())
         expect = 2 if not killed or (rank == 0 and index > commit) else 1
         previous = {"rank": rank, "write": write, "occurrence": occurrence, "ended": ended, "killed": killed,
-                    "committed_step": json.loads((committed / "fxpipe_state.json").read_text())["step"],
+                    "committed_step": None if committed is None else
+                    json.loads((committed / "fxpipe_state.json").read_text())["step"],
                     "expect_step": expect, "versions": versions}
         report["trials"].append(previous)
     if spec.get("cases"):
         report["cases"] = _bad_checkpoints(work, out)
-    report["first_layout_left"] = sorted(p.name for p in ckpt.iterdir() if not p.is_dir() or not p.name.startswith("step"))
+    report["first_layout_left"] = sorted(p.name for p in ckpt.iterdir() if not p.is_dir() or not p.name.startswith("step")) \
+        if ckpt.is_dir() else None
     report["leftovers_next_to_it"] = sorted(p.name for p in work.iterdir() if p.name.startswith(".ckpt"))
     report["seconds"] = time.perf_counter() - t0
     Path(sys.argv[2]).write_text(json.dumps(report, indent=1))
