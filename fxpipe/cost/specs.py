@@ -253,7 +253,8 @@ def spec_from_dict(doc: Mapping[str, Any], *, source: str = "hardware spec") -> 
     [0, 1] s, ``devices_per_node`` an integer >= 1; ``peak_flops`` must hold ``"fp32"`` (the
     fallback of every other dtype). Fields added later are checked by their unit suffix
     (``*_s``, ``*_bytes``, ``*_bytes_per_s``, ``*_flops``: finite, >= 0, the unit's bound); a
-    field of numbers by dtype or op family entry by entry. Unknown keys are ignored.
+    field of numbers by dtype or op family entry by entry (texts in such a field, e.g. sources,
+    are kept). Unknown keys are ignored.
 
     Parameters
     ----------
@@ -288,11 +289,10 @@ def spec_from_dict(doc: Mapping[str, Any], *, source: str = "hardware spec") -> 
             if not isinstance(value, str):
                 raise InputError(f"{source}: field {f.name!r} is {value!r:.80}, allowed: a string")
             kw[f.name] = value
-        elif isinstance(value, Mapping):
-            if not value:
-                raise InputError(f"{source}: field {f.name!r} is empty, allowed: an object of name -> number")
-            kw[f.name] = {str(k): check_number(v, f"{f.name}[{k!r}]", low=low, high=high, low_open=low_open,
-                                               where=source) for k, v in value.items()}
+        elif isinstance(value, Mapping):  # numbers by dtype or op family (checked each), or texts (their sources)
+            kw[f.name] = {str(k): v if isinstance(v, str) else
+                          check_number(v, f"{f.name}[{k!r}]", low=low, high=high, low_open=low_open, where=source)
+                          for k, v in value.items()}
         else:
             x = check_number(value, f.name, low=low, high=high, low_open=low_open, where=source)
             if f.type in (int, "int"):
