@@ -36,6 +36,7 @@ from fxpipe.api import PLACEMENTS, SCHEDULES
 from fxpipe.cli.common import add_command, add_memory_arguments, check_writable, emit, memory_model_from_args, parse_bytes, status
 from fxpipe.cost.hardware import list_hardware
 from fxpipe.errors import CaptureError, InputError, PlanWarning
+from fxpipe.io import format_ms, ms_column
 from fxpipe.mesh import microbatches_per_replica, normalize_mesh, parse_mesh
 from fxpipe.progress import phase, stderr_is_terminal
 from fxpipe.report import write_plan_report
@@ -502,16 +503,18 @@ def format_bounds_table(bounds: dict[str, Any], bottleneck_s: float) -> str:
     bottleneck_s : float
         The partition's per-stage bottleneck the bounds are for (seconds).
     """
-    lines = [f"partition lower bounds (per-stage bottleneck {bottleneck_s * 1e3:.3f} ms; a ratio of 1 proves it optimal):",
+    lines = [f"partition lower bounds (per-stage bottleneck {format_ms(bottleneck_s)}; a ratio of 1 proves it optimal):",
              f"  {'method':<11} {'bound ms':>10} {'ratio':>7}  {'status':<22} {'time s':>7}"]
-    for r in bounds.get("rows", []):
+    rows = bounds.get("rows", [])
+    shown = iter(ms_column([r["lower_bound_s"] for r in rows if r["status"] != "skipped"]))
+    for r in rows:
         skipped = r["status"] == "skipped"
-        bound = "-" if skipped else f"{r['lower_bound_s'] * 1e3:.3f}"
+        bound = "-" if skipped else next(shown)
         ratio = "-" if skipped or r["ratio"] is None else f"{r['ratio']:.4f}"
         lines.append(f"  {r['method']:<11} {bound:>10} {ratio:>7}  {r['status']:<22} {r['wall_time_s']:>7.2f}")
     best, ratio = bounds.get("best_lower_bound"), bounds.get("ratio")
     if best is not None:
         verdict = "proven optimal" if ratio is not None and ratio >= 1 - 1e-6 else (
             "" if ratio is None else f"at most {1 / ratio - 1:.1%} above the optimum" if ratio > 0 else "no bound")
-        lines.append(f"  best bound {best * 1e3:.3f} ms" + (f": the partition is {verdict}" if verdict else ""))
+        lines.append(f"  best bound {format_ms(best)}" + (f": the partition is {verdict}" if verdict else ""))
     return "\n".join(lines)

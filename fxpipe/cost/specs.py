@@ -14,6 +14,7 @@ from types import MappingProxyType
 from typing import Any, Mapping
 
 from fxpipe.errors import InputError
+from fxpipe.io import check_number
 
 #: One decimal gigabyte, the datasheets' unit for capacity and bandwidth (bytes).
 _GB = 1e9
@@ -227,3 +228,79 @@ def datasheet_spec(name: str | HardwareSpec) -> HardwareSpec:
     if key not in HARDWARE:
         raise InputError(f"unknown datasheet hardware {name!r}; known hardware: {', '.join(sorted(HARDWARE))}")
     return HARDWARE[key]
+
+
+# ----------------------------------------------------------------------------- loading a spec from a file
+#: Ranges of the spec fields read from a file (the ``base`` of an ``fxpipe.hwprofile/1`` profile):
+#: name -> (low, high, low excluded). A field not listed is checked by its unit suffix
+#: (:func:`fxpipe.io.check_number`: finite, >= 0, at most the unit's bound); a mapping of numbers
+#: (``peak_flops``, per-op-family factors) entry by entry.
+SPEC_RANGES: Mapping[str, tuple[float, float, bool]] = MappingProxyType({
+    "hbm_bytes_per_s": (0.0, 1e18, True), "d2d_bytes_per_s": (0.0, 1e18, True), "host_bytes_per_s": (0.0, 1e18, True),
+    "memory_bytes": (0.0, 1e18, True), "launch_overhead_s": (0.0, 1.0, False),
+    "intra_node_latency_s": (0.0, 1.0, False), "inter_node_latency_s": (0.0, 1.0, False),
+    "devices_per_node": (1.0, 1e6, False), "peak_flops": (0.0, 1e21, True),
+})
+_TEXT_FIELDS = ("name", "description", "source")
+
+
+def spec_from_dict(doc: Mapping[str, Any], *, source: str = "hardware spec") -> HardwareSpec:
+    """A :class:`HardwareSpec` from its :meth:`HardwareSpec.to_dict` form, every field checked by unit and range.
+
+    The one validation of hardware specs read from files (the ``base`` of an ``fxpipe.hwprofile/1``
+    profile). Bandwidths, the memory capacity and the peaks must be finite and > 0 (peaks up to
+    1e21 FLOP/s, bandwidths and capacities up to 1e18), the launch overhead and latencies in
+    [0, 1] s, ``devices_per_node`` an integer >= 1; ``peak_flops`` must hold ``"fp32"`` (the
+    fallback of every other dtype). Fields added later are checked by their unit suffix
+    (``*_s``, ``*_bytes``, ``*_bytes_per_s``, ``*_flops``: finite, >= 0, the unit's bound); a
+    field of numbers by dtype or op family entry by entry (texts in such a field, e.g. sources,
+    are kept). Unknown keys are ignored.
+
+    Parameters
+    ----------
+    doc : Mapping
+        The spec as plain data.
+    source : str
+        The file (and place in it) named by error messages.
+
+    Returns
+    -------
+    HardwareSpec
+
+    Raises
+    ------
+    InputError
+        For a missing required field, a value of the wrong type, NaN, infinity or a value outside
+        its range; the message names ``source``, the field and the allowed range.
+    """
+    if not isinstance(doc, Mapping):
+        raise InputError(f"{source}: a hardware spec must be an object of fields, got {type(doc).__name__}")
+    kw: dict[str, Any] = {}
+    for f in dataclasses.fields(HardwareSpec):
+        if f.name == "profile" or f.name not in doc:
+            if f.name != "profile" and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                if f.name != "description":
+                    raise InputError(f"{source}: the hardware spec lacks the required field {f.name!r}")
+                kw[f.name] = ""
+            continue
+        value = doc[f.name]
+        low, high, low_open = SPEC_RANGES.get(f.name, (0.0, None, False))
+        if f.name in _TEXT_FIELDS:
+            if not isinstance(value, str):
+                raise InputError(f"{source}: field {f.name!r} is {value!r:.80}, allowed: a string")
+            kw[f.name] = value
+        elif isinstance(value, Mapping):  # numbers by dtype or op family (checked each), or texts (their sources)
+            kw[f.name] = {str(k): v if isinstance(v, str) else
+                          check_number(v, f"{f.name}[{k!r}]", low=low, high=high, low_open=low_open, where=source)
+                          for k, v in value.items()}
+        else:
+            x = check_number(value, f.name, low=low, high=high, low_open=low_open, where=source)
+            if f.type in (int, "int"):
+                if not x.is_integer():
+                    raise InputError(f"{source}: field {f.name!r} is {x:g}, allowed: an integer >= {low:g}")
+                x = int(x)
+            kw[f.name] = x
+    if "fp32" not in kw["peak_flops"]:
+        raise InputError(f"{source}: field 'peak_flops' has no 'fp32' entry ({sorted(kw['peak_flops'])}), allowed: "
+                         "an object of dtype -> FLOP/s holding 'fp32' (every dtype it lacks runs at the fp32 peak)")
+    return HardwareSpec(**kw)

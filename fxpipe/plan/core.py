@@ -25,7 +25,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from fxpipe.errors import InputError
-from fxpipe.io import format_bytes
+from fxpipe.io import format_bytes, format_ms, ms_column
 from fxpipe.ir import OpGraph, Orders, Schedule, ScheduleProblem, read_json, schedule_to_orders, write_json_atomic
 from fxpipe.memory import MemoryModel
 from fxpipe.mesh import (MESH_DIMS, Topology, device_host_step_s, device_num_params, dim_span, dp_links, format_mesh,
@@ -220,7 +220,7 @@ class Plan:
                                                  self.devices).max())
             lines.insert(0, f"optimizer state offloaded to the host (FSDP2 CPUOffloadPolicy): "
                             f"{format_bytes(self.memory.host_bytes_per_param('training') * max_params)} "
-                            f"of host memory and a {self.optimizer_host_step_s * 1e3:.3f} ms host step on the busiest "
+                            f"of host memory and a {format_ms(self.optimizer_host_step_s)} host step on the busiest "
                             "device, in the predicted step")
         if self.dp == 1:
             return lines
@@ -239,9 +239,9 @@ class Plan:
         return [f"mesh {format_mesh(self.mesh)} on {self.world_size} devices: {self.dp} data-parallel replicas of this "
                 f"pipeline, {self.global_microbatches} micro-batches per step ({self.microbatches} per replica); {how}; "
                 f"ranks ordered {format_rank_order(self.rank_order)} (outermost first)",
-                f"data-parallel sync per step: {self.dp_sync_s * 1e3:.3f} ms on the busiest device ({'; '.join(used)}); "
-                f"predicted step with it {self.predicted_step_s * 1e3:.3f} ms "
-                f"({(self.predicted_step_s - self.schedule.value) * 1e3:.3f} ms not hidden by the pipeline)", *lines]
+                f"data-parallel sync per step: {format_ms(self.dp_sync_s)} on the busiest device ({'; '.join(used)}); "
+                f"predicted step with it {format_ms(self.predicted_step_s)} "
+                f"({format_ms(self.predicted_step_s - self.schedule.value)} not hidden by the pipeline)", *lines]
 
     # ------------------------------------------------------------------ placement
     @property
@@ -378,7 +378,7 @@ class Plan:
         fill_devices = max(1, int(np.ceil(fill_stages / v)))
         if fill_devices < p and (idle or share < 0.5):
             shown = ", ".join(map(str, idle[:8])) + (", ..." if len(idle) > 8 else "")
-            out.append(f"the stages hold on average {share:.0%} of the bottleneck stage's {bottleneck * 1e3:.3f} ms"
+            out.append(f"the stages hold on average {share:.0%} of the bottleneck stage's {format_ms(bottleneck)}"
                        + (f", {len(idle)} of {self.num_stages} almost none (under {IDLE_STAGE_SHARE:.0%}: stages {shown})"
                           if idle else "")
                        + f"; the bottleneck is set by a few large ops, so the other devices idle: the work would fill "
@@ -403,31 +403,33 @@ class Plan:
             f"{'memory':>10}",
         ]
         worst = int(np.argmax([s.cost_s for s in self.stages])) if self.stages and v == 1 else -1
-        for s in self.stages:
+        times = list(zip(*(ms_column([getattr(s, k) for s in self.stages])
+                           for k in ("t_fwd_s", "t_bwd_input_s", "t_bwd_weight_s", "cost_s"))))
+        for s, t in zip(self.stages, times):
             mark = " <- bottleneck" if s.stage == worst else ""
             lines.append(
-                f"{s.stage:>5} {s.device:>6} {s.num_ops:>6} {format_bytes(s.params_bytes):>10} {s.t_fwd_s * 1e3:>9.3f} "
-                f"{s.t_bwd_input_s * 1e3:>9.3f} {s.t_bwd_weight_s * 1e3:>9.3f} {s.cost_s * 1e3:>9.3f} "
-                f"{format_bytes(s.memory_bytes):>10}{mark}"
+                f"{s.stage:>5} {s.device:>6} {s.num_ops:>6} {format_bytes(s.params_bytes):>10} "
+                + " ".join(f"{x:>9}" for x in t) + f" {format_bytes(s.memory_bytes):>10}{mark}"
             )
         opt = self.optimality()
         if v > 1 and self.device_table:
             lines.append(f"{'device':>6} {'stages':>10} {'ops':>6} {'params':>10} {'cost ms':>9} {'busy ms':>9} "
                          f"{'span ms':>9} {'span LB ms':>10} {'act peak':>10} {'memory':>10}")
             worst_d = int(np.argmax([d.cost_s for d in self.device_table]))
-            for d, dv in zip(self.device_table, opt["devices"]):
+            times = list(zip(*(ms_column([getattr(d, k) for d in self.device_table]) for k in ("cost_s", "busy_s", "span_s")),
+                             ms_column([dv["span_lower_bound_s"] for dv in opt["devices"]])))
+            for d, t in zip(self.device_table, times):
                 mark = " <- bottleneck" if d.device == worst_d else ""
                 lines.append(
                     f"{d.device:>6} {','.join(map(str, d.stages)):>10} {d.num_ops:>6} {format_bytes(d.params_bytes):>10} "
-                    f"{d.cost_s * 1e3:>9.3f} {d.busy_s * 1e3:>9.3f} {d.span_s * 1e3:>9.3f} "
-                    f"{dv['span_lower_bound_s'] * 1e3:>10.3f} "
+                    f"{t[0]:>9} {t[1]:>9} {t[2]:>9} {t[3]:>10} "
                     f"{format_bytes(d.activation_peak_bytes):>10} {format_bytes(d.memory_bytes):>10}{mark}"
                 )
         lines += self.memory_summary().splitlines()
         what = "bottleneck" if v == 1 else "device bottleneck"
         lines += _objective_lines(opt)
         how = ("the partition's objective" if v == 1 else "a device's stages' work and transfers")
-        lines.append(f"{what} {self.bottleneck_s * 1e3:.3f} ms ({how}, per micro-batch) | "
+        lines.append(f"{what} {format_ms(self.bottleneck_s)} ({how}, per micro-batch) | "
                      f"bubble ratio {self.bubble_ratio:.1%} (idle share of devices x makespan)")
         search = self.schedule.meta.get("placement_search")
         if search:
@@ -438,7 +440,7 @@ class Plan:
                 if span is None:
                     parts.append(f"{label}: skipped")
                     continue
-                fig = f"span {span * 1e3:.3f} ms" + (f", makespan {c['makespan_s'] * 1e3:.3f} ms" if "makespan_s" in c else "")
+                fig = f"span {format_ms(span)}" + (f", makespan {format_ms(c['makespan_s'])}" if "makespan_s" in c else "")
                 parts.append(f"{label}: {fig}" + (" (chosen)" if c.get("chosen") else ""))
             lines.append("placement search (largest per-device span, what the schedule minimises; makespan beside): "
                          + "; ".join(parts))
@@ -637,8 +639,8 @@ def _objective_lines(opt: Mapping[str, Any]) -> list[str]:
             verdict = f"{f['status']}, no lower bound"
         else:
             verdict = f"{f['status']}: at most {f['above_bound']:.1%} above its optimum"
-        lines.append(f"  {_FIGURE_TEXT[name][0]:<15} {f['value_s'] * 1e3:9.3f} ms | lower bound "
-                     f"{f['lower_bound_s'] * 1e3:9.3f} ms | {verdict}")
+        lines.append(f"  {_FIGURE_TEXT[name][0]:<15} {format_ms(f['value_s']):>12} | lower bound "
+                     f"{format_ms(f['lower_bound_s']):>12} | {verdict}")
     return lines
 
 
@@ -646,16 +648,21 @@ def _mesh_search_table(rows) -> list[str]:
     """The meshes a search tried, one line each: bound, schedule, sync, predicted step (ms) or why it was skipped."""
     if not rows:
         return []
-    ms = lambda row, key: f"{row[key] * 1e3:.4g}" if key in row else "-"  # noqa: E731
+    def column(key_of: Callable[[Mapping], str]) -> list[str]:  # one number of decimals per column, "-" where absent
+        have = [r for r in rows if key_of(r) in r]
+        shown = iter(ms_column([r[key_of(r)] for r in have]))
+        return [next(shown) if key_of(r) in r else "-" for r in rows]
+
+    cols = [column(lambda r, k=k: k) for k in ("lower_bound_s", "step_time_s")]
+    cols.append(column(lambda r: "exposed_sync_s" if "exposed_sync_s" in r else "dp_sync_s"))
+    cols.append(column(lambda r: "predicted_step_s"))
     width = max(len(r["mesh_text"]) for r in rows)
     out = ["mesh search (predicted step = schedule + data-parallel sync and host optimizer step the pipeline does "
            "not hide, ms; planned in order of the lower bound):",
            f"  {'mesh':<{width}}  {'bound':>9}  {'schedule':>9}  {'sync':>9}  {'predicted':>9}"]
-    for r in rows:
+    for i, r in enumerate(rows):
         tail = " (chosen)" if r.get("chosen") else (f"  skipped: {r['skipped']}" if "skipped" in r else "")
         if r.get("rank_order") and tuple(r["rank_order"]) != MESH_DIMS and "predicted_step_s" in r:
             tail = f"  ranks {format_rank_order(r['rank_order'])}{tail}"
-        out.append(f"  {r['mesh_text']:<{width}}  {ms(r, 'lower_bound_s'):>9}  {ms(r, 'step_time_s'):>9}  "
-                   f"{ms(r, 'exposed_sync_s' if 'exposed_sync_s' in r else 'dp_sync_s'):>9}  "
-                   f"{ms(r, 'predicted_step_s'):>9}{tail}")
+        out.append(f"  {r['mesh_text']:<{width}}  " + "  ".join(f"{c[i]:>9}" for c in cols) + tail)
     return out
