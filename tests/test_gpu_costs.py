@@ -111,3 +111,21 @@ def test_collectives_run_at_their_kinds_achieved_bandwidth():
     allreduce, allreduce0 = r_hsdp - reduce, r_hsdp0 - r0
     assert allreduce == pytest.approx(allreduce0 / hw.efficiency_of("inter_node"), rel=1e-3)
     assert Topology.from_dict(topo.to_dict()) == topo
+
+
+def test_a_gpu_profile_keeps_its_twins_link_efficiencies():
+    """A profile measured on an H100 (base ``h100-sxm-datasheet``) replaces op times, not the links: its spec keeps
+    h100-sxm's collective / network / host-copy efficiencies, and none for compute (the calibration is its own)."""
+    from fxpipe.cost.calibrate import CostProfile
+    from fxpipe.cost.database import DeviceInfo, Measurement
+
+    gpu = DeviceInfo("cuda: NVIDIA H100 80GB HBM3", "2.11.0+cu130", 16)
+    ms = [Measurement(op="aten.mm.default", args=f"bf16[{i}]", op_class="aten.mm", kind="matmul", t_fwd_s=2e-4 * i,
+                      roofline_spec="h100-sxm-datasheet", roofline_s=(1e-4 * i + 5e-6, 0.0, 0.0)) for i in (1, 2, 3)]
+    spec = CostProfile.from_measurements(ms, device=gpu, base="h100-sxm-datasheet", name="h100-sxm").hardware()
+    twin = get_hardware("h100-sxm")
+    assert spec.profile is not None and spec.peak_flops == twin.peak_flops
+    assert all(spec.efficiency_of(f) == 1.0 for f in COMPUTE_FAMILIES)
+    for f in ("all_gather", "reduce_scatter", "all_reduce", "p2p", "inter_node", "host_copy"):
+        assert spec.efficiency_of(f) == twin.efficiency_of(f) != 1.0
+    assert Topology.from_dict(spec.topology()) == Topology.from_dict(twin.topology())
