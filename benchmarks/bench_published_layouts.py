@@ -174,17 +174,18 @@ def explain(row: dict, res: dict) -> list[str]:
     exposed = res["exposed_sync_s"]
     if exposed > 0.05 * res["predicted_step_s"]:
         hidden = tokens / max(res["schedule_s"], res["dp_sync_s"]) / pub
-        notes.append(f"data-parallel sync {res['dp_sync_s']:.2f} s, {exposed:.2f} s of it exposed: fxpipe's FSDP model "
-                     f"gathers a stage's parameters before its compute and reduces after its backward; with pp=1 "
-                     f"that is the whole model, where FSDP2 prefetches layer by layer under compute (ratio with the "
-                     f"sync hidden: {hidden:.2f})")
+        notes.append(f"data-parallel sync {res['dp_sync_s']:.2f} s, {exposed:.2f} s of it exposed: fxpipe's runtime "
+                     f"shards a stage as one FSDP unit, gathered before its compute and reduced after its backward "
+                     f"(fxpipe.mesh.pipeline_step_s); with pp=1 that is the whole model, where torchtitan wraps every "
+                     f"layer and FSDP2 prefetches them under compute (ratio with the sync hidden: {hidden:.2f})")
     if row["ac"] == "selective" and not res["recompute_stages"]:
         notes.append("no recomputation planned where torchtitan's selective AC recomputes part of the forward "
                      "(a few % of the step): the prediction is that much optimistic")
     if row["ac"] == "full" and not res["recompute_stages"] and res.get("ac_planned") != "full":
         with_ac = tokens / (res["predicted_step_s"] + res["forward_s"]) / pub
+        both = tokens / max(res["schedule_s"] + res["forward_s"], res["dp_sync_s"]) / pub
         notes.append(f"full AC recomputes the forward, {res['forward_s']:.2f} s more per step, not planned here "
-                     f"(ratio with it added: {with_ac:.2f})")
+                     f"(ratio with it added: {with_ac:.2f}; with it added and the sync hidden: {both:.2f})")
     if row["hardware"] == "h100-96gb-hbm2e-500w":
         notes.append("500 W H100: the matmul rate is the 700 W part's (the 500 W clocks are not published); "
                      "the prediction is optimistic by the clock drop")
