@@ -45,13 +45,12 @@ import statistics
 import sys
 import tempfile
 import time
-import traceback
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_gpu_profile import DIMS, TINY, section_device  # noqa: E402 (the sibling benchmark)
+from bench_gpu_profile import DIMS, TINY, run_section, section_device  # noqa: E402 (the sibling benchmark)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -289,20 +288,7 @@ def main(argv=None) -> int:
     t_start = time.perf_counter()
 
     def run(name, fn):
-        if name in args.skip:
-            return
-        t = time.perf_counter()
-        try:
-            doc[name] = fn()
-        except Exception as exc:  # noqa: BLE001 - one section's failure keeps the others
-            doc[name] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-3000:]}
-        doc["section_wall_s"][name] = time.perf_counter() - t
-        print(f"== {name} ({doc['section_wall_s'][name]:.1f} s)\n{json.dumps(doc[name], indent=1, default=str)[:4000]}",
-              flush=True)
-        if args.out:
-            from fxpipe.io import write_json_atomic
-
-            write_json_atomic(args.out, doc, indent=1)
+        run_section(doc, name, fn, skip=args.skip, out=args.out, max_print=4000)
 
     run("device", lambda: section_device(device, spec, args.smoke))
     run("profile", lambda: section_profile(device, args, work))
@@ -315,9 +301,9 @@ def main(argv=None) -> int:
     run("ship", lambda: section_ship(doc, args))
     doc["wall_s"] = time.perf_counter() - t_start
     if args.out:
-        from fxpipe.io import write_json_atomic
+        from fxpipe.io import write_text_atomic
 
-        write_json_atomic(args.out, doc, indent=1)
+        write_text_atomic(args.out, json.dumps(doc, indent=1, default=str) + "\n")
     print(f"total {doc['wall_s']:.1f} s; profile shipped: {doc.get('ship', {}).get('shipped')}")
     return 0
 
