@@ -321,7 +321,7 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     traced, hardware_name, timings = _capture(model, args, kwargs, costs=costs, hardware=hardware, dtype=dtype,
                                               name=name, cost_db=cost_db, profile_threads=profile_threads,
                                               replicate=replicate, progress=progress)
-    options = dataclasses.replace(options, host_bandwidth_bytes_per_s=traced.hardware.host_bytes_per_s)
+    options = dataclasses.replace(options, host_bandwidth_bytes_per_s=traced.hardware.host_copy_bytes_per_s)
     base_memory = resolve_memory(traced.graph, memory, memory_bytes, traced.hardware)
     planned = _plan_mesh(traced.graph, mesh, devices, microbatches, base_memory, options)
     recorded = {"dtype": str(dtype) if dtype else None, "costs": costs, "stages_per_device": stages_per_device,

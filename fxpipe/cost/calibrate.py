@@ -53,7 +53,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 
 from fxpipe.cost.database import PHASES, DeviceInfo, Measurement
-from fxpipe.cost.specs import HardwareSpec, datasheet_spec, spec_from_dict
+from fxpipe.cost.specs import COMPUTE_FAMILIES, HARDWARE, HardwareSpec, datasheet_spec, spec_from_dict
 from fxpipe.errors import InputError
 from fxpipe.io import check_number, read_json, write_json_atomic
 from fxpipe.ir.opgraph import OpGraph
@@ -465,12 +465,23 @@ class CostProfile:
 
     # ------------------------------------------------------------------ hardware spec
     def hardware(self) -> HardwareSpec:
-        """The :class:`HardwareSpec` carrying this profile (base peaks, measured links)."""
+        """The :class:`HardwareSpec` carrying this profile (base peaks, measured links).
+
+        The op times are the profile's; the links' achieved efficiencies (collectives, the
+        inter-node network, host copies; not compute) are those of the base's achieved twin
+        (``"h100-sxm"`` for a ``"h100-sxm-datasheet"`` base), except a measured stage-to-stage
+        bandwidth, which replaces ``p2p``'s.
+        """
         changes: dict[str, Any] = {"name": self.name, "profile": self,
                                    "description": f"{self.device.device}, {self.device.threads} threads, "
                                                   f"torch {self.device.torch} (measured; roofline base {self.base.name})"}
         if self.d2d_bytes_per_s:
             changes["d2d_bytes_per_s"] = float(self.d2d_bytes_per_s)
+        twin = HARDWARE.get(self.base.name[: -len("-datasheet")]) if self.base.name.endswith("-datasheet") else None
+        if twin is not None and not self.base.efficiency:
+            links = [k for k in twin.efficiency if k not in COMPUTE_FAMILIES and not (k == "p2p" and self.d2d_bytes_per_s)]
+            changes["efficiency"] = {k: twin.efficiency[k] for k in links}
+            changes["efficiency_sources"] = {k: twin.efficiency_sources.get(k, "") for k in links}
         return dataclasses.replace(self.base, **changes)
 
     # ------------------------------------------------------------------ JSON

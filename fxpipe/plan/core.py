@@ -228,9 +228,11 @@ class Plan:
         how = ("FSDP2 fully_shard over dp_shard" + (", HSDP with dp_replicate" if dr > 1 else "")) if ds > 1 else \
             "replicate (DDP) over dp_replicate"
         topology = Topology.of_graph(self.graph)
-        links = dp_links(self.mesh, self.graph.bandwidth_bytes_per_s, topology=topology, order=self.rank_order)
         used = []
-        for dim, degree, coll in (("dp_shard", ds, "all-gather + reduce-scatter"), ("dp_replicate", dr, "all-reduce")):
+        for dim, degree, coll, kind in (("dp_shard", ds, "all-gather + reduce-scatter", "all_gather"),
+                                        ("dp_replicate", dr, "all-reduce", "all_reduce")):
+            links = dp_links(self.mesh, self.graph.bandwidth_bytes_per_s, topology=topology, order=self.rank_order,
+                             kind=kind)
             if degree > 1:
                 where = "" if topology is None else \
                     (" inside a node" if topology.in_node(*dim_span(self.mesh, dim, self.rank_order), self.world_size)
