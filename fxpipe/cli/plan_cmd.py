@@ -140,6 +140,9 @@ def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--run", action="store_true", help="train a few steps on local gloo ranks next to a single-process reference")
     p.add_argument("--steps", type=int, default=2, help="training steps with --run (default 2)")
     p.add_argument("--lr", type=float, default=0.01, help="SGD learning rate with --run")
+    p.add_argument("--timeout", type=float, default=600.0, metavar="S",
+                   help="with --run: stop the training when it has not finished after S seconds (start-up included), "
+                   "naming the rank that is late and the action it is in (default 600)")
     p.add_argument("--json", action="store_true", help="machine-readable output on stdout")
     return p
 
@@ -350,6 +353,8 @@ def run(args: argparse.Namespace) -> int:
     for name in ("devices", "microbatches", "microbatch_size", "seq_len", "steps"):
         if getattr(args, name) < 1:
             raise InputError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if not (args.timeout > 0 and math.isfinite(args.timeout)):
+        raise InputError(f"--timeout must be a positive number of seconds, got {args.timeout}")
     if args.meta and args.run:
         raise InputError("--meta builds a model without weights, which cannot be trained: drop --meta or --run")
     if args.meta and args.checkpoint:
@@ -428,7 +433,8 @@ def run(args: argparse.Namespace) -> int:
         from fxpipe.codegen.compare import TrainingComparison  # lazy: torch
 
         status(f"training {args.steps} steps on {plan.world_size} local gloo ranks, then a single-process reference ...")
-        result = plan.train_local(factory, _BatchFn(factory), steps=args.steps, lr=args.lr, loss=factory.loss, reference=True)
+        result = plan.train_local(factory, _BatchFn(factory), steps=args.steps, lr=args.lr, loss=factory.loss, reference=True,
+                                  timeout_s=args.timeout)
         doc["run"] = {k: v for k, v in result.items() if k != "results"}
         text.append(
             "pipeline losses:  " + ", ".join(f"{x:.6f}" for x in result["pipeline_losses"])

@@ -597,10 +597,11 @@ class Plan:
     def train_local(self, make_model: Callable, make_batch: Callable, *, steps: int = 2, lr: float = 0.01,
                     loss: str | Callable = "cross_entropy", seed: int = 0, reference: bool = True,
                     timeout_s: float = 600.0, loss_rtol: float = 1e-4, rtol: float = 1e-5,
-                    compile_stages: bool | None = None, progress: bool | None = None) -> dict[str, Any]:
+                    compile_stages: bool | None = None, progress: bool | None = None,
+                    action_timeout_s: float | None = None) -> dict[str, Any]:
         return _train_local(self, make_model, make_batch, steps=steps, lr=lr, loss=loss, seed=seed,
                             reference=reference, timeout_s=timeout_s, loss_rtol=loss_rtol, rtol=rtol,
-                            compile_stages=compile_stages, progress=progress)
+                            compile_stages=compile_stages, progress=progress, action_timeout_s=action_timeout_s)
 
     train_local.__doc__ = _train_local.__doc__
 
