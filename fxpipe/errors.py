@@ -67,7 +67,13 @@ class DataDependentCutError(InfeasibleError, InputError):
     an :class:`InputError` when given stages (a pinned ``stage_of``) cut it."""
 
 
-class PlanWarning(UserWarning):
+class FxpipeWarning(UserWarning):
+    """Base class of fxpipe's warnings. ``fxpipe.compile`` records those it raises while making a
+    plan in the plan (``plan.options["warnings"]``, :meth:`fxpipe.plan.Plan.all_warnings`), so the
+    summary and ``fxpipe plan --json`` carry them, as well as warning them."""
+
+
+class PlanWarning(FxpipeWarning):
     """A plan that runs but wastes devices (stages with almost no work, fewer micro-batches than
     devices); the message says what would be better. ``fxpipe.compile`` warns with it and
     ``Plan.summary()`` repeats it (``Plan.waste_warnings()``)."""

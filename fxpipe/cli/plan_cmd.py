@@ -35,7 +35,7 @@ import fxpipe
 from fxpipe.api import PLACEMENTS, SCHEDULES
 from fxpipe.cli.common import add_command, add_memory_arguments, check_writable, emit, memory_model_from_args, parse_bytes, status
 from fxpipe.cost.hardware import list_hardware
-from fxpipe.errors import CaptureError, InputError, PlanWarning
+from fxpipe.errors import CaptureError, FxpipeWarning, InputError
 from fxpipe.io import format_ms, ms_column
 from fxpipe.mesh import microbatches_per_replica, normalize_mesh, parse_mesh
 from fxpipe.progress import phase, stderr_is_terminal
@@ -388,7 +388,7 @@ def run(args: argparse.Namespace) -> int:
         name = args.hf
     import warnings
 
-    warnings.simplefilter("ignore", PlanWarning)  # the summary and --json carry them (doc["warnings"])
+    warnings.simplefilter("ignore", FxpipeWarning)  # the plan records them: its summary and --json carry them
     t0 = time.perf_counter()
     # planning needs shapes only: without --run the model is built on the meta device (no weight memory)
     model, margs, mkwargs = factory.one_microbatch("cpu" if args.run or args.checkpoint else "meta")
@@ -413,7 +413,8 @@ def run(args: argparse.Namespace) -> int:
         "model_info": info,
         "build_s": build_s,
         "plan": {k: v for k, v in plan.to_dict().items() if k not in ("graph", "problem", "schedule", "stage_of")},
-        "warnings": plan.waste_warnings(),
+        "interrupted": plan.interrupted,
+        "warnings": plan.all_warnings(),
     }
     text = [_model_line(info, args)] if info else []
     text.append(plan.summary())
@@ -424,6 +425,10 @@ def run(args: argparse.Namespace) -> int:
     if args.trace:
         doc["trace_file"] = str(chrome_trace(plan.schedule, args.trace, plan.problem))
         text.append(f"schedule trace written to {args.trace} (open in ui.perfetto.dev or chrome://tracing)")
+    skipped = [flag for flag, on in (("--report", args.report), ("--run", args.run)) if on and plan.interrupted]
+    if skipped:  # Ctrl-C was pressed: the plan so far is kept (--out, --trace), nothing long starts
+        text.append(f"interrupted: {' and '.join(skipped)} skipped")
+        args.report = args.run = None
     if args.report:
         with phase(f"report: lower-bound MIPs (up to {args.bounds_time_limit:g} s each) and charts", on=progress):
             doc["report"] = _write_report(plan, args)
@@ -443,6 +448,8 @@ def run(args: argparse.Namespace) -> int:
             + f"\npipeline run {result['pipeline_wall_s']:.1f} s"
         )
     emit(args, doc, "\n".join(text))
+    if plan.interrupted:  # an interrupted result says so in its exit code (and "interrupted" in --json)
+        return 130
     # a pipelined run that does not match single-process training is a failure of fxpipe, not of the input
     return 1 if args.run and not result["ok"] else 0
 
