@@ -128,9 +128,10 @@ def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--time-limit", type=float, default=10.0, help="partition search budget in seconds (default 10)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
-        "--meta", action="store_true",
+        "--meta", action=argparse.BooleanOptionalAction, default=None,
         help="build the model on the meta device (no weights). This is the default without --run: planning needs "
-        "shapes only, so a 70B config plans on a laptop; with --run the model is built with real weights",
+        "shapes only, so a 70B config plans on a laptop; with --run the model is built with real weights; "
+        "--no-meta: build it on CPU with random weights for planning too (a model that cannot be traced on meta)",
     )
     p.add_argument("--out", metavar="PLAN.json", help="save the plan as JSON")
     p.add_argument("--report", metavar="REPORT.html", help="write an HTML report (and REPORT.md): stages, lower-bound certificates, Gantt chart")
@@ -391,7 +392,7 @@ def run(args: argparse.Namespace) -> int:
     warnings.simplefilter("ignore", FxpipeWarning)  # the plan records them: its summary and --json carry them
     t0 = time.perf_counter()
     # planning needs shapes only: without --run the model is built on the meta device (no weight memory)
-    model, margs, mkwargs = factory.one_microbatch("cpu" if args.run or args.checkpoint else "meta")
+    model, margs, mkwargs = factory.one_microbatch("cpu" if args.run or args.checkpoint or args.meta is False else "meta")
     build_s = time.perf_counter() - t0
     info = {k: v for k, v in getattr(model, "fxpipe_info", {}).items() if k != "input_specs"}
     if info.get("source") not in (None, "preset"):

@@ -33,8 +33,8 @@ from typing import Any
 
 from fxpipe.errors import FxpipeError, WorkerError
 
-__all__ = ["root_cause", "user_frame", "graph_frame", "describe_action", "parse_action", "action_failure",
-           "cause_fields"]
+__all__ = ["root_cause", "user_frame", "innermost_user_frame", "is_library_file", "graph_frame", "describe_action",
+           "parse_action", "action_failure", "cause_fields"]
 
 #: torch's action text: stage, type, micro-batch (``"1F3"``, ``"0RECV_B2"``, ``"2W0"``; ``"0UNSHARD"`` has none)
 _ACTION = re.compile(r"^\s*(\d+)([A-Z_]+?)(\d+)?\s*$")
@@ -63,16 +63,37 @@ def root_cause(exc: BaseException) -> BaseException:
     return exc
 
 
-def _library_dirs() -> tuple[str, ...]:
-    dirs = [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]  # fxpipe
+def _library_dirs() -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
+    """``(fxpipe and torch, the standard library, site-packages)`` folders, each ending in a separator."""
+    own = [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]  # fxpipe
     torch = sys.modules.get("torch")
     if torch is not None and getattr(torch, "__file__", None):
-        dirs.append(os.path.dirname(os.path.abspath(torch.__file__)))
-    for key in ("stdlib", "platstdlib"):
-        path = sysconfig.get_paths().get(key)
-        if path:
-            dirs.append(os.path.abspath(path))
-    return tuple(d.rstrip(os.sep) + os.sep for d in dirs)
+        own.append(os.path.dirname(os.path.abspath(torch.__file__)))
+    paths = sysconfig.get_paths()
+    std = [os.path.abspath(paths[k]) for k in ("stdlib", "platstdlib") if paths.get(k)]
+    packages = [os.path.abspath(paths[k]) for k in ("purelib", "platlib") if paths.get(k)]
+    return tuple(tuple(d.rstrip(os.sep) + os.sep for d in ds) for ds in (own, std, packages))
+
+
+def is_library_file(filename: str) -> bool:
+    """True for generated code (``<eval_with_key>``, ``<string>``) and files of fxpipe, torch and the
+    standard library: what a frame of the user's own code (a model, a custom op, transformers) is not.
+    (In a virtual environment the standard library's folder may hold site-packages: those files are
+    the user's.)"""
+    if filename.startswith("<"):
+        return True
+    own, std, packages = _library_dirs()
+    path = os.path.abspath(filename)
+    return path.startswith(own) or (path.startswith(std) and not path.startswith(packages))
+
+
+def innermost_user_frame(frames) -> str | None:
+    """The innermost of ``frames`` (``traceback.FrameSummary`` s, outermost first) in the user's own
+    code (:func:`is_library_file`), as ``File "...", line N, in fn: code``; None if there is none."""
+    for fr in reversed(list(frames)):
+        if not is_library_file(fr.filename):
+            return _frame_text(fr.filename, fr.lineno, fr.name, fr.line)
+    return None
 
 
 def _frame_text(filename: str, lineno: int | str, name: str, line: str | None) -> str:
@@ -87,13 +108,7 @@ def user_frame(exc: BaseException) -> str | None:
     ``<string>``) are skipped: what remains is the user's model, custom op or autograd
     function (third-party packages such as transformers count as the user's code).
     """
-    libs = _library_dirs()
-    for fr in reversed(traceback.extract_tb(exc.__traceback__)):
-        path = os.path.abspath(fr.filename) if not fr.filename.startswith("<") else fr.filename
-        if fr.filename.startswith("<") or path.startswith(libs):
-            continue
-        return _frame_text(fr.filename, fr.lineno, fr.name, fr.line)
-    return None
+    return innermost_user_frame(traceback.extract_tb(exc.__traceback__))
 
 
 def _stack_trace_frame(stack_trace: str | None) -> str | None:
@@ -103,7 +118,6 @@ def _stack_trace_frame(stack_trace: str | None) -> str | None:
     if not stack_trace:
         return None
     lines = str(stack_trace).rstrip().splitlines()
-    libs = _library_dirs()
     frames = []
     for i, text in enumerate(lines):
         m = _LINE.match(text)
@@ -112,7 +126,7 @@ def _stack_trace_frame(stack_trace: str | None) -> str | None:
             frames.append((m.group(1), m.group(2), m.group(3), code))
     if not frames:
         return None
-    own = [f for f in frames if not os.path.abspath(f[0]).startswith(libs)]
+    own = [f for f in frames if not is_library_file(f[0])]
     return _frame_text(*(own or frames)[-1])
 
 
