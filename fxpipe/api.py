@@ -144,10 +144,10 @@ def _capture(model, args: tuple, kwargs: dict, *, costs: str, hardware, dtype, n
 def recording_warnings():
     """Collect the messages of fxpipe's own warnings (:class:`~fxpipe.errors.FxpipeWarning`) raised inside.
 
-    Yields a list that holds them, each once, when the block ends. Every warning raised inside
-    (fxpipe's and any other) is then warned again at its own file and line, so what the caller's
-    warning filters show does not change; fxpipe's are recorded even where those filters hide
-    them (``fxpipe plan`` hides them on stderr and prints them with the plan instead).
+    Yields a list that holds them, each once, when the block ends. fxpipe's warnings are recorded
+    even where the caller's filters hide them (``fxpipe plan`` hides them on stderr and prints them
+    with the plan instead), then warned again at their own file and line through those filters;
+    other warnings, which passed the filters already, are shown as they would have been.
     """
     said: list[str] = []
     caught: list = []
@@ -160,7 +160,10 @@ def recording_warnings():
                 caught = list(rec)
     finally:  # also when the block raised: nothing warned is lost
         for w in caught:
-            if issubclass(w.category, FxpipeWarning) and str(w.message) not in said:
+            if not issubclass(w.category, FxpipeWarning):
+                warnings.showwarning(w.message, w.category, w.filename, w.lineno, w.file, w.line)
+                continue
+            if str(w.message) not in said:
                 said.append(str(w.message))
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
 

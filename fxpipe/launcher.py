@@ -321,7 +321,9 @@ def _check_actions(out_dir: str, world: int, limit_s: float, what: str) -> None:
 
 
 def _idle_text(beat: Mapping[str, Any], now: float) -> str:
-    idle = max(0.0, now - float(beat.get("since", now)))
+    if beat.get("since") is None:
+        return "no heartbeat yet"
+    idle = max(0.0, now - float(beat["since"]))
     if beat.get("running"):
         return f"in that action for {idle:.1f} s"
     last = f", after action {beat['last_action']}" if beat.get("last_action") else ""
@@ -337,23 +339,19 @@ def timeout_error(out_dir: str, world: int, headline: str, what: str = "local") 
     """
     now = time.time()
     beats = heartbeats(out_dir)
+    for r in range(world):  # no heartbeat yet: still importing torch or joining the group, the furthest behind
+        beats.setdefault(r, {"rank": r, "phase": "starting: importing torch, joining the process group", "since": None})
     waiting = {r: b for r, b in beats.items() if b.get("phase") != "done"}
-    missing = [r for r in range(world) if r not in beats]
-    late = min(waiting, key=lambda r: (not waiting[r].get("running"), float(waiting[r].get("since", now))),
-               default=None)
-    if late is None and missing:
-        lines = [f"{headline}: rank {missing[0]} had not started (importing torch, joining the process group)"]
-        return WorkerTimeoutError("\n".join(lines) + errors_text(out_dir), rank=missing[0], phase="starting",
-                                  summary=lines[0])
-    if late is None:
+    if not waiting:
         return WorkerTimeoutError(headline + errors_text(out_dir), summary=headline)
+    late = min(waiting, key=lambda r: (waiting[r].get("since") is not None, not waiting[r].get("running"),
+                                       float(waiting[r].get("since") or 0.0)))
     beat = waiting[late]
     where, stages = _describe(beat)
-    idle = max(0.0, now - float(beat.get("since", now)))
+    idle = None if beat.get("since") is None else max(0.0, now - float(beat["since"]))
     lines = [f"{headline}: {what} worker {where} is late: {_idle_text(beat, now)}"]
     others = [f"rank {r} ({_describe(b)[0].split('(', 1)[-1].rstrip(')')}), {_idle_text(b, now)}"
               for r, b in sorted(beats.items()) if r != late]
-    others += [f"rank {r} had not started" for r in missing]
     if others:
         lines.append("other ranks: " + "; ".join(others))
     summary = "\n".join(lines)

@@ -86,6 +86,7 @@ def test_an_aten_error_under_plan_build_names_the_op_and_line(single_rank_group)
     assert isinstance(err.__cause__, IndexError) and isinstance(err, FxpipeError)
 
 
+@pytest.mark.slow
 def test_a_killed_rank_is_named_with_the_action_it_was_in():
     """SIGKILL inside a forward: no error report, the rank's heartbeat names its stage and action."""
     plan = _plan("die")
@@ -116,16 +117,43 @@ def test_a_stuck_rank_fails_after_the_action_timeout_naming_its_action():
     assert (err.rank, err.action) == (rank, f"{stage}F0") and err.idle_s >= 2
 
 
+def test_the_late_rank_is_the_one_in_an_action_or_not_started(tmp_path):
+    """From the heartbeats alone (no processes): a rank inside an action is late before a rank that waits
+    longer after its last action; a rank without a heartbeat (still starting) is later still."""
+    import json
+    import time
+
+    from fxpipe.launcher import timeout_error
+
+    now = time.time()
+    beats = {0: {"rank": 0, "phase": "training step 1", "stages": [0], "run": 0, "running": None,
+                 "last_action": "0W3", "since": now - 9.0},
+             1: {"rank": 1, "phase": "training step 1", "stages": [1], "run": 0, "running": "1B2", "since": now - 4.0}}
+    for r, b in beats.items():
+        (tmp_path / f"rank{r}.beat").write_text(json.dumps(b) + "   ")
+    err = timeout_error(str(tmp_path), 2, "pipeline run with 2 ranks did not finish within 5 s", "pipeline")
+    assert err.summary.startswith("pipeline run with 2 ranks did not finish within 5 s: pipeline worker rank 1 (stage 1, "
+                                  "backward of micro-batch 2, action 1B2, training step 1, run 0) is late: in that action "
+                                  "for 4."), err.summary
+    assert "other ranks: rank 0 (stage 0, training step 1, run 0), no progress for 9." in err.summary
+    assert ", after action 0W3" in err.summary and (err.rank, err.action) == (1, "1B2") and err.idle_s >= 4
+    err = timeout_error(str(tmp_path), 3, "pipeline run with 3 ranks did not finish within 5 s", "pipeline")
+    assert "pipeline worker rank 2 (starting: importing torch, joining the process group) is late: no heartbeat yet" \
+        in err.summary and err.rank == 2 and err.idle_s is None
+
+
+@pytest.mark.slow
 def test_cli_timeout_names_the_late_rank(capsys):
     """`fxpipe plan --run --timeout S`: a stuck rank ends the run after S seconds with exit 2 and a message
-    naming the late rank (which phase it is in depends on the machine's speed), not "check the path"."""
+    naming the late rank (which phase it is in depends on the machine's speed: at 4 s it may still be
+    starting), not "check the path"."""
     from fxpipe.cli import main
 
     code = main(["plan", "--model", "_fault_models:stall_model", "--devices", "2", "--mesh", "pipeline",
-                 "--microbatches", str(MICROBATCHES), "--run", "--timeout", "10", "--time-limit", "2"])
+                 "--microbatches", str(MICROBATCHES), "--run", "--timeout", "4", "--time-limit", "2"])
     err = capsys.readouterr().err
     assert code == 2, err
-    assert "did not finish within 10 s: pipeline worker rank " in err and " is late: " in err, err
+    assert "did not finish within 4 s: pipeline worker rank " in err and " is late: " in err, err
     assert "check the path" not in err
 
 
