@@ -317,6 +317,8 @@ def _build_preset(
                 hf = model_cls(config)
         except (TypeError, ValueError, RuntimeError) as exc:  # e.g. hidden size not divisible by heads
             raise InputError(f"cannot build {base} from config {cfg_kwargs}: {str(exc).splitlines()[0]}") from None
+    if device == "meta":
+        stray_state_to_meta(hf)
     hf = hf.to(dtype=dtype)
     hf.eval()
     model = logits_only(hf).eval()
@@ -335,6 +337,31 @@ def _build_preset(
     if device == "meta":
         args = tuple(a.to("meta") for a in args)
     return model, args, {}
+
+
+def stray_state_to_meta(model: torch.nn.Module) -> int:
+    """Move to ``meta`` the parameters and buffers a model built under ``torch.device("meta")`` still
+    holds elsewhere; returns how many tensors moved.
+
+    A legacy constructor ignores the device context: XLNet's attention weights are
+    ``nn.Parameter(torch.FloatTensor(...))``, so they come out on CPU (uninitialised memory, no
+    trained weights) beside the meta ones, and the capture fails on the first op that meets both.
+    Tied tensors stay tied (one moved tensor per original).
+    """
+    from fxpipe.codegen.runtime import module_tensor_slots, set_tensor_slot  # lazy: torch.distributed
+
+    moved: dict[int, torch.Tensor] = {}
+    for _, mod, kind, key, t in module_tensor_slots(model):
+        if t.device.type == "meta":
+            continue
+        new = moved.get(id(t))
+        if new is None:
+            new = t.detach().to("meta")
+            if isinstance(t, torch.nn.Parameter):
+                new = torch.nn.Parameter(new, requires_grad=t.requires_grad)
+            moved[id(t)] = new
+        set_tensor_slot(mod, kind, key, new)
+    return len(moved)
 
 
 # ----------------------------------------------------------------------------- dtype and attention
@@ -1092,6 +1119,8 @@ def _instantiate(t, model_cls, config, task, device, dtype, seed, bs, sl, dsl, *
             else:
                 torch.manual_seed(seed)
                 hf = model_cls(config)
+    if device == "meta":
+        stray_state_to_meta(hf)
     hf = hf.to(dtype=dtype).eval()
     attn = getattr(hf.config, "_attn_implementation", None)
     model = HFHead(hf, [s.name for s in specs]).eval()

@@ -123,7 +123,9 @@ class Plan:
         innermost, :data:`fxpipe.mesh.MESH_DIMS`.
     options : dict
         The options the plan was made with (seed, time limit, resolved schedule, ...; the
-        ``torch.compile`` backend adds its own).
+        ``torch.compile`` backend adds its own), and what happened while it was made:
+        ``interrupted`` (true when Ctrl-C stopped its searches, :attr:`interrupted`) and
+        ``warnings`` (fxpipe's warnings raised meanwhile, :meth:`all_warnings`).
     capture : CaptureCell
         The captured fx program (runtime state, not saved, not compared).
     """
@@ -387,6 +389,22 @@ class Plan:
                        f"about {fill_devices} devices at this bottleneck: plan for {fill_devices} devices instead of {p}")
         return out
 
+    @property
+    def interrupted(self) -> bool:
+        """True when Ctrl-C stopped the searches that made this plan (mesh search, partition, schedule):
+        it is the best plan found by then, not the result of the whole search."""
+        return bool(self.options.get("interrupted"))
+
+    def all_warnings(self) -> list[str]:
+        """Every warning about this plan, each once: what fxpipe warned while making it (a capture on
+        meta with a device branch, a mesh search stopped by Ctrl-C, ...; ``options["warnings"]``), then
+        :meth:`waste_warnings`."""
+        out: list[str] = []
+        for w in [*(self.options.get("warnings") or []), *self.waste_warnings()]:
+            if str(w) not in out:
+                out.append(str(w))
+        return out
+
     def summary(self) -> str:
         """A readable stage table (and device table with several stages per device), the memory
         table, and what the schedule minimises: the per-device span and the makespan, each
@@ -398,6 +416,8 @@ class Plan:
         if self.dp > 1:  # mesh (fxpipe.mesh): the table is one pipeline of the replicas
             where = f"a pipeline of {where} x {self.dp} data-parallel replicas"
         lines = [
+            *(["interrupted (Ctrl-C): this plan is the best found before the search was stopped, not the result of "
+               "the whole search; run again without interrupting for the full search"] if self.interrupted else []),
             f"fxpipe plan for {self.name!r}: {where}, {self.microbatches} micro-batches, "
             f"hardware {self.hardware}, objective {self.objective}, schedule {self.schedule.method}",
             *self.mesh_summary(),
@@ -452,7 +472,7 @@ class Plan:
                 f"note: stages {empty} hold no ops and only relay tensors: the best partition found uses "
                 f"{self.num_stages - len(empty)} stages; fewer would do as well"
             )
-        lines += [f"warning: {w}" for w in self.waste_warnings()]
+        lines += [f"warning: {w}" for w in self.all_warnings()]
         if self.timings_s:
             lines.append("time: " + ", ".join(f"{k} {v:.2f} s" for k, v in self.timings_s.items()))
         return "\n".join(lines)
@@ -599,10 +619,11 @@ class Plan:
     def train_local(self, make_model: Callable, make_batch: Callable, *, steps: int = 2, lr: float = 0.01,
                     loss: str | Callable = "cross_entropy", seed: int = 0, reference: bool = True,
                     timeout_s: float = 600.0, loss_rtol: float = 1e-4, rtol: float = 1e-5,
-                    compile_stages: bool | None = None, progress: bool | None = None) -> dict[str, Any]:
+                    compile_stages: bool | None = None, progress: bool | None = None,
+                    action_timeout_s: float | None = None) -> dict[str, Any]:
         return _train_local(self, make_model, make_batch, steps=steps, lr=lr, loss=loss, seed=seed,
                             reference=reference, timeout_s=timeout_s, loss_rtol=loss_rtol, rtol=rtol,
-                            compile_stages=compile_stages, progress=progress)
+                            compile_stages=compile_stages, progress=progress, action_timeout_s=action_timeout_s)
 
     train_local.__doc__ = _train_local.__doc__
 
