@@ -20,6 +20,7 @@ torch = pytest.importorskip("torch")
 
 import fxpipe  # noqa: E402
 from fxpipe.errors import PlanWarning  # noqa: E402
+from fxpipe.mesh import format_mesh  # noqa: E402
 from fxpipe.models import build_hf_model  # noqa: E402
 
 TINY = {"n_layer": 2, "n_embd": 32, "n_head": 2, "vocab_size": 64, "n_positions": 32, "seq_len": 8}
@@ -122,6 +123,38 @@ def test_placement_search_chosen_figure_is_labelled_and_matches_the_plan(auto_pl
     assert m, chosen
     assert float(m.group(1)) == pytest.approx(plan.schedule.stage_span * 1e3, abs=1e-3)
     assert float(m.group(2)) == pytest.approx(plan.makespan_s * 1e3, abs=1e-3)
+
+
+def test_summary_says_why_the_mesh_search_planned_no_pipeline():
+    """Issue 32 item 4: when ``mesh="auto"`` picks pure data parallelism, one summary line gives the best pipeline's
+    predicted step beside the chosen mesh's and how to force a pipeline; forcing it predicts what the line said."""
+    model, args, kwargs = build_hf_model("gpt2", TINY, device="meta")
+    opts = dict(devices=2, microbatches=4, time_limit_s=0.5, schedule="zb-h1")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PlanWarning)
+        plan = fxpipe.compile(model, args, kwargs, **opts)  # mesh="auto": this tiny model fits one device
+        forced = fxpipe.compile(model, args, kwargs, mesh="pipeline", **opts)
+    assert plan.devices == 1 and plan.dp == 2, plan.mesh  # no pipeline: the case this line explains
+    rows = plan.options["mesh_search"]
+    best = min((r for r in rows if r["mesh"]["pp"] > 1 and "predicted_step_s" in r), key=lambda r: r["predicted_step_s"])
+    lines = [x for x in plan.summary().splitlines() if x.startswith("no pipeline:")]
+    assert len(lines) == 1 and lines[0] == plan.no_pipeline_reason()
+    line = lines[0]
+    assert f"the best pipeline, {best['mesh_text']}, predicts {best['predicted_step_s'] * 1e3:.3f} ms per step" in line
+    assert f"{format_mesh(plan.mesh)} predicts {plan.predicted_step_s * 1e3:.3f} ms per step" in line
+    assert best["predicted_step_s"] >= plan.predicted_step_s  # the search kept the faster one
+    assert "--mesh pipeline" in line and 'mesh="pipeline"' in line
+    # what forcing it gives: the pipeline the line named, at the step it predicted, and no such line
+    assert forced.mesh["pp"] == best["mesh"]["pp"] == 2
+    assert forced.predicted_step_s == pytest.approx(best["predicted_step_s"], rel=1e-9)
+    assert forced.no_pipeline_reason() is None and "no pipeline:" not in forced.summary()
+    # every pipeline skipped (pruned or not fitting): the line gives the best one's reason instead of a prediction
+    skipped = [{k: v for k, v in r.items() if k not in ("step_time_s", "predicted_step_s")} |
+               ({"skipped": "cannot fit: the static state alone needs 9 GiB"} if r["mesh"]["pp"] > 1 else {})
+               for r in rows]
+    text = plan.replace(options={**plan.options, "mesh_search": skipped}).no_pipeline_reason()
+    assert text.startswith("no pipeline: no pipeline was planned") and "cannot fit: the static state alone" in text
+    assert f"{format_mesh(plan.mesh)} predicts {plan.predicted_step_s * 1e3:.3f} ms" in text and "--mesh pipeline" in text
 
 
 # ------------------------------------------------------------------------- 2. one params figure
