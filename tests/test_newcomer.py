@@ -202,6 +202,35 @@ def test_cli_plan_report_trace_readable(tmp_path, capsys):
     assert "74.50 GiB" in text or "74.5 GiB" in text  # the plan's capacity is shown
 
 
+def test_cli_shows_the_warning_of_a_mesh_search_stopped_by_ctrl_c(monkeypatch, capsys):
+    """A press during the mesh search returns the best mesh so far; the CLI prints the search's PlanWarning (it
+    used to drop every PlanWarning the summary did not carry, so the documented warning never appeared)."""
+    import signal
+
+    import fxpipe.mesh.search as search_mod
+    from fxpipe.cli import main
+
+    real = search_mod._plan_or_reuse
+
+    def plan_then_press(*a, **kw):  # Ctrl-C right after the first candidate is planned
+        out = real(*a, **kw)
+        signal.raise_signal(signal.SIGINT)
+        return out
+
+    monkeypatch.setattr(search_mod, "_plan_or_reuse", plan_then_press)
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)  # the search installs its handler over the default
+    try:
+        code = main(["plan", *CLI_TINY, "--devices", "2", "--microbatches", "4", "--time-limit", "0.5",
+                     "--schedule", "zb-h1"])
+    finally:
+        signal.signal(signal.SIGINT, old)
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "not planned: the search was stopped (Ctrl-C) before it" in out  # the table's rows
+    assert re.search(r"^warning: the mesh search was stopped \(Ctrl-C\) with [1-9]\d* candidate\(s\) not planned",
+                     out, re.M), out
+
+
 def test_report_text_has_no_scientific_notation(tmp_path):
     from fxpipe.ir import OpGraph
     from fxpipe.partition.bounds import compute_bounds

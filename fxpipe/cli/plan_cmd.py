@@ -1,6 +1,6 @@
 """``fxpipe plan``: the whole pass on a model built from its config, or on the user's own module.
 
-Three ways in (``fxpipe models`` lists them)::
+Four ways in (``fxpipe models`` lists them)::
 
     fxpipe plan --hf llama-3-70b --seq-len 4096 --devices 32     # a preset (bf16, as published)
     fxpipe plan --hf qwen3 --devices 2                            # any transformers model type, small sizes
@@ -380,9 +380,6 @@ def run(args: argparse.Namespace) -> int:
         factory = HFFactory(args.hf, overrides, args.microbatches, args.microbatch_size, args.seq_len, args.seed,
                             task=args.task, dtype=args.dtype, attn_implementation=args.attn_implementation)
         name = args.hf
-    import warnings
-
-    warnings.simplefilter("ignore", PlanWarning)  # the summary and --json carry them (doc["warnings"])
     t0 = time.perf_counter()
     # planning needs shapes only: without --run the model is built on the meta device (no weight memory)
     model, margs, mkwargs = factory.one_microbatch("cpu" if args.run or args.checkpoint else "meta")
@@ -391,7 +388,7 @@ def run(args: argparse.Namespace) -> int:
     if info.get("source") not in (None, "preset"):
         name = info.get("model_type", name)
     try:
-        plan = _compile(fxpipe, model, margs, mkwargs, args, name, progress, mesh)
+        plan, notes = _compile_noting_warnings(fxpipe, model, margs, mkwargs, args, name, progress, mesh)
     except CaptureError as exc:
         if info.get("source") in (None, "preset"):
             raise
@@ -407,10 +404,11 @@ def run(args: argparse.Namespace) -> int:
         "model_info": info,
         "build_s": build_s,
         "plan": {k: v for k, v in plan.to_dict().items() if k not in ("graph", "problem", "schedule", "stage_of")},
-        "warnings": plan.waste_warnings(),
+        "warnings": plan.waste_warnings() + notes,
     }
     text = [_model_line(info, args)] if info else []
     text.append(plan.summary())
+    text += [f"warning: {n}" for n in notes]
     if args.out:
         plan.save(args.out)
         doc["plan_file"] = args.out
@@ -438,6 +436,25 @@ def run(args: argparse.Namespace) -> int:
     emit(args, doc, "\n".join(text))
     # a pipelined run that does not match single-process training is a failure of fxpipe, not of the input
     return 1 if args.run and not result["ok"] else 0
+
+
+def _compile_noting_warnings(fxpipe, model, margs, mkwargs, args: argparse.Namespace, name: str, progress: bool,
+                             mesh: Any):
+    """:func:`_compile`, and the text of every :class:`~fxpipe.errors.PlanWarning` it raised that the plan's summary
+    does not already carry (e.g. a mesh search stopped by Ctrl-C); other warnings are shown as usual."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", PlanWarning)
+        plan = _compile(fxpipe, model, margs, mkwargs, args, name, progress, mesh)
+    shown = set(plan.waste_warnings())
+    notes: list[str] = []
+    for w in caught:
+        if not issubclass(w.category, PlanWarning):
+            warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+        elif str(w.message) not in shown and str(w.message) not in notes:
+            notes.append(str(w.message))
+    return plan, notes
 
 
 def _compile(fxpipe, model, margs, mkwargs, args: argparse.Namespace, name: str, progress: bool, mesh: Any):
