@@ -178,3 +178,4 @@ def test_a_malformed_marker_is_a_problem_not_a_crash():
     bad = README + "\n<!-- fxpipe-docs: output -->\n"
     found = docs.check(ROOT, texts={"README.md": bad}, run=False)
     assert len(found) == 1 and "an output marker needs cmd=" in found[0].what
+    assert (found[0].path, found[0].line) == ("README.md", len(README.splitlines()) + 2)

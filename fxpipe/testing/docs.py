@@ -93,7 +93,9 @@ class Marker:
 
 @dataclass
 class Page:
-    path: str  # relative to the root, e.g. "docs/mesh.md"
+    """A Markdown page: its path relative to the repository (``"docs/mesh.md"``), text, blocks and markers."""
+
+    path: str
     text: str
     fences: list[Fence] = field(default_factory=list)
     markers: list[Marker] = field(default_factory=list)
@@ -101,6 +103,8 @@ class Page:
 
 @dataclass(frozen=True)
 class Problem:
+    """One claim that does not hold: the page (relative path), its 1-based line, and what is wrong."""
+
     path: str
     line: int
     what: str
@@ -112,13 +116,33 @@ class Problem:
 # ---------------------------------------------------------------------------------------------- parsing
 
 
+class MarkerError(ValueError):
+    """A malformed ``fxpipe-docs`` marker: ``path`` and ``line`` say where, the message what is wrong."""
+
+    def __init__(self, path: str, line: int, what: str):
+        super().__init__(f"{path}:{line}: {what}")
+        self.path, self.line, self.what = path, line, what
+
+
 def parse_page(path: str, text: str) -> Page:
     """The fenced blocks and markers of one Markdown page.
 
+    Parameters
+    ----------
+    path : str
+        The page's path relative to the repository (for messages).
+    text : str
+        The page's Markdown.
+
+    Returns
+    -------
+    Page
+        Its fenced blocks (opening line, language, body) and its markers with the blocks they name.
+
     Raises
     ------
-    ValueError
-        A marker without the block it names or with an unknown kind.
+    MarkerError
+        A marker without the block it names, with unbalanced quotes or of an unknown kind.
     """
     page = Page(path, text)
     lines = text.splitlines()
@@ -139,9 +163,12 @@ def parse_page(path: str, text: str) -> Page:
             pending.append((i + 1, c.group(1)))
         i += 1
     for line, body in pending:
-        tokens = shlex.split(body)
+        try:
+            tokens = shlex.split(body)
+        except ValueError as exc:
+            raise MarkerError(path, line, f"the {MARK} marker does not split into words: {exc}") from None
         if not tokens:
-            raise ValueError(f"{path}:{line}: an empty {MARK} marker")
+            raise MarkerError(path, line, f"an empty {MARK} marker")
         kind, attrs, flags = tokens[0], {}, set()
         for t in tokens[1:]:
             key, eq, value = t.partition("=")
@@ -153,18 +180,18 @@ def parse_page(path: str, text: str) -> Page:
         after = [f for f in page.fences if f.line > line]
         if kind == "output":
             if "cmd" not in attrs or not after:
-                raise ValueError(f"{path}:{line}: an output marker needs cmd=\"...\" and a fenced block after it")
+                raise MarkerError(path, line, "an output marker needs cmd=\"...\" and a fenced block after it")
             mk.target = after[0]
         elif kind == "python":
             if len(after) < 2 or after[0].lang != "python":
-                raise ValueError(f"{path}:{line}: a python marker needs a python block and an output block after it")
+                raise MarkerError(path, line, "a python marker needs a python block and an output block after it")
             mk.code, mk.target = after[0], after[1]
         elif kind in ("recorded", "figure"):
             key = "cmd" if kind == "recorded" else "script"
             if key not in attrs:
-                raise ValueError(f"{path}:{line}: a {kind} marker needs {key}=\"...\"")
+                raise MarkerError(path, line, f"a {kind} marker needs {key}=\"...\"")
         else:
-            raise ValueError(f"{path}:{line}: unknown {MARK} marker {kind!r} (output, python, recorded, figure)")
+            raise MarkerError(path, line, f"unknown {MARK} marker {kind!r} (output, python, recorded, figure)")
         page.markers.append(mk)
     return page
 
@@ -662,8 +689,8 @@ def check(root: Path = ROOT, *, texts: Mapping[str, str] | None = None, slow: bo
     root = Path(root)
     try:
         pages = doc_pages(root, texts)
-    except ValueError as exc:  # a malformed marker: the message names the page and line
-        return [Problem("docs", 0, str(exc))]
+    except MarkerError as exc:
+        return [Problem(exc.path, exc.line, exc.what)]
     out = static_problems(pages, root)
     if not run:
         return out
