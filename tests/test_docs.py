@@ -74,6 +74,15 @@ def test_docs_check_passes(checked):
     assert not checked, "\n".join(map(str, checked))
 
 
+@pytest.mark.slow
+def test_docs_check_with_the_slow_blocks_passes(runner, checked):
+    """``--check --slow``: the main job trains on 4 gloo ranks and its verdict is still "equal" (about a minute)."""
+    problems = docs.check(ROOT, slow=True, runner=runner)
+    assert not problems, "\n".join(map(str, problems))
+    main_job = next(k for k in runner.outputs if k[0] == "cmd" and k[1].endswith(" --run"))
+    assert docs.structure(runner.outputs[main_job])["training"] == ["equal"]
+
+
 def test_a_hand_edited_output_block_fails_the_check(runner, checked):
     """Edits a reader could make by hand (another mesh chosen, a stage row gone, another model planned) fail; the
     timings of a block (every number) may differ freely."""
