@@ -1,6 +1,6 @@
 """``fxpipe plan``: the whole pass on a model built from its config, or on the user's own module.
 
-Three ways in (``fxpipe models`` lists them)::
+Four ways in (``fxpipe models`` lists them)::
 
     fxpipe plan --hf llama-3-70b --seq-len 4096 --devices 32     # a preset (bf16, as published)
     fxpipe plan --hf qwen3 --devices 2                            # any transformers model type, small sizes

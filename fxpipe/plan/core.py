@@ -217,6 +217,9 @@ class Plan:
         """Summary lines for a plan with data parallelism or a mesh search (none for a pinned pure pipeline):
         the mesh, the links its data-parallel groups use, and the table of the meshes searched."""
         lines = _mesh_search_table(self.options.get("mesh_search") or [])
+        why = self.no_pipeline_reason()
+        if why:
+            lines.insert(0, why)
         if self.memory.offload_optimizer is True:
             max_params = float(device_num_params(self.graph, self.partition.assignment, self.device_of_stage,
                                                  self.devices).max())
@@ -246,6 +249,33 @@ class Plan:
                 f"data-parallel sync per step: {format_ms(self.dp_sync_s)} on the busiest device ({'; '.join(used)}); "
                 f"predicted step with it {format_ms(self.predicted_step_s)} "
                 f"({format_ms(self.predicted_step_s - self.schedule.value)} not hidden by the pipeline)", *lines]
+
+    def no_pipeline_reason(self) -> str | None:
+        """Why the mesh search chose no pipeline: one summary line, or None.
+
+        Only for a plan whose mesh search (``mesh="auto"``, ``plan.options["mesh_search"]``)
+        chose pure data parallelism (``pp = 1``) although a pipeline (``pp > 1``) was a
+        candidate: the best pipeline's predicted step (or, when none was planned, why the best
+        one by its lower bound was skipped) beside the chosen mesh's, and how to force a
+        pipeline (``--mesh pipeline``, ``mesh="pipeline"``). Figures are the search table's
+        rows (:func:`fxpipe.mesh.search.search_mesh`), in milliseconds.
+        """
+        rows = self.options.get("mesh_search") or []
+        pipes = [r for r in rows if int(r.get("mesh", {}).get("pp", 1)) > 1]
+        if self.devices != 1 or not pipes:
+            return None
+        chosen = next((r for r in rows if r.get("chosen")), None)
+        step = chosen["predicted_step_s"] if chosen and "predicted_step_s" in chosen else self.predicted_step_s
+        here = f"{chosen['mesh_text'] if chosen else format_mesh(self.mesh)} predicts {step * 1e3:.3f} ms per step"
+        force = "--mesh pipeline (mesh=\"pipeline\") forces a pipeline"
+        planned = [r for r in pipes if "predicted_step_s" in r]
+        if planned:
+            best = min(planned, key=lambda r: r["predicted_step_s"])
+            return (f"no pipeline: the best pipeline, {best['mesh_text']}, predicts {best['predicted_step_s'] * 1e3:.3f} "
+                    f"ms per step; {here}; {force}")
+        best = min(pipes, key=lambda r: r.get("lower_bound_s", float("inf")))
+        return (f"no pipeline: no pipeline was planned (the best by its lower bound, {best['mesh_text']}, "
+                f"{best.get('skipped', 'was not planned')}); {here}; {force}")
 
     # ------------------------------------------------------------------ placement
     @property
