@@ -85,6 +85,9 @@ PROFILE_CASES = {
     "op time 1e308": (_set("measurements", "aten.mm.default(f32[4,4]g, f32[4,4]w)", "t_fwd_s", value=1e308),
                       ["'t_fwd_s' is 1e+308", "[0, 1e+06]", "aten.mm.default"]),
     "threads 0": (_set("device", "threads", value=0), ["'threads' is 0"]),
+    "efficiency above its range": (_set("base", "efficiency", value={"matmul": 2.0}),
+                                   ["efficiency['matmul']", "is 2", "(0, 1.5]"]),
+    "efficiency of no family": (_set("base", "efficiency", value={"matmull": 0.5}), ["efficiency", "'matmull'"]),
 }
 
 

@@ -35,6 +35,8 @@ COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "p2p")
 #: Every key :attr:`HardwareSpec.efficiency` may hold: compute families, intra-node collectives,
 #: ``inter_node`` (every collective over the network, per NIC) and ``host_copy`` (pinned PCIe copies).
 EFFICIENCY_FAMILIES = COMPUTE_FAMILIES + COLLECTIVES + ("inter_node", "host_copy")
+#: The largest achieved efficiency a spec may state (an efficiency lies in (0, EFFICIENCY_MAX]).
+EFFICIENCY_MAX = 1.5
 
 #: The project's H100 run: README "On a real GPU", ``benchmarks/bench_gpu_profile.py``, 2026-11-26,
 #: torch 2.11.0+cu130; its figures are recorded in ``benchmarks/data/h100_llama_steps.json``.
@@ -203,10 +205,10 @@ class HardwareSpec:
     def __post_init__(self):
         object.__setattr__(self, "peak_flops", MappingProxyType(dict(self.peak_flops)))
         eff = {str(k): float(v) for k, v in dict(self.efficiency).items()}
-        bad = {k: v for k, v in eff.items() if k not in EFFICIENCY_FAMILIES or not 0.0 < v <= 1.5}
+        bad = {k: v for k, v in eff.items() if k not in EFFICIENCY_FAMILIES or not 0.0 < v <= EFFICIENCY_MAX}
         if bad:
             raise InputError(f"hardware {self.name!r}: efficiency {bad} is not a family of {', '.join(EFFICIENCY_FAMILIES)} "
-                             "with a value in (0, 1.5]")
+                             f"with a value in (0, {EFFICIENCY_MAX:g}]")
         object.__setattr__(self, "efficiency", MappingProxyType(eff))
         object.__setattr__(self, "efficiency_sources", MappingProxyType(dict(self.efficiency_sources)))
 
@@ -428,6 +430,7 @@ SPEC_RANGES: Mapping[str, tuple[float, float, bool]] = MappingProxyType({
     "memory_bytes": (0.0, 1e18, True), "launch_overhead_s": (0.0, 1.0, False),
     "intra_node_latency_s": (0.0, 1.0, False), "inter_node_latency_s": (0.0, 1.0, False),
     "devices_per_node": (1.0, 1e6, False), "peak_flops": (0.0, 1e21, True),
+    "efficiency": (0.0, EFFICIENCY_MAX, True),
 })
 _TEXT_FIELDS = ("name", "description", "source")
 
@@ -438,8 +441,9 @@ def spec_from_dict(doc: Mapping[str, Any], *, source: str = "hardware spec") -> 
     The one validation of hardware specs read from files (the ``base`` of an ``fxpipe.hwprofile/1``
     profile). Bandwidths, the memory capacity and the peaks must be finite and > 0 (peaks up to
     1e21 FLOP/s, bandwidths and capacities up to 1e18), the launch overhead and latencies in
-    [0, 1] s, ``devices_per_node`` an integer >= 1; ``peak_flops`` must hold ``"fp32"`` (the
-    fallback of every other dtype). Fields added later are checked by their unit suffix
+    [0, 1] s, ``devices_per_node`` an integer >= 1, each ``efficiency`` in (0, 1.5] and of a family
+    of :data:`EFFICIENCY_FAMILIES`; ``peak_flops`` must hold ``"fp32"`` (the fallback of every
+    other dtype). Fields added later are checked by their unit suffix
     (``*_s``, ``*_bytes``, ``*_bytes_per_s``, ``*_flops``: finite, >= 0, the unit's bound); a
     field of numbers by dtype or op family entry by entry (texts in such a field, e.g. sources,
     are kept). Unknown keys are ignored.
@@ -491,4 +495,7 @@ def spec_from_dict(doc: Mapping[str, Any], *, source: str = "hardware spec") -> 
     if "fp32" not in kw["peak_flops"]:
         raise InputError(f"{source}: field 'peak_flops' has no 'fp32' entry ({sorted(kw['peak_flops'])}), allowed: "
                          "an object of dtype -> FLOP/s holding 'fp32' (every dtype it lacks runs at the fp32 peak)")
-    return HardwareSpec(**kw)
+    try:
+        return HardwareSpec(**kw)
+    except InputError as exc:  # a field checked by the spec itself (an efficiency of an unknown family)
+        raise InputError(f"{source}: {exc}") from None
