@@ -69,7 +69,7 @@ def test_a_save_killed_before_any_of_its_writes_leaves_the_last_committed_state(
 
 
 def test_save_refuses_early_what_load_would_refuse(tmp_path, single_rank_group):
-    """One rank: a ``path`` that is a file, a negative ``step`` and a ``mesh`` that is no record of mesh degrees are
+    """One rank: a ``path`` that is a file (or inside one), a negative ``step`` and a ``mesh`` that is no record of mesh degrees are
     refused by ``save_training_state`` itself (on every rank, before any collective write), naming the argument;
     a mesh with its rank ``order`` or numpy degrees (as a plan's may hold) saves and loads back, the record JSON;
     a save never leaves a checkpoint that ``load_training_state`` then refuses."""
@@ -90,6 +90,7 @@ def test_save_refuses_early_what_load_would_refuse(tmp_path, single_rank_group):
     afile = tmp_path / "a-file"
     afile.write_text("")
     for kwargs, words in (({"path": afile}, [f"checkpoint path {afile} is a file"]),
+                          ({"path": afile / "sub"}, [f"cannot create the checkpoint directory {afile / 'sub'}"]),
                           ({"step": -1}, ["step must be an integer >= 0", "-1"]),
                           ({"mesh": {"pp": 0}}, ["mesh", "integer >= 1", "'pp'"]),
                           ({"mesh": {"pp": 1, "order": "pp"}}, ["mesh", "'order'"]),
