@@ -66,3 +66,42 @@ def test_a_save_killed_in_every_phase_leaves_the_last_committed_state(tmp_path):
 def test_a_save_killed_before_any_of_its_writes_leaves_the_last_committed_state(tmp_path):
     """Every file-system write of both ranks' save (about 35), one kill each."""
     _check_trials(_harness(tmp_path, "all", cases=False), every_write_killed=False)
+
+
+def test_save_refuses_early_what_load_would_refuse(tmp_path, single_rank_group):
+    """One rank: a ``path`` that is a file (or inside one), a negative ``step`` and a ``mesh`` that is no record of mesh degrees are
+    refused by ``save_training_state`` itself (on every rank, before any collective write), naming the argument;
+    a mesh with its rank ``order`` or numpy degrees (as a plan's may hold) saves and loads back, the record JSON;
+    a save never leaves a checkpoint that ``load_training_state`` then refuses."""
+    import numpy as np
+    import torch
+
+    import fxpipe
+    from fxpipe.codegen.checkpoint import load_training_state, save_training_state
+    from fxpipe.errors import InputError
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+    plan = fxpipe.compile(model, (torch.randn(1, 4),), devices=1, microbatches=1, mesh="pipeline", time_limit_s=0.2)
+    _, schedule = plan.build(0, loss_fn=torch.nn.functional.mse_loss)
+    opt = torch.optim.SGD(schedule.parameters(), lr=0.1, momentum=0.9)
+    schedule.step(torch.randn(1, 4), target=torch.randn(1, 2), losses=[])
+    opt.step()
+    afile = tmp_path / "a-file"
+    afile.write_text("")
+    for kwargs, words in (({"path": afile}, [f"checkpoint path {afile} is a file"]),
+                          ({"path": afile / "sub"}, [f"cannot create the checkpoint directory {afile / 'sub'}"]),
+                          ({"step": -1}, ["step must be an integer >= 0", "-1"]),
+                          ({"mesh": {"pp": 0}}, ["mesh", "integer >= 1", "'pp'"]),
+                          ({"mesh": {"pp": 1, "order": "pp"}}, ["mesh", "'order'"]),
+                          ({"mesh": [1, 1, 1]}, ["mesh"])):
+        call = {"path": tmp_path / "refused", "step": 1, **kwargs}
+        with pytest.raises(InputError) as info:
+            save_training_state(call.pop("path"), schedule, opt, **call)
+        assert all(w in str(info.value) for w in words), (kwargs, str(info.value))
+    assert not (tmp_path / "refused").exists()
+    mesh = {"pp": np.int64(1), "dp_shard": 1, "dp_replicate": 1, "order": ("dp_replicate", "dp_shard", "pp")}
+    save_training_state(tmp_path / "ok", schedule, opt, step=1, mesh=mesh)
+    doc = load_training_state(tmp_path / "ok", schedule, opt)
+    assert doc["step"] == 1 and doc["mesh"] == {"pp": 1, "dp_shard": 1, "dp_replicate": 1,
+                                                "order": ["dp_replicate", "dp_shard", "pp"]}

@@ -202,7 +202,7 @@ def test_fbw_activation_and_param_accounting():
     # parameters: each counted once (tied weight too), on an OpGraph node
     g, names = to_opgraph(gm, "a100-80gb", name="mlp")
     assert g.size_param_bytes.sum() == sum(p.numel() * p.element_size() for p in model.parameters())
-    assert g.bandwidth_bytes_per_s == get_hardware("a100-80gb").d2d_bytes_per_s * 0.80  # NVLink as NCCL sends achieve it
+    assert g.bandwidth_bytes_per_s == get_hardware("a100-80gb").d2d_bytes_per_s * 0.767  # NVLink as NCCL sends achieve it
     # integer-only ops take no part in the backward
     assert all(x.t_bwd_input_s == 0 and x.act_bytes == 0 for x in c.values() if not x.requires_grad)
 

@@ -92,6 +92,8 @@ def test_every_efficiency_has_a_source_and_every_gpu_a_datasheet_twin():
                                                                                  hw.memory_bytes)
         # compute never beats the datasheet peak; only NVLink SHARP's all-reduce may exceed the line rate
         assert all(0 < hw.efficiency_of(f) <= 1 for f in COMPUTE_FAMILIES)
+        # and it does so on 8 GPUs only: the ring formula every group is priced with takes the ring's bus bandwidth
+        assert 0 < hw.efficiency_of("all_reduce") <= 1
     assert sorted(HARDWARE) == sorted([*EFFICIENCY_DERIVATION, *(f"{n}-datasheet" for n in EFFICIENCY_DERIVATION), "cpu"])
 
 

@@ -85,6 +85,9 @@ PROFILE_CASES = {
     "op time 1e308": (_set("measurements", "aten.mm.default(f32[4,4]g, f32[4,4]w)", "t_fwd_s", value=1e308),
                       ["'t_fwd_s' is 1e+308", "[0, 1e+06]", "aten.mm.default"]),
     "threads 0": (_set("device", "threads", value=0), ["'threads' is 0"]),
+    "efficiency above its range": (_set("base", "efficiency", value={"matmul": 2.0}),
+                                   ["efficiency['matmul']", "is 2", "(0, 1.5]"]),
+    "efficiency of no family": (_set("base", "efficiency", value={"matmull": 0.5}), ["efficiency", "'matmull'"]),
 }
 
 
@@ -310,6 +313,25 @@ def test_safetensors_index_must_stay_inside_its_folder(tmp_path):
         with pytest.raises(InputError) as info:
             load_tensors(folder, {"0.weight": ["0.weight"]})
         assert str(index) in str(info.value) and all(w in str(info.value) for w in words), str(info.value)
+
+
+def test_a_hub_snapshot_whose_shards_are_symlinks_loads(tmp_path):
+    """A Hugging Face hub cache snapshot (``snapshots/REV/`` whose index and shards are symlinks into ``../../blobs``)
+    is a folder of its own shards: the index's names stay inside it, wherever the links lead."""
+    import os
+
+    from fxpipe.codegen.materialize import load_tensors
+
+    torch, _, state, good = _weights(tmp_path)
+    blobs, snapshot = tmp_path / "hub" / "blobs", tmp_path / "hub" / "snapshots" / "rev"
+    blobs.mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    good.rename(blobs / "sha-shard")
+    (blobs / "sha-index").write_text(json.dumps({"weight_map": {k: "model-00001-of-00001.safetensors" for k in state}}))
+    os.symlink("../../blobs/sha-shard", snapshot / "model-00001-of-00001.safetensors")
+    os.symlink("../../blobs/sha-index", snapshot / "model.safetensors.index.json")
+    out, files = load_tensors(snapshot, {"1.weight": ["1.weight"]})
+    assert torch.equal(out["1.weight"], state["1.weight"]) and files == [str(snapshot / "model-00001-of-00001.safetensors")]
 
 
 def test_a_checkpoint_tensor_of_another_kind_shape_or_missing_is_refused_not_cast(tmp_path):

@@ -57,6 +57,7 @@ checkpoint) and POSIX ``rename(2)``, which replaces a file in one step.
 from __future__ import annotations
 
 import math
+import numbers
 import os
 import re
 import shutil
@@ -313,6 +314,35 @@ def _dcp_save(state: dict[str, torch.Tensor], directory: Path, **writer_kw) -> N
         raise OSError(f"cannot write the training state to {directory}: {_dcp_cause(exc)}") from None
 
 
+def _mesh_record(mesh: Any) -> dict | None:
+    """The training-state record's ``mesh``: None, or mesh dimension -> integer >= 1 with an optional rank
+    ``"order"`` (a list of dimension names); numpy integers and an order tuple become JSON's. The one rule for
+    what :func:`save_training_state` records and :func:`load_training_state` reads back.
+
+    Raises
+    ------
+    ValueError
+        Naming the entry that breaks it (the callers turn it into an InputError naming the argument or the file).
+    """
+    if mesh is None:
+        return None
+    if not isinstance(mesh, Mapping):
+        raise ValueError(f"a {type(mesh).__name__}, not an object")
+    out: dict[str, Any] = {}
+    for k, v in mesh.items():
+        if not isinstance(k, str):
+            raise ValueError(f"key {k!r} is no mesh dimension name")
+        if k == "order":
+            if isinstance(v, str) or not isinstance(v, (list, tuple)) or not all(isinstance(d, str) for d in v):
+                raise ValueError(f"'order' is {v!r:.80}, not a list of mesh dimension names")
+            out[k] = list(v)
+        elif isinstance(v, bool) or not isinstance(v, numbers.Integral) or int(v) < 1:
+            raise ValueError(f"{k!r} is {v!r:.80}, not an integer >= 1")
+        else:
+            out[k] = int(v)
+    return out
+
+
 def save_training_state(path: str | os.PathLike, schedule, optimizer: torch.optim.Optimizer | None = None, *,
                         step: int = 0, mesh: Mapping[str, int] | None = None) -> Path:
     """Write every rank's parameters, buffers and optimizer state as a new version of the directory ``path``.
@@ -335,7 +365,8 @@ def save_training_state(path: str | os.PathLike, schedule, optimizer: torch.opti
     step : int
         Optimizer steps taken so far, >= 0 (stored, returned by :func:`load_training_state`).
     mesh : dict, optional
-        The plan's mesh, stored for the record.
+        The plan's mesh (``plan.mesh``: dimension -> degree, an optional rank ``"order"``), stored for
+        the record.
 
     Returns
     -------
@@ -346,7 +377,8 @@ def save_training_state(path: str | os.PathLike, schedule, optimizer: torch.opti
     ------
     InputError
         For a schedule fxpipe did not build, an optimizer over other parameters, a negative
-        ``step`` or a ``path`` that is a file.
+        ``step``, a ``mesh`` that is no mapping of dimensions to integers >= 1, or a ``path`` that
+        is a file (every rank raises it, before anything is written).
     OSError
         When the files cannot be written (every rank raises it).
     """
@@ -358,6 +390,11 @@ def save_training_state(path: str | os.PathLike, schedule, optimizer: torch.opti
         _require_safetensors()
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise InputError(f"step must be an integer >= 0 (optimizer steps taken), got {step!r}")
+        try:
+            mesh_doc = _mesh_record(mesh or None)
+        except ValueError as exc:
+            raise InputError(f"mesh must be None or mesh dimension -> integer >= 1 (plan.mesh), with an optional "
+                             f"rank 'order': {exc}") from None
         model_state = _named_state(schedule)
         optim_tensors, hyper, stateful = _optimizer_state(schedule, optimizer) if optimizer is not None else ({}, {}, [])
         if dist.get_rank() == 0:
@@ -377,7 +414,7 @@ def save_training_state(path: str | os.PathLike, schedule, optimizer: torch.opti
     if dist.get_rank() == 0:  # the others learn of a failure below instead of waiting in a barrier
         try:
             shutil.rmtree(folder / "model" / "sharded", ignore_errors=True)  # consolidated above it
-            doc = {"format": TRAINSTATE_FORMAT, "step": int(step), "mesh": dict(mesh) if mesh else None,
+            doc = {"format": TRAINSTATE_FORMAT, "step": int(step), "mesh": mesh_doc,
                    "world_size": dist.get_world_size(),
                    "param_groups": {k: v for g in gathered for k, v in g[0].items()},
                    "optimizer_state": sorted({f for g in gathered for f in g[1]})}
@@ -444,10 +481,11 @@ def _check_doc(doc: Any, state_file: Path) -> dict:
     step = doc.get("step")
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise bad("step", step, "an integer >= 0 (optimizer steps taken)")
-    mesh = doc.get("mesh")
-    if mesh is not None and (not isinstance(mesh, dict) or not all(
-            isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) and v >= 1 for k, v in mesh.items())):
-        raise bad("mesh", mesh, "null or an object of mesh dimension -> integer >= 1")
+    try:
+        _mesh_record(doc.get("mesh"))
+    except ValueError as exc:
+        raise bad("mesh", doc.get("mesh"), f"null or an object of mesh dimension -> integer >= 1, with an optional "
+                  f"rank 'order' (here {exc})") from None
     world = doc.get("world_size", 1)
     if isinstance(world, bool) or not isinstance(world, int) or world < 1:
         raise bad("world_size", world, "an integer >= 1")

@@ -34,6 +34,7 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
+from fxpipe.codegen.faults import stack_trace_frame
 from fxpipe.errors import FxpipeWarning
 
 __all__ = ["DeviceBranchWarning", "KernelGap", "kernel_gaps", "captured_on_meta", "warn_meta_kernel_gaps"]
@@ -65,7 +66,8 @@ class KernelGap:
     error : str
         First line of the backend's error.
     source : str
-        The model's source line that made the op (last frame of ``node.meta['stack_trace']``), or "".
+        The model's source line that made the op (the innermost frame of the model's own code in
+        ``node.meta['stack_trace']``, :func:`fxpipe.codegen.faults.stack_trace_frame`), or "".
     """
 
     node: str
@@ -96,14 +98,8 @@ def captured_on_meta(gm: torch.fx.GraphModule) -> bool:
 
 
 def _source_line(node: torch.fx.Node) -> str:
-    trace = node.meta.get("stack_trace") or ""
-    lines = [ln.strip() for ln in str(trace).strip().splitlines() if ln.strip()]
-    frames = [i for i, ln in enumerate(lines) if ln.startswith("File ")]
-    if not frames:
-        return ""
-    i = frames[-1]
-    code = lines[i + 1] if i + 1 < len(lines) and not lines[i + 1].startswith("File ") else ""
-    return (lines[i] + (": " + code if code else ""))[:200]
+    """The model's source line of ``node`` (:func:`fxpipe.codegen.faults.stack_trace_frame`), or ""."""
+    return (stack_trace_frame(node.meta.get("stack_trace")) or "")[:200]
 
 
 def _stand_in(val: torch.Tensor, device: str) -> torch.Tensor:

@@ -10,6 +10,7 @@ exception. This module digs that cause out and says where it happened:
   module's generated ``forward`` in the traceback, the node named by the assignment on that
   line) and the model's source line that ``torch.export`` recorded for it
   (``node.meta["stack_trace"]``, innermost frame).
+* :func:`stack_trace_frame`: that innermost model frame of a node's recorded stack trace.
 * :func:`user_frame`: the innermost frame of the traceback in the user's own code (not torch,
   not fxpipe, not the standard library): a custom op's or an autograd function's body.
 * :func:`describe_action`: ``"1F3"`` -> ``"stage 1, forward of micro-batch 3"`` (torch's action text).
@@ -34,7 +35,7 @@ from typing import Any
 from fxpipe.errors import FxpipeError, WorkerError
 
 __all__ = ["root_cause", "user_frame", "innermost_user_frame", "is_library_file", "graph_frame", "describe_action",
-           "parse_action", "action_failure", "cause_fields"]
+           "parse_action", "action_failure", "cause_fields", "stack_trace_frame"]
 
 #: torch's action text: stage, type, micro-batch (``"1F3"``, ``"0RECV_B2"``, ``"2W0"``; ``"0UNSHARD"`` has none)
 _ACTION = re.compile(r"^\s*(\d+)([A-Z_]+?)(\d+)?\s*$")
@@ -111,10 +112,14 @@ def user_frame(exc: BaseException) -> str | None:
     return innermost_user_frame(traceback.extract_tb(exc.__traceback__))
 
 
-def _stack_trace_frame(stack_trace: str | None) -> str | None:
+def stack_trace_frame(stack_trace: str | None) -> str | None:
     """The innermost frame of the model's code in a node's recorded stack trace (``File ..., line N,
     in fn: code``): frames of torch's own modules (``nn.Embedding.forward``) are passed over, unless
-    there is no other."""
+    there is no other; None without a frame.
+
+    The one reader of ``node.meta["stack_trace"]`` for messages (a failing op here, a kernel gap in
+    :mod:`fxpipe.codegen.devicecheck`).
+    """
     if not stack_trace:
         return None
     lines = str(stack_trace).rstrip().splitlines()
@@ -161,7 +166,7 @@ def graph_frame(exc: BaseException, module: Any) -> tuple[str | None, str | None
         return None, None
     target = node.target
     op = f"{node.name} ({getattr(target, '__name__', None) if callable(target) and not hasattr(target, '_schema') else target})"
-    return op, _stack_trace_frame(node.meta.get("stack_trace"))
+    return op, stack_trace_frame(node.meta.get("stack_trace"))
 
 
 def parse_action(action: str | None) -> tuple[int | None, str | None, int | None]:

@@ -111,6 +111,9 @@ def safetensors_header(path: str | os.PathLike) -> dict[str, tuple[str, tuple[in
 def safetensors_index(path: str | os.PathLike) -> dict[str, Path]:
     """The ``weight_map`` of a sharded safetensors checkpoint's ``*.safetensors.index.json``: key -> shard file.
 
+    The names are checked as written (relative, not leaving the folder); a shard that is a symlink
+    (a Hugging Face hub snapshot's shards link into its ``blobs`` folder) is followed when read.
+
     Raises
     ------
     InputError
@@ -123,14 +126,15 @@ def safetensors_index(path: str | os.PathLike) -> dict[str, Path]:
     if not isinstance(weight_map, dict):
         raise InputError(f"safetensors index {path}: field 'weight_map' must be an object (tensor name -> file name), "
                          f"got {type(weight_map).__name__}")
-    folder = path.parent.resolve()
+    folder = path.parent
     out: dict[str, Path] = {}
     for key, name in weight_map.items():
         if not isinstance(name, str) or not name:
             raise InputError(f"safetensors index {path}: weight_map[{key!r}] must be a file name, got {name!r}")
-        target = (folder / name).resolve()
-        if target.parent != folder and folder not in target.parents:
+        # the name, not where a symlink leads: a Hugging Face hub snapshot's shards are symlinks into ../../blobs
+        norm = os.path.normpath(name)
+        if os.path.isabs(norm) or norm == os.pardir or norm.startswith(os.pardir + os.sep):
             raise InputError(f"safetensors index {path}: weight_map[{key!r}] = {name!r} points outside the index's "
                              f"folder {folder}: shard files must lie in that folder")
-        out[key] = target
+        out[key] = folder / norm
     return out

@@ -35,6 +35,8 @@ COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "p2p")
 #: Every key :attr:`HardwareSpec.efficiency` may hold: compute families, intra-node collectives,
 #: ``inter_node`` (every collective over the network, per NIC) and ``host_copy`` (pinned PCIe copies).
 EFFICIENCY_FAMILIES = COMPUTE_FAMILIES + COLLECTIVES + ("inter_node", "host_copy")
+#: The largest achieved efficiency a spec may state (an efficiency lies in (0, EFFICIENCY_MAX]).
+EFFICIENCY_MAX = 1.5
 
 #: The project's H100 run: README "On a real GPU", ``benchmarks/bench_gpu_profile.py``, 2026-11-26,
 #: torch 2.11.0+cu130; its figures are recorded in ``benchmarks/data/h100_llama_steps.json``.
@@ -72,9 +74,15 @@ _H100_EFFICIENCY = {
                    "bandwidth of every collective but all-reduce"),
     "all_gather": (0.822, f"{_NCCL_212}: ~370 of 450 GB/s bus bandwidth"),
     "reduce_scatter": (0.822, f"{_NCCL_212}: ~370 of 450 GB/s bus bandwidth"),
-    # 480 / 450
-    "all_reduce": (1.067, f"{_NCCL_212}: all-reduce runs on NVLink SHARP (NVLS) by default: peak bus bandwidth "
-                          "~480 GB/s on 8 GPUs (the switch reduces, so above the line rate)"),
+    # 370 / 450 (NCCL_ALGO=Ring); NVLink SHARP's 480 holds on 8 GPUs only
+    "all_reduce": (0.822, f"{_NCCL_212}: ~370 of 450 GB/s bus bandwidth, as the other collectives (all-reduce "
+                          "with NCCL_ALGO=RING). All-reduce on NVLink SHARP (NVLS) reaches a peak bus bandwidth of "
+                          "~480 GB/s (1.067) on 8 GPUs with messages of 1 GB and more (256 MB is too small), its algorithm "
+                          "bandwidth ~275 GB/s. That does not grow with the group (each GPU sends and receives the whole "
+                          "message through the switch), so under the ring formula 2 (k-1)/k that fxpipe prices every "
+                          "group with, NVLS gives ~275 GB/s of bus bandwidth on 2 GPUs (below the ring's 370: NCCL takes "
+                          "the ring), ~412 on 4, ~481 on 8 (derived, not measured). The ring's figure holds on every "
+                          "group size; on 8 GPUs with large messages the prediction is up to 1.3x pessimistic"),
     # 47 / 50
     "inter_node": (0.940, "NVIDIA, github.com/NVIDIA/nccl-tests/issues/290 (2025-03-03): NDR 400 Gb/s: 46-48 GB/s "
                           "bus bandwidth per NIC"),
@@ -91,14 +99,16 @@ def _efficiency(table, **overrides) -> dict:
 
 _H200_EFFICIENCY = {
     **{k: (v, _CARRIED + src) for k, (v, src) in _H100_EFFICIENCY.items()},
-    # 475 / 450
-    "all_reduce": (1.056, "github.com/NVIDIA/nccl-tests/issues/272 (2024-11-27): all_reduce_perf on 8 H200 over "
-                          "NVLink 4 (NVLS): peak bus bandwidth 475 GB/s"),
+    # the H100's ring figure (the same NVLink 4); NVLS's 475 holds on 8 GPUs only
+    "all_reduce": (0.822, _CARRIED + _H100_EFFICIENCY["all_reduce"][1] + ". On the H200: github.com/NVIDIA/nccl-tests/"
+                          "issues/272 (2024-11-27), all_reduce_perf on 8 H200 over NVLink 4 (NVLS): peak bus bandwidth "
+                          "475 GB/s at 4 GB messages (1.056), the same 8-GPU NVLS peak"),
 }
-_A100_NVLINK = ("NCCL's ~20% protocol overhead on NVLink (S. Jeaugey, github.com/NVIDIA/nccl-tests/issues/212) applied "
-                "to NVLink 3's 300 GB/s; the same maintainer expects 160 GB/s bus bandwidth of the A800's 200 GB/s "
-                "(github.com/NVIDIA/nccl/issues/412): 0.80; users report 200-208 GB/s on 8 A100 (nccl-tests issues "
-                "149, 178). No NVLink SHARP on the A100: all-reduce the same")
+_A100_NVLINK = ("S. Jeaugey (NCCL), github.com/NVIDIA/nccl-tests/issues/149 (2023-07-05): A100's 12 NVLinks of 25 GB/s "
+                "per direction give ~20 GB/s each with NCCL's 128 B payloads, 240 GB/s, and other bottlenecks of the "
+                "GPU limit it to ~230 GB/s bus bandwidth (at 8 GB messages): 230 / 300 = 0.767 (users of that issue "
+                "and of issue 178 measured 200-208 GB/s, 0.67-0.69). No NVLink SHARP on the A100: all-reduce the "
+                "same")
 _A100_EFFICIENCY = {
     **{k: (v, _CARRIED + src) for k, (v, src) in _H100_EFFICIENCY.items()
        if k in ("elementwise", "reduction", "embedding", "host_copy")},
@@ -109,8 +119,9 @@ _A100_EFFICIENCY = {
                          "SXM4): FlashAttention-2 reaches up to 73% of peak forward and 63% backward, i.e. 0.655 for "
                          "F + 2.5 F, and is ~2x faster than xformers' cutlass kernel, which is torch SDPA's "
                          "memory-efficient kernel that the captured graphs' explicit masks select: 0.33"),
-    "p2p": (0.80, _A100_NVLINK), "all_gather": (0.80, _A100_NVLINK), "reduce_scatter": (0.80, _A100_NVLINK),
-    "all_reduce": (0.80, _A100_NVLINK),
+    # 230 / 300
+    "p2p": (0.767, _A100_NVLINK), "all_gather": (0.767, _A100_NVLINK), "reduce_scatter": (0.767, _A100_NVLINK),
+    "all_reduce": (0.767, _A100_NVLINK),
     # 24 / 25
     "inter_node": (0.96, "S. Jeaugey (NCCL), github.com/NVIDIA/nccl/issues/412 (2023-04-24): 24 GB/s bus bandwidth "
                          "inter-node on 200 Gb/s HDR"),
@@ -203,10 +214,10 @@ class HardwareSpec:
     def __post_init__(self):
         object.__setattr__(self, "peak_flops", MappingProxyType(dict(self.peak_flops)))
         eff = {str(k): float(v) for k, v in dict(self.efficiency).items()}
-        bad = {k: v for k, v in eff.items() if k not in EFFICIENCY_FAMILIES or not 0.0 < v <= 1.5}
+        bad = {k: v for k, v in eff.items() if k not in EFFICIENCY_FAMILIES or not 0.0 < v <= EFFICIENCY_MAX}
         if bad:
             raise InputError(f"hardware {self.name!r}: efficiency {bad} is not a family of {', '.join(EFFICIENCY_FAMILIES)} "
-                             "with a value in (0, 1.5]")
+                             f"with a value in (0, {EFFICIENCY_MAX:g}]")
         object.__setattr__(self, "efficiency", MappingProxyType(eff))
         object.__setattr__(self, "efficiency_sources", MappingProxyType(dict(self.efficiency_sources)))
 
@@ -428,6 +439,7 @@ SPEC_RANGES: Mapping[str, tuple[float, float, bool]] = MappingProxyType({
     "memory_bytes": (0.0, 1e18, True), "launch_overhead_s": (0.0, 1.0, False),
     "intra_node_latency_s": (0.0, 1.0, False), "inter_node_latency_s": (0.0, 1.0, False),
     "devices_per_node": (1.0, 1e6, False), "peak_flops": (0.0, 1e21, True),
+    "efficiency": (0.0, EFFICIENCY_MAX, True),
 })
 _TEXT_FIELDS = ("name", "description", "source")
 
@@ -438,8 +450,9 @@ def spec_from_dict(doc: Mapping[str, Any], *, source: str = "hardware spec") -> 
     The one validation of hardware specs read from files (the ``base`` of an ``fxpipe.hwprofile/1``
     profile). Bandwidths, the memory capacity and the peaks must be finite and > 0 (peaks up to
     1e21 FLOP/s, bandwidths and capacities up to 1e18), the launch overhead and latencies in
-    [0, 1] s, ``devices_per_node`` an integer >= 1; ``peak_flops`` must hold ``"fp32"`` (the
-    fallback of every other dtype). Fields added later are checked by their unit suffix
+    [0, 1] s, ``devices_per_node`` an integer >= 1, each ``efficiency`` in (0, 1.5] and of a family
+    of :data:`EFFICIENCY_FAMILIES`; ``peak_flops`` must hold ``"fp32"`` (the fallback of every
+    other dtype). Fields added later are checked by their unit suffix
     (``*_s``, ``*_bytes``, ``*_bytes_per_s``, ``*_flops``: finite, >= 0, the unit's bound); a
     field of numbers by dtype or op family entry by entry (texts in such a field, e.g. sources,
     are kept). Unknown keys are ignored.
@@ -491,4 +504,7 @@ def spec_from_dict(doc: Mapping[str, Any], *, source: str = "hardware spec") -> 
     if "fp32" not in kw["peak_flops"]:
         raise InputError(f"{source}: field 'peak_flops' has no 'fp32' entry ({sorted(kw['peak_flops'])}), allowed: "
                          "an object of dtype -> FLOP/s holding 'fp32' (every dtype it lacks runs at the fp32 peak)")
-    return HardwareSpec(**kw)
+    try:
+        return HardwareSpec(**kw)
+    except InputError as exc:  # a field checked by the spec itself (an efficiency of an unknown family)
+        raise InputError(f"{source}: {exc}") from None
