@@ -128,8 +128,10 @@ def test_dcp_checkpoint_saved_at_tp2_resumes_at_tp1(tmp_path):
     assert straight.shape == (4,) and len(set(straight.tolist())) == 4
     torch.testing.assert_close(global_losses("resumed"), straight[2:], rtol=1e-6, atol=0)  # tp=2 -> tp=2
     torch.testing.assert_close(global_losses("resharded"), straight[2:], rtol=1e-5, atol=0)  # tp=2 -> tp=1
-    doc = json.loads((tmp_path / "ckpt" / "fxpipe_state.json").read_text())
-    assert doc["mesh"]["tp"] == 2
+    from fxpipe.codegen.checkpoint import latest_state_dir
+
+    doc = json.loads((latest_state_dir(tmp_path / "ckpt") / "fxpipe_state.json").read_text())
+    assert doc["mesh"]["tp"] == 2 and doc["step"] == 2
 
 
 @pytest.mark.slow
