@@ -56,7 +56,7 @@ def main() -> None:
         wall = time.perf_counter() - t0
         for name, plan, res in zip(args.models, plans, results):
             layout = plan.tensor_parallel
-            split = f"{len(layout.regions)} regions" + (", seq. parallel" if layout.sequence_parallel else "")
+            split = f"{len(layout.regions)} region{'' if len(layout.regions) == 1 else 's'}" + (", seq. parallel" if layout.sequence_parallel else "")
             if not hasattr(res, "losses"):
                 print(f"| {name} | {format_mesh(plan.mesh)} | {args.schedule} | {split} | - | - | - | error: "
                       f"{res.message.splitlines()[0][:80]} | - |")

@@ -87,10 +87,8 @@ class _LocalAttention:
     ``torch.distributed.tensor.experimental.local_map`` does).
     """
 
-    __name__ = __qualname__ = "tp_local_attention"
-    __module__ = __name__
-
     def __init__(self, mesh):
+        self.__name__ = self.__qualname__ = "tp_local_attention"  # an fx call_function target's name
         self._mesh = mesh
 
     def __call__(self, q, k, v, attn_mask=None, *args, **kwargs):

@@ -75,7 +75,7 @@ add sub mul div where maximum minimum masked_fill eq ne gt lt ge le logical_and 
 __and__ __or__ rsub true_divide floor_divide remainder fmod atan2 copysign pow
 """.split())
 _VIEWS = frozenset("view reshape _unsafe_view view_as reshape_as".split())
-_SEQ_MIXING_FREE = frozenset("native_layer_norm layer_norm rms_norm _fused_rms_norm".split())
+_NORMS = frozenset("native_layer_norm layer_norm rms_norm _fused_rms_norm".split())
 
 
 def _opname(node: torch.fx.Node) -> str:
@@ -251,9 +251,7 @@ class _Finder:
         x, w, out_dim, in_dim, b = mm
         sx = self.state.get(x) if isinstance(x, torch.fx.Node) else None
         out = _shape(node)
-        if isinstance(sx, _Fail):
-            return self._fail(sx.origins, node, "a rejected shard feeds it")
-        if sx is None or isinstance(sx, _Partial):
+        if sx is None or isinstance(sx, (_Partial, _Fail)):  # a rejected shard is replicated in the next walk
             if out is None or not out or node.name in self.banned:
                 return None
             params = {w: out_dim, **({b: 0} if b else {})}
@@ -289,12 +287,8 @@ class _Finder:
             if mm is not None:
                 self.state[node] = self._matmul(node, mm)
                 continue
+            # a rejected shard (_Fail) is read as replicated: the next walk, without its columns, makes it so
             ins = [self.state.get(a) for a in node.all_input_nodes]
-            bad = [s for s in ins if isinstance(s, _Fail)]
-            if bad:
-                self.state[node] = self._fail(frozenset().union(*(s.origins for s in bad)), node,
-                                              "a rejected shard feeds it")
-                continue
             if not any(isinstance(s, (_Sh, tuple)) for s in ins):
                 continue  # replicated (a partial sum is reduced before it is used)
             st = _sharded_rule(node, self.state)
@@ -484,7 +478,7 @@ def _sharded_rule(node: torch.fx.Node, state: Mapping[torch.fx.Node, Any]) -> An
         d = _dim(int(args[2]) if len(args) > 2 else int(node.kwargs.get("dim", 0)), nd)
         n = len(_val(node)) if isinstance(_val(node), (list, tuple)) else 0
         return tuple([st0] * n) if n and d != st0.dim else None
-    if op in _SEQ_MIXING_FREE:
+    if op in _NORMS:
         norm = args[1] if len(args) > 1 else ()
         k = len(norm) if isinstance(norm, (list, tuple)) else 1
         if st0.dim >= nd - k:
@@ -549,9 +543,9 @@ def _binary(node: torch.fx.Node, state: Mapping[torch.fx.Node, Any], out: tuple[
     units, origins = [], frozenset()
     for a in node.args:
         st = state.get(a) if isinstance(a, torch.fx.Node) else None
-        if isinstance(st, (tuple, _Fail)):
+        if isinstance(st, tuple):
             return None
-        if not isinstance(st, _Sh):
+        if not isinstance(st, _Sh):  # replicated (a partial sum is reduced first, a rejected shard replicated)
             continue
         shp = _shape(a)
         if shp is None:
@@ -584,7 +578,7 @@ def _matmul_rule(node: torch.fx.Node, state: Mapping[torch.fx.Node, Any], out: t
             dims.add(st.dim + len(out) - len(shp))
             origins |= st.origins
             units.append(st.units)
-        elif st is not None:
+        elif isinstance(st, tuple):
             return None
     if len(dims) != 1:
         return None
@@ -605,9 +599,11 @@ def _attention_rule(node: torch.fx.Node, state: Mapping[torch.fx.Node, Any], out
     units, origins = [], frozenset()
     for a in list(node.args[:4]) + [node.kwargs.get("attn_mask")]:
         st = state.get(a) if isinstance(a, torch.fx.Node) else None
-        if st is None:
+        if isinstance(st, tuple):
+            return None
+        if not isinstance(st, _Sh):
             continue
-        if not isinstance(st, _Sh) or st.dim != 1 or len(_shape(a) or ()) != 4:
+        if st.dim != 1 or len(_shape(a) or ()) != 4:
             return None
         units.append(st.units)
         origins |= st.origins
