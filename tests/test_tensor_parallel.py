@@ -160,14 +160,14 @@ def test_conv_nets_get_no_tensor_parallelism_with_the_reason(traced):
         check_tensor_parallel(unet, 2)
 
 
-class _OddMLP(torch.nn.Module):
-    """An MLP of width 6 under a vocabulary of 10: tp=4 divides neither."""
+class _MLP(torch.nn.Module):
+    """An embedding and a residual MLP (default: width 6 under a vocabulary of 10, which tp=4 divides neither)."""
 
-    def __init__(self):
+    def __init__(self, vocab: int = 10, width: int = 6):
         super().__init__()
-        self.emb = torch.nn.Embedding(10, 8)
-        self.up = torch.nn.Linear(8, 6)
-        self.down = torch.nn.Linear(6, 8)
+        self.emb = torch.nn.Embedding(vocab, 8)
+        self.up = torch.nn.Linear(8, width)
+        self.down = torch.nn.Linear(width, 8)
 
     def forward(self, ids):
         h = self.emb(ids)
@@ -175,7 +175,7 @@ class _OddMLP(torch.nn.Module):
 
 
 def test_odd_widths_are_refused_with_the_width_named():
-    model = _OddMLP()
+    model = _MLP()
     g = trace_model(model, (torch.zeros(2, 4, dtype=torch.long),)).graph
     assert graph_tensor_parallel(g, 2).params["up.weight"] == "Shard(0)"
     with pytest.raises(InputError, match=r"tp=4 does not divide the 6 output features of up.bias, up.weight"):
@@ -241,9 +241,14 @@ def test_a_pinned_tp_mesh_plans_warns_saves_and_refuses_edits(tmp_path):
     doc = json.loads(pure.save(tmp_path / "pure.json").read_text())
     assert "tensor_parallel" not in doc and "tp" not in doc["mesh"]
     assert Plan.from_dict(doc).tp == 1 and Plan.from_dict(doc).tensor_parallel_warnings() == []
-    # refused before planning: a degree that does not divide the heads
+    # refused before planning: a degree that does not divide the heads; one wider than a node (h100-sxm: 8 GPUs)
     with pytest.raises(InputError, match="tp=8 does not divide the 4 heads"):
         fxpipe.compile(model, args, kwargs, devices=16, microbatches=4, mesh={"pp": 2, "tp": 8}, time_limit_s=0.3)
+    wide = _MLP(vocab=48, width=48)  # 16 and 3 divide its widths and vocabulary, not the nodes of 8 GPUs
+    for tp in (16, 3):
+        with pytest.raises(InputError, match=f"tp={tp}: tensor parallelism runs inside a node"):
+            fxpipe.compile(wide, (torch.zeros(2, 4, dtype=torch.long),), devices=tp, microbatches=4, mesh={"tp": tp},
+                           time_limit_s=0.3)
 
 
 def test_cli_mesh_with_tp_that_does_not_divide_exits_2(capsys):

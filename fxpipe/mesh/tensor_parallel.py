@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 from fxpipe.errors import InputError
+from fxpipe.mesh.costs import Topology
 
 __all__ = [
     "REPLICATE",
@@ -270,8 +271,11 @@ def check_tensor_parallel(graph, tp: int, what: str = "mesh") -> TensorParallelL
     ------
     InputError
         When ``tp`` does not divide the heads or widths of an attention block or MLP (the
-        message names them and the degrees that would), or when nothing in the model can be
-        split (no column / row pattern: the reasons of the rejected candidates).
+        message names them and the degrees that would); when nothing in the model can be split
+        (no column / row pattern: the reasons of the rejected candidates); when the hardware's
+        nodes are known (``graph.meta["topology"]``) and ``tp`` consecutive ranks do not fit in
+        one (tensor parallelism's per-layer collectives run on the node's links: ``tp`` divides
+        ``devices_per_node``).
     """
     layout = graph_tensor_parallel(graph, tp)
     if tp == 1:
@@ -291,4 +295,10 @@ def check_tensor_parallel(graph, tp: int, what: str = "mesh") -> TensorParallelL
                             "(no matmul with a parameter weight: convolutions and other ops have no tensor-parallel "
                             "pattern)")
                          + "; use tp=1")
+    topology = Topology.of_graph(graph)
+    if topology is not None and not topology.in_node(1, tp, tp * topology.devices_per_node):  # every group of a job
+        raise InputError(f"{what} tp={tp}: tensor parallelism runs inside a node (its collectives in every layer need "
+                         f"the node's links) and {tp} consecutive ranks do not fit in the nodes of "
+                         f"{topology.devices_per_node} devices of {getattr(graph, 'meta', {}).get('hardware', 'this hardware')}: "
+                         f"use a tp that divides {topology.devices_per_node}")
     return layout
