@@ -30,6 +30,7 @@ def main() -> None:
     args = ap.parse_args()
 
     import fxpipe
+    from fxpipe.errors import InputError
     from fxpipe.codegen.compare import compare_training
     from fxpipe.codegen.launch import reference_train, spawn_train_many
     from fxpipe.mesh import format_mesh, parse_mesh
@@ -40,21 +41,28 @@ def main() -> None:
     for text in args.mesh:
         mesh = parse_mesh(text)
         world = math.prod(int(mesh.get(d, 1)) for d in ("pp", "dp_shard", "dp_replicate", "tp"))
-        runs, plans = [], []
+        runs, plans, names = [], [], []
         for name in args.models:
             zm = zoo.get(name, microbatches=args.microbatches)
             model, margs, mkwargs = zm.one_microbatch()
-            plan = fxpipe.compile(model, margs, mkwargs, devices=world, microbatches=args.microbatches, mesh=mesh,
-                                  schedule=args.schedule, time_limit_s=0.5, seed=0)
+            try:
+                plan = fxpipe.compile(model, margs, mkwargs, devices=world, microbatches=args.microbatches, mesh=mesh,
+                                      schedule=args.schedule, time_limit_s=0.5, seed=0)
+            except InputError as exc:  # a tp the model's blocks refuse, or nothing to split: the reason
+                print(f"| {name} | {format_mesh(mesh)} | {args.schedule} | refused: {str(exc)[:160]} | - | - | - | - | - |")
+                continue
             plans.append(plan)
+            names.append(name)
             runs.append(dict(make_model=zm, stage_of=plan.worker_stage_of(), orders=plan.orders(),
                              num_microbatches=args.microbatches, make_batch=zm.batch, loss=zm.loss, steps=args.steps,
                              lr=0.05, mesh={**plan.mesh, "order": plan.rank_order}, model_key=name,
                              tensor_parallel_params=plan.tensor_parallel.params))
+        if not runs:
+            continue
         t0 = time.perf_counter()
         results = spawn_train_many(runs, world_size=world, timeout_s=3600, on_error="record")
         wall = time.perf_counter() - t0
-        for name, plan, res in zip(args.models, plans, results):
+        for name, plan, res in zip(names, plans, results):
             layout = plan.tensor_parallel
             split = f"{len(layout.regions)} region{'' if len(layout.regions) == 1 else 's'}" + (", seq. parallel" if layout.sequence_parallel else "")
             if not hasattr(res, "losses"):

@@ -89,6 +89,21 @@ def test_tp_composes_with_split_backward_fsdp_ddp_and_moe_on_4_ranks():
     assert [zbv.meta["fused_full_backward"][s] for s in (1, 2, 3)] == [False] * 3
 
 
+#: zoo models of every kind at tp=2 on 2 ranks, each for what it exercises: a tied embedding and output with GPT-2's
+#: fused QKV rejected (gpt2), biases and an MLM head (bert), an encoder-decoder (t5), 17 tokens, no sequence
+#: parallelism (vit), an embedding read by three domains (olmo2: q / k rejected at their full-width norm), a 1-D
+#: weight meeting the sequence shard (cohere), an in-place add on a region's output (blip), MoE experts replicated
+#: (mixtral), a state-space model (mamba), convolutions and a classifier (resnet)
+ZOO_TP2 = ("gpt2", "bert", "t5", "vit", "olmo2", "cohere", "blip", "mixtral", "mamba", "resnet")
+
+
+@pytest.mark.slow
+def test_zoo_models_at_tp2_on_2_ranks():
+    runs, labels = zip(*(_run(n, {"pp": 1, "tp": 2}, "1f1b") for n in ZOO_TP2))
+    res = spawn_train_many(list(runs), world_size=2, timeout_s=1500)
+    _check(res, labels, runs)
+
+
 @pytest.mark.slow
 def test_pp2_tp2_dp_shard2_on_8_ranks():
     run, label = _run("llama", {"pp": 2, "tp": 2, "dp_shard": 2}, "1f1b")

@@ -133,7 +133,9 @@ def _gathered(x, mesh):  # a fresh sequence-shard DTensor, all-gathered (backwar
 #: "dsp" a sequence-parallel DTensor, "dt" a region's DTensor; needed adds "out:R"/"out:S1" (stage outputs)
 _CONVERSIONS: dict[tuple[str, str], tuple[str, Callable] | None] = {
     (_R, _R): None, (_R, "out:R"): None,
-    (_R, "dsp"): ("r_to_sp", lambda x, m: _from_local(x, m, _R).redistribute(m, _placements()[1])),
+    # a whole value read by a sequence-parallel op enters replicated: DTensor slices it locally where it meets the
+    # sequence shard (a residual of the same shape) and broadcasts it where it does not (a norm's weight, a mask)
+    (_R, "dsp"): ("r_to_sp", lambda x, m: _from_local(x, m, _R)),
     (_R, "dt"): ("r_to_dt", lambda x, m: _from_local(x, m, _R)),
     (_S1, "dsp"): ("s1_to_sp", lambda x, m: _from_local(x, m, _S1)),
     (_S1, "dt"): ("s1_to_dt", _gathered),
@@ -214,6 +216,7 @@ class TensorParallelRank:
         self.mesh = tp_mesh
         self._convert = {k: (None if v is None else _Convert(v[0], v[1], tp_mesh)) for k, v in _CONVERSIONS.items()}
         self._attention = _LocalAttention(tp_mesh)
+        self._fresh = _Convert("fresh", lambda x, m: x.clone(), tp_mesh)
         self._distributed: dict[int, torch.nn.Parameter] = {}
 
     @property
@@ -255,41 +258,63 @@ class TensorParallelRank:
         self._rewrite(spec, module)
 
     def _rewrite(self, spec, module: fx.GraphModule) -> None:
+        """Insert the layout conversions of stage ``spec.index``'s graph (module docstring) and recompile it."""
         graph = module.graph
         placeholders = [n for n in graph.nodes if n.op == "placeholder"]
         origin: dict[fx.Node, str] = dict(zip(placeholders, spec.input_names))
-        produced: dict[fx.Node, tuple[str, Any]] = {}
-        cache: dict = {}
+        produced: dict[fx.Node, tuple[str, Any]] = {}  # node -> (kind of its value, region)
+        need: dict[fx.Node, tuple[str, Any]] = {}  # consumer -> (kind it reads, region)
         for n in list(graph.nodes):
             if n.op == "placeholder":
                 produced[n] = (self.value_layout(origin[n]) if spec.index > 0 else _R, None)
             elif n.op == "get_attr":
-                obj = _attr(module, n.target)
-                produced[n] = ("param" if isinstance(obj, torch.nn.Parameter) else _R, None)
+                produced[n] = ("param" if isinstance(_attr(module, n.target), torch.nn.Parameter) else _R, None)
             elif n.op == "call_function" and n.target is stage_input:
                 origin[n] = origin[n.args[0]]
                 produced[n] = produced[n.args[0]]
             elif n.op == "call_function" and n.target in (stage_output, last_stage_output):
-                src = n.args[0]
-                name = origin.get(src, src.name)
-                self._convert_args(graph, n, "out:R" if n.target is last_stage_output else f"out:{self.value_layout(name)}",
-                                   None, produced, cache)
+                name = origin.get(n.args[0], n.args[0].name)
+                need[n] = ("out:R" if n.target is last_stage_output else f"out:{self.value_layout(name)}", None)
             elif n.op in ("call_function", "call_method", "call_module"):
                 dom, region = self.domain(n.name)
-                need = {"plain": _R, "sp": "dsp", "tp": "dt"}[dom]
-                if need != _R and str(n.target).endswith("_assert_tensor_metadata.default"):
+                kind = {"plain": _R, "sp": "dsp", "tp": "dt"}[dom]
+                if kind != _R and str(n.target).endswith("_assert_tensor_metadata.default"):
                     graph.erase_node(n)  # a dtype / device check: DTensor has no rule for it
                     continue
-                self._convert_args(graph, n, need, region, produced, cache)
-                if need == "dt" and n.target is torch.ops.aten.scaled_dot_product_attention.default:
-                    n.target = self._attention  # on the local heads (DTensor has no CPU backward rule for it)
-                produced[n] = ({_R: _R, "dsp": "dsp", "dt": "dt"}[need], region)
+                need[n] = (kind, region)
+                produced[n] = (kind, region)
+        # a region's value read by several other domains leaves it once, whole (a vocab-parallel embedding's masked
+        # partial sum can be reduced only once), and every other layout is taken from that
+        exits: dict[fx.Node, set] = {}
+        for c, (kind, region) in need.items():
+            for a in c.all_input_nodes:
+                pk, pr = produced.get(a, (_R, None))
+                if pk == "dt" and not (kind == "dt" and region == pr) and _is_tensor(a):
+                    exits.setdefault(a, set()).add(kind if kind != "dt" else "dt:other")
+        whole = {a for a, keys in exits.items() if len(keys - {_R, "out:R"}) + bool(keys & {_R, "out:R"}) > 1}
+        cache: dict = {}
+        for c, (kind, region) in need.items():
+            self._convert_args(graph, c, kind, region, produced, cache, whole)
+            if kind == "dt" and c.target is torch.ops.aten.scaled_dot_product_attention.default:
+                c.target = self._attention  # on the local heads (DTensor has no CPU backward rule for it)
         graph.lint()
         module.recompile()
 
-    def _convert_args(self, graph: fx.Graph, node: fx.Node, need: str, region, produced: dict, cache: dict) -> None:
+    def _convert_args(self, graph: fx.Graph, node: fx.Node, need: str, region, produced: dict, cache: dict,
+                      whole: set) -> None:
         """Replace every tensor argument of ``node`` by its conversion to ``need`` (one conversion node per
-        value and kind, inserted before its first consumer)."""
+        value and kind, inserted before its first consumer; a region value in ``whole`` is first made whole)."""
+
+        def insert(fn, a: fx.Node, key) -> fx.Node:
+            hit = cache.get((a, key))
+            if hit is None:
+                with graph.inserting_before(node):
+                    hit = graph.call_function(fn, (a,))
+                hit.meta = dict(a.meta)
+                cache[(a, key)] = hit
+            return hit
+
+        inplace = _writes_first_argument(node)
 
         def convert(a: fx.Node):
             kind, where = produced.get(a, (_R, None))
@@ -298,19 +323,19 @@ class TensorParallelRank:
                 if where == region:
                     return a
                 key = "dt:other"
+            if not _is_tensor(a):
+                return a
+            if kind == "dt" and a in whole:
+                a, kind = insert(self._convert[("dt", _R)], a, "whole"), _R
+                key = "dt" if key == "dt:other" else key
             if (kind, key) not in self._convert:
                 raise InputError(f"tensor parallelism: no conversion of node {a.name} ({kind}) for node {node.name} "
                                  f"({need}); this is a bug in fxpipe")
             fn = self._convert[(kind, key)]
-            if fn is None or not _is_tensor(a):
-                return a
-            hit = cache.get((a, key))
-            if hit is None:
-                with graph.inserting_before(node):
-                    hit = graph.call_function(fn, (a,))
-                hit.meta = dict(a.meta)
-                cache[(a, key)] = hit
-            return hit
+            if fn is not None and inplace and node.args and node.args[0] is a and key in (_R, "out:R", "out:S1"):
+                # an in-place op on a region's output: a fresh tensor (to_local's view may not be written in place)
+                return insert(self._fresh, insert(fn, a, key), "fresh")
+            return a if fn is None else insert(fn, a, key)
 
         node.args = fx.node.map_arg(node.args, convert)
         node.kwargs = fx.node.map_arg(node.kwargs, convert)
@@ -340,6 +365,14 @@ class TensorParallelRank:
             g = p.grad
             if isinstance(g, DTensor) and isinstance(p, DTensor) and tuple(g.placements) != tuple(p.placements):
                 p.grad = g.redistribute(p.device_mesh, p.placements)
+
+
+def _writes_first_argument(node: fx.Node) -> bool:
+    """An aten op that updates its first argument in place (``add_``, ``masked_fill_``, ...)."""
+    text = str(node.target)
+    parts = text.split(".")
+    return node.op == "call_function" and len(parts) >= 2 and parts[0] == "aten" and parts[1].endswith("_") \
+        and not parts[1].startswith("_")
 
 
 def _attr(module: torch.nn.Module, target: str) -> Any:
