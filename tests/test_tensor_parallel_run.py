@@ -8,8 +8,9 @@ the same global batch:
   stage modules run on DTensor, the pipeline sends carry the sequence shard);
 * slow: the same under ZB-H1 (split backward) and ZB-V (two stages per rank), ``{"tp": 2,
   "dp_shard": 2}`` (2-D FSDP2 over (dp_shard, tp)), ``{"tp": 2, "dp_replicate": 2}`` (DDP) and
-  ``{"pp": 2, "tp": 2}`` of a Qwen3-MoE (experts and router replicated, attention split) on 4
-  ranks, sharing one set of workers; ``{"pp": 2, "tp": 2, "dp_shard": 2}`` on 8 ranks;
+  ``{"pp": 2, "tp": 2}`` of a Qwen3-MoE (experts and router replicated, attention split) and of
+  Falcon, the optimizer on the host, on 4 ranks, sharing one set of workers; ten zoo models of
+  every kind at ``{"tp": 2}`` on 2 ranks; ``{"pp": 2, "tp": 2, "dp_shard": 2}`` on 8 ranks;
 * slow: a DCP checkpoint of AdamW training saved at ``{"pp": 2, "tp": 2}`` resumes at tp = 1
   (``{"pp": 2, "dp_shard": 2}``) and at tp = 2 with the losses of the uninterrupted run
   (torchrun, ``tests/_dcp_worker.py``);
@@ -79,6 +80,8 @@ def test_tp_composes_with_split_backward_fsdp_ddp_and_moe_on_4_ranks():
              ("llama", {"pp": 1, "tp": 2, "dp_shard": 2}, "1f1b", {}),
              ("llama", {"pp": 1, "tp": 2, "dp_replicate": 2}, "1f1b", {}),
              ("qwen3_moe", {"pp": 2, "tp": 2}, "1f1b", {}),
+             # the embedding (a masked partial sum) sent on and read by a norm on the sequence shard at once
+             ("falcon", {"pp": 2, "tp": 2}, "1f1b", {}),
              ("llama", {"pp": 2, "tp": 2}, "1f1b", {"offload": True})]
     runs, labels = zip(*(_run(n, m, s, **kw) for n, m, s, kw in cases))
     res = spawn_train_many(list(runs), world_size=4, timeout_s=1500)

@@ -133,20 +133,25 @@ def _gathered(x, mesh):  # a fresh sequence-shard DTensor, all-gathered (backwar
 #: "dsp" a sequence-parallel DTensor, "dt" a region's DTensor; needed adds "out:R"/"out:S1" (stage outputs)
 _CONVERSIONS: dict[tuple[str, str], tuple[str, Callable] | None] = {
     (_R, _R): None, (_R, "out:R"): None,
-    # a whole value read by a sequence-parallel op enters replicated: DTensor slices it locally where it meets the
-    # sequence shard (a residual of the same shape) and broadcasts it where it does not (a norm's weight, a mask)
-    (_R, "dsp"): ("r_to_sp", lambda x, m: _from_local(x, m, _R)),
+    # a whole value read by a sequence-parallel op: its local sequence shard when it has the op's sequence dim (a
+    # residual), else replicated, broadcast by DTensor (a norm's weight, a mask with a size-1 dim)
+    (_R, "dsp"): ("r_to_sp", lambda x, m: _from_local(x, m, _R).redistribute(m, _placements()[1])),
+    (_R, "dsp:broadcast"): ("r_to_sp_broadcast", lambda x, m: _from_local(x, m, _R)),
     (_R, "dt"): ("r_to_dt", lambda x, m: _from_local(x, m, _R)),
     (_S1, "dsp"): ("s1_to_sp", lambda x, m: _from_local(x, m, _S1)),
     (_S1, "dt"): ("s1_to_dt", _gathered),
     (_S1, _R): ("s1_to_r", lambda x, m: _gathered(x, m).to_local()),
     (_S1, "out:R"): ("s1_to_r", lambda x, m: _gathered(x, m).to_local()),
     (_S1, "out:S1"): None,
+    (_R, "out:S1"): ("r_to_s1", lambda x, m: _from_local(x, m, _R).redistribute(m, _placements()[1]).to_local()),
+    ("dt", "out:S1"): ("dt_to_s1", lambda x, m: _redistribute_local(x, m, _S1)),
     ("dsp", "dsp"): None,
-    ("dsp", "dt"): ("sp_to_dt", lambda x, m: _gathered(x.to_local(), m)),
+    # (a sequence-parallel value is normally Shard(1) already; redistributing to it first is then free, and keeps the
+    # sends and the gathers right for one DTensor left replicated, e.g. by an in-place op on a replicated tensor)
+    ("dsp", "dt"): ("sp_to_dt", lambda x, m: _gathered(_redistribute_local(x, m, _S1), m)),
     ("dsp", _R): ("sp_to_r", lambda x, m: _redistribute_local(x, m, _R)),
     ("dsp", "out:R"): ("sp_to_r", lambda x, m: _redistribute_local(x, m, _R)),
-    ("dsp", "out:S1"): ("sp_to_s1", lambda x, m: x.to_local()),
+    ("dsp", "out:S1"): ("sp_to_s1", lambda x, m: _redistribute_local(x, m, _S1)),
     ("dt", _R): ("dt_to_r", lambda x, m: _redistribute_local(x, m, _R)),
     ("dt", "out:R"): ("dt_to_r", lambda x, m: _redistribute_local(x, m, _R)),
     ("dt", "dsp"): ("dt_to_sp", lambda x, m: _from_local(_redistribute_local(x, m, _S1), m, _S1)),
@@ -264,6 +269,10 @@ class TensorParallelRank:
         origin: dict[fx.Node, str] = dict(zip(placeholders, spec.input_names))
         produced: dict[fx.Node, tuple[str, Any]] = {}  # node -> (kind of its value, region)
         need: dict[fx.Node, tuple[str, Any]] = {}  # consumer -> (kind it reads, region)
+        # what each stage output sends, by the boundary's name (the node computing it may be another: the base
+        # tensor of an in-place update)
+        out_node = next(n for n in graph.nodes if n.op == "output")
+        sent = dict(zip(out_node.args[0], spec.output_names)) if isinstance(out_node.args[0], (tuple, list)) else {}
         for n in list(graph.nodes):
             if n.op == "placeholder":
                 produced[n] = (self.value_layout(origin[n]) if spec.index > 0 else _R, None)
@@ -273,7 +282,7 @@ class TensorParallelRank:
                 origin[n] = origin[n.args[0]]
                 produced[n] = produced[n.args[0]]
             elif n.op == "call_function" and n.target in (stage_output, last_stage_output):
-                name = origin.get(n.args[0], n.args[0].name)
+                name = sent.get(n, origin.get(n.args[0], n.args[0].name))
                 need[n] = ("out:R" if n.target is last_stage_output else f"out:{self.value_layout(name)}", None)
             elif n.op in ("call_function", "call_method", "call_module"):
                 dom, region = self.domain(n.name)
@@ -328,6 +337,8 @@ class TensorParallelRank:
             if kind == "dt" and a in whole:
                 a, kind = insert(self._convert[("dt", _R)], a, "whole"), _R
                 key = "dt" if key == "dt:other" else key
+            if kind == _R and key == "dsp" and not _sequence_operand(a, node):
+                key = "dsp:broadcast"
             if (kind, key) not in self._convert:
                 raise InputError(f"tensor parallelism: no conversion of node {a.name} ({kind}) for node {node.name} "
                                  f"({need}); this is a bug in fxpipe")
@@ -367,6 +378,22 @@ class TensorParallelRank:
                 p.grad = g.redistribute(p.device_mesh, p.placements)
 
 
+def _sequence_operand(a: fx.Node, node: fx.Node) -> bool:
+    """Whether operand ``a`` of the sequence-parallel op ``node`` has the op's sequence dim (dim 1 of its output,
+    operands aligned from the right as broadcasting does): it then enters as its sequence shard."""
+    x, out = _meta(a), _meta(node)
+    if isinstance(out, (tuple, list)):
+        out = out[0] if out else None
+    if not isinstance(x, torch.Tensor) or not isinstance(out, torch.Tensor) or out.dim() < 2:
+        return False
+    d = 1 - (out.dim() - x.dim())
+    return 0 <= d < x.dim() and x.shape[d] == out.shape[1] and x.shape[d] > 1
+
+
+def _meta(node: fx.Node) -> Any:
+    return node.meta.get("val", node.meta.get("example_value"))
+
+
 def _writes_first_argument(node: fx.Node) -> bool:
     """An aten op that updates its first argument in place (``add_``, ``masked_fill_``, ...)."""
     text = str(node.target)
@@ -383,5 +410,5 @@ def _attr(module: torch.nn.Module, target: str) -> Any:
 
 
 def _is_tensor(node: fx.Node) -> bool:
-    v = node.meta.get("val", node.meta.get("example_value"))
+    v = _meta(node)
     return v is None or isinstance(v, torch.Tensor)
