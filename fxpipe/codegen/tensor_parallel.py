@@ -334,7 +334,7 @@ class TensorParallelRank:
                 key = "dt:other"
             if not _is_tensor(a):
                 return a
-            if kind == "dt" and a in whole:
+            if kind == "dt" and (a in whole or (key == "dsp" and not _sequence_operand(a, node))):
                 a, kind = insert(self._convert[("dt", _R)], a, "whole"), _R
                 key = "dt" if key == "dt:other" else key
             if kind == _R and key == "dsp" and not _sequence_operand(a, node):
