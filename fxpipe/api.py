@@ -27,6 +27,7 @@ from typing import Any, Mapping, Sequence
 from fxpipe.errors import InputError, PlanWarning
 from fxpipe.memory import MemoryModel
 from fxpipe.mesh import mesh_memory, microbatches_per_replica, normalize_mesh, pipeline_graph
+from fxpipe.mesh.limits import record_runtime_limits
 from fxpipe.mesh.search import search_mesh
 from fxpipe.options import (  # noqa: F401 (public re-exports)
     AUTO_MILP_MIN_SHARE,
@@ -116,6 +117,7 @@ def _capture(model, args: tuple, kwargs: dict, *, costs: str, hardware, dtype, n
     machine first; ``hardware`` None: the default of ``costs``). Returns the
     :class:`~fxpipe.passes.to_opgraph.TracedModel`, the hardware's name and the extra phase timings."""
     from fxpipe.codegen.devicecheck import warn_meta_kernel_gaps  # lazy: torch
+    from fxpipe.codegen.mesh import data_parallel_limit  # lazy: torch
 
     if costs not in ("roofline", "measured"):
         raise InputError(f"costs must be 'roofline' or 'measured', got {costs!r}")
@@ -136,6 +138,8 @@ def _capture(model, args: tuple, kwargs: dict, *, costs: str, hardware, dtype, n
             traced = trace_model(model, args, kwargs, hardware=hardware, dtype=dtype, name=name, replicate=replicate)
     # a capture on meta may have taken a device branch's non-CPU path (issue 17): say so now, not on a rank
     warn_meta_kernel_gaps(traced.gm, stacklevel=4)  # the caller of fxpipe.compile
+    # what the runtime cannot run for this model, for the mesh search (fxpipe.mesh.limits)
+    record_runtime_limits(traced.graph, data_parallel=data_parallel_limit(traced.gm))
     return traced, getattr(hardware, "name", None) or str(hardware), timings
 
 
