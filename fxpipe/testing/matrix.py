@@ -247,11 +247,11 @@ def _plan_runs(zms: dict, k: int, cfg: _Settings, checkpoints: dict[str, str], m
                 cells.append(MatrixCell(n, zm.family, k, s, False, error=_tail(f"planning failed: {exc!r}")))
             continue
         for s in cfg.schedules:
-            runs.append(dict(make_model=zm, make_batch=zm.batch, loss=zm.loss,
-                             stage_of=plans[s].worker_stage_of(), orders=plans[s].orders(),
-                             recompute_stages=plans[s].recompute_stages(),
-                             num_microbatches=cfg.microbatches, steps=cfg.steps, lr=cfg.lr, model_key=n,
-                             **_mesh_run(plans[s])))
+            run = dict(make_model=zm, make_batch=zm.batch, loss=zm.loss,
+                       stage_of=plans[s].worker_stage_of(), orders=plans[s].orders(),
+                       recompute_stages=plans[s].recompute_stages(),
+                       num_microbatches=cfg.microbatches, steps=cfg.steps, lr=cfg.lr, model_key=n)
+            runs.append({**run, **_mesh_run(plans[s])})
             keys.append((n, s, compile_s[s], format_mesh(plans[s].mesh)))
         if n in meta_errors:
             cells.append(MatrixCell(n, zm.family, k, f"meta-ckpt:{first}", False, error=meta_errors[n]))
