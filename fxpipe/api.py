@@ -26,8 +26,8 @@ from typing import Any, Mapping, Sequence
 
 from fxpipe.errors import InputError, PlanWarning
 from fxpipe.memory import MemoryModel
-from fxpipe.mesh import mesh_memory, microbatches_per_replica, normalize_mesh, pipeline_graph
-from fxpipe.mesh.limits import record_runtime_limits
+from fxpipe.mesh import format_mesh, mesh_memory, microbatches_per_replica, normalize_mesh, pipeline_graph
+from fxpipe.mesh.limits import mesh_runtime_limit, record_runtime_limits, runtime_limits
 from fxpipe.mesh.search import search_mesh
 from fxpipe.options import (  # noqa: F401 (public re-exports)
     AUTO_MILP_MIN_SHARE,
@@ -154,6 +154,9 @@ def _plan_mesh(graph, mesh: Any, devices: int, microbatches: int, memory: Memory
         return search_mesh(graph, devices=devices, microbatches=microbatches, memory=memory, options=options)
     degrees = normalize_mesh(mesh, devices)
     model = mesh_memory(memory, degrees)
+    why = mesh_runtime_limit(degrees, bool(model.offload_optimizer), runtime_limits(graph))
+    if why is not None:  # a pinned mesh the runtime cannot run for this model: say so now, not on every rank
+        raise InputError(f"mesh {format_mesh(degrees)}: {why}; plan with mesh='pipeline' or mesh='auto'")
     planned = plan_with_options(pipeline_graph(graph, degrees), devices=degrees["pp"],
                                 microbatches=microbatches_per_replica(microbatches, degrees), options=options,
                                 memory=model, memory_bytes=model.capacity_bytes)  # resolved already

@@ -81,6 +81,9 @@ def test_mesh_search_skips_data_parallelism_the_runtime_cannot_run():
     uniform.b.scale.data = uniform.b.scale.data.float()
     other = fxpipe.compile(uniform, (x,), devices=2, microbatches=M.MICROBATCHES, time_limit_s=0.3)
     assert other.mesh["dp_shard"] * other.mesh["dp_replicate"] > 1
+    with pytest.raises(InputError, match=r"mesh dp_shard=2: the runtime cannot run data parallelism for this model"):
+        fxpipe.compile(M.TwoDtypeModule(), (x,), devices=2, microbatches=M.MICROBATCHES, time_limit_s=0.3,
+                       mesh={"pp": 1, "dp_shard": 2})  # pinned: refused at plan time, not on every rank
     limits = {"data_parallel": "why"}
     assert mesh_runtime_limit({"pp": 1, "dp_shard": 2, "dp_replicate": 1}, False, limits)
     assert mesh_runtime_limit({"pp": 2, "dp_shard": 1, "dp_replicate": 1}, True, limits)  # host optimizer: FSDP2
