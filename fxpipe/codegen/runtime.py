@@ -58,7 +58,8 @@ from torch.distributed.pipelining._backward import (
 from torch.distributed.pipelining.schedules import _Action, _ComputationType, _PipelineScheduleRuntime
 
 from fxpipe.codegen.actions import parse_actions
-from fxpipe.errors import InputError, TrainingError
+from fxpipe.codegen.faults import action_failure, root_cause
+from fxpipe.errors import InputError, TrainingError, WorkerError
 from fxpipe.ir.schedule import FULL_BACKWARD, Action
 from fxpipe.ir.torch_csv import TORCH_TYPE
 
@@ -520,9 +521,10 @@ class FxpipePipelineStage(PipelineStage):
 
     def forward_one_chunk(self, fwd_chunk_id, args, kwargs=None, save_forward_output=True):
         self._fxpipe_mb = fwd_chunk_id
-        out = super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
-        if self.fxpipe_stash is not None:
-            self.fxpipe_stash.after(Action(self.stage_index, "F", fwd_chunk_id))
+        with self._fxpipe_action("F", fwd_chunk_id):
+            out = super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
+            if self.fxpipe_stash is not None:
+                self.fxpipe_stash.after(Action(self.stage_index, "F", fwd_chunk_id))
         return out
 
     def forward_maybe_with_nosync(self, *args, **kwargs):
@@ -538,21 +540,49 @@ class FxpipePipelineStage(PipelineStage):
                              recompute_fn=forward_without_dp_hooks(submod))
 
     def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
-        stash = self.fxpipe_stash
-        if stash is not None:
-            stash.before_backward(self.stage_index, bwd_chunk_id)
-        super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward)
-        if stash is not None:
-            if full_backward:
-                stash.release(self.stage_index, bwd_chunk_id)
-            stash.after(Action(self.stage_index, FULL_BACKWARD if full_backward else "B", bwd_chunk_id))
+        with self._fxpipe_action("B" if full_backward else "I", bwd_chunk_id):
+            stash = self.fxpipe_stash
+            if stash is not None:
+                stash.before_backward(self.stage_index, bwd_chunk_id)
+            super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward)
+            if stash is not None:
+                if full_backward:
+                    stash.release(self.stage_index, bwd_chunk_id)
+                stash.after(Action(self.stage_index, FULL_BACKWARD if full_backward else "B", bwd_chunk_id))
 
     def backward_weight_one_chunk(self, bwd_chunk_id, last_backward=False):
-        super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
-        if self.fxpipe_stash is not None:
-            self.fxpipe_stash.release(self.stage_index, bwd_chunk_id)
-            self.fxpipe_stash.after(Action(self.stage_index, "W", bwd_chunk_id))
+        with self._fxpipe_action("W", bwd_chunk_id):
+            super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
+            if self.fxpipe_stash is not None:
+                self.fxpipe_stash.release(self.stage_index, bwd_chunk_id)
+                self.fxpipe_stash.after(Action(self.stage_index, "W", bwd_chunk_id))
     # ---- end activation stash hooks
+
+    # ---- begin action progress and failures (fxpipe.codegen.faults; the launcher's heartbeat)
+    #: called as ``fxpipe_on_action(action, running)`` when a compute action (torch's text, ``"1F0"``)
+    #: starts (``running=True``) and ends; None: no one listens (set by fxpipe.codegen.launch for its ranks)
+    fxpipe_on_action: Callable[[str, bool], None] | None = None
+
+    @contextlib.contextmanager
+    def _fxpipe_action(self, kind: str, mb: int):
+        """Report the compute action ``<stage><kind><mb>`` to :attr:`fxpipe_on_action` and turn an
+        exception inside it into a :class:`~fxpipe.errors.WorkerError` naming the rank, stage,
+        micro-batch, action, root cause and the model's source line (:func:`fxpipe.codegen.faults.action_failure`)."""
+        action = f"{self.stage_index}{kind}{mb}"
+        beat = self.fxpipe_on_action
+        if beat is not None:
+            beat(action, True)
+        try:
+            yield
+        except WorkerError:  # an inner action's (a recomputation inside a backward) already names it
+            raise
+        except Exception as exc:
+            rank = dist.get_rank() if dist.is_initialized() else getattr(self, "group_rank", None)
+            raise action_failure(exc, rank=rank, action=action, module=self.submod if kind == "F" else None) \
+                from root_cause(exc)
+        if beat is not None:
+            beat(action, False)
+    # ---- end action progress and failures
 
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
         if backward_type == "weight":

@@ -78,7 +78,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from fxpipe.errors import FxpipeError, InfeasibleError, InputError, PlanWarning
-from fxpipe.io import format_bytes
+from fxpipe.io import format_bytes, format_ms
 from fxpipe.mesh import (
     MESH_DIMS,
     RANK_ORDERS,
@@ -235,8 +235,8 @@ def search_mesh(graph, *, devices: int, microbatches: int, memory, options: Plan
         while heap and not run.stopped:
             _, _, row, entry, mesh, mem, order = heapq.heappop(heap)
             if best is not None and entry["lower_bound_s"] >= best[1]["predicted_step_s"]:
-                entry["skipped"] = (f"pruned: its lower bound {entry['lower_bound_s'] * 1e3:.4g} ms is no better than "
-                                    f"{best[0]['mesh_text']}'s predicted {best[1]['predicted_step_s'] * 1e3:.4g} ms")
+                entry["skipped"] = (f"pruned: its lower bound {format_ms(entry['lower_bound_s'])} is no better than "
+                                    f"{best[0]['mesh_text']}'s predicted {format_ms(best[1]['predicted_step_s'])}")
                 continue
             unrunnable = mesh_runtime_limit(mesh, row["offload_optimizer"], limits)  # fxpipe.mesh.limits
             if unrunnable is not None:
@@ -269,7 +269,7 @@ def search_mesh(graph, *, devices: int, microbatches: int, memory, options: Plan
                          optimizer_host_step_s=host_s, predicted_step_s=step)
             if best is None or _better(entry, mesh, best[1], best[2]):
                 best = (row, entry, mesh, mem, order, (part, problem, sched))
-                run.update(0, best=f"{row['mesh_text']} {step * 1e3:.4g} ms")
+                run.update(0, best=f"{row['mesh_text']} {format_ms(step)}")
     left = [e for r in table for e in r["by_order"] if "predicted_step_s" not in e and "skipped" not in e]
     for entry in left:  # the search was stopped before (or while) planning them
         entry["skipped"] = "not planned: the search was stopped (Ctrl-C) before it"
