@@ -19,7 +19,8 @@ are summed in bf16, and a bf16 weight update turns those 1-ulp differences into 
 later. Measured on ``t5_mixed`` (2 ranks, pipeline and ``dp_shard=2`` alike): step 1 within 1.1 ulps of
 bf16 at each gradient's own scale (0.0048 of the largest gradient), step 2 up to 16 ulps; one process
 that backpropagates its 4 micro-batches one at a time (in order, as a pipeline does) instead of in one
-backward differs from itself by the same 0.0048 at step 1, so that is summation order, not fxpipe.
+backward differs from itself by the same 0.0048 at step 1 and 0.026 at step 2 (what the pipeline
+shows at step 2), so that is summation order, not fxpipe.
 """
 
 from __future__ import annotations
