@@ -27,7 +27,8 @@ from typing import Any, Mapping, Sequence
 
 from fxpipe.errors import FxpipeWarning, InputError, PlanWarning
 from fxpipe.memory import MemoryModel
-from fxpipe.mesh import mesh_memory, mesh_tp, microbatches_per_replica, normalize_mesh, pipeline_graph
+from fxpipe.mesh import format_mesh, mesh_memory, mesh_tp, microbatches_per_replica, normalize_mesh, pipeline_graph
+from fxpipe.mesh.limits import mesh_runtime_limit, record_runtime_limits, runtime_limits
 from fxpipe.mesh.search import search_mesh
 from fxpipe.mesh.tensor_parallel import check_tensor_parallel
 from fxpipe.options import (  # noqa: F401 (public re-exports)
@@ -118,6 +119,7 @@ def _capture(model, args: tuple, kwargs: dict, *, costs: str, hardware, dtype, n
     machine first; ``hardware`` None: the default of ``costs``). Returns the
     :class:`~fxpipe.passes.to_opgraph.TracedModel`, the hardware's name and the extra phase timings."""
     from fxpipe.codegen.devicecheck import warn_meta_kernel_gaps  # lazy: torch
+    from fxpipe.codegen.mesh import data_parallel_limit  # lazy: torch
 
     if costs not in ("roofline", "measured"):
         raise InputError(f"costs must be 'roofline' or 'measured', got {costs!r}")
@@ -138,6 +140,8 @@ def _capture(model, args: tuple, kwargs: dict, *, costs: str, hardware, dtype, n
             traced = trace_model(model, args, kwargs, hardware=hardware, dtype=dtype, name=name, replicate=replicate)
     # a capture on meta may have taken a device branch's non-CPU path (issue 17): say so now, not on a rank
     warn_meta_kernel_gaps(traced.gm, stacklevel=4)  # the caller of fxpipe.compile
+    # what the runtime cannot run for this model, for the mesh search (fxpipe.mesh.limits)
+    record_runtime_limits(traced.graph, data_parallel=data_parallel_limit(traced.gm))
     return traced, getattr(hardware, "name", None) or str(hardware), timings
 
 
@@ -180,6 +184,9 @@ def _plan_mesh(graph, mesh: Any, devices: int, microbatches: int, memory: Memory
         return search_mesh(graph, devices=devices, microbatches=microbatches, memory=memory, options=options)
     degrees = normalize_mesh(mesh, devices)
     model = mesh_memory(memory, degrees)
+    why = mesh_runtime_limit(degrees, bool(model.offload_optimizer), runtime_limits(graph))
+    if why is not None:  # a pinned mesh the runtime cannot run for this model: say so now, not on every rank
+        raise InputError(f"mesh {format_mesh(degrees)}: {why}; plan with mesh='pipeline' or mesh='auto'")
     tp = mesh_tp(degrees)
     if tp > 1:  # tensor parallelism (fxpipe.mesh.tensor_parallel): refuse what it cannot split; no offload yet
         check_tensor_parallel(graph, tp)

@@ -67,6 +67,13 @@ class DataDependentCutError(InfeasibleError, InputError):
     an :class:`InputError` when given stages (a pinned ``stage_of``) cut it."""
 
 
+class TrainingError(FxpipeError, RuntimeError):
+    """A training step produced a value it must not go on with: a loss that is not finite (the
+    message names the step, the stage and the micro-batch), or copies of a tied parameter on
+    several ranks whose gradients or values disagree (the message names the parameter). Raised
+    by the pipeline runtime (``schedule.step``) on the rank that sees it."""
+
+
 class FxpipeWarning(UserWarning):
     """Base class of fxpipe's warnings. ``fxpipe.compile`` records those it raises while making a
     plan in the plan (``plan.options["warnings"]``, :meth:`fxpipe.plan.Plan.all_warnings`), so the

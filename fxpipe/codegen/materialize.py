@@ -598,6 +598,10 @@ def materialize_stage(staged, rank: int, source: StateSource, device: str | torc
         canon_of[id(t)] = c
     for name, t in list(mod.named_parameters(remove_duplicate=False)) + list(mod.named_buffers(remove_duplicate=False)):
         c = canon_of.get(id(t))
+        if c is None and not t.is_meta:
+            # not the model's state: a constant torch.export lifted out of forward (``lifted_tensor_0``,
+            # BEiT's relative position index built in forward), which already holds its value
+            continue
         if c is None:
             c = canon_of[id(t)] = name
         aliases.setdefault(c, [c])

@@ -36,7 +36,8 @@ of the average device's parameters), and the search stops at the first candidate
 is no better than the best predicted step so far (the rest are pruned: none can win). A
 candidate whose average static state (parameters, gradients, optimizer state under the mesh's
 memory model) already exceeds the usable memory is skipped without planning; so is one the
-planner finds infeasible, with its reason. Every candidate is a row of the returned table.
+planner finds infeasible, with its reason; so is one the runtime cannot run for this model
+(:mod:`fxpipe.mesh.limits`). Every candidate is a row of the returned table.
 
 Optimizer state on the host (ZeRO-Offload, Ren et al. 2021; :attr:`fxpipe.memory.MemoryModel.offload_optimizer`):
 when the memory model leaves it to the search (``offload_optimizer=None``, the default) and the graph
@@ -97,6 +98,7 @@ from fxpipe.mesh import (
     pipeline_step_s,
 )
 from fxpipe.memory.plan_view import schedule_mem_limit
+from fxpipe.mesh.limits import mesh_runtime_limit, runtime_limits
 from fxpipe.options import PlanOptions
 from fxpipe.partition.memory import num_params
 from fxpipe.planner import plan_with_options
@@ -190,6 +192,7 @@ def search_mesh(graph, *, devices: int, microbatches: int, memory, options: Plan
     graph_params = float(np.sum(num_params(graph)))
     topology = Topology.of_graph(graph)
     host = host_links(graph)
+    limits = runtime_limits(graph)
     heap: list = []  # (lower bound, sequence, row, order entry, mesh, memory model, order)
     table = []
     seq = itertools.count()  # equal bounds: more stages first, the default order first, the device before the host
@@ -234,6 +237,10 @@ def search_mesh(graph, *, devices: int, microbatches: int, memory, options: Plan
             if best is not None and entry["lower_bound_s"] >= best[1]["predicted_step_s"]:
                 entry["skipped"] = (f"pruned: its lower bound {format_ms(entry['lower_bound_s'])} is no better than "
                                     f"{best[0]['mesh_text']}'s predicted {format_ms(best[1]['predicted_step_s'])}")
+                continue
+            unrunnable = mesh_runtime_limit(mesh, row["offload_optimizer"], limits)  # fxpipe.mesh.limits
+            if unrunnable is not None:
+                entry["skipped"] = unrunnable
                 continue
             misfit, on_device = _static_misfit(mem, graph_params / mesh["pp"], host, options.objective)
             if misfit is not None:
