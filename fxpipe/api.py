@@ -27,9 +27,10 @@ from typing import Any, Mapping, Sequence
 
 from fxpipe.errors import FxpipeWarning, InputError, PlanWarning
 from fxpipe.memory import MemoryModel
-from fxpipe.mesh import format_mesh, mesh_memory, microbatches_per_replica, normalize_mesh, pipeline_graph
+from fxpipe.mesh import format_mesh, mesh_memory, mesh_tp, microbatches_per_replica, normalize_mesh, pipeline_graph
 from fxpipe.mesh.limits import mesh_runtime_limit, record_runtime_limits, runtime_limits
 from fxpipe.mesh.search import search_mesh
+from fxpipe.mesh.tensor_parallel import check_tensor_parallel
 from fxpipe.options import (  # noqa: F401 (public re-exports)
     AUTO_MILP_MIN_SHARE,
     AUTO_STAGES_PER_DEVICE,
@@ -186,9 +187,17 @@ def _plan_mesh(graph, mesh: Any, devices: int, microbatches: int, memory: Memory
     why = mesh_runtime_limit(degrees, bool(model.offload_optimizer), runtime_limits(graph))
     if why is not None:  # a pinned mesh the runtime cannot run for this model: say so now, not on every rank
         raise InputError(f"mesh {format_mesh(degrees)}: {why}; plan with mesh='pipeline' or mesh='auto'")
+    tp = mesh_tp(degrees)
+    if tp > 1:  # tensor parallelism (fxpipe.mesh.tensor_parallel): refuse what it cannot split; no offload yet
+        check_tensor_parallel(graph, tp)
+        options = dataclasses.replace(options, host_bandwidth_bytes_per_s=None)
     planned = plan_with_options(pipeline_graph(graph, degrees), devices=degrees["pp"],
                                 microbatches=microbatches_per_replica(microbatches, degrees), options=options,
                                 memory=model, memory_bytes=model.capacity_bytes)  # resolved already
+    if tp > 1 and any(getattr(planned[1], "recompute", ()) or ()):
+        raise InputError(f"mesh tp={tp}: the plan recomputes activations (memory binds, counted as for tp=1 until "
+                         "tensor parallelism's memory is modelled) and tensor parallelism does not run with "
+                         "recomputation yet: give more memory (memory_bytes=...) or use tp=1")
     return degrees, model, planned, None
 
 
@@ -236,7 +245,7 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
         Example inputs of ONE micro-batch (costs are per micro-batch): a tuple of the
         positional inputs (one tensor ``x`` is ``(x,)``) and a dict of the keyword inputs.
     devices : int
-        All devices, >= 1: ``pp * dp_shard * dp_replicate`` of the mesh (the default
+        All devices, >= 1: ``pp * dp_shard * dp_replicate * tp`` of the mesh (the default
         ``mesh="auto"`` chooses the degrees); ``stages_per_device * pp`` must not exceed the
         number of ops.
     microbatches : int
@@ -306,9 +315,12 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
         (:func:`fxpipe.passes.capture.capture`; same graph as a full export, much faster for
         70B-class models). ``"never"`` forces a full ``torch.export``.
     mesh : "auto", "search", "pipeline" or dict
-        Pipeline x data parallelism (:mod:`fxpipe.mesh`), torchtitan's names: ``{"pp": a,
-        "dp_shard": b, "dp_replicate": c}`` (missing = 1, ``a * b * c == devices``; ``b * c``
-        divides ``microbatches``): ``b * c`` replicas of a pipeline over ``a`` devices, each
+        Pipeline x data x tensor parallelism (:mod:`fxpipe.mesh`), torchtitan's names: ``{"pp": a,
+        "dp_shard": b, "dp_replicate": c, "tp": t}`` (missing = 1, ``a * b * c * t == devices``;
+        ``b * c`` divides ``microbatches``; ``t`` devices share every stage's matmuls, Megatron's
+        column / row split found on the graph, :mod:`fxpipe.mesh.tensor_parallel`, run on DTensor,
+        :mod:`fxpipe.codegen.tensor_parallel`; its costs are not modelled yet, the plan says so,
+        and ``"auto"`` never picks ``t > 1``): ``b * c`` replicas of a pipeline over ``a`` devices, each
         planned for ``microbatches / (b * c)`` micro-batches, its stages wrapped by FSDP2
         ``fully_shard`` over ``dp_shard`` (HSDP with ``dp_replicate``) or ``replicate``
         (:mod:`fxpipe.codegen.mesh`), the optimizer state sharded over ``dp_shard``
@@ -329,7 +341,9 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     -----
     PlanWarning
         For a plan that wastes devices (:meth:`Plan.waste_warnings`: fewer micro-batches than
-        devices, stages with almost no work), naming the better choice.
+        devices, stages with almost no work), naming the better choice; with ``tp > 1`` the
+        costs not modelled yet and the stages tensor parallelism does not split, with the
+        reason (:meth:`Plan.tensor_parallel_warnings`).
     DeviceBranchWarning
         A model captured on ``meta`` holds an op that this process's CPU (or CUDA) backend
         cannot run with its traced dtypes, e.g. a dtype picked by a branch on the device
@@ -342,7 +356,9 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
         devices < 1, microbatches < 1, more stages than ops, unknown hardware/schedule/costs/
         placement, a schedule the placement does not admit, ``costs="measured"`` with the
         datasheet spec or profile of another device, a mesh whose degrees do not multiply to
-        ``devices`` or whose replicas do not divide ``microbatches``.
+        ``devices`` or whose replicas do not divide ``microbatches``, a ``tp`` that does not
+        divide the heads or widths of the model's attention blocks and MLPs, or finds nothing
+        to split (:func:`fxpipe.mesh.tensor_parallel.check_tensor_parallel`).
     CaptureError
         The model cannot be exported (the message says which node and what to try).
     InfeasibleError
@@ -371,6 +387,6 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
                 "placement": placement, "mesh": mesh, **({"interrupted": True} if run.interrupted else {}),
                 **({"warnings": list(said)} if said else {})}
     plan = _make_plan(traced, hardware_name, microbatches, options, planned, recorded, timings)
-    for message in plan.waste_warnings():
+    for message in plan.waste_warnings() + plan.tensor_parallel_warnings():
         warnings.warn(message, PlanWarning, stacklevel=2)
     return plan

@@ -82,8 +82,9 @@ class FxpipeWarning(UserWarning):
 
 class PlanWarning(FxpipeWarning):
     """A plan that runs but wastes devices (stages with almost no work, fewer micro-batches than
-    devices); the message says what would be better. ``fxpipe.compile`` warns with it and
-    ``Plan.summary()`` repeats it (``Plan.waste_warnings()``)."""
+    devices, stages tensor parallelism does not split) or whose figures leave something out (the
+    costs of tensor parallelism); the message says what would be better. ``fxpipe.compile`` warns with it and
+    ``Plan.summary()`` repeats it (``Plan.all_warnings()``)."""
 
 
 class WorkerError(FxpipeError, RuntimeError):

@@ -57,8 +57,8 @@ def test_every_rank_order_is_a_bijection_and_the_default_is_the_old_layout():
     assert normalize_rank_order("pp/dp_replicate/dp_shard") == TORCHTITAN
     assert normalize_mesh({"pp": 2, "dp_shard": 2, "order": list(TORCHTITAN)}, 4)["order"] == TORCHTITAN
     assert parse_mesh("pp=2,dp_shard=2,order=pp/dp_replicate/dp_shard")["order"] == TORCHTITAN
-    for bad, what in ((["pp", "dp_shard", "dp_replicate"], "dp_replicate must be outside"), (["pp", "tp"], "unknown"),
-                      (["pp", "pp"], "repeated")):
+    for bad, what in ((["pp", "dp_shard", "dp_replicate"], "dp_replicate must be outside"), (["pp", "ep"], "unknown"),
+                      (["pp", "pp"], "repeated"), (["tp", "pp"], "tp is always the innermost")):
         with pytest.raises(InputError, match=what):
             normalize_rank_order(bad)
 

@@ -82,10 +82,11 @@ def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--devices", type=int, default=None,
                    help="all devices (default 4, or the product of --mesh); --mesh pipeline for a pure pipeline over them")
     p.add_argument(
-        "--mesh", default=None, metavar="pp=A,dp_shard=B,dp_replicate=C|auto|search|pipeline",
-        help="pipeline x data parallelism (torchtitan's names, missing = 1, product = devices): dp_shard * dp_replicate "
-        "replicas of a pipeline over pp devices, FSDP2 over dp_shard (HSDP with dp_replicate), replicate over "
-        "dp_replicate; --microbatches is then the global count, divided among the replicas; default auto (= search): "
+        "--mesh", default=None, metavar="pp=A,dp_shard=B,dp_replicate=C,tp=T|auto|search|pipeline",
+        help="pipeline x data x tensor parallelism (torchtitan's names, missing = 1, product = devices): dp_shard * "
+        "dp_replicate replicas of a pipeline over pp devices, FSDP2 over dp_shard (HSDP with dp_replicate), replicate "
+        "over dp_replicate, tp devices sharing each stage's matmuls (innermost; pinned only: its costs are not "
+        "modelled yet); --microbatches is then the global count, divided among the replicas; default auto (= search): "
         "plan every pp x dp_shard (x dp_replicate on hardware with nodes) of --devices and keep the smallest "
         "predicted step that fits, listing the candidates; 'pipeline': the pure pipeline over --devices; "
         "order=pp/dp_replicate/dp_shard (torchtitan's) places the ranks of a pinned mesh (default dp_replicate/dp_shard/pp)",
@@ -345,7 +346,7 @@ def run(args: argparse.Namespace) -> int:
     elif args.mesh is not None:
         mesh = parse_mesh(args.mesh)
         if args.devices is None:
-            args.devices = math.prod(int(mesh.get(d, 1)) for d in ("pp", "dp_shard", "dp_replicate"))
+            args.devices = math.prod(int(mesh.get(d, 1)) for d in ("pp", "dp_shard", "dp_replicate", "tp"))
         microbatches_per_replica(args.microbatches, normalize_mesh(mesh, args.devices))  # fail before the model is built
     if args.devices is None:
         args.devices = 4

@@ -45,7 +45,7 @@ from fxpipe.errors import InputError, WorkerError
 from fxpipe.io import write_text_atomic
 from fxpipe.ir.schedule import Orders
 from fxpipe.launcher import RankContext, clear_reports, errors_text, free_port, launch, worker_error
-from fxpipe.mesh import is_pure_pipeline, microbatches_per_replica, normalize_mesh
+from fxpipe.mesh import is_pure_pipeline, mesh_tp, microbatches_per_replica, normalize_mesh
 from fxpipe.passes.capture import capture
 
 __all__ = [
@@ -215,6 +215,7 @@ class _Captured:
         self.random_ops = None
         self.grad_precision = None
         self.output_precision = None
+        self.tp_structure = None  # fxpipe.passes.tensor_parallel.find_tensor_parallel(gm), made for tp > 1 runs
         tensors = {id(t): t for _, t in list(gm.named_parameters()) + list(gm.named_buffers())}
         self._state = [(t, t.detach().clone()) for t in tensors.values()]
         self.staged: dict = {}  # (world, stage map) -> StagedProgram
@@ -299,6 +300,13 @@ def _build_rank_program(rank: int, run: Mapping[str, Any], cap: _Captured, stage
     mkey = ("device_mesh", tuple(sorted(mesh.items())))
     if mkey not in groups:
         groups[mkey] = init_mesh(mesh)
+    if mesh_tp(mesh) > 1:  # tensor parallelism: the capture's structure (fxpipe.codegen.tensor_parallel)
+        if cap.tp_structure is None:
+            from fxpipe.passes.tensor_parallel import find_tensor_parallel
+
+            cap.tp_structure = find_tensor_parallel(cap.gm)
+        build_kwargs["tensor_parallel"] = cap.tp_structure
+        build_kwargs["tensor_parallel_params"] = run.get("tensor_parallel_params")
     stages, sched, mr = build_mesh_rank(staged, rank, run["orders"], mesh=mesh, device_mesh=groups[mkey],
                                         offload_optimizer=bool(run.get("offload_optimizer")), **build_kwargs)
     return stages, sched, mr.replica, mr.pp_rank
@@ -390,9 +398,12 @@ def _write_run_results(out_dir: str, idx: int, rank: int, run: Mapping[str, Any]
         owned = {fqn for fqn, o in staged.buffer_owner.items() if o == s}
         bufs.update({k: b.detach().clone() for k, b in staged.stages[s].named_buffers().items() if k in owned})
     params = {k: p.detach().clone() for k, p in named.items()}
-    if dp > 1 or run.get("offload_optimizer"):  # DTensors: full values (collective over each stage's dp group)
+    mr = getattr(sched, "fxpipe_mesh_rank", None)
+    tp_index = mr.tp_index if mr is not None else 0
+    if dp > 1 or run.get("offload_optimizer") or (mr is not None and mr.tp > 1):
+        # DTensors: full values (collective over each stage's data- and tensor-parallel groups)
         grads, params = full_tensors(grads), full_tensors(params)
-        if replica:  # replica 0 reports the model state; the others only their losses
+        if replica or tp_index:  # replica 0's first tensor-parallel rank reports the model state; the others their losses
             grads, params, bufs = {}, {}, {}
     torch.save({"grads": grads, "params": params, "buffers": bufs}, os.path.join(out_dir, f"run{idx}_rank{rank}.pt"))
     write_text_atomic(
@@ -569,7 +580,9 @@ def spawn_train_many(runs: Sequence[Mapping[str, Any]], *, world_size: int, time
         the mean over the replicas), and ``offload_optimizer`` (with ``mesh``, also a pure
         pipeline's: parameters, gradients and optimizer state on the host, FSDP2's
         ``CPUOffloadPolicy``, :mod:`fxpipe.codegen.mesh`; ``TrainResult.meta["offload_policy"]``
-        names every stage's policy). The ``Orders`` may carry offload/reload actions
+        names every stage's policy). A mesh with ``"tp"`` runs tensor parallelism
+        (:mod:`fxpipe.codegen.tensor_parallel`, ``world_size = pp * dp * tp``), optionally checked
+        against the plan's ``tensor_parallel_params`` (``plan.tensor_parallel.params``). The ``Orders`` may carry offload/reload actions
         (``Action(s, "O", j)`` / ``"R"``; :func:`fxpipe.ir.schedule_to_orders` keeps a
         schedule's), which the workers execute. ``TrainResult.meta`` then holds,
         per rank, ``activation`` (the saved-tensor hooks' measurements,
@@ -624,7 +637,8 @@ def spawn_train_many(runs: Sequence[Mapping[str, Any]], *, world_size: int, time
                 mesh = normalize_mesh(run["mesh"], world_size)
                 check_mesh_run(mesh, run["orders"], tuple(run.get("recompute_stages", ())), run["compile_stages"])
                 m_pipe = microbatches_per_replica(run["num_microbatches"], mesh)
-                run["mesh"] = None if is_pure_pipeline(mesh) and not run.get("offload_optimizer") else mesh
+                run["mesh"] = None if is_pure_pipeline(mesh) and mesh_tp(mesh) == 1 and not run.get("offload_optimizer") \
+                    else mesh
             if run.get("offload_optimizer"):
                 if run.get("mesh") is None:
                     raise InputError("offload_optimizer needs the run's mesh (a pure pipeline: {'pp': world_size})")

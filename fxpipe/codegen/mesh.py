@@ -75,6 +75,16 @@ those of one process. A model with a submodule holding two dtypes itself cannot 
 ``fxpipe.compile`` records why (:func:`data_parallel_limit`) and the mesh search offers only the
 pure pipeline (:mod:`fxpipe.mesh.limits`).
 
+Tensor parallelism (``tp > 1``, always the innermost mesh dimension): the ``DeviceMesh`` gets a
+fourth dimension ``tp`` after the rank order's three, every pipeline (one per replica and
+tensor-parallel rank) runs over the ``pp`` ranks of one ``tp`` index, and each stage module is
+first made tensor-parallel over the ``tp`` sub-mesh (:mod:`fxpipe.codegen.tensor_parallel`:
+DTensor parameters with the planned placements, layout conversions between the split regions,
+the sequence-parallel ops and the replicated rest), then wrapped by FSDP2 over ``dp_shard`` (2-D
+``fully_shard`` over ``(dp_shard, tp)``, as torchtitan does: FSDP2 shards the DTensor
+parameters' local shards further) or ``replicate`` over ``dp_replicate``. The tied-parameter
+groups are per replica and tensor-parallel rank (the local shards line up).
+
 Not yet supported with data parallelism or optimizer offload (a clear error): ``compile_stages``.
 """
 
@@ -92,7 +102,8 @@ from fxpipe.codegen.rank import build_rank
 from fxpipe.codegen.runtime import replicate_module
 from fxpipe.errors import InputError
 from fxpipe.ir.schedule import Orders
-from fxpipe.mesh import MESH_DIMS, format_mesh, mesh_degrees, mesh_dp, mesh_rank_order, normalize_mesh, normalize_rank_order, rank_coords, rank_of
+from fxpipe.mesh import (MESH_DIMS, TP_DIM, format_mesh, mesh_degrees, mesh_dp, mesh_rank_order, mesh_tp, normalize_mesh,
+                         normalize_rank_order, rank_coords, rank_of)
 
 __all__ = [
     "MeshRank",
@@ -117,13 +128,13 @@ class MeshRank:
     Attributes
     ----------
     mesh : dict
-        ``{"pp", "dp_shard", "dp_replicate"}`` degrees.
+        ``{"pp", "dp_shard", "dp_replicate"}`` degrees (and ``"tp"`` when above 1).
     rank : int
         Global rank.
     coords : dict
-        :func:`fxpipe.mesh.rank_coords` (``dp_replicate``, ``dp_shard``, ``pp``, ``replica``).
+        :func:`fxpipe.mesh.rank_coords` (``dp_replicate``, ``dp_shard``, ``pp``, ``replica``, ``tp``).
     device_mesh : torch.distributed.device_mesh.DeviceMesh
-        The 3-D mesh, its dimensions in ``rank_order``.
+        The 3-D mesh, its dimensions in ``rank_order`` (4-D with ``tp`` innermost when ``tp > 1``).
     rank_order : tuple[str, str, str]
         The mesh dimensions outermost first (:func:`fxpipe.mesh.rank_coords`).
     """
@@ -150,6 +161,21 @@ class MeshRank:
         return mesh_dp(self.mesh)
 
     @property
+    def tp(self) -> int:
+        """Tensor-parallel degree (1 without tensor parallelism)."""
+        return mesh_tp(self.mesh)
+
+    @property
+    def tp_index(self) -> int:
+        """This rank's index in its tensor-parallel group, ``0 .. tp - 1``."""
+        return int(self.coords.get(TP_DIM, 0))
+
+    @property
+    def tp_mesh(self):
+        """The 1-D ``tp`` sub-mesh of this rank (None without tensor parallelism)."""
+        return self.device_mesh[TP_DIM] if self.tp > 1 else None
+
+    @property
     def pp_group(self):
         """The process group of this rank's pipeline (its replica's ``pp`` ranks)."""
         return self.device_mesh["pp"].get_group()
@@ -168,14 +194,19 @@ def _order(mesh: Mapping[str, Any], rank_order: Any) -> tuple[str, str, str]:
     return mesh_rank_order(mesh) if rank_order is None else normalize_rank_order(rank_order)
 
 
+def _mesh_dims(mesh: Mapping[str, Any], order: tuple[str, ...]) -> tuple[str, ...]:
+    """The ``DeviceMesh``'s dimension names: the rank order, then ``tp`` (innermost) when it is above 1."""
+    return tuple(order) + ((TP_DIM,) if mesh_tp(mesh) > 1 else ())
+
+
 def init_mesh(mesh: Mapping[str, int], device_type: str = "cpu", rank_order: Any = None):
     """``init_device_mesh`` over the mesh's dimensions in rank order (collective: every rank calls it).
 
-    Needs an initialised default process group of ``pp * dp_shard * dp_replicate`` ranks. The
-    device mesh's shape and ``mesh_dim_names`` follow ``rank_order`` (default: the mesh's
-    ``"order"`` entry, else :data:`fxpipe.mesh.MESH_DIMS`), outermost first, so the rank at
-    coordinates ``c`` of the ``DeviceMesh`` (row-major over global ranks) is
-    :func:`fxpipe.mesh.rank_of`'s.
+    Needs an initialised default process group of ``pp * dp_shard * dp_replicate * tp`` ranks.
+    The device mesh's shape and ``mesh_dim_names`` follow ``rank_order`` (default: the mesh's
+    ``"order"`` entry, else :data:`fxpipe.mesh.MESH_DIMS`), outermost first, then ``tp`` when it
+    is above 1, so the rank at coordinates ``c`` of the ``DeviceMesh`` (row-major over global
+    ranks) is :func:`fxpipe.mesh.rank_of`'s.
 
     Raises
     ------
@@ -187,11 +218,12 @@ def init_mesh(mesh: Mapping[str, int], device_type: str = "cpu", rank_order: Any
     order = _order(mesh, rank_order)
     m = mesh_degrees(normalize_mesh(mesh))
     world = dist.get_world_size()
-    need = m["pp"] * m["dp_shard"] * m["dp_replicate"]
+    need = m["pp"] * m["dp_shard"] * m["dp_replicate"] * mesh_tp(m)
     if world != need:
         raise InputError(f"mesh {format_mesh(m)} needs {need} ranks but the process group has {world}: "
                          "launch one process per device")
-    return init_device_mesh(device_type, tuple(m[d] for d in order), mesh_dim_names=order)
+    dims = _mesh_dims(m, order)
+    return init_device_mesh(device_type, tuple(m.get(d, 1) for d in dims), mesh_dim_names=dims)
 
 
 def mesh_rank(mesh: Mapping[str, int], rank: int, device_mesh=None, device_type: str = "cpu",
@@ -205,9 +237,9 @@ def mesh_rank(mesh: Mapping[str, int], rank: int, device_mesh=None, device_type:
     coords = rank_coords(int(rank), m, order)
     if device_mesh is None:
         device_mesh = init_mesh(m, device_type, order)
-    elif tuple(device_mesh.mesh_dim_names or ()) != order:
-        raise InputError(f"the device mesh's dimensions {device_mesh.mesh_dim_names} are not in the rank order {order}: "
-                         "make it with init_mesh(mesh, rank_order=...) of the same order")
+    elif tuple(device_mesh.mesh_dim_names or ()) != _mesh_dims(m, order):
+        raise InputError(f"the device mesh's dimensions {device_mesh.mesh_dim_names} are not in the rank order "
+                         f"{_mesh_dims(m, order)}: make it with init_mesh(mesh, rank_order=...) of the same order")
     return MeshRank(m, int(rank), coords, device_mesh, order)
 
 
@@ -367,12 +399,13 @@ def make_shared_param_groups(staged, device_of_stage: Sequence[int], mesh: Mappi
     sets = sorted({tuple(sorted({int(device_of_stage[s]) for s in stages}))
                    for stages in staged.shared_params.values()})
     for replica in range(mesh_dp(mesh)):
-        for ranks in sets:
-            if len(ranks) < 2:
-                continue
-            key = tuple(rank_of(mesh, pp=r, replica=replica, order=order) for r in ranks)
-            if key not in cache:
-                cache[key] = dist.new_group(ranks=list(key))
+        for t in range(mesh_tp(mesh)):
+            for ranks in sets:
+                if len(ranks) < 2:
+                    continue
+                key = tuple(rank_of(mesh, pp=r, replica=replica, order=order, tp=t) for r in ranks)
+                if key not in cache:
+                    cache[key] = dist.new_group(ranks=list(key))
     return cache
 
 
@@ -388,12 +421,16 @@ def check_mesh_run(mesh: Mapping[str, int], orders: Orders, recompute_stages: Se
     ------
     InputError
         With ``dp > 1``: ``compile_stages``; with any mesh, a ``pp`` other than the orders'
-        number of devices.
+        number of devices; with ``tp > 1``, what tensor parallelism does not run yet
+        (:func:`fxpipe.codegen.tensor_parallel.check_tensor_parallel_run`).
     """
+    from fxpipe.codegen.tensor_parallel import check_tensor_parallel_run
+
     m = normalize_mesh(mesh)
     if orders.num_devices != m["pp"]:
         raise InputError(f"the orders place the stages on {orders.num_devices} devices but mesh {format_mesh(m)} has "
                          f"pp={m['pp']}")
+    check_tensor_parallel_run(mesh_tp(m), recompute_stages, bool(orders.offloaded()), compile_stages)
     if mesh_dp(m) == 1:
         return
     what = f"mesh {format_mesh(m)}"
@@ -434,6 +471,8 @@ def build_mesh_rank(
     group_cache: dict | None = None,
     rank_order: Any = None,
     offload_optimizer: bool = False,
+    tensor_parallel: Any = None,
+    tensor_parallel_params: Mapping[str, str] | None = None,
     **build_kwargs: Any,
 ):
     """This global rank's pipeline stages on the mesh, wrapped for data parallelism, and its runtime.
@@ -470,6 +509,12 @@ def build_mesh_rank(
         Keep the sharded parameters, gradients and optimizer state on the host
         (``plan.memory.offload_optimizer``; :func:`data_parallel_wrapper`); also wraps a pure
         pipeline's stages (``fully_shard`` over a size-1 sub-mesh).
+    tensor_parallel : TensorParallelStructure, optional
+        Required with ``tp > 1``: :func:`fxpipe.passes.tensor_parallel.find_tensor_parallel` of
+        the graph ``staged`` was split from (:mod:`fxpipe.codegen.tensor_parallel`).
+    tensor_parallel_params : Mapping[str, str], optional
+        The plan's parameter placements (``plan.tensor_parallel.params``), checked against the
+        ones resolved here.
 
     Returns
     -------
@@ -494,6 +539,17 @@ def build_mesh_rank(
     wrap = data_parallel_wrapper(mr, offload_optimizer)
     if wrap is not None:
         wrap = _untie_then(wrap, staged)
+    tpr = None
+    if mr.tp > 1:  # tensor parallelism first, then FSDP2 / replicate over the DTensor parameters
+        from fxpipe.codegen.tensor_parallel import TensorParallelRank
+
+        if tensor_parallel is None:
+            raise InputError(f"mesh {format_mesh(m)}: tensor parallelism needs the capture's tensor-parallel structure "
+                             "(tensor_parallel=fxpipe.passes.tensor_parallel.find_tensor_parallel(gm))")
+        tpr = TensorParallelRank(tensor_parallel, mr.tp_mesh, tensor_parallel_params)
+        wrap = _tensor_parallel_then(tpr, staged, wrap)
+        last = staged.num_stages - 1
+        build_kwargs["local_io"] = lambda s, io: tpr.local_io(staged.stages[s], io, s == last)
     stages, sched = build_rank(
         staged, mr.pp_rank, orders, num_microbatches=num_microbatches, loss_fn=loss_fn, group=mr.pp_group,
         device=device, example_microbatch_inputs=example_microbatch_inputs, group_cache=cache,
@@ -501,8 +557,22 @@ def build_mesh_rank(
     )
     if wrap is not None:
         sched.set_shared_grads(_tied_copies(staged, orders.device_of_stage, mr, cache))
+    if tpr is not None:
+        sched.fxpipe_before_grad_scaling = [lambda: tpr.reduce_grads(sched.parameters())]
+        sched.fxpipe_tensor_parallel = tpr
     sched.fxpipe_mesh_rank = mr
     return stages, sched, mr
+
+
+def _tensor_parallel_then(tpr, staged, wrap: Callable[[int, torch.nn.Module], None] | None) -> Callable[[int, torch.nn.Module], None]:
+    """Make a stage module tensor-parallel (:meth:`TensorParallelRank.shard_stage`), then apply ``wrap`` (data parallelism)."""
+
+    def shard_then_wrap(stage: int, module: torch.nn.Module) -> None:
+        tpr.shard_stage(staged.stages[stage], module)
+        if wrap is not None:
+            wrap(stage, module)
+
+    return shard_then_wrap
 
 
 def _untie_then(wrap: Callable[[int, torch.nn.Module], None], staged) -> Callable[[int, torch.nn.Module], None]:
@@ -541,7 +611,7 @@ def _tied_copies(staged, device_of_stage: Sequence[int], mr: MeshRank, cache: Ma
             p = staged.stages[s].module.get_parameter(staged.stages[s].param_targets[fqn])
             copies.setdefault(id(p), p)
         ranks = sorted({int(device_of_stage[s]) for s in holders})
-        key = tuple(rank_of(mr.mesh, pp=r, replica=mr.replica, order=mr.rank_order) for r in ranks)
+        key = tuple(rank_of(mr.mesh, pp=r, replica=mr.replica, order=mr.rank_order, tp=mr.tp_index) for r in ranks)
         grp = cache[key] if len(ranks) > 1 else None
         if len(copies) > 1 or grp is not None:
             out.append((tuple(copies.values()), grp))

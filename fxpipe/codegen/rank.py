@@ -114,6 +114,7 @@ def build_rank(
     track_activations: bool = True,
     state_source: Any = None,
     wrap_module: Callable[[int, torch.nn.Module], None] | None = None,
+    local_io: Callable[[int, Any], Any] | None = None,
 ) -> tuple[tuple[FxpipePipelineStage, ...], FxpipeScheduleRuntime]:
     """This rank's ``PipelineStage`` s and a schedule runtime loaded with their actions.
 
@@ -173,7 +174,11 @@ def build_rank(
     wrap_module : callable(stage, module) -> None, optional
         Applied in place to every stage module of this rank once it holds real tensors on
         ``device``, before the ``PipelineStage`` s and the tied-parameter groups are made (data
-        parallelism: ``fully_shard`` / ``replicate``, :mod:`fxpipe.codegen.mesh`).
+        parallelism: ``fully_shard`` / ``replicate``, :mod:`fxpipe.codegen.mesh`; tensor
+        parallelism, :mod:`fxpipe.codegen.tensor_parallel`).
+    local_io : callable(stage, StageIO) -> StageIO, optional
+        The stage's inputs and outputs as this rank sends and receives them (tensor
+        parallelism: the sequence shard of sequence-parallel values), from the model's shapes.
 
     Returns
     -------
@@ -200,6 +205,8 @@ def build_rank(
         raise InputError("example_microbatch_inputs is required (one micro-batch of model inputs)")
     local = [s for s in range(staged.num_stages) if orders.device_of_stage[s] == rank]
     ios = _stage_ios(staged, local, staged.interface.example_inputs(example_microbatch_inputs), io_cache)
+    if local_io is not None:
+        ios = {s: local_io(s, io) for s, io in ios.items()}
     fused_here = {s: bool(fused_backward) for s in local}
     if not compile_stages:  # a compiled stage splits its backward without blind parameters
         acts, blind = _fuse_blind_stages(acts, rank, ios)

@@ -605,7 +605,7 @@ def _recorded_grad_storages(groups) -> set[int]:
         for grads in g.get("grads") or ():
             for t in grads if isinstance(grads, (tuple, list)) else (grads,):
                 if isinstance(t, torch.Tensor):
-                    out.add(t.untyped_storage().data_ptr())
+                    out.add(local_tensor(t).untyped_storage().data_ptr())  # a DTensor's: its local shard's
     return out
 
 
@@ -634,14 +634,20 @@ def own_weight_grads(params: Sequence[torch.Tensor], before: Sequence[torch.Tens
     recorded : set of int
         Storage addresses of the gradients the backward-input pass recorded (the W pass's inputs).
     """
+    from torch.distributed.tensor import DTensor
+
     for p, g0 in zip(params, before):
         g = p.grad
         if g is None or g is g0 or g0 is not None:
             continue  # unchanged, or accumulated in place into a gradient that was already the parameter's
-        if g._base is not None or g.stride() != p.stride() or g.untyped_storage().data_ptr() in recorded:
-            own = torch.empty_strided(p.shape, p.stride(), dtype=g.dtype, device=g.device)
-            own.copy_(g)
-            p.grad = own
+        gl, pl = local_tensor(g), local_tensor(p)  # a DTensor gradient (tensor parallelism): its local shard
+        if gl._base is not None or gl.stride() != pl.stride() or gl.untyped_storage().data_ptr() in recorded:
+            # the parameter's strides; a DTensor gradient of other placements (a partial sum) keeps its own shape
+            own = torch.empty_strided(pl.shape, pl.stride(), dtype=gl.dtype, device=gl.device) \
+                if gl.shape == pl.shape else torch.empty(gl.shape, dtype=gl.dtype, device=gl.device)
+            own.copy_(gl)
+            p.grad = own if not isinstance(g, DTensor) else \
+                DTensor.from_local(own, g.device_mesh, g.placements, run_check=False, shape=g.shape, stride=g.stride())
 
 
 class FxpipeScheduleRuntime(_PipelineScheduleRuntime):
@@ -694,6 +700,9 @@ class FxpipeScheduleRuntime(_PipelineScheduleRuntime):
         self._shared_grads = list(shared_grads)
         self.fxpipe_actions: dict[int, list[str]] = {}
         self.fxpipe_fused_full_backward: dict[int, bool] = {s.stage_index: False for s in stages}
+        #: callables run after the step's last backward, before the gradients are scaled and tied ones summed
+        #: (tensor parallelism reduces partial-sum DTensor gradients there, fxpipe.codegen.tensor_parallel)
+        self.fxpipe_before_grad_scaling: list[Callable[[], None]] = []
         #: training steps run so far (calls of :meth:`step` with a backward); numbers the steps in errors
         self.fxpipe_steps = 0
 
@@ -778,6 +787,8 @@ class FxpipeScheduleRuntime(_PipelineScheduleRuntime):
             stash.end_step()
         if self._has_backward:
             self.fxpipe_steps += 1
+            for hook in self.fxpipe_before_grad_scaling:
+                hook()
             self.scale_local_grads()
             self.sync_shared_grads()
         if last and return_outputs:

@@ -1,11 +1,14 @@
-"""The device mesh around the pipeline: ``pp`` x ``dp_shard`` x ``dp_replicate`` (torch-free).
+"""The device mesh around the pipeline: ``pp`` x ``dp_shard`` x ``dp_replicate`` x ``tp`` (torch-free).
 
 * :mod:`fxpipe.mesh.layout`: the mesh's dimensions (torchtitan's names), rank order and
   rank coordinates, parsing and formatting (``pp=2 x dp_shard=4``);
 * :mod:`fxpipe.mesh.costs`: what a mesh costs: its links (:class:`Topology`), data-parallel
   synchronisation, the host optimizer step, the predicted step of a pipeline on the mesh;
 * :mod:`fxpipe.mesh.search`: ``mesh="auto"``, the search over meshes pruned by lower bounds
-  (imported on its own: it plans, so it sits above :mod:`fxpipe.planner`).
+  (imported on its own: it plans, so it sits above :mod:`fxpipe.planner`);
+* :mod:`fxpipe.mesh.tensor_parallel`: what tensor parallelism splits at a degree ``tp`` (the
+  graph's column / row regions resolved, placements, refusals, per-stage reasons; imported on
+  its own).
 
 The runtime half (a rank's stages on a ``DeviceMesh``, wrapped by FSDP2 / DDP) is
 :mod:`fxpipe.codegen.mesh`. Everything in ``layout`` and ``costs`` is re-exported here, so

@@ -14,7 +14,7 @@ from types import MappingProxyType
 from typing import Any, Mapping
 
 from fxpipe.errors import InputError
-from fxpipe.mesh.layout import dim_span, format_mesh, mesh_dp, mesh_rank_order, normalize_rank_order, rank_of
+from fxpipe.mesh.layout import dim_span, format_mesh, mesh_dp, mesh_rank_order, mesh_tp, normalize_rank_order, rank_of
 
 __all__ = [
     "pipeline_hops",
@@ -221,7 +221,7 @@ def dp_links(mesh: Mapping[str, int], bandwidth_bytes_per_s: float, latency_s: f
         return {"dp_shard": (float(bandwidth_bytes_per_s), float(latency_s)),
                 "dp_replicate": (float(bandwidth_bytes_per_s), float(latency_s))}
     order = mesh_rank_order(mesh) if order is None else order
-    world = pp * s * r
+    world = pp * s * r * mesh_tp(mesh)  # tensor parallelism innermost: the data-parallel groups are tp times wider apart
     return {d: topology.link(*dim_span(mesh, d, order), world, kind) for d in ("dp_shard", "dp_replicate")}
 
 

@@ -1,10 +1,17 @@
 """The device mesh of a plan: its dimensions and rank order (torch-free, plain data).
 
 A plan runs ``dp = dp_replicate * dp_shard`` identical pipelines (data-parallel replicas), each
-over ``pp`` devices; ``devices = pp * dp_shard * dp_replicate``. The dimension names are
-torchtitan's (``ParallelDims``): ``pp`` pipeline stages, ``dp_shard`` FSDP2 sharding
-(``torch.distributed.fsdp.fully_shard``, ZeRO-3), ``dp_replicate`` replication (DDP-style
-``replicate``; HSDP together with ``dp_shard``).
+over ``pp`` pipeline ranks of ``tp`` devices each; ``devices = pp * dp_shard * dp_replicate * tp``.
+The dimension names are torchtitan's (``ParallelDims``): ``pp`` pipeline stages, ``dp_shard``
+FSDP2 sharding (``torch.distributed.fsdp.fully_shard``, ZeRO-3), ``dp_replicate`` replication
+(DDP-style ``replicate``; HSDP together with ``dp_shard``), ``tp`` tensor parallelism (Megatron's
+column / row parallel matmuls on DTensor, Shoeybi et al. 2019; :mod:`fxpipe.mesh.tensor_parallel`).
+
+Tensor parallelism is always the innermost dimension (torchtitan's place: its all-reduces and
+all-gathers run in every layer, so its groups are consecutive ranks inside a node): the ``tp``
+ranks of one pipeline rank of one replica are consecutive, ``rank = outer_rank * tp + tp_index``,
+where ``outer_rank`` numbers the ``(pp, dp_shard, dp_replicate)`` grid in the rank order below.
+A mesh dict leaves ``tp`` out when it is 1 (every mesh saved before tensor parallelism).
 
 Rank mapping (one function, :func:`rank_coords`, used by the runtime and the docs): the ranks
 form a row-major grid over the dimensions in a *rank order*, outermost first. The default,
@@ -23,7 +30,8 @@ collectives are cheap; the pipeline's point-to-point sends then cross nodes.
 HSDP's ``(dp_replicate, dp_shard)`` sub-mesh must be sliced in the mesh's own order);
 ``mesh={"pp": 2, "dp_shard": 8, "order": ["pp", "dp_replicate", "dp_shard"]}`` pins one, and
 the mesh search (:mod:`fxpipe.mesh.search`) picks the order with the smaller predicted step on
-the hardware's :class:`~fxpipe.mesh.costs.Topology`.
+the hardware's :class:`~fxpipe.mesh.costs.Topology`. A rank order names the three outer
+dimensions; ``"tp"`` may close it (``["pp", "dp_shard", "tp"]``) and nowhere else.
 
 ``microbatches`` of a mesh plan is the global number of micro-batches per optimizer step;
 every replica runs ``microbatches // dp`` of them (:func:`microbatches_per_replica`) on its
@@ -57,13 +65,22 @@ __all__ = [
     "format_mesh",
     "dim_strides",
     "candidate_meshes",
+    "mesh_tp",
+    "TP_DIM",
 ]
 
 #: Mesh dimension names in the default rank order, outermost first (pipeline rank innermost).
 MESH_DIMS = ("dp_replicate", "dp_shard", "pp")
 
-#: The rank orders fxpipe runs, outermost first: ``pp`` anywhere, ``dp_replicate`` outside ``dp_shard``.
+#: The rank orders fxpipe runs, outermost first: ``pp`` anywhere, ``dp_replicate`` outside ``dp_shard``;
+#: tensor parallelism (:data:`TP_DIM`) is inside all of them.
 RANK_ORDERS = (MESH_DIMS, ("pp", "dp_replicate", "dp_shard"), ("dp_replicate", "pp", "dp_shard"))
+
+#: The tensor-parallel dimension: always innermost (consecutive ranks, inside a node).
+TP_DIM = "tp"
+
+#: Every degree of a mesh dict, in display order (``tp`` innermost).
+_DEGREES = ("pp", "dp_shard", "dp_replicate", TP_DIM)
 
 
 def normalize_rank_order(order: Any = None) -> tuple[str, str, str]:
@@ -92,6 +109,11 @@ def normalize_rank_order(order: Any = None) -> tuple[str, str, str]:
     except TypeError:
         raise InputError(f"mesh order must be a list of dimension names such as ['pp', 'dp_replicate', 'dp_shard'], "
                          f"got {order!r}") from None
+    if TP_DIM in names:  # tensor parallelism is always innermost: it may only close the order
+        if names.index(TP_DIM) != len(names) - 1 or names.count(TP_DIM) > 1:
+            raise InputError(f"mesh order {names}: tp is always the innermost dimension (consecutive ranks inside a "
+                             "node); name it last or leave it out")
+        names = names[:-1]
     bad = sorted({n for n in names if n not in MESH_DIMS})
     if bad or len(set(names)) != len(names):
         raise InputError(f"mesh order {names}: {'unknown name(s) ' + str(bad) if bad else 'a name repeated'}; "
@@ -109,12 +131,21 @@ def mesh_rank_order(mesh: Any) -> tuple[str, str, str]:
 
 
 def mesh_degrees(mesh: Mapping[str, Any]) -> dict[str, int]:
-    """``{"pp", "dp_shard", "dp_replicate"}`` of a mesh (an ``"order"`` entry left out; missing degrees = 1)."""
-    return {d: int(mesh.get(d, 1)) for d in ("pp", "dp_shard", "dp_replicate")}
+    """``{"pp", "dp_shard", "dp_replicate"}`` of a mesh, plus ``"tp"`` when it is above 1 (an ``"order"``
+    entry left out; missing degrees = 1)."""
+    out = {d: int(mesh.get(d, 1)) for d in ("pp", "dp_shard", "dp_replicate")}
+    if int(mesh.get(TP_DIM, 1)) > 1:
+        out[TP_DIM] = int(mesh[TP_DIM])
+    return out
+
+
+def mesh_tp(mesh: Mapping[str, Any] | None) -> int:
+    """The tensor-parallel degree of a mesh (1 when it names none)."""
+    return 1 if not mesh else int(mesh.get(TP_DIM, 1))
 
 
 def format_rank_order(order: Any = None) -> str:
-    """``"pp/dp_replicate/dp_shard"`` (outermost first)."""
+    """``"pp/dp_replicate/dp_shard"`` (outermost first; tensor parallelism, always innermost, is not named)."""
     return "/".join(normalize_rank_order(order))
 
 
@@ -134,8 +165,8 @@ def normalize_mesh(mesh: Any, devices: int | None = None) -> dict[str, int]:
     Parameters
     ----------
     mesh : Mapping[str, int], "pipeline", "auto" or None
-        Degrees by torchtitan name (``"pp"``, ``"dp_shard"``, ``"dp_replicate"``); missing
-        names are 1. An ``"order"`` entry (the rank order, :func:`normalize_rank_order`) is
+        Degrees by torchtitan name (``"pp"``, ``"dp_shard"``, ``"dp_replicate"``, ``"tp"``);
+        missing names are 1. An ``"order"`` entry (the rank order, :func:`normalize_rank_order`) is
         validated and kept. ``"pipeline"``, ``"auto"`` and None: the pure pipeline ``{"pp":
         devices}`` (a function of the degrees alone cannot search: :func:`fxpipe.compile`
         resolves its default ``"auto"`` by :func:`fxpipe.mesh.search.search_mesh` first).
@@ -146,7 +177,8 @@ def normalize_mesh(mesh: Any, devices: int | None = None) -> dict[str, int]:
     -------
     dict[str, int]
         ``{"pp": a, "dp_shard": b, "dp_replicate": c}`` (all three keys, this order), plus
-        ``"order"`` (a tuple, outermost first) when ``mesh`` names one.
+        ``"tp"`` when it is above 1 and ``"order"`` (a tuple, outermost first) when ``mesh``
+        names one.
 
     Raises
     ------
@@ -165,24 +197,25 @@ def normalize_mesh(mesh: Any, devices: int | None = None) -> dict[str, int]:
             f"mesh must be 'auto', 'search', 'pipeline' or a dict of degrees such as {{'pp': 2, 'dp_shard': 2}}, "
             f"got {mesh!r}"
         )
-    unknown = sorted(str(k) for k in mesh if k not in MESH_DIMS and k != "order")
+    unknown = sorted(str(k) for k in mesh if k not in _DEGREES and k != "order")
     if unknown:
-        raise InputError(f"mesh: unknown dimension(s) {unknown}; the dimensions are {list(reversed(MESH_DIMS))}")
+        raise InputError(f"mesh: unknown dimension(s) {unknown}; the dimensions are {list(_DEGREES)}")
     out = {}
-    for name in ("pp", "dp_shard", "dp_replicate"):
+    for name in _DEGREES:
         v = mesh.get(name, 1)
         if isinstance(v, bool) or not isinstance(v, numbers.Integral):
             raise InputError(f"mesh[{name!r}] must be an integer >= 1, got {v!r}")
         v = int(v)
         if v < 1:
             raise InputError(f"mesh[{name!r}] must be an integer >= 1, got {v}")
-        out[name] = v
+        if name != TP_DIM or v > 1:
+            out[name] = v
     if devices is not None:
-        prod = math.prod(out[d] for d in MESH_DIMS)
+        prod = math.prod(out.get(d, 1) for d in _DEGREES)
         if prod != int(devices):
             raise InputError(
                 f"mesh {format_mesh(out)} has {prod} devices but devices={devices}: the product "
-                "pp * dp_shard * dp_replicate must equal devices"
+                "pp * dp_shard * dp_replicate * tp must equal devices"
             )
     if mesh.get("order") is not None:
         out["order"] = normalize_rank_order(mesh["order"])
@@ -219,10 +252,11 @@ def microbatches_per_replica(microbatches: int, mesh: Mapping[str, int]) -> int:
 def dim_strides(mesh: Mapping[str, Any], order: Any = None) -> dict[str, int]:
     """How many ranks apart consecutive indices of each dimension are, in the rank numbering of ``order``.
 
-    Row-major over ``order`` (outermost first, default :data:`MESH_DIMS`): the innermost
-    dimension has stride 1, each other the product of the degrees inside it.
+    Row-major over ``order`` (outermost first, default :data:`MESH_DIMS`) followed by ``tp``
+    (always innermost, stride 1): each other dimension's stride is the product of the degrees
+    inside it.
     """
-    strides, step = {}, 1
+    strides, step = {TP_DIM: 1}, mesh_tp(mesh)
     for d in reversed(normalize_rank_order(order)):
         strides[d] = step
         step *= int(mesh.get(d, 1))
@@ -240,7 +274,7 @@ def rank_coords(rank: int, mesh: Mapping[str, int], order: Any = None) -> dict[s
     Parameters
     ----------
     rank : int
-        Global rank, ``0 .. pp * dp_shard * dp_replicate - 1``.
+        Global rank, ``0 .. pp * dp_shard * dp_replicate * tp - 1``.
     mesh : Mapping[str, int]
         The degrees (an ``"order"`` entry is the rank order when ``order`` is None).
     order : sequence of str, optional
@@ -250,8 +284,9 @@ def rank_coords(rank: int, mesh: Mapping[str, int], order: Any = None) -> dict[s
     Returns
     -------
     dict
-        ``{"dp_replicate": i, "dp_shard": j, "pp": k, "replica": i * dp_shard + j}`` (the replica
-        numbering is the same whatever the order).
+        ``{"dp_replicate": i, "dp_shard": j, "pp": k, "replica": i * dp_shard + j, "tp": t}`` (the
+        replica numbering is the same whatever the order; ``t = rank mod tp``, tensor parallelism
+        being innermost).
 
     Raises
     ------
@@ -259,30 +294,32 @@ def rank_coords(rank: int, mesh: Mapping[str, int], order: Any = None) -> dict[s
         For a rank outside ``0 .. devices - 1`` or a bad order.
     """
     order = mesh_rank_order(mesh) if order is None else normalize_rank_order(order)
-    ds, dr = int(mesh.get("dp_shard", 1)), int(mesh.get("dp_replicate", 1))
-    world = int(mesh["pp"]) * ds * dr
+    ds, dr, tp = int(mesh.get("dp_shard", 1)), int(mesh.get("dp_replicate", 1)), mesh_tp(mesh)
+    world = int(mesh["pp"]) * ds * dr * tp
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world:
         raise InputError(f"rank must be an integer in 0..{world - 1} for mesh {format_mesh(mesh)}, got {rank!r}")
-    out, rest = {}, rank
+    rest, out = divmod(rank, tp)  # tp innermost
+    out = {TP_DIM: out}
     for d in reversed(order):
         rest, out[d] = divmod(rest, int(mesh.get(d, 1)))
     return {"dp_replicate": out["dp_replicate"], "dp_shard": out["dp_shard"], "pp": out["pp"],
-            "replica": out["dp_replicate"] * ds + out["dp_shard"]}
+            "replica": out["dp_replicate"] * ds + out["dp_shard"], TP_DIM: out[TP_DIM]}
 
 
-def rank_of(mesh: Mapping[str, int], *, pp: int, replica: int, order: Any = None) -> int:
-    """The global rank of pipeline rank ``pp`` in data-parallel replica ``replica`` (inverse of :func:`rank_coords`).
+def rank_of(mesh: Mapping[str, int], *, pp: int, replica: int, order: Any = None, tp: int = 0) -> int:
+    """The global rank of pipeline rank ``pp`` in data-parallel replica ``replica`` and tensor-parallel
+    rank ``tp`` (inverse of :func:`rank_coords`).
 
     ``order``: the rank order (default the mesh's ``"order"``, else :data:`MESH_DIMS`).
     """
     order = mesh_rank_order(mesh) if order is None else normalize_rank_order(order)
     i, j = divmod(int(replica), int(mesh.get("dp_shard", 1)))
     strides = dim_strides(mesh, order)
-    return int(pp) * strides["pp"] + j * strides["dp_shard"] + i * strides["dp_replicate"]
+    return int(pp) * strides["pp"] + j * strides["dp_shard"] + i * strides["dp_replicate"] + int(tp)
 
 
 def parse_mesh(text: str) -> dict[str, int]:
-    """Parse the CLI form ``"pp=4,dp_shard=8"`` (missing dimensions = 1).
+    """Parse the CLI form ``"pp=4,dp_shard=8"`` or ``"pp=2,tp=2"`` (missing dimensions = 1).
 
     ``order=pp/dp_replicate/dp_shard`` names the rank order (outermost first,
     :func:`normalize_rank_order`).
@@ -313,8 +350,8 @@ def parse_mesh(text: str) -> dict[str, int]:
 
 
 def format_mesh(mesh: Mapping[str, int]) -> str:
-    """``"pp=2 x dp_shard=2"`` (dimensions of degree 1 left out, except a lone ``pp``)."""
-    parts = [f"{k}={int(mesh.get(k, 1))}" for k in ("pp", "dp_shard", "dp_replicate") if int(mesh.get(k, 1)) > 1]
+    """``"pp=2 x dp_shard=2"``, ``"pp=2 x tp=2"`` (dimensions of degree 1 left out, except a lone ``pp``)."""
+    parts = [f"{k}={int(mesh.get(k, 1))}" for k in _DEGREES if int(mesh.get(k, 1)) > 1]
     return " x ".join(parts) if parts else f"pp={int(mesh.get('pp', 1))}"
 
 
@@ -324,6 +361,11 @@ def candidate_meshes(devices: int, microbatches: int, *, replicate: bool = False
     The pinned meshes a joint search would compare: ``pp * dp_shard = devices`` with
     ``dp_shard | microbatches`` and, with ``replicate=True``, also every split of the
     data-parallel degree into ``dp_shard * dp_replicate``. Ordered by decreasing ``pp``.
+
+    Every candidate has ``tp = 1``: the costs of tensor parallelism (1/tp of the sharded ops'
+    compute, the per-block collectives on the node's links, parameters and activations divided
+    by tp) are not modelled yet (issue 29, items 3 and 4), so the search offers no ``tp`` mesh; a
+    pinned ``{"tp": ...}`` plans and runs (:mod:`fxpipe.mesh.tensor_parallel`).
     """
     out = []
     for pp in range(int(devices), 0, -1):

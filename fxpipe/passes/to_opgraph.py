@@ -25,6 +25,11 @@ Node mapping (what codegen and the partition baselines rely on):
   ``nonzero``, ``unique``, ...; :func:`~fxpipe.passes.capture.has_data_dependent_size`) also
   has ``"data_dependent": True`` and ``"source"`` (the user's source line); the partitioner
   never cuts its output edges (:mod:`fxpipe.partition.colocate`).
+  A node that tensor parallelism splits or runs on the sequence shard also has ``"tp_role"``
+  (``"column"``, ``"row"``, ``"sharded"``, ``"sequence"``) and, inside a column / row region,
+  ``"tp_region"``; ``meta["tensor_parallel"]`` holds the regions (their parameters' shard dims
+  and units) and the rejected candidates (:mod:`fxpipe.passes.tensor_parallel`, resolved for a
+  degree by :mod:`fxpipe.mesh.tensor_parallel`).
 """
 
 from __future__ import annotations
@@ -50,6 +55,10 @@ from fxpipe.passes.capture import (
     user_source_line,
 )
 from fxpipe.passes.structure import OPKEY, SKEY, module_path, structural_keys
+from fxpipe.passes.tensor_parallel import META_KEY as TP_META_KEY
+from fxpipe.passes.tensor_parallel import REGION_KEY as TP_REGION_KEY
+from fxpipe.passes.tensor_parallel import ROLE_KEY as TP_ROLE_KEY
+from fxpipe.passes.tensor_parallel import find_tensor_parallel
 
 #: fx ops that become OpGraph nodes.
 OPGRAPH_FX_OPS = ("placeholder", "call_function", "call_module", "call_method", "output")
@@ -100,6 +109,7 @@ def to_opgraph(gm: torch.fx.GraphModule, hardware: str | HardwareSpec = "h100-sx
     edges: list[tuple[int, int]] = []
     numel = gm.meta.get("fxpipe_param_numel", {})
     skeys = structural_keys(gm)
+    tp = find_tensor_parallel(gm)
     for node in nodes:
         cost = node.meta.get(COST_KEY)
         if not isinstance(cost, OpCost):
@@ -113,6 +123,10 @@ def to_opgraph(gm: torch.fx.GraphModule, hardware: str | HardwareSpec = "h100-sx
                       SKEY: skeys[node.name][0], OPKEY: skeys[node.name][1]})
         if has_data_dependent_size(node):  # must not cross a stage boundary (fxpipe.partition.colocate)
             extra[-1].update(data_dependent=True, source=user_source_line(node))
+        if node.name in tp.roles:  # tensor parallelism (fxpipe.passes.tensor_parallel)
+            extra[-1][TP_ROLE_KEY] = tp.roles[node.name]
+            if node.name in tp.node_region:
+                extra[-1][TP_REGION_KEY] = int(tp.node_region[node.name])
         v = index[node]
         for inp in node.all_input_nodes:
             u = index.get(inp)
@@ -129,6 +143,7 @@ def to_opgraph(gm: torch.fx.GraphModule, hardware: str | HardwareSpec = "h100-sx
         ops=[n.op for n in nodes], name=name, extra=extra,
         meta={"hardware": hw.name, "source": "fxpipe.passes.to_opgraph",
               **({"topology": hw.topology()} if hw.inter_node_bytes_per_s > 0 else {}),
+              TP_META_KEY: tp.meta(),
               "host": {"host_bytes_per_s": float(hw.host_copy_bytes_per_s),
                        "host_memory_bytes_per_s": float(hw.host_memory_bytes_per_s),
                        "host_memory_bytes": float(hw.host_memory_bytes)}},

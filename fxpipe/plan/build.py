@@ -29,7 +29,9 @@ def build_rank(plan, rank: int, *, model=None, args=(), kwargs=None, loss_fn: Ca
 
     With data parallelism (``plan.dp > 1``) the ranks form the mesh of
     :func:`fxpipe.mesh.rank_coords` in ``plan.rank_order`` (by default ``rank = replica * pp +
-    pipeline rank``; pipeline rank outermost: ``rank = pipeline rank * dp + replica``); the call is
+    pipeline rank``; pipeline rank outermost: ``rank = pipeline rank * dp + replica``; with tensor
+    parallelism, ``plan.tp > 1``, every such rank is ``tp`` consecutive ranks whose stage modules
+    run on DTensor with the plan's placements, :mod:`fxpipe.codegen.tensor_parallel`); the call is
     collective (it creates the ``DeviceMesh`` and process groups), every stage module is
     wrapped by ``fully_shard`` / ``replicate`` over its data-parallel sub-mesh
     (:mod:`fxpipe.codegen.mesh`), and ``schedule.step`` takes this rank's replica slice of
@@ -104,7 +106,7 @@ def build_rank(plan, rank: int, *, model=None, args=(), kwargs=None, loss_fn: Ca
         source = StateSource(seed=0 if seed is None else int(seed), checkpoint=checkpoint, init_fn=init_fn,
                              model=model if model is not None else getattr(traced, "model", None))
     offload = bool(getattr(plan.memory, "offload_optimizer", False))
-    if plan.dp > 1 or offload:  # ---- mesh (fxpipe.codegen.mesh): pipeline x data parallelism, optimizer offload
+    if plan.dp > 1 or offload or plan.tp > 1:  # ---- mesh (fxpipe.codegen.mesh): pipeline x data x tensor parallelism
         import torch.distributed as dist  # lazy: torch
 
         from fxpipe.codegen.mesh import build_mesh_rank  # lazy: torch
@@ -112,16 +114,24 @@ def build_rank(plan, rank: int, *, model=None, args=(), kwargs=None, loss_fn: Ca
         from fxpipe.codegen.split import split_stages  # lazy: torch
 
         if group is not None and dist.get_world_size(group) != dist.get_world_size():
+            what = "data parallelism" if plan.dp > 1 else ("tensor parallelism" if plan.tp > 1 else "optimizer offload")
             raise InputError(
-                f"a plan with {'data parallelism' if plan.dp > 1 else 'optimizer offload'} runs on the default process "
+                f"a plan with {what} runs on the default process "
                 f"group (its device mesh): leave group=None and launch exactly {plan.world_size} processes"
             )
+        tp_kwargs = {}
+        if plan.tp > 1:  # tensor parallelism (fxpipe.codegen.tensor_parallel): this capture's structure, the plan's placements
+            from fxpipe.passes.tensor_parallel import find_tensor_parallel  # lazy: torch
+
+            tp_kwargs = dict(tensor_parallel=find_tensor_parallel(traced.gm),
+                             tensor_parallel_params=plan.tensor_parallel.params)
         stages, sched, _ = build_mesh_rank(
             split_stages(traced.gm, plan.captured_stage_of(), plan.num_stages), int(rank), plan.orders(), mesh=plan.mesh,
             rank_order=plan.rank_order,
             num_microbatches=plan.microbatches, loss_fn=loss_fn, device=device,
             example_microbatch_inputs=example_inputs_from_gm(traced.gm), recompute_stages=plan.recompute_stages(),
             state_source=source, compile_stages=compile_stages_option(plan, compile_stages), offload_optimizer=offload,
+            **tp_kwargs,
         )
         return stages, sched
     return build_pipeline_rank(

@@ -29,8 +29,9 @@ from fxpipe.io import format_bytes, format_ms, ms_column
 from fxpipe.ir import OpGraph, Orders, Schedule, ScheduleProblem, read_json, schedule_to_orders, write_json_atomic
 from fxpipe.memory import MemoryModel
 from fxpipe.mesh import (MESH_DIMS, Topology, device_host_step_s, device_num_params, dim_span, dp_links, format_mesh,
-                         format_rank_order, mesh_degrees, mesh_dp, normalize_mesh, normalize_rank_order,
+                         format_rank_order, mesh_degrees, mesh_dp, mesh_tp, normalize_mesh, normalize_rank_order,
                          pipeline_dp_sync_s, pipeline_step_s, pure_pipeline)
+from fxpipe.mesh.tensor_parallel import TP_COSTS_WARNING, TensorParallelLayout, graph_tensor_parallel, stage_tensor_parallel
 from fxpipe.partition.objective import Partition
 from fxpipe.partition.placement import placement_name
 from fxpipe.plan.build import PlanStageOf, build_rank, compile_stages_option
@@ -114,7 +115,9 @@ class Plan:
         Hash of the op graph's structure, checked when a loaded plan is rebuilt.
     mesh : dict
         ``{"pp": p, "dp_shard": b, "dp_replicate": c}`` (:mod:`fxpipe.mesh`): ``b * c``
-        data-parallel replicas of this pipeline; default (and plans saved before meshes) the
+        data-parallel replicas of this pipeline; with ``"tp": t`` (tensor parallelism, only
+        when t > 1) every pipeline rank is ``t`` devices sharing each stage's matmuls
+        (:mod:`fxpipe.mesh.tensor_parallel`); default (and plans saved before meshes) the
         pure pipeline ``{"pp": devices, "dp_shard": 1, "dp_replicate": 1}``. An ``"order"``
         entry given here becomes :attr:`rank_order`.
     rank_order : tuple[str, str, str]
@@ -176,9 +179,42 @@ class Plan:
         return mesh_dp(self.mesh)
 
     @property
+    def tp(self) -> int:
+        """Tensor-parallel degree (devices per pipeline rank; 1 without tensor parallelism)."""
+        return mesh_tp(self.mesh)
+
+    @property
     def world_size(self) -> int:
-        """All devices of the plan: ``pp * dp_shard * dp_replicate`` (= ``devices`` for a pure pipeline)."""
-        return self.devices * self.dp
+        """All devices of the plan: ``pp * dp_shard * dp_replicate * tp`` (= ``devices`` for a pure pipeline)."""
+        return self.devices * self.dp * self.tp
+
+    @property
+    def tensor_parallel(self) -> TensorParallelLayout:
+        """What tensor parallelism splits at this plan's ``tp`` (:func:`fxpipe.mesh.tensor_parallel.resolve_tensor_parallel`
+        of the graph's record): every split parameter's placement, sequence parallelism, notes."""
+        cached = self.__dict__.get("_tensor_parallel")
+        if cached is None or cached.tp != self.tp:
+            cached = graph_tensor_parallel(self.graph, self.tp)
+            self.__dict__["_tensor_parallel"] = cached
+        return cached
+
+    def tensor_parallel_stages(self) -> list[dict]:
+        """Per stage, the share of its FLOPs tensor parallelism splits and why a stage gets none
+        (:func:`fxpipe.mesh.tensor_parallel.stage_tensor_parallel`)."""
+        return stage_tensor_parallel(self.graph, self.partition.assignment, self.num_stages, self.tensor_parallel)
+
+    def tensor_parallel_warnings(self) -> list[str]:
+        """Sentences about tensor parallelism (none with ``tp = 1``): its costs are not modelled yet, what it
+        does not split (odd vocabularies, the sequence length) and the stages it is not offered for, with the reason."""
+        if self.tp == 1:
+            return []
+        layout = self.tensor_parallel
+        out = [TP_COSTS_WARNING] + [f"tensor parallelism: {note}" for note in layout.notes]
+        for row in self.tensor_parallel_stages():
+            if row["reason"]:
+                out.append(f"stage {row['stage']}: tensor parallelism not offered (its tp={self.tp} ranks each compute "
+                           f"it whole): {row['reason']}")
+        return out
 
     @property
     def global_microbatches(self) -> int:
@@ -227,6 +263,8 @@ class Plan:
                             f"{format_bytes(self.memory.host_bytes_per_param('training') * max_params)} "
                             f"of host memory and a {format_ms(self.optimizer_host_step_s)} host step on the busiest "
                             "device, in the predicted step")
+        if self.tp > 1:
+            lines.insert(0, self._tensor_parallel_line())
         if self.dp == 1:
             return lines
         ds, dr = self.mesh["dp_shard"], self.mesh["dp_replicate"]
@@ -276,6 +314,23 @@ class Plan:
         best = min(pipes, key=lambda r: r.get("lower_bound_s", float("inf")))
         return (f"no pipeline: no pipeline was planned (the best by its lower bound, {best['mesh_text']}, "
                 f"{best.get('skipped', 'was not planned')}); {here}; {force}")
+
+    def _tensor_parallel_line(self) -> str:
+        """The summary line of tensor parallelism: what is split, sequence parallelism, the costs' status."""
+        layout = self.tensor_parallel
+        regions = (self.graph.meta or {}).get("tensor_parallel", {}).get("regions", [])
+        kinds: dict[str, int] = {}
+        for r in regions:
+            if int(r["id"]) in layout.regions:
+                kinds[r["kind"]] = kinds.get(r["kind"], 0) + 1
+        sharded = sum(1 for v in layout.params.values() if v.startswith("Shard"))
+        gqa = sum(len(v) for v in layout.replicated_columns.values())
+        return (f"tensor parallelism tp={self.tp} (innermost, consecutive ranks): {len(layout.regions)} of "
+                f"{len(regions)} column/row regions split ({', '.join(f'{n} {k}' for k, n in sorted(kinds.items()))}), "
+                f"{sharded} parameters sharded"
+                + (f", {gqa} k/v projections replicated (fewer kv heads than tp)" if gqa else "")
+                + f"; sequence parallelism {'on' if layout.sequence_parallel else 'off'}; "
+                "costs as for tp=1 (not modelled yet)")
 
     # ------------------------------------------------------------------ placement
     @property
@@ -428,9 +483,9 @@ class Plan:
     def all_warnings(self) -> list[str]:
         """Every warning about this plan, each once: what fxpipe warned while making it (a capture on
         meta with a device branch, a mesh search stopped by Ctrl-C, ...; ``options["warnings"]``), then
-        :meth:`waste_warnings`."""
+        :meth:`waste_warnings` and :meth:`tensor_parallel_warnings`."""
         out: list[str] = []
-        for w in [*(self.options.get("warnings") or []), *self.waste_warnings()]:
+        for w in [*(self.options.get("warnings") or []), *self.waste_warnings(), *self.tensor_parallel_warnings()]:
             if str(w) not in out:
                 out.append(str(w))
         return out
@@ -445,6 +500,8 @@ class Plan:
                  f"{self.num_stages} stages on {self.devices} devices ({v} per device, {self.placement} placement)")
         if self.dp > 1:  # mesh (fxpipe.mesh): the table is one pipeline of the replicas
             where = f"a pipeline of {where} x {self.dp} data-parallel replicas"
+        if self.tp > 1:
+            where += f", each pipeline rank {self.tp} tensor-parallel devices ({self.world_size} devices in all)"
         lines = [
             *(["interrupted (Ctrl-C): this plan is the best found before the search was stopped, not the result of "
                "the whole search; run again without interrupting for the full search"] if self.interrupted else []),

@@ -2,12 +2,12 @@
 
 Compatibility rule (``docs/design.md``, "The plan"): ``fxpipe.plan/2`` keeps every field of
 ``fxpipe.plan/1`` with its name and meaning and only adds fields (``fxpipe_version``,
-``memory_model``, ``rank_order``), so a
+``memory_model``, ``rank_order``, and ``tensor_parallel`` in a plan with ``mesh["tp"] > 1``), so a
 reader of ``/1`` files reads ``/2`` files once it accepts the new format string. A ``/2``
 file always has the complete layout (``mesh``, ``device_of_stage``, the device table, the
 memory model, the stages' ``device``); the ``/1`` files of older layouts may lack them and are
-filled in on load (:func:`plan_fields_from_dict`): a pure-pipeline mesh, the default rank order
-(pipeline rank innermost, :data:`fxpipe.mesh.MESH_DIMS`), one stage per device,
+filled in on load (:func:`plan_fields_from_dict`): a pure-pipeline mesh (no ``tp``: 1), the default
+rank order (pipeline rank innermost, :data:`fxpipe.mesh.MESH_DIMS`), one stage per device,
 and the stage / device tables recomputed from the graph, partition and schedule. A plan saved
 under an older version of the memory model (``memory_model`` missing or below
 :data:`MEMORY_MODEL_VERSION`) keeps its saved tables, which that model counted more
@@ -31,6 +31,7 @@ from fxpipe.errors import InputError, PlanWarning
 from fxpipe.ir import OpGraph, Schedule, ScheduleProblem
 from fxpipe.memory import MemoryModel
 from fxpipe.mesh import MESH_DIMS, mesh_degrees, normalize_mesh, normalize_rank_order, pure_pipeline
+from fxpipe.mesh.tensor_parallel import check_tensor_parallel
 from fxpipe.partition.objective import Partition, validate_partition
 from fxpipe.partition.placement import placement_name
 from fxpipe.plan.tables import DeviceStats, StageStats, device_stats, stage_stats
@@ -74,6 +75,9 @@ def graph_signature(graph: OpGraph) -> str:
 
 def plan_to_dict(plan) -> dict[str, Any]:
     """The ``fxpipe.plan/2`` document of ``plan`` (every ``/1`` field, plus ``fxpipe_version``)."""
+    extra: dict[str, Any] = {}
+    if plan.tp > 1:  # what tensor parallelism splits (fxpipe.mesh.tensor_parallel), checked on load
+        extra["tensor_parallel"] = plan.tensor_parallel.to_dict()
     return {
         "format": PLAN_FORMAT,
         "fxpipe_version": __version__,
@@ -106,6 +110,7 @@ def plan_to_dict(plan) -> dict[str, Any]:
         "problem": plan.problem.to_dict(),
         "schedule": plan.schedule.to_dict(),
         "graph": plan.graph.to_dict(),
+        **extra,
     }
 
 
@@ -290,4 +295,22 @@ def plan_fields_from_dict(doc: Mapping[str, Any], source: str = "plan") -> dict[
         return f
     _check_table("stage", f["stages"], want_stages, source)
     _check_table("device", f["device_table"], want_devices, source)
+    _check_tensor_parallel(doc, f, source)
     return f
+
+
+def _check_tensor_parallel(doc: Mapping[str, Any], f: Mapping[str, Any], source: str) -> None:
+    """A plan with ``tp > 1`` splits what its graph's record resolves to at that degree (InputError otherwise)."""
+    tp = int(f["mesh"].get("tp", 1))
+    if tp == 1:
+        if doc.get("tensor_parallel") is not None:
+            raise InputError(f"{source}: tensor_parallel is given but the mesh has no tp: the file was edited")
+        return
+    try:
+        layout = check_tensor_parallel(f["graph"], tp, what=f"{source}: mesh")
+    except InputError as exc:
+        raise InputError(f"{exc}: the plan's graph does not support its own tensor parallelism (edited file?)") from None
+    saved = doc.get("tensor_parallel")
+    if saved is not None and saved != layout.to_dict():
+        raise InputError(f"{source}: tensor_parallel differs from what the plan's graph gives at tp={tp}: the file was "
+                         "edited or corrupted; regenerate it with fxpipe.compile")

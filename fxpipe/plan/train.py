@@ -110,6 +110,7 @@ def train_local(
                num_microbatches=plan.global_microbatches, make_batch=make_batch, steps=steps, lr=lr, loss=loss,
                seed=seed, recompute_stages=plan.recompute_stages(), compile_stages=compile_stages_option(plan, compile_stages),
                mesh={**plan.mesh, "order": plan.rank_order},
+               **({"tensor_parallel_params": plan.tensor_parallel.params} if plan.tp > 1 else {}),
                offload_optimizer=bool(getattr(plan.memory, "offload_optimizer", False)))
     res = spawn_train_many([run], world_size=plan.world_size, timeout_s=timeout_s, warn_random=rnd is None,
                            progress=progress, action_timeout_s=action_timeout_s)[0]

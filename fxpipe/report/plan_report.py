@@ -108,7 +108,7 @@ def write_plan_report(plan, out_html: str | os.PathLike, *, bounds_time_limit_s:
         command=command,
         extra_sections=sections,
         title=f"fxpipe plan: {plan.name} on {plan.world_size} x {plan.hardware}"
-        + (f", mesh {format_mesh(plan.mesh)}" if plan.dp > 1 else "")
+        + (f", mesh {format_mesh(plan.mesh)}" if plan.dp > 1 or plan.tp > 1 else "")
         + (f" ({plan.num_stages} stages, {plan.placement} placement)" if plan.stages_per_device > 1 else ""),
         stage_params_bytes=[s.params_bytes for s in plan.stages],
         params_label=f"{plan.memory.precision.name} weights",

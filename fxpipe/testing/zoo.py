@@ -786,6 +786,9 @@ _SECOND: dict[str, _Entry] = {  # issue 17: the second round of architectures
                                 mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=4,
                                 use_mamba_kernels=False), "moe"),
     "granitemoe": _Entry("moe", _moe("GraniteMoeForCausalLM", "GraniteMoeConfig", **_MOE2), "moe"),
+    # issue 29: the MoE of tensor parallelism's done-when (q/k norms, GQA, 4 experts of 2 per token)
+    "qwen3_moe": _Entry("moe", _moe("Qwen3MoeForCausalLM", "Qwen3MoeConfig", num_local_experts=4, num_experts_per_tok=2,
+                                    moe_intermediate_size=32, head_dim=8, norm_topk_prob=True), "moe"),
     "xlm_roberta": _Entry("encoder", _masked_lm("XLMRobertaForMaskedLM", "XLMRobertaConfig", max_position_embeddings=72), "token"),
     "deberta_v2": _Entry("encoder", _masked_lm("DebertaV2ForMaskedLM", "DebertaV2Config", relative_attention=True,
                                                pos_att_type=["p2c", "c2p"], position_buckets=8,
