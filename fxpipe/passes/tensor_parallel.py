@@ -102,10 +102,9 @@ def _shape(node: Any) -> tuple[int, ...] | None:
     v = _val(node)
     if not isinstance(v, torch.Tensor):
         return None
-    try:
-        return tuple(int(d) for d in v.shape)
-    except (TypeError, ValueError):  # symbolic sizes: no static sharding decision
-        return None
+    if not all(isinstance(d, int) for d in v.shape):
+        return None  # symbolic or data-dependent sizes: no static sharding decision (int() would guard)
+    return tuple(v.shape)
 
 
 # ----------------------------------------------------------------------------- propagation states
