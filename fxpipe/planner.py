@@ -22,6 +22,7 @@ from fxpipe.cost.hardware import HARDWARE
 from fxpipe.errors import InfeasibleError, InputError
 from fxpipe.ir import OpGraph, Schedule, ScheduleProblem
 from fxpipe.memory import MemoryModel
+from fxpipe.memory.checkpoint import menu_for_request
 from fxpipe.memory.plan_view import schedule_mem_limit, stage_static
 from fxpipe.mesh import host_links, optimizer_host_step_s
 from fxpipe.options import (
@@ -160,6 +161,7 @@ def plan_graph(
     progress: bool = DEFAULTS.progress,
     memory_bytes: float | None = None,
     memory: MemoryModel | None = None,
+    activation_checkpointing: str = DEFAULTS.activation_checkpointing,
 ) -> PlanResult:
     """Partition, place and schedule an OpGraph (the torch-free half of :func:`fxpipe.compile`).
 
@@ -216,6 +218,15 @@ def plan_graph(
         plus one micro-batch's stash fits, :class:`fxpipe.partition.memory.PartitionMemory`
         with the ``"floor"`` rule) and the schedule gets ``mem_limit = capacity - reserved
         - static state`` per device (:func:`fxpipe.memory.plan_view.schedule_mem_limit`).
+    activation_checkpointing : {"auto", "none", "full", "selective"}
+        Training only. ``"auto"`` (default): every stage gets a menu of checkpoint policies
+        (:func:`fxpipe.memory.checkpoint.stage_menu`: none, per-block selective, budgeted and full
+        checkpointing, whole-stage recomputation, each with its replay time and memory) and the
+        schedule (``"auto"``) picks one per stage where memory forces it, the partition admitting
+        a stage that fits only with one (:class:`fxpipe.partition.memory.PartitionMemory`
+        ``checkpointing``); ``"full"`` / ``"selective"``: that per-block policy on every stage
+        that has blocks; ``"none"``: no checkpointing at all. The chosen options are
+        ``problem.checkpoint`` (:meth:`fxpipe.plan.Plan.activation_checkpointing` their policies).
 
     Returns
     -------
@@ -264,13 +275,16 @@ class _CandidateSearch:
 
     def __init__(self, graph: OpGraph, devices: int, microbatches: int, options: PlanOptions, memory: MemoryModel):
         self.graph, self.devices, self.microbatches, self.options, self.memory = graph, devices, microbatches, options, memory
-        self.pmem = PartitionMemory(memory, microbatches, "floor") if math.isfinite(memory.capacity_bytes) else None
+        self.checkpointing = options.objective == "training" and options.activation_checkpointing != "none"
+        self.pmem = (PartitionMemory(memory, microbatches, "floor", checkpointing=self.checkpointing)
+                     if math.isfinite(memory.capacity_bytes) else None)
         self.several = len(options.placement_candidates()) > 1
         self.timings: dict[str, float] = {"partition": 0.0, "schedule": 0.0}
         self.parts: dict[int, Partition | Exception] = {}
         self.tried: list[dict[str, Any]] = []
         self.best: tuple | None = None
         self.first_error: Exception | None = None
+        self.menus: dict[tuple, list] = {}
 
     def _skip(self, record: dict[str, Any], exc: Exception, *, counts: bool = True) -> None:
         """Record why a candidate is skipped (``counts``: its error may be the one raised when none is
@@ -350,18 +364,36 @@ class _CandidateSearch:
         pooled = stage_static(graph, part.assignment, k, self.memory, m, opts.objective, dev).pooled_buffer_bytes
         problem = problem_from_partition(graph, part, num_microbatches=m, mem_limit_bytes=limit,
                                          host_bandwidth_bytes_per_s=opts.host_bandwidth_bytes_per_s, device_of_stage=dev,
-                                         pooled_buffer_bytes=pooled)
+                                         pooled_buffer_bytes=pooled, checkpoint_menu=self._menus(part))
+        pinned = opts.activation_checkpointing if opts.objective == "training" else "none"
+        if pinned in ("full", "selective"):  # the user's policy on every stage that has it
+            problem = problem.with_checkpoint({s: pinned for s in range(k)
+                                               if any(o.name == pinned for o in problem.checkpoint_menu[s])})
         record["device_bottleneck_s"] = float(device_costs(graph, part.assignment, dev, opts.objective, "relay").max())
         record["stage_bottleneck_s"] = float(part.bottleneck)
         if method == "auto":
             budget = auto_milp_budget_s(problem) if opts.schedule_time_limit_s is None else opts.schedule_time_limit_s
             with phase(f"schedule {k} stages x {m} micro-batches (auto, MILP up to {budget:g} s)", on=opts.progress):
-                chosen = auto_schedule(problem, recompute=opts.objective == "training", time_limit_s=budget,
+                chosen = auto_schedule(problem, recompute=pinned == "auto", time_limit_s=budget,
                                        progress=opts.progress)
             return chosen.problem, chosen.schedule
         budget = DEFAULT_MILP_TIME_LIMIT_S if opts.schedule_time_limit_s is None else opts.schedule_time_limit_s
         with phase(f"schedule {k} stages x {m} micro-batches ({method})", on=opts.progress):
             return problem, make_schedule(problem, method, time_limit_s=budget, progress=opts.progress)
+
+    def _menus(self, part: Partition) -> list[list] | None:
+        """The activation-checkpoint options of every stage of ``part`` besides ``"none"`` (cached per
+        partition; :func:`fxpipe.memory.checkpoint.menu_for_request` of the options' request), or None in
+        inference, where there is no backward to replay for."""
+        if self.options.objective != "training":
+            return None
+        key = (part.k, part.assignment.tobytes())
+        if key not in self.menus:
+            a = np.asarray(part.assignment)
+            self.menus[key] = [[e.option() for e in menu_for_request(self.graph, np.flatnonzero(a == s),
+                                                                     self.options.activation_checkpointing)]
+                               for s in range(part.k)]
+        return self.menus[key]
 
     def result(self) -> PlanResult:
         """The fastest candidate's (partition, problem, schedule, timings); its schedule's

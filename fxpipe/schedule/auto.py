@@ -27,15 +27,21 @@ schedule of it:
    first warm-up whose :func:`limited_1f1b_bound` is above the best found; warm-ups that
    overflow whatever is offloaded (:func:`~fxpipe.schedule.heuristics.warmup_overflow_bytes`)
    are not timed.
-3. **Recomputation** (memory binds and ``recompute=True``): devices whose 1F1B-family
-   schedule without offload exceeds their limit (:func:`plain_peak`, simulated without a
-   limit) get recomputation on their cheapest stage, the one with the smallest forward time
-   (the replay's cost), among those where recomputing saves memory
-   (``recompute_mem_f < mem_f``); the step-1 heuristics (else the offload ones, else the
-   fewer-in-flight ones) run on the new problem and are candidates; repeated, one more
-   stage per still-overflowing device each round, until 1F1B fits every device or no stage
-   is left. 1F1B with every stage recomputing (where that saves memory) is a candidate too,
-   so ``auto`` is never worse than that common fallback (one stage per device).
+3. **Activation checkpointing** (memory binds and ``recompute=True``): every stage has a menu
+   of checkpoint options (:attr:`~fxpipe.ir.ScheduleProblem.checkpoint_menu`: none, per-block
+   selective / budgeted / full checkpointing, whole-stage recomputation, each with its replay
+   time, kept bytes and B peak; :mod:`fxpipe.memory.checkpoint`; the default menu of a problem
+   without one is none and whole-stage recomputation, ``recompute_mem_f``). Devices whose
+   1F1B-family schedule without offload exceeds their limit (:func:`plain_peak`, simulated
+   without a limit) move one stage one step along its :func:`checkpoint_ladder` (options by
+   increasing replay time, each keeping fewer bytes than those before): the step that adds the
+   least replay time among the device's stages (with the default menu: recomputation of the
+   stage with the smallest forward); the step-1 heuristics (else the offload ones, else the
+   fewer-in-flight ones) run on the new problem and are candidates; repeated, one more step
+   per still-overflowing device each round, until 1F1B fits every device or no step is left.
+   1F1B with every stage on one kind (whole-stage recomputation, per-block ``"full"``,
+   ``"selective"``; where it saves memory) is a candidate too, so ``auto`` is never worse than
+   those common fallbacks (one stage per device).
 4. **Choice.** The schedule with the lowest objective among steps 1-3: fewer micro-batches
    in flight costs bubbles, offload is free while the copy stream keeps up, recomputation
    costs one forward per micro-batch of each recomputing stage; the fastest wins.
@@ -79,8 +85,8 @@ from fxpipe.schedule.milp.feasibility import sequential_schedule
 from fxpipe.schedule.simulate import simulate
 from fxpipe.schedule.validate import check_schedule, peak_memory
 
-__all__ = ["AutoResult", "auto_schedule", "limited_1f1b", "plain_peak", "PLAIN_METHODS", "PLAIN_MULTI_METHODS", "OFFLOAD_METHODS",
-           "AUTO_MILP_MAX_OPS"]
+__all__ = ["AutoResult", "auto_schedule", "checkpoint_ladder", "least_memory", "limited_1f1b", "plain_peak", "PLAIN_METHODS",
+           "PLAIN_MULTI_METHODS", "OFFLOAD_METHODS", "AUTO_MILP_MAX_OPS"]
 
 #: Step 1 with one stage per device (ties: the first); from :mod:`fxpipe.schedule.registry`.
 PLAIN_METHODS = registry.auto_candidates("plain", one_stage_per_device=True)
@@ -109,8 +115,13 @@ class AutoResult:
         ``offload``, ``recompute<i>`` (and ``recompute<i>`` -> the recomputing stages),
         ``milp``; ``binding`` says whether memory binds.
     recompute_stages : tuple[int, ...]
-        Stages that recompute their forward during B.
+        Stages that checkpoint (replay part or all of their forward during B).
     """
+
+    @property
+    def checkpoint(self) -> tuple[str, ...]:
+        """The checkpoint option of every stage (``problem.checkpoint``)."""
+        return self.problem.checkpoint
 
     problem: ScheduleProblem
     schedule: Schedule
@@ -310,28 +321,73 @@ def plain_peak(problem: ScheduleProblem) -> np.ndarray:
     return min_device_memory(problem, offload=False) if best is None else best
 
 
-def _full_recompute_1f1b(problem: ScheduleProblem, tried: dict) -> list[tuple[ScheduleProblem, Schedule]]:
-    """1F1B with every stage recomputing whose recomputation saves memory: the practitioners'
-    fallback, a candidate so that ``auto`` is never worse than it (one stage per device)."""
+def _uniform_1f1b(problem: ScheduleProblem, tried: dict) -> list[tuple[ScheduleProblem, Schedule]]:
+    """1F1B with every stage on one checkpoint kind where it saves memory: ``"stage"`` (whole-stage
+    recomputation, the practitioners' old fallback), ``"full"`` and ``"selective"`` per block
+    (torchtitan's two AC modes); candidates so that ``auto`` is never worse than them (one stage per
+    device)."""
     if problem.num_devices != problem.num_stages:
         return []
-    saving = [s for s in range(problem.num_stages) if problem.recompute_mem_f[s] < problem.mem_f[s]]
-    if not saving:
-        return []
-    full = problem.with_recompute(saving)
-    return [(full, s) for s in _run(full, ("1f1b",), "recompute-all", tried)]
+    out = []
+    for name, tag in (("stage", "recompute-all"), ("full", "full-all"), ("selective", "selective-all")):
+        choice = {s: name for s in range(problem.num_stages) if problem.checkpoint[s] == "none"
+                  and any(o.name == name and o.kept_bytes < problem.checkpoint_option(s).kept_bytes
+                          for o in problem.checkpoint_menu[s])}
+        if not choice:
+            continue
+        uniform = problem.with_checkpoint(choice)
+        out += [(uniform, s) for s in _run(uniform, ("1f1b",), tag, tried)]
+    return out
 
 
-def _next_recompute(problem: ScheduleProblem) -> list[int]:
-    """One more stage to recompute on every device whose plain peak exceeds its limit."""
+def checkpoint_ladder(problem: ScheduleProblem, stage: int) -> list[str]:
+    """The options ``auto`` steps ``stage`` through, from the one it runs: by increasing replay time, each
+    keeping fewer bytes than every option before it (the Pareto front of replay time and kept bytes of its
+    :attr:`~fxpipe.ir.ScheduleProblem.checkpoint_menu`)."""
+    cur = problem.checkpoint_option(stage)
+    opts = sorted((o for o in problem.checkpoint_menu[stage] if o.name != "none" and o.replay_s >= cur.replay_s),
+                  key=lambda o: (o.replay_s, o.kept_bytes, o.name))
+    out, best = [cur.name], cur.kept_bytes
+    for o in opts:
+        if o.name != cur.name and o.kept_bytes < best * (1 - 1e-12):
+            out.append(o.name)
+            best = o.kept_bytes
+    return out
+
+
+def least_memory(problem: ScheduleProblem) -> ScheduleProblem:
+    """``problem`` with every stage on the option of its menu whose one micro-batch needs the least memory
+    (``max(kept + pooled, B's level)``, :attr:`~fxpipe.ir.ScheduleProblem.stash_footprint`), if that is less
+    than what it runs: the floor of every checkpoint choice (:func:`fxpipe.schedule.device_greedy.min_device_memory`
+    of it)."""
+    choice = {}
+    for s in range(problem.num_stages):
+        c = float(problem.pooled_bytes[s])
+        cur = float(problem.stash_footprint[s])
+        best = min(((max(o.kept_bytes + c, o.b_level(c)), o.name) for o in problem.checkpoint_menu[s]
+                    if o.name != "none"), default=None)
+        if best is not None and best[0] < cur * (1 - 1e-12):
+            choice[s] = best[1]
+    return problem.with_checkpoint(choice) if choice else problem
+
+
+def _next_checkpoint(problem: ScheduleProblem) -> dict[int, str]:
+    """One more step of checkpointing on every device whose plain peak exceeds its limit: among the device's
+    stages, the next option of its :func:`checkpoint_ladder` that adds the least replay time (ties: the
+    lower stage). With the default menu (none, stage) this recomputes the stage with the cheapest forward."""
     peak = plain_peak(problem)
     lim = np.asarray(problem.mem_limit, dtype=float)
-    add = []
+    add: dict[int, str] = {}
     for d in np.flatnonzero(peak > lim * (1 + 1e-12)):
-        cands = [s for s in problem.stages_of_device(int(d))
-                 if not problem.recompute[s] and problem.recompute_mem_f[s] < problem.mem_f[s]]
-        if cands:
-            add.append(min(cands, key=lambda s: (float(problem.t_f[s]), s)))
+        moves = []
+        for s in problem.stages_of_device(int(d)):
+            ladder = checkpoint_ladder(problem, s)
+            if len(ladder) > 1:
+                nxt = problem.checkpoint_option(s, ladder[1])
+                moves.append((nxt.replay_s - problem.checkpoint_option(s).replay_s, s, nxt.name))
+        if moves:
+            _, s, name = min(moves)
+            add[s] = name
     return add
 
 
@@ -350,7 +406,8 @@ def auto_schedule(
     problem : ScheduleProblem
         Contract-3 problem; its ``recompute_mem_f`` says what recomputation would save.
     recompute : bool
-        Allow step 3 (otherwise the returned problem is ``problem`` itself).
+        Allow step 3, activation checkpointing from the problem's menus (otherwise the returned
+        problem is ``problem`` itself).
     time_limit_s : float
         MILP budget of step 5 in seconds (0: no MILP).
     milp_max_ops : int
@@ -389,21 +446,24 @@ def auto_schedule(
         rounds: list[tuple[ScheduleProblem, Schedule]] = []
         if recompute:
             cur = problem
-            for rnd in range(1, problem.num_stages + 1):
-                add = _next_recompute(cur)
+            max_rounds = sum(len(problem.checkpoint_menu[s]) for s in range(problem.num_stages))
+            for rnd in range(1, max_rounds + 1):
+                add = _next_checkpoint(cur)
                 if not add:
-                    tried[f"recompute{rnd}"] = "1F1B fits every device, or no stage is left whose recomputation saves memory"
+                    tried[f"recompute{rnd}"] = "1F1B fits every device, or no stage is left whose checkpointing saves memory"
                     break
-                cur = cur.with_recompute(add)
+                cur = cur.with_checkpoint(add)
                 tag = f"recompute{rnd}"
                 tried[tag] = list(cur.recompute_stages)
+                if any(c not in ("none", "stage") for c in cur.checkpoint):
+                    tried[f"checkpoint{rnd}"] = {s: c for s, c in enumerate(cur.checkpoint) if c != "none"}
                 found = [(cur, s) for s in _run(cur, _plain_methods(cur), tag, tried)]
                 if not found and _can_offload(cur):
                     found = [(cur, s) for s in _run_unless_hopeless(cur, OFFLOAD_METHODS, tag, tried, _value(cands + rounds))]
                 if not found:
                     found = [(cur, s) for s in _degraded(cur, tag, tried, beat=_value(cands + rounds))]
                 rounds += found
-            rounds += _full_recompute_1f1b(problem, tried)
+            rounds += _uniform_1f1b(problem, tried)
         tried_rounds = dict(tried)
         tried.clear()
         if _can_offload(problem):
@@ -419,12 +479,13 @@ def auto_schedule(
         tried.update(tried_rounds)
     chosen = _best(cands)
     if chosen is None:
-        need = None
-        floor = min_device_memory(problem, offload=True)
+        least = least_memory(problem) if recompute else problem
+        floor = np.minimum(min_device_memory(problem, offload=True), min_device_memory(least, offload=True))
         lim = np.asarray(problem.mem_limit, dtype=float)
         d = int(np.argmax(floor - lim))
         need = float(floor[d])
-        what = "plain schedules" + (", offload" if _can_offload(problem) else "") + (", recomputation" if recompute else "")
+        what = ("plain schedules" + (", offload" if _can_offload(problem) else "")
+                + (", activation checkpointing" if recompute else ""))
         if need > lim[d]:
             msg = (f"no schedule fits: device {d} needs at least {need:.6g} bytes of activations for one micro-batch, "
                    f"over its limit {lim[d]:.6g} by {need - lim[d]:.6g}")
@@ -458,6 +519,7 @@ def auto_schedule(
         best_s = dataclasses.replace(best_s, status="optimal")
     rec = best_p.recompute_stages
     meta = {**best_s.meta, "auto": {"tried": tried, "recompute_stages": list(rec),
+                                     "checkpoint": list(best_p.checkpoint),
                                      "offloaded": sum(1 for o in best_s.ops if o.type == "O")}}
     sched = dataclasses.replace(best_s, lower_bound_s=max(float(best_s.lower_bound_s), bound), meta=meta,
                                 solver_time_s=time.perf_counter() - t0, objective=best_p.objective)
