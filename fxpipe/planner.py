@@ -374,7 +374,7 @@ class _CandidateSearch:
         if method == "auto":
             budget = auto_milp_budget_s(problem) if opts.schedule_time_limit_s is None else opts.schedule_time_limit_s
             with phase(f"schedule {k} stages x {m} micro-batches (auto, MILP up to {budget:g} s)", on=opts.progress):
-                chosen = auto_schedule(problem, recompute=pinned == "auto", time_limit_s=budget,
+                chosen = auto_schedule(problem, recompute=pinned != "none", time_limit_s=budget,
                                        progress=opts.progress)
             return chosen.problem, chosen.schedule
         budget = DEFAULT_MILP_TIME_LIMIT_S if opts.schedule_time_limit_s is None else opts.schedule_time_limit_s

@@ -168,6 +168,13 @@ class CheckpointOption:
     w_bytes : float
         What the stage holds from the end of a B to its W (the inputs the weight gradients
         need), >= 0.
+    fused_w_s : float
+        0 for an option with a split backward. > 0 for a *fused* one: B and W of a micro-batch
+        run as one full backward (torch's ``B``; the runtime fuses a B its device runs right
+        before its W, :func:`fxpipe.ir.lowering.merge_backward`), so nothing is held for W
+        (``w_bytes = 0``); this is the stage's weight-gradient time, which the option moves into
+        ``t_b`` (``t_w`` becomes 0; :func:`fxpipe.schedule.validate.fuse_backward` puts every W of
+        such a stage right after its B).
     """
 
     name: str
@@ -175,11 +182,12 @@ class CheckpointOption:
     kept_bytes: float = 0.0
     peak_bytes: float = 0.0
     w_bytes: float = 0.0
+    fused_w_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise InputError(f"a checkpoint option needs a non-empty name, got {self.name!r}")
-        for key in ("replay_s", "kept_bytes", "peak_bytes", "w_bytes"):
+        for key in ("replay_s", "kept_bytes", "peak_bytes", "w_bytes", "fused_w_s"):
             val = getattr(self, key)
             try:
                 val = float(val)
@@ -189,9 +197,17 @@ class CheckpointOption:
                 raise InputError(f"checkpoint option {self.name!r}: {key} must be finite and >= 0, got {val!r}")
             object.__setattr__(self, key, val)
 
+    @property
+    def fused(self) -> bool:
+        """B and W run as one full backward (``fused_w_s > 0``)."""
+        return self.fused_w_s > 0
+
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "replay_s": self.replay_s, "kept_bytes": self.kept_bytes,
-                "peak_bytes": self.peak_bytes, "w_bytes": self.w_bytes}
+        out = {"name": self.name, "replay_s": self.replay_s, "kept_bytes": self.kept_bytes,
+               "peak_bytes": self.peak_bytes, "w_bytes": self.w_bytes}
+        if self.fused_w_s:
+            out["fused_w_s"] = self.fused_w_s
+        return out
 
     @classmethod
     def from_dict(cls, doc: Any, *, source: str = "checkpoint option") -> "CheckpointOption":
@@ -201,7 +217,7 @@ class CheckpointOption:
                              f"'w_bytes', got {doc!r:.200}")
         try:
             return cls(str(doc["name"]), **{k: doc.get(k, 0.0) for k in ("replay_s", "kept_bytes", "peak_bytes",
-                                                                          "w_bytes")})
+                                                                          "w_bytes", "fused_w_s")})
         except InputError as exc:
             raise InputError(f"{source}: {exc}") from None
 
@@ -285,9 +301,12 @@ def _check_checkpoint_fields(f: Mapping[str, np.ndarray], ckpt: Sequence[str], m
             want["-mem_w (w_bytes + pooled_bytes)"] = (-float(f["mem_w"][s]), o.w_bytes + c)
             want["mem_f + mem_b + mem_b_transient (the B's level)"] = (
                 mem_f + float(f["mem_b"][s]) + float(f["trans"][s]), o.b_level(c))
-            if float(f["t_b"][s]) < o.replay_s * (1 - 1e-9) - 1e-15:
+            if float(f["t_b"][s]) < (o.replay_s + o.fused_w_s) * (1 - 1e-9) - 1e-15:
                 raise InputError(f"stage {s}: t_b = {float(f['t_b'][s]):g} s is below the replay time "
-                                 f"{o.replay_s:g} s of its checkpoint option {name!r}")
+                                 f"{o.replay_s:g} s (+ the fused W's {o.fused_w_s:g} s) of its checkpoint option {name!r}")
+            if o.fused_w_s and float(f["t_w"][s]) > 1e-12 * max(1.0, o.fused_w_s):
+                raise InputError(f"stage {s}: its checkpoint option {name!r} fuses W into B, so t_w must be 0, "
+                                 f"got {float(f['t_w'][s]):g}")
         elif o.kept_bytes == 0.0 and mem_f > 0 and mem_f <= max(c, 1.0):
             continue  # an empty stage: mem_f holds the 1-byte floor of Contract 3
         for what, (got, exp) in want.items():
@@ -535,7 +554,7 @@ class ScheduleProblem:
             raise InputError("a recomputing stage offloads nothing: offload_bytes must be 0 where recompute is set")
         if np.any(np.isnan(lim_a)) or np.any(lim_a <= 0):
             raise InputError(f"mem_limit must be > 0 on every device, got {lim_a.tolist()}")
-        fields_ = dict(t_f=t_f_a, t_b=t_b_a, mem_f=mem_f_a, mem_b=mem_b_a, mem_w=mem_w_a, trans=trans_a, pooled=pool_a,
+        fields_ = dict(t_f=t_f_a, t_b=t_b_a, t_w=t_w_a, mem_f=mem_f_a, mem_b=mem_b_a, mem_w=mem_w_a, trans=trans_a, pooled=pool_a,
                        rmf=rmf_a)
         menu = (_legacy_menu(fields_, rec) if checkpoint_menu is None else _parse_menu(checkpoint_menu, S))
         ckpt = tuple(names) if names is not None else tuple("stage" if r else NO_CHECKPOINT for r in rec)
@@ -652,7 +671,7 @@ class ScheduleProblem:
                              f"got {choice!r:.200}")
         else:
             items = list(enumerate(choice))
-        t_b = np.array(self.t_b, dtype=float)
+        t_b, t_w = np.array(self.t_b, dtype=float), np.array(self.t_w, dtype=float)
         mem_f, mem_b, mem_w = (np.array(x, dtype=float) for x in (self.mem_f, self.mem_b, self.mem_w))
         trans, off = np.array(self.mem_b_transient, dtype=float), np.array(self.offload_bytes, dtype=float)
         names = list(self.checkpoint)
@@ -667,7 +686,8 @@ class ScheduleProblem:
                 raise InputError(f"stage {s} checkpoints ({cur.name!r}): a derived problem cannot go back to 'none' "
                                  "(its offload is not recorded); derive from the problem as built")
             c = float(self.pooled_bytes[s])
-            t_b[s] += new.replay_s - cur.replay_s
+            t_b[s] += new.replay_s + new.fused_w_s - cur.replay_s - cur.fused_w_s
+            t_w[s] += cur.fused_w_s - new.fused_w_s
             mem_f[s] = new.kept_bytes + c
             mem_w[s] = -(new.w_bytes + c)
             mem_b[s] = -mem_f[s] - mem_w[s]
@@ -676,7 +696,8 @@ class ScheduleProblem:
             names[s] = new.name
         if names == list(self.checkpoint):
             return self
-        return ScheduleProblem.create(**{**self._create_kwargs(), "t_b": np.maximum(t_b, 0.0), "mem_f": mem_f,
+        return ScheduleProblem.create(**{**self._create_kwargs(), "t_b": np.maximum(t_b, 0.0),
+                                         "t_w": np.maximum(np.where(np.abs(t_w) < 1e-15, 0.0, t_w), 0.0), "mem_f": mem_f,
                                          "mem_b": mem_b, "mem_w": mem_w, "mem_b_transient": trans,
                                          "offload_bytes": off, "recompute": None, "checkpoint": names,
                                          "checkpoint_menu": self.checkpoint_menu})

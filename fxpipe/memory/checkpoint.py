@@ -267,20 +267,25 @@ class MenuEntry:
         Unique in the menu (``"none"``, ``"full"``, ``"selective"``, ``"stage"``, ``"budget-1"``, ...).
     policy : CheckpointPolicy
     peak_bytes : float
-        The schedule's peak of a (split) B beyond ``kept_bytes`` (module docstring).
+        The schedule's peak of a B beyond ``kept_bytes`` (module docstring).
     w_bytes : float
-        What the stage holds from the end of B to W.
+        What the stage holds from the end of B to W (0 for a fused option).
+    fused_w_s : float
+        > 0 for a *fused* option (name ending ``-fused``): B and W run as one full backward right
+        after each other (the W inputs are never held), the stage's weight-gradient time moved into
+        B; this is it.
     """
 
     name: str
     policy: CheckpointPolicy
     peak_bytes: float
     w_bytes: float
+    fused_w_s: float = 0.0
 
     def option(self) -> CheckpointOption:
         """The schedule problem's view (:class:`fxpipe.ir.CheckpointOption`)."""
         p = self.policy
-        return CheckpointOption(self.name, p.replay_s, p.kept_bytes, self.peak_bytes, self.w_bytes)
+        return CheckpointOption(self.name, p.replay_s, p.kept_bytes, self.peak_bytes, self.w_bytes, self.fused_w_s)
 
 
 # ----------------------------------------------------------------------------- blocks
@@ -344,7 +349,30 @@ def find_blocks(graph: OpGraph) -> GraphBlocks:
                 key = f"{container}.{index}" if container else index
                 block_of[i] = ids.setdefault(key, len(ids))
                 break
+    _absorb_interleaved(graph, block_of, len(ids))
     return GraphBlocks(block_of=block_of, names=tuple(ids))
+
+
+def _absorb_interleaved(graph: OpGraph, block_of: np.ndarray, count: int) -> None:
+    """Nodes of no block that lie inside a block's span of ids (program order) and feed only that block (a
+    per-layer copy of the attention mask made by the capture's constant duplication, module ``model``) join
+    it, in place, so the block stays one contiguous segment. Placeholders, the output and nodes that own
+    parameters never join."""
+    if count == 0:
+        return
+    first = np.full(count, graph.n, dtype=np.int64)
+    last = np.full(count, -1, dtype=np.int64)
+    for b in range(count):
+        ids = np.flatnonzero(block_of == b)
+        first[b], last[b] = ids[0], ids[-1]
+    fixed = np.array([op in ("placeholder", "output") for op in graph.ops], dtype=bool) | \
+        (np.asarray(graph.size_param_bytes) > 0)
+    for v in range(graph.n - 1, -1, -1):  # consumers first (ids are a topological order)
+        if block_of[v] >= 0 or fixed[v]:
+            continue
+        succ = block_of[graph.successors(v)]
+        if succ.size and succ[0] >= 0 and np.all(succ == succ[0]) and first[succ[0]] < v < last[succ[0]]:
+            block_of[v] = succ[0]
 
 
 # ----------------------------------------------------------------------------- one stage
@@ -407,6 +435,8 @@ class StageCheckpoint:
         See the module docstring.
     segment_replay_bytes : tuple[float, ...]
         ``R_i`` of every segment.
+    fused_peak_bytes : float
+        The peak beyond ``kept_bytes`` of a fused backward (B and W in one pass, nothing held for W).
     """
 
     kept_bytes: float
@@ -415,6 +445,7 @@ class StageCheckpoint:
     peak_bytes: float
     w_bytes: float
     segment_replay_bytes: tuple[float, ...]
+    fused_peak_bytes: float = 0.0
 
 
 def _evaluate(sm: _SavedModel, nodes: np.ndarray, segments: Sequence[np.ndarray], keep: set[int]) -> StageCheckpoint:
@@ -487,17 +518,22 @@ def _evaluate(sm: _SavedModel, nodes: np.ndarray, segments: Sequence[np.ndarray]
             w_private += sm.private[v]
             w_tensors.update(sm.saves[v])
     w_bytes = float(sum(sm.size[u] for u in w_tensors)) + w_private
-    # the split B's level while it replays segment i (walking the stage backwards)
+    # the B's level while it replays segment i (walking the stage backwards): split, the W inputs of the
+    # segments done are held for W; fused (B and W as one backward), they are not
     level = max(kept, w_bytes)
+    fused = kept
     if segments:
         kept_w = {u for u in kept_set if u in w_tensors}
         for i, seg in enumerate(segments):
             last = int(seg[-1])
-            held = sum(sm.size[u] for u in kept_set if first_need[u] <= last or u in kept_w) + private_out
+            live = sum(sm.size[u] for u in kept_set if first_need[u] <= last) + private_out
+            held = live + sum(sm.size[u] for u in kept_w if first_need[u] > last)
             done_w = sum(w_of_seg[j] for j in range(i + 1, len(segments)))
             level = max(level, held + done_w + replay[i])
+            fused = max(fused, live + replay[i])
     return StageCheckpoint(kept_bytes=kept, replay_s=float(replay_s), replay_peak_bytes=max(replay, default=0.0),
-                           peak_bytes=max(level - kept, 0.0), w_bytes=w_bytes, segment_replay_bytes=tuple(replay))
+                           peak_bytes=max(level - kept, 0.0), w_bytes=w_bytes, segment_replay_bytes=tuple(replay),
+                           fused_peak_bytes=max(fused - kept, 0.0))
 
 
 def _runs(ids: np.ndarray, nodes: np.ndarray) -> list[np.ndarray]:
@@ -598,7 +634,8 @@ def _policy(graph: OpGraph, kind: str, segments: Sequence[np.ndarray], keep: set
 
 
 def stage_menu(graph: OpGraph, nodes: Sequence[int] | np.ndarray, *, kinds: Sequence[str] = CHECKPOINT_KINDS,
-               budget_levels: Sequence[float] = BUDGET_LEVELS, blocks: GraphBlocks | None = None) -> list[MenuEntry]:
+               budget_levels: Sequence[float] = BUDGET_LEVELS, blocks: GraphBlocks | None = None,
+               fused: bool = True) -> list[MenuEntry]:
     """The checkpoint options of a stage: its policies with their costs (module docstring).
 
     Parameters
@@ -613,13 +650,18 @@ def stage_menu(graph: OpGraph, nodes: Sequence[int] | np.ndarray, *, kinds: Sequ
         ``"budget"`` options at these fractions of the way from ``"full"``'s kept bytes to ``"none"``'s.
     blocks : GraphBlocks, optional
         Default :func:`find_blocks` of the graph.
+    fused : bool
+        Offer each option also *fused* (``"<name>-fused"``: B and W of a micro-batch run as one full
+        backward, so the W inputs replayed by a segment are freed with it instead of held until W;
+        the stage gives up the B/W split's freedom), where that lowers the B's level.
 
     Returns
     -------
     list of MenuEntry
         ``"none"`` first; then the other kinds that differ from every option before them (a stage
         without blocks has no ``"full"``, ``"selective"`` or ``"budget"``), each with a unique name
-        (``"budget-1"``, ``"budget-2"``, ... for the budget levels).
+        (``"budget-1"``, ``"budget-2"``, ... for the budget levels), each followed by its fused
+        variant where that holds less.
 
     Raises
     ------
@@ -640,6 +682,8 @@ def stage_menu(graph: OpGraph, nodes: Sequence[int] | np.ndarray, *, kinds: Sequ
     out = [MenuEntry("none", _policy(graph, "none", [], set(), none_fig), 0.0, none_fig.w_bytes)]
     seen = {(0.0, round(stash, 3))}
 
+    t_w = float(np.asarray(graph.t_bwd_weight_s)[nodes].sum())
+
     def add(name: str, kind: str, segments, keep: set[int]) -> StageCheckpoint | None:
         if not segments:
             return None
@@ -648,7 +692,11 @@ def stage_menu(graph: OpGraph, nodes: Sequence[int] | np.ndarray, *, kinds: Sequ
         if sig in seen or fig.kept_bytes >= stash * (1 - 1e-12):  # keeps no less than "none": never worth it
             return fig
         seen.add(sig)
-        out.append(MenuEntry(name, _policy(graph, kind, segments, keep, fig), fig.peak_bytes, fig.w_bytes))
+        policy = _policy(graph, kind, segments, keep, fig)
+        out.append(MenuEntry(name, policy, fig.peak_bytes, fig.w_bytes))
+        split_level = max(fig.kept_bytes + fig.peak_bytes, fig.w_bytes)
+        if fused and t_w > 0 and fig.kept_bytes + fig.fused_peak_bytes < split_level * (1 - 1e-9):
+            out.append(MenuEntry(f"{name}-fused", policy, fig.fused_peak_bytes, 0.0, t_w))
         return fig
 
     segs = _block_segments(sm, blocks, nodes)
@@ -656,7 +704,7 @@ def stage_menu(graph: OpGraph, nodes: Sequence[int] | np.ndarray, *, kinds: Sequ
         add("selective", "selective", segs, _selective_keep(sm, segs))
     full = add("full", "full", segs, set()) if ("full" in kinds or "budget" in kinds) else None
     if "full" not in kinds and full is not None:
-        out = [e for e in out if e.name != "full"]
+        out = [e for e in out if e.policy.kind != "full"]
     if "budget" in kinds and full is not None and segs:
         cand = np.concatenate(segs)
         cand = cand[(sm.t_fwd[cand] > 0)]
@@ -723,7 +771,8 @@ def partition_floor(graph: OpGraph, blocks: GraphBlocks | None = None) -> tuple[
     keeps its ``act_bytes``; a node's output that feeds another block (a residual stream between
     blocks, a rotary table used by every block) is kept as that block's input; and one block is
     replayed at a time, so a stage also needs the largest block's replay (``R`` of the module
-    docstring, and at least its W inputs). Additive per node, so the SliceGraph DP can sum it.
+    docstring; a fused backward holds nothing more for W). Additive per node, so the SliceGraph DP
+    can sum it.
 
     Returns
     -------
@@ -750,7 +799,7 @@ def partition_floor(graph: OpGraph, blocks: GraphBlocks | None = None) -> tuple[
         seg = all_nodes[b == blk]
         if seg.size:
             fig = _evaluate(sm, seg, [seg], set())
-            peak = max(peak, fig.replay_peak_bytes, fig.w_bytes)
+            peak = max(peak, fig.replay_peak_bytes)
     if own:
         if len(_FLOOR) > 16:
             _FLOOR.clear()
@@ -762,8 +811,9 @@ _FLOOR: dict[int, tuple] = {}
 
 
 def kind_of(option_name: str) -> str:
-    """The policy kind of a menu option's name (``"budget-2"`` -> ``"budget"``)."""
-    kind = "budget" if option_name.startswith("budget-") else option_name
+    """The policy kind of a menu option's name (``"budget-2"`` -> ``"budget"``, ``"full-fused"`` -> ``"full"``)."""
+    base = option_name[: -len("-fused")] if option_name.endswith("-fused") else option_name
+    kind = "budget" if base.startswith("budget-") else base
     if kind not in CHECKPOINT_KINDS:
         raise InputError(f"checkpoint option {option_name!r} names no kind of {CHECKPOINT_KINDS}")
     return kind

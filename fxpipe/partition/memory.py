@@ -194,11 +194,9 @@ def activation_floor(graph: OpGraph, objective: str, memory) -> tuple[np.ndarray
 
     None unless ``memory`` is a :class:`PartitionMemory` with ``checkpointing`` in training. A stage
     running per-block ``"full"`` checkpointing keeps the inputs of its blocks and what its ops outside
-    every block save (:func:`fxpipe.memory.checkpoint.partition_floor`), holds the tensors its ops with
-    parameters save for W after B (a node's ``act_bytes`` when it owns parameters), and while B runs one
-    replayed block on top (the allowance, the graph's largest). Per node the larger of the first two
-    (their sum over a stage is at least the larger of the two sums, so never an under-count), plus the
-    allowance once per stage: the stage's stash is the smaller of its ``act_bytes`` and that.
+    every block save (:func:`fxpipe.memory.checkpoint.partition_floor`), and while its (fused: nothing
+    held for W) backward runs one replayed block on top (the allowance, the graph's largest), once per
+    stage: the stage's stash is the smaller of its ``act_bytes`` and that.
     """
     pm = memory if isinstance(memory, PartitionMemory) else None
     if pm is None or not pm.checkpointing or objective != "training":
@@ -206,8 +204,7 @@ def activation_floor(graph: OpGraph, objective: str, memory) -> tuple[np.ndarray
     from fxpipe.memory.checkpoint import partition_floor  # noqa: PLC0415 - the module is torch-free
 
     kept, allowance = partition_floor(graph)
-    wneed = np.where(np.asarray(graph.t_bwd_weight_s) > 0, np.asarray(graph.act_bytes, dtype=np.float64), 0.0)
-    return np.maximum(kept, wneed), float(allowance)
+    return kept, float(allowance)
 
 
 def memory_inputs(graph: OpGraph, k: int, objective: str, memory) -> tuple:

@@ -83,7 +83,7 @@ from fxpipe.schedule.heuristics import orders_1f1b
 import fxpipe.schedule.milp as milp
 from fxpipe.schedule.milp.feasibility import sequential_schedule
 from fxpipe.schedule.simulate import simulate
-from fxpipe.schedule.validate import check_schedule, peak_memory
+from fxpipe.schedule.validate import check_schedule, fuse_backward, peak_memory
 
 __all__ = ["AutoResult", "auto_schedule", "checkpoint_ladder", "least_memory", "limited_1f1b", "plain_peak", "PLAIN_METHODS",
            "PLAIN_MULTI_METHODS", "OFFLOAD_METHODS", "AUTO_MILP_MAX_OPS"]
@@ -173,6 +173,7 @@ class _Invalid(Exception):
 
 
 def _checked(problem: ScheduleProblem, sched: Schedule, tag: str, m: str, tried: dict) -> Schedule:
+    sched = fuse_backward(problem, sched)
     bad = check_schedule(problem, sched)
     if bad:
         tried[f"{tag}/{m}"] = f"invalid: {bad[0][:200]}"
@@ -239,6 +240,7 @@ def _run(problem: ScheduleProblem, methods, tag: str, tried: dict, beat: float |
         except (InfeasibleError, InputError) as exc:
             tried[f"{tag}/{m}"] = _reason(exc)
             continue
+        sched = fuse_backward(problem, sched)  # a fused stage's W right after its B (one full backward)
         bad = check_schedule(problem, sched)
         if bad:  # over the limit (the sequential fallback), or a generator's bug: never used
             tried[f"{tag}/{m}"] = f"invalid: {bad[0][:200]}"
@@ -341,17 +343,25 @@ def _uniform_1f1b(problem: ScheduleProblem, tried: dict) -> list[tuple[ScheduleP
 
 
 def checkpoint_ladder(problem: ScheduleProblem, stage: int) -> list[str]:
-    """The options ``auto`` steps ``stage`` through, from the one it runs: by increasing replay time, each
-    keeping fewer bytes than every option before it (the Pareto front of replay time and kept bytes of its
+    """The options ``auto`` steps ``stage`` through, from the one it runs: by increasing replay time (a
+    split backward before a fused one), each keeping fewer bytes from F to B, or needing less memory under
+    1F1B (``min(S - s, m)`` micro-batches in flight, the oldest in its B), than every option before it (the
+    Pareto front of replay time against kept bytes and footprint of its
     :attr:`~fxpipe.ir.ScheduleProblem.checkpoint_menu`)."""
     cur = problem.checkpoint_option(stage)
+    c = float(problem.pooled_bytes[stage])
+    n = max(1, min(problem.num_stages - stage, problem.num_microbatches))  # 1F1B's micro-batches in flight
+
+    def footprint(o) -> float:  # n stashes, the oldest in its B (its level), under 1F1B
+        return (n - 1) * (o.kept_bytes + c) + (o.b_level(c) if o.name != "none" else o.kept_bytes + c)
+
     opts = sorted((o for o in problem.checkpoint_menu[stage] if o.name != "none" and o.replay_s >= cur.replay_s),
-                  key=lambda o: (o.replay_s, o.kept_bytes, o.name))
-    out, best = [cur.name], cur.kept_bytes
+                  key=lambda o: (o.replay_s, o.fused, o.kept_bytes, o.name))
+    out, kept, foot = [cur.name], cur.kept_bytes, footprint(cur)
     for o in opts:
-        if o.name != cur.name and o.kept_bytes < best * (1 - 1e-12):
+        if o.name != cur.name and (o.kept_bytes < kept * (1 - 1e-12) or footprint(o) < foot * (1 - 1e-12)):
             out.append(o.name)
-            best = o.kept_bytes
+            kept, foot = min(kept, o.kept_bytes), min(foot, footprint(o))
     return out
 
 
@@ -501,7 +511,8 @@ def auto_schedule(
     n_ops = 3 * best_p.num_stages * best_p.num_microbatches
     if time_limit_s > 0 and n_ops <= milp_max_ops and best_s.value > bound * (1 + 1e-6):
         try:
-            ms = milp.solve(best_p, time_limit_s=time_limit_s, warm_start=best_s, progress=progress)
+            ms = fuse_backward(best_p, milp.solve(best_p, time_limit_s=time_limit_s, warm_start=best_s,
+                                                  progress=progress))
             if check_schedule(best_p, ms):
                 raise SolverError("the MILP returned a schedule that breaks Contract 3")
             tried["milp"] = {"value_s": float(ms.value), "status": ms.status, "lower_bound_s": float(ms.lower_bound_s)}
