@@ -274,10 +274,13 @@ def as_model(memory) -> MemoryModel:
 
 def fewest_stages_to_try(graph: OpGraph, k: int, objective: str, memory) -> int:
     """The first stage count above ``k`` that could fit: every stage holds its static state and
-    one stash, so no count below ``total / usable`` fits (the search for the smallest feasible
-    count of :func:`infeasible_error` starts here)."""
+    one stash (with ``checkpointing``, at least what per-block checkpointing keeps), so no count
+    below ``total / usable`` fits (the search for the smallest feasible count of
+    :func:`infeasible_error` starts here)."""
     pm = memory if isinstance(memory, PartitionMemory) else as_partition_memory(memory)
-    total = float(np.sum(num_params(graph)) * pm.model.static_bytes_per_param(objective) + np.sum(graph.act_bytes))
+    floor = activation_floor(graph, objective, pm)
+    act = float(np.sum(graph.act_bytes)) if floor is None else min(float(np.sum(graph.act_bytes)), float(np.sum(floor[0])))
+    total = float(np.sum(num_params(graph)) * pm.model.static_bytes_per_param(objective) + act)
     return max(k + 1, int(math.ceil(total / pm.usable_bytes - 1e-9)))
 
 
