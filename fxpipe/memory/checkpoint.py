@@ -580,7 +580,7 @@ def knapsack_keep(values: Sequence[float], weights: Sequence[float], capacity: f
     """The items of largest total value whose total weight fits ``capacity`` (0/1 knapsack by DP).
 
     Weights are rounded *up* to multiples of ``capacity / buckets`` (a bucket of 1 when every weight
-    and the capacity are integers and the capacity is at most ``buckets``), so the chosen items always
+    is an integer and the capacity at most ``buckets``), so the chosen items always
     fit; the answer is optimal for the rounded weights (exact for weights that are multiples of the
     bucket). Items of weight 0 are always taken. Dynamic programming over the capacity (Bellman
     1957; the ``dp_knapsack`` of PyTorch's ``activation_memory_budget``).
@@ -603,7 +603,7 @@ def knapsack_keep(values: Sequence[float], weights: Sequence[float], capacity: f
         raise InputError("knapsack weights, values and capacity must be finite and >= 0")
     free = np.flatnonzero(w <= 0)
     items = np.flatnonzero(w > 0)
-    integer = bool(np.all(w == np.round(w))) and capacity == round(capacity) and capacity <= buckets
+    integer = bool(np.all(w == np.round(w))) and math.floor(capacity) <= buckets
     q = 1.0 if integer else (capacity / buckets if capacity > 0 else 1.0)
     Q = int(math.floor(capacity / q + 1e-9))
     wq = np.ceil(w[items] / q - 1e-9).astype(np.int64)
