@@ -168,6 +168,9 @@ of issue 19, whose late stages' work reaches stage 0 only through the chain.
 
 7. Over every recomputation choice (:func:`recompute_lower_bound`)
 -------------------------------------------------------------------
+(Written for the default menu, none or whole-stage recomputation; :func:`recompute_lower_bound`
+takes every stage's checkpoint menu, see its docstring: the same threshold argument with the
+least-replay option below each threshold.)
 ``auto`` chooses which stages recompute (:meth:`ScheduleProblem.with_recompute`); a bound
 valid for every choice ``x`` (``x_i = 1``: stage i recomputes) is
 ``min_x LB(x)``, with ``2^S`` choices. Split the terms: ``h_i(x_i)``, the bounds of parts
