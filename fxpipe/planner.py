@@ -251,16 +251,21 @@ def plan_graph(
 
 
 def plan_with_options(graph: OpGraph, *, devices: int, microbatches: int, options: PlanOptions,
-                      memory: MemoryModel | None = None, memory_bytes: float | None = None) -> PlanResult:
+                      memory: MemoryModel | None = None, memory_bytes: float | None = None,
+                      explain: bool = True) -> PlanResult:
     """:func:`plan_graph` with its options built: the memory model is :func:`resolve_memory` of
     ``memory`` and ``memory_bytes``, and every candidate of ``options.placement_candidates()`` is
-    tried. Same returns and errors as :func:`plan_graph`."""
+    tried. Same returns and errors as :func:`plan_graph`; with ``explain=False`` a partition that
+    does not fit raises a short :class:`~fxpipe.errors.InfeasibleError` without the search for the
+    device count and remedies (:func:`fxpipe.partition.memory.infeasible_error`), which the mesh
+    search skips for the candidates it does not report on."""
     devices = check_count(devices, "devices")
     microbatches = check_count(microbatches, "microbatches")
     memory = resolve_memory(graph, memory, memory_bytes)
     if memory.offload_optimizer is True and options.objective == "training":
         optimizer_host_step_s(1.0, memory, host_links(graph))  # its cost needs the host's links: say so now
     search = _CandidateSearch(graph, devices, microbatches, options, memory)
+    search.explain = explain
     for v, name in options.placement_candidates():
         search.try_candidate(v, name)
     return search.result()
@@ -285,6 +290,7 @@ class _CandidateSearch:
         self.best: tuple | None = None
         self.first_error: Exception | None = None
         self.menus: dict[tuple, list] = {}
+        self.explain = True
 
     def _skip(self, record: dict[str, Any], exc: Exception, *, counts: bool = True) -> None:
         """Record why a candidate is skipped (``counts``: its error may be the one raised when none is
@@ -342,7 +348,7 @@ class _CandidateSearch:
         try:
             with phase(f"partition into {k} stages (up to {opts.time_limit_s:g} s)", on=opts.progress):
                 part = run_partition(self.graph, k, objective=opts.objective, comm="relay", time_limit_s=opts.time_limit_s,
-                                     seed=opts.seed, progress=opts.progress, memory=self.pmem)
+                                     seed=opts.seed, progress=opts.progress, memory=self.pmem, _explain=self.explain)
             part = fill_empty_stages(self.graph, part, self.pmem)
             # data-dependent sizes never cross stages (the search honours it; filling may not)
             check_no_forbidden_cuts(self.graph, part.assignment, what=f"the partition into {k} stages")

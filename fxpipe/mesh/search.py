@@ -188,6 +188,7 @@ def search_mesh(graph, *, devices: int, microbatches: int, memory, options: Plan
     elif plan_kwargs:
         raise InputError(f"search_mesh takes options or plan_graph keywords, not both: got {sorted(plan_kwargs)}")
     graph_params = float(np.sum(num_params(graph)))
+    act_floor = _activation_floor(graph, options)
     topology = Topology.of_graph(graph)
     host = host_links(graph)
     heap: list = []  # (lower bound, sequence, row, order entry, mesh, memory model, order)
@@ -221,6 +222,7 @@ def search_mesh(graph, *, devices: int, microbatches: int, memory, options: Plan
     timings: dict[str, float] = {}
     planned: dict[tuple, Any] = {}  # (mesh, pipeline bandwidth) -> the planner's result or error
     siblings: dict[tuple, list] = {}  # (pp, pipeline bandwidth, optimizer on host) -> [(memory, planner's result)]
+    graphs: dict[float, Any] = {}  # pipeline bandwidth -> the one graph planned on it
 
     def needs_host(row: dict, mesh) -> None:
         """The optimizer state of ``mesh`` binds its memory on the device: try it on the host too (once)."""
@@ -235,7 +237,8 @@ def search_mesh(graph, *, devices: int, microbatches: int, memory, options: Plan
                 entry["skipped"] = (f"pruned: its lower bound {entry['lower_bound_s'] * 1e3:.4g} ms is no better than "
                                     f"{best[0]['mesh_text']}'s predicted {best[1]['predicted_step_s'] * 1e3:.4g} ms")
                 continue
-            misfit, on_device = _static_misfit(mem, graph_params / mesh["pp"], host, options.objective)
+            misfit, on_device = _static_misfit(mem, graph_params / mesh["pp"], host, options.objective,
+                                               act_floor / mesh["pp"])
             if misfit is not None:
                 entry["skipped"] = misfit
                 if on_device:
@@ -244,7 +247,7 @@ def search_mesh(graph, *, devices: int, microbatches: int, memory, options: Plan
             key = (row["mesh_text"], entry["pipeline_bytes_per_s"])  # the orders of one mesh on the same link share it
             if key not in planned:
                 planned[key] = _plan_or_reuse(graph, row, entry, mesh, mem, order, microbatches, options, siblings,
-                                              timings)
+                                              timings, graphs, explain=mesh["pp"] == devices)
             run.update(1, mesh=row["mesh_text"])
             if isinstance(planned[key], Exception):
                 errors[row["mesh_text"]] = planned[key]
@@ -288,15 +291,34 @@ def search_mesh(graph, *, devices: int, microbatches: int, memory, options: Plan
         (part, problem, sched, timings), table
 
 
+def _activation_floor(graph, options: PlanOptions) -> float:
+    """The least activation bytes all the stages of any pipeline of ``graph`` hold together (training):
+    every stage keeps one micro-batch's stash, or with checkpointing at least what per-block
+    checkpointing keeps (:func:`fxpipe.memory.checkpoint.partition_floor`), so per node the smaller
+    of the two (a sum of minima is at most the minimum of the sums, stage by stage). 0 in inference."""
+    if options.objective != "training":
+        return 0.0
+    act = np.asarray(graph.act_bytes, dtype=np.float64)
+    if options.activation_checkpointing == "none":
+        return float(act.sum())
+    from fxpipe.memory.checkpoint import partition_floor  # noqa: PLC0415
+
+    return float(np.minimum(act, partition_floor(graph)[0]).sum())
+
+
 def _static_misfit(mem, params_per_device: float, host: Mapping[str, float] | None,
-                   objective: str) -> tuple[str | None, bool]:
+                   objective: str, act_per_device: float = 0.0) -> tuple[str | None, bool]:
     """``(why, on the device)``: why a candidate cannot fit before any partition (its average
-    device's static state over the usable memory, or its optimizer state over the host memory),
-    else ``(None, False)``."""
+    device's static state, with ``act_per_device`` the least activations it holds on average, over
+    the usable memory, or its optimizer state over the host memory), else ``(None, False)``."""
     static = mem.static_bytes_per_param(objective) * params_per_device
     if static > mem.usable_bytes:
         return (f"cannot fit: the static state alone needs {format_bytes(static)} per device on "
                 f"average, over the usable {format_bytes(mem.usable_bytes)}"), True
+    if static + act_per_device > mem.usable_bytes:
+        return (f"cannot fit: the static state and the least activations (one micro-batch, checkpointed where "
+                f"allowed) need {format_bytes(static + act_per_device)} per device on average, over the usable "
+                f"{format_bytes(mem.usable_bytes)}"), True
     on_host = mem.host_bytes_per_param(objective) * params_per_device
     if host and host["host_memory_bytes"] > 0 and on_host > host["host_memory_bytes"]:
         return (f"cannot fit: the optimizer state on the host needs {format_bytes(on_host)} per device "
@@ -311,7 +333,7 @@ def _copy_figures(row: dict, entry: dict) -> None:
 
 
 def _plan_or_reuse(graph, row: dict, entry: dict, mesh, mem, order, microbatches: int, options: PlanOptions,
-                   siblings: dict, timings: dict):
+                   siblings: dict, timings: dict, graphs: dict, explain: bool = True):
     """``(pipeline graph, planner's result)`` of a candidate, or the planner's error.
 
     Meshes of one pp (so one dp and the same micro-batches per replica) on one pipeline link, with
@@ -321,6 +343,7 @@ def _plan_or_reuse(graph, row: dict, entry: dict, mesh, mem, order, microbatches
     else the pipeline is planned and kept in ``siblings``, its phase times added to ``timings``.
     """
     g = pipeline_graph(graph, mesh, order)
+    g = graphs.setdefault(float(g.bandwidth_bytes_per_s), g)  # one graph object per link: its caches are reused
     group = (int(mesh["pp"]), entry["pipeline_bytes_per_s"], bool(row["offload_optimizer"]))
     for looser, result in siblings.get(group, ()):
         if looser.static_bytes_per_param(options.objective) <= mem.static_bytes_per_param(options.objective):
@@ -330,7 +353,7 @@ def _plan_or_reuse(graph, row: dict, entry: dict, mesh, mem, order, microbatches
                 return g, reused
     try:
         result = plan_with_options(g, devices=mesh["pp"], microbatches=microbatches // mesh_dp(mesh), options=options,
-                                   memory=mem, memory_bytes=mem.capacity_bytes)
+                                   memory=mem, memory_bytes=mem.capacity_bytes, explain=explain)
     except (FxpipeError, InputError) as exc:
         return exc
     siblings.setdefault(group, []).append((mem, result))
