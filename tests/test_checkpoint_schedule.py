@@ -17,7 +17,7 @@ from fxpipe.ir.lowering import merge_backward
 from fxpipe.schedule.auto import auto_schedule, checkpoint_ladder, least_memory
 from fxpipe.schedule.bounds import combinatorial_lower_bound, recompute_lower_bound
 from fxpipe.schedule.heuristics import generate
-from fxpipe.schedule.validate import check_schedule, fuse_backward, memory_profile, peak_memory
+from fxpipe.schedule.validate import check_schedule, place_fused_w, memory_profile, peak_memory
 
 
 def menu_problem(S=2, m=4, mem_limit=math.inf, pooled=0.0, t_w=1.0, fused=True):
@@ -112,7 +112,7 @@ def test_the_validator_counts_the_option_s_memory():
 def test_a_fused_stage_runs_each_w_right_after_its_b_and_the_runtime_fuses_them():
     p = menu_problem(S=3, m=6).with_checkpoint({1: "full-fused"})
     for method in ("zb-h1", "1f1b", "zb-h2"):
-        sched = fuse_backward(p, generate(p, method))
+        sched = place_fused_w(p, generate(p, method))
         assert check_schedule(p, sched) == []
         b_end = {o.microbatch: o.end_s for o in sched.ops if o.stage == 1 and o.type == "B"}
         assert all(o.start_s == o.end_s == b_end[o.microbatch] for o in sched.ops if o.stage == 1 and o.type == "W")

@@ -173,7 +173,7 @@ class CheckpointOption:
         run as one full backward (torch's ``B``; the runtime fuses a B its device runs right
         before its W, :func:`fxpipe.ir.lowering.merge_backward`), so nothing is held for W
         (``w_bytes = 0``); this is the stage's weight-gradient time, which the option moves into
-        ``t_b`` (``t_w`` becomes 0; :func:`fxpipe.schedule.validate.fuse_backward` puts every W of
+        ``t_b`` (``t_w`` becomes 0; :func:`fxpipe.schedule.validate.place_fused_w` puts every W of
         such a stage right after its B).
     """
 

@@ -83,7 +83,7 @@ from fxpipe.schedule.heuristics import orders_1f1b
 import fxpipe.schedule.milp as milp
 from fxpipe.schedule.milp.feasibility import sequential_schedule
 from fxpipe.schedule.simulate import simulate
-from fxpipe.schedule.validate import check_schedule, fuse_backward, peak_memory
+from fxpipe.schedule.validate import check_schedule, peak_memory, place_fused_w
 
 __all__ = ["AutoResult", "auto_schedule", "checkpoint_ladder", "least_memory", "limited_1f1b", "plain_peak", "PLAIN_METHODS",
            "PLAIN_MULTI_METHODS", "OFFLOAD_METHODS", "AUTO_MILP_MAX_OPS"]
@@ -173,7 +173,7 @@ class _Invalid(Exception):
 
 
 def _checked(problem: ScheduleProblem, sched: Schedule, tag: str, m: str, tried: dict) -> Schedule:
-    sched = fuse_backward(problem, sched)
+    sched = place_fused_w(problem, sched)
     bad = check_schedule(problem, sched)
     if bad:
         tried[f"{tag}/{m}"] = f"invalid: {bad[0][:200]}"
@@ -240,7 +240,7 @@ def _run(problem: ScheduleProblem, methods, tag: str, tried: dict, beat: float |
         except (InfeasibleError, InputError) as exc:
             tried[f"{tag}/{m}"] = _reason(exc)
             continue
-        sched = fuse_backward(problem, sched)  # a fused stage's W right after its B (one full backward)
+        sched = place_fused_w(problem, sched)  # a fused stage's W right after its B (one full backward)
         bad = check_schedule(problem, sched)
         if bad:  # over the limit (the sequential fallback), or a generator's bug: never used
             tried[f"{tag}/{m}"] = f"invalid: {bad[0][:200]}"
@@ -342,6 +342,15 @@ def _uniform_1f1b(problem: ScheduleProblem, tried: dict) -> list[tuple[ScheduleP
     return out
 
 
+def _footprint(problem: ScheduleProblem, stage: int, opt) -> float:
+    """Memory of ``stage`` under 1F1B running checkpoint option ``opt``: ``n = min(S - s, m)`` micro-batches
+    in flight, ``n - 1`` of them kept and the oldest in its B (its level; without checkpointing a B only
+    frees)."""
+    c = float(problem.pooled_bytes[stage])
+    n = max(1, min(problem.num_stages - stage, problem.num_microbatches))
+    return (n - 1) * (opt.kept_bytes + c) + (opt.b_level(c) if opt.name != "none" else opt.kept_bytes + c)
+
+
 def checkpoint_ladder(problem: ScheduleProblem, stage: int) -> list[str]:
     """The options ``auto`` steps ``stage`` through, from the one it runs: by increasing replay time (a
     split backward before a fused one), each keeping fewer bytes from F to B, or needing less memory under
@@ -349,11 +358,9 @@ def checkpoint_ladder(problem: ScheduleProblem, stage: int) -> list[str]:
     Pareto front of replay time against kept bytes and footprint of its
     :attr:`~fxpipe.ir.ScheduleProblem.checkpoint_menu`)."""
     cur = problem.checkpoint_option(stage)
-    c = float(problem.pooled_bytes[stage])
-    n = max(1, min(problem.num_stages - stage, problem.num_microbatches))  # 1F1B's micro-batches in flight
 
-    def footprint(o) -> float:  # n stashes, the oldest in its B (its level), under 1F1B
-        return (n - 1) * (o.kept_bytes + c) + (o.b_level(c) if o.name != "none" else o.kept_bytes + c)
+    def footprint(o) -> float:
+        return _footprint(problem, stage, o)
 
     opts = sorted((o for o in problem.checkpoint_menu[stage] if o.name != "none" and o.replay_s >= cur.replay_s),
                   key=lambda o: (o.replay_s, o.fused, o.kept_bytes, o.name))
@@ -363,6 +370,14 @@ def checkpoint_ladder(problem: ScheduleProblem, stage: int) -> list[str]:
             out.append(o.name)
             kept, foot = min(kept, o.kept_bytes), min(foot, footprint(o))
     return out
+
+
+#: Problems of more compute ops than this (3 S m) start checkpointing with :func:`_jump_checkpoint`.
+JUMP_MIN_OPS = 600
+
+
+def _large(problem: ScheduleProblem) -> bool:
+    return 3 * problem.num_stages * problem.num_microbatches > JUMP_MIN_OPS
 
 
 def least_memory(problem: ScheduleProblem) -> ScheduleProblem:
@@ -379,6 +394,27 @@ def least_memory(problem: ScheduleProblem) -> ScheduleProblem:
         if best is not None and best[0] < cur * (1 - 1e-12):
             choice[s] = best[1]
     return problem.with_checkpoint(choice) if choice else problem
+
+
+def _jump_checkpoint(problem: ScheduleProblem) -> dict[int, str]:
+    """The first round of checkpointing on a pipeline of one stage per device (stage s on device s): every
+    stage whose device overflows under 1F1B takes the first option of its :func:`checkpoint_ladder` whose
+    1F1B footprint (:func:`_footprint`) fits the device's limit, else the ladder's last; the steps of
+    :func:`_next_checkpoint` refine it. With many stages far over their limits (a deep pipeline of a large
+    model) this reaches in one round what steps would in many, each scheduling the whole pipeline."""
+    if not problem.identity_placement:
+        return {}
+    peak = plain_peak(problem)
+    lim = np.asarray(problem.mem_limit, dtype=float)
+    out: dict[int, str] = {}
+    for s in np.flatnonzero(peak > lim * (1 + 1e-12)):
+        s = int(s)
+        ladder = checkpoint_ladder(problem, s)
+        if len(ladder) < 2:
+            continue
+        fit = [n for n in ladder[1:] if _footprint(problem, s, problem.checkpoint_option(s, n)) <= lim[s]]
+        out[s] = fit[0] if fit else ladder[-1]
+    return out
 
 
 def _next_checkpoint(problem: ScheduleProblem) -> dict[int, str]:
@@ -458,7 +494,7 @@ def auto_schedule(
             cur = problem
             max_rounds = sum(len(problem.checkpoint_menu[s]) for s in range(problem.num_stages))
             for rnd in range(1, max_rounds + 1):
-                add = _next_checkpoint(cur)
+                add = (_jump_checkpoint(cur) if rnd == 1 and _large(cur) else {}) or _next_checkpoint(cur)
                 if not add:
                     tried[f"recompute{rnd}"] = "1F1B fits every device, or no stage is left whose checkpointing saves memory"
                     break
@@ -511,7 +547,7 @@ def auto_schedule(
     n_ops = 3 * best_p.num_stages * best_p.num_microbatches
     if time_limit_s > 0 and n_ops <= milp_max_ops and best_s.value > bound * (1 + 1e-6):
         try:
-            ms = fuse_backward(best_p, milp.solve(best_p, time_limit_s=time_limit_s, warm_start=best_s,
+            ms = place_fused_w(best_p, milp.solve(best_p, time_limit_s=time_limit_s, warm_start=best_s,
                                                   progress=progress))
             if check_schedule(best_p, ms):
                 raise SolverError("the MILP returned a schedule that breaks Contract 3")

@@ -56,7 +56,7 @@ __all__ = [
     "device_memory_profile",
     "device_busy_s",
     "device_spans",
-    "fuse_backward",
+    "place_fused_w",
     "peak_memory",
     "offloaded_peak",
     "stage_peaks",
@@ -746,7 +746,7 @@ def offloaded_peak(problem: ScheduleProblem, ops: Schedule | Iterable[ScheduledO
     return out
 
 
-def fuse_backward(problem: ScheduleProblem, schedule: Schedule) -> Schedule:
+def place_fused_w(problem: ScheduleProblem, schedule: Schedule) -> Schedule:
     """``schedule`` with every W of a stage whose checkpoint option is *fused* moved to the end of its B.
 
     A fused option (:attr:`fxpipe.ir.CheckpointOption.fused_w_s`) runs B and W of a micro-batch as
