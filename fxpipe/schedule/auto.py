@@ -380,6 +380,12 @@ def _large(problem: ScheduleProblem) -> bool:
     return 3 * problem.num_stages * problem.num_microbatches > JUMP_MIN_OPS
 
 
+def _overflows_1f1b(problem: ScheduleProblem, free: ScheduleProblem, tried: dict) -> bool:
+    """Whether 1F1B without a limit overflows ``problem``'s (recorded in ``tried`` as the unlimited round's)."""
+    got = _run(free, ("1f1b",), "unlimited", tried)
+    return not got or bool(check_schedule(problem, got[0]))
+
+
 def least_memory(problem: ScheduleProblem) -> ScheduleProblem:
     """``problem`` with every stage on the option of its menu whose one micro-batch needs the least memory
     (``max(kept + pooled, B's level)``, :attr:`~fxpipe.ir.ScheduleProblem.stash_footprint`), if that is less
@@ -476,13 +482,22 @@ def auto_schedule(
     tried: dict[str, Any] = {}
     cands: list[tuple[ScheduleProblem, Schedule]] = []
     free = problem.replace(mem_limit=math.inf)
-    free_best = _best([(problem, s) for s in _run(free, _plain_methods(problem), "unlimited", tried)])
+    large = _large(problem)
+    methods = _plain_methods(problem)
+    if large and "1f1b" in methods and _overflows_1f1b(problem, free, tried):
+        # a large problem whose 1F1B overflows: the others hold at least as much without a limit
+        for m in methods:
+            tried.setdefault(f"unlimited/{m}", "skipped: 1F1B already overflows mem_limit and holds the least of them")
+        free_best = None
+    else:
+        free_best = _best([(problem, s) for s in _run(free, methods, "unlimited", tried)])
     if free_best is not None and not check_schedule(problem, free_best[1]):
         cands.append(free_best)  # memory does not bind: nothing to offload or recompute
         tried["binding"] = False
     else:
         tried["binding"] = True
-        cands += [(problem, s) for s in _run(problem, _plain_methods(problem), "plain", tried)]
+        if not (large and recompute):  # a large one's plain schedules run after the checkpoint rounds, if they can win
+            cands += [(problem, s) for s in _run(problem, methods, "plain", tried)]
         # fewer in flight (1F1B with a smaller warm-up) is tried last, against the best of the
         # others: warm-ups that provably cannot beat it are not timed; the offload heuristics
         # (the costly ones) run after the recomputation rounds, and not at all when the
@@ -510,6 +525,8 @@ def auto_schedule(
                     found = [(cur, s) for s in _degraded(cur, tag, tried, beat=_value(cands + rounds))]
                 rounds += found
             rounds += _uniform_1f1b(problem, tried)
+        if large and recompute:
+            cands += [(problem, s) for s in _run_unless_hopeless(problem, methods, "plain", tried, _value(rounds))]
         tried_rounds = dict(tried)
         tried.clear()
         if _can_offload(problem):
