@@ -342,33 +342,33 @@ def _uniform_1f1b(problem: ScheduleProblem, tried: dict) -> list[tuple[ScheduleP
     return out
 
 
-def _footprint(problem: ScheduleProblem, stage: int, opt) -> float:
-    """Memory of ``stage`` under 1F1B running checkpoint option ``opt``: ``n = min(S - s, m)`` micro-batches
-    in flight, ``n - 1`` of them kept and the oldest in its B (its level; without checkpointing a B only
-    frees)."""
+def _footprint(problem: ScheduleProblem, stage: int, opt, least: int = 1) -> float:
+    """Memory of ``stage`` under 1F1B running checkpoint option ``opt``: ``n = min(S - s, m)`` (at least
+    ``least``) micro-batches in flight, ``n - 1`` of them kept and the oldest in its B (its level; without
+    checkpointing a B only frees)."""
     c = float(problem.pooled_bytes[stage])
-    n = max(1, min(problem.num_stages - stage, problem.num_microbatches))
+    n = max(1, least, min(problem.num_stages - stage, problem.num_microbatches))
     return (n - 1) * (opt.kept_bytes + c) + (opt.b_level(c) if opt.name != "none" else opt.kept_bytes + c)
 
 
 def checkpoint_ladder(problem: ScheduleProblem, stage: int) -> list[str]:
-    """The options ``auto`` steps ``stage`` through, from the one it runs: by increasing replay time (a
-    split backward before a fused one), each keeping fewer bytes from F to B, or needing less memory under
-    1F1B (``min(S - s, m)`` micro-batches in flight, the oldest in its B), than every option before it (the
-    Pareto front of replay time against kept bytes and footprint of its
-    :attr:`~fxpipe.ir.ScheduleProblem.checkpoint_menu`)."""
+    """The options ``auto`` steps ``stage`` through, from the one it runs: by increasing replay time, each
+    needing less memory under 1F1B than every option before it (``max(2, min(S - s, m))`` micro-batches in
+    flight, the oldest in its B: :func:`_footprint`), the Pareto front of replay time and footprint of its
+    :attr:`~fxpipe.ir.ScheduleProblem.checkpoint_menu`. The footprint falls strictly along it, so the steps
+    of ``auto`` never cycle."""
     cur = problem.checkpoint_option(stage)
 
-    def footprint(o) -> float:
-        return _footprint(problem, stage, o)
+    def footprint(o) -> float:  # at least two in flight: the stash kept beside a B is what a device adds up
+        return _footprint(problem, stage, o, least=2)
 
     opts = sorted((o for o in problem.checkpoint_menu[stage] if o.name != "none" and o.replay_s >= cur.replay_s),
-                  key=lambda o: (o.replay_s, o.fused, o.kept_bytes, o.name))
-    out, kept, foot = [cur.name], cur.kept_bytes, footprint(cur)
-    for o in opts:
-        if o.name != cur.name and (o.kept_bytes < kept * (1 - 1e-12) or footprint(o) < foot * (1 - 1e-12)):
+                  key=lambda o: (o.replay_s, footprint(o), o.name))
+    out, foot = [cur.name], footprint(cur)
+    for o in opts:  # the footprint falls strictly along a ladder: steps never cycle
+        if o.name != cur.name and footprint(o) < foot * (1 - 1e-12):
             out.append(o.name)
-            kept, foot = min(kept, o.kept_bytes), min(foot, footprint(o))
+            foot = footprint(o)
     return out
 
 
