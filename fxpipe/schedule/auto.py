@@ -352,8 +352,9 @@ def _footprint(problem: ScheduleProblem, stage: int, opt, least: int = 1) -> flo
 
 
 def checkpoint_ladder(problem: ScheduleProblem, stage: int) -> list[str]:
-    """The options ``auto`` steps ``stage`` through, from the one it runs: by increasing replay time, each
-    needing less memory under 1F1B than every option before it (``max(2, min(S - s, m))`` micro-batches in
+    """The options ``auto`` steps ``stage`` through, from the one it runs: by increasing replay time (a split
+    backward before a fused one: its W can still fill bubbles), each needing less memory under 1F1B than
+    every option before it (``max(2, min(S - s, m))`` micro-batches in
     flight, the oldest in its B: :func:`_footprint`), the Pareto front of replay time and footprint of its
     :attr:`~fxpipe.ir.ScheduleProblem.checkpoint_menu`. The footprint falls strictly along it, so the steps
     of ``auto`` never cycle."""
@@ -363,7 +364,7 @@ def checkpoint_ladder(problem: ScheduleProblem, stage: int) -> list[str]:
         return _footprint(problem, stage, o, least=2)
 
     opts = sorted((o for o in problem.checkpoint_menu[stage] if o.name != "none" and o.replay_s >= cur.replay_s),
-                  key=lambda o: (o.replay_s, footprint(o), o.name))
+                  key=lambda o: (o.replay_s, o.fused, footprint(o), o.name))  # split before fused: W may fill bubbles
     out, foot = [cur.name], footprint(cur)
     for o in opts:  # the footprint falls strictly along a ladder: steps never cycle
         if o.name != cur.name and footprint(o) < foot * (1 - 1e-12):
