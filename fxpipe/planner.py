@@ -252,13 +252,15 @@ def plan_graph(
 
 def plan_with_options(graph: OpGraph, *, devices: int, microbatches: int, options: PlanOptions,
                       memory: MemoryModel | None = None, memory_bytes: float | None = None,
-                      explain: bool = True) -> PlanResult:
+                      explain: bool = True, partitions: dict[int, Partition] | None = None) -> PlanResult:
     """:func:`plan_graph` with its options built: the memory model is :func:`resolve_memory` of
     ``memory`` and ``memory_bytes``, and every candidate of ``options.placement_candidates()`` is
     tried. Same returns and errors as :func:`plan_graph`; with ``explain=False`` a partition that
     does not fit raises a short :class:`~fxpipe.errors.InfeasibleError` without the search for the
     device count and remedies (:func:`fxpipe.partition.memory.infeasible_error`), which the mesh
-    search skips for the candidates it does not report on."""
+    search skips for the candidates it does not report on. ``partitions`` (stage count -> partition)
+    are taken instead of partitioning: the mesh search passes a sibling's partition that is proven
+    optimal and fits this memory too."""
     devices = check_count(devices, "devices")
     microbatches = check_count(microbatches, "microbatches")
     memory = resolve_memory(graph, memory, memory_bytes)
@@ -266,6 +268,7 @@ def plan_with_options(graph: OpGraph, *, devices: int, microbatches: int, option
         optimizer_host_step_s(1.0, memory, host_links(graph))  # its cost needs the host's links: say so now
     search = _CandidateSearch(graph, devices, microbatches, options, memory)
     search.explain = explain
+    search.parts.update(partitions or {})
     for v, name in options.placement_candidates():
         search.try_candidate(v, name)
     return search.result()

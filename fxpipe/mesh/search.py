@@ -353,13 +353,35 @@ def _plan_or_reuse(graph, row: dict, entry: dict, mesh, mem, order, microbatches
                 return g, reused
     try:
         result = plan_with_options(g, devices=mesh["pp"], microbatches=microbatches // mesh_dp(mesh), options=options,
-                                   memory=mem, memory_bytes=mem.capacity_bytes, explain=explain)
+                                   memory=mem, memory_bytes=mem.capacity_bytes, explain=explain,
+                                   partitions=_proven_partition(g, siblings, group, mem, options,
+                                                                microbatches // mesh_dp(mesh)))
     except (FxpipeError, InputError) as exc:
         return exc
     siblings.setdefault(group, []).append((mem, result))
     for k, v in result[3].items():
         timings[k] = timings.get(k, 0.0) + v
     return g, result
+
+
+def _proven_partition(graph, siblings: dict, group: tuple, memory, options: PlanOptions, microbatches: int) -> dict:
+    """``{k: partition}`` of a plan made for the same ``pp`` and pipeline link (the optimizer anywhere) whose
+    partition is proven optimal (its bottleneck meets a bound that ignores memory) and fits ``memory`` by the
+    partitioner's rule: the partition the planner would find here too, so it is not searched again."""
+    from fxpipe.partition.memory import PartitionMemory, stage_memory_bytes  # noqa: PLC0415
+
+    pm = PartitionMemory(memory, microbatches, "floor", checkpointing=options.objective == "training"
+                         and options.activation_checkpointing != "none")
+    for (pp, link, _), results in siblings.items():
+        if (pp, link) != group[:2]:
+            continue
+        for _, (part, *_rest) in results:
+            if not part.meta.get("proven_optimal"):
+                continue
+            need = stage_memory_bytes(graph, part.assignment, part.k, options.objective, pm, "relay")
+            if float(need.max()) <= pm.usable_bytes * (1 + 1e-12):
+                return {part.k: part}
+    return {}
 
 
 def _reuse(graph, result, memory, options: PlanOptions):

@@ -255,13 +255,15 @@ def _value(cands: list[tuple[ScheduleProblem, Schedule]]) -> float | None:
     return min((s.value for _, s in cands), default=None)
 
 
-def _run_unless_hopeless(problem: ScheduleProblem, methods, tag: str, tried: dict, beat: float | None) -> list[Schedule]:
+def _run_unless_hopeless(problem: ScheduleProblem, methods, tag: str, tried: dict, beat: float | None,
+                         bound_problem: ScheduleProblem | None = None) -> list[Schedule]:
     """:func:`_run`, unless the problem's lower bound (:func:`combinatorial_lower_bound`, valid
-    for every schedule of it, offloading or not) is above ``beat``, a value already found:
+    for every schedule of it, offloading or not; of ``bound_problem`` when given, e.g. the problem
+    without offload for methods that never offload) is above ``beat``, a value already found:
     then no method can give the best candidate, and each is recorded as skipped. PipeOffload
     runs after the others, with the best of ``beat`` and their values as its ``beat``."""
     if beat is not None:
-        lb = combinatorial_lower_bound(problem)
+        lb = combinatorial_lower_bound(problem if bound_problem is None else bound_problem)
         if lb > beat * (1 + 1e-9) + 1e-12:
             for m in methods:
                 tried[f"{tag}/{m}"] = (f"skipped: every schedule of this problem takes at least {lb:.6g} s "
@@ -526,8 +528,9 @@ def auto_schedule(
                     found = [(cur, s) for s in _degraded(cur, tag, tried, beat=_value(cands + rounds))]
                 rounds += found
             rounds += _uniform_1f1b(problem, tried)
-        if large and recompute:
-            cands += [(problem, s) for s in _run_unless_hopeless(problem, methods, "plain", tried, _value(rounds))]
+        if large and recompute:  # bounded as schedules without offload (none of these offloads)
+            cands += [(problem, s) for s in _run_unless_hopeless(problem, methods, "plain", tried, _value(rounds),
+                                                                  bound_problem=problem.replace(offload_bytes=0.0))]
         tried_rounds = dict(tried)
         tried.clear()
         if _can_offload(problem):
