@@ -192,6 +192,16 @@ def search_mesh(graph, *, devices: int, microbatches: int, memory, options: Plan
     topology = Topology.of_graph(graph)
     host = host_links(graph)
     heap: list = []  # (lower bound, sequence, row, order entry, mesh, memory model, order)
+    work_bounds: dict[int, float | None] = {}
+
+    def stage_work(pp: int) -> float | None:
+        """:func:`stage_work_bound_s` of ``pp`` stages (one per device; None with several per device)."""
+        if options.placement_candidates() != [(1, "looped")]:
+            return None
+        if pp not in work_bounds:
+            work_bounds[pp] = stage_work_bound_s(graph, pp, options.objective)
+        return work_bounds[pp]
+
     table = []
     seq = itertools.count()  # equal bounds: more stages first, the default order first, the device before the host
 
@@ -204,7 +214,8 @@ def search_mesh(graph, *, devices: int, microbatches: int, memory, options: Plan
             entry = {"rank_order": list(order),
                      "pipeline_bytes_per_s": pipeline_link(mesh, graph.bandwidth_bytes_per_s, topology, order),
                      "pipeline_hops_across_nodes": list(pipeline_hops(mesh, topology, order)) if topology else [0, 0],
-                     "lower_bound_s": mesh_lower_bound_s(graph, mesh, microbatches, options.objective, order, memory=mem)}
+                     "lower_bound_s": mesh_lower_bound_s(graph, mesh, microbatches, options.objective, order, memory=mem,
+                                                         stage_work_s=stage_work(int(mesh["pp"])))}
             row["by_order"].append(entry)
             heapq.heappush(heap, (entry["lower_bound_s"], next(seq), row, entry, mesh, mem, order))
         row["lower_bound_s"] = min(e["lower_bound_s"] for e in row["by_order"])
@@ -464,8 +475,33 @@ def _better(entry: dict, mesh: dict, best: dict, best_mesh: dict) -> bool:
     return a <= b * (1 + 1e-9) and mesh["pp"] > best_mesh["pp"]
 
 
+def stage_work_bound_s(graph, k: int, objective: str = "training") -> float:
+    """A lower bound on the work (seconds per micro-batch, F + B + W in training) of the busiest of ``k``
+    stages over every partition of ``graph``: the chain bound (:func:`fxpipe.partition.chain.solve_chain`,
+    valid for every partition) of the graph with free communication. For a deep pipeline of a model of
+    whole blocks it is far above ``work / k`` (80 layers into 64 stages: some stage holds two)."""
+    from fxpipe.partition.chain import solve_chain  # noqa: PLC0415 - lazy: numba kernels
+
+    if int(k) < 2 or graph.n < 2:
+        return float(np.sum(graph.work_s(objective))) if int(k) == 1 else 0.0
+    surrogate = _WORK_GRAPHS.get((id(graph), objective))
+    if surrogate is None or surrogate[0] is not graph:
+        free = dataclasses.replace(graph, t_fwd_s=np.asarray(graph.work_s(objective), dtype=np.float64),
+                                   t_bwd_input_s=np.zeros(graph.n), t_bwd_weight_s=np.zeros(graph.n),
+                                   bandwidth_bytes_per_s=1e300)
+        if len(_WORK_GRAPHS) > 8:
+            _WORK_GRAPHS.clear()
+        surrogate = _WORK_GRAPHS[(id(graph), objective)] = (graph, free)
+    return float(solve_chain(surrogate[1], int(k), "inference", "relay", partition=False).lower_bound_s)
+
+
+#: The free-communication copy of a graph :func:`stage_work_bound_s` bounds (one per graph: its chain
+#: decomposition is reused for every stage count).
+_WORK_GRAPHS: dict = {}
+
+
 def mesh_lower_bound_s(graph, mesh, microbatches: int, objective: str = "training", order: Any = None,
-                       memory=None) -> float:
+                       memory=None, stage_work_s: float | None = None) -> float:
     """A lower bound on the predicted step of ``mesh`` that needs no partition (seconds).
 
     Every replica runs ``microbatches / dp`` micro-batches over ``pp`` devices, so its busiest
@@ -502,6 +538,11 @@ def mesh_lower_bound_s(graph, mesh, microbatches: int, objective: str = "trainin
     memory : MemoryModel, optional
         The mesh's memory model: with ``offload_optimizer`` every device's host step
         (:func:`fxpipe.mesh.optimizer_host_step_s`, linear in its parameters) joins its sync.
+    stage_work_s : float, optional
+        A lower bound on the busiest stage's work per micro-batch over every partition into ``pp``
+        stages (:func:`stage_work_bound_s`): with one stage per device that device computes at
+        least ``microbatches / dp`` times it, so the bound is at least that (plus the sync of no
+        parameters).
 
     Returns
     -------
@@ -531,4 +572,6 @@ def mesh_lower_bound_s(graph, mesh, microbatches: int, objective: str = "trainin
                                                                              float(params[top[0]])))
         if work_per_op.size > pp:
             bound = max(bound, per_replica * float(work_per_op[top[pp - 1]] + work_per_op[top[pp]]) + sync(0.0))
+    if stage_work_s is not None:  # the busiest stage of any partition (one stage per device)
+        bound = max(bound, per_replica * float(stage_work_s) + sync(0.0))
     return bound

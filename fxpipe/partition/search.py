@@ -268,7 +268,7 @@ def partition(
                 contract=contract, chain=chain, merge_trivial=merge_trivial, _explain=_explain)
 
     t0 = time.perf_counter()
-    if model is not None and chain and comm == "relay" and graph.n > 1:
+    if model is not None and chain and comm == "relay" and graph.n > 1 and _memory_tight(graph, k, objective, model):
         need = memory_lower_bound(graph, k, objective, model)
         if need > memory_inputs(graph, k, objective, model)[3] * (1 + 1e-9):  # no search can find a fitting one
             if not _explain:
@@ -314,6 +314,14 @@ def _check_arguments(graph, k, objective, comm, method, time_limit_s, evaluation
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
         raise InputError(f"seed must be an integer, got {seed!r}")
     return k, time_limit_s, evaluations
+
+
+def _memory_tight(graph: OpGraph, k: int, objective: str, memory) -> bool:
+    """Whether the stages' memory is on average over half the usable bytes (or a node alone is over them): only
+    then is :func:`memory_lower_bound` worth its chain decomposition."""
+    mem_param, mem_act, inflight, cap = memory_inputs(graph, k, objective, memory)[:4]
+    weights = mem_param + mem_act * float(np.min(inflight))
+    return bool(weights.sum() / k > 0.5 * cap or (weights.size and weights.max() > cap))
 
 
 def memory_lower_bound(graph: OpGraph, k: int, objective: str, memory) -> float:
