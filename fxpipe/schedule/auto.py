@@ -22,7 +22,11 @@ schedule of it:
    (:mod:`fxpipe.schedule.offload_search`), which decides offloads with the compute order.
    They run after step 3 and are skipped when the problem's lower bound
    (:func:`~fxpipe.schedule.bounds.combinatorial_lower_bound`, valid with offload) is above
-   the best candidate of steps 1 and 3: none of them could be chosen. PipeOffload, which
+   the best candidate of steps 1 and 3: none of them could be chosen. On a large problem
+   (over :data:`JUMP_MIN_OPS` compute ops) that step 3 fits, only the offload search runs
+   (PipeOffload and AdaOffload time a whole schedule per warm-up or offload set), and the
+   step-1 heuristics under the limit run after step 3, skipped when the bound of the problem
+   without offload is above the best found. PipeOffload, which
    times every warm-up from ``p - 1`` down until one fits, runs last of them and stops at the
    first warm-up whose :func:`limited_1f1b_bound` is above the best found; warm-ups that
    overflow whatever is offloaded (:func:`~fxpipe.schedule.heuristics.warmup_overflow_bytes`)
@@ -534,7 +538,13 @@ def auto_schedule(
         tried_rounds = dict(tried)
         tried.clear()
         if _can_offload(problem):
-            cands += [(problem, s) for s in _run_unless_hopeless(problem, OFFLOAD_METHODS, "offload", tried,
+            # a large problem that checkpointing fits runs only the offload search, which decides offloads with
+            # the compute order (PipeOffload and AdaOffload time a whole schedule per warm-up / offload set)
+            offload = OFFLOAD_METHODS if not (large and rounds) else tuple(m for m in OFFLOAD_METHODS if m == "offload-search")
+            for m in OFFLOAD_METHODS:
+                if m not in offload:
+                    tried[f"offload/{m}"] = "skipped: a large problem that activation checkpointing fits (offload-search runs)"
+            cands += [(problem, s) for s in _run_unless_hopeless(problem, offload, "offload", tried,
                                                                  _value(cands + rounds))]
         tried_offload = dict(tried)
         tried.clear()
