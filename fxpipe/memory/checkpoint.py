@@ -756,11 +756,22 @@ def menu_for_request(graph: OpGraph, nodes, request: str, *, blocks: GraphBlocks
     planner then runs the requested kind wherever the stage has one).
     """
     check_request(request)
-    if request == "none":
-        return stage_menu(graph, nodes, kinds=("none",), blocks=blocks)
-    if request == "auto":
-        return stage_menu(graph, nodes, blocks=blocks)
-    return stage_menu(graph, nodes, kinds=("none", request), blocks=blocks)
+    nodes = np.unique(np.asarray(nodes, dtype=np.int64))
+    key = (id(graph), request, nodes.tobytes()) if blocks is None else None
+    hit = _MENUS.get(key) if key is not None else None
+    if hit is not None and hit[0] is graph:
+        return list(hit[1])
+    kinds = CHECKPOINT_KINDS if request == "auto" else ("none",) if request == "none" else ("none", request)
+    menu = stage_menu(graph, nodes, kinds=kinds, blocks=blocks)
+    if key is not None:  # the mesh search plans the same stages under several memory models
+        if len(_MENUS) > 4096:
+            _MENUS.clear()
+        _MENUS[key] = (graph, tuple(menu))
+    return menu
+
+
+#: :func:`menu_for_request` per (graph object, request, stage nodes).
+_MENUS: dict = {}
 
 
 def partition_floor(graph: OpGraph, blocks: GraphBlocks | None = None) -> tuple[np.ndarray, float]:

@@ -317,11 +317,11 @@ def _check_arguments(graph, k, objective, comm, method, time_limit_s, evaluation
 
 
 def _memory_tight(graph: OpGraph, k: int, objective: str, memory) -> bool:
-    """Whether the stages' memory is on average over half the usable bytes (or a node alone is over them): only
+    """Whether the stages' memory is on average over 80 % of the usable bytes (or a node alone is over them): only
     then is :func:`memory_lower_bound` worth its chain decomposition."""
     mem_param, mem_act, inflight, cap = memory_inputs(graph, k, objective, memory)[:4]
     weights = mem_param + mem_act * float(np.min(inflight))
-    return bool(weights.sum() / k > 0.5 * cap or (weights.size and weights.max() > cap))
+    return bool(weights.sum() / k > 0.8 * cap or (weights.size and weights.max() > cap))
 
 
 def memory_lower_bound(graph: OpGraph, k: int, objective: str, memory) -> float:

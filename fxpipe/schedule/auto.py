@@ -526,11 +526,13 @@ def auto_schedule(
                 if any(c not in ("none", "stage") for c in cur.checkpoint):
                     tried[f"checkpoint{rnd}"] = {s: c for s, c in enumerate(cur.checkpoint) if c != "none"}
                 found = [(cur, s) for s in _run(cur, _plain_methods(cur), tag, tried)]
-                if not found and _can_offload(cur):
+                if not found and not large and _can_offload(cur):
                     found = [(cur, s) for s in _run_unless_hopeless(cur, OFFLOAD_METHODS, tag, tried, _value(cands + rounds))]
-                if not found:
+                if not found and not large:  # a large problem: fewer in flight only after the last round
                     found = [(cur, s) for s in _degraded(cur, tag, tried, beat=_value(cands + rounds))]
                 rounds += found
+            if large and not rounds and cur is not problem:
+                rounds += [(cur, s) for s in _degraded(cur, tag, tried, beat=_value(cands))]
             rounds += _uniform_1f1b(problem, tried)
         if large and recompute:  # bounded as schedules without offload (none of these offloads)
             cands += [(problem, s) for s in _run_unless_hopeless(problem, methods, "plain", tried, _value(rounds),
