@@ -380,7 +380,7 @@ def checkpoint_ladder(problem: ScheduleProblem, stage: int) -> list[str]:
 
 
 #: Problems of more compute ops than this (3 S m) start checkpointing with :func:`_jump_checkpoint`.
-JUMP_MIN_OPS = 600
+JUMP_MIN_OPS = 300
 
 
 def _large(problem: ScheduleProblem) -> bool:
