@@ -155,3 +155,15 @@ def test_auto_checkpoints_only_where_memory_binds_and_no_worse_than_uniform_poli
     off = auto_schedule(tight.replace(mem_limit=25.0), recompute=False, time_limit_s=0)
     assert off.checkpoint == ("none",) * 3
     assert float(np.max(peak_memory(res.problem, res.schedule.ops))) <= 9.0 * (1 + 1e-9)
+
+
+def test_the_milp_schedules_the_chosen_options():
+    """The MILP takes a problem whose stages run checkpoint options (one fused, one split) as it takes any
+    Contract-3 problem: its schedule is valid, never worse than the heuristic it starts from, and proven."""
+    import fxpipe.schedule.milp as milp
+
+    p = menu_problem(S=2, m=3, mem_limit=12.0).with_checkpoint({0: "full-fused", 1: "selective"})
+    start = place_fused_w(p, generate(p, "1f1b"))
+    got = place_fused_w(p, milp.solve(p, time_limit_s=30, warm_start=start))
+    assert check_schedule(p, got) == [] and got.value <= start.value * (1 + 1e-9)
+    assert got.status == "optimal" and got.value == pytest.approx(combinatorial_lower_bound(p), rel=1e-6)
