@@ -245,3 +245,28 @@ def test_policy_round_trips_and_names_the_bad_field():
         assert "plan.json: activation_checkpointing[3]" in str(info.value)
     with pytest.raises(InputError, match="choose from"):
         stage_menu(block_chain(0, 1, 2), [0, 1], kinds=("none", "everything"))
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 10**6), blocks=st.integers(2, 4), per_block=st.integers(3, 6), m=st.integers(1, 4),
+       squeeze=st.floats(0.0, 0.99))
+def test_a_stage_admitted_with_checkpointing_has_a_schedule(seed, blocks, per_block, m, squeeze):
+    """The partitioner admits a stage whose static state and one stash overflow when per-block checkpointing
+    keeps it within the capacity (issue 28): a capacity between the two rules for the whole graph on one
+    device plans, checkpointing (every option keeps at most the partitioner's per-node floor and replays at
+    most one block beyond it at a time; one micro-batch at a time needs no more)."""
+    from fxpipe.api import plan_graph
+    from fxpipe.memory import MemoryModel
+    from fxpipe.partition.memory import PartitionMemory, stage_memory_bytes
+
+    g = block_chain(seed, blocks, per_block)
+    a = np.zeros(g.n, dtype=np.int64)
+    need = [float(stage_memory_bytes(g, a, 1, "training", PartitionMemory(MemoryModel(), m, checkpointing=c), "relay")[0])
+            for c in (True, False)]
+    assert need[0] <= need[1]
+    if need[0] == need[1]:
+        return  # nothing to gain on this graph
+    cap = (need[0] + squeeze * (need[1] - need[0])) / 0.9  # fits only by the checkpointing rule
+    part, problem, sched, _ = plan_graph(g, devices=1, microbatches=m, memory_bytes=cap, time_limit_s=0.2,
+                                         schedule_time_limit_s=0)
+    assert any(c != "none" for c in problem.checkpoint)
