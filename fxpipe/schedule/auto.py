@@ -210,7 +210,10 @@ def limited_1f1b(problem: ScheduleProblem, *, beat: float | None = None) -> Sche
     if not problem.identity_placement:
         raise InputError("1f1b-limited schedules stage s on device s")
     p, M = problem.num_stages, problem.num_microbatches
-    for w in range(p - 1, -1, -1):
+    top = p - 1
+    if _large(problem) and p > 8:  # start near the largest warm-up that fits: a bisection on the fit
+        top = _largest_fitting_warmup(problem)
+    for w in range(top, -1, -1):
         if beat is not None:
             lb = limited_1f1b_bound(problem, w)
             if lb > beat * (1 + 1e-9) + 1e-12:
@@ -223,6 +226,30 @@ def limited_1f1b(problem: ScheduleProblem, *, beat: float | None = None) -> Sche
         if not check_schedule(problem, sched):
             return sched
     raise InfeasibleError("1f1b-limited: not even one micro-batch at a time fits mem_limit")
+
+
+def _largest_fitting_warmup(problem: ScheduleProblem) -> int:
+    """The largest uniform 1F1B warm-up whose schedule fits memory, by bisection (a warm-up holds at least
+    the micro-batches of every smaller one); ``p - 1`` when it fits, 0 when none does. Used to start
+    :func:`limited_1f1b`'s scan on a large problem, which otherwise times every warm-up from ``p - 1``."""
+    p, M = problem.num_stages, problem.num_microbatches
+
+    def fits(w: int) -> bool:
+        warm = [min(w, p - s - 1, M) for s in range(p)]
+        if heuristics.warmup_overflow_bytes(problem, warm) > 0:
+            return False
+        return not check_schedule(problem, simulate(problem, orders_1f1b(p, M, warm)))
+
+    lo, hi = 0, p - 1  # fits(lo) assumed; the answer lies in [lo, hi]
+    if fits(hi):
+        return hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 def _sequential(problem: ScheduleProblem) -> Schedule:
