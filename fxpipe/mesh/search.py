@@ -32,11 +32,18 @@ equal bounds), recorded in its row
 
 Kept fast by bounds: the candidates are planned in increasing order of a lower bound that needs
 no partition (:func:`mesh_lower_bound_s`: perfectly balanced work without bubbles plus the sync
-of the average device's parameters), and the search stops at the first candidate whose bound
-is no better than the best predicted step so far (the rest are pruned: none can win). A
-candidate whose average static state (parameters, gradients, optimizer state under the mesh's
-memory model) already exceeds the usable memory is skipped without planning; so is one the
-planner finds infeasible, with its reason. Every candidate is a row of the returned table.
+of the average device's parameters; when a best exists, refined with the busiest stage's work
+over every partition, :func:`stage_work_bound_s`), and the search stops at the first candidate
+whose bound is no better than the best predicted step so far (the rest are pruned: none can
+win). A candidate whose average static state (parameters, gradients, optimizer state under the
+mesh's memory model), with the least activations every device holds (one micro-batch,
+checkpointed where allowed), already exceeds the usable memory is skipped without planning; so
+is one the planner finds infeasible, with its reason (the partitioner refuses at once a stage
+count whose memory chain bound overflows, :func:`fxpipe.partition.search.memory_lower_bound`).
+Every candidate is a row of the returned table. Activation checkpointing (issue 28) is chosen
+per stage by each candidate's planner, so FSDP-heavy meshes are priced with per-block
+checkpointing; a sibling's partition proven optimal that fits a candidate's memory is reused
+whatever the optimizer's place.
 
 Optimizer state on the host (ZeRO-Offload, Ren et al. 2021; :attr:`fxpipe.memory.MemoryModel.offload_optimizer`):
 when the memory model leaves it to the search (``offload_optimizer=None``, the default) and the graph

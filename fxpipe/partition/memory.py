@@ -22,7 +22,11 @@ pipeline position ``s`` of ``k`` holding the nodes ``V_s`` needs
     the last,
 
 and must fit ``capacity - reserved`` (:attr:`MemoryModel.usable_bytes`). A block that does
-not fit is infeasible: the SliceGraph DP gives it cost ``inf``.
+not fit is infeasible: the SliceGraph DP gives it cost ``inf``. With
+:attr:`PartitionMemory.checkpointing` (the planner sets it in training unless
+``activation_checkpointing="none"``) a stage's stash is the smaller of its ``act_bytes`` and
+what per-block checkpointing keeps plus one block's replay (:func:`activation_floor`): a stage
+that fits only with a checkpoint policy is admitted with it.
 
 Parameters are counted as parameters (:func:`num_params`): from the per-node ``num_params``
 key of a captured graph (Contract 1 keeps unknown keys), else from ``size_param_bytes``
