@@ -131,3 +131,40 @@ def test_torchtitan_fsdp8_selective_layout_fits_96gb(llama8b_2x8192):
     row = plan.device_table[0]
     assert row.fits and row.memory_bytes <= H100_96GB
     assert abs(row.memory_bytes / 2**30 / 82.4 - 1) < 0.20
+
+
+def test_the_default_mesh_is_no_worse_than_torchtitan_fsdp8(llama8b_2x8192):
+    """The same 8B job on 8 devices with the default mesh (the search, which now prices FSDP-heavy meshes
+    with per-block checkpointing): its predicted step is no worse than the pinned FSDP-8 layout's."""
+    model, args, kwargs = llama8b_2x8192
+    common = dict(devices=8, microbatches=8, hardware="h100-sxm", memory_bytes=H100_96GB, time_limit_s=1.0,
+                  schedule_time_limit_s=0)
+    pinned = fxpipe.compile(model, args, kwargs, mesh={"pp": 1, "dp_shard": 8}, **common)
+    default = fxpipe.compile(model, args, kwargs, **common)
+    assert default.predicted_step_s <= pinned.predicted_step_s * (1 + 1e-9)
+    assert any(r["mesh"] == {"pp": 1, "dp_shard": 8, "dp_replicate": 1} for r in default.options["mesh_search"])
+
+
+def test_llama3_70b_fsdp64_full_says_what_does_not_fit():
+    """torchtitan trains Llama-3-70B on 64 A100s with FSDP and full AC (ZeRO-3: a block's parameters gathered at
+    a time). fxpipe's runtime keeps a stage's parameters and gradients unsharded for the whole step (ZeRO-1's
+    memory, fxpipe.mesh.mesh_memory), so one stage holding the model does not fit: the error says so, with the
+    static state, and that checkpointing would not help."""
+    model, args, kwargs = build_hf_model("llama-3-70b", {"seq_len": 8192, "attn_implementation": "sdpa"}, device="meta",
+                                         dtype=torch.bfloat16)
+    with pytest.raises(InfeasibleError) as info:
+        fxpipe.compile(model, args, kwargs, devices=64, microbatches=64, mesh={"dp_shard": 64}, hardware="a100-80gb",
+                       activation_checkpointing="full", time_limit_s=1.0, schedule_time_limit_s=0)
+    text = str(info.value)
+    assert "no partition into 1 stages fits" in text and "checkpointing would not help" in text
+
+
+@pytest.mark.slow
+def test_llama3_70b_on_64_devices_default_is_no_slower_than_before():
+    """Llama-3-70B, 64 h100-sxm, 128 micro-batches of 4096 tokens (benchmarks/bench_mesh_plan.py's row): the
+    default mesh's predicted step is no worse than the 7.72 s predicted before issue 28."""
+    model, args, kwargs = build_hf_model("llama-3-70b", {"seq_len": 4096, "attn_implementation": "sdpa"}, device="meta",
+                                         dtype=torch.bfloat16)
+    plan = fxpipe.compile(model, args, kwargs, devices=64, microbatches=128, time_limit_s=5.0, schedule_time_limit_s=0)
+    assert plan.predicted_step_s <= 7.72
+    assert all(d.fits for d in plan.device_table)
