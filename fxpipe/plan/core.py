@@ -487,7 +487,8 @@ class Plan:
                 f"{format_bytes(d.reserved_bytes):>10} {format_bytes(d.memory_bytes):>10} {cap:>10}{mark}"
             )
         n_off = sum(1 for o in self.schedule.ops if o.type == "O")
-        if rec or n_off:
+        chosen = self.options.get("activation_checkpointing", "auto") == "auto"  # not pinned by the user
+        if n_off or (rec and chosen):
             rows.append(f"memory binds: {n_off} stashes offloaded" + (f", stages {rec} checkpoint activations" if rec else ""))
         rows += self.checkpoint_summary()
         return "\n".join(rows)
