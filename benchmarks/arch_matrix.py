@@ -14,6 +14,9 @@ buffer (relative to the largest reference value). Prints a Markdown table and th
         inception cohere lstm_gru --compact               # the second round (issue 17), with meta builds
     python benchmarks/arch_matrix.py --stages-per-device 2 --ranks 2 --schedules interleaved-1f1b zb-v dualpipe-v --compact
                                                           # 2 stages per rank: looped / V placements
+    python benchmarks/arch_matrix.py --group third --ranks 2 --schedules auto --compact   # the third round (issue 30)
+    python benchmarks/arch_matrix.py --models mixed_dtype t5_mixed --mesh auto --ranks 2 4 --schedules auto --compact
+                                                          # bf16 + fp32 models on the mesh fxpipe.compile picks
 """
 
 from __future__ import annotations
@@ -24,13 +27,14 @@ import sys
 
 
 def main(argv=None) -> int:
+    from fxpipe.mesh import parse_mesh
     from fxpipe.testing import zoo
     from fxpipe.testing.matrix import SCHEDULES, run_matrix
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="*", default=None, help=f"zoo models (default all: {' '.join(zoo.names())})")
     ap.add_argument("--group", choices=zoo.GROUPS, default=None,
-                    help="only the zoo's first round (core) or second round (second) of models")
+                    help="only the zoo's first round (core), second round (second) or third round (third) of models")
     ap.add_argument("--meta-checkpoint", nargs="*", default=[],
                     help="models also built on meta in every worker and loaded from a safetensors checkpoint "
                     "(first schedule)")
@@ -40,6 +44,9 @@ def main(argv=None) -> int:
     ap.add_argument("--stages-per-device", type=int, default=1,
                     help="stages per rank; with 2+ each schedule runs on its placement (interleaved-1f1b looped, "
                     "zb-v / dualpipe-v / greedy / milp V-shaped)")
+    ap.add_argument("--mesh", default="pipeline",
+                    help="fxpipe.compile's mesh for every model: pipeline (default: RANKS pipeline stages), auto (the "
+                    "mesh search, fxpipe's default; data parallelism where it wins) or degrees such as pp=2,dp_shard=2")
     ap.add_argument("--partition-time-limit", type=float, default=0.3)
     ap.add_argument("--milp-time-limit", type=float, default=2.0)
     ap.add_argument("--json", action="store_true", help="machine-readable result on stdout")
@@ -51,8 +58,9 @@ def main(argv=None) -> int:
         print(msg, file=sys.stderr, flush=True)
 
     models = args.models if args.models else (zoo.names(group=args.group) if args.group else None)
+    mesh = args.mesh if args.mesh in ("pipeline", "auto", "search") else parse_mesh(args.mesh)
     res = run_matrix(models, args.ranks, args.schedules, steps=args.steps, stages_per_device=args.stages_per_device,
-                     meta_checkpoint=args.meta_checkpoint,
+                     meta_checkpoint=args.meta_checkpoint, mesh=mesh,
                      partition_time_limit_s=args.partition_time_limit, milp_time_limit_s=args.milp_time_limit, log=log)
     table = res.markdown(compact=args.compact)
     n_ok = sum(c.ok for c in res.cells)

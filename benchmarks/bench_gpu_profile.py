@@ -249,6 +249,25 @@ def section_fsdp(device, dims: str, layers: int, seq_len: int, smoke: bool) -> d
         dist.destroy_process_group()
 
 
+def run_section(doc: dict, name: str, fn, *, skip=(), out: str | None = None, max_print: int | None = None) -> None:
+    """``doc[name] = fn()``, a failure recorded as ``{"error", "traceback"}`` instead of raised (one section's
+    failure keeps the others); its wall time in ``doc["section_wall_s"]``; printed; ``out`` rewritten atomically."""
+    if name in skip:
+        return
+    t = time.perf_counter()
+    try:
+        doc[name] = fn()
+    except Exception as exc:  # noqa: BLE001 - one section's failure keeps the others
+        doc[name] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-3000:]}
+    doc.setdefault("section_wall_s", {})[name] = time.perf_counter() - t
+    text = json.dumps(doc[name], indent=1, default=str)
+    print(f"== {name} ({doc['section_wall_s'][name]:.1f} s)\n{text if max_print is None else text[:max_print]}", flush=True)
+    if out:
+        from fxpipe.io import write_text_atomic
+
+        write_text_atomic(out, json.dumps(doc, indent=1, default=str) + "\n")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dims", default="llama-3-8b", choices=sorted(DIMS), help="decoder layer dimensions")
@@ -271,18 +290,7 @@ def main(argv=None) -> int:
     graphs = {}
 
     def run(name, fn):
-        if name in args.skip:
-            return
-        t = time.perf_counter()
-        try:
-            doc[name] = fn()
-        except Exception as exc:  # one section's failure keeps the others
-            doc[name] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-3000:]}
-        doc.setdefault("section_wall_s", {})[name] = time.perf_counter() - t
-        print(f"== {name} ({time.perf_counter() - t:.1f} s)\n{json.dumps(doc[name], indent=1, default=str)}", flush=True)
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump(doc, f, indent=1, default=str)
+        run_section(doc, name, fn, skip=args.skip, out=args.out)
 
     run("device", lambda: section_device(device, spec, args.smoke))
 

@@ -1,10 +1,12 @@
 """Train a saved fxpipe plan with torchrun: one process per device.
 
-Plan once, then launch one process per device (each runs the stages the plan places on it;
-add ``--stages-per-device 2 --placement v`` to the plan for ZB-V)::
+Plan once, then launch one process per device of the plan (``plan.world_size``; each runs the
+stages the plan places on it; add ``--stages-per-device 2 --placement v`` to the plan for ZB-V).
+``--mesh pipeline`` asks for a pipeline: this small GPT-2 fits one device, and the default mesh
+search would plan pure data parallelism for it::
 
     fxpipe plan --hf gpt2 --config n_layer=4 n_embd=64 n_head=2 --seq-len 16 \
-        --devices 2 --microbatches 4 --out gpt2.plan.json
+        --devices 2 --mesh pipeline --microbatches 4 --out gpt2.plan.json
     torchrun --standalone --nproc-per-node 2 examples/train_torchrun.py --plan gpt2.plan.json \
         --hf gpt2 --config n_layer=4 n_embd=64 n_head=2 --seq-len 16 --steps 3
 

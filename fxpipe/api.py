@@ -20,13 +20,15 @@ the planning options of :class:`fxpipe.options.PlanOptions` as keywords. The
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import warnings
 from typing import Any, Mapping, Sequence
 
-from fxpipe.errors import InputError, PlanWarning
+from fxpipe.errors import FxpipeWarning, InputError, PlanWarning
 from fxpipe.memory import MemoryModel
-from fxpipe.mesh import mesh_memory, microbatches_per_replica, normalize_mesh, pipeline_graph
+from fxpipe.mesh import format_mesh, mesh_memory, microbatches_per_replica, normalize_mesh, pipeline_graph
+from fxpipe.mesh.limits import mesh_runtime_limit, record_runtime_limits, runtime_limits
 from fxpipe.mesh.search import search_mesh
 from fxpipe.options import (  # noqa: F401 (public re-exports)
     AUTO_MILP_MIN_SHARE,
@@ -42,7 +44,7 @@ from fxpipe.options import (  # noqa: F401 (public re-exports)
 from fxpipe.plan import PLAN_FORMAT, CaptureCell, DeviceStats, Plan, StageStats, graph_signature, load_plan  # noqa: F401
 from fxpipe.plan.tables import device_stats, stage_stats  # noqa: F401 (public re-exports)
 from fxpipe.planner import auto_milp_budget_s, fill_empty_stages, plan_graph, plan_with_options, resolve_memory  # noqa: F401
-from fxpipe.progress import phase
+from fxpipe.progress import Search, phase
 from fxpipe.schedule.dispatch import default_method
 
 
@@ -116,6 +118,7 @@ def _capture(model, args: tuple, kwargs: dict, *, costs: str, hardware, dtype, n
     machine first; ``hardware`` None: the default of ``costs``). Returns the
     :class:`~fxpipe.passes.to_opgraph.TracedModel`, the hardware's name and the extra phase timings."""
     from fxpipe.codegen.devicecheck import warn_meta_kernel_gaps  # lazy: torch
+    from fxpipe.codegen.mesh import data_parallel_limit  # lazy: torch
 
     if costs not in ("roofline", "measured"):
         raise InputError(f"costs must be 'roofline' or 'measured', got {costs!r}")
@@ -136,7 +139,37 @@ def _capture(model, args: tuple, kwargs: dict, *, costs: str, hardware, dtype, n
             traced = trace_model(model, args, kwargs, hardware=hardware, dtype=dtype, name=name, replicate=replicate)
     # a capture on meta may have taken a device branch's non-CPU path (issue 17): say so now, not on a rank
     warn_meta_kernel_gaps(traced.gm, stacklevel=4)  # the caller of fxpipe.compile
+    # what the runtime cannot run for this model, for the mesh search (fxpipe.mesh.limits)
+    record_runtime_limits(traced.graph, data_parallel=data_parallel_limit(traced.gm))
     return traced, getattr(hardware, "name", None) or str(hardware), timings
+
+
+@contextlib.contextmanager
+def recording_warnings():
+    """Collect the messages of fxpipe's own warnings (:class:`~fxpipe.errors.FxpipeWarning`) raised inside.
+
+    Yields a list that holds them, each once, when the block ends. fxpipe's warnings are recorded
+    even where the caller's filters hide them (``fxpipe plan`` hides them on stderr and prints them
+    with the plan instead), then warned again at their own file and line through those filters;
+    other warnings, which passed the filters already, are shown as they would have been.
+    """
+    said: list[str] = []
+    caught: list = []
+    try:
+        with warnings.catch_warnings(record=True) as rec:
+            warnings.simplefilter("always", FxpipeWarning)
+            try:
+                yield said
+            finally:
+                caught = list(rec)
+    finally:  # also when the block raised: nothing warned is lost
+        for w in caught:
+            if not issubclass(w.category, FxpipeWarning):
+                warnings.showwarning(w.message, w.category, w.filename, w.lineno, w.file, w.line)
+                continue
+            if str(w.message) not in said:
+                said.append(str(w.message))
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
 
 
 def _plan_mesh(graph, mesh: Any, devices: int, microbatches: int, memory: MemoryModel, options: PlanOptions):
@@ -150,6 +183,9 @@ def _plan_mesh(graph, mesh: Any, devices: int, microbatches: int, memory: Memory
         return search_mesh(graph, devices=devices, microbatches=microbatches, memory=memory, options=options)
     degrees = normalize_mesh(mesh, devices)
     model = mesh_memory(memory, degrees)
+    why = mesh_runtime_limit(degrees, bool(model.offload_optimizer), runtime_limits(graph))
+    if why is not None:  # a pinned mesh the runtime cannot run for this model: say so now, not on every rank
+        raise InputError(f"mesh {format_mesh(degrees)}: {why}; plan with mesh='pipeline' or mesh='auto'")
     planned = plan_with_options(pipeline_graph(graph, degrees), devices=degrees["pp"],
                                 microbatches=microbatches_per_replica(microbatches, degrees), options=options,
                                 memory=model, memory_bytes=model.capacity_bytes)  # resolved already
@@ -328,14 +364,22 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     args, kwargs = check_call_inputs(args, kwargs)
     _check_mesh(mesh, devices, microbatches, memory)
     options = PlanOptions.from_keywords(locals())  # validates objective, schedule, placement
-    traced, hardware_name, timings = _capture(model, args, kwargs, costs=costs, hardware=hardware, dtype=dtype,
-                                              name=name, cost_db=cost_db, profile_threads=profile_threads,
-                                              replicate=replicate, progress=progress)
-    options = dataclasses.replace(options, host_bandwidth_bytes_per_s=traced.hardware.host_bytes_per_s)
-    base_memory = resolve_memory(traced.graph, memory, memory_bytes, traced.hardware)
-    planned = _plan_mesh(traced.graph, mesh, devices, microbatches, base_memory, options)
+    with recording_warnings() as said:  # fxpipe's warnings go into the plan too (plan.all_warnings())
+        traced, hardware_name, timings = _capture(model, args, kwargs, costs=costs, hardware=hardware, dtype=dtype,
+                                                  name=name, cost_db=cost_db, profile_threads=profile_threads,
+                                                  replicate=replicate, progress=progress)
+        options = dataclasses.replace(options, host_bandwidth_bytes_per_s=traced.hardware.host_copy_bytes_per_s)
+        base_memory = resolve_memory(traced.graph, memory, memory_bytes, traced.hardware)
+        planned = None
+        # Ctrl-C during any search of planning (mesh, partition, schedule) stops them all; the plan is the
+        # best found so far and says so (plan.interrupted)
+        with Search("planning") as run:
+            planned = _plan_mesh(traced.graph, mesh, devices, microbatches, base_memory, options)
+        if planned is None:  # interrupted before any result (outside a search's own handler)
+            raise KeyboardInterrupt
     recorded = {"dtype": str(dtype) if dtype else None, "costs": costs, "stages_per_device": stages_per_device,
-                "placement": placement, "mesh": mesh, "activation_checkpointing": activation_checkpointing}
+                "placement": placement, "mesh": mesh, "activation_checkpointing": activation_checkpointing,
+                **({"interrupted": True} if run.interrupted else {}), **({"warnings": list(said)} if said else {})}
     plan = _make_plan(traced, hardware_name, microbatches, options, planned, recorded, timings)
     for message in plan.waste_warnings():
         warnings.warn(message, PlanWarning, stacklevel=2)

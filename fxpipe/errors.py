@@ -67,7 +67,20 @@ class DataDependentCutError(InfeasibleError, InputError):
     an :class:`InputError` when given stages (a pinned ``stage_of``) cut it."""
 
 
-class PlanWarning(UserWarning):
+class TrainingError(FxpipeError, RuntimeError):
+    """A training step produced a value it must not go on with: a loss that is not finite (the
+    message names the step, the stage and the micro-batch), or copies of a tied parameter on
+    several ranks whose gradients or values disagree (the message names the parameter). Raised
+    by the pipeline runtime (``schedule.step``) on the rank that sees it."""
+
+
+class FxpipeWarning(UserWarning):
+    """Base class of fxpipe's warnings. ``fxpipe.compile`` records those it raises while making a
+    plan in the plan (``plan.options["warnings"]``, :meth:`fxpipe.plan.Plan.all_warnings`), so the
+    summary and ``fxpipe plan --json`` carry them, as well as warning them."""
+
+
+class PlanWarning(FxpipeWarning):
     """A plan that runs but wastes devices (stages with almost no work, fewer micro-batches than
     devices); the message says what would be better. ``fxpipe.compile`` warns with it and
     ``Plan.summary()`` repeats it (``Plan.waste_warnings()``)."""
@@ -92,13 +105,22 @@ class WorkerError(FxpipeError, RuntimeError):
     phase : str or None
         What the worker was doing (``"capturing the model"``, ``"training step 2"``, ...).
     cause_type, cause : str or None
-        Type name and message of the worker's exception.
+        Type name and message of the root cause: the worker's exception, or the exception it was
+        raised from (``raise ... from``) when a wrapper (torch's "failed to run forward") hid it.
+    microbatch : int or None
+        The micro-batch of the failing action, if any.
+    frame : str or None
+        Where in the model's code: ``"File \"model.py\", line 12, in forward: h = self.attn(x)"``,
+        the source line of the graph node that raised (``node.meta["stack_trace"]``) or the
+        innermost frame of the user's own code in the cause's traceback.
+    op : str or None
+        The graph node and its operator that raised (``"embedding (aten.embedding.default)"``).
     summary : str
         The message without the traceback (what the CLI prints).
     """
 
     def __init__(self, message: str, *, rank=None, stages=(), action=None, phase=None, cause_type=None,
-                 cause=None, summary: str | None = None):
+                 cause=None, summary: str | None = None, microbatch=None, frame=None, op=None):
         super().__init__(message)
         self.summary = summary if summary is not None else message
         self.rank = rank
@@ -107,3 +129,21 @@ class WorkerError(FxpipeError, RuntimeError):
         self.phase = phase
         self.cause_type = cause_type
         self.cause = cause
+        self.microbatch = microbatch
+        self.frame = frame
+        self.op = op
+
+
+class WorkerTimeoutError(WorkerError, TimeoutError):
+    """Ranks that did not finish in time, or a rank stuck in one schedule action
+    (:func:`fxpipe.launcher.launch`'s ``timeout_s`` / ``action_timeout_s``).
+
+    A :class:`WorkerError` whose ``rank``, ``action``, ``phase`` and ``stages`` name the rank that
+    is late (from the ranks' heartbeats: what each was doing and since when); also a
+    ``TimeoutError`` (an ``OSError``) for callers that catch time-outs. ``idle_s`` is how long
+    that rank had made no progress (seconds).
+    """
+
+    def __init__(self, message: str, *, idle_s: float | None = None, **kwargs):
+        super().__init__(message, **kwargs)
+        self.idle_s = idle_s

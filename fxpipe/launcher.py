@@ -24,9 +24,17 @@ Protocol (one folder per launch, ``out_dir``):
   message and traceback, and the time. The parent turns the reports into one
   :class:`~fxpipe.errors.WorkerError` led by the first real failure (:func:`worker_error`),
   not by the lost connections of the ranks that waited for it.
-* Time-outs: ``timeout_s`` limits the whole launch and ``collective_timeout_s`` every
-  collective; ``poll`` (called about twice a second) may raise ``TimeoutError`` for finer
-  limits. On expiry the ranks are terminated and ``TimeoutError`` names what the reports say.
+* Heartbeat: every change of ``ctx.where`` is written at once to ``rank<r>.beat`` (JSON, one
+  ``pwrite`` of a fixed file, no fsync: cheap enough for every schedule action) with the time
+  of that change, the rank's last progress. The pipeline runtime reports each compute action
+  as it starts and ends (``running``, ``last_action``). The parent reads the heartbeats to say
+  which rank is late and what it is doing, also for a rank killed without a report.
+* Time-outs: ``timeout_s`` limits the whole launch, ``action_timeout_s`` the time a rank may
+  spend inside one schedule action (a stuck rank fails fast, start-up and capture not
+  counted) and ``collective_timeout_s`` every collective; ``poll`` (called about twice a
+  second) may raise ``TimeoutError`` for finer limits. On expiry the ranks are terminated and
+  a :class:`~fxpipe.errors.WorkerTimeoutError` (a ``TimeoutError``) names the late rank, its
+  stage, action and phase and how long it made no progress, then what the other ranks were doing.
 
 Tensors are no results here: a caller that needs them writes its own files in ``out_dir``
 (``torch.save`` of tensors, read back with ``weights_only=True``).
@@ -50,10 +58,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from fxpipe.errors import InputError, WorkerError
+from fxpipe.codegen.faults import cause_fields, describe_action, parse_action
+from fxpipe.errors import InputError, WorkerError, WorkerTimeoutError
 from fxpipe.io import write_json_atomic, write_text_atomic
 
-__all__ = ["RankContext", "clear_reports", "errors_text", "free_port", "launch", "reports", "worker_error"]
+__all__ = ["RankContext", "clear_reports", "errors_text", "free_port", "heartbeats", "launch", "reports",
+           "timeout_error", "worker_error"]
 
 
 @dataclass
@@ -66,9 +76,11 @@ class RankContext:
     out_dir : str
         The launch's folder (for files of the caller's own; results travel as return values).
     where : dict
-        Updated by the entry with what it is doing, for its error report: ``phase`` (str),
-        ``stages`` (list of int), ``action`` (str or None), ``run`` (int); other keys are kept
-        in the report too.
+        Updated by the entry with what it is doing, for its error report and its heartbeat:
+        ``phase`` (str), ``stages`` (list of int), ``action`` (str or None: the action that
+        failed), ``running`` (the schedule action in progress, torch's text ``"1F0"``, or
+        None), ``last_action``, ``run`` (int); other keys are kept too. In a launched rank every
+        item assignment and ``update`` is also written to the rank's heartbeat file with its time.
     """
 
     rank: int
@@ -92,6 +104,71 @@ def _result_path(out_dir: str, rank: int) -> str:
     return os.path.join(out_dir, f"rank{rank}.json")
 
 
+def _beat_path(out_dir: str, rank: int) -> str:
+    return os.path.join(out_dir, f"rank{rank}.beat")
+
+
+class _Heartbeat(dict):
+    """A rank's ``ctx.where`` that writes itself, with the time of the change, to ``rank<r>.beat``.
+
+    Item assignment and ``update`` write; the file is rewritten in place (``os.pwrite`` at
+    offset 0, padded with spaces to its longest content), so a reader sees the last state or,
+    rarely, a torn one it skips. ``since`` is the wall-clock time (``time.time()``) of the change.
+    """
+
+    def __init__(self, path: str, rank: int, initial: dict):
+        super().__init__(initial)
+        self._rank = rank
+        self._size = 0
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self._write()
+
+    def __setitem__(self, key, value) -> None:
+        super().__setitem__(key, value)
+        self._write()
+
+    def update(self, *args, **kwargs) -> None:
+        super().update(*args, **kwargs)
+        self._write()
+
+    def _write(self) -> None:
+        data = json.dumps({**self, "rank": self._rank, "pid": os.getpid(), "since": time.time()},
+                          default=str).encode()
+        try:
+            os.pwrite(self._fd, data + b" " * max(0, self._size - len(data)), 0)
+        except OSError:  # a full disk must not fail the training; the heartbeat is a diagnosis aid
+            return
+        self._size = max(self._size, len(data))
+
+    def close(self) -> None:
+        try:
+            os.close(self._fd)
+        except OSError:
+            pass
+
+
+def heartbeats(out_dir: str) -> dict[int, dict]:
+    """The ranks' last heartbeats (``rank<r>.beat``: their ``ctx.where``, ``pid`` and ``since``), by rank.
+
+    A heartbeat being rewritten as it is read (rare) is left out of that reading.
+    """
+    out: dict[int, dict] = {}
+    try:
+        names = os.listdir(out_dir)
+    except OSError:
+        return out
+    for name in names:
+        m = re.fullmatch(r"rank(\d+)\.beat", name)
+        if not m:
+            continue
+        try:
+            with open(os.path.join(out_dir, name), encoding="utf-8") as f:
+                out[int(m.group(1))] = json.loads(f.read())
+        except (OSError, ValueError):
+            continue
+    return out
+
+
 def _rank_main(rank: int, spec: dict) -> None:
     """A spawned rank: join the group, run the entry, write its result or its error report."""
     world = spec["world_size"]
@@ -100,26 +177,32 @@ def _rank_main(rank: int, spec: dict) -> None:
     cpus = spec["cpus"]
     if cpus and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {cpus[rank % len(cpus)]})
-    ctx = RankContext(rank, world, spec["out_dir"], {"phase": "joining the process group", "stages": []})
+    where = _Heartbeat(_beat_path(spec["out_dir"], rank), rank, {"phase": "joining the process group", "stages": []})
+    ctx = RankContext(rank, world, spec["out_dir"], where)
     try:
         dist.init_process_group("gloo", init_method=spec["init_method"], rank=rank, world_size=world,
                                 timeout=timedelta(seconds=spec["collective_timeout_s"]))
         result = spec["entry"](ctx, *spec["args"])
-        ctx.where["phase"] = "writing its result"
+        ctx.where.update(phase="writing its result", running=None)
         write_text_atomic(_result_path(spec["out_dir"], rank), json.dumps(result))
+        ctx.where["phase"] = "done"
     except BaseException as exc:
-        report = {"run": -1, "action": None, **ctx.where, "rank": rank, "type": type(exc).__name__,
-                  "message": str(exc), "traceback": traceback.format_exc(), "time": time.time()}
+        # the root cause (the user's exception under torch's "failed to run forward") and its frame
+        report = {"run": -1, "action": None, **ctx.where, "rank": rank, **cause_fields(exc),
+                  "traceback": traceback.format_exc(), "time": time.time()}
+        report["action"] = report["action"] or getattr(exc, "action", None) or ctx.where.get("running")
         write_json_atomic(os.path.join(spec["out_dir"], f"rank{rank}.err"), report, indent=None)
         raise
     finally:
+        where.close()
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
 def launch(entry: Callable[..., Any], world_size: int, *, args: Sequence[Any] = (), timeout_s: float | None = 300.0,
            collective_timeout_s: float | None = None, threads: int | None = 1, cpus: Sequence[int] = (),
-           out_dir: str | None = None, poll: Callable[[], None] | None = None, what: str = "local") -> list[Any]:
+           out_dir: str | None = None, poll: Callable[[], None] | None = None, what: str = "local",
+           action_timeout_s: float | None = None) -> list[Any]:
     """Run ``entry(ctx, *args)`` on ``world_size`` local processes joined by a gloo group.
 
     Parameters
@@ -147,6 +230,11 @@ def launch(entry: Callable[..., Any], world_size: int, *, args: Sequence[Any] = 
     what : str
         What the ranks are, for messages: ``"<what> worker rank 1 (...) failed: ..."``,
         ``"<what> run with 2 ranks did not finish within ..."``.
+    action_timeout_s : float, optional
+        Longest time a rank may stay inside one schedule action (``ctx.where["running"]`` set,
+        as the pipeline runtime does for every forward, backward and weight-gradient action),
+        seconds; a rank over it is stuck and the launch stops (None: no limit). Start-up,
+        capture and the phases between actions are not counted.
 
     Returns
     -------
@@ -161,19 +249,24 @@ def launch(entry: Callable[..., Any], world_size: int, *, args: Sequence[Any] = 
     WorkerError
         If a rank fails: the first real failure (rank, stages, action or phase, cause) and its
         traceback; a ``RuntimeError`` too.
-    TimeoutError
-        If the launch exceeds ``timeout_s`` (or ``poll`` raises it).
+    WorkerTimeoutError
+        If the launch exceeds ``timeout_s`` or a rank ``action_timeout_s`` (or ``poll`` raises a
+        ``TimeoutError``): a ``TimeoutError`` naming the late rank and what it was doing.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise InputError(f"world_size must be an integer >= 1, got {world_size!r}")
+    for name, val in (("timeout_s", timeout_s), ("action_timeout_s", action_timeout_s)):
+        if val is not None and not (isinstance(val, (int, float)) and not isinstance(val, bool) and val > 0):
+            raise InputError(f"{name} must be a positive number of seconds or None, got {val!r}")
     if out_dir is None:
         with tempfile.TemporaryDirectory(prefix="fxpipe-launch-") as tmp:
             return launch(entry, world_size, args=args, timeout_s=timeout_s, collective_timeout_s=collective_timeout_s,
-                          threads=threads, cpus=cpus, out_dir=tmp, poll=poll, what=what)
+                          threads=threads, cpus=cpus, out_dir=tmp, poll=poll, what=what,
+                          action_timeout_s=action_timeout_s)
     spec = dict(entry=entry, args=tuple(args), world_size=world_size, out_dir=out_dir, threads=threads,
                 cpus=tuple(cpus), collective_timeout_s=float(collective_timeout_s or timeout_s or 300.0))
     spec["init_method"] = "file://" + os.path.join(os.path.abspath(out_dir), f"rendezvous-{uuid.uuid4().hex}")
-    _spawn_and_wait(spec, timeout_s, poll, what)
+    _spawn_and_wait(spec, timeout_s, poll, what, action_timeout_s)
     results = []
     for r in range(world_size):
         with open(_result_path(out_dir, r), encoding="utf-8") as fh:
@@ -181,7 +274,8 @@ def launch(entry: Callable[..., Any], world_size: int, *, args: Sequence[Any] = 
     return results
 
 
-def _spawn_and_wait(spec: dict, timeout_s: float | None, poll: Callable[[], None] | None, what: str) -> None:
+def _spawn_and_wait(spec: dict, timeout_s: float | None, poll: Callable[[], None] | None, what: str,
+                    action_timeout_s: float | None = None) -> None:
     """Start the ranks and wait for them; raise on failure or time-out."""
     out_dir, world = spec["out_dir"], spec["world_size"]
     start = time.monotonic()
@@ -189,16 +283,26 @@ def _spawn_and_wait(spec: dict, timeout_s: float | None, poll: Callable[[], None
     try:
         while not ctx.join(timeout=0.5):
             if poll is not None:
-                poll()
+                try:
+                    poll()
+                except WorkerTimeoutError:
+                    raise
+                except TimeoutError as exc:  # a caller's finer limit: name the late rank too
+                    raise timeout_error(out_dir, world, str(exc).split("\n", 1)[0], what) from None
+            if action_timeout_s is not None:
+                _check_actions(out_dir, world, action_timeout_s, what)
             if timeout_s is not None and time.monotonic() - start > timeout_s:
-                raise TimeoutError(f"{what} run with {world} ranks did not finish within {timeout_s:.0f} s"
-                                   + errors_text(out_dir))
+                raise timeout_error(out_dir, world, f"{what} run with {world} ranks did not finish within {timeout_s:.0f} s",
+                                    what)
         if poll is not None:
             poll()
     except mp.ProcessRaisedException as exc:
         raise worker_error(out_dir, exc.error_index, str(exc), what) from None
     except mp.ProcessExitedException as exc:
-        raise worker_error(out_dir, exc.error_index, f"the process exited abnormally: {exc}", what) from None
+        sig = getattr(exc, "signal_name", None)
+        cause = (f"killed by signal {sig}, without an error report (the kernel's out-of-memory killer or a kill "
+                 f"from outside)" if sig else f"the process exited abnormally: {exc}")
+        raise worker_error(out_dir, exc.error_index, cause, what) from None
     finally:
         for p in ctx.processes:
             if p.is_alive():
@@ -207,10 +311,58 @@ def _spawn_and_wait(spec: dict, timeout_s: float | None, poll: Callable[[], None
             p.join(5)
 
 
+def _check_actions(out_dir: str, world: int, limit_s: float, what: str) -> None:
+    """Raise :class:`WorkerTimeoutError` when a rank has been inside one schedule action longer than ``limit_s``."""
+    now = time.time()
+    for r, beat in sorted(heartbeats(out_dir).items()):
+        if beat.get("running") and now - float(beat.get("since", now)) > limit_s:
+            raise timeout_error(out_dir, world, f"{what} run with {world} ranks stopped: a rank spent more than the "
+                                f"action time-out of {limit_s:g} s in one action", what)
+
+
+def _idle_text(beat: Mapping[str, Any], now: float) -> str:
+    if beat.get("since") is None:
+        return "no heartbeat yet"
+    idle = max(0.0, now - float(beat["since"]))
+    if beat.get("running"):
+        return f"in that action for {idle:.1f} s"
+    last = f", after action {beat['last_action']}" if beat.get("last_action") else ""
+    return f"no progress for {idle:.1f} s{last}"
+
+
+def timeout_error(out_dir: str, world: int, headline: str, what: str = "local") -> WorkerTimeoutError:
+    """A :class:`~fxpipe.errors.WorkerTimeoutError`: ``headline``, then the late rank and what every rank was doing.
+
+    The late rank is, among the ranks that have not finished, one inside a schedule action
+    (the others wait for it) that started longest ago, else the one whose last progress is
+    oldest (:func:`heartbeats`). A rank without a heartbeat had not started its entry yet.
+    """
+    now = time.time()
+    beats = heartbeats(out_dir)
+    for r in range(world):  # no heartbeat yet: still importing torch or joining the group, the furthest behind
+        beats.setdefault(r, {"rank": r, "phase": "starting: importing torch, joining the process group", "since": None})
+    waiting = {r: b for r, b in beats.items() if b.get("phase") != "done"}
+    if not waiting:
+        return WorkerTimeoutError(headline + errors_text(out_dir), summary=headline)
+    late = min(waiting, key=lambda r: (waiting[r].get("since") is not None, not waiting[r].get("running"),
+                                       float(waiting[r].get("since") or 0.0)))
+    beat = waiting[late]
+    where, stages = _describe(beat)
+    idle = None if beat.get("since") is None else max(0.0, now - float(beat["since"]))
+    lines = [f"{headline}: {what} worker {where} is late: {_idle_text(beat, now)}"]
+    others = [f"rank {r} ({_describe(b)[0].split('(', 1)[-1].rstrip(')')}), {_idle_text(b, now)}"
+              for r, b in sorted(beats.items()) if r != late]
+    if others:
+        lines.append("other ranks: " + "; ".join(others))
+    summary = "\n".join(lines)
+    return WorkerTimeoutError(summary + errors_text(out_dir), rank=late, stages=stages,
+                              action=beat.get("running"), phase=beat.get("phase"), idle_s=idle, summary=summary)
+
+
 def clear_reports(out_dir: str) -> None:
-    """Remove the ranks' error reports (before a new attempt)."""
+    """Remove the ranks' error reports and heartbeats (before a new attempt)."""
     for name in os.listdir(out_dir):
-        if name.endswith(".err"):
+        if name.endswith((".err", ".beat")):
             os.remove(os.path.join(out_dir, name))
 
 
@@ -242,18 +394,21 @@ def _secondary(report: Mapping[str, Any]) -> bool:
 
 
 def _describe(report: Mapping[str, Any]) -> tuple[str, tuple[int, ...]]:
-    """``"rank 1 (stage 3, action 3F0 of training step 0, run 0)"`` and the stages (the action's first)."""
+    """``"rank 1 (stage 3, forward of micro-batch 0, action 3F0, training step 0, run 0)"`` and the stages
+    (the action's first), from an error report or a heartbeat."""
     stages = tuple(int(s) for s in report.get("stages") or ())
-    action = report.get("action")
-    m = re.match(r"\s*(\d+)", str(action or ""))
-    if m:
-        stages = (int(m.group(1)),) + tuple(s for s in stages if s != int(m.group(1)))
+    action = report.get("action") or report.get("running")
+    act_stage, _, _ = parse_action(action)
+    if act_stage is not None:
+        stages = (act_stage,) + tuple(s for s in stages if s != act_stage)
     parts = []
-    if stages:
-        parts.append(("stage " if action or len(stages) == 1 else "stages ")
-                     + (str(stages[0]) if action else ", ".join(map(str, stages))))
-    what = f"action {action} of {report.get('phase')}" if action else str(report.get("phase") or "starting")
-    parts.append(what)
+    if act_stage is not None:
+        parts.append(describe_action(action))
+    elif stages:
+        parts.append(("stage " if len(stages) == 1 else "stages ") + ", ".join(map(str, stages)))
+    if action:
+        parts.append(f"action {action}")
+    parts.append(str(report.get("phase") or "starting"))
     if int(report.get("run", -1)) >= 0:
         parts.append(f"run {report['run']}")
     return f"rank {report.get('rank')} ({', '.join(parts)})", stages
@@ -263,19 +418,24 @@ def worker_error(out_dir: str, failed_rank: int | None, fallback: str, what: str
     """The first real rank failure as a :class:`~fxpipe.errors.WorkerError`.
 
     Among the ranks' reports, a failure that is not a lost connection to a failed peer wins,
-    the earliest first; the other ranks' causes follow in one line each. A failed rank that
-    left no report (killed by a signal, out of memory) is the first failure, with ``fallback``
-    as its cause.
+    the earliest first; it names the root cause (the user's exception under torch's wrappers)
+    and, on the next lines, the model's source line and the op (:func:`fxpipe.codegen.faults.cause_fields`);
+    the other ranks' causes follow in one line each. A failed rank that left no report (killed
+    by a signal, out of memory) is the first failure, with ``fallback`` as its cause and what
+    its heartbeat last said it was doing.
     """
     reps = reports(out_dir)
     if all(_secondary(r) and r.get("rank") != failed_rank for r in reps):
+        beat = heartbeats(out_dir).get(failed_rank) if failed_rank is not None else None
+        where, stages = _describe(beat) if beat else (f"rank {failed_rank}", ())
         lost = f"; ranks {', '.join(str(r['rank']) for r in reps)} lost their connection to it" if reps else ""
-        return WorkerError(f"{what} worker rank {failed_rank} failed: {fallback}{lost}", rank=failed_rank,
-                           cause=fallback)
+        msg = f"{what} worker {where} failed: {fallback}{lost}"
+        return WorkerError(msg, rank=failed_rank, stages=stages, action=(beat or {}).get("running"),
+                           phase=(beat or {}).get("phase"), cause=fallback, summary=msg)
     primary = min(reps, key=lambda r: (_secondary(r), r.get("time", 0.0)))
     where, stages = _describe(primary)
     cause = f"{primary['type']}: {primary['message']}".strip()
-    lines = [f"{what} worker {where} failed: {cause}"]
+    lines = [f"{what} worker {where} failed: {cause}", *primary.get("detail", ())]
     others = [r for r in reps if r is not primary]
     if others:
         lines.append("other ranks: " + "; ".join(
@@ -284,6 +444,7 @@ def worker_error(out_dir: str, failed_rank: int | None, fallback: str, what: str
             for r in others))
     summary = "\n".join(lines)
     lines.append(f"--- traceback of rank {primary['rank']} ---\n{primary['traceback'].rstrip()}")
+    _, _, mb = parse_action(primary.get("action"))
     return WorkerError("\n".join(lines), rank=primary.get("rank"), stages=stages, action=primary.get("action"),
                        phase=primary.get("phase"), cause_type=primary.get("type"), cause=primary.get("message"),
-                       summary=summary)
+                       summary=summary, microbatch=mb, frame=primary.get("frame"), op=primary.get("op"))

@@ -317,6 +317,8 @@ def _build_preset(
                 hf = model_cls(config)
         except (TypeError, ValueError, RuntimeError) as exc:  # e.g. hidden size not divisible by heads
             raise InputError(f"cannot build {base} from config {cfg_kwargs}: {str(exc).splitlines()[0]}") from None
+    if device == "meta":
+        stray_state_to_meta(hf)
     hf = hf.to(dtype=dtype)
     hf.eval()
     model = logits_only(hf).eval()
@@ -335,6 +337,31 @@ def _build_preset(
     if device == "meta":
         args = tuple(a.to("meta") for a in args)
     return model, args, {}
+
+
+def stray_state_to_meta(model: torch.nn.Module) -> int:
+    """Move to ``meta`` the parameters and buffers a model built under ``torch.device("meta")`` still
+    holds elsewhere; returns how many tensors moved.
+
+    A legacy constructor ignores the device context: XLNet's attention weights are
+    ``nn.Parameter(torch.FloatTensor(...))``, so they come out on CPU (uninitialised memory, no
+    trained weights) beside the meta ones, and the capture fails on the first op that meets both.
+    Tied tensors stay tied (one moved tensor per original).
+    """
+    from fxpipe.codegen.runtime import module_tensor_slots, set_tensor_slot  # lazy: torch.distributed
+
+    moved: dict[int, torch.Tensor] = {}
+    for _, mod, kind, key, t in module_tensor_slots(model):
+        if t.device.type == "meta":
+            continue
+        new = moved.get(id(t))
+        if new is None:
+            new = t.detach().to("meta")
+            if isinstance(t, torch.nn.Parameter):
+                new = torch.nn.Parameter(new, requires_grad=t.requires_grad)
+            moved[id(t)] = new
+        set_tensor_slot(mod, kind, key, new)
+    return len(moved)
 
 
 # ----------------------------------------------------------------------------- dtype and attention
@@ -1087,11 +1114,13 @@ def _instantiate(t, model_cls, config, task, device, dtype, seed, bs, sl, dsl, *
             if device == "meta":
                 hf = meta_hf
             elif files:
-                hf = model_cls.from_pretrained(str(folder), config=config, dtype=dtype)
+                hf = _from_pretrained(model_cls, folder, files, config, dtype)
                 weights = f"checkpoint {folder}"
             else:
                 torch.manual_seed(seed)
                 hf = model_cls(config)
+    if device == "meta":
+        stray_state_to_meta(hf)
     hf = hf.to(dtype=dtype).eval()
     attn = getattr(hf.config, "_attn_implementation", None)
     model = HFHead(hf, [s.name for s in specs]).eval()
@@ -1103,6 +1132,45 @@ def _instantiate(t, model_cls, config, task, device, dtype, seed, bs, sl, dsl, *
             "weights": weights if device != "meta" else "none (meta)", "inputs": [s.name for s in specs],
             "input_specs": [dataclasses.asdict(s) for s in specs]}
     return model, args, info
+
+
+def _from_pretrained(model_cls, folder: Path, files: Sequence[Path], config: Any, dtype: torch.dtype) -> torch.nn.Module:
+    """``model_cls.from_pretrained(folder)``, refusing a checkpoint that does not fill every parameter as stored.
+
+    transformers initializes a parameter the checkpoint lacks at random (and casts an integer tensor
+    into a floating-point parameter): here its loading report and the safetensors headers go
+    through the check ``plan.build(checkpoint=...)`` applies
+    (:func:`fxpipe.codegen.materialize.checkpoint_mismatches`), and an unreadable safetensors
+    file is named before transformers opens it.
+
+    Raises
+    ------
+    InputError
+        For a missing or mis-shaped parameter, an integer tensor stored for a floating-point one
+        (or the other way round), or an empty, truncated or garbage safetensors file.
+    """
+    from fxpipe.codegen.materialize import checkpoint_mismatches  # lazy: the codegen side
+    from fxpipe.codegen.safetensors_files import dtype_kind, safetensors_header, safetensors_index
+
+    stored: dict[str, str] = {}
+    for f in files:
+        if f.name.endswith(".safetensors"):
+            stored.update({k: code for k, (code, _) in safetensors_header(f).items()})
+    for index in folder.glob("*.safetensors.index.json"):
+        safetensors_index(index)  # its weight_map stays inside the folder
+    # mismatched shapes are reported (and refused below, naming them), not raised by transformers without their names
+    hf, info = model_cls.from_pretrained(str(folder), config=config, dtype=dtype, output_loading_info=True,
+                                         ignore_mismatched_sizes=True)
+    own = {**dict(hf.named_parameters(remove_duplicate=False)), **dict(hf.named_buffers(remove_duplicate=False))}
+    prefix = f"{getattr(hf, 'base_model_prefix', '')}."
+    dtypes = []
+    for key, code in stored.items():  # the checkpoint's key as the model names it (with or without the base prefix)
+        t = own.get(key, own.get(prefix + key, own.get(key[len(prefix):] if key.startswith(prefix) else None)))
+        if t is not None and dtype_kind(code) != dtype_kind(t.dtype):
+            dtypes.append((key, code, t.dtype))
+    shapes = [(k, a, b) for k, a, b in info.get("mismatched_keys") or ()]
+    checkpoint_mismatches(str(folder), sorted(info.get("missing_keys") or ()), shapes, dtypes)
+    return hf
 
 
 def _input_sizes(inputs: dict) -> tuple[int, int, int]:

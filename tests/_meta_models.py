@@ -83,6 +83,28 @@ def batch_swin(step: int):
     return ModelInputs((), {"pixel_values": _images(n, g)}), torch.randint(0, CLASSES, (n,), generator=g)
 
 
+def make_beit():
+    """transformers' ``BeitForImageClassification`` with relative position bias: its index tensor is built in
+    ``forward``, so ``torch.export`` lifts it out as a constant (``lifted_tensor_*``, issue 30 item 13)."""
+    from transformers import BeitConfig, BeitForImageClassification
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    cfg = BeitConfig(image_size=IMAGE, patch_size=4, num_channels=3, hidden_size=16, num_hidden_layers=2,
+                     num_attention_heads=2, intermediate_size=32, use_relative_position_bias=True,
+                     use_mean_pooling=True, num_labels=CLASSES, hidden_dropout_prob=0.0,
+                     attention_probs_dropout_prob=0.0, drop_path_rate=0.0)
+    cfg._attn_implementation = "eager"
+    g = torch.Generator().manual_seed(5)
+    return BeitForImageClassification(cfg).eval(), ModelInputs((), {"pixel_values": _images(MB, g)})
+
+
+def batch_beit(step: int):
+    g = torch.Generator().manual_seed(500 + step)
+    n = MB * MICROBATCHES
+    return ModelInputs((), {"pixel_values": _images(n, g)}), torch.randint(0, CLASSES, (n,), generator=g)
+
+
 def class_loss(out, target):
     """Cross entropy of the logits (a tensor or ``out.logits``) against class ids."""
     logits = out if isinstance(out, torch.Tensor) else out["logits"]
@@ -175,7 +197,8 @@ def mse_loss(out, target):
 #: name -> (make_model, make_batch, micro-batches, loss)
 META_MODELS = {"swin": (make_swin, batch_swin, MICROBATCHES, class_loss),
                "inception": (make_inception, batch_inception, MICROBATCHES, class_loss),
-               "mixed": (make_mixed, batch_mixed, MIXED_MICROBATCHES, mse_loss)}
+               "mixed": (make_mixed, batch_mixed, MIXED_MICROBATCHES, mse_loss),
+               "beit": (make_beit, batch_beit, MICROBATCHES, class_loss)}
 
 
 class DeviceBranchRouter(nn.Module):

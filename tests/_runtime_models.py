@@ -166,3 +166,125 @@ def _cut(gm, last_stage0: str, num_stages: int = 2) -> dict[str, int]:
 def cut_after(name: str):
     """Picklable ``gm -> stage_of`` for :func:`_cut`."""
     return functools.partial(_cut, last_stage0=name)
+
+
+class RelativeIndex(nn.Module):
+    """BEiT's relative position bias, condensed (transformers' ``generate_relative_position_index``):
+    an index built in ``forward`` by in-place updates of ``permute(...).contiguous()`` (a copy) and
+    gathered from a learned table, added to attention scores."""
+
+    def __init__(self, w: int = 3, heads: int = 2):
+        super().__init__()
+        self.w = w
+        self.table = nn.Parameter(torch.randn((2 * w - 1) ** 2, heads))
+        self.proj = nn.Linear(D, D)
+
+    def forward(self, x):  # x: (B, w * w, D)
+        w = self.w
+        coords = torch.stack(torch.meshgrid(torch.arange(w), torch.arange(w), indexing="ij")).flatten(1)
+        rel = (coords[:, :, None] - coords[:, None, :]).permute(1, 2, 0).contiguous()
+        rel[:, :, 0] += w - 1
+        rel[:, :, 1] += w - 1
+        rel[:, :, 0] *= 2 * w - 1
+        bias = self.table[rel.sum(-1).view(-1)].view(w * w, w * w, -1).permute(2, 0, 1)
+        h = self.proj(x)
+        scores = torch.einsum("bnd,bmd->bnm", h, h)[:, None] + bias
+        return scores.softmax(-1).mean(1) @ h
+
+
+# ---- issue 30: a loss that turns NaN, a submodule holding two dtypes, a model tied across ranks
+def make_mlp():
+    """A 5-layer MLP (no tie, one dtype): ``(model, full batch)``."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(D, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, D)), \
+        (_x((BATCH, D), 1),)
+
+
+NAN_STEP, NAN_MICROBATCH = 1, 2
+
+
+def batch_nan(step: int):
+    """:func:`batch_bn_unused`'s batches, with a NaN in micro-batch ``NAN_MICROBATCH`` of step ``NAN_STEP``."""
+    (x,), target = batch_bn_unused(step)
+    if step == NAN_STEP:
+        x = x.clone()
+        x[NAN_MICROBATCH * (BATCH // MICROBATCHES), 0] = float("nan")
+    return (x,), target
+
+
+class ScaledLinear(nn.Module):
+    """A linear layer whose float32 weight is scaled per output by a bfloat16 parameter it holds too:
+    one submodule with trainable parameters of two dtypes (FSDP2 cannot put them in units of one dtype)."""
+
+    def __init__(self, d: int = D):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(d, d) / d ** 0.5)
+        self.scale = nn.Parameter(torch.ones(d, dtype=torch.bfloat16))
+
+    def forward(self, x):
+        return (x @ self.weight.t()) * self.scale.float()
+
+
+class TwoDtypeModule(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(D, D)
+        self.b = ScaledLinear()
+        self.c = nn.Linear(D, D)
+
+    def forward(self, x):
+        return self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
+
+
+class TiedEnds(nn.Module):
+    """The first layer's weight used again, transposed, by the last (a tie across pipeline ranks)."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = nn.Linear(D, 16)
+        self.mid = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh())
+        self.bias = nn.Parameter(torch.zeros(D))
+
+    def forward(self, x):
+        return self.mid(torch.tanh(self.first(x))) @ self.first.weight + self.bias
+
+
+def make_tied_ends():
+    torch.manual_seed(0)
+    return TiedEnds(), (_x((BATCH, D), 1),)
+
+
+def user_loop(rank: int, world: int, plan_path: str, make: str, batch: str, steps: int,
+              freeze_tied_on_rank: int | None = None) -> dict:
+    """A user's training loop over ``plan.build`` (what ``torchrun`` runs): SGD over ``sched.parameters()``
+    (on rank ``freeze_tied_on_rank`` without the parameters tied across ranks: its copy goes stale).
+    Returns the step and message of the ``TrainingError`` that stopped it, if any."""
+    import sys
+
+    import fxpipe
+    from fxpipe.errors import TrainingError
+
+    mod = sys.modules[__name__]
+    plan = fxpipe.load_plan(plan_path)
+    model, args = getattr(mod, make)()
+    stages, sched = plan.build(rank, model=model, args=tuple(a[: BATCH // MICROBATCHES] for a in args),
+                               loss_fn=F.mse_loss)
+    params = sched.parameters()
+    if rank == freeze_tied_on_rank:
+        tied = {id(p) for p in model.first.parameters()}
+        params = [p for p in params if id(p) not in tied]
+    opt = torch.optim.SGD(params, lr=0.1)
+    for step in range(steps):
+        (x,), target = getattr(mod, batch)(step)
+        opt.zero_grad(set_to_none=True)
+        try:
+            sched.step(x, target=target, losses=[], return_outputs=False)
+        except TrainingError as exc:
+            return {"step": step, "error": str(exc)}
+        opt.step()
+    return {"step": steps, "error": None}
+
+
+def user_loops(rank: int, world: int, jobs: list) -> list:
+    """:func:`user_loop` for each ``(plan_path, make, batch, steps, freeze_tied_on_rank)`` in turn (one process group)."""
+    return [user_loop(rank, world, *job) for job in jobs]

@@ -25,7 +25,7 @@ def test_zoo_covers_the_families():
     assert len(hf) >= 20
     for fam in zoo.FAMILIES:
         assert zoo.names(fam), f"no {fam} model in the zoo"
-    assert zoo.names() == zoo.names(group="core") + zoo.names(group="second")
+    assert zoo.names() == zoo.names(group="core") + zoo.names(group="second") + zoo.names(group="third")
 
 
 @pytest.mark.parametrize("ranks", [2, 4])

@@ -95,7 +95,7 @@ def test_param_bytes_sum_and_structure(traced, arch):
     assert tm.node_id(g.names[3]) == 3
     with pytest.raises(InputError):
         tm.node_id(next(n.name for n in tm.gm.graph.nodes if n.op == "get_attr"))
-    assert g.bandwidth_bytes_per_s == pytest.approx(450e9)
+    assert g.bandwidth_bytes_per_s == pytest.approx(450e9 * 0.822)  # h100-sxm NVLink as NCCL send/recv achieves it
 
 
 def test_module_paths_use_hf_names(traced):

@@ -35,17 +35,17 @@ def _plan(devices, mesh, **kw):
 
 
 def test_load_and_save_need_a_process_group_and_a_checkpoint(tmp_path):
-    from fxpipe.codegen.checkpoint import _read_doc, load_training_state, save_training_state
+    from fxpipe.codegen.checkpoint import _read_state, load_training_state, save_training_state
 
     with pytest.raises(InputError, match="init_process_group"):
         save_training_state(tmp_path / "c", schedule=None)
     with pytest.raises(InputError, match="init_process_group"):
         load_training_state(tmp_path / "c", schedule=None)
     with pytest.raises(InputError, match="not a training-state checkpoint"):
-        _read_doc(tmp_path)
+        _read_state(tmp_path)
     (tmp_path / "fxpipe_state.json").write_text(json.dumps({"format": "other/1"}))
-    with pytest.raises(InputError, match="expected 'fxpipe.trainstate/1'"):
-        _read_doc(tmp_path)
+    with pytest.raises(InputError, match="field 'format' is 'other/1', allowed: 'fxpipe.trainstate/1'"):
+        _read_state(tmp_path)
 
 
 def test_missing_safetensors_is_named_and_only_numeric_settings_are_restored(monkeypatch):
@@ -86,18 +86,22 @@ def test_fsdp_pipeline_saves_and_resumes_on_the_same_and_another_plan(tmp_path):
     torch.testing.assert_close(global_losses("resharded"), straight[2:], rtol=1e-5, atol=0)
     assert {r["step"] for r in rows if r["run"] != "straight"} == {2}
     # the layout: safetensors and JSON only, the model consolidated under the model's own names
+    from fxpipe.codegen.checkpoint import latest_state_dir
+
     ckpt = Path(spec["checkpoint"])
     files = [p for p in ckpt.rglob("*") if p.is_file()]
     assert files and all(p.suffix in (".safetensors", ".json") for p in files), files
-    doc = json.loads((ckpt / "fxpipe_state.json").read_text())
+    version = latest_state_dir(ckpt)
+    assert [p for p in ckpt.iterdir() if p.is_dir()] == [version]  # one version, committed by the pointer
+    doc = json.loads((version / "fxpipe_state.json").read_text())
     assert doc["step"] == 2 and doc["mesh"] == {"pp": 2, "dp_shard": 2, "dp_replicate": 1}
     assert doc["param_groups"]["model.transformer.wte.weight"]["lr"] == 0.01  # the names of the module compiled
     model, _, _ = HFFactory("gpt2", GPT2, microbatches=MB, microbatch_size=1, seq_len=4, seed=0).one_microbatch()
     saved = {}
-    for f in (ckpt / "model").glob("*.safetensors"):
+    for f in (version / "model").glob("*.safetensors"):
         saved.update(load_file(str(f)))
     params = dict(model.named_parameters())
     assert set(params) <= set(saved), set(params) - set(saved)
     assert all(saved[k].shape == p.shape for k, p in params.items())
     assert not all(torch.equal(saved[k], p.detach()) for k, p in params.items())  # trained, not the initial weights
-    assert not list(tmp_path.glob(".ckpt.partial-*"))  # written under a temporary name, then renamed
+    assert not list(tmp_path.glob(".ckpt.*"))  # no leftovers next to it

@@ -136,6 +136,32 @@ def test_checkpoint_folder_trains_with_run(tmp_path, capsys):
     assert doc["run"]["pipeline_losses"][0] == pytest.approx(float(sum(losses) / 2), rel=1e-5)
 
 
+def test_checkpoint_folder_missing_or_wrong_tensors_are_refused(tmp_path, capsys):
+    """`fxpipe plan --hf FOLDER --run` whose safetensors lacks a parameter, holds one with another
+    shape or an int64 tensor for a float one refuses (exit 2) naming the keys, as
+    ``plan.build(checkpoint=)`` does; transformers would initialize the missing one at random and
+    cast the integers (issue 30, item 1)."""
+    from safetensors.torch import load_file, save_file
+
+    _, ref = _tiny_qwen2()
+    ref.save_pretrained(tmp_path)
+    full = load_file(tmp_path / "model.safetensors")
+    edits = {
+        "missing": (lambda sd: sd.pop("model.layers.0.self_attn.q_proj.weight"),
+                    "lacks 1 parameter(s) of the model: model.layers.0.self_attn.q_proj.weight"),
+        "shape": (lambda sd: sd.__setitem__("model.layers.1.mlp.up_proj.weight", torch.zeros(3, 4)),
+                  "model.layers.1.mlp.up_proj.weight stored (3, 4), the model's is (96, 48)"),
+        "dtype": (lambda sd: sd.__setitem__("model.norm.weight", sd["model.norm.weight"].to(torch.int64)),
+                  "model.norm.weight stored I64, the model's is float32"),
+    }
+    for name, (edit, needle) in edits.items():
+        sd = dict(full)
+        edit(sd)
+        save_file(sd, tmp_path / "model.safetensors", metadata={"format": "pt"})
+        code, out, err = _cli(["plan", "--hf", str(tmp_path), "--run", "--steps", "1", *FAST], capsys)
+        assert code == 2 and needle in err and str(tmp_path) in err and "Traceback" not in err, (name, err[-2000:])
+
+
 def test_a_handful_of_architectures_train_like_one_process():
     """The factories, batches and losses of `fxpipe plan --run` for an encoder-decoder, a vision
     model, a CTC speech model, a vision-language model and a --model factory: pipelined

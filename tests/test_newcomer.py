@@ -20,6 +20,7 @@ torch = pytest.importorskip("torch")
 
 import fxpipe  # noqa: E402
 from fxpipe.errors import PlanWarning  # noqa: E402
+from fxpipe.mesh import format_mesh  # noqa: E402
 from fxpipe.models import build_hf_model  # noqa: E402
 
 TINY = {"n_layer": 2, "n_embd": 32, "n_head": 2, "vocab_size": 64, "n_positions": 32, "seq_len": 8}
@@ -124,6 +125,38 @@ def test_placement_search_chosen_figure_is_labelled_and_matches_the_plan(auto_pl
     assert float(m.group(2)) == pytest.approx(plan.makespan_s * 1e3, abs=1e-3)
 
 
+def test_summary_says_why_the_mesh_search_planned_no_pipeline():
+    """Issue 32 item 4: when ``mesh="auto"`` picks pure data parallelism, one summary line gives the best pipeline's
+    predicted step beside the chosen mesh's and how to force a pipeline; forcing it predicts what the line said."""
+    model, args, kwargs = build_hf_model("gpt2", TINY, device="meta")
+    opts = dict(devices=2, microbatches=4, time_limit_s=0.5, schedule="zb-h1")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PlanWarning)
+        plan = fxpipe.compile(model, args, kwargs, **opts)  # mesh="auto": this tiny model fits one device
+        forced = fxpipe.compile(model, args, kwargs, mesh="pipeline", **opts)
+    assert plan.devices == 1 and plan.dp == 2, plan.mesh  # no pipeline: the case this line explains
+    rows = plan.options["mesh_search"]
+    best = min((r for r in rows if r["mesh"]["pp"] > 1 and "predicted_step_s" in r), key=lambda r: r["predicted_step_s"])
+    lines = [x for x in plan.summary().splitlines() if x.startswith("no pipeline:")]
+    assert len(lines) == 1 and lines[0] == plan.no_pipeline_reason()
+    line = lines[0]
+    assert f"the best pipeline, {best['mesh_text']}, predicts {best['predicted_step_s'] * 1e3:.3f} ms per step" in line
+    assert f"{format_mesh(plan.mesh)} predicts {plan.predicted_step_s * 1e3:.3f} ms per step" in line
+    assert best["predicted_step_s"] >= plan.predicted_step_s  # the search kept the faster one
+    assert "--mesh pipeline" in line and 'mesh="pipeline"' in line
+    # what forcing it gives: the pipeline the line named, at the step it predicted, and no such line
+    assert forced.mesh["pp"] == best["mesh"]["pp"] == 2
+    assert forced.predicted_step_s == pytest.approx(best["predicted_step_s"], rel=1e-9)
+    assert forced.no_pipeline_reason() is None and "no pipeline:" not in forced.summary()
+    # every pipeline skipped (pruned or not fitting): the line gives the best one's reason instead of a prediction
+    skipped = [{k: v for k, v in r.items() if k not in ("step_time_s", "predicted_step_s")} |
+               ({"skipped": "cannot fit: the static state alone needs 9 GiB"} if r["mesh"]["pp"] > 1 else {})
+               for r in rows]
+    text = plan.replace(options={**plan.options, "mesh_search": skipped}).no_pipeline_reason()
+    assert text.startswith("no pipeline: no pipeline was planned") and "cannot fit: the static state alone" in text
+    assert f"{format_mesh(plan.mesh)} predicts {plan.predicted_step_s * 1e3:.3f} ms" in text and "--mesh pipeline" in text
+
+
 # ------------------------------------------------------------------------- 2. one params figure
 
 
@@ -166,7 +199,36 @@ def test_cli_plan_report_trace_readable(tmp_path, capsys):
     assert not SCI.findall(text), SCI.findall(text)[:5]
     assert "GB/s" in text and "ms" in text
     assert "Lemma 3.3" in text and "skipped" in text  # the chain proves this partition: MIPs skipped, marked
-    assert "74.50 GiB" in text or "74.5 GiB" in text  # the plan's capacity is shown
+    assert "79.18 GiB" in text or "79.2 GiB" in text  # the plan's capacity is shown (h100-sxm: 85.02e9 bytes, CUDA's total_memory)
+
+
+def test_cli_shows_the_warning_of_a_mesh_search_stopped_by_ctrl_c(monkeypatch, capsys):
+    """A press during the mesh search returns the best mesh so far; the CLI prints the search's PlanWarning (it
+    used to drop every PlanWarning the summary did not carry, so the documented warning never appeared)."""
+    import signal
+
+    import fxpipe.mesh.search as search_mod
+    from fxpipe.cli import main
+
+    real = search_mod._plan_or_reuse
+
+    def plan_then_press(*a, **kw):  # Ctrl-C right after the first candidate is planned
+        out = real(*a, **kw)
+        signal.raise_signal(signal.SIGINT)
+        return out
+
+    monkeypatch.setattr(search_mod, "_plan_or_reuse", plan_then_press)
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)  # the search installs its handler over the default
+    try:
+        code = main(["plan", *CLI_TINY, "--devices", "2", "--microbatches", "4", "--time-limit", "0.5",
+                     "--schedule", "zb-h1"])
+    finally:
+        signal.signal(signal.SIGINT, old)
+    out = capsys.readouterr().out
+    assert code == 130  # an interrupted result says so in its exit code (issue 30 item 10)
+    assert "not planned: the search was stopped (Ctrl-C) before it" in out  # the table's rows
+    assert re.search(r"^warning: the mesh search was stopped \(Ctrl-C\) with [1-9]\d* candidate\(s\) not planned",
+                     out, re.M), out
 
 
 def test_report_text_has_no_scientific_notation(tmp_path):

@@ -308,3 +308,34 @@ def test_stage_io_cache_never_serves_another_program_at_the_same_address():
     for entry in (stale, (other, stale)):  # the old format; held for another program
         cache = {(id(staged), 1, shape_key): entry}
         assert shapes(_stage_ios(staged, [1], flat, cache)[1]) == shapes(fresh)
+
+
+def test_an_in_place_update_of_a_copy_is_not_lost_at_a_stage_boundary():
+    """Issue 30, item 15 (data2vec-vision at 4 devices, a relative-position-bias table 3.5e-5 off, every
+    schedule): BEiT builds its relative position index by updating ``permute(...).contiguous()`` in place.
+    ``contiguous`` of a non-contiguous tensor copies, but its schema says its output may alias the input,
+    and the split took it for a view: a stage after the first in-place update recomputed the copy from
+    the uncopied input and lost that update, so the index gathered the wrong table entries. The forward
+    was right while the table was zero (its initial value) and the table's gradient went to the wrong
+    entries; in float64 the difference stays (0.49 of the table's own gradient): a defect, not summation
+    order. Cut between the updates, the stages must compute what the model computes."""
+    from fxpipe.codegen.effects import analyze
+
+    torch.manual_seed(0)
+    model = M.RelativeIndex()
+    x = torch.randn(2, 9, D)
+    gm = _export(model, x)
+    cont = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.contiguous.default)
+    eff = analyze(gm)
+    assert eff.base[cont] is cont and cont not in eff.views  # a copy, not a view of the permuted input
+    first_update = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.add_.Tensor)
+    staged = split_stages(gm, M._cut(gm, first_update.name), 2)
+    ins = _leaves(staged.stage_inputs(1, x))
+    out = staged.stages[1].module(*ins)
+    out = out[0] if isinstance(out, tuple) else out
+    xr = x.clone()
+    ref = model(xr)
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    out.square().sum().backward()
+    ref.square().sum().backward()
+    torch.testing.assert_close(gm.get_parameter("table").grad, model.table.grad, rtol=1e-6, atol=1e-7)

@@ -190,7 +190,7 @@ def test_worker_failure_names_rank_stage_action_and_cause():
     err = info.value
     first = str(err).splitlines()[0]
     assert isinstance(err, FxpipeError) and isinstance(err, RuntimeError)
-    assert first.startswith("pipeline worker rank 1 (stage 1, action 1F0 of training step 0"), first
+    assert first.startswith("pipeline worker rank 1 (stage 1, forward of micro-batch 0, action 1F0, training step 0"), first
     assert "ValueError: loss exploded on purpose" in first
     assert (err.rank, err.stages[0], err.action, err.cause_type) == (1, 1, "1F0", "ValueError")
     assert "traceback of rank 1" in str(err) and "traceback" not in err.summary
@@ -213,8 +213,8 @@ def test_the_real_failure_leads_even_when_a_lost_connection_came_first(tmp_path)
     report(1, 2.0, "InputError", "stage_of is not monotone", action="1B3")
     err = _worker_error(str(tmp_path), 0, "fallback")
     first = str(err).splitlines()[0]
-    assert first == ("pipeline worker rank 1 (stage 1, action 1B3 of training step 1, run 0) failed: "
-                     "InputError: stage_of is not monotone")
+    assert first == ("pipeline worker rank 1 (stage 1, backward of micro-batch 3, action 1B3, training step 1, run 0) "
+                     "failed: InputError: stage_of is not monotone")
     assert "rank 0 lost its connection" in str(err)
     (tmp_path / "rank1.err").unlink()
     err = _worker_error(str(tmp_path), 1, "the process exited abnormally: process 1 terminated with signal SIGKILL")

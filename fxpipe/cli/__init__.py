@@ -99,6 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # output piped into `head` and closed: not an error of ours
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except TimeoutError as exc:  # an OSError, but no path is wrong (fxpipe's own time-outs are FxpipeErrors)
+        print(f"fxpipe {args.command}: error: {exc}", file=sys.stderr)
+        return 2
     except OSError as exc:  # unreadable input / unwritable output path
         print(f"fxpipe {args.command}: error: {exc.strerror or exc}: {exc.filename or ''} (check the path and its permissions)", file=sys.stderr)
         return 2

@@ -1,8 +1,8 @@
-"""``fxpipe models``: the presets, the three ways to name a model, and what a model type offers.
+"""``fxpipe models``: the presets, the four ways to name a model, and what a model type offers.
 
 Example::
 
-    fxpipe models                 # presets and the three ways in
+    fxpipe models                 # presets and the four ways in
     fxpipe models qwen3           # one model type: its tasks, the default one, the class built
     fxpipe models --all           # every model type this transformers install knows, with its tasks
 
@@ -16,6 +16,13 @@ import argparse
 from typing import Any
 
 from fxpipe.cli.common import add_command, emit
+
+
+def _count_word(n: int) -> str:
+    """``4`` -> ``"four"`` (up to ten), else the digits: the heading counts the ways it lists."""
+    words = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten")
+    return words[n] if 0 <= n < len(words) else str(n)
+
 
 WAYS = [
     ("--hf PRESET", "a preset below: published dimensions and dtype (llama-3-70b: bf16), or small test sizes",
@@ -110,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
     from fxpipe.models import ARCHS  # lazy: torch
 
     presets = [_preset_dims(n) for n in ARCHS]
-    lines = ["The three ways to name a model for `fxpipe plan`:", ""]
+    lines = [f"The {_count_word(len(WAYS))} ways to name a model for `fxpipe plan`:", ""]
     for flag, what, example in WAYS:
         lines += [f"  {flag}", f"      {what}", f"      e.g. {example}", ""]
     lines.append("Presets:")

@@ -1,6 +1,6 @@
 """``fxpipe plan``: the whole pass on a model built from its config, or on the user's own module.
 
-Three ways in (``fxpipe models`` lists them)::
+Four ways in (``fxpipe models`` lists them)::
 
     fxpipe plan --hf llama-3-70b --seq-len 4096 --devices 32     # a preset (bf16, as published)
     fxpipe plan --hf qwen3 --devices 2                            # any transformers model type, small sizes
@@ -35,7 +35,8 @@ import fxpipe
 from fxpipe.api import PLACEMENTS, SCHEDULES
 from fxpipe.cli.common import add_command, add_memory_arguments, check_writable, emit, memory_model_from_args, parse_bytes, status
 from fxpipe.cost.hardware import list_hardware
-from fxpipe.errors import CaptureError, InputError, PlanWarning
+from fxpipe.errors import CaptureError, FxpipeWarning, InputError
+from fxpipe.io import format_ms, ms_column
 from fxpipe.memory.checkpoint import CHECKPOINT_REQUESTS
 from fxpipe.mesh import microbatches_per_replica, normalize_mesh, parse_mesh
 from fxpipe.progress import phase, stderr_is_terminal
@@ -134,9 +135,10 @@ def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--time-limit", type=float, default=10.0, help="partition search budget in seconds (default 10)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
-        "--meta", action="store_true",
+        "--meta", action=argparse.BooleanOptionalAction, default=None,
         help="build the model on the meta device (no weights). This is the default without --run: planning needs "
-        "shapes only, so a 70B config plans on a laptop; with --run the model is built with real weights",
+        "shapes only, so a 70B config plans on a laptop; with --run the model is built with real weights; "
+        "--no-meta: build it on CPU with random weights for planning too (a model that cannot be traced on meta)",
     )
     p.add_argument("--out", metavar="PLAN.json", help="save the plan as JSON")
     p.add_argument("--report", metavar="REPORT.html", help="write an HTML report (and REPORT.md): stages, lower-bound certificates, Gantt chart")
@@ -146,6 +148,9 @@ def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--run", action="store_true", help="train a few steps on local gloo ranks next to a single-process reference")
     p.add_argument("--steps", type=int, default=2, help="training steps with --run (default 2)")
     p.add_argument("--lr", type=float, default=0.01, help="SGD learning rate with --run")
+    p.add_argument("--timeout", type=float, default=600.0, metavar="S",
+                   help="with --run: stop the training when it has not finished after S seconds (start-up included), "
+                   "naming the rank that is late and the action it is in (default 600)")
     p.add_argument("--json", action="store_true", help="machine-readable output on stdout")
     return p
 
@@ -356,6 +361,8 @@ def run(args: argparse.Namespace) -> int:
     for name in ("devices", "microbatches", "microbatch_size", "seq_len", "steps"):
         if getattr(args, name) < 1:
             raise InputError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if not (args.timeout > 0 and math.isfinite(args.timeout)):
+        raise InputError(f"--timeout must be a positive number of seconds, got {args.timeout}")
     if args.meta and args.run:
         raise InputError("--meta builds a model without weights, which cannot be trained: drop --meta or --run")
     if args.meta and args.checkpoint:
@@ -389,10 +396,10 @@ def run(args: argparse.Namespace) -> int:
         name = args.hf
     import warnings
 
-    warnings.simplefilter("ignore", PlanWarning)  # the summary and --json carry them (doc["warnings"])
+    warnings.simplefilter("ignore", FxpipeWarning)  # the plan records them: its summary and --json carry them
     t0 = time.perf_counter()
     # planning needs shapes only: without --run the model is built on the meta device (no weight memory)
-    model, margs, mkwargs = factory.one_microbatch("cpu" if args.run or args.checkpoint else "meta")
+    model, margs, mkwargs = factory.one_microbatch("cpu" if args.run or args.checkpoint or args.meta is False else "meta")
     build_s = time.perf_counter() - t0
     info = {k: v for k, v in getattr(model, "fxpipe_info", {}).items() if k != "input_specs"}
     if info.get("source") not in (None, "preset"):
@@ -414,7 +421,8 @@ def run(args: argparse.Namespace) -> int:
         "model_info": info,
         "build_s": build_s,
         "plan": {k: v for k, v in plan.to_dict().items() if k not in ("graph", "problem", "schedule", "stage_of")},
-        "warnings": plan.waste_warnings(),
+        "interrupted": plan.interrupted,
+        "warnings": plan.all_warnings(),
     }
     text = [_model_line(info, args)] if info else []
     text.append(plan.summary())
@@ -425,6 +433,10 @@ def run(args: argparse.Namespace) -> int:
     if args.trace:
         doc["trace_file"] = str(chrome_trace(plan.schedule, args.trace, plan.problem))
         text.append(f"schedule trace written to {args.trace} (open in ui.perfetto.dev or chrome://tracing)")
+    skipped = [flag for flag, on in (("--report", args.report), ("--run", args.run)) if on and plan.interrupted]
+    if skipped:  # Ctrl-C was pressed: the plan so far is kept (--out, --trace), nothing long starts
+        text.append(f"interrupted: {' and '.join(skipped)} skipped")
+        args.report = args.run = None
     if args.report:
         with phase(f"report: lower-bound MIPs (up to {args.bounds_time_limit:g} s each) and charts", on=progress):
             doc["report"] = _write_report(plan, args)
@@ -434,7 +446,8 @@ def run(args: argparse.Namespace) -> int:
         from fxpipe.codegen.compare import TrainingComparison  # lazy: torch
 
         status(f"training {args.steps} steps on {plan.world_size} local gloo ranks, then a single-process reference ...")
-        result = plan.train_local(factory, _BatchFn(factory), steps=args.steps, lr=args.lr, loss=factory.loss, reference=True)
+        result = plan.train_local(factory, _BatchFn(factory), steps=args.steps, lr=args.lr, loss=factory.loss, reference=True,
+                                  timeout_s=args.timeout)
         doc["run"] = {k: v for k, v in result.items() if k != "results"}
         text.append(
             "pipeline losses:  " + ", ".join(f"{x:.6f}" for x in result["pipeline_losses"])
@@ -443,6 +456,8 @@ def run(args: argparse.Namespace) -> int:
             + f"\npipeline run {result['pipeline_wall_s']:.1f} s"
         )
     emit(args, doc, "\n".join(text))
+    if plan.interrupted:  # an interrupted result says so in its exit code (and "interrupted" in --json)
+        return 130
     # a pipelined run that does not match single-process training is a failure of fxpipe, not of the input
     return 1 if args.run and not result["ok"] else 0
 
@@ -510,16 +525,18 @@ def format_bounds_table(bounds: dict[str, Any], bottleneck_s: float) -> str:
     bottleneck_s : float
         The partition's per-stage bottleneck the bounds are for (seconds).
     """
-    lines = [f"partition lower bounds (per-stage bottleneck {bottleneck_s * 1e3:.3f} ms; a ratio of 1 proves it optimal):",
+    lines = [f"partition lower bounds (per-stage bottleneck {format_ms(bottleneck_s)}; a ratio of 1 proves it optimal):",
              f"  {'method':<11} {'bound ms':>10} {'ratio':>7}  {'status':<22} {'time s':>7}"]
-    for r in bounds.get("rows", []):
+    rows = bounds.get("rows", [])
+    shown = iter(ms_column([r["lower_bound_s"] for r in rows if r["status"] != "skipped"]))
+    for r in rows:
         skipped = r["status"] == "skipped"
-        bound = "-" if skipped else f"{r['lower_bound_s'] * 1e3:.3f}"
+        bound = "-" if skipped else next(shown)
         ratio = "-" if skipped or r["ratio"] is None else f"{r['ratio']:.4f}"
         lines.append(f"  {r['method']:<11} {bound:>10} {ratio:>7}  {r['status']:<22} {r['wall_time_s']:>7.2f}")
     best, ratio = bounds.get("best_lower_bound"), bounds.get("ratio")
     if best is not None:
         verdict = "proven optimal" if ratio is not None and ratio >= 1 - 1e-6 else (
             "" if ratio is None else f"at most {1 / ratio - 1:.1%} above the optimum" if ratio > 0 else "no bound")
-        lines.append(f"  best bound {best * 1e3:.3f} ms" + (f": the partition is {verdict}" if verdict else ""))
+        lines.append(f"  best bound {format_ms(best)}" + (f": the partition is {verdict}" if verdict else ""))
     return "\n".join(lines)

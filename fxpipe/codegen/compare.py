@@ -55,13 +55,13 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from fxpipe.codegen.split import canonical_param_names
-from fxpipe.errors import InputError
+from fxpipe.errors import FxpipeWarning, InputError
 
 __all__ = ["TrainingComparison", "DtypeCheck", "compare_training", "gradient_precision", "output_precision",
            "RandomOpsWarning", "random_ops_warning"]
 
 
-class RandomOpsWarning(UserWarning):
+class RandomOpsWarning(FxpipeWarning):
     """The model draws random numbers in training mode: pipelined and single-process runs differ."""
 
 

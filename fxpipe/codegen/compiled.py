@@ -334,7 +334,10 @@ class CompiledStageModule(torch.nn.Module):
         """Backward-weight of one micro-batch: run the W graph on ``stash``, accumulate into ``.grad``."""
         if stash.w_fn is None:
             return
-        grads = stash.w_fn(list(stash.values))
+        # a backward runs without grad mode (the autograd engine's rule); W runs outside the engine,
+        # where a stashed stage input that requires grad makes Inductor's out= kernels refuse
+        with torch.no_grad():
+            grads = stash.w_fn(list(stash.values))
         stash.values.clear()
         with torch.no_grad():
             for p, g in zip(stash.params, grads):

@@ -34,6 +34,9 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
+from fxpipe.codegen.faults import stack_trace_frame
+from fxpipe.errors import FxpipeWarning
+
 __all__ = ["DeviceBranchWarning", "KernelGap", "kernel_gaps", "captured_on_meta", "warn_meta_kernel_gaps"]
 
 #: largest traced tensor (elements) probed with its traced shape; larger ones become all-ones shapes
@@ -42,7 +45,7 @@ _PROBE_NUMEL = 4096
 _GAP_MARKERS = ("not implemented for", "Could not run", "no kernel", "not supported for")
 
 
-class DeviceBranchWarning(UserWarning):
+class DeviceBranchWarning(FxpipeWarning):
     """A capture on ``meta`` holds an op the run device's backend has no kernel for (see the module)."""
 
 
@@ -63,7 +66,8 @@ class KernelGap:
     error : str
         First line of the backend's error.
     source : str
-        The model's source line that made the op (last frame of ``node.meta['stack_trace']``), or "".
+        The model's source line that made the op (the innermost frame of the model's own code in
+        ``node.meta['stack_trace']``, :func:`fxpipe.codegen.faults.stack_trace_frame`), or "".
     """
 
     node: str
@@ -94,14 +98,8 @@ def captured_on_meta(gm: torch.fx.GraphModule) -> bool:
 
 
 def _source_line(node: torch.fx.Node) -> str:
-    trace = node.meta.get("stack_trace") or ""
-    lines = [ln.strip() for ln in str(trace).strip().splitlines() if ln.strip()]
-    frames = [i for i, ln in enumerate(lines) if ln.startswith("File ")]
-    if not frames:
-        return ""
-    i = frames[-1]
-    code = lines[i + 1] if i + 1 < len(lines) and not lines[i + 1].startswith("File ") else ""
-    return (lines[i] + (": " + code if code else ""))[:200]
+    """The model's source line of ``node`` (:func:`fxpipe.codegen.faults.stack_trace_frame`), or ""."""
+    return (stack_trace_frame(node.meta.get("stack_trace")) or "")[:200]
 
 
 def _stand_in(val: torch.Tensor, device: str) -> torch.Tensor:
@@ -234,13 +232,14 @@ def warn_meta_kernel_gaps(gm: torch.fx.GraphModule, *, backends: Iterable[str] |
     gaps = kernel_gaps(gm, None if backends is None else list(backends))
     if gaps:
         shown = "; ".join(g.describe() for g in gaps[:3]) + (f"; and {len(gaps) - 3} more" if len(gaps) > 3 else "")
+        backends = "/".join(sorted({g.backend for g in gaps}))
         warnings.warn(
-            f"the model was captured on the meta device, and its code took a path meta allows but "
-            f"{'/'.join(sorted({g.backend for g in gaps}))} cannot run: {shown}. A branch on the device "
-            "(e.g. transformers' GraniteMoE/Jamba pick histc's dtype by x.device) took the non-CPU path while "
-            "tracing on meta; training on that device would fail in this op. Capture the model on the device "
-            "type it will run on (build it on CPU/CUDA, or with example inputs on that device; a model too large "
-            "for that: patch the branch, e.g. make it test for 'meta' too).",
+            f"the model was captured on the meta device (shapes only, no weights), where its code took a branch "
+            f"for devices other than CPU that {backends} cannot run: {shown}. The plan's partition and schedule do "
+            f"not depend on it, but running this capture on {backends} fails in that op (transformers' "
+            "GraniteMoE/Jamba/MoE experts pick histc's dtype by x.device). To train, capture the model on the "
+            "device type it will run on: build it there (fxpipe plan: --run or --checkpoint build it on CPU), or "
+            "patch the branch to test for 'meta' too.",
             DeviceBranchWarning,
             stacklevel=stacklevel,
         )

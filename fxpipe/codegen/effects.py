@@ -15,8 +15,12 @@ generator must know
   ``p > 0`` in training mode).
 
 Everything is conservative: an unknown op is assumed to produce a fresh tensor and write
-nothing unless its schema says otherwise; over-approximating aliases or writes only adds
-placement constraints and clones, never wrong results. Op schemas are read through
+nothing unless its schema says otherwise; over-approximating writes only adds placement
+constraints and clones, never wrong results. Aliases are not over-approximated: an op whose
+schema says its output *may* alias its input (``contiguous``, ``reshape``, ``to``) is a view only
+when the capture's values (``node.meta["val"]``, fake tensors that keep storage identity) share
+the input's storage; when it copied, it is a fresh tensor (a split that took the copy for a view
+recomputed it on a later stage from the input, without the in-place updates made to the copy). Op schemas are read through
 :func:`fxpipe.codegen.runtime.op_aliasing` (the one module with private torch APIs).
 """
 
@@ -135,6 +139,18 @@ def _call_effects(node: fx.Node) -> tuple[list[fx.Node], list[fx.Node], bool]:
     return written, aliased, info.returns_alias_list
 
 
+def _copied(node: fx.Node, src: fx.Node) -> bool:
+    """Whether the capture's values say ``node``, an op whose schema lets its output alias ``src``
+    (``Tensor(a)``), returned fresh storage instead: ``contiguous`` of a non-contiguous tensor,
+    ``reshape`` of one no view can reshape. Such an output is a copy: an in-place update of it does
+    not reach ``src``, and recomputing it on a later stage from ``src`` would lose the updates (BEiT's
+    relative position index: ``permute(...).contiguous()`` then ``+=`` on a slice, issue 30 item 15).
+    False when the values are unknown (then the alias is kept: a view is assumed)."""
+    from fxpipe.codegen.runtime import shares_storage  # lazy: see _call_effects
+
+    return shares_storage(node.meta.get("val"), src.meta.get("val")) is False
+
+
 def analyze(gm: fx.GraphModule) -> GraphEffects:
     """Aliasing, writes and accesses of every node of ``gm``.
 
@@ -171,6 +187,8 @@ def analyze(gm: fx.GraphModule) -> GraphEffects:
             eff.views.add(n)
             continue
         written, aliased, list_alias = _call_effects(n)
+        if aliased and not written and not list_alias and _copied(n, aliased[0]):
+            aliased = []  # a may-alias op that copied (contiguous of a non-contiguous tensor): fresh storage
         bases_written = []
         for w in written:
             b = eff.base.get(w, w)

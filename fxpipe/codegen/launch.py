@@ -20,6 +20,7 @@ back with ``weights_only=True``; test plumbing only, never an fxpipe output file
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -352,6 +353,8 @@ def _run_one(rank: int, world: int, run: dict, out_dir: str, idx: int, cache: di
     staged = _staged_for(cap, run, S, where)
     where["phase"] = "building its stages and schedule"
     stages, sched, replica, pp_rank = _build_rank_program(rank, run, cap, staged, groups, dp)
+    for st in stages:  # every compute action into the rank's heartbeat (fxpipe.launcher)
+        st.fxpipe_on_action = functools.partial(_beat_action, where)
     local = [st.stage_index for st in stages]
     named: dict[str, torch.nn.Parameter] = {}
     for s in local:  # stages of one rank share tied parameter objects: each once
@@ -361,6 +364,14 @@ def _run_one(rank: int, world: int, run: dict, out_dir: str, idx: int, cache: di
     where["phase"] = "writing its results"
     _write_run_results(out_dir, idx, rank, run, cap, staged, stages, sched, named, grads, losses, wall,
                        replica, pp_rank, dp)
+
+
+def _beat_action(where: dict, action: str, running: bool) -> None:
+    """A compute action starts (``running``) or ends: the heartbeat's ``running`` / ``last_action``."""
+    if running:
+        where["running"] = action
+    else:
+        where.update(running=None, last_action=action)
 
 
 def _write_run_results(out_dir: str, idx: int, rank: int, run: Mapping[str, Any], cap: _Captured, staged, stages,
@@ -532,7 +543,8 @@ def spawn_train(
 
 def spawn_train_many(runs: Sequence[Mapping[str, Any]], *, world_size: int, timeout_s: float = 300.0,
                      on_error: str = "raise", run_timeout_s: float | None = None,
-                     warn_random: bool = True, progress: bool | None = False) -> list[TrainResult | RunError]:
+                     warn_random: bool = True, progress: bool | None = False,
+                     action_timeout_s: float | None = None) -> list[TrainResult | RunError]:
     """Several :func:`spawn_train` runs in one set of worker processes (start-up paid once).
 
     Runs of the same model (same ``make_model`` object or the same ``model_key``, seed and
@@ -578,11 +590,22 @@ def spawn_train_many(runs: Sequence[Mapping[str, Any]], *, world_size: int, time
     progress : bool or None
         Show a tqdm bar of training steps done over all runs on stderr (None: when stderr is
         a terminal).
+    action_timeout_s : float, optional
+        Longest time one schedule action (a forward, backward or weight gradient of one
+        micro-batch) may run on a rank before the run stops as stuck (:func:`fxpipe.launcher.launch`).
 
     Returns
     -------
     list[TrainResult | RunError]
         One per run, in order.
+
+    Raises
+    ------
+    WorkerError
+        With ``on_error="raise"``, the first failure: rank, stage, micro-batch, action, the
+        root cause and the model's source line (:mod:`fxpipe.codegen.faults`).
+    WorkerTimeoutError
+        Over ``timeout_s`` or ``action_timeout_s``: the late rank and its action (a ``TimeoutError``).
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise InputError(f"world_size must be an integer >= 1, got {world_size!r}")
@@ -636,7 +659,7 @@ def spawn_train_many(runs: Sequence[Mapping[str, Any]], *, world_size: int, time
                        collective_timeout_s=per_run if on_error == "record" else timeout_s,
                        poll=_watch(out_dir, runs_now, world_size, per_run if on_error == "record" else None,
                                    None if bar.disable else bar),
-                       what="pipeline")
+                       what="pipeline", action_timeout_s=action_timeout_s)
                 pending = []
             except (RuntimeError, TimeoutError) as exc:
                 done = [i for i in pending if _complete(out_dir, i, world_size)]

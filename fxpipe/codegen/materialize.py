@@ -45,13 +45,18 @@ Initializers and "the same seed"
 
 Checkpoints (``StateSource(checkpoint=...)``)
     A ``.safetensors`` file, a sharded set (its ``*.safetensors.index.json``, whose
-    ``weight_map`` names the file of every key), a directory holding either, a torch state dict
+    ``weight_map`` names the file of every key, inside the index's folder), a directory holding
+    either, a training-state checkpoint of :func:`fxpipe.codegen.checkpoint.save_training_state`
+    (its committed version's ``model/``), a torch state dict
     file (``torch.load(weights_only=True, mmap=True)``: memory-mapped, only the needed tensors
     are read), or an in-memory mapping. Keys are the model's fully qualified names
     (``model.state_dict()``); a tied tensor may appear under any of its aliases. safetensors
     files are read key by key with ``safe_open`` and only the shards holding needed keys are
-    opened. Values are cast to the stage tensor's dtype; a shape mismatch or a parameter missing
-    from the checkpoint raises :class:`~fxpipe.errors.InputError`; buffers missing from it
+    opened (:mod:`fxpipe.codegen.safetensors_files` checks every file first). Values are cast to
+    the stage tensor's dtype within a kind (float16 to float32); a shape mismatch, a value of
+    another kind (int64 for a float parameter) or a parameter missing from the checkpoint raises
+    :class:`~fxpipe.errors.InputError` (:func:`checkpoint_mismatches`, the check the Hugging Face
+    folders of ``fxpipe plan --hf FOLDER`` go through too); buffers missing from it
     (non-persistent buffers are never saved) come from the initializers.
 
 References
@@ -63,7 +68,6 @@ PyTorch FSDP meta-device initialization (``param_init_fn``, ``reset_parameters``
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -73,6 +77,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from fxpipe.codegen.runtime import get_tensor_slot, module_tensor_slots, set_tensor_slot
+from fxpipe.codegen.safetensors_files import dtype_kind, open_safetensors, safetensors_header, safetensors_index
 from fxpipe.errors import InputError
 
 __all__ = [
@@ -81,6 +86,7 @@ __all__ = [
     "derive_seed",
     "initialize",
     "load_tensors",
+    "checkpoint_mismatches",
     "materialize_stage",
     "materialize_model",
     "MetaInit",
@@ -351,6 +357,10 @@ def initialize(model: torch.nn.Module, names: Iterable[str] | None = None, *, se
 # ----------------------------------------------------------------------------- checkpoints
 def _resolve_checkpoint(path: Path) -> tuple[str, Path]:
     """('safetensors' | 'index' | 'torch', file) for a checkpoint path."""
+    if path.is_dir() and ((path / "latest.json").exists() or (path / "fxpipe_state.json").is_file()):
+        from fxpipe.codegen.checkpoint import latest_state_dir  # a training-state checkpoint: its model folder
+
+        path = latest_state_dir(path) / "model"
     if path.is_dir():
         idx = sorted(path.glob("*.safetensors.index.json"))
         if len(idx) == 1:
@@ -372,6 +382,52 @@ def _resolve_checkpoint(path: Path) -> tuple[str, Path]:
     return "torch", path
 
 
+def checkpoint_mismatches(where: str, missing: Sequence[str] = (), shapes: Sequence[tuple[str, Any, Any]] = (),
+                          dtypes: Sequence[tuple[str, Any, Any]] = ()) -> None:
+    """Refuse a checkpoint that does not fill every parameter of the model as stored (one check, two loaders).
+
+    Used by :func:`materialize_stage` / :func:`materialize_model` (``plan.build(checkpoint=...)``)
+    and by ``fxpipe.models`` when a Hugging Face checkpoint folder is loaded with
+    ``from_pretrained`` (``fxpipe plan --hf FOLDER --run``), so that neither trains a tensor the
+    checkpoint lacks from random values.
+
+    Parameters
+    ----------
+    where : str
+        The checkpoint, as the message names it.
+    missing : sequence of str
+        Parameters of the model the checkpoint does not hold.
+    shapes : sequence of (name, stored shape, model shape)
+    dtypes : sequence of (name, stored dtype, model dtype)
+        Tensors stored with a dtype of another kind (integer into floating, ...).
+
+    Raises
+    ------
+    InputError
+        When any of the three is not empty, naming the checkpoint and the first five keys of each.
+    """
+    parts = []
+    if missing:
+        names = sorted(missing)
+        parts.append(f"lacks {len(names)} parameter(s) of the model: {', '.join(names[:5])}{' ...' if len(names) > 5 else ''}")
+    for what, rows in (("shape", shapes), ("dtype", dtypes)):
+        if rows:
+            shown = "; ".join(f"{n} stored {_show(a)}, the model's is {_show(b)}" for n, a, b in sorted(rows, key=str)[:5])
+            parts.append(f"holds {len(rows)} tensor(s) with another {what}: {shown}{' ...' if len(rows) > 5 else ''}")
+    if parts:
+        raise InputError(
+            f"checkpoint {where} " + "; it ".join(parts) + ": it was saved from another model (or is incomplete). fxpipe "
+            "neither initializes a missing parameter at random nor casts integers into floating-point parameters: "
+            "save the checkpoint from this model (save_pretrained, safetensors.torch.save_model)"
+        )
+
+
+def _show(v: Any) -> str:
+    if isinstance(v, (tuple, list, torch.Size)):
+        return str(tuple(int(x) for x in v))
+    return str(v).replace("torch.", "")
+
+
 def load_tensors(checkpoint: Any, wanted: Mapping[str, Sequence[str]]) -> tuple[dict[str, torch.Tensor], list[str]]:
     """Read only the ``wanted`` tensors of a checkpoint, by fully qualified name.
 
@@ -391,7 +447,8 @@ def load_tensors(checkpoint: Any, wanted: Mapping[str, Sequence[str]]) -> tuple[
     Raises
     ------
     InputError
-        For a missing or malformed checkpoint.
+        For a missing or malformed checkpoint (an empty, truncated or garbage safetensors file, an
+        index whose ``weight_map`` leaves its folder), naming the file.
     """
     if isinstance(checkpoint, Mapping):
         out = {}
@@ -410,23 +467,10 @@ def load_tensors(checkpoint: Any, wanted: Mapping[str, Sequence[str]]) -> tuple[
             raise InputError(f"checkpoint {path} is not a flat state dict (name -> tensor)")
         out, _ = load_tensors(sd, wanted)
         return {n: t.clone() for n, t in out.items()}, [str(path)]
-    try:
-        from safetensors import safe_open
-    except ImportError:
-        raise InputError(
-            f"checkpoint {path} is a safetensors file but the safetensors package is not installed: "
-            'from a checkout of fxpipe, pip install -e ".[checkpoint]"'
-        ) from None
-
     if kind == "index":
-        try:
-            weight_map = json.loads(path.read_text())["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise InputError(f"checkpoint index {path} is not a safetensors index with a 'weight_map': {exc}") from None
-        file_of = {k: path.parent / f for k, f in weight_map.items()}
+        file_of = safetensors_index(path)
     else:
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            file_of = {k: path for k in f.keys()}
+        file_of = {k: path for k in safetensors_header(path)}
     plan: dict[Path, list[tuple[str, str]]] = {}
     for n, keys in wanted.items():
         k = next((k for k in keys if k in file_of), None)
@@ -436,9 +480,13 @@ def load_tensors(checkpoint: Any, wanted: Mapping[str, Sequence[str]]) -> tuple[
     for fpath, items in sorted(plan.items()):
         if not fpath.exists():
             raise InputError(f"checkpoint shard {fpath} named by {path} does not exist")
-        with safe_open(str(fpath), framework="pt", device="cpu") as f:
+        with open_safetensors(fpath) as f:
             for n, k in items:
-                out[n] = f.get_tensor(k)
+                try:
+                    out[n] = f.get_tensor(k)
+                except Exception as exc:  # noqa: BLE001 - a key the index names but the shard lacks, bad bytes
+                    raise InputError(f"cannot read tensor {k!r} from safetensors file {fpath} (named by {path}): "
+                                     f"{str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__}") from None
     return out, [str(p) for p in sorted(plan)]
 
 
@@ -450,17 +498,18 @@ def _values(names: Mapping[str, tuple[tuple[str, ...], torch.Tensor, bool]], sou
     if source.checkpoint is not None:
         found, files = load_tensors(source.checkpoint, {c: aliases for c, (aliases, _, _) in names.items()})
         report.checkpoint_files = files
+        shapes, dtypes = [], []
         for c, t in found.items():
             like = names[c][1]
             if tuple(t.shape) != tuple(like.shape):
-                raise InputError(f"checkpoint tensor {c!r} has shape {tuple(t.shape)}, the model expects {tuple(like.shape)}")
-            values[c] = t.to(like.dtype)
-        missing_params = sorted(c for c, (_, _, p) in names.items() if p and c not in values)
-        if missing_params:
-            raise InputError(
-                f"checkpoint {source.checkpoint if not isinstance(source.checkpoint, Mapping) else '(mapping)'} lacks "
-                f"{len(missing_params)} parameter(s) of this stage: {missing_params[:5]}"
-            )
+                shapes.append((c, t.shape, like.shape))
+            elif dtype_kind(t.dtype) != dtype_kind(like.dtype):
+                dtypes.append((c, t.dtype, like.dtype))
+            else:
+                values[c] = t.to(like.dtype)
+        missing_params = [c for c, (_, _, p) in names.items() if p and c not in found]
+        checkpoint_mismatches(source.checkpoint if not isinstance(source.checkpoint, Mapping) else "(mapping)",
+                              missing_params, shapes, dtypes)
         report.from_checkpoint = sorted(values)
     rest = [c for c in names if c not in values]
     if rest:
@@ -549,6 +598,10 @@ def materialize_stage(staged, rank: int, source: StateSource, device: str | torc
         canon_of[id(t)] = c
     for name, t in list(mod.named_parameters(remove_duplicate=False)) + list(mod.named_buffers(remove_duplicate=False)):
         c = canon_of.get(id(t))
+        if c is None and not t.is_meta:
+            # not the model's state: a constant torch.export lifted out of forward (``lifted_tensor_0``,
+            # BEiT's relative position index built in forward), which already holds its value
+            continue
         if c is None:
             c = canon_of[id(t)] = name
         aliases.setdefault(c, [c])

@@ -68,6 +68,13 @@ register hooks or leave FSDP2's training state in ``FORWARD``), once per micro-b
 backward included; gradients reach the unsharded parameters only through the original graph, so
 ``REDUCE_GRAD`` reduces them as without recomputation.
 
+Parameters of several dtypes (a bfloat16 model with float32 layers): FSDP2 reduces a unit's
+parameters as one flat buffer of one dtype, so every stage is wrapped as one unit per dtype, the
+submodules holding the parameters of each extra dtype first (:func:`dtype_units`); gradients stay
+those of one process. A model with a submodule holding two dtypes itself cannot be wrapped so:
+``fxpipe.compile`` records why (:func:`data_parallel_limit`) and the mesh search offers only the
+pure pipeline (:mod:`fxpipe.mesh.limits`).
+
 Not yet supported with data parallelism or optimizer offload (a clear error): ``compile_stages``.
 """
 
@@ -92,6 +99,8 @@ __all__ = [
     "init_mesh",
     "mesh_rank",
     "data_parallel_wrapper",
+    "dtype_units",
+    "data_parallel_limit",
     "make_shared_param_groups",
     "build_mesh_rank",
     "check_mesh_run",
@@ -234,6 +243,9 @@ def data_parallel_wrapper(mr: MeshRank, offload_optimizer: bool = False) -> Call
         sub = dm["dp_replicate"]
 
         def wrap(stage: int, module: torch.nn.Module) -> None:
+            for unit in dtype_units(module, f"stage {stage}"):  # one FSDP2 unit per parameter dtype
+                for owner in unit:  # replicate takes one module
+                    replicate_module(owner, sub, **policy)
             replicate_module(module, sub, **policy)
 
         return wrap
@@ -242,9 +254,102 @@ def data_parallel_wrapper(mr: MeshRank, offload_optimizer: bool = False) -> Call
     sub = dm["dp_replicate", "dp_shard"] if kind == "hsdp" else dm["dp_shard"]  # FSDP or offload alone: dp_shard
 
     def wrap(stage: int, module: torch.nn.Module) -> None:  # noqa: F811 - one of the two wrappers
+        for unit in dtype_units(module, f"stage {stage}"):  # one FSDP2 unit per parameter dtype
+            fully_shard(unit, mesh=sub, **policy)
         fully_shard(module, mesh=sub, **policy)
 
     return wrap
+
+
+def dtype_units(module: torch.nn.Module, what: str = "the module") -> list[list[torch.nn.Module]]:
+    """Submodules to wrap (each list one FSDP2 unit) before ``module`` so every unit's trainable
+    parameters share one dtype.
+
+    FSDP2 all-gathers and reduces a unit's parameters as one flat buffer and requires one original
+    dtype per unit ("FSDP expects uniform original parameter dtype"); a ``MixedPrecisionPolicy``
+    does not lift that (it checks the original dtypes) and would change the numerics. A stage of a
+    model with, e.g., bfloat16 blocks between float32 layers (Hugging Face's
+    ``_keep_in_fp32_modules``) therefore becomes one unit per dtype: the submodules that hold the
+    parameters of each dtype other than ``module``'s own (the dtype of its direct parameters, else
+    the one with the most elements) are wrapped first, ``module`` then takes the rest. Gradients and
+    numerics are those of one process (each parameter is reduced in its own dtype). torch's
+    pipelining runtime unshards, reshards and reduces every FSDP2 module inside a stage.
+
+    Parameters
+    ----------
+    module : torch.nn.Module
+        A stage module (its submodules hold the parameters; ``requires_grad=False`` ones do not count).
+    what : str
+        The module's name in error messages.
+
+    Returns
+    -------
+    list[list[torch.nn.Module]]
+        One list of submodules per extra dtype (empty when the trainable parameters share one dtype).
+
+    Raises
+    ------
+    InputError
+        If one submodule holds trainable parameters of two dtypes directly, or a submodule of one
+        dtype contains trainable parameters of another (no grouping by submodules separates them).
+        ``fxpipe.compile`` finds this on the whole model (:func:`data_parallel_limit`) and the mesh
+        search then offers no mesh that needs it.
+    """
+    units, problem = _dtype_units(module)
+    if problem is not None:
+        raise InputError(f"{what}: {problem}; data parallelism (FSDP2) needs one dtype per unit: give those "
+                         "parameters one dtype, or plan with mesh='pipeline'")
+    return units
+
+
+def _dtype_units(module: torch.nn.Module) -> tuple[list[list[torch.nn.Module]], str | None]:
+    """:func:`dtype_units`' units, or ``([], why they cannot be formed)``."""
+    owners: list[tuple[str, torch.nn.Module, torch.dtype, int]] = []
+    seen: set[int] = set()
+    for name, m in module.named_modules():
+        direct = [p for p in m.parameters(recurse=False) if p.requires_grad and id(p) not in seen]
+        seen.update(id(p) for p in direct)
+        dtypes = {p.dtype for p in direct}
+        if len(dtypes) > 1:
+            return [], (f"submodule {name or '<root>'!r} holds trainable parameters of several dtypes itself "
+                        f"({', '.join(sorted(str(d) for d in dtypes))})")
+        if direct:
+            owners.append((name, m, direct[0].dtype, sum(p.numel() for p in direct)))
+    if len({d for _, _, d, _ in owners}) <= 1:
+        return [], None
+    if owners[0][0] == "":
+        root = owners[0][2]
+    else:
+        size: dict[torch.dtype, int] = {}
+        for _, _, d, n in owners:
+            size[d] = size.get(d, 0) + n
+        root = max(size, key=size.get)
+    units: dict[torch.dtype, list[tuple[str, torch.nn.Module]]] = {}
+    for name, m, d, _ in owners:
+        if d == root:
+            continue
+        unit = units.setdefault(d, [])
+        if not any(name.startswith(outer + ".") for outer, _ in unit):  # a submodule's parameters come with it
+            unit.append((name, m))
+    for d, unit in units.items():
+        for name, m in unit:
+            other = sorted({str(p.dtype) for p in m.parameters() if p.requires_grad and p.dtype != d})
+            if other:
+                return [], f"submodule {name!r} holds {d} parameters and, inside it, {', '.join(other)} ones"
+    return [[m for _, m in unit] for unit in units.values()], None
+
+
+def data_parallel_limit(model: torch.nn.Module) -> str | None:
+    """Why the stages of ``model`` could not be wrapped for data parallelism (FSDP2), or None.
+
+    :func:`dtype_units` on the whole captured module: a submodule that holds trainable parameters of
+    two dtypes itself (or of one dtype around a submodule of another) cannot be split into FSDP2 units
+    of one dtype. A stage holds a subset of the model's modules, so a model without such a submodule
+    has none in its stages. ``fxpipe.compile`` records the reason with the graph
+    (:func:`fxpipe.mesh.limits.record_runtime_limits`) and the mesh search skips the meshes it rules out.
+    """
+    problem = _dtype_units(model)[1]
+    return None if problem is None else f"{problem}, and FSDP2 needs one dtype per unit"
 
 
 def make_shared_param_groups(staged, device_of_stage: Sequence[int], mesh: Mapping[str, int],
@@ -294,7 +399,8 @@ def check_mesh_run(mesh: Mapping[str, int], orders: Orders, recompute_stages: Se
     what = f"mesh {format_mesh(m)}"
     if compile_stages:
         raise InputError(f"{what}: compile_stages=True with data parallelism is not supported yet; "
-                         "use compile_stages=False")
+                         "use compile_stages=False, or plan a pure pipeline to compile its stages "
+                         "(fxpipe.compile(..., mesh='pipeline'))")
 
 
 def check_offload_run(orders: Orders, recompute_stages: Sequence[int] = (), compile_stages: bool = False) -> None:

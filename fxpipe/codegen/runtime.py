@@ -41,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
@@ -57,7 +58,8 @@ from torch.distributed.pipelining._backward import (
 from torch.distributed.pipelining.schedules import _Action, _ComputationType, _PipelineScheduleRuntime
 
 from fxpipe.codegen.actions import parse_actions
-from fxpipe.errors import InputError
+from fxpipe.codegen.faults import action_failure, root_cause
+from fxpipe.errors import InputError, TrainingError, WorkerError
 from fxpipe.ir.schedule import FULL_BACKWARD, Action
 from fxpipe.ir.torch_csv import TORCH_TYPE
 
@@ -69,6 +71,7 @@ __all__ = [
     "graph_pytree_specs",
     "OpAliasing",
     "op_aliasing",
+    "shares_storage",
     "fake_tensor_mode",
     "fake_on",
     "meta_literals_as",
@@ -78,6 +81,7 @@ __all__ = [
     "torch_action",
     "parse_torch_actions",
     "merge_param_groups",
+    "own_weight_grads",
     "FxpipePipelineStage",
     "FxpipeScheduleRuntime",
     "local_tensor",
@@ -181,6 +185,15 @@ def op_aliasing(target: Any) -> OpAliasing | None:
         maybe_mutating=torch.Tag.maybe_aliasing_or_mutating in tags,
         nondeterministic=torch.Tag.nondeterministic_seeded in tags,
     )
+
+
+def shares_storage(a: Any, b: Any) -> bool | None:
+    """Whether tensors ``a`` and ``b`` (real or the fake values a capture records in ``node.meta["val"]``)
+    live in one storage; None when either is not a tensor with a storage."""
+    try:
+        return a.untyped_storage()._cdata == b.untyped_storage()._cdata
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return None
 
 
 # ----------------------------------------------------------------------------- fake tensors
@@ -508,9 +521,10 @@ class FxpipePipelineStage(PipelineStage):
 
     def forward_one_chunk(self, fwd_chunk_id, args, kwargs=None, save_forward_output=True):
         self._fxpipe_mb = fwd_chunk_id
-        out = super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
-        if self.fxpipe_stash is not None:
-            self.fxpipe_stash.after(Action(self.stage_index, "F", fwd_chunk_id))
+        with self._fxpipe_action("F", fwd_chunk_id):
+            out = super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
+            if self.fxpipe_stash is not None:
+                self.fxpipe_stash.after(Action(self.stage_index, "F", fwd_chunk_id))
         return out
 
     def forward_maybe_with_nosync(self, *args, **kwargs):
@@ -526,29 +540,108 @@ class FxpipePipelineStage(PipelineStage):
                              recompute_fn=forward_without_dp_hooks(submod))
 
     def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
-        stash = self.fxpipe_stash
-        if stash is not None:
-            stash.before_backward(self.stage_index, bwd_chunk_id)
-        super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward)
-        if stash is not None:
-            if full_backward:
-                stash.release(self.stage_index, bwd_chunk_id)
-            stash.after(Action(self.stage_index, FULL_BACKWARD if full_backward else "B", bwd_chunk_id))
+        with self._fxpipe_action("B" if full_backward else "I", bwd_chunk_id):
+            stash = self.fxpipe_stash
+            if stash is not None:
+                stash.before_backward(self.stage_index, bwd_chunk_id)
+            super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward)
+            if stash is not None:
+                if full_backward:
+                    stash.release(self.stage_index, bwd_chunk_id)
+                stash.after(Action(self.stage_index, FULL_BACKWARD if full_backward else "B", bwd_chunk_id))
 
     def backward_weight_one_chunk(self, bwd_chunk_id, last_backward=False):
-        super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
-        if self.fxpipe_stash is not None:
-            self.fxpipe_stash.release(self.stage_index, bwd_chunk_id)
-            self.fxpipe_stash.after(Action(self.stage_index, "W", bwd_chunk_id))
+        with self._fxpipe_action("W", bwd_chunk_id):
+            super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
+            if self.fxpipe_stash is not None:
+                self.fxpipe_stash.release(self.stage_index, bwd_chunk_id)
+                self.fxpipe_stash.after(Action(self.stage_index, "W", bwd_chunk_id))
     # ---- end activation stash hooks
+
+    # ---- begin action progress and failures (fxpipe.codegen.faults; the launcher's heartbeat)
+    #: called as ``fxpipe_on_action(action, running)`` when a compute action (torch's text, ``"1F0"``)
+    #: starts (``running=True``) and ends; None: no one listens (set by fxpipe.codegen.launch for its ranks)
+    fxpipe_on_action: Callable[[str, bool], None] | None = None
+
+    @contextlib.contextmanager
+    def _fxpipe_action(self, kind: str, mb: int):
+        """Report the compute action ``<stage><kind><mb>`` to :attr:`fxpipe_on_action` and turn an
+        exception inside it into a :class:`~fxpipe.errors.WorkerError` naming the rank, stage,
+        micro-batch, action, root cause and the model's source line (:func:`fxpipe.codegen.faults.action_failure`)."""
+        action = f"{self.stage_index}{kind}{mb}"
+        beat = self.fxpipe_on_action
+        if beat is not None:
+            beat(action, True)
+        try:
+            yield
+        except WorkerError:  # an inner action's (a recomputation inside a backward) already names it
+            raise
+        except Exception as exc:
+            rank = dist.get_rank() if dist.is_initialized() else getattr(self, "group_rank", None)
+            raise action_failure(exc, rank=rank, action=action, module=self.submod if kind == "F" else None) \
+                from root_cause(exc)
+        if beat is not None:
+            beat(action, False)
+    # ---- end action progress and failures
 
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
         if backward_type == "weight":
-            return _stage_backward_weight(self.submod.parameters(), bwd_kwargs["param_groups"], retain_graph=True), None
+            params = list(self.submod.parameters())
+            before = [p.grad for p in params]
+            recorded = _recorded_grad_storages(bwd_kwargs["param_groups"])
+            out = _stage_backward_weight(params, bwd_kwargs["param_groups"], retain_graph=True)
+            own_weight_grads(params, before, recorded)
+            return out, None
         grads, param_groups = super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
         if backward_type == "input" and param_groups:
             param_groups = merge_param_groups(param_groups)
         return grads, param_groups
+
+
+def _recorded_grad_storages(groups) -> set[int]:
+    """Storage addresses of the gradients torch's backward-input recorded for the W pass."""
+    out = set()
+    for g in groups or ():
+        for grads in g.get("grads") or ():
+            for t in grads if isinstance(grads, (tuple, list)) else (grads,):
+                if isinstance(t, torch.Tensor):
+                    out.add(t.untyped_storage().data_ptr())
+    return out
+
+
+def own_weight_grads(params: Sequence[torch.Tensor], before: Sequence[torch.Tensor | None],
+                     recorded: set[int] = frozenset()) -> None:
+    """Give every parameter whose ``.grad`` the backward-weight pass just set a gradient of its own.
+
+    torch's ``stage_backward_weight`` (torch 2.13) stores the first gradient of a parameter as
+    ``weight.grad = dw`` and adds later ones in place. Autograd's own accumulation
+    (``AccumulateGrad``) only keeps ``dw`` when nothing else refers to it and its strides are the
+    parameter's, else it copies. Kept as is, ``dw`` can be a view of another tensor: MobileBERT's
+    MLM decoder uses the word embedding as ``cat([decoder.weight.t(), dense.weight])``, so the
+    embedding's gradient is a transposed slice of the ``cat`` gradient. Such a gradient then reached
+    the all-reduce of tied parameters (:meth:`FxpipeScheduleRuntime.sync_shared_grads`) as a
+    non-contiguous view, and the copies of the tie ended the step with different, wrong gradients
+    (issue 30 item 12); a gradient that is a recorded output gradient of the stage (a bias gradient
+    equal to its input) would be overwritten with the next micro-batch's. Such gradients are copied
+    into a tensor with the parameter's strides, as ``AccumulateGrad`` does.
+
+    Parameters
+    ----------
+    params : sequence of Tensor
+        The stage's parameters.
+    before : sequence of Tensor or None
+        Their ``.grad`` before the pass (same order).
+    recorded : set of int
+        Storage addresses of the gradients the backward-input pass recorded (the W pass's inputs).
+    """
+    for p, g0 in zip(params, before):
+        g = p.grad
+        if g is None or g is g0 or g0 is not None:
+            continue  # unchanged, or accumulated in place into a gradient that was already the parameter's
+        if g._base is not None or g.stride() != p.stride() or g.untyped_storage().data_ptr() in recorded:
+            own = torch.empty_strided(p.shape, p.stride(), dtype=g.dtype, device=g.device)
+            own.copy_(g)
+            p.grad = own
 
 
 class FxpipeScheduleRuntime(_PipelineScheduleRuntime):
@@ -601,6 +694,8 @@ class FxpipeScheduleRuntime(_PipelineScheduleRuntime):
         self._shared_grads = list(shared_grads)
         self.fxpipe_actions: dict[int, list[str]] = {}
         self.fxpipe_fused_full_backward: dict[int, bool] = {s.stage_index: False for s in stages}
+        #: training steps run so far (calls of :meth:`step` with a backward); numbers the steps in errors
+        self.fxpipe_steps = 0
 
     # ------------------------------------------------------------------ this rank's view
     @property
@@ -682,6 +777,7 @@ class FxpipeScheduleRuntime(_PipelineScheduleRuntime):
         for stash in stashes:
             stash.end_step()
         if self._has_backward:
+            self.fxpipe_steps += 1
             self.scale_local_grads()
             self.sync_shared_grads()
         if last and return_outputs:
@@ -696,6 +792,43 @@ class FxpipeScheduleRuntime(_PipelineScheduleRuntime):
 
     def _compute_loss(self, output, target, loss_kwargs=None):
         return self._loss_fn(self._interface.output(output), target, **(loss_kwargs or {}))
+
+    def _update_losses(self, stages, losses):
+        computed = list(self._internal_losses)
+        super()._update_losses(stages, losses)
+        if self._has_backward and computed:
+            self.check_losses_finite(computed)
+
+    def check_losses_finite(self, losses: Sequence[torch.Tensor]) -> None:
+        """Stop a training step whose loss is not finite (called by :meth:`step` on the last stage's rank).
+
+        One reduction and one host read per step, after the step's last backward (the gradients are
+        then NaN or inf too, and :meth:`step` raises before the caller's ``optimizer.step()`` can
+        write them into the weights).
+
+        Parameters
+        ----------
+        losses : sequence of Tensor
+            This step's micro-batch losses, in micro-batch order.
+
+        Raises
+        ------
+        TrainingError
+            "the loss is not finite at step s, stage k, micro-batch j", counting from 0.
+        """
+        with torch.no_grad():
+            vals = torch.stack([torch.as_tensor(v).detach().float().reshape(-1).sum() for v in losses])
+            ok = bool(torch.isfinite(vals).all())
+        if ok:
+            return
+        bad = [j for j, v in enumerate(vals.tolist()) if not math.isfinite(v)]
+        stage = next((st.stage_index for st in self._stages if st.is_last), self._num_stages - 1)
+        more = f" (and micro-batch(es) {', '.join(map(str, bad[1:]))})" if len(bad) > 1 else ""
+        raise TrainingError(
+            f"the loss is not finite at step {self.fxpipe_steps}, stage {stage}, micro-batch {bad[0]}{more}: "
+            f"{vals[bad[0]].item()} (steps and micro-batches counted from 0). The model's output or the loss is "
+            "inf/NaN for that micro-batch's data; its gradients are too, so the step stops before the optimizer "
+            "uses them: check the inputs of that micro-batch, the learning rate and the loss function")
 
     def scale_local_grads(self) -> None:
         """Divide the gradient of every parameter of this rank by the number of micro-batches, once.
@@ -721,17 +854,22 @@ class FxpipeScheduleRuntime(_PipelineScheduleRuntime):
         """
         self._shared_grads = list(shared_grads)
 
-    def _all_reduce_sum(self, t: torch.Tensor, grp) -> None:
-        """``all_reduce(t, SUM)`` over ``grp`` in place; a host tensor of an accelerator rank (an
-        FSDP2 gradient under optimizer offload) goes through the stages' device: NCCL reduces
-        device tensors only."""
+    def _all_reduce_sum(self, t: torch.Tensor, grp, op=None) -> None:
+        """``all_reduce(t, SUM)`` (or ``op``) over ``grp`` in place; a host tensor of an accelerator
+        rank (an FSDP2 gradient under optimizer offload) goes through the stages' device: NCCL
+        reduces device tensors only; a non-contiguous tensor goes through a contiguous copy."""
+        op = dist.ReduceOp.SUM if op is None else op
         dev = self._stages[0].device if self._stages else t.device
         if t.device.type == "cpu" and torch.device(dev).type != "cpu":
             buf = t.to(dev)
-            dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=grp)
+            dist.all_reduce(buf, op=op, group=grp)
+            t.copy_(buf)
+        elif not t.is_contiguous():
+            buf = t.contiguous()
+            dist.all_reduce(buf, op=op, group=grp)
             t.copy_(buf)
         else:
-            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=grp)
+            dist.all_reduce(t, op=op, group=grp)
 
     def sync_shared_grads(self) -> None:
         """All-reduce (sum) the gradients of tied parameters over the ranks that hold them."""
@@ -749,9 +887,47 @@ class FxpipeScheduleRuntime(_PipelineScheduleRuntime):
             # its own data-parallel group, so the local shards of one replica line up
             if grp is not None:
                 self._all_reduce_sum(local_tensor(total), grp)
+                self._check_tied_agreement(copies[0], total, grp)
             if len(copies) > 1:
                 for p in copies:
                     p.grad.copy_(total)
+
+    #: relative spread (to the sum of magnitudes) above which tied copies are said to disagree
+    TIED_AGREEMENT_RTOL = 1e-6
+
+    def _check_tied_agreement(self, param: torch.Tensor, grad: torch.Tensor, grp) -> None:
+        """Check that every rank of ``grp`` holds the same tied parameter and the same summed gradient.
+
+        One all-reduce (max) of four numbers: the sum and the sum of magnitudes of this rank's
+        parameter copy and of its gradient after the all-reduce, and their negatives (the max of the
+        negatives is minus the min). Copies that agree give equal numbers up to the order of a float
+        sum. Copies that drifted apart (an optimizer that misses one) or a gradient that went wrong
+        on one rank make them differ.
+
+        Raises
+        ------
+        TrainingError
+            Naming the parameter, with the spread of each figure.
+        """
+        with torch.no_grad():
+            p, g = local_tensor(param).detach(), local_tensor(grad).detach()
+            sums = torch.stack([p.double().sum(), p.double().abs().sum(), g.double().sum(), g.double().abs().sum()])
+            both = torch.cat([sums, -sums])
+            self._all_reduce_sum(both, grp, op=dist.ReduceOp.MAX)
+            spread = (both[:4] + both[4:]).tolist()
+            scale = both[:4].abs().tolist()
+        bad = [(what, s, sc) for what, s, sc in zip(("parameter sum", "parameter |sum|", "gradient sum", "gradient |sum|"),
+                                                  spread, scale)
+               if s > self.TIED_AGREEMENT_RTOL * max(scale[1] if what.startswith("parameter") else scale[3], 1e-30)]
+        if bad:
+            names = [f"{st.stage_index}:{n}" for st in self._stages for n, q in st.submod.named_parameters()
+                     if q is param]
+            ranks = dist.get_process_group_ranks(grp)
+            detail = "; ".join(f"{what} spread {s:.3g} (of {sc:.3g})" for what, s, sc in bad)
+            raise TrainingError(
+                f"tied parameter {', '.join(names) or '?'} (stage:name): its copies on ranks {ranks} disagree after the "
+                f"gradient all-reduce: {detail}. The copies of a tied parameter must get equal gradients and be "
+                "updated by the same optimizer (build the optimizer over schedule.parameters() on every rank)")
 
 
 # ---- begin data parallelism adapters (used by fxpipe/codegen/mesh.py)

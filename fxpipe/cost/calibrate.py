@@ -53,9 +53,9 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 
 from fxpipe.cost.database import PHASES, DeviceInfo, Measurement
-from fxpipe.cost.specs import HardwareSpec, datasheet_spec
+from fxpipe.cost.specs import COMPUTE_FAMILIES, HARDWARE, HardwareSpec, datasheet_spec, spec_from_dict
 from fxpipe.errors import InputError
-from fxpipe.io import read_json, write_json_atomic
+from fxpipe.io import check_number, read_json, write_json_atomic
 from fxpipe.ir.opgraph import OpGraph
 
 __all__ = [
@@ -465,12 +465,23 @@ class CostProfile:
 
     # ------------------------------------------------------------------ hardware spec
     def hardware(self) -> HardwareSpec:
-        """The :class:`HardwareSpec` carrying this profile (base peaks, measured links)."""
+        """The :class:`HardwareSpec` carrying this profile (base peaks, measured links).
+
+        The op times are the profile's; the links' achieved efficiencies (collectives, the
+        inter-node network, host copies; not compute) are those of the base's achieved twin
+        (``"h100-sxm"`` for a ``"h100-sxm-datasheet"`` base), except a measured stage-to-stage
+        bandwidth, which replaces ``p2p``'s.
+        """
         changes: dict[str, Any] = {"name": self.name, "profile": self,
                                    "description": f"{self.device.device}, {self.device.threads} threads, "
                                                   f"torch {self.device.torch} (measured; roofline base {self.base.name})"}
         if self.d2d_bytes_per_s:
             changes["d2d_bytes_per_s"] = float(self.d2d_bytes_per_s)
+        twin = HARDWARE.get(self.base.name[: -len("-datasheet")]) if self.base.name.endswith("-datasheet") else None
+        if twin is not None and not self.base.efficiency:
+            links = [k for k in twin.efficiency if k not in COMPUTE_FAMILIES and not (k == "p2p" and self.d2d_bytes_per_s)]
+            changes["efficiency"] = {k: twin.efficiency[k] for k in links}
+            changes["efficiency_sources"] = {k: twin.efficiency_sources.get(k, "") for k in links}
         return dataclasses.replace(self.base, **changes)
 
     # ------------------------------------------------------------------ JSON
@@ -500,32 +511,39 @@ class CostProfile:
         Raises
         ------
         InputError
-            If the document is not an ``fxpipe.hwprofile/1`` profile or is malformed.
+            If the document is not an ``fxpipe.hwprofile/1`` profile or is malformed: its ``base``
+            spec is checked by :func:`fxpipe.cost.specs.spec_from_dict` (units and ranges), its
+            measurements by :meth:`fxpipe.cost.database.Measurement.from_dict`, the measured links
+            and overheads by range; the message names the file and the field.
         """
         if not isinstance(doc, Mapping) or doc.get("format") != PROFILE_FORMAT:
             raise InputError(f"{source}: not an {PROFILE_FORMAT} document (make one with `python -m fxpipe.cost.profile`)")
+        for key in ("base", "measurements", "device", "name"):
+            if key not in doc:
+                raise InputError(f"{source}: malformed hardware profile: it lacks the required field {key!r}; regenerate it with "
+                                 "`python -m fxpipe.cost.profile`")
+        base = spec_from_dict(doc["base"], source=f"{source}: base")
+        if not isinstance(doc["measurements"], Mapping):
+            raise InputError(f"{source}: field 'measurements' is a {type(doc['measurements']).__name__}, allowed: an "
+                             "object of op key -> measurement")
+        limits = {"d2d_bytes_per_s": (0.0, None, True), "p2p_latency_s": (0.0, 1.0, False)}  # (low, high, low excluded)
+
+        def opt(key):  # optional measured links: null, or in range
+            if doc.get(key) is None:
+                return None
+            low, high, low_open = limits[key]
+            return check_number(doc[key], key, low=low, high=high, low_open=low_open, where=source)
+
+        min_samples = check_number(doc.get("min_samples", DEFAULT_MIN_SAMPLES), "min_samples", low=1, high=1e6, where=source)
+        overhead = check_number(doc.get("autograd_call_overhead_s", 0.0), "autograd_call_overhead_s", high=1.0, where=source)
         try:
-            b = dict(doc["base"])
-            base = HardwareSpec(
-                name=str(b["name"]), description=str(b.get("description", "")), peak_flops=dict(b["peak_flops"]),
-                hbm_bytes_per_s=float(b["hbm_bytes_per_s"]), d2d_bytes_per_s=float(b["d2d_bytes_per_s"]),
-                host_bytes_per_s=float(b["host_bytes_per_s"]), memory_bytes=float(b["memory_bytes"]),
-                launch_overhead_s=float(b["launch_overhead_s"]), source=str(b.get("source", "")),
-                devices_per_node=int(b.get("devices_per_node", 1)),
-                inter_node_bytes_per_s=float(b.get("inter_node_bytes_per_s", 0.0)),
-                intra_node_latency_s=float(b.get("intra_node_latency_s", 0.0)),
-                inter_node_latency_s=float(b.get("inter_node_latency_s", 0.0)),
-                host_memory_bytes_per_s=float(b.get("host_memory_bytes_per_s", 0.0)),
-                host_memory_bytes=float(b.get("host_memory_bytes", 0.0)),
-            )
-            ms = [Measurement.from_dict(e, source=f"{source}: {k}") for k, e in dict(doc["measurements"]).items()]
-            device = DeviceInfo.from_dict(doc["device"])
-            opt = lambda key: None if doc.get(key) is None else float(doc[key])  # noqa: E731
+            ms = [Measurement.from_dict(e, source=f"{source}: measurements[{k!r}]") for k, e in doc["measurements"].items()]
+            device = DeviceInfo.from_dict(doc["device"], source=f"{source}: device")
             return cls.from_measurements(
-                ms, device=device, base=base, name=str(doc["name"]), min_samples=int(doc.get("min_samples", DEFAULT_MIN_SAMPLES)),
+                ms, device=device, base=base, name=str(doc["name"]), min_samples=int(min_samples),
                 d2d_bytes_per_s=opt("d2d_bytes_per_s"), p2p_latency_s=opt("p2p_latency_s"),
                 link=LinkModel.from_times(doc["p2p_times_s"]) if doc.get("p2p_times_s") else None,
-                autograd_call_overhead_s=float(doc.get("autograd_call_overhead_s", 0.0)),
+                autograd_call_overhead_s=overhead,
                 description=str(doc.get("description", "")), made_with=str(doc.get("made_with", "")),
                 created=str(doc.get("created", "")),
             )

@@ -44,14 +44,13 @@ This module is torch-free.
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping
 
 from fxpipe.errors import InputError
-from fxpipe.io import read_json, write_json_atomic
+from fxpipe.io import MAX_BYTES, MAX_FLOPS, MAX_TIME_S, check_number, read_json, write_json_atomic
 
 __all__ = ["COSTDB_FORMAT", "DeviceInfo", "Measurement", "CostDatabase", "default_db_path", "PHASES"]
 
@@ -105,11 +104,24 @@ class DeviceInfo:
         return {"device": self.device, "torch": self.torch, "threads": self.threads}
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "DeviceInfo":
-        try:
-            return cls(device=str(d["device"]), torch=str(d["torch"]), threads=int(d["threads"]))
-        except (KeyError, TypeError, ValueError) as exc:
-            raise InputError(f"malformed device record {dict(d)!r} ({exc!r}); it needs device, torch and threads") from None
+    def from_dict(cls, d: Mapping[str, Any], *, source: str = "device record") -> "DeviceInfo":
+        """Rebuild from :meth:`to_dict` output.
+
+        Raises
+        ------
+        InputError
+            When ``device`` or ``torch`` is missing or not a string, or ``threads`` is not an integer in
+            [1, 4096]; the message names ``source`` and the field.
+        """
+        if not isinstance(d, Mapping):
+            raise InputError(f"{source}: a device record must be an object with device, torch and threads")
+        for key in ("device", "torch"):
+            if not isinstance(d.get(key), str):
+                raise InputError(f"{source}: field {key!r} is {d.get(key)!r:.80}, allowed: a string")
+        threads = check_number(d.get("threads"), "threads", low=1, high=4096, where=source)
+        if not threads.is_integer():
+            raise InputError(f"{source}: field 'threads' is {threads:g}, allowed: an integer in [1, 4096]")
+        return cls(device=d["device"], torch=d["torch"], threads=int(threads))
 
 
 @dataclass(frozen=True)
@@ -194,22 +206,37 @@ class Measurement:
         Raises
         ------
         InputError
-            On a missing field or a negative / non-finite time.
+            On a missing field, a field of another type, or a number outside its range (times in
+            [0, 1e6] s, FLOPs up to 1e21, bytes up to 1e18, :func:`fxpipe.io.check_number`); the
+            message names ``source`` (the file and the entry) and the field.
         """
         names = {f.name for f in fields(cls)}
-        try:
-            kw = {k: v for k, v in d.items() if k in names}
-            kw["roofline_s"] = tuple(float(x) for x in kw.get("roofline_s", (0.0, 0.0, 0.0)))
-            if len(kw["roofline_s"]) != 3:
-                raise ValueError("roofline_s must have 3 entries (F, B, W)")
-            m = cls(**kw)
-            for name in ("t_fwd_s", "t_bwd_input_s", "t_bwd_weight_s", "flops", "bytes", "spread"):
-                v = float(getattr(m, name))
-                if not (math.isfinite(v) and v >= 0):
-                    raise ValueError(f"{name}={v} is not a finite number >= 0")
-        except (TypeError, ValueError) as exc:
-            raise InputError(f"{source}: malformed measurement ({exc}); delete the entry or re-profile") from None
-        return m
+        source = f"{source}: malformed measurement"
+        if not isinstance(d, Mapping):
+            raise InputError(f"{source}: a measurement must be an object of fields, got {type(d).__name__}")
+        for key in ("op", "args", "op_class", "kind"):
+            if not isinstance(d.get(key), str):
+                raise InputError(f"{source}: field {key!r} is {d.get(key)!r:.80}, allowed: a string; delete the entry "
+                                 "or re-profile")
+        kw = {k: v for k, v in d.items() if k in names}
+        for name, high in _MEASUREMENT_RANGES.items():  # times, FLOPs, bytes: finite, >= 0, within their unit's range
+            if name in kw:
+                kw[name] = check_number(kw[name], name, high=high, where=source)
+        if "repeats" in kw:
+            kw["repeats"] = int(check_number(kw["repeats"], "repeats", high=1e9, where=source))
+        roofline = kw.get("roofline_s", (0.0, 0.0, 0.0))
+        if not isinstance(roofline, (list, tuple)) or len(roofline) != 3:
+            raise InputError(f"{source}: field 'roofline_s' is {roofline!r:.80}, allowed: 3 times in seconds (F, B, W)")
+        kw["roofline_s"] = tuple(check_number(x, "roofline_s", where=source) for x in roofline)
+        for key in ("dtype", "roofline_spec", "error", "method", "clock"):
+            if key in kw and not isinstance(kw[key], str):
+                raise InputError(f"{source}: field {key!r} is {kw[key]!r:.80}, allowed: a string")
+        return cls(**kw)
+
+
+#: Numeric fields of a measurement and their upper bounds (all >= 0).
+_MEASUREMENT_RANGES = {"t_fwd_s": MAX_TIME_S, "t_bwd_input_s": MAX_TIME_S, "t_bwd_weight_s": MAX_TIME_S,
+                       "spread": 1e6, "flops": MAX_FLOPS, "bytes": MAX_BYTES}
 
 
 @dataclass
@@ -258,15 +285,21 @@ class CostDatabase:
         if not isinstance(devices, Mapping):
             raise InputError(f"{str(path)!r}: 'devices' must be an object")
         for key, sec in devices.items():
+            where = f"{path}: devices[{key!r}]"
             if not isinstance(sec, Mapping):
-                raise InputError(f"{str(path)!r}: device {key!r} must be an object")
-            info = DeviceInfo.from_dict(sec)
+                raise InputError(f"{where} must be an object")
+            info = DeviceInfo.from_dict(sec, source=where)
+            raw = sec.get("entries", {})
+            if not isinstance(raw, Mapping):
+                raise InputError(f"{where}: field 'entries' is a {type(raw).__name__}, allowed: an object of op key -> "
+                                 "measurement (fxpipe.costdb/1)")
             entries = {}
-            for op_key, e in (sec.get("entries") or {}).items():
-                m = Measurement.from_dict(e, source=f"{path}: {op_key}")
+            for op_key, e in raw.items():
+                m = Measurement.from_dict(e, source=f"{where}.entries[{op_key!r}]")
                 entries[m.key] = m
-            out[info.key] = _DeviceSection(info, entries, float(sec.get("autograd_call_overhead_s", 0.0)),
-                                           float(sec.get("autograd_node_s", 0.0)))
+            overhead = {k: check_number(sec.get(k, 0.0), k, high=1.0, where=where)
+                        for k in ("autograd_call_overhead_s", "autograd_node_s")}
+            out[info.key] = _DeviceSection(info, entries, overhead["autograd_call_overhead_s"], overhead["autograd_node_s"])
         return out
 
     # ------------------------------------------------------------------ queries

@@ -7,10 +7,15 @@ and a per-op launch overhead. Peaks are *dense* (no 2:4 sparsity) tensor-core fi
 the SXM parts, as printed in NVIDIA's datasheets.
 
 Units: every figure uses the decimal SI prefixes of the datasheets, ``1 GB = 1e9 bytes`` and
-``1 GB/s = 1e9 bytes/s``, for bandwidth and for memory capacity alike. The capacities are the
-printed "80GB" / "141GB" read decimally (80e9 / 141e9 bytes); this is a little below what the
-devices report (an H100 80GB shows ~79.6 GiB = ~85.5e9 bytes), so memory constraints built on
-these figures are conservative.
+``1 GB/s = 1e9 bytes/s``, for bandwidth and for memory capacity alike. The capacities
+(``memory_bytes``) are what CUDA exposes (``total_memory``: 85.02e9 bytes on the H100 80GB and
+150.11e9 on the H200, measured by fxpipe's GPU runs), not the printed "80GB" / "141GB"
+(``memory_datasheet_bytes``); plans keep a reserve of 10 % of it
+(:data:`fxpipe.memory.model.DEFAULT_RESERVED_FRACTION`).
+
+Achieved and datasheet rates: each GPU is known twice, ``"h100-sxm"`` with the achieved
+efficiency of every op family and link (what predictions use) and ``"h100-sxm-datasheet"``,
+the plain datasheet roofline (what bounds use); see :mod:`fxpipe.cost.specs`.
 
 The launch overhead is not a datasheet figure: it is the usual few microseconds of CUDA
 kernel launch + PyTorch eager dispatch per op, a modelling constant.

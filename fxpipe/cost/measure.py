@@ -183,17 +183,18 @@ def device_info(device: str | torch.device | None = None, threads: int | None = 
 def base_hardware(info: DeviceInfo) -> HardwareSpec:
     """The datasheet spec whose roofline the calibration of ``info``'s device corrects.
 
-    CPU -> ``"cpu"``; a CUDA device by name: H200 -> ``"h200"``, H100 -> ``"h100-sxm"``,
-    A100 -> ``"a100-80gb"``, any other GPU -> ``"h100-sxm"`` (the calibration absorbs the
-    difference in peaks).
+    CPU -> ``"cpu"``; a CUDA device by name: H200 -> ``"h200-datasheet"``, H100 ->
+    ``"h100-sxm-datasheet"``, A100 -> ``"a100-80gb-datasheet"``, any other GPU ->
+    ``"h100-sxm-datasheet"``: the plain datasheet roofline (no achieved efficiencies; the
+    calibration fits its own, and absorbs the difference in peaks of another GPU).
     """
     name = info.device.lower()
     if not info.is_cuda:
         return HARDWARE["cpu"]
     for needle, spec in (("h200", "h200"), ("h100", "h100-sxm"), ("a100", "a100-80gb")):
         if needle in name:
-            return HARDWARE[spec]
-    return HARDWARE["h100-sxm"]
+            return HARDWARE[f"{spec}-datasheet"]
+    return HARDWARE["h100-sxm-datasheet"]
 
 def measure_autograd_overhead(device: str | torch.device | None = None, *, timer: Callable[..., list[float]] | None = None,
                               chain: int = 8) -> tuple[float, float]:

@@ -15,7 +15,8 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 
 from fxpipe.errors import InputError
-from fxpipe.io import _as_float_array, _check_finite_nonneg, _freeze, read_json, write_json_atomic
+from fxpipe.io import (MAX_BYTES, MAX_BYTES_PER_S, MAX_TIME_S, _as_float_array, _check_finite_nonneg, _freeze,
+                       read_json, write_json_atomic)
 
 __all__ = ["OPGRAPH_FORMAT", "NODE_FLOAT_FIELDS", "OpGraph"]
 
@@ -123,8 +124,10 @@ class OpGraph:
         Raises
         ------
         InputError
-            If lengths disagree, a cost is negative or not finite, the bandwidth is not
-            positive, an edge names a node outside ``0..n-1``, or the edges contain a cycle.
+            If lengths disagree, a cost is negative, not finite or above its range (a time
+            above :data:`fxpipe.io.MAX_TIME_S` = 1e6 s, a size above :data:`fxpipe.io.MAX_BYTES`
+            = 1e18 bytes), the bandwidth is not in (0, 1e18] bytes/s, an edge names a node
+            outside ``0..n-1``, or the edges contain a cycle.
         """
         t_fwd = _as_float_array(t_fwd_s, "t_fwd_s")
         n = int(t_fwd.shape[0])
@@ -147,7 +150,7 @@ class OpGraph:
         if len(kinds) != n:
             raise InputError(f"ops must have {n} entries, got {len(kinds)}")
         for key, arr in arrays.items():
-            _check_finite_nonneg(arr, key, labels)
+            _check_finite_nonneg(arr, key, labels, high=MAX_BYTES if key.endswith("_bytes") else MAX_TIME_S)
         bw = check_bandwidth(bandwidth_bytes_per_s)
 
         edge_arr = _edge_array(edges, n)
@@ -355,14 +358,14 @@ def check_bandwidth(bandwidth_bytes_per_s: Any) -> float:
     Raises
     ------
     InputError
-        If it is not a number, or not positive and finite.
+        If it is not a number in (0, 1e18] bytes/s (:data:`fxpipe.io.MAX_BYTES_PER_S`).
     """
     try:
         bw = float(bandwidth_bytes_per_s)
     except (TypeError, ValueError):
         raise InputError(f"bandwidth_bytes_per_s must be a number, got {bandwidth_bytes_per_s!r}") from None
-    if not math.isfinite(bw) or bw <= 0:
-        raise InputError(f"bandwidth_bytes_per_s must be a positive finite number, got {bw}")
+    if not math.isfinite(bw) or bw <= 0 or bw > MAX_BYTES_PER_S:
+        raise InputError(f"bandwidth_bytes_per_s must be a finite number in (0, {MAX_BYTES_PER_S:g}] bytes/s, got {bw:g}")
     return bw
 
 

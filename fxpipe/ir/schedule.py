@@ -18,7 +18,8 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 
 from fxpipe.errors import InputError
-from fxpipe.io import _as_count, _as_float_array, _as_index, _check_finite_nonneg, _freeze, read_json, write_json_atomic
+from fxpipe.io import (MAX_BYTES, MAX_TIME_S, _as_count, _as_float_array, _as_index, _check_finite_nonneg, _freeze,
+                       read_json, write_json_atomic)
 
 __all__ = [
     "SCHEDPROBLEM_FORMAT",
@@ -41,6 +42,9 @@ __all__ = [
     "identity_placement",
     "looped_placement",
     "v_placement",
+    "MAX_MICROBATCHES",
+    "MAX_STAGES",
+    "MAX_OPS",
 ]
 
 SCHEDPROBLEM_FORMAT = "fxpipe.schedproblem/1"
@@ -48,6 +52,15 @@ SCHEDULE_FORMAT = "fxpipe.schedule/1"
 
 OP_TYPES = ("F", "B", "W", "O", "R")
 OBJECTIVES = ("stage_span", "makespan")
+
+#: The most micro-batches a schedule problem may have: the memory lower bounds
+#: (:mod:`fxpipe.schedule.bounds`) take O(m^2) time and memory per stage (m = 4096: about 1 GB, tens of
+#: seconds; m = 10^6 would need 7 TiB), and pipelines run tens to hundreds of micro-batches per replica.
+MAX_MICROBATCHES = 4096
+#: The most stages a schedule problem may have.
+MAX_STAGES = 4096
+#: The most F, B and W operations a schedule problem may have (``3 * num_stages * num_microbatches``).
+MAX_OPS = 3 * 2**20
 
 
 def identity_placement(num_stages: int) -> tuple[int, ...]:
@@ -320,16 +333,17 @@ class ScheduleProblem:
     """A pipeline scheduling problem: Contract 3 of DESIGN.md (``fxpipe.schedproblem/1``).
 
     S stages placed on D devices (``device_of_stage``, default one stage per device), m
-    micro-batches. Times in seconds (or any consistent unit), memory in bytes (or any
-    consistent unit). Stages form a chain: micro-batch j's forward runs through stages
+    micro-batches. Times in seconds (each in [0, :data:`fxpipe.io.MAX_TIME_S` = 1e6]), memory in
+    bytes (magnitudes up to :data:`fxpipe.io.MAX_BYTES` = 1e18). At most :data:`MAX_STAGES` stages,
+    :data:`MAX_MICROBATCHES` micro-batches and :data:`MAX_OPS` F/B/W operations. Stages form a chain: micro-batch j's forward runs through stages
     0, 1, ..., S-1 and its backward back from S-1 to 0, whatever devices they are on.
 
     Attributes
     ----------
     num_stages : int
-        S >= 1.
+        1 <= S <= :data:`MAX_STAGES`.
     num_microbatches : int
-        m >= 1.
+        1 <= m <= :data:`MAX_MICROBATCHES`.
     num_devices : int
         D >= 1; every device holds at least one stage.
     device_of_stage : tuple[int, ...], length S
@@ -469,7 +483,9 @@ class ScheduleProblem:
         Raises
         ------
         InputError
-            On a negative or non-finite time, ``mem_f <= 0``, positive ``mem_b`` on a stage
+            On more stages, micro-batches or operations than :data:`MAX_STAGES`,
+            :data:`MAX_MICROBATCHES`, :data:`MAX_OPS` allow (before anything is allocated), a
+            negative, non-finite or too large time (> 1e6 s), a memory figure beyond 1e18 bytes, ``mem_f <= 0``, positive ``mem_b`` on a stage
             that does not recompute, positive ``mem_w``, deltas that do not sum to zero,
             ``offload_bytes`` outside ``[0, mem_f]`` (0 on a recomputing stage), a negative
             ``mem_b_transient``, ``recompute_mem_f <= 0``, ``pooled_bytes`` outside ``[0, mem_f]``,
@@ -483,10 +499,15 @@ class ScheduleProblem:
         """
         S = _as_count(num_stages, "num_stages")
         M = _as_count(num_microbatches, "num_microbatches")
-        if S < 1:
-            raise InputError(f"num_stages must be >= 1, got {S}")
-        if M < 1:
-            raise InputError(f"num_microbatches must be >= 1, got {M}")
+        if not 1 <= S <= MAX_STAGES:
+            raise InputError(f"num_stages is {S}, allowed: 1..{MAX_STAGES}")
+        if not 1 <= M <= MAX_MICROBATCHES:
+            raise InputError(f"num_microbatches is {M}, allowed: 1..{MAX_MICROBATCHES} per pipeline (per data-parallel "
+                             "replica): the schedule's memory lower bounds take time and memory quadratic in it; "
+                             "use larger micro-batches")
+        if 3 * S * M > MAX_OPS:
+            raise InputError(f"num_stages x num_microbatches = {S} x {M} gives {3 * S * M} F/B/W operations, allowed: "
+                             f"at most {MAX_OPS}: use fewer stages or larger micro-batches")
         D, placement = _placement(device_of_stage, num_devices, S)
 
         def vec(val, key, length=S):
@@ -511,10 +532,12 @@ class ScheduleProblem:
         off_a = vec(offload_bytes, "offload_bytes") if offload_bytes is not None else mem_f_a.copy()
         lim_a = vec(mem_limit, "mem_limit", D)
         for key, arr in (("t_f", t_f_a), ("t_b", t_b_a), ("t_w", t_w_a), ("t_comm", t_comm_a), ("t_offload", t_off_a)):
-            _check_finite_nonneg(arr, key)
+            _check_finite_nonneg(arr, key, high=MAX_TIME_S)
         for key, arr in (("mem_f", mem_f_a), ("mem_b", mem_b_a), ("mem_w", mem_w_a), ("offload_bytes", off_a)):
             if not np.all(np.isfinite(arr)):
                 raise InputError(f"{key} must be finite, got {arr.tolist()}")
+            if np.any(np.abs(arr) > MAX_BYTES):
+                raise InputError(f"{key} must lie in [-{MAX_BYTES:g}, {MAX_BYTES:g}] bytes, got {arr.tolist()}")
         if np.any(mem_f_a <= 0):
             raise InputError(f"mem_f must be > 0 on every stage (F allocates its stash), got {mem_f_a.tolist()}")
         if recompute is None:

@@ -9,7 +9,8 @@ prices are exactly the ones the runtime (:mod:`fxpipe.codegen.mesh`) builds.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, Mapping
 
 from fxpipe.errors import InputError
@@ -30,7 +31,11 @@ __all__ = [
     "device_num_params",
     "dp_links",
     "Topology",
+    "COLLECTIVE_KINDS",
 ]
+
+#: Collective kinds a :class:`Topology` has an achieved efficiency for (:data:`fxpipe.cost.specs.COLLECTIVES`).
+COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "p2p")
 
 
 def mesh_memory(memory, mesh: Mapping[str, int]):
@@ -73,7 +78,13 @@ class Topology:
     over ``inter_node_bytes_per_s`` per device (one InfiniBand NIC per GPU), each collective
     step costing the matching latency. Built from a hardware spec
     (:meth:`fxpipe.cost.specs.HardwareSpec.topology`, recorded in ``graph.meta["topology"]`` by
-    the capture) or by hand; bandwidths in bytes/s per device and direction, latencies in s.
+    the capture) or by hand; bandwidths in bytes/s per device and direction (line rates), latencies in s.
+
+    ``intra_node_efficiency`` holds the fraction of the intra-node line rate NCCL achieves per
+    collective kind (``"all_gather"``, ``"reduce_scatter"``, ``"all_reduce"``, ``"p2p"``: the bus
+    bandwidth of ``nccl-tests`` over the line rate; a missing kind: 1.0), ``inter_node_efficiency``
+    the fraction of the inter-node rate (every kind; NCCL's bus bandwidth per NIC). The spec's
+    sources: :data:`fxpipe.cost.specs.EFFICIENCY_DERIVATION`.
     """
 
     devices_per_node: int
@@ -81,6 +92,8 @@ class Topology:
     inter_node_bytes_per_s: float
     intra_node_latency_s: float = 0.0
     inter_node_latency_s: float = 0.0
+    intra_node_efficiency: Mapping[str, float] = field(default_factory=dict)
+    inter_node_efficiency: float = 1.0
 
     def __post_init__(self) -> None:
         if int(self.devices_per_node) < 1:
@@ -88,19 +101,38 @@ class Topology:
         for name in ("intra_node_bytes_per_s", "inter_node_bytes_per_s"):
             if not float(getattr(self, name)) > 0:
                 raise InputError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        eff = {str(k): float(v) for k, v in dict(self.intra_node_efficiency or {}).items()}
+        bad = {k: v for k, v in eff.items() if k not in COLLECTIVE_KINDS or not 0.0 < v <= 1.5}
+        if bad or not 0.0 < float(self.inter_node_efficiency) <= 1.5:
+            raise InputError(f"topology efficiencies must be in (0, 1.5] for the kinds {', '.join(COLLECTIVE_KINDS)}; got "
+                             f"intra_node_efficiency={eff}, inter_node_efficiency={self.inter_node_efficiency!r}")
+        object.__setattr__(self, "intra_node_efficiency", MappingProxyType(eff))
 
     @classmethod
     def from_dict(cls, doc: Mapping[str, Any]) -> "Topology":
         """From :meth:`to_dict`'s plain data (e.g. ``graph.meta["topology"]``)."""
         return cls(int(doc["devices_per_node"]), float(doc["intra_node_bytes_per_s"]),
                    float(doc["inter_node_bytes_per_s"]), float(doc.get("intra_node_latency_s", 0.0)),
-                   float(doc.get("inter_node_latency_s", 0.0)))
+                   float(doc.get("inter_node_latency_s", 0.0)), dict(doc.get("intra_node_efficiency") or {}),
+                   float(doc.get("inter_node_efficiency", 1.0)))
 
-    def to_dict(self) -> dict[str, float]:
-        return {"devices_per_node": int(self.devices_per_node), "intra_node_bytes_per_s": float(self.intra_node_bytes_per_s),
-                "inter_node_bytes_per_s": float(self.inter_node_bytes_per_s),
-                "intra_node_latency_s": float(self.intra_node_latency_s),
-                "inter_node_latency_s": float(self.inter_node_latency_s)}
+    def to_dict(self) -> dict[str, Any]:
+        doc: dict[str, Any] = {
+            "devices_per_node": int(self.devices_per_node), "intra_node_bytes_per_s": float(self.intra_node_bytes_per_s),
+            "inter_node_bytes_per_s": float(self.inter_node_bytes_per_s),
+            "intra_node_latency_s": float(self.intra_node_latency_s),
+            "inter_node_latency_s": float(self.inter_node_latency_s)}
+        if self.intra_node_efficiency:
+            doc["intra_node_efficiency"] = dict(self.intra_node_efficiency)
+        if self.inter_node_efficiency != 1.0:
+            doc["inter_node_efficiency"] = float(self.inter_node_efficiency)
+        return doc
+
+    def achieved(self, kind: str | None, *, inter_node: bool) -> float:
+        """Fraction of the line rate a collective of ``kind`` achieves on the intra- or inter-node link (1.0 for ``None``)."""
+        if kind is None:
+            return 1.0
+        return float(self.inter_node_efficiency) if inter_node else float(self.intra_node_efficiency.get(kind, 1.0))
 
     @classmethod
     def of_graph(cls, graph) -> "Topology | None":
@@ -133,7 +165,7 @@ class Topology:
                 return False
         return True
 
-    def link(self, stride: int, size: int, world: int | None = None) -> tuple[float, float]:
+    def link(self, stride: int, size: int, world: int | None = None, kind: str | None = None) -> tuple[float, float]:
         """``(bandwidth_bytes_per_s, latency_s)`` of a collective over a mesh dimension's groups.
 
         Parameters
@@ -142,6 +174,9 @@ class Topology:
             The dimension's groups: ``size`` ranks ``stride`` apart.
         world : int, optional
             The job's ranks (see :meth:`in_node`).
+        kind : str, optional
+            The collective (:data:`COLLECTIVE_KINDS`): its achieved bandwidth (line rate x
+            :meth:`achieved`); ``None``: the line rate.
 
         Returns
         -------
@@ -150,12 +185,13 @@ class Topology:
             (a ring runs at its slowest link).
         """
         if self.in_node(stride, size, world):
-            return float(self.intra_node_bytes_per_s), float(self.intra_node_latency_s)
-        return float(self.inter_node_bytes_per_s), float(self.inter_node_latency_s)
+            return (float(self.intra_node_bytes_per_s) * self.achieved(kind, inter_node=False),
+                    float(self.intra_node_latency_s))
+        return float(self.inter_node_bytes_per_s) * self.achieved(kind, inter_node=True), float(self.inter_node_latency_s)
 
 
 def dp_links(mesh: Mapping[str, int], bandwidth_bytes_per_s: float, latency_s: float = 0.0,
-             topology: Topology | None = None, order: Any = None) -> dict[str, tuple[float, float]]:
+             topology: Topology | None = None, order: Any = None, kind: str | None = None) -> dict[str, tuple[float, float]]:
     """``{"dp_shard": (bandwidth, latency), "dp_replicate": (...)}`` the data-parallel groups use.
 
     Parameters
@@ -171,6 +207,9 @@ def dp_links(mesh: Mapping[str, int], bandwidth_bytes_per_s: float, latency_s: f
     order : sequence of str, optional
         The rank order (:func:`normalize_rank_order`; default the mesh's ``"order"``, else
         :data:`MESH_DIMS`).
+    kind : str, optional
+        The collective (:data:`COLLECTIVE_KINDS`) whose achieved bandwidth a topology gives
+        (:meth:`Topology.link`); ``None``: the line rates.
 
     Returns
     -------
@@ -183,7 +222,7 @@ def dp_links(mesh: Mapping[str, int], bandwidth_bytes_per_s: float, latency_s: f
                 "dp_replicate": (float(bandwidth_bytes_per_s), float(latency_s))}
     order = mesh_rank_order(mesh) if order is None else order
     world = pp * s * r
-    return {d: topology.link(*dim_span(mesh, d, order), world) for d in ("dp_shard", "dp_replicate")}
+    return {d: topology.link(*dim_span(mesh, d, order), world, kind) for d in ("dp_shard", "dp_replicate")}
 
 
 def pipeline_hops(mesh: Mapping[str, int], topology: Topology, order: Any = None) -> tuple[int, int]:
@@ -215,15 +254,15 @@ def pipeline_link(mesh: Mapping[str, int], bandwidth_bytes_per_s: float, topolog
     pipelines' hops cross nodes (:func:`pipeline_hops`; e.g. pipeline rank innermost with ``pp``
     over ``devices_per_node``: one hop in ``devices_per_node`` crosses), that bandwidth; when
     most hops cross nodes (``pp`` outermost over ``dp >= devices_per_node`` ranks), the
-    inter-node bandwidth (the smaller of the two). A majority rule: a pipeline whose hops are
-    mixed is costed at the link most of them use.
+    inter-node bandwidth as NCCL achieves it (the smaller of the two). A majority rule: a pipeline
+    whose hops are mixed is costed at the link most of them use.
     """
     if topology is None or int(mesh["pp"]) < 2:
         return float(bandwidth_bytes_per_s)
     crossing, total = pipeline_hops(mesh, topology, order)
     if 2 * crossing <= total:
         return float(bandwidth_bytes_per_s)
-    return min(float(bandwidth_bytes_per_s), float(topology.inter_node_bytes_per_s))
+    return min(float(bandwidth_bytes_per_s), float(topology.inter_node_bytes_per_s) * topology.achieved("p2p", inter_node=True))
 
 
 def pipeline_graph(graph, mesh: Mapping[str, Any], order: Any = None):
@@ -256,6 +295,9 @@ def dp_sync_time_s(param_bytes: float, mesh: Mapping[str, int], bandwidth_bytes_
     gradients (of their ``1 / s`` shard under HSDP). Ring collectives (Thakur, Rabenseifner and
     Gropp 2005): all-gather and reduce-scatter of ``n`` bytes over ``k`` ranks move
     ``(k - 1) / k * n`` bytes per rank, all-reduce twice that; each adds ``(k - 1) * latency``.
+    With a topology each collective runs at the bandwidth NCCL achieves for its kind on the link
+    (:meth:`Topology.link`: the bus bandwidth of ``nccl-tests``, which is defined so that these
+    formulas hold).
 
     Parameters
     ----------
@@ -290,15 +332,18 @@ def dp_sync_parts_s(param_bytes: float, mesh: Mapping[str, int], bandwidth_bytes
     the last backward (same arguments and formulas)."""
     if topology is None and not bandwidth_bytes_per_s > 0:
         raise InputError(f"bandwidth_bytes_per_s must be > 0, got {bandwidth_bytes_per_s!r}")
-    links = dp_links(mesh, bandwidth_bytes_per_s, latency_s, topology, order)
+    def link(dim: str, kind: str) -> tuple[float, float]:
+        return dp_links(mesh, bandwidth_bytes_per_s, latency_s, topology, order, kind)[dim]
+
     s, r = int(mesh.get("dp_shard", 1)), int(mesh.get("dp_replicate", 1))
     gather = reduce = 0.0
     if s > 1:  # all-gather of the parameters, reduce-scatter of the gradients
-        bw, lat = links["dp_shard"]
+        bw, lat = link("dp_shard", "all_gather")
         gather = (s - 1) / s * param_bytes / bw + (s - 1) * lat
-        reduce = gather
+        bw, lat = link("dp_shard", "reduce_scatter")
+        reduce = (s - 1) / s * param_bytes / bw + (s - 1) * lat
     if r > 1:  # all-reduce of the gradients (their shard under HSDP)
-        bw, lat = links["dp_replicate"]
+        bw, lat = link("dp_replicate", "all_reduce")
         reduce += 2 * (r - 1) / r * (param_bytes / s) / bw + 2 * (r - 1) * lat
     return gather, reduce
 

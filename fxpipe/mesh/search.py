@@ -39,11 +39,12 @@ win). A candidate whose average static state (parameters, gradients, optimizer s
 mesh's memory model), with the least activations every device holds (one micro-batch,
 checkpointed where allowed), already exceeds the usable memory is skipped without planning; so
 is one the planner finds infeasible, with its reason (the partitioner refuses at once a stage
-count whose memory chain bound overflows, :func:`fxpipe.partition.search.memory_lower_bound`).
-Every candidate is a row of the returned table. Activation checkpointing (issue 28) is chosen
-per stage by each candidate's planner, so FSDP-heavy meshes are priced with per-block
-checkpointing; a sibling's partition proven optimal that fits a candidate's memory is reused
-whatever the optimizer's place.
+count whose memory chain bound overflows, :func:`fxpipe.partition.search.memory_lower_bound`);
+so is one the runtime cannot run for this model (:mod:`fxpipe.mesh.limits`). Every candidate
+is a row of the returned table. Activation checkpointing (issue 28) is chosen per stage by each
+candidate's planner, so FSDP-heavy meshes are priced with per-block checkpointing; a sibling's
+partition proven optimal that fits a candidate's memory is reused whatever the optimizer's
+place.
 
 Optimizer state on the host (ZeRO-Offload, Ren et al. 2021; :attr:`fxpipe.memory.MemoryModel.offload_optimizer`):
 when the memory model leaves it to the search (``offload_optimizer=None``, the default) and the graph
@@ -84,7 +85,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from fxpipe.errors import FxpipeError, InfeasibleError, InputError, PlanWarning
-from fxpipe.io import format_bytes
+from fxpipe.io import format_bytes, format_ms
 from fxpipe.mesh import (
     MESH_DIMS,
     RANK_ORDERS,
@@ -104,6 +105,7 @@ from fxpipe.mesh import (
     pipeline_step_s,
 )
 from fxpipe.memory.plan_view import schedule_mem_limit
+from fxpipe.mesh.limits import mesh_runtime_limit, runtime_limits
 from fxpipe.options import PlanOptions
 from fxpipe.partition.memory import num_params
 from fxpipe.planner import plan_with_options
@@ -198,6 +200,7 @@ def search_mesh(graph, *, devices: int, microbatches: int, memory, options: Plan
     act_floor = _activation_floor(graph, options)
     topology = Topology.of_graph(graph)
     host = host_links(graph)
+    limits = runtime_limits(graph)
     heap: list = []  # (lower bound, sequence, row, order entry, mesh, memory model, order)
     work_bounds: dict[int, float | None] = {}
 
@@ -256,8 +259,12 @@ def search_mesh(graph, *, devices: int, microbatches: int, memory, options: Plan
                     graph, mesh, microbatches, options.objective, order, memory=mem, stage_work_s=work))
                 row["lower_bound_s"] = min(e["lower_bound_s"] for e in row["by_order"])
             if best is not None and entry["lower_bound_s"] >= best[1]["predicted_step_s"]:
-                entry["skipped"] = (f"pruned: its lower bound {entry['lower_bound_s'] * 1e3:.4g} ms is no better than "
-                                    f"{best[0]['mesh_text']}'s predicted {best[1]['predicted_step_s'] * 1e3:.4g} ms")
+                entry["skipped"] = (f"pruned: its lower bound {format_ms(entry['lower_bound_s'])} is no better than "
+                                    f"{best[0]['mesh_text']}'s predicted {format_ms(best[1]['predicted_step_s'])}")
+                continue
+            unrunnable = mesh_runtime_limit(mesh, row["offload_optimizer"], limits)  # fxpipe.mesh.limits
+            if unrunnable is not None:
+                entry["skipped"] = unrunnable
                 continue
             misfit, on_device = _static_misfit(mem, graph_params / mesh["pp"], host, options.objective,
                                                act_floor / mesh["pp"])
@@ -287,7 +294,7 @@ def search_mesh(graph, *, devices: int, microbatches: int, memory, options: Plan
                          optimizer_host_step_s=host_s, predicted_step_s=step)
             if best is None or _better(entry, mesh, best[1], best[2]):
                 best = (row, entry, mesh, mem, order, (part, problem, sched))
-                run.update(0, best=f"{row['mesh_text']} {step * 1e3:.4g} ms")
+                run.update(0, best=f"{row['mesh_text']} {format_ms(step)}")
     left = [e for r in table for e in r["by_order"] if "predicted_step_s" not in e and "skipped" not in e]
     for entry in left:  # the search was stopped before (or while) planning them
         entry["skipped"] = "not planned: the search was stopped (Ctrl-C) before it"

@@ -121,7 +121,110 @@ def _frame_from_traceback(exc: BaseException) -> str:
     return ""
 
 
-def _explain(exc: BaseException, model: torch.nn.Module) -> str:
+#: what to do about a tensor on a fixed device in a capture on meta
+_PLAN_ON_CPU = "plan the model on CPU instead: build it there (not under torch.device('meta'); fxpipe plan: --no-meta)"
+
+
+def _fixed_device_state(model: torch.nn.Module) -> str | None:
+    """Parameters and buffers of a model otherwise on meta that are on another device, as a sentence."""
+    named = list(model.named_parameters()) + list(model.named_buffers())
+    stray = [(n, t) for n, t in named if t.device.type != "meta"]
+    if not stray or len(stray) == len(named):
+        return None
+    owners = []
+    for name, _ in stray:
+        mod = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
+        owner = f"{type(mod).__name__}.{name.rpartition('.')[2]}"
+        if owner not in owners:
+            owners.append(owner)
+    dev = stray[0][1].device.type
+    shown = ", ".join(n for n, _ in stray[:3]) + (f" and {len(stray) - 3} more" if len(stray) > 3 else "")
+    return (f"{len(stray)} of the model's {len(named)} parameters and buffers are on {dev} while the others are on "
+            f"meta ({shown}; made by {', '.join(owners[:4])}): their module's __init__ created them on a fixed "
+            f"device, which torch.device('meta') does not change (a legacy constructor such as torch.FloatTensor(...), "
+            f"or an explicit device=), and the first op that meets both fails. Move them to meta (model.to('meta'): "
+            f"a model built on meta holds no trained weights), or {_PLAN_ON_CPU}")
+
+
+def _fixed_device_origin(model: torch.nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any]) -> str | None:
+    """Where the forward of a model on meta makes the tensor on a fixed device that meets its meta tensors.
+
+    Runs the forward once more, eagerly on meta (no compute), under a ``TorchFunctionMode``
+    that remembers for every tensor not on meta the model's source line that made it (a factory
+    call without ``device=``, e.g. ``torch.arange(n)``) and passes it on to what is computed from
+    it, until an op mixes it with meta tensors and fails. Returns a sentence naming both lines,
+    or None when the replay does not fail that way.
+    """
+    import traceback
+
+    from torch.overrides import TorchFunctionMode
+
+    from fxpipe.codegen.faults import innermost_user_frame
+
+    inputs = {id(t) for t in _leaves((tuple(args), dict(kwargs))) if isinstance(t, torch.Tensor)}
+    here = lambda: innermost_user_frame(traceback.extract_stack()) or "an unknown line"  # noqa: E731
+
+    class Origins(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.origin: dict[int, str] = {}
+            self.keep: list[torch.Tensor] = []  # ids stay unique while the replay runs
+            self.found: str | None = None
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            tensors = [t for t in _leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+            fixed = [t for t in tensors if t.device.type != "meta"]
+            try:
+                out = func(*args, **kwargs)
+            except Exception:
+                if fixed and self.found is None and any(t.device.type == "meta" for t in tensors):
+                    t = fixed[0]
+                    made = ("the example inputs" if id(t) in inputs else self.origin.get(id(t), "an unknown line"))
+                    self.found = (f"its forward makes a tensor on {t.device.type} at {made}, which meets the "
+                                  f"model's meta tensors at {here()}")
+                raise
+            made = [o for o in _leaves(out) if isinstance(o, torch.Tensor) and o.device.type != "meta"]
+            if made:
+                origin = next((self.origin[id(t)] for t in fixed if id(t) in self.origin), None)
+                if origin is None and not fixed:  # a factory: this line made it
+                    origin = here()
+                for o in made:
+                    if origin is not None:
+                        self.origin[id(o)] = origin
+                        self.keep.append(o)
+            return out
+
+    mode = Origins()
+    try:
+        with torch.no_grad(), mode:
+            model(*args, **kwargs)
+    except Exception:  # noqa: BLE001 - the replay only looks for where the tensor came from
+        pass
+    return mode.found
+
+
+def _meta_device_mismatch(exc: BaseException, model: torch.nn.Module, args: Sequence[Any],
+                          kwargs: Mapping[str, Any]) -> str | None:
+    """For a capture on meta that fails on tensors of two devices: what put a tensor on a fixed device."""
+    if "DeviceMismatch" not in type(exc).__name__ and "found at least two devices" not in str(exc):
+        return None
+    on_meta = any(t.device.type == "meta" for t in list(model.parameters()) + list(model.buffers())) or any(
+        isinstance(t, torch.Tensor) and t.device.type == "meta" for t in _leaves((tuple(args), dict(kwargs))))
+    if not on_meta:
+        return None
+    state = _fixed_device_state(model)
+    if state is not None:
+        return state
+    found = _fixed_device_origin(model, args, kwargs)
+    if found is not None:
+        return (f"{found}: a model whose forward creates a tensor on a fixed device (a factory without device=) "
+                f"cannot be traced on meta; create it on the device of its inputs (device=x.device), or {_PLAN_ON_CPU}")
+    return f"the model mixes tensors on meta and on a fixed device, so it cannot be traced on meta; {_PLAN_ON_CPU}"
+
+
+def _explain(exc: BaseException, model: torch.nn.Module, args: Sequence[Any] = (),
+             kwargs: Mapping[str, Any] | None = None) -> str:
     """Turn a torch.export failure into 'what / where / what to try'."""
     text = str(exc)
     first = next((ln.strip() for ln in text.splitlines() if ln.strip()), type(exc).__name__)
@@ -129,6 +232,10 @@ def _explain(exc: BaseException, model: torch.nn.Module) -> str:
     kind = type(exc).__name__
     tries: list[str]
     low = text.lower()
+    fixed = _meta_device_mismatch(exc, model, args, kwargs or {})
+    if fixed is not None:
+        return (f"cannot capture {type(model).__name__} with torch.export on the meta device: {fixed}. "
+                f"torch says: {first}")
     if "data-dependent" in low or "guardondatadependent" in kind.lower() or "datadependent" in kind.lower():
         what = "data-dependent control flow or shape (a Python branch/int on a tensor value)"
         tries = [
@@ -258,7 +365,7 @@ def capture(
     except CaptureError:
         raise
     except Exception as exc:  # torch raises many unrelated types here
-        raise CaptureError(_explain(exc, model)) from exc
+        raise CaptureError(_explain(exc, model, args, kwargs)) from exc
     try:
         gm = exported.module(check_guards=False)
     except TypeError:  # older torch without check_guards

@@ -23,6 +23,12 @@ FLOPs
     tensors under ``FlopCounterMode``; grouped matmuls (MoE experts) ``2 * tokens * K * N``.
 Bytes moved
     Distinct tensor inputs (activations and parameters read) + outputs.
+Achieved efficiency
+    An op's roofline time ``max(flops / peak, bytes / bandwidth)`` is divided by its family's
+    achieved efficiency (:meth:`~fxpipe.cost.specs.HardwareSpec.efficiency_of`;
+    :func:`~fxpipe.passes.op_families.efficiency_family`: matmul, attention, embedding, reduction,
+    elementwise) before the launch overhead is added and B / W are derived from it; 1.0 on a
+    ``"<gpu>-datasheet"`` spec, which is therefore never slower than the achieved one.
 Shape-only ops
     views, reshape, permute, expand, slicing, ``getitem``, sym-size, ``_assert_*``, detach,
     no-op ``to``/``contiguous``, eval-mode dropout: zero time, zero bytes, zero activation.
@@ -62,10 +68,10 @@ from torch.fx.passes.infra.pass_base import PassBase, PassResult
 from torch.utils.flop_counter import FlopCounterMode, flop_registry, sdpa_flop_count
 
 from fxpipe.cost.specs import HardwareSpec
-from fxpipe.cost.roofline import OpCost, backward_times, forward_time_s, roofline_s
+from fxpipe.cost.roofline import OpCost, backward_times, roofline_s
 from fxpipe.errors import InputError
 from fxpipe.passes.capture import _leaves, _packet, _to_int, getattr_path
-from fxpipe.passes.op_families import ATTENTION, FLOP_COMPOSITE, MATMUL_COMPOSITE, packets  # noqa: F401 (re-exported)
+from fxpipe.passes.op_families import ATTENTION, FLOP_COMPOSITE, MATMUL_COMPOSITE, efficiency_family, packets  # noqa: F401 (re-exported)
 
 #: The single namespaced ``node.meta`` key this pass writes.
 COST_KEY = "fxpipe_cost"
@@ -383,8 +389,6 @@ class RooflineCosts(PassBase):
             all_ts = [t for _, t in uniq.values()] + out_ts
             dname = self._dtype_name(all_ts)
             peak = hw.peak(dname or "fp32")
-            t_fwd = forward_time_s(flops, bytes_moved, peak, hw.hbm_bytes_per_s, lo)
-            core = roofline_s(flops, bytes_moved, peak, hw.hbm_bytes_per_s)  # B/W scale this
             pkt = _packet(node.target)
             param_in = [i for i in ins if i in param_of]
             act_in = [i for i in ins if i not in param_of]
@@ -406,6 +410,13 @@ class RooflineCosts(PassBase):
                 kind = "param_other"
             else:
                 kind = "elementwise"
+            # achieved efficiency of the op's family (1.0 on a datasheet spec): divides the roofline
+            # time of F, and of B and W, which scale the forward's core time
+            eff = hw.efficiency_of(efficiency_family(kind, pkt))
+            core = roofline_s(flops, bytes_moved, peak, hw.hbm_bytes_per_s) / eff
+            t_fwd = core + lo  # fxpipe.cost.roofline.forward_time_s at the achieved rate
+            if weight_grad is not None:
+                weight_grad /= eff
             if rg[node]:
                 t_b, t_w = backward_times(kind, core, lo, input_grads=grad_inputs, factor=factor,
                                           weight_grad_s=weight_grad)

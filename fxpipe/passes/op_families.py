@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["packets", "MATMUL_COMPOSITE", "FLOP_COMPOSITE", "ATTENTION"]
+__all__ = ["packets", "MATMUL_COMPOSITE", "FLOP_COMPOSITE", "ATTENTION", "REDUCTION", "efficiency_family"]
 
 aten = torch.ops.aten
 
@@ -40,3 +40,25 @@ ATTENTION = packets(
     "_scaled_dot_product_flash_attention_for_cpu", "_flash_attention_forward",
     "_efficient_attention_forward",
 )
+#: Reductions (one memory-bound pass that shrinks a dimension): the ``"reduction"`` efficiency family.
+REDUCTION = packets(
+    "sum", "mean", "amax", "amin", "max", "min", "prod", "var", "std", "var_mean", "std_mean", "norm",
+    "linalg_vector_norm", "logsumexp", "cumsum", "cumprod", "argmax", "argmin", "softmax", "_softmax", "log_softmax",
+    "_log_softmax", "nll_loss", "nll_loss_forward", "nll_loss_nd", "cross_entropy_loss", "any", "all", "count_nonzero",
+)
+
+#: Roofline op kind (:data:`fxpipe.cost.roofline.KINDS`) -> efficiency family, where the kind decides it.
+_KIND_FAMILY = {"matmul_param": "matmul", "matmul": "matmul", "attention": "attention", "embedding": "embedding"}
+
+
+def efficiency_family(kind: str, packet) -> str:
+    """The efficiency family (:data:`fxpipe.cost.specs.COMPUTE_FAMILIES`) of an op of roofline ``kind`` and ATen ``packet``.
+
+    Matmul-class kinds -> ``"matmul"``, attention -> ``"attention"``, embedding -> ``"embedding"``;
+    the other (memory-bound) ops -> ``"reduction"`` when their packet is in :data:`REDUCTION`, else
+    ``"elementwise"``.
+    """
+    fam = _KIND_FAMILY.get(kind)
+    if fam is not None:
+        return fam
+    return "reduction" if packet in REDUCTION else "elementwise"

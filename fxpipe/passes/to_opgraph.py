@@ -69,8 +69,8 @@ def to_opgraph(gm: torch.fx.GraphModule, hardware: str | HardwareSpec = "h100-sx
         Annotated by :class:`~fxpipe.passes.annotate.AnnotateCosts` (every node has
         ``meta["fxpipe_cost"]``).
     hardware : str or HardwareSpec
-        Its device-to-device bandwidth (NVLink, per direction) becomes
-        ``bandwidth_bytes_per_s``.
+        Its device-to-device bandwidth (NVLink, per direction) as a stage's send achieves it
+        (:attr:`~fxpipe.cost.specs.HardwareSpec.p2p_bytes_per_s`) becomes ``bandwidth_bytes_per_s``.
     name : str
         Graph name.
     module_prefix : str, optional
@@ -133,11 +133,11 @@ def to_opgraph(gm: torch.fx.GraphModule, hardware: str | HardwareSpec = "h100-sx
         raise AssertionError("parameter bytes were assigned to a node outside the OpGraph; this is a bug in fxpipe")
     names = [n.name for n in nodes]
     graph = OpGraph.from_arrays(
-        **cols, edges=edges if edges else [], bandwidth_bytes_per_s=hw.d2d_bytes_per_s, names=names,
+        **cols, edges=edges if edges else [], bandwidth_bytes_per_s=hw.p2p_bytes_per_s, names=names,
         ops=[n.op for n in nodes], name=name, extra=extra,
         meta={"hardware": hw.name, "source": "fxpipe.passes.to_opgraph",
               **({"topology": hw.topology()} if hw.inter_node_bytes_per_s > 0 else {}),
-              "host": {"host_bytes_per_s": float(hw.host_bytes_per_s),
+              "host": {"host_bytes_per_s": float(hw.host_copy_bytes_per_s),
                        "host_memory_bytes_per_s": float(hw.host_memory_bytes_per_s),
                        "host_memory_bytes": float(hw.host_memory_bytes)}},
     )

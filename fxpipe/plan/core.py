@@ -25,7 +25,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from fxpipe.errors import InputError
-from fxpipe.io import format_bytes
+from fxpipe.io import format_bytes, format_ms, ms_column
 from fxpipe.ir import OpGraph, Orders, Schedule, ScheduleProblem, read_json, schedule_to_orders, write_json_atomic
 from fxpipe.memory import MemoryModel
 from fxpipe.memory.checkpoint import plan_policies, policies_match
@@ -130,7 +130,9 @@ class Plan:
         ``"stage"`` for its recomputing stages and ``"none"`` elsewhere.
     options : dict
         The options the plan was made with (seed, time limit, resolved schedule, ...; the
-        ``torch.compile`` backend adds its own).
+        ``torch.compile`` backend adds its own), and what happened while it was made:
+        ``interrupted`` (true when Ctrl-C stopped its searches, :attr:`interrupted`) and
+        ``warnings`` (fxpipe's warnings raised meanwhile, :meth:`all_warnings`).
     capture : CaptureCell
         The captured fx program (runtime state, not saved, not compared).
     """
@@ -227,12 +229,15 @@ class Plan:
         """Summary lines for a plan with data parallelism or a mesh search (none for a pinned pure pipeline):
         the mesh, the links its data-parallel groups use, and the table of the meshes searched."""
         lines = _mesh_search_table(self.options.get("mesh_search") or [])
+        why = self.no_pipeline_reason()
+        if why:
+            lines.insert(0, why)
         if self.memory.offload_optimizer is True:
             max_params = float(device_num_params(self.graph, self.partition.assignment, self.device_of_stage,
                                                  self.devices).max())
             lines.insert(0, f"optimizer state offloaded to the host (FSDP2 CPUOffloadPolicy): "
                             f"{format_bytes(self.memory.host_bytes_per_param('training') * max_params)} "
-                            f"of host memory and a {self.optimizer_host_step_s * 1e3:.3f} ms host step on the busiest "
+                            f"of host memory and a {format_ms(self.optimizer_host_step_s)} host step on the busiest "
                             "device, in the predicted step")
         if self.dp == 1:
             return lines
@@ -240,9 +245,11 @@ class Plan:
         how = ("FSDP2 fully_shard over dp_shard" + (", HSDP with dp_replicate" if dr > 1 else "")) if ds > 1 else \
             "replicate (DDP) over dp_replicate"
         topology = Topology.of_graph(self.graph)
-        links = dp_links(self.mesh, self.graph.bandwidth_bytes_per_s, topology=topology, order=self.rank_order)
         used = []
-        for dim, degree, coll in (("dp_shard", ds, "all-gather + reduce-scatter"), ("dp_replicate", dr, "all-reduce")):
+        for dim, degree, coll, kind in (("dp_shard", ds, "all-gather + reduce-scatter", "all_gather"),
+                                        ("dp_replicate", dr, "all-reduce", "all_reduce")):
+            links = dp_links(self.mesh, self.graph.bandwidth_bytes_per_s, topology=topology, order=self.rank_order,
+                             kind=kind)
             if degree > 1:
                 where = "" if topology is None else \
                     (" inside a node" if topology.in_node(*dim_span(self.mesh, dim, self.rank_order), self.world_size)
@@ -251,9 +258,36 @@ class Plan:
         return [f"mesh {format_mesh(self.mesh)} on {self.world_size} devices: {self.dp} data-parallel replicas of this "
                 f"pipeline, {self.global_microbatches} micro-batches per step ({self.microbatches} per replica); {how}; "
                 f"ranks ordered {format_rank_order(self.rank_order)} (outermost first)",
-                f"data-parallel sync per step: {self.dp_sync_s * 1e3:.3f} ms on the busiest device ({'; '.join(used)}); "
-                f"predicted step with it {self.predicted_step_s * 1e3:.3f} ms "
-                f"({(self.predicted_step_s - self.schedule.value) * 1e3:.3f} ms not hidden by the pipeline)", *lines]
+                f"data-parallel sync per step: {format_ms(self.dp_sync_s)} on the busiest device ({'; '.join(used)}); "
+                f"predicted step with it {format_ms(self.predicted_step_s)} "
+                f"({format_ms(self.predicted_step_s - self.schedule.value)} not hidden by the pipeline)", *lines]
+
+    def no_pipeline_reason(self) -> str | None:
+        """Why the mesh search chose no pipeline: one summary line, or None.
+
+        Only for a plan whose mesh search (``mesh="auto"``, ``plan.options["mesh_search"]``)
+        chose pure data parallelism (``pp = 1``) although a pipeline (``pp > 1``) was a
+        candidate: the best pipeline's predicted step (or, when none was planned, why the best
+        one by its lower bound was skipped) beside the chosen mesh's, and how to force a
+        pipeline (``--mesh pipeline``, ``mesh="pipeline"``). Figures are the search table's
+        rows (:func:`fxpipe.mesh.search.search_mesh`), in milliseconds.
+        """
+        rows = self.options.get("mesh_search") or []
+        pipes = [r for r in rows if int(r.get("mesh", {}).get("pp", 1)) > 1]
+        if self.devices != 1 or not pipes:
+            return None
+        chosen = next((r for r in rows if r.get("chosen")), None)
+        step = chosen["predicted_step_s"] if chosen and "predicted_step_s" in chosen else self.predicted_step_s
+        here = f"{chosen['mesh_text'] if chosen else format_mesh(self.mesh)} predicts {step * 1e3:.3f} ms per step"
+        force = "--mesh pipeline (mesh=\"pipeline\") forces a pipeline"
+        planned = [r for r in pipes if "predicted_step_s" in r]
+        if planned:
+            best = min(planned, key=lambda r: r["predicted_step_s"])
+            return (f"no pipeline: the best pipeline, {best['mesh_text']}, predicts {best['predicted_step_s'] * 1e3:.3f} "
+                    f"ms per step; {here}; {force}")
+        best = min(pipes, key=lambda r: r.get("lower_bound_s", float("inf")))
+        return (f"no pipeline: no pipeline was planned (the best by its lower bound, {best['mesh_text']}, "
+                f"{best.get('skipped', 'was not planned')}); {here}; {force}")
 
     # ------------------------------------------------------------------ placement
     @property
@@ -390,11 +424,27 @@ class Plan:
         fill_devices = max(1, int(np.ceil(fill_stages / v)))
         if fill_devices < p and (idle or share < 0.5):
             shown = ", ".join(map(str, idle[:8])) + (", ..." if len(idle) > 8 else "")
-            out.append(f"the stages hold on average {share:.0%} of the bottleneck stage's {bottleneck * 1e3:.3f} ms"
+            out.append(f"the stages hold on average {share:.0%} of the bottleneck stage's {format_ms(bottleneck)}"
                        + (f", {len(idle)} of {self.num_stages} almost none (under {IDLE_STAGE_SHARE:.0%}: stages {shown})"
                           if idle else "")
                        + f"; the bottleneck is set by a few large ops, so the other devices idle: the work would fill "
                        f"about {fill_devices} devices at this bottleneck: plan for {fill_devices} devices instead of {p}")
+        return out
+
+    @property
+    def interrupted(self) -> bool:
+        """True when Ctrl-C stopped the searches that made this plan (mesh search, partition, schedule):
+        it is the best plan found by then, not the result of the whole search."""
+        return bool(self.options.get("interrupted"))
+
+    def all_warnings(self) -> list[str]:
+        """Every warning about this plan, each once: what fxpipe warned while making it (a capture on
+        meta with a device branch, a mesh search stopped by Ctrl-C, ...; ``options["warnings"]``), then
+        :meth:`waste_warnings`."""
+        out: list[str] = []
+        for w in [*(self.options.get("warnings") or []), *self.waste_warnings()]:
+            if str(w) not in out:
+                out.append(str(w))
         return out
 
     def summary(self) -> str:
@@ -408,6 +458,8 @@ class Plan:
         if self.dp > 1:  # mesh (fxpipe.mesh): the table is one pipeline of the replicas
             where = f"a pipeline of {where} x {self.dp} data-parallel replicas"
         lines = [
+            *(["interrupted (Ctrl-C): this plan is the best found before the search was stopped, not the result of "
+               "the whole search; run again without interrupting for the full search"] if self.interrupted else []),
             f"fxpipe plan for {self.name!r}: {where}, {self.microbatches} micro-batches, "
             f"hardware {self.hardware}, objective {self.objective}, schedule {self.schedule.method}",
             *self.mesh_summary(),
@@ -416,31 +468,33 @@ class Plan:
         ]
         worst = int(np.argmax([s.cost_s for s in self.stages])) if self.stages and v == 1 else -1
         names = self.problem.checkpoint
-        for s in self.stages:
+        times = list(zip(*(ms_column([getattr(s, k) for s in self.stages])
+                           for k in ("t_fwd_s", "t_bwd_input_s", "t_bwd_weight_s", "cost_s"))))
+        for s, t in zip(self.stages, times):
             mark = " <- bottleneck" if s.stage == worst else ""
             lines.append(
-                f"{s.stage:>5} {s.device:>6} {s.num_ops:>6} {format_bytes(s.params_bytes):>10} {s.t_fwd_s * 1e3:>9.3f} "
-                f"{s.t_bwd_input_s * 1e3:>9.3f} {s.t_bwd_weight_s * 1e3:>9.3f} {s.cost_s * 1e3:>9.3f} "
-                f"{format_bytes(s.memory_bytes):>10} {names[s.stage]:>10}{mark}"
+                f"{s.stage:>5} {s.device:>6} {s.num_ops:>6} {format_bytes(s.params_bytes):>10} "
+                + " ".join(f"{x:>9}" for x in t) + f" {format_bytes(s.memory_bytes):>10} {names[s.stage]:>10}{mark}"
             )
         opt = self.optimality()
         if v > 1 and self.device_table:
             lines.append(f"{'device':>6} {'stages':>10} {'ops':>6} {'params':>10} {'cost ms':>9} {'busy ms':>9} "
                          f"{'span ms':>9} {'span LB ms':>10} {'act peak':>10} {'memory':>10}")
             worst_d = int(np.argmax([d.cost_s for d in self.device_table]))
-            for d, dv in zip(self.device_table, opt["devices"]):
+            times = list(zip(*(ms_column([getattr(d, k) for d in self.device_table]) for k in ("cost_s", "busy_s", "span_s")),
+                             ms_column([dv["span_lower_bound_s"] for dv in opt["devices"]])))
+            for d, t in zip(self.device_table, times):
                 mark = " <- bottleneck" if d.device == worst_d else ""
                 lines.append(
                     f"{d.device:>6} {','.join(map(str, d.stages)):>10} {d.num_ops:>6} {format_bytes(d.params_bytes):>10} "
-                    f"{d.cost_s * 1e3:>9.3f} {d.busy_s * 1e3:>9.3f} {d.span_s * 1e3:>9.3f} "
-                    f"{dv['span_lower_bound_s'] * 1e3:>10.3f} "
+                    f"{t[0]:>9} {t[1]:>9} {t[2]:>9} {t[3]:>10} "
                     f"{format_bytes(d.activation_peak_bytes):>10} {format_bytes(d.memory_bytes):>10}{mark}"
                 )
         lines += self.memory_summary().splitlines()
         what = "bottleneck" if v == 1 else "device bottleneck"
         lines += _objective_lines(opt)
         how = ("the partition's objective" if v == 1 else "a device's stages' work and transfers")
-        lines.append(f"{what} {self.bottleneck_s * 1e3:.3f} ms ({how}, per micro-batch) | "
+        lines.append(f"{what} {format_ms(self.bottleneck_s)} ({how}, per micro-batch) | "
                      f"bubble ratio {self.bubble_ratio:.1%} (idle share of devices x makespan)")
         search = self.schedule.meta.get("placement_search")
         if search:
@@ -451,7 +505,7 @@ class Plan:
                 if span is None:
                     parts.append(f"{label}: skipped")
                     continue
-                fig = f"span {span * 1e3:.3f} ms" + (f", makespan {c['makespan_s'] * 1e3:.3f} ms" if "makespan_s" in c else "")
+                fig = f"span {format_ms(span)}" + (f", makespan {format_ms(c['makespan_s'])}" if "makespan_s" in c else "")
                 parts.append(f"{label}: {fig}" + (" (chosen)" if c.get("chosen") else ""))
             lines.append("placement search (largest per-device span, what the schedule minimises; makespan beside): "
                          + "; ".join(parts))
@@ -461,7 +515,7 @@ class Plan:
                 f"note: stages {empty} hold no ops and only relay tensors: the best partition found uses "
                 f"{self.num_stages - len(empty)} stages; fewer would do as well"
             )
-        lines += [f"warning: {w}" for w in self.waste_warnings()]
+        lines += [f"warning: {w}" for w in self.all_warnings()]
         if self.timings_s:
             lines.append("time: " + ", ".join(f"{k} {v:.2f} s" for k, v in self.timings_s.items()))
         return "\n".join(lines)
@@ -627,10 +681,11 @@ class Plan:
     def train_local(self, make_model: Callable, make_batch: Callable, *, steps: int = 2, lr: float = 0.01,
                     loss: str | Callable = "cross_entropy", seed: int = 0, reference: bool = True,
                     timeout_s: float = 600.0, loss_rtol: float = 1e-4, rtol: float = 1e-5,
-                    compile_stages: bool | None = None, progress: bool | None = None) -> dict[str, Any]:
+                    compile_stages: bool | None = None, progress: bool | None = None,
+                    action_timeout_s: float | None = None) -> dict[str, Any]:
         return _train_local(self, make_model, make_batch, steps=steps, lr=lr, loss=loss, seed=seed,
                             reference=reference, timeout_s=timeout_s, loss_rtol=loss_rtol, rtol=rtol,
-                            compile_stages=compile_stages, progress=progress)
+                            compile_stages=compile_stages, progress=progress, action_timeout_s=action_timeout_s)
 
     train_local.__doc__ = _train_local.__doc__
 
@@ -669,8 +724,8 @@ def _objective_lines(opt: Mapping[str, Any]) -> list[str]:
             verdict = f"{f['status']}, no lower bound"
         else:
             verdict = f"{f['status']}: at most {f['above_bound']:.1%} above its optimum"
-        lines.append(f"  {_FIGURE_TEXT[name][0]:<15} {f['value_s'] * 1e3:9.3f} ms | lower bound "
-                     f"{f['lower_bound_s'] * 1e3:9.3f} ms | {verdict}")
+        lines.append(f"  {_FIGURE_TEXT[name][0]:<15} {format_ms(f['value_s']):>12} | lower bound "
+                     f"{format_ms(f['lower_bound_s']):>12} | {verdict}")
     return lines
 
 
@@ -678,16 +733,21 @@ def _mesh_search_table(rows) -> list[str]:
     """The meshes a search tried, one line each: bound, schedule, sync, predicted step (ms) or why it was skipped."""
     if not rows:
         return []
-    ms = lambda row, key: f"{row[key] * 1e3:.4g}" if key in row else "-"  # noqa: E731
+    def column(key_of: Callable[[Mapping], str]) -> list[str]:  # one number of decimals per column, "-" where absent
+        have = [r for r in rows if key_of(r) in r]
+        shown = iter(ms_column([r[key_of(r)] for r in have]))
+        return [next(shown) if key_of(r) in r else "-" for r in rows]
+
+    cols = [column(lambda r, k=k: k) for k in ("lower_bound_s", "step_time_s")]
+    cols.append(column(lambda r: "exposed_sync_s" if "exposed_sync_s" in r else "dp_sync_s"))
+    cols.append(column(lambda r: "predicted_step_s"))
     width = max(len(r["mesh_text"]) for r in rows)
     out = ["mesh search (predicted step = schedule + data-parallel sync and host optimizer step the pipeline does "
            "not hide, ms; planned in order of the lower bound):",
            f"  {'mesh':<{width}}  {'bound':>9}  {'schedule':>9}  {'sync':>9}  {'predicted':>9}"]
-    for r in rows:
+    for i, r in enumerate(rows):
         tail = " (chosen)" if r.get("chosen") else (f"  skipped: {r['skipped']}" if "skipped" in r else "")
         if r.get("rank_order") and tuple(r["rank_order"]) != MESH_DIMS and "predicted_step_s" in r:
             tail = f"  ranks {format_rank_order(r['rank_order'])}{tail}"
-        out.append(f"  {r['mesh_text']:<{width}}  {ms(r, 'lower_bound_s'):>9}  {ms(r, 'step_time_s'):>9}  "
-                   f"{ms(r, 'exposed_sync_s' if 'exposed_sync_s' in r else 'dp_sync_s'):>9}  "
-                   f"{ms(r, 'predicted_step_s'):>9}{tail}")
+        out.append(f"  {r['mesh_text']:<{width}}  " + "  ".join(f"{c[i]:>9}" for c in cols) + tail)
     return out

@@ -34,6 +34,7 @@ from fxpipe.memory import MemoryModel
 from fxpipe.memory.checkpoint import CheckpointPolicy, policies_match
 from fxpipe.mesh import MESH_DIMS, mesh_degrees, normalize_mesh, normalize_rank_order, pure_pipeline
 from fxpipe.partition.objective import Partition, validate_partition
+from fxpipe.partition.placement import placement_name
 from fxpipe.plan.tables import DeviceStats, StageStats, device_stats, stage_stats
 from fxpipe.schedule.validate import check_schedule
 
@@ -211,6 +212,46 @@ def _check_parts(f: Mapping[str, Any], source: str) -> None:
         raise InputError(f"{source}: the schedule breaks Contract 3: {violations[0]} ({len(violations)} violations)")
 
 
+def _derived_fields(f: Mapping[str, Any]) -> dict[str, tuple[Any, str]]:
+    """Plan fields a file states that its other parts determine: name -> (the value those parts give, what gives it)."""
+    problem, k = f["problem"], f["partition"].k
+    return {
+        "microbatches": (problem.num_microbatches, "the schedule problem's micro-batches per replica"),
+        "num_stages": (k, "the partition's blocks"),
+        "stages_per_device": (k // f["devices"], "the partition's blocks / devices"),
+        "placement": (placement_name(problem.device_of_stage, f["devices"]), "the schedule problem's device_of_stage"),
+        "makespan_s": (float(f["schedule"].makespan), "the schedule"),
+        "objective": (f["partition"].objective, "the partition's objective"),
+        "comm": (f["partition"].comm, "the partition's comm"),
+    }
+
+
+def _check_fields(doc: Mapping[str, Any], f: Mapping[str, Any], source: str) -> None:
+    """The plan's scalar fields: types and ranges, and the fields the graph, partition, problem and
+    schedule determine equal to what they give (an edit of ``microbatches`` is named here, not at build)."""
+    for key in ("name", "hardware"):
+        if not isinstance(doc.get(key), str):
+            raise InputError(f"{source}: field {key!r} is {doc.get(key)!r:.80}, allowed: a string")
+    for key in ("devices", "microbatches"):
+        v = doc.get(key)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise InputError(f"{source}: field {key!r} is {v!r:.80}, allowed: an integer >= 1")
+    if doc["objective"] not in ("training", "inference"):
+        raise InputError(f"{source}: field 'objective' is {doc['objective']!r:.80}, allowed: 'training' or 'inference'")
+    if doc["comm"] not in ("relay", "dag"):
+        raise InputError(f"{source}: field 'comm' is {doc['comm']!r:.80}, allowed: 'relay' or 'dag'")
+    for key, (want, why) in _derived_fields(f).items():
+        if key not in doc:
+            continue
+        got = doc[key]
+        same = (isinstance(got, (int, float)) and not isinstance(got, bool) and np.isclose(float(got), want, rtol=1e-9,
+                                                                                            atol=0.0)) \
+            if isinstance(want, float) else got == want
+        if not same:
+            raise InputError(f"{source}: field {key!r} is {got!r:.80}, but {why} give {want!r}; allowed: {want!r}. The "
+                             "file was edited: regenerate the plan with fxpipe.compile (e.g. with other microbatches=)")
+
+
 def _check_table(kind: str, got_rows, want_rows, source: str) -> None:
     """Every column of the saved ``kind`` table equals its recomputation (InputError naming the first that does not)."""
     for got_row, want_row in zip(got_rows, want_rows):
@@ -238,7 +279,9 @@ def plan_fields_from_dict(doc: Mapping[str, Any], source: str = "plan") -> dict[
     ------
     InputError
         If the document is not a plan, is malformed, or its parts are inconsistent (the message
-        names the part; regenerate the plan with :func:`fxpipe.compile`).
+        names the file and the part or field: an edited ``microbatches``, ``num_stages``,
+        ``placement``, ... disagrees with what the saved problem and schedule give; regenerate
+        the plan with :func:`fxpipe.compile`).
     """
     if not isinstance(doc, Mapping) or doc.get("format") not in PLAN_FORMATS_READ:
         raise InputError(f"{source}: not an {PLAN_FORMAT} (or {PLAN_FORMATS_READ[0]}) document")
@@ -249,6 +292,7 @@ def plan_fields_from_dict(doc: Mapping[str, Any], source: str = "plan") -> dict[
     if "device_of_stage" in doc and list(doc["device_of_stage"]) != list(f["problem"].device_of_stage):
         raise InputError(f"{source}: device_of_stage disagrees with the schedule problem's placement")
     _check_parts(f, source)
+    _check_fields(doc, f, source)
     parts = (f["graph"], f["partition"], f["problem"], f["schedule"], f["objective"], f["memory"])
     want_stages, want_devices = stage_stats(*parts), device_stats(*parts)
     if not f["device_table"]:  # /1 before the device table: recompute it

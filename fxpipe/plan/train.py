@@ -30,6 +30,7 @@ def train_local(
     rtol: float = 1e-5,
     compile_stages: bool | None = None,
     progress: bool | None = None,
+    action_timeout_s: float | None = None,
 ) -> dict[str, Any]:
     """Train ``plan`` for a few steps on ``world_size`` local gloo processes (CPU) and compare.
 
@@ -62,6 +63,12 @@ def train_local(
         compare with ``rtol`` about 1e-4 then.
     progress : bool or None
         A tqdm bar of the pipelined training steps on stderr (None: when stderr is a terminal).
+    timeout_s : float
+        Wall-clock limit of the pipelined run, seconds (start-up and capture included).
+    action_timeout_s : float, optional
+        Longest time a rank may spend inside one schedule action (the forward, backward or
+        weight gradient of one micro-batch on one stage) before the run stops as stuck,
+        seconds (None: only ``timeout_s``).
 
     Returns
     -------
@@ -73,6 +80,15 @@ def train_local(
         ``worst_param`` (per-parameter, reported beside it), ``max_param_rel_diff``,
         ``max_buffer_rel_diff``, ``num_params``, ``num_buffers``, ``random_ops``; the
         :class:`~fxpipe.codegen.launch.TrainResult` objects under ``"results"`` (not JSON).
+
+    Raises
+    ------
+    WorkerError
+        A rank failed: its rank, stage, micro-batch and action, the root cause (the model's own
+        exception, not torch's "failed to run forward") and the model's source line.
+    WorkerTimeoutError
+        Over ``timeout_s`` or ``action_timeout_s`` (a ``TimeoutError``): the rank that is late,
+        the action it is in and for how long, and what the other ranks were doing.
 
     Warns
     -----
@@ -96,7 +112,7 @@ def train_local(
                mesh={**plan.mesh, "order": plan.rank_order},
                offload_optimizer=bool(getattr(plan.memory, "offload_optimizer", False)))
     res = spawn_train_many([run], world_size=plan.world_size, timeout_s=timeout_s, warn_random=rnd is None,
-                           progress=progress)[0]
+                           progress=progress, action_timeout_s=action_timeout_s)[0]
     out: dict[str, Any] = {"pipeline_losses": list(res.losses), "pipeline_wall_s": time.perf_counter() - t0}
     if rnd is None:
         rnd = list(res.meta.get("random_ops", []))

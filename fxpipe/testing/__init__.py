@@ -1,4 +1,4 @@
-"""Test support: small real models and the architecture matrix, for fxpipe's own tests and benchmarks.
+"""Test support: small real models, the architecture matrix and the docs check, for fxpipe's own tests and benchmarks.
 
 Not user API: nothing here is re-exported by ``fxpipe``, and it may change with the tests it
 serves. It ships inside the package (rather than under ``tests/``) because spawned gloo workers
@@ -10,6 +10,9 @@ and the benchmarks import it by module path.
 * :mod:`fxpipe.testing.matrix`: the architecture matrix, every zoo model x pipeline size x
   schedule planned, trained on local gloo ranks and compared with one process
   (``tests/test_arch_matrix*.py``, ``benchmarks/arch_matrix.py``).
+* :mod:`fxpipe.testing.docs`: the claims of README.md and docs/ (``python -m
+  fxpipe.testing.docs --check``): output blocks rerun and compared by structure, every command
+  parsed, every path, link and figure checked (``tests/test_docs.py``).
 
 This package's ``__init__`` imports nothing, so that importing one module does not pull in
 torch or the others.

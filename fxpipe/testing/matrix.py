@@ -30,6 +30,7 @@ from typing import Any, Callable, Sequence
 
 import fxpipe
 from fxpipe.errors import InputError
+from fxpipe.mesh import format_mesh
 from fxpipe.schedule.registry import REGISTRY
 
 __all__ = ["SCHEDULES", "MULTI_STAGE_SCHEDULES", "MatrixCell", "MatrixResult", "run_matrix"]
@@ -71,6 +72,7 @@ class MatrixCell:
     moved_nodes: int = 0
     cloned_inputs: int = 0
     compile_s: float = float("nan")
+    mesh: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -167,6 +169,7 @@ class _Settings:
     rtol: float
     stages_per_device: int
     meta_checkpoint: tuple[str, ...]
+    mesh: Any = "pipeline"
 
 
 def _references(zms: dict, cfg: _Settings, tmp_dir: str | None) -> tuple[dict, dict[str, str], dict[str, str]]:
@@ -217,7 +220,7 @@ def _plan_model(zm, name: str, k: int, cfg: _Settings) -> tuple[dict, dict[str, 
             by_placement[pl] = fxpipe.compile(
                 model, args, kwargs, devices=k, microbatches=cfg.microbatches, stages_per_device=cfg.stages_per_device,
                 placement=pl, time_limit_s=cfg.partition_time_limit_s, schedule=None,  # rescheduled below
-                schedule_time_limit_s=cfg.milp_time_limit_s, name=name, mesh="pipeline")
+                schedule_time_limit_s=cfg.milp_time_limit_s, name=name, mesh=cfg.mesh)
             placement_s[pl] = time.perf_counter() - tc
         plan = by_placement[pl]
         tc = time.perf_counter()
@@ -244,16 +247,17 @@ def _plan_runs(zms: dict, k: int, cfg: _Settings, checkpoints: dict[str, str], m
                 cells.append(MatrixCell(n, zm.family, k, s, False, error=_tail(f"planning failed: {exc!r}")))
             continue
         for s in cfg.schedules:
-            runs.append(dict(make_model=zm, make_batch=zm.batch, loss=zm.loss,
-                             stage_of=plans[s].worker_stage_of(), orders=plans[s].orders(),
-                             recompute_stages=plans[s].recompute_stages(),
-                             num_microbatches=cfg.microbatches, steps=cfg.steps, lr=cfg.lr, model_key=n))
-            keys.append((n, s, compile_s[s]))
+            run = dict(make_model=zm, make_batch=zm.batch, loss=zm.loss,
+                       stage_of=plans[s].worker_stage_of(), orders=plans[s].orders(),
+                       recompute_stages=plans[s].recompute_stages(),
+                       num_microbatches=cfg.microbatches, steps=cfg.steps, lr=cfg.lr, model_key=n)
+            runs.append({**run, **_mesh_run(plans[s])})
+            keys.append((n, s, compile_s[s], format_mesh(plans[s].mesh)))
         if n in meta_errors:
             cells.append(MatrixCell(n, zm.family, k, f"meta-ckpt:{first}", False, error=meta_errors[n]))
         if n in checkpoints:  # built on meta in every worker, each rank reading its stages
             meta_runs[n] = (dict(runs[-len(cfg.schedules)], state={"seed": 0, "checkpoint": checkpoints[n]}),
-                            (n, f"meta-ckpt:{first}", compile_s[first]))
+                            (n, f"meta-ckpt:{first}", compile_s[first], format_mesh(plans[first].mesh)))
         planned.append(n)
     for n in cfg.meta_checkpoint:
         if n in meta_runs:
@@ -262,15 +266,23 @@ def _plan_runs(zms: dict, k: int, cfg: _Settings, checkpoints: dict[str, str], m
     return runs, keys, planned
 
 
+def _mesh_run(plan) -> dict:
+    """The run keys of a mesh plan (:meth:`fxpipe.plan.Plan.train_local`'s): none for a pure pipeline."""
+    if plan.world_size == plan.devices and not getattr(plan.memory, "offload_optimizer", False):
+        return {}
+    return {"mesh": {**plan.mesh, "order": plan.rank_order}, "num_microbatches": plan.global_microbatches,
+            "offload_optimizer": bool(getattr(plan.memory, "offload_optimizer", False))}
+
+
 def _verdict_cell(name: str, family: str, k: int, schedule: str, compile_s: float, result, ref,
-                  cfg: _Settings) -> MatrixCell:
+                  cfg: _Settings, mesh: str = "") -> MatrixCell:
     """The cell of one finished run: an error, or its comparison with the reference
     (:func:`fxpipe.codegen.compare.compare_training`; random ops make it fail)."""
     from fxpipe.codegen.compare import compare_training  # lazy: torch
     from fxpipe.codegen.launch import RunError  # lazy: torch
 
     if isinstance(result, RunError):
-        return MatrixCell(name, family, k, schedule, False, error=_tail(result.message), compile_s=compile_s)
+        return MatrixCell(name, family, k, schedule, False, error=_tail(result.message), compile_s=compile_s, mesh=mesh)
     cmp = compare_training(result, ref, loss_rtol=cfg.loss_rtol, rtol=cfg.rtol,
                            random_ops=result.meta.get("random_ops", ()))
     return MatrixCell(
@@ -281,7 +293,7 @@ def _verdict_cell(name: str, family: str, k: int, schedule: str, compile_s: floa
         full_backward_stages=sorted(int(r) for r, f in result.meta.get("fused_full_backward", {}).items() if f),
         moved_nodes=len(result.meta.get("moved_nodes", {})),
         cloned_inputs=sum(len(v) for v in result.meta.get("cloned", {}).values()),
-        compile_s=compile_s,
+        compile_s=compile_s, mesh=mesh,
     )
 
 
@@ -301,6 +313,7 @@ def run_matrix(
     rtol: float = 1e-5,
     stages_per_device: int = 1,
     meta_checkpoint: Sequence[str] = (),
+    mesh: Any = "pipeline",
     log: Callable[[str], None] | None = None,
 ) -> MatrixResult:
     """Plan, train and compare every model x pipeline size x schedule.
@@ -334,6 +347,11 @@ def run_matrix(
         compared with the whole model built on meta and loaded from that checkpoint in one
         process. Cells ``"meta-ckpt:<schedule>"``. These runs come after all others, in this
         order (a failed run restarts the workers: put the runs expected to fail last).
+    mesh : str or dict
+        ``fxpipe.compile``'s ``mesh`` for every model: ``"pipeline"`` (the default: ``ranks`` pipeline
+        stages), ``"auto"`` (the mesh search, fxpipe's default: the runs train the chosen
+        ``pp x dp_shard x dp_replicate`` on ``ranks`` processes, :mod:`fxpipe.codegen.mesh`) or
+        pinned degrees. The chosen mesh is each cell's ``mesh``.
     log : callable(str), optional
         Progress messages.
 
@@ -355,7 +373,7 @@ def run_matrix(
     if unknown:
         raise InputError(f"meta_checkpoint models {unknown} are not among the matrix's models; add them to models")
     cfg = _Settings(tuple(schedules), steps, lr, microbatches, microbatch_size, partition_time_limit_s,
-                    milp_time_limit_s, run_timeout_s, loss_rtol, rtol, stages_per_device, tuple(meta_checkpoint))
+                    milp_time_limit_s, run_timeout_s, loss_rtol, rtol, stages_per_device, tuple(meta_checkpoint), mesh)
     t_start = time.perf_counter()
     timings: dict[str, float] = {}
     zms = {n: zoo.get(n, microbatches=microbatches, microbatch_size=microbatch_size) for n in names}
@@ -377,13 +395,14 @@ def run_matrix(
                                    timeout_s=run_timeout_s, warn_random=False) if runs else []
         timings[f"train_{k}_s"] = time.perf_counter() - t0
         say(f"{k} ranks: trained {len(runs)} runs in {timings[f'train_{k}_s']:.1f} s")
-        for (n, s, c_s), res in zip(keys, results):
+        for (n, s, c_s, mesh_text), res in zip(keys, results):
             ref = refs[("meta", n)] if s.startswith("meta-ckpt:") else refs[n]
-            cells.append(_verdict_cell(n, zms[n].family, k, s, c_s, res, ref, cfg))
+            cells.append(_verdict_cell(n, zms[n].family, k, s, c_s, res, ref, cfg, mesh_text))
     if tmp is not None:
         tmp.cleanup()
     timings["wall_s"] = time.perf_counter() - t_start
     settings = dict(models=names, ranks=list(ranks), schedules=list(schedules), stages_per_device=stages_per_device,
+                    mesh=mesh,
                     steps=steps, lr=lr,
                     microbatches=microbatches, microbatch_size=microbatch_size,
                     partition_time_limit_s=partition_time_limit_s, milp_time_limit_s=milp_time_limit_s,

@@ -51,8 +51,9 @@ __all__ = ["ZooModel", "get", "names", "FAMILIES", "GROUPS", "ModelInputs"]
 
 FAMILIES = ("decoder", "moe", "ssm", "encoder", "encoder-decoder", "vision", "two-tower", "vision-language", "speech", "dag")
 
-#: ``"core"``: the first round of architectures (issue 8); ``"second"``: the second (issue 17)
-GROUPS = ("core", "second")
+#: ``"core"``: the first round of architectures (issue 8); ``"second"``: the second (issue 17);
+#: ``"third"``: models of the third robustness round (issue 30)
+GROUPS = ("core", "second", "third")
 
 VOCAB = 96
 SEQ = 8
@@ -829,6 +830,44 @@ _SECOND: dict[str, _Entry] = {  # issue 17: the second round of architectures
     "padding_idx": _Entry("dag", _padded, "token"),
 }
 _REGISTRY.update({k: _Entry(e.family, e.build, e.loss, "second") for k, e in _SECOND.items()})
+
+
+def _t5_mixed(b, g, build=True):
+    """T5 as transformers loads it with ``dtype=torch.bfloat16``: every weight in bfloat16 except the
+    feed-forward output projections ``wo`` (``T5PreTrainedModel._keep_in_fp32_modules``), kept in float32.
+
+    Compare it after one step: its bf16 gradients depend on the order the micro-batches' gradients are
+    summed in (about 1 bf16 ulp), and a bf16 weight update amplifies that by the next step. One process
+    backpropagating its 4 micro-batches one by one differs from its own single backward by 0.0048 of the
+    largest gradient at step 1 and 0.026 at step 2, exactly what a pipeline differs by."""
+    model, args, kwargs, target = _t5(b, g, build)
+    if model is not None:
+        model.to(torch.bfloat16)
+        for name in getattr(model, "_keep_in_fp32_modules", None) or ["wo"]:
+            for mod_name, mod in model.named_modules():
+                if mod_name.split(".")[-1] == name:
+                    mod.float()
+    return model, args, kwargs, target
+
+
+_BEIT = dict(hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, image_size=IMAGE,
+             patch_size=8, use_relative_position_bias=True, use_mean_pooling=True)
+_THIRD: dict[str, _Entry] = {  # issue 30: the architectures of the third robustness round
+    # the MLM decoder uses the tied word embedding as cat([decoder.weight.t(), dense.weight])
+    "mobilebert": _Entry("encoder", _masked_lm("MobileBertForMaskedLM", "MobileBertConfig", embedding_size=16,
+                                               intra_bottleneck_size=16, true_hidden_size=16,
+                                               num_feedforward_networks=2), "token"),
+    # relative position bias: an index tensor torch.export lifts out of forward (lifted_tensor_*)
+    "beit": _Entry("vision", _classifier("BeitForImageClassification", "BeitConfig", **_BEIT), "class"),
+    # one relative position bias shared by its 4 layers: its index is built in forward by in-place updates
+    # of a contiguous() copy, which a stage boundary between the updates used to lose (issue 30 item 15)
+    "data2vec_vision": _Entry("vision", _classifier("Data2VecVisionForImageClassification", "Data2VecVisionConfig",
+                                                    **{**_BEIT, "num_hidden_layers": 4, "use_relative_position_bias": False,
+                                                       "use_shared_relative_position_bias": True}), "class"),
+    # bfloat16 and float32 parameters (transformers' _keep_in_fp32_modules)
+    "t5_mixed": _Entry("encoder-decoder", _t5_mixed, "token"),
+}
+_REGISTRY.update({k: _Entry(e.family, e.build, e.loss, "third") for k, e in _THIRD.items()})
 
 
 #: models trained in training mode (BatchNorm statistics; GPT-2 with dropout p = 0)
