@@ -44,6 +44,9 @@ from fxpipe.schedule.from_partition import problem_from_partition
 
 __all__ = ["plan_graph", "plan_with_options", "resolve_memory", "auto_milp_budget_s", "fill_empty_stages"]
 
+#: How far above its lower bound a mesh-search candidate's partition search may stop (relative).
+QUICK_GAP_RTOL = 0.01
+
 #: What :func:`plan_graph` returns: the kept candidate's partition, problem, schedule and phase timings (seconds).
 PlanResult = tuple[Partition, ScheduleProblem, Schedule, dict[str, float]]
 
@@ -255,10 +258,13 @@ def plan_with_options(graph: OpGraph, *, devices: int, microbatches: int, option
                       explain: bool = True, partitions: dict[int, Partition] | None = None) -> PlanResult:
     """:func:`plan_graph` with its options built: the memory model is :func:`resolve_memory` of
     ``memory`` and ``memory_bytes``, and every candidate of ``options.placement_candidates()`` is
-    tried. Same returns and errors as :func:`plan_graph`; with ``explain=False`` a partition that
-    does not fit raises a short :class:`~fxpipe.errors.InfeasibleError` without the search for the
-    device count and remedies (:func:`fxpipe.partition.memory.infeasible_error`), which the mesh
-    search skips for the candidates it does not report on. ``partitions`` (stage count -> partition)
+    tried. Same returns and errors as :func:`plan_graph`; with ``explain=False`` (the mesh search's
+    candidates but the pure pipeline) a partition that does not fit raises a short
+    :class:`~fxpipe.errors.InfeasibleError` without the search for the device count and remedies
+    (:func:`fxpipe.partition.memory.infeasible_error`), and the partition search stops within
+    :data:`QUICK_GAP_RTOL` of its lower bound or after a quarter of its time limit (at least 1 s)
+    without improvement (a candidate whose memory admits few partitions, or none, would otherwise
+    search to the limit). ``partitions`` (stage count -> partition)
     are taken instead of partitioning: the mesh search passes a sibling's partition that is proven
     optimal and fits this memory too."""
     devices = check_count(devices, "devices")
@@ -350,8 +356,17 @@ class _CandidateSearch:
         opts, t0 = self.options, time.perf_counter()
         try:
             with phase(f"partition into {k} stages (up to {opts.time_limit_s:g} s)", on=opts.progress):
+                quick = None
+                if not self.explain:  # a mesh search's candidate: the search stops within 1 % of its bound, and
+                    # after a quarter of its time limit without improvement
+                    from fxpipe.partition.brkga import BRKGAParams  # noqa: PLC0415 (lazy: numba kernels)
+                    from fxpipe.partition.search import STALL_GENERATIONS  # noqa: PLC0415
+
+                    quick = BRKGAParams(stall_generations=STALL_GENERATIONS,
+                                        stall_time_s=min(opts.time_limit_s, max(1.0, 0.25 * opts.time_limit_s)))
                 part = run_partition(self.graph, k, objective=opts.objective, comm="relay", time_limit_s=opts.time_limit_s,
-                                     seed=opts.seed, progress=opts.progress, memory=self.pmem, _explain=self.explain)
+                                     seed=opts.seed, progress=opts.progress, memory=self.pmem, _explain=self.explain,
+                                     brkga_params=quick, **({} if self.explain else {"_gap_rtol": QUICK_GAP_RTOL}))
             part = fill_empty_stages(self.graph, part, self.pmem)
             # data-dependent sizes never cross stages (the search honours it; filling may not)
             check_no_forbidden_cuts(self.graph, part.assignment, what=f"the partition into {k} stages")

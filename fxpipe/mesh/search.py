@@ -105,6 +105,7 @@ from fxpipe.mesh import (
     pipeline_step_s,
 )
 from fxpipe.memory.plan_view import schedule_mem_limit
+from fxpipe.mesh.prefetch import PlanPrefetch, search_workers
 from fxpipe.mesh.limits import mesh_runtime_limit, runtime_limits
 from fxpipe.options import PlanOptions
 from fxpipe.partition.memory import num_params
@@ -249,8 +250,33 @@ def search_mesh(graph, *, devices: int, microbatches: int, memory, options: Plan
         if offload_next.pop(format_mesh(mesh), False) and not row["offload_optimizer"]:
             add_row(mesh, True, after=row)
 
+    prefetch = PlanPrefetch(search_workers(graph))
+
+    def ahead_args(cand):
+        """``(key, plan arguments)`` of a candidate the search will plan unless a better mesh prunes it first, or
+        None (pruned or skipped now, planned or in the works, or a sibling's plan it may reuse)."""
+        _, _, row, entry, mesh, mem, order = cand
+        key = (row["mesh_text"], entry["pipeline_bytes_per_s"])
+        if key in planned or key in prefetch.jobs:
+            return None
+        bound = entry["lower_bound_s"]
+        if best is not None:
+            work = stage_work(int(mesh["pp"]))
+            if work is not None:
+                bound = max(bound, mesh_lower_bound_s(graph, mesh, microbatches, options.objective, order, memory=mem,
+                                                      stage_work_s=work))
+            if bound >= best[1]["predicted_step_s"]:
+                return None
+        if mesh_runtime_limit(mesh, row["offload_optimizer"], limits) is not None or \
+                _static_misfit(mem, graph_params / mesh["pp"], host, options.objective, act_floor / mesh["pp"])[0]:
+            return None
+        g, looser = _sibling_plan(graph, row, entry, mesh, mem, order, options, siblings, graphs, check=False)
+        if looser is not None:
+            return None
+        return key, _plan_kwargs(g, row, entry, mesh, mem, microbatches, options, siblings, mesh["pp"] == devices)
+
     # Ctrl-C: the best mesh so far (a candidate being planned ends with its planner's best so far)
-    with Search("mesh search", unit="candidate", progress=options.progress) as run:
+    with Search("mesh search", unit="candidate", progress=options.progress) as run, prefetch:
         while heap and not run.stopped:
             _, _, row, entry, mesh, mem, order = heapq.heappop(heap)
             work = stage_work(int(mesh["pp"])) if best is not None else None  # refined only where it may prune
@@ -275,8 +301,12 @@ def search_mesh(graph, *, devices: int, microbatches: int, memory, options: Plan
                 continue
             key = (row["mesh_text"], entry["pipeline_bytes_per_s"])  # the orders of one mesh on the same link share it
             if key not in planned:
+                if prefetch.on:  # this candidate and the next ones the search would plan, in worker processes
+                    prefetch.ahead([(entry["lower_bound_s"], 0, row, entry, mesh, mem, order)]
+                                   + heapq.nsmallest(4 * prefetch.workers, heap), ahead_args)
                 planned[key] = _plan_or_reuse(graph, row, entry, mesh, mem, order, microbatches, options, siblings,
-                                              timings, graphs, explain=mesh["pp"] == devices)
+                                              timings, graphs, explain=mesh["pp"] == devices, prefetch=prefetch,
+                                              key=key)
             run.update(1, mesh=row["mesh_text"])
             if isinstance(planned[key], Exception):
                 errors[row["mesh_text"]] = planned[key]
@@ -362,35 +392,62 @@ def _copy_figures(row: dict, entry: dict) -> None:
 
 
 def _plan_or_reuse(graph, row: dict, entry: dict, mesh, mem, order, microbatches: int, options: PlanOptions,
-                   siblings: dict, timings: dict, graphs: dict, explain: bool = True):
+                   siblings: dict, timings: dict, graphs: dict, explain: bool = True, prefetch=None, key=None):
     """``(pipeline graph, planner's result)`` of a candidate, or the planner's error.
 
     Meshes of one pp (so one dp and the same micro-batches per replica) on one pipeline link, with
     the optimizer in the same place, differ only in their memory (ZeRO-1 over dp_shard) and sync:
     a sibling's plan made under memory at least as loose is taken when it fits here (:func:`_reuse`;
     this mesh's feasible plans are a subset of the sibling's), marked ``reused`` in ``entry``;
-    else the pipeline is planned and kept in ``siblings``, its phase times added to ``timings``.
+    else the pipeline is planned (or its plan taken from ``prefetch``, :class:`fxpipe.mesh.prefetch.PlanPrefetch`,
+    when made with the same arguments, under ``key``) and kept in ``siblings``, its phase times added to
+    ``timings``.
     """
-    g = pipeline_graph(graph, mesh, order)
-    g = graphs.setdefault(float(g.bandwidth_bytes_per_s), g)  # one graph object per link: its caches are reused
-    group = (int(mesh["pp"]), entry["pipeline_bytes_per_s"], bool(row["offload_optimizer"]))
-    for looser, result in siblings.get(group, ()):
-        if looser.static_bytes_per_param(options.objective) <= mem.static_bytes_per_param(options.objective):
-            reused = _reuse(g, result, mem, options)
-            if reused is not None:
-                entry["reused"] = True
-                return g, reused
-    try:
-        result = plan_with_options(g, devices=mesh["pp"], microbatches=microbatches // mesh_dp(mesh), options=options,
-                                   memory=mem, memory_bytes=mem.capacity_bytes, explain=explain,
-                                   partitions=_proven_partition(g, siblings, group, mem, options,
-                                                                microbatches // mesh_dp(mesh)))
-    except (FxpipeError, InputError) as exc:
-        return exc
-    siblings.setdefault(group, []).append((mem, result))
+    g, reused = _sibling_plan(graph, row, entry, mesh, mem, order, options, siblings, graphs)
+    if reused is not None:
+        entry["reused"] = True
+        return g, reused
+    kwargs = _plan_kwargs(g, row, entry, mesh, mem, microbatches, options, siblings, explain)
+    got, result = prefetch.take(key, kwargs) if prefetch is not None else (False, None)
+    if not got:
+        try:
+            result = plan_with_options(**kwargs)
+        except (FxpipeError, InputError) as exc:
+            result = exc
+    if isinstance(result, Exception):
+        return result
+    siblings.setdefault(_group(row, entry, mesh), []).append((mem, result))
     for k, v in result[3].items():
         timings[k] = timings.get(k, 0.0) + v
     return g, result
+
+
+def _group(row: dict, entry: dict, mesh) -> tuple:
+    """The sibling group of a candidate: its pp, pipeline link and optimizer place."""
+    return int(mesh["pp"]), entry["pipeline_bytes_per_s"], bool(row["offload_optimizer"])
+
+
+def _sibling_plan(graph, row: dict, entry: dict, mesh, mem, order, options: PlanOptions, siblings: dict,
+                  graphs: dict, check: bool = True):
+    """``(pipeline graph, a sibling's plan that fits here or None)``; with ``check=False`` the plan of any
+    looser sibling, not checked (whether one may be reused)."""
+    g = pipeline_graph(graph, mesh, order)
+    g = graphs.setdefault(float(g.bandwidth_bytes_per_s), g)  # one graph object per link: its caches are reused
+    for looser, result in siblings.get(_group(row, entry, mesh), ()):
+        if looser.static_bytes_per_param(options.objective) <= mem.static_bytes_per_param(options.objective):
+            reused = _reuse(g, result, mem, options) if check else result
+            if reused is not None:
+                return g, reused
+    return g, None
+
+
+def _plan_kwargs(g, row: dict, entry: dict, mesh, mem, microbatches: int, options: PlanOptions, siblings: dict,
+                 explain: bool) -> dict:
+    """The arguments :func:`~fxpipe.planner.plan_with_options` plans a candidate with."""
+    m = microbatches // mesh_dp(mesh)
+    return dict(graph=g, devices=int(mesh["pp"]), microbatches=m, options=options, memory=mem,
+                memory_bytes=mem.capacity_bytes, explain=explain,
+                partitions=_proven_partition(g, siblings, _group(row, entry, mesh), mem, options, m))
 
 
 def _proven_partition(graph, siblings: dict, group: tuple, memory, options: PlanOptions, microbatches: int) -> dict:

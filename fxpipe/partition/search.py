@@ -173,6 +173,7 @@ def partition(
     merge_trivial: bool = True,
     colocate: bool = True,
     _explain: bool = True,
+    _gap_rtol: float = PROVEN_RTOL,
 ) -> Partition:
     """Partition ``graph`` into at most ``k`` pipeline stages minimising the bottleneck.
 
@@ -265,7 +266,7 @@ def partition(
             return _partition_colocated(
                 graph, con, k, warm_order, objective=objective, comm=comm, method=method, time_limit_s=time_limit_s,
                 seed=seed, evaluations=evaluations, memory=model, progress=progress, brkga_params=brkga_params,
-                contract=contract, chain=chain, merge_trivial=merge_trivial, _explain=_explain)
+                contract=contract, chain=chain, merge_trivial=merge_trivial, _explain=_explain, _gap_rtol=_gap_rtol)
 
     t0 = time.perf_counter()
     if model is not None and chain and comm == "relay" and graph.n > 1 and _memory_tight(graph, k, objective, model):
@@ -278,7 +279,9 @@ def partition(
     st = None
     with Search("partition") as run:  # Ctrl-C: the best partition so far, with meta["interrupted"]
         lower, lower_method, chain_part = _lower_bound(graph, k, objective, comm, model, chain)
-        st = _SearchState(run, t0, lower * (1.0 + PROVEN_RTOL), kernel_inputs(graph, k, objective, comm, model))
+        # the search stops within _gap_rtol of its lower bound (proven optimal only within PROVEN_RTOL, _finish)
+        st = _SearchState(run, t0, lower * (1.0 + max(PROVEN_RTOL, float(_gap_rtol))),
+                          kernel_inputs(graph, k, objective, comm, model))
         seeds = _seed_orders(graph, chain_part, warm_order, evaluations)
         run.best_payload = (seeds[0][1], seeds[0][0])  # decoded below even if Ctrl-C came already
         st.decode(seeds, st.inputs)
