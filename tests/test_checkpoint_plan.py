@@ -172,3 +172,19 @@ def test_llama3_70b_on_64_devices_default_is_no_slower_than_the_mesh_chosen_befo
                             **common)
     assert plan.predicted_step_s <= before.predicted_step_s * (1 + 1e-9)
     assert all(d.fits for d in plan.device_table)
+
+
+def test_planning_ahead_in_worker_processes_changes_no_figure(llama8b_2x8192, monkeypatch):
+    """The mesh search plans its next candidates in forked worker processes (fxpipe.mesh.prefetch) on a large
+    graph; it takes a plan made there only when made from the arguments it would plan it with itself, so the
+    search's table and choice are those of planning one candidate after another."""
+    model, args, kwargs = llama8b_2x8192
+    common = dict(devices=8, microbatches=8, hardware="h100-sxm", memory_bytes=H100_96GB, time_limit_s=1.0,
+                  schedule_time_limit_s=0)
+    tables = []
+    for workers in ("1", "2"):
+        monkeypatch.setenv("FXPIPE_SEARCH_WORKERS", workers)
+        plan = fxpipe.compile(model, args, kwargs, **common)
+        tables.append([(r["mesh_text"], r.get("predicted_step_s"), r.get("skipped", "")[:40], r.get("chosen"))
+                       for r in plan.options["mesh_search"]])
+    assert tables[0] == tables[1]
