@@ -234,6 +234,7 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     seed: int = DEFAULTS.seed, mem_limit_bytes: float | None = DEFAULTS.mem_limit_bytes, name: str | None = None,
     progress: bool = DEFAULTS.progress, replicate: str = "auto", memory_bytes: float | None = None,
     memory: MemoryModel | None = None, mesh: Any = "auto",
+    activation_checkpointing: str = DEFAULTS.activation_checkpointing,
 ) -> Plan:
     """Plan pipeline parallelism for ``model``: capture, cost, partition, schedule.
 
@@ -332,6 +333,15 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
         (``pp = 1``); ``plan.options["mesh_search"]`` and the summary list the candidates. With
         a ``memory`` model already sharding over ``data_parallel > 1`` (your own data
         parallelism), ``"auto"`` is ``"pipeline"``: the pure pipeline over all devices.
+    activation_checkpointing : {"auto", "none", "full", "selective"}
+        Activation checkpointing (issue 28, :mod:`fxpipe.memory.checkpoint`; training only).
+        ``"auto"`` (default): the planner chooses per stage, where memory forces it, among none,
+        per-block ``"selective"`` (torchtitan's op-level SAC: matmul and attention outputs kept,
+        every other matmul replayed), ``"budget"`` (the kept set that replays least for a memory
+        budget), per-block ``"full"`` and whole-stage ``"stage"`` recomputation, jointly with the
+        partition, the schedule and the mesh. ``"full"`` / ``"selective"``: that per-block policy
+        on every stage (torchtitan's ``activation_checkpoint.mode``); ``"none"``: never.
+        ``plan.activation_checkpointing`` lists every stage's policy.
 
     Returns
     -------
@@ -354,7 +364,7 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     InputError
         ``args`` not a tuple (e.g. a bare tensor: wrap it, ``(x,)``), ``kwargs`` not a dict,
         devices < 1, microbatches < 1, more stages than ops, unknown hardware/schedule/costs/
-        placement, a schedule the placement does not admit, ``costs="measured"`` with the
+        placement/activation_checkpointing, a schedule the placement does not admit, ``costs="measured"`` with the
         datasheet spec or profile of another device, a mesh whose degrees do not multiply to
         ``devices`` or whose replicas do not divide ``microbatches``, a ``tp`` that does not
         divide the heads or widths of the model's attention blocks and MLPs, or finds nothing
@@ -384,8 +394,8 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
         if planned is None:  # interrupted before any result (outside a search's own handler)
             raise KeyboardInterrupt
     recorded = {"dtype": str(dtype) if dtype else None, "costs": costs, "stages_per_device": stages_per_device,
-                "placement": placement, "mesh": mesh, **({"interrupted": True} if run.interrupted else {}),
-                **({"warnings": list(said)} if said else {})}
+                "placement": placement, "mesh": mesh, "activation_checkpointing": activation_checkpointing,
+                **({"interrupted": True} if run.interrupted else {}), **({"warnings": list(said)} if said else {})}
     plan = _make_plan(traced, hardware_name, microbatches, options, planned, recorded, timings)
     for message in plan.waste_warnings() + plan.tensor_parallel_warnings():
         warnings.warn(message, PlanWarning, stacklevel=2)

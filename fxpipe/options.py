@@ -15,8 +15,9 @@ import numpy as np
 
 import fxpipe.schedule.registry as _schedule_registry
 from fxpipe.errors import InputError
+from fxpipe.memory.checkpoint import CHECKPOINT_REQUESTS, check_request
 
-__all__ = ["PlanOptions", "DEFAULTS", "SCHEDULES", "PLACEMENTS", "OBJECTIVES", "AUTO_STAGES_PER_DEVICE",
+__all__ = ["PlanOptions", "DEFAULTS", "SCHEDULES", "PLACEMENTS", "OBJECTIVES", "AUTO_STAGES_PER_DEVICE", "CHECKPOINT_REQUESTS",
            "DEFAULT_MILP_TIME_LIMIT_S", "DEFAULT_AUTO_MILP_TIME_LIMIT_S", "AUTO_MILP_MIN_SHARE", "check_count"]
 
 #: every schedule method (= :data:`fxpipe.schedule.dispatch.METHODS`); which ones a placement
@@ -73,11 +74,18 @@ class PlanOptions:
         Device-host bandwidth (enables offload).
     progress : bool
         tqdm progress bars.
+    activation_checkpointing : {"auto", "none", "full", "selective"}
+        The activation-checkpoint policy of every stage (issue 28, :mod:`fxpipe.memory.checkpoint`):
+        ``"auto"`` lets the planner choose per stage among none, per-block selective, budgeted and
+        full checkpointing and whole-stage recomputation, where memory forces it; ``"none"``
+        never checkpoints; ``"full"`` / ``"selective"`` run that per-block policy on every stage
+        with blocks (training only).
 
     Raises
     ------
     InputError
-        On an unknown objective, schedule or placement, or a bad ``stages_per_device``.
+        On an unknown objective, schedule, placement or activation-checkpointing value, or a bad
+        ``stages_per_device``.
     """
 
     objective: str = "training"
@@ -90,6 +98,7 @@ class PlanOptions:
     mem_limit_bytes: float | None = None
     host_bandwidth_bytes_per_s: float | None = None
     progress: bool = False
+    activation_checkpointing: str = "auto"
 
     def __post_init__(self) -> None:
         if self.objective not in OBJECTIVES:
@@ -97,6 +106,7 @@ class PlanOptions:
         if self.schedule is not None and self.schedule not in SCHEDULES:
             raise InputError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         self.placement_candidates()  # bad placement / stages_per_device values fail here
+        check_request(self.activation_checkpointing)
 
     @classmethod
     def from_keywords(cls, keywords: Mapping[str, Any]) -> "PlanOptions":

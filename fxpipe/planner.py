@@ -22,6 +22,7 @@ from fxpipe.cost.hardware import HARDWARE
 from fxpipe.errors import InfeasibleError, InputError
 from fxpipe.ir import OpGraph, Schedule, ScheduleProblem
 from fxpipe.memory import MemoryModel
+from fxpipe.memory.checkpoint import menu_for_request
 from fxpipe.memory.plan_view import schedule_mem_limit, stage_static
 from fxpipe.mesh import host_links, optimizer_host_step_s
 from fxpipe.options import (
@@ -42,6 +43,9 @@ from fxpipe.schedule.dispatch import default_method, make_schedule, methods_for_
 from fxpipe.schedule.from_partition import problem_from_partition
 
 __all__ = ["plan_graph", "plan_with_options", "resolve_memory", "auto_milp_budget_s", "fill_empty_stages"]
+
+#: How far above its lower bound a mesh-search candidate's partition search may stop (relative).
+QUICK_GAP_RTOL = 0.01
 
 #: What :func:`plan_graph` returns: the kept candidate's partition, problem, schedule and phase timings (seconds).
 PlanResult = tuple[Partition, ScheduleProblem, Schedule, dict[str, float]]
@@ -160,6 +164,7 @@ def plan_graph(
     progress: bool = DEFAULTS.progress,
     memory_bytes: float | None = None,
     memory: MemoryModel | None = None,
+    activation_checkpointing: str = DEFAULTS.activation_checkpointing,
 ) -> PlanResult:
     """Partition, place and schedule an OpGraph (the torch-free half of :func:`fxpipe.compile`).
 
@@ -216,6 +221,15 @@ def plan_graph(
         plus one micro-batch's stash fits, :class:`fxpipe.partition.memory.PartitionMemory`
         with the ``"floor"`` rule) and the schedule gets ``mem_limit = capacity - reserved
         - static state`` per device (:func:`fxpipe.memory.plan_view.schedule_mem_limit`).
+    activation_checkpointing : {"auto", "none", "full", "selective"}
+        Training only. ``"auto"`` (default): every stage gets a menu of checkpoint policies
+        (:func:`fxpipe.memory.checkpoint.stage_menu`: none, per-block selective, budgeted and full
+        checkpointing, whole-stage recomputation, each with its replay time and memory) and the
+        schedule (``"auto"``) picks one per stage where memory forces it, the partition admitting
+        a stage that fits only with one (:class:`fxpipe.partition.memory.PartitionMemory`
+        ``checkpointing``); ``"full"`` / ``"selective"``: that per-block policy on every stage
+        that has blocks; ``"none"``: no checkpointing at all. The chosen options are
+        ``problem.checkpoint`` (:meth:`fxpipe.plan.Plan.activation_checkpointing` their policies).
 
     Returns
     -------
@@ -240,16 +254,27 @@ def plan_graph(
 
 
 def plan_with_options(graph: OpGraph, *, devices: int, microbatches: int, options: PlanOptions,
-                      memory: MemoryModel | None = None, memory_bytes: float | None = None) -> PlanResult:
+                      memory: MemoryModel | None = None, memory_bytes: float | None = None,
+                      explain: bool = True, partitions: dict[int, Partition] | None = None) -> PlanResult:
     """:func:`plan_graph` with its options built: the memory model is :func:`resolve_memory` of
     ``memory`` and ``memory_bytes``, and every candidate of ``options.placement_candidates()`` is
-    tried. Same returns and errors as :func:`plan_graph`."""
+    tried. Same returns and errors as :func:`plan_graph`; with ``explain=False`` (the mesh search's
+    candidates but the pure pipeline) a partition that does not fit raises a short
+    :class:`~fxpipe.errors.InfeasibleError` without the search for the device count and remedies
+    (:func:`fxpipe.partition.memory.infeasible_error`), and the partition search stops within
+    :data:`QUICK_GAP_RTOL` of its lower bound or after a quarter of its time limit (at least 1 s)
+    without improvement (a candidate whose memory admits few partitions, or none, would otherwise
+    search to the limit). ``partitions`` (stage count -> partition)
+    are taken instead of partitioning: the mesh search passes a sibling's partition that is proven
+    optimal and fits this memory too."""
     devices = check_count(devices, "devices")
     microbatches = check_count(microbatches, "microbatches")
     memory = resolve_memory(graph, memory, memory_bytes)
     if memory.offload_optimizer is True and options.objective == "training":
         optimizer_host_step_s(1.0, memory, host_links(graph))  # its cost needs the host's links: say so now
     search = _CandidateSearch(graph, devices, microbatches, options, memory)
+    search.explain = explain
+    search.parts.update(partitions or {})
     for v, name in options.placement_candidates():
         search.try_candidate(v, name)
     return search.result()
@@ -264,13 +289,17 @@ class _CandidateSearch:
 
     def __init__(self, graph: OpGraph, devices: int, microbatches: int, options: PlanOptions, memory: MemoryModel):
         self.graph, self.devices, self.microbatches, self.options, self.memory = graph, devices, microbatches, options, memory
-        self.pmem = PartitionMemory(memory, microbatches, "floor") if math.isfinite(memory.capacity_bytes) else None
+        self.checkpointing = options.objective == "training" and options.activation_checkpointing != "none"
+        self.pmem = (PartitionMemory(memory, microbatches, "floor", checkpointing=self.checkpointing)
+                     if math.isfinite(memory.capacity_bytes) else None)
         self.several = len(options.placement_candidates()) > 1
         self.timings: dict[str, float] = {"partition": 0.0, "schedule": 0.0}
         self.parts: dict[int, Partition | Exception] = {}
         self.tried: list[dict[str, Any]] = []
         self.best: tuple | None = None
         self.first_error: Exception | None = None
+        self.menus: dict[tuple, list] = {}
+        self.explain = True
 
     def _skip(self, record: dict[str, Any], exc: Exception, *, counts: bool = True) -> None:
         """Record why a candidate is skipped (``counts``: its error may be the one raised when none is
@@ -327,8 +356,17 @@ class _CandidateSearch:
         opts, t0 = self.options, time.perf_counter()
         try:
             with phase(f"partition into {k} stages (up to {opts.time_limit_s:g} s)", on=opts.progress):
+                quick = None
+                if not self.explain:  # a mesh search's candidate: the search stops within 1 % of its bound, and
+                    # after a quarter of its time limit without improvement
+                    from fxpipe.partition.brkga import BRKGAParams  # noqa: PLC0415 (lazy: numba kernels)
+                    from fxpipe.partition.search import STALL_GENERATIONS  # noqa: PLC0415
+
+                    quick = BRKGAParams(stall_generations=STALL_GENERATIONS,
+                                        stall_time_s=min(opts.time_limit_s, max(1.0, 0.25 * opts.time_limit_s)))
                 part = run_partition(self.graph, k, objective=opts.objective, comm="relay", time_limit_s=opts.time_limit_s,
-                                     seed=opts.seed, progress=opts.progress, memory=self.pmem)
+                                     seed=opts.seed, progress=opts.progress, memory=self.pmem, _explain=self.explain,
+                                     brkga_params=quick, **({} if self.explain else {"_gap_rtol": QUICK_GAP_RTOL}))
             part = fill_empty_stages(self.graph, part, self.pmem)
             # data-dependent sizes never cross stages (the search honours it; filling may not)
             check_no_forbidden_cuts(self.graph, part.assignment, what=f"the partition into {k} stages")
@@ -350,18 +388,36 @@ class _CandidateSearch:
         pooled = stage_static(graph, part.assignment, k, self.memory, m, opts.objective, dev).pooled_buffer_bytes
         problem = problem_from_partition(graph, part, num_microbatches=m, mem_limit_bytes=limit,
                                          host_bandwidth_bytes_per_s=opts.host_bandwidth_bytes_per_s, device_of_stage=dev,
-                                         pooled_buffer_bytes=pooled)
+                                         pooled_buffer_bytes=pooled, checkpoint_menu=self._menus(part))
+        pinned = opts.activation_checkpointing if opts.objective == "training" else "none"
+        if pinned in ("full", "selective"):  # the user's policy on every stage that has it
+            problem = problem.with_checkpoint({s: pinned for s in range(k)
+                                               if any(o.name == pinned for o in problem.checkpoint_menu[s])})
         record["device_bottleneck_s"] = float(device_costs(graph, part.assignment, dev, opts.objective, "relay").max())
         record["stage_bottleneck_s"] = float(part.bottleneck)
         if method == "auto":
             budget = auto_milp_budget_s(problem) if opts.schedule_time_limit_s is None else opts.schedule_time_limit_s
             with phase(f"schedule {k} stages x {m} micro-batches (auto, MILP up to {budget:g} s)", on=opts.progress):
-                chosen = auto_schedule(problem, recompute=opts.objective == "training", time_limit_s=budget,
+                chosen = auto_schedule(problem, recompute=pinned != "none", time_limit_s=budget,
                                        progress=opts.progress)
             return chosen.problem, chosen.schedule
         budget = DEFAULT_MILP_TIME_LIMIT_S if opts.schedule_time_limit_s is None else opts.schedule_time_limit_s
         with phase(f"schedule {k} stages x {m} micro-batches ({method})", on=opts.progress):
             return problem, make_schedule(problem, method, time_limit_s=budget, progress=opts.progress)
+
+    def _menus(self, part: Partition) -> list[list] | None:
+        """The activation-checkpoint options of every stage of ``part`` besides ``"none"`` (cached per
+        partition; :func:`fxpipe.memory.checkpoint.menu_for_request` of the options' request), or None in
+        inference, where there is no backward to replay for."""
+        if self.options.objective != "training":
+            return None
+        key = (part.k, part.assignment.tobytes())
+        if key not in self.menus:
+            a = np.asarray(part.assignment)
+            self.menus[key] = [[e.option() for e in menu_for_request(self.graph, np.flatnonzero(a == s),
+                                                                     self.options.activation_checkpointing)]
+                               for s in range(part.k)]
+        return self.menus[key]
 
     def result(self) -> PlanResult:
         """The fastest candidate's (partition, problem, schedule, timings); its schedule's

@@ -187,7 +187,7 @@ def add_memory_arguments(parser: argparse.ArgumentParser, *, plan: bool = False)
     if plan:
         parser.add_argument("--memory-bytes", "--memory", dest="memory", default=None, metavar="SIZE",
                             help="bytes per device, e.g. 80GB or 16GiB (default: the hardware profile's memory; 'inf': no "
-                            "limit); the partition keeps every stage within it and the schedule offloads or recomputes "
+                            "limit); the partition keeps every stage within it and the schedule offloads or checkpoints "
                             "activations where it must")
     else:
         parser.add_argument("--memory", "--memory-capacity", dest="memory", default=None, metavar="SIZE",

@@ -37,6 +37,7 @@ from fxpipe.cli.common import add_command, add_memory_arguments, check_writable,
 from fxpipe.cost.hardware import list_hardware
 from fxpipe.errors import CaptureError, FxpipeWarning, InputError
 from fxpipe.io import format_ms, ms_column
+from fxpipe.memory.checkpoint import CHECKPOINT_REQUESTS
 from fxpipe.mesh import microbatches_per_replica, normalize_mesh, parse_mesh
 from fxpipe.progress import phase, stderr_is_terminal
 from fxpipe.report import write_plan_report
@@ -126,6 +127,12 @@ def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "the heuristics and the MILP, offloading or recomputing activations only where memory forces it)",
     )
     add_memory_arguments(p, plan=True)
+    p.add_argument(
+        "--activation-checkpointing", choices=CHECKPOINT_REQUESTS, default="auto",
+        help="activation checkpointing (training): auto (default: per stage where memory forces it, among none, "
+        "per-block selective / budgeted / full and whole-stage recomputation), none, full or selective (that "
+        "per-block policy on every stage)",
+    )
     p.add_argument("--time-limit", type=float, default=10.0, help="partition search budget in seconds (default 10)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -479,6 +486,7 @@ def _compile(fxpipe, model, margs, mkwargs, args: argparse.Namespace, name: str,
         memory_bytes=None if args.memory is None else parse_bytes(args.memory, allow_inf=True),
         progress=progress,
         mesh=mesh,
+        activation_checkpointing=args.activation_checkpointing,
     )
 
 

@@ -27,6 +27,7 @@ from fxpipe.ir.schedule import (
     SCHEDPROBLEM_FORMAT,
     SCHEDULE_FORMAT,
     Action,
+    CheckpointOption,
     Orders,
     Schedule,
     ScheduledOp,
@@ -42,6 +43,7 @@ from fxpipe.ir.torch_csv import orders_from_torch_csv, orders_to_torch_csv
 
 __all__ = [
     "Action",
+    "CheckpointOption",
     "Orders",
     "ORDERS_FORMAT",
     "identity_placement",

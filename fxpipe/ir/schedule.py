@@ -26,6 +26,7 @@ __all__ = [
     "SCHEDULE_FORMAT",
     "OP_TYPES",
     "OBJECTIVES",
+    "CheckpointOption",
     "ScheduleProblem",
     "ScheduledOp",
     "Schedule",
@@ -152,6 +153,181 @@ def _placement(device_of_stage: Any, num_devices: Any, S: int) -> tuple[int, tup
     return D, dev
 
 
+#: Name of the option of a stage that checkpoints nothing (its stash is ``mem_f``, as built).
+NO_CHECKPOINT = "none"
+
+
+@dataclass(frozen=True)
+class CheckpointOption:
+    """One activation-checkpoint option of a stage: what it costs per micro-batch.
+
+    An entry of :attr:`ScheduleProblem.checkpoint_menu`; :meth:`ScheduleProblem.with_checkpoint`
+    applies it. The option's policy (which segments B replays, which outputs F keeps) lives
+    with the plan (:class:`fxpipe.memory.checkpoint.CheckpointPolicy`); the schedule needs only
+    these figures (bytes and seconds of one micro-batch of the stage, the stage's pooled receive
+    buffers, :attr:`ScheduleProblem.pooled_bytes`, not included).
+
+    Attributes
+    ----------
+    name : str
+        Unique in the stage's menu; ``"none"`` is the stage as built (nothing replayed).
+    replay_s : float
+        Forward time B replays (added to ``t_b``), >= 0; 0 for ``"none"``.
+    kept_bytes : float
+        What F keeps for the backward (the stash), >= 0.
+    peak_bytes : float
+        What a B holds at its worst moment beyond ``kept_bytes`` (the replayed segment's
+        activations, the W-inputs of the segments already done), >= 0.
+    w_bytes : float
+        What the stage holds from the end of a B to its W (the inputs the weight gradients
+        need), >= 0.
+    fused_w_s : float
+        0 for an option with a split backward. > 0 for a *fused* one: B and W of a micro-batch
+        run as one full backward (torch's ``B``; the runtime fuses a B its device runs right
+        before its W, :func:`fxpipe.ir.lowering.merge_backward`), so nothing is held for W
+        (``w_bytes = 0``); this is the stage's weight-gradient time, which the option moves into
+        ``t_b`` (``t_w`` becomes 0; :func:`fxpipe.schedule.validate.place_fused_w` puts every W of
+        such a stage right after its B).
+    """
+
+    name: str
+    replay_s: float = 0.0
+    kept_bytes: float = 0.0
+    peak_bytes: float = 0.0
+    w_bytes: float = 0.0
+    fused_w_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise InputError(f"a checkpoint option needs a non-empty name, got {self.name!r}")
+        for key in ("replay_s", "kept_bytes", "peak_bytes", "w_bytes", "fused_w_s"):
+            val = getattr(self, key)
+            try:
+                val = float(val)
+            except (TypeError, ValueError):
+                raise InputError(f"checkpoint option {self.name!r}: {key} must be a number, got {val!r}") from None
+            if not (math.isfinite(val) and val >= 0):
+                raise InputError(f"checkpoint option {self.name!r}: {key} must be finite and >= 0, got {val!r}")
+            object.__setattr__(self, key, val)
+
+    @property
+    def fused(self) -> bool:
+        """B and W run as one full backward (``fused_w_s > 0``)."""
+        return self.fused_w_s > 0
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {"name": self.name, "replay_s": self.replay_s, "kept_bytes": self.kept_bytes,
+               "peak_bytes": self.peak_bytes, "w_bytes": self.w_bytes}
+        if self.fused_w_s:
+            out["fused_w_s"] = self.fused_w_s
+        return out
+
+    @classmethod
+    def from_dict(cls, doc: Any, *, source: str = "checkpoint option") -> "CheckpointOption":
+        """Parse :meth:`to_dict`'s document (InputError naming the field)."""
+        if not isinstance(doc, Mapping) or "name" not in doc:
+            raise InputError(f"{source}: expected an object with 'name', 'replay_s', 'kept_bytes', 'peak_bytes', "
+                             f"'w_bytes', got {doc!r:.200}")
+        try:
+            return cls(str(doc["name"]), **{k: doc.get(k, 0.0) for k in ("replay_s", "kept_bytes", "peak_bytes",
+                                                                          "w_bytes", "fused_w_s")})
+        except InputError as exc:
+            raise InputError(f"{source}: {exc}") from None
+
+    def b_level(self, pooled: float) -> float:
+        """Memory of the micro-batch while its B runs: ``max(kept + pooled + peak, w + pooled)`` (bytes)."""
+        return max(self.kept_bytes + pooled + self.peak_bytes, self.w_bytes + pooled)
+
+
+def _legacy_menu(f: Mapping[str, np.ndarray], rec: Sequence[bool]) -> tuple[tuple[CheckpointOption, ...], ...]:
+    """The default menu of a problem built without one: ``"none"`` and whole-stage ``"stage"`` recomputation,
+    from the fields as :meth:`ScheduleProblem.with_recompute` has always read them (``recompute_mem_f`` what a
+    recomputing F keeps, ``mem_f - pooled`` the stash B replays, ``-mem_w`` what W needs)."""
+    out = []
+    for s, r in enumerate(rec):
+        c, w = float(f["pooled"][s]), max(-float(f["mem_w"][s]) - float(f["pooled"][s]), 0.0)
+        if r:  # the fields describe the recomputing stage: its replayed stash is what B holds beyond mem_f
+            kept = max(float(f["mem_f"][s]) - c, 0.0)
+            stash = max(float(f["mem_b"][s]) + float(f["trans"][s]), 0.0)
+            none = CheckpointOption(NO_CHECKPOINT, 0.0, stash, 0.0, w)
+            stage = CheckpointOption("stage", float(f["t_f"][s]), kept, stash, w)
+        else:
+            stash = max(float(f["mem_f"][s]) - c, 0.0)
+            none = CheckpointOption(NO_CHECKPOINT, 0.0, stash, 0.0, w)
+            stage = CheckpointOption("stage", float(f["t_f"][s]), max(float(f["rmf"][s]) - c, 0.0), stash, w)
+        out.append((none, stage))
+    return tuple(out)
+
+
+def _parse_menu(menu: Any, S: int) -> tuple[tuple[CheckpointOption, ...], ...]:
+    """Validated ``checkpoint_menu`` (S lists of options, each with a ``"none"`` and unique names)."""
+    if isinstance(menu, (str, bytes)) or not hasattr(menu, "__len__") or len(menu) != S:
+        raise InputError(f"checkpoint_menu must list the options of each of the {S} stages, got {menu!r:.200}")
+    out = []
+    for s, opts in enumerate(menu):
+        if isinstance(opts, (str, bytes, Mapping)) or not hasattr(opts, "__iter__"):
+            raise InputError(f"checkpoint_menu[{s}] must be a list of options, got {opts!r:.200}")
+        row = tuple(o if isinstance(o, CheckpointOption) else
+                    CheckpointOption.from_dict(o, source=f"checkpoint_menu[{s}]") for o in opts)
+        names = [o.name for o in row]
+        if len(set(names)) != len(names):
+            raise InputError(f"checkpoint_menu[{s}] names an option twice: {names}")
+        if NO_CHECKPOINT not in names:
+            raise InputError(f"checkpoint_menu[{s}] must hold the option {NO_CHECKPOINT!r} (the stage as built), got {names}")
+        none = row[names.index(NO_CHECKPOINT)]
+        if none.replay_s != 0.0 or none.peak_bytes != 0.0:
+            raise InputError(f"checkpoint_menu[{s}]: option 'none' replays nothing: its replay_s and peak_bytes must be 0")
+        out.append(row)
+    return tuple(out)
+
+
+def _checkpoint_names(checkpoint: Any, rec: Sequence[bool], S: int, *, explicit_recompute: bool) -> list[str] | None:
+    """Validated ``checkpoint`` names (None when not given); they must agree with an explicit ``recompute``."""
+    if checkpoint is None:
+        return None
+    if isinstance(checkpoint, (str, bytes)) or not hasattr(checkpoint, "__len__") or len(checkpoint) != S:
+        raise InputError(f"checkpoint must name the option of each of the {S} stages, got {checkpoint!r:.200}")
+    names = [str(c) if isinstance(c, str) else c for c in checkpoint]
+    if not all(isinstance(c, str) and c for c in names):
+        raise InputError(f"checkpoint must list option names (strings), got {list(checkpoint)!r:.200}")
+    if explicit_recompute:
+        bad = [s for s in range(S) if rec[s] != (names[s] != NO_CHECKPOINT)]
+        if bad:
+            raise InputError(f"stage {bad[0]}: recompute is {rec[bad[0]]} but checkpoint is {names[bad[0]]!r} "
+                             "(a stage recomputes exactly when its checkpoint option is not 'none')")
+    return names
+
+
+def _check_checkpoint_fields(f: Mapping[str, np.ndarray], ckpt: Sequence[str], menu, derived: bool) -> None:
+    """Every stage runs an option of its menu, and (a menu given, not ``derived`` from the fields) a
+    checkpointing stage's fields are its option's figures."""
+    for s, name in enumerate(ckpt):
+        by_name = {o.name: o for o in menu[s]}
+        if name not in by_name:
+            raise InputError(f"stage {s}: checkpoint option {name!r} is not in its menu {sorted(by_name)}")
+        if derived:
+            continue
+        o, c = by_name[name], float(f["pooled"][s])
+        mem_f = float(f["mem_f"][s])
+        want = {"mem_f (kept_bytes + pooled_bytes)": (mem_f, o.kept_bytes + c)}
+        if name != NO_CHECKPOINT:
+            want["-mem_w (w_bytes + pooled_bytes)"] = (-float(f["mem_w"][s]), o.w_bytes + c)
+            want["mem_f + mem_b + mem_b_transient (the B's level)"] = (
+                mem_f + float(f["mem_b"][s]) + float(f["trans"][s]), o.b_level(c))
+            if float(f["t_b"][s]) < (o.replay_s + o.fused_w_s) * (1 - 1e-9) - 1e-15:
+                raise InputError(f"stage {s}: t_b = {float(f['t_b'][s]):g} s is below the replay time "
+                                 f"{o.replay_s:g} s (+ the fused W's {o.fused_w_s:g} s) of its checkpoint option {name!r}")
+            if o.fused_w_s and float(f["t_w"][s]) > 1e-12 * max(1.0, o.fused_w_s):
+                raise InputError(f"stage {s}: its checkpoint option {name!r} fuses W into B, so t_w must be 0, "
+                                 f"got {float(f['t_w'][s]):g}")
+        elif o.kept_bytes == 0.0 and mem_f > 0 and mem_f <= max(c, 1.0):
+            continue  # an empty stage: mem_f holds the 1-byte floor of Contract 3
+        for what, (got, exp) in want.items():
+            if abs(got - exp) > 1e-6 * max(1.0, abs(got), abs(exp)):
+                raise InputError(f"stage {s}: {what} is {got:.9g} but its checkpoint option {name!r} gives {exp:.9g}: "
+                                 "derive a checkpointing stage with ScheduleProblem.with_checkpoint")
+
+
 @dataclass(frozen=True, eq=False)
 class ScheduleProblem:
     """A pipeline scheduling problem: Contract 3 of DESIGN.md (``fxpipe.schedproblem/1``).
@@ -195,13 +371,27 @@ class ScheduleProblem:
         stream).
     recompute : tuple[bool, ...], length S
         Activation recomputation (Chen et al. 2016, "Training Deep Nets with Sublinear Memory
-        Cost"): stage s replays its forward at the start of each B, so its F keeps only the
-        stage's inputs. For such a stage the other per-stage fields already describe the
-        recomputing stage (:meth:`with_recompute` derives them): ``t_b`` includes the
-        replayed forward, ``mem_f`` is the inputs' bytes, ``mem_b`` may be positive (after B
-        the recomputed activations the W needs are held), ``mem_b_transient`` is the replayed
-        stash that B holds only while it runs, and ``offload_bytes`` is 0. Default: no stage
-        recomputes.
+        Cost"): stage s checkpoints (its :attr:`checkpoint` option is not ``"none"``), so B
+        replays some of its forward and F keeps less. For such a stage the other per-stage
+        fields already describe the checkpointing stage (:meth:`with_checkpoint` derives them):
+        ``t_b`` includes the replayed forward, ``mem_f`` is what F keeps, ``mem_b`` may be
+        positive (after B the recomputed activations the W needs are held), ``mem_b_transient``
+        is what B holds only while it runs (the replayed activations), and ``offload_bytes`` is
+        0. Default: no stage recomputes.
+    checkpoint : tuple[str, ...], length S
+        The activation-checkpoint option every stage runs (a name of its
+        :attr:`checkpoint_menu`); ``"none"`` (the default) is the stage as built, ``"stage"``
+        the whole-stage recomputation of :meth:`with_recompute`. ``recompute[s]`` is
+        ``checkpoint[s] != "none"``.
+    checkpoint_menu : tuple[tuple[CheckpointOption, ...], ...], length S
+        The options every stage may run (issue 28: none, per-block full, selective op
+        checkpointing, budgeted keep sets, whole-stage recomputation; built by
+        :mod:`fxpipe.memory.checkpoint`), each with its replay time, kept bytes, peak of B
+        beyond the kept bytes and W inputs. Default (problems without a menu, e.g. files
+        written before it): ``"none"`` and ``"stage"``, derived from the fields as before
+        (``recompute_mem_f``). The current option's figures agree with the fields:
+        ``mem_f = kept + pooled``, ``-mem_w = w + pooled``, ``mem_f + mem_b +
+        mem_b_transient = max(kept + pooled + peak, w + pooled)`` on a checkpointing stage.
     mem_b_transient : float64 array (S,)
         Bytes a B of stage s holds only while it runs, ``>= 0`` (default 0): memory rises by
         ``mem_b + mem_b_transient`` at the start of the B and falls by ``mem_b_transient`` at
@@ -250,6 +440,8 @@ class ScheduleProblem:
     mem_b_transient: np.ndarray | None = None
     recompute_mem_f: np.ndarray | None = None
     pooled_bytes: np.ndarray | None = None
+    checkpoint: tuple[str, ...] = ()
+    checkpoint_menu: tuple[tuple[CheckpointOption, ...], ...] = ()
 
     @classmethod
     def create(
@@ -276,13 +468,17 @@ class ScheduleProblem:
         mem_b_transient: float | Sequence[float] | None = None,
         recompute_mem_f: float | Sequence[float] | None = None,
         pooled_bytes: float | Sequence[float] | None = None,
+        checkpoint: Sequence[str] | None = None,
+        checkpoint_menu: Sequence[Sequence[CheckpointOption | Mapping[str, Any]]] | None = None,
     ) -> "ScheduleProblem":
         """Build and validate a problem; scalars are broadcast to every stage (device).
 
         Defaults: ``mem_b = -mem_f / 2``, ``mem_w = -mem_f - mem_b`` when not given (half of
         the stash freed by B, the rest by W), ``offload_bytes = mem_f``, one stage per
         device, no recomputation (``recompute`` all False, ``mem_b_transient = 0``,
-        ``recompute_mem_f = mem_f``), ``pooled_bytes = 0``. ``mem_limit`` is per device (D entries, or a scalar).
+        ``recompute_mem_f = mem_f``), ``pooled_bytes = 0``, ``checkpoint`` ``"stage"`` where
+        ``recompute`` is set else ``"none"``, the menu of :attr:`checkpoint_menu`'s default.
+        ``mem_limit`` is per device (D entries, or a scalar).
 
         Raises
         ------
@@ -295,8 +491,11 @@ class ScheduleProblem:
             ``mem_b_transient``, ``recompute_mem_f <= 0``, ``pooled_bytes`` outside ``[0, mem_f]``,
             ``offload_bytes + pooled_bytes > mem_f`` or ``recompute_mem_f < pooled_bytes`` (a
             recomputing stage keeps at least its pooled inputs), a non-positive limit, a bad pcie
-            group, an unknown objective, or a placement that names a device outside
-            ``0..D-1`` or leaves a device without a stage.
+            group, an unknown objective, a placement that names a device outside
+            ``0..D-1`` or leaves a device without a stage, a checkpoint menu without ``"none"``,
+            with a repeated name or a bad figure, a ``checkpoint`` naming an option outside its
+            stage's menu or disagreeing with ``recompute``, or a checkpointing stage whose
+            fields disagree with its option's figures.
         """
         S = _as_count(num_stages, "num_stages")
         M = _as_count(num_microbatches, "num_microbatches")
@@ -349,6 +548,9 @@ class ScheduleProblem:
             if any(not isinstance(x, (bool, np.bool_)) and x not in (0, 1) for x in recompute):
                 raise InputError(f"recompute must list booleans, got {list(recompute)!r:.200}")
             rec = tuple(bool(x) for x in recompute)
+        names = _checkpoint_names(checkpoint, rec, S, explicit_recompute=recompute is not None)
+        if names is not None:
+            rec = tuple(c != NO_CHECKPOINT for c in names)
         rec_a = np.asarray(rec, dtype=bool)
         trans_a = np.zeros(S) if mem_b_transient is None else vec(mem_b_transient, "mem_b_transient")
         if not np.all(np.isfinite(trans_a)) or np.any(trans_a < 0):
@@ -375,6 +577,11 @@ class ScheduleProblem:
             raise InputError("a recomputing stage offloads nothing: offload_bytes must be 0 where recompute is set")
         if np.any(np.isnan(lim_a)) or np.any(lim_a <= 0):
             raise InputError(f"mem_limit must be > 0 on every device, got {lim_a.tolist()}")
+        fields_ = dict(t_f=t_f_a, t_b=t_b_a, t_w=t_w_a, mem_f=mem_f_a, mem_b=mem_b_a, mem_w=mem_w_a, trans=trans_a, pooled=pool_a,
+                       rmf=rmf_a)
+        menu = (_legacy_menu(fields_, rec) if checkpoint_menu is None else _parse_menu(checkpoint_menu, S))
+        ckpt = tuple(names) if names is not None else tuple("stage" if r else NO_CHECKPOINT for r in rec)
+        _check_checkpoint_fields(fields_, ckpt, menu, derived=checkpoint_menu is None)
         groups = []
         if pcie_groups is None or isinstance(pcie_groups, (str, bytes)):
             raise InputError("pcie_groups must be a list of lists of stage indices")
@@ -406,10 +613,12 @@ class ScheduleProblem:
             name=str(name),
             num_devices=D,
             device_of_stage=placement,
-            recompute=rec,
+            recompute=tuple(c != NO_CHECKPOINT for c in ckpt),
             mem_b_transient=_freeze(trans_a),
             recompute_mem_f=_freeze(rmf_a),
             pooled_bytes=_freeze(pool_a),
+            checkpoint=ckpt,
+            checkpoint_menu=menu,
         )
 
     # ---------------------------------------------------------------- recomputation
@@ -434,18 +643,98 @@ class ScheduleProblem:
         """
         return np.maximum(self.mem_f, self.mem_f + self.mem_b_start)
 
-    def with_recompute(self, stages: Sequence[int] | Sequence[bool]) -> "ScheduleProblem":
-        """The problem in which ``stages`` (also) recompute their forward during B.
+    def checkpoint_option(self, stage: int, name: str | None = None) -> CheckpointOption:
+        """The option ``name`` (default: the one it runs) of ``stage``'s :attr:`checkpoint_menu`."""
+        name = self.checkpoint[stage] if name is None else name
+        for o in self.checkpoint_menu[stage]:
+            if o.name == name:
+                return o
+        raise InputError(f"stage {stage}: no checkpoint option {name!r}; its menu has "
+                         f"{[o.name for o in self.checkpoint_menu[stage]]}")
 
-        For a newly recomputing stage s with stash ``mem_f[s]`` of which ``p = -mem_w[s]``
-        is what W needs, ``c = pooled_bytes[s]`` stay anyway, and inputs
-        ``r = recompute_mem_f[s]`` (which include the pooled ``c``): F keeps ``r``
-        (``mem_f = r``); B replays the forward (``t_b += t_f``) and holds, while it runs,
-        the inputs and the replayed stash ``a = mem_f[s] - c``, ``r + a`` for this
-        micro-batch (``mem_b + mem_b_transient = a``), and afterwards the ``p`` bytes W needs
-        (``mem_b = p - r``, ``mem_b_transient = a - p + r >= 0``); W frees them (``mem_w``
-        unchanged); nothing is offloaded (``offload_bytes = 0``). Stages that already
-        recompute are left as they are.
+    def with_checkpoint(self, choice: Mapping[int, str] | Sequence[str]) -> "ScheduleProblem":
+        """The problem in which every stage of ``choice`` runs the named checkpoint option.
+
+        For stage s running option ``c`` and asked to run ``o`` (both of its menu), with ``p =
+        pooled_bytes[s]`` (the receive buffers, held from F to W whatever is done): ``t_b`` trades
+        ``c``'s replayed forward for ``o``'s (``t_b += o.replay_s - c.replay_s``); F keeps
+        ``o.kept_bytes + p`` (``mem_f``); B holds ``o.b_level(p) = max(kept + p + peak, w + p)``
+        while it runs (``mem_b + mem_b_transient``: the kept stash, one replayed segment and
+        the W inputs of the segments already done) and ``o.w_bytes + p`` after it, until W
+        frees them (``mem_w = -(w + p)``); a checkpointing stage offloads nothing
+        (``offload_bytes = 0``). Going back to ``"none"`` from a checkpointing stage is
+        refused (the offload it had is not recorded): derive from the problem as built.
+
+        Parameters
+        ----------
+        choice : mapping stage -> option name, or S names
+
+        Returns
+        -------
+        ScheduleProblem
+
+        Raises
+        ------
+        InputError
+            On a stage outside ``0..S-1``, a name outside the stage's menu, or ``"none"`` for a
+            stage that checkpoints.
+
+        References
+        ----------
+        Chen, Xu, Zhang, Guestrin 2016, "Training Deep Nets with Sublinear Memory Cost" (replay a
+        segment's forward in its backward); Korthikanti et al. 2022, "Reducing Activation
+        Recomputation in Large Transformer Models", Sec. 4-5 (per-layer and selective
+        recomputation).
+        """
+        S = self.num_stages
+        if isinstance(choice, Mapping):
+            items = list(choice.items())
+        elif isinstance(choice, (str, bytes)) or not hasattr(choice, "__len__") or len(choice) != S:
+            raise InputError(f"choice must map stages to option names or name one option per stage ({S}), "
+                             f"got {choice!r:.200}")
+        else:
+            items = list(enumerate(choice))
+        t_b, t_w = np.array(self.t_b, dtype=float), np.array(self.t_w, dtype=float)
+        mem_f, mem_b, mem_w = (np.array(x, dtype=float) for x in (self.mem_f, self.mem_b, self.mem_w))
+        trans, off = np.array(self.mem_b_transient, dtype=float), np.array(self.offload_bytes, dtype=float)
+        names = list(self.checkpoint)
+        for s, name in items:
+            if isinstance(s, (bool, np.bool_)) or not isinstance(s, (int, np.integer)) or not 0 <= s < S:
+                raise InputError(f"checkpoint choice names stage {s!r} outside 0..{S - 1}")
+            s = int(s)
+            cur, new = self.checkpoint_option(s), self.checkpoint_option(s, name)
+            if new.name == cur.name:
+                continue
+            if new.name == NO_CHECKPOINT:
+                raise InputError(f"stage {s} checkpoints ({cur.name!r}): a derived problem cannot go back to 'none' "
+                                 "(its offload is not recorded); derive from the problem as built")
+            c = float(self.pooled_bytes[s])
+            t_b[s] += new.replay_s + new.fused_w_s - cur.replay_s - cur.fused_w_s
+            t_w[s] += cur.fused_w_s - new.fused_w_s
+            mem_f[s] = new.kept_bytes + c
+            mem_w[s] = -(new.w_bytes + c)
+            mem_b[s] = -mem_f[s] - mem_w[s]
+            trans[s] = max(new.b_level(c) - (new.w_bytes + c), 0.0)
+            off[s] = 0.0
+            names[s] = new.name
+        if names == list(self.checkpoint):
+            return self
+        return ScheduleProblem.create(**{**self._create_kwargs(), "t_b": np.maximum(t_b, 0.0),
+                                         "t_w": np.maximum(np.where(np.abs(t_w) < 1e-15, 0.0, t_w), 0.0), "mem_f": mem_f,
+                                         "mem_b": mem_b, "mem_w": mem_w, "mem_b_transient": trans,
+                                         "offload_bytes": off, "recompute": None, "checkpoint": names,
+                                         "checkpoint_menu": self.checkpoint_menu})
+
+    def with_recompute(self, stages: Sequence[int] | Sequence[bool]) -> "ScheduleProblem":
+        """The problem in which ``stages`` (also) recompute their whole forward during B.
+
+        :meth:`with_checkpoint` with the option ``"stage"`` (its default-menu figures: for a
+        stage with stash ``mem_f[s]`` of which ``p = -mem_w[s]`` is what W needs, ``c =
+        pooled_bytes[s]`` stay anyway, and inputs ``r = recompute_mem_f[s]`` (which include the
+        pooled ``c``): F keeps ``r``; B replays the forward (``t_b += t_f``) and holds, while it
+        runs, the inputs and the replayed stash ``a = mem_f[s] - c``, ``r + a`` for this
+        micro-batch, and afterwards the ``p`` bytes W needs; W frees them; nothing is
+        offloaded). Stages that already checkpoint are left as they are.
 
         Parameters
         ----------
@@ -459,7 +748,7 @@ class ScheduleProblem:
         Raises
         ------
         InputError
-            On a stage outside ``0..S-1``.
+            On a stage outside ``0..S-1``, or one whose menu has no ``"stage"`` option.
 
         References
         ----------
@@ -477,26 +766,7 @@ class ScheduleProblem:
                 if isinstance(s, (bool, np.bool_)) or not isinstance(s, (int, np.integer)) or not 0 <= s < S:
                     raise InputError(f"recompute stages must be stage indices in 0..{S - 1}, got {list(stages)!r:.200}")
                 want.add(int(s))
-        new = sorted(want - set(self.recompute_stages))
-        if not new:
-            return self
-        t_b = np.array(self.t_b, dtype=float)
-        mem_f = np.array(self.mem_f, dtype=float)
-        mem_b = np.array(self.mem_b, dtype=float)
-        trans = np.array(self.mem_b_transient, dtype=float)
-        off = np.array(self.offload_bytes, dtype=float)
-        rec = list(self.recompute)
-        for s in new:
-            keep_w, r = -float(self.mem_w[s]), float(self.recompute_mem_f[s])
-            a = float(self.mem_f[s]) - float(self.pooled_bytes[s])
-            t_b[s] += float(self.t_f[s])
-            mem_f[s] = r
-            mem_b[s] = keep_w - r
-            trans[s] = max(a - keep_w + r, 0.0)  # = r - pooled - mem_b_old >= 0 (create checks r >= pooled), up to rounding
-            off[s] = 0.0
-            rec[s] = True
-        return self.replace(t_b=t_b, mem_f=mem_f, mem_b=mem_b, mem_b_transient=trans, offload_bytes=off,
-                            recompute=tuple(rec))
+        return self.with_checkpoint({s: "stage" for s in sorted(want - set(self.recompute_stages))})
 
     # ---------------------------------------------------------------- placement views
     def stages_of_device(self, device: int) -> tuple[int, ...]:
@@ -581,17 +851,33 @@ class ScheduleProblem:
             mem_b_transient=self.mem_b_transient,
             recompute_mem_f=self.recompute_mem_f,
             pooled_bytes=self.pooled_bytes,
+            # a menu derived from the fields is derived again (so replace() of a field keeps them in step)
+            checkpoint=None if self._legacy_menu() else self.checkpoint,
+            checkpoint_menu=None if self._legacy_menu() else self.checkpoint_menu,
         )
+
+    def _legacy_menu(self) -> bool:
+        """Whether :attr:`checkpoint_menu` is the default one derived from the fields (none and stage)."""
+        f = dict(t_f=self.t_f, t_b=self.t_b, mem_f=self.mem_f, mem_b=self.mem_b, mem_w=self.mem_w,
+                 trans=self.mem_b_transient, pooled=self.pooled_bytes, rmf=self.recompute_mem_f)
+        return (self.checkpoint_menu == _legacy_menu(f, self.recompute)
+                and self.checkpoint == tuple("stage" if r else NO_CHECKPOINT for r in self.recompute))
 
     def to_dict(self) -> dict[str, Any]:
         """The ``fxpipe.schedproblem/1`` document; an infinite limit is written as null.
 
         The recomputation keys are written only when they differ from their defaults, so a
-        problem without recomputation has the same document as before they existed.
+        problem without recomputation has the same document as before they existed;
+        ``checkpoint`` and ``checkpoint_menu`` (issue 28) only when the menu is not the default
+        one (none and stage) derived from the fields.
         """
         doc: dict[str, Any] = {"format": SCHEDPROBLEM_FORMAT}
         for key, val in self._create_kwargs().items():
-            if key == "recompute":
+            if key in ("checkpoint", "checkpoint_menu"):
+                if val is None:  # the default menu (none and stage) is derived from the fields again
+                    continue
+                val = list(val) if key == "checkpoint" else [[o.to_dict() for o in row] for row in val]
+            elif key == "recompute":
                 if not any(val):
                     continue
                 val = list(val)
@@ -637,7 +923,7 @@ class ScheduleProblem:
         known = {
             "num_stages", "num_microbatches", "num_devices", "device_of_stage", "t_f", "t_b", "t_w", "t_comm",
             "t_offload", "mem_f", "mem_b", "mem_w", "offload_bytes", "mem_limit", "pcie_groups", "objective", "name",
-            "recompute", "mem_b_transient", "recompute_mem_f", "pooled_bytes",
+            "recompute", "mem_b_transient", "recompute_mem_f", "pooled_bytes", "checkpoint", "checkpoint_menu",
         }
         kwargs = {k: v for k, v in kwargs.items() if k in known}  # unknown keys are ignored
         try:

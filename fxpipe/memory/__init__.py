@@ -8,6 +8,10 @@
 * :mod:`fxpipe.memory.plan_view`: the model applied to a costed graph, its partition, the
   placement and a schedule (static state per stage, Contract 3's ``mem_limit``, the stage
   and device tables of a plan).
+* :mod:`fxpipe.memory.checkpoint`: activation checkpointing (issue 28): the repeated blocks of
+  a graph, each stage's menu of policies (none, per-block full / selective / budgeted,
+  whole-stage) with what F keeps, what B replays and holds, and the plan's
+  :class:`~fxpipe.memory.checkpoint.CheckpointPolicy` per stage.
 * The partitioner's view (the per-stage memory the SliceGraph DP and the bounds count) is
   :mod:`fxpipe.partition.memory`: it lives beside the partitioner, which must stay free of
   anything but plain numbers.

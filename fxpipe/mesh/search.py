@@ -32,12 +32,19 @@ equal bounds), recorded in its row
 
 Kept fast by bounds: the candidates are planned in increasing order of a lower bound that needs
 no partition (:func:`mesh_lower_bound_s`: perfectly balanced work without bubbles plus the sync
-of the average device's parameters), and the search stops at the first candidate whose bound
-is no better than the best predicted step so far (the rest are pruned: none can win). A
-candidate whose average static state (parameters, gradients, optimizer state under the mesh's
-memory model) already exceeds the usable memory is skipped without planning; so is one the
-planner finds infeasible, with its reason; so is one the runtime cannot run for this model
-(:mod:`fxpipe.mesh.limits`). Every candidate is a row of the returned table.
+of the average device's parameters; when a best exists, refined with the busiest stage's work
+over every partition, :func:`stage_work_bound_s`), and the search stops at the first candidate
+whose bound is no better than the best predicted step so far (the rest are pruned: none can
+win). A candidate whose average static state (parameters, gradients, optimizer state under the
+mesh's memory model), with the least activations every device holds (one micro-batch,
+checkpointed where allowed), already exceeds the usable memory is skipped without planning; so
+is one the planner finds infeasible, with its reason (the partitioner refuses at once a stage
+count whose memory chain bound overflows, :func:`fxpipe.partition.search.memory_lower_bound`);
+so is one the runtime cannot run for this model (:mod:`fxpipe.mesh.limits`). Every candidate
+is a row of the returned table. Activation checkpointing (issue 28) is chosen per stage by each
+candidate's planner, so FSDP-heavy meshes are priced with per-block checkpointing; a sibling's
+partition proven optimal that fits a candidate's memory is reused whatever the optimizer's
+place.
 
 Optimizer state on the host (ZeRO-Offload, Ren et al. 2021; :attr:`fxpipe.memory.MemoryModel.offload_optimizer`):
 when the memory model leaves it to the search (``offload_optimizer=None``, the default) and the graph
@@ -98,6 +105,7 @@ from fxpipe.mesh import (
     pipeline_step_s,
 )
 from fxpipe.memory.plan_view import schedule_mem_limit
+from fxpipe.mesh.prefetch import PlanPrefetch, search_workers
 from fxpipe.mesh.limits import mesh_runtime_limit, runtime_limits
 from fxpipe.options import PlanOptions
 from fxpipe.partition.memory import num_params
@@ -190,10 +198,21 @@ def search_mesh(graph, *, devices: int, microbatches: int, memory, options: Plan
     elif plan_kwargs:
         raise InputError(f"search_mesh takes options or plan_graph keywords, not both: got {sorted(plan_kwargs)}")
     graph_params = float(np.sum(num_params(graph)))
+    act_floor = _activation_floor(graph, options)
     topology = Topology.of_graph(graph)
     host = host_links(graph)
     limits = runtime_limits(graph)
     heap: list = []  # (lower bound, sequence, row, order entry, mesh, memory model, order)
+    work_bounds: dict[int, float | None] = {}
+
+    def stage_work(pp: int) -> float | None:
+        """:func:`stage_work_bound_s` of ``pp`` stages (one per device; None with several per device)."""
+        if options.placement_candidates() != [(1, "looped")]:
+            return None
+        if pp not in work_bounds:
+            work_bounds[pp] = stage_work_bound_s(graph, pp, options.objective)
+        return work_bounds[pp]
+
     table = []
     seq = itertools.count()  # equal bounds: more stages first, the default order first, the device before the host
 
@@ -224,16 +243,47 @@ def search_mesh(graph, *, devices: int, microbatches: int, memory, options: Plan
     timings: dict[str, float] = {}
     planned: dict[tuple, Any] = {}  # (mesh, pipeline bandwidth) -> the planner's result or error
     siblings: dict[tuple, list] = {}  # (pp, pipeline bandwidth, optimizer on host) -> [(memory, planner's result)]
+    graphs: dict[float, Any] = {}  # pipeline bandwidth -> the one graph planned on it
 
     def needs_host(row: dict, mesh) -> None:
         """The optimizer state of ``mesh`` binds its memory on the device: try it on the host too (once)."""
         if offload_next.pop(format_mesh(mesh), False) and not row["offload_optimizer"]:
             add_row(mesh, True, after=row)
 
+    prefetch = PlanPrefetch(search_workers(graph))
+
+    def ahead_args(cand):
+        """``(key, plan arguments)`` of a candidate the search will plan unless a better mesh prunes it first, or
+        None (pruned or skipped now, planned or in the works, or a sibling's plan it may reuse)."""
+        _, _, row, entry, mesh, mem, order = cand
+        key = (row["mesh_text"], entry["pipeline_bytes_per_s"])
+        if key in planned or key in prefetch.jobs:
+            return None
+        bound = entry["lower_bound_s"]
+        if best is not None:
+            work = stage_work(int(mesh["pp"]))
+            if work is not None:
+                bound = max(bound, mesh_lower_bound_s(graph, mesh, microbatches, options.objective, order, memory=mem,
+                                                      stage_work_s=work))
+            if bound >= best[1]["predicted_step_s"]:
+                return None
+        if mesh_runtime_limit(mesh, row["offload_optimizer"], limits) is not None or \
+                _static_misfit(mem, graph_params / mesh["pp"], host, options.objective, act_floor / mesh["pp"])[0]:
+            return None
+        g, looser = _sibling_plan(graph, row, entry, mesh, mem, order, options, siblings, graphs, check=False)
+        if looser is not None:
+            return None
+        return key, _plan_kwargs(g, row, entry, mesh, mem, microbatches, options, siblings, mesh["pp"] == devices)
+
     # Ctrl-C: the best mesh so far (a candidate being planned ends with its planner's best so far)
-    with Search("mesh search", unit="candidate", progress=options.progress) as run:
+    with Search("mesh search", unit="candidate", progress=options.progress) as run, prefetch:
         while heap and not run.stopped:
             _, _, row, entry, mesh, mem, order = heapq.heappop(heap)
+            work = stage_work(int(mesh["pp"])) if best is not None else None  # refined only where it may prune
+            if work is not None:
+                entry["lower_bound_s"] = max(entry["lower_bound_s"], mesh_lower_bound_s(
+                    graph, mesh, microbatches, options.objective, order, memory=mem, stage_work_s=work))
+                row["lower_bound_s"] = min(e["lower_bound_s"] for e in row["by_order"])
             if best is not None and entry["lower_bound_s"] >= best[1]["predicted_step_s"]:
                 entry["skipped"] = (f"pruned: its lower bound {format_ms(entry['lower_bound_s'])} is no better than "
                                     f"{best[0]['mesh_text']}'s predicted {format_ms(best[1]['predicted_step_s'])}")
@@ -242,7 +292,8 @@ def search_mesh(graph, *, devices: int, microbatches: int, memory, options: Plan
             if unrunnable is not None:
                 entry["skipped"] = unrunnable
                 continue
-            misfit, on_device = _static_misfit(mem, graph_params / mesh["pp"], host, options.objective)
+            misfit, on_device = _static_misfit(mem, graph_params / mesh["pp"], host, options.objective,
+                                               act_floor / mesh["pp"])
             if misfit is not None:
                 entry["skipped"] = misfit
                 if on_device:
@@ -250,8 +301,12 @@ def search_mesh(graph, *, devices: int, microbatches: int, memory, options: Plan
                 continue
             key = (row["mesh_text"], entry["pipeline_bytes_per_s"])  # the orders of one mesh on the same link share it
             if key not in planned:
+                if prefetch.on:  # this candidate and the next ones the search would plan, in worker processes
+                    prefetch.ahead([(entry["lower_bound_s"], 0, row, entry, mesh, mem, order)]
+                                   + heapq.nsmallest(4 * prefetch.workers, heap), ahead_args)
                 planned[key] = _plan_or_reuse(graph, row, entry, mesh, mem, order, microbatches, options, siblings,
-                                              timings)
+                                              timings, graphs, explain=mesh["pp"] == devices, prefetch=prefetch,
+                                              key=key)
             run.update(1, mesh=row["mesh_text"])
             if isinstance(planned[key], Exception):
                 errors[row["mesh_text"]] = planned[key]
@@ -295,15 +350,34 @@ def search_mesh(graph, *, devices: int, microbatches: int, memory, options: Plan
         (part, problem, sched, timings), table
 
 
+def _activation_floor(graph, options: PlanOptions) -> float:
+    """The least activation bytes all the stages of any pipeline of ``graph`` hold together (training):
+    every stage keeps one micro-batch's stash, or with checkpointing at least what per-block
+    checkpointing keeps (:func:`fxpipe.memory.checkpoint.partition_floor`), so per node the smaller
+    of the two (a sum of minima is at most the minimum of the sums, stage by stage). 0 in inference."""
+    if options.objective != "training":
+        return 0.0
+    act = np.asarray(graph.act_bytes, dtype=np.float64)
+    if options.activation_checkpointing == "none":
+        return float(act.sum())
+    from fxpipe.memory.checkpoint import partition_floor  # noqa: PLC0415
+
+    return float(np.minimum(act, partition_floor(graph)[0]).sum())
+
+
 def _static_misfit(mem, params_per_device: float, host: Mapping[str, float] | None,
-                   objective: str) -> tuple[str | None, bool]:
+                   objective: str, act_per_device: float = 0.0) -> tuple[str | None, bool]:
     """``(why, on the device)``: why a candidate cannot fit before any partition (its average
-    device's static state over the usable memory, or its optimizer state over the host memory),
-    else ``(None, False)``."""
+    device's static state, with ``act_per_device`` the least activations it holds on average, over
+    the usable memory, or its optimizer state over the host memory), else ``(None, False)``."""
     static = mem.static_bytes_per_param(objective) * params_per_device
     if static > mem.usable_bytes:
         return (f"cannot fit: the static state alone needs {format_bytes(static)} per device on "
                 f"average, over the usable {format_bytes(mem.usable_bytes)}"), True
+    if static + act_per_device > mem.usable_bytes:
+        return (f"cannot fit: the static state and the least activations (one micro-batch, checkpointed where "
+                f"allowed) need {format_bytes(static + act_per_device)} per device on average, over the usable "
+                f"{format_bytes(mem.usable_bytes)}"), True
     on_host = mem.host_bytes_per_param(objective) * params_per_device
     if host and host["host_memory_bytes"] > 0 and on_host > host["host_memory_bytes"]:
         return (f"cannot fit: the optimizer state on the host needs {format_bytes(on_host)} per device "
@@ -318,32 +392,82 @@ def _copy_figures(row: dict, entry: dict) -> None:
 
 
 def _plan_or_reuse(graph, row: dict, entry: dict, mesh, mem, order, microbatches: int, options: PlanOptions,
-                   siblings: dict, timings: dict):
+                   siblings: dict, timings: dict, graphs: dict, explain: bool = True, prefetch=None, key=None):
     """``(pipeline graph, planner's result)`` of a candidate, or the planner's error.
 
     Meshes of one pp (so one dp and the same micro-batches per replica) on one pipeline link, with
     the optimizer in the same place, differ only in their memory (ZeRO-1 over dp_shard) and sync:
     a sibling's plan made under memory at least as loose is taken when it fits here (:func:`_reuse`;
     this mesh's feasible plans are a subset of the sibling's), marked ``reused`` in ``entry``;
-    else the pipeline is planned and kept in ``siblings``, its phase times added to ``timings``.
+    else the pipeline is planned (or its plan taken from ``prefetch``, :class:`fxpipe.mesh.prefetch.PlanPrefetch`,
+    when made with the same arguments, under ``key``) and kept in ``siblings``, its phase times added to
+    ``timings``.
     """
-    g = pipeline_graph(graph, mesh, order)
-    group = (int(mesh["pp"]), entry["pipeline_bytes_per_s"], bool(row["offload_optimizer"]))
-    for looser, result in siblings.get(group, ()):
-        if looser.static_bytes_per_param(options.objective) <= mem.static_bytes_per_param(options.objective):
-            reused = _reuse(g, result, mem, options)
-            if reused is not None:
-                entry["reused"] = True
-                return g, reused
-    try:
-        result = plan_with_options(g, devices=mesh["pp"], microbatches=microbatches // mesh_dp(mesh), options=options,
-                                   memory=mem, memory_bytes=mem.capacity_bytes)
-    except (FxpipeError, InputError) as exc:
-        return exc
-    siblings.setdefault(group, []).append((mem, result))
+    g, reused = _sibling_plan(graph, row, entry, mesh, mem, order, options, siblings, graphs)
+    if reused is not None:
+        entry["reused"] = True
+        return g, reused
+    kwargs = _plan_kwargs(g, row, entry, mesh, mem, microbatches, options, siblings, explain)
+    got, result = prefetch.take(key, kwargs) if prefetch is not None else (False, None)
+    if not got:
+        try:
+            result = plan_with_options(**kwargs)
+        except (FxpipeError, InputError) as exc:
+            result = exc
+    if isinstance(result, Exception):
+        return result
+    siblings.setdefault(_group(row, entry, mesh), []).append((mem, result))
     for k, v in result[3].items():
         timings[k] = timings.get(k, 0.0) + v
     return g, result
+
+
+def _group(row: dict, entry: dict, mesh) -> tuple:
+    """The sibling group of a candidate: its pp, pipeline link and optimizer place."""
+    return int(mesh["pp"]), entry["pipeline_bytes_per_s"], bool(row["offload_optimizer"])
+
+
+def _sibling_plan(graph, row: dict, entry: dict, mesh, mem, order, options: PlanOptions, siblings: dict,
+                  graphs: dict, check: bool = True):
+    """``(pipeline graph, a sibling's plan that fits here or None)``; with ``check=False`` the plan of any
+    looser sibling, not checked (whether one may be reused)."""
+    g = pipeline_graph(graph, mesh, order)
+    g = graphs.setdefault(float(g.bandwidth_bytes_per_s), g)  # one graph object per link: its caches are reused
+    for looser, result in siblings.get(_group(row, entry, mesh), ()):
+        if looser.static_bytes_per_param(options.objective) <= mem.static_bytes_per_param(options.objective):
+            reused = _reuse(g, result, mem, options) if check else result
+            if reused is not None:
+                return g, reused
+    return g, None
+
+
+def _plan_kwargs(g, row: dict, entry: dict, mesh, mem, microbatches: int, options: PlanOptions, siblings: dict,
+                 explain: bool) -> dict:
+    """The arguments :func:`~fxpipe.planner.plan_with_options` plans a candidate with."""
+    m = microbatches // mesh_dp(mesh)
+    return dict(graph=g, devices=int(mesh["pp"]), microbatches=m, options=options, memory=mem,
+                memory_bytes=mem.capacity_bytes, explain=explain,
+                partitions=_proven_partition(g, siblings, _group(row, entry, mesh), mem, options, m))
+
+
+def _proven_partition(graph, siblings: dict, group: tuple, memory, options: PlanOptions, microbatches: int) -> dict:
+    """``{k: partition}`` of a plan made for the same ``pp`` and pipeline link (the optimizer anywhere) whose
+    partition is proven optimal (its bottleneck meets a bound that ignores memory) and fits ``memory`` by the
+    partitioner's rule: the partition the planner would find here too, so it is not searched again."""
+    from fxpipe.partition.memory import PartitionMemory, stage_memory_bytes  # noqa: PLC0415
+
+    pm = PartitionMemory(memory, microbatches, "floor", checkpointing=options.objective == "training"
+                         and options.activation_checkpointing != "none")
+    for (pp, link, _), results in siblings.items():
+        if (pp, link) != group[:2]:
+            continue
+        for _, (part, *_rest) in results:
+            if not part.meta.get("proven_optimal"):
+                continue
+            need = stage_memory_bytes(graph, part.assignment, part.k, options.objective, pm, "relay")
+            if float(need.max()) <= pm.usable_bytes * (1 + 1e-12):
+                return {part.k: part}
+    return {}
 
 
 def _reuse(graph, result, memory, options: PlanOptions):
@@ -426,8 +550,34 @@ def _better(entry: dict, mesh: dict, best: dict, best_mesh: dict) -> bool:
     return a <= b * (1 + 1e-9) and mesh["pp"] > best_mesh["pp"]
 
 
+def stage_work_bound_s(graph, k: int, objective: str = "training") -> float:
+    """A lower bound on the work (seconds per micro-batch, F + B + W in training) of the busiest of ``k``
+    stages over every partition of ``graph``: the chain bound (:func:`fxpipe.partition.chain.solve_chain`,
+    valid for every partition) of the graph with free communication: above ``work / k`` where the ops do
+    not split evenly (Llama-3-70B into 64 stages: 10 % above). The mesh search refines a candidate's
+    bound with it when it pops one it might prune."""
+    from fxpipe.partition.chain import solve_chain  # noqa: PLC0415 - lazy: numba kernels
+
+    if int(k) < 2 or graph.n < 2:
+        return float(np.sum(graph.work_s(objective))) if int(k) == 1 else 0.0
+    surrogate = _WORK_GRAPHS.get((id(graph), objective))
+    if surrogate is None or surrogate[0] is not graph:
+        free = dataclasses.replace(graph, t_fwd_s=np.asarray(graph.work_s(objective), dtype=np.float64),
+                                   t_bwd_input_s=np.zeros(graph.n), t_bwd_weight_s=np.zeros(graph.n),
+                                   bandwidth_bytes_per_s=1e300)
+        if len(_WORK_GRAPHS) > 8:
+            _WORK_GRAPHS.clear()
+        surrogate = _WORK_GRAPHS[(id(graph), objective)] = (graph, free)
+    return float(solve_chain(surrogate[1], int(k), "inference", "relay", partition=False).lower_bound_s)
+
+
+#: The free-communication copy of a graph :func:`stage_work_bound_s` bounds (one per graph: its chain
+#: decomposition is reused for every stage count).
+_WORK_GRAPHS: dict = {}
+
+
 def mesh_lower_bound_s(graph, mesh, microbatches: int, objective: str = "training", order: Any = None,
-                       memory=None) -> float:
+                       memory=None, stage_work_s: float | None = None) -> float:
     """A lower bound on the predicted step of ``mesh`` that needs no partition (seconds).
 
     Every replica runs ``microbatches / dp`` micro-batches over ``pp`` devices, so its busiest
@@ -464,6 +614,11 @@ def mesh_lower_bound_s(graph, mesh, microbatches: int, objective: str = "trainin
     memory : MemoryModel, optional
         The mesh's memory model: with ``offload_optimizer`` every device's host step
         (:func:`fxpipe.mesh.optimizer_host_step_s`, linear in its parameters) joins its sync.
+    stage_work_s : float, optional
+        A lower bound on the busiest stage's work per micro-batch over every partition into ``pp``
+        stages (:func:`stage_work_bound_s`): with one stage per device that device computes at
+        least ``microbatches / dp`` times it, so the bound is at least that (plus the sync of no
+        parameters).
 
     Returns
     -------
@@ -493,4 +648,6 @@ def mesh_lower_bound_s(graph, mesh, microbatches: int, objective: str = "trainin
                                                                              float(params[top[0]])))
         if work_per_op.size > pp:
             bound = max(bound, per_replica * float(work_per_op[top[pp - 1]] + work_per_op[top[pp]]) + sync(0.0))
+    if stage_work_s is not None:  # the busiest stage of any partition (one stage per device)
+        bound = max(bound, per_replica * float(stage_work_s) + sync(0.0))
     return bound

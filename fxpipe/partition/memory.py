@@ -22,7 +22,11 @@ pipeline position ``s`` of ``k`` holding the nodes ``V_s`` needs
     the last,
 
 and must fit ``capacity - reserved`` (:attr:`MemoryModel.usable_bytes`). A block that does
-not fit is infeasible: the SliceGraph DP gives it cost ``inf``.
+not fit is infeasible: the SliceGraph DP gives it cost ``inf``. With
+:attr:`PartitionMemory.checkpointing` (the planner sets it in training unless
+``activation_checkpointing="none"``) a stage's stash is the smaller of its ``act_bytes`` and
+what per-block checkpointing keeps plus one block's replay (:func:`activation_floor`): a stage
+that fits only with a checkpoint policy is admitted with it.
 
 Parameters are counted as parameters (:func:`num_params`): from the per-node ``num_params``
 key of a captured graph (Contract 1 keeps unknown keys), else from ``size_param_bytes``
@@ -100,11 +104,15 @@ class PartitionMemory:
         m (receive buffers are one per micro-batch; the ``"1f1b"`` rule caps at m).
     activation : {"floor", "1f1b"}
         Activation rule (:func:`fxpipe.memory.inflight_stashes`).
+    checkpointing : bool
+        A stage may checkpoint its activations (issue 28; training only): its stash counts what
+        per-block checkpointing keeps where that is less (:func:`activation_floor`).
     """
 
     model: MemoryModel
     num_microbatches: int = 1
     activation: str = "floor"
+    checkpointing: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, MemoryModel):
@@ -126,7 +134,8 @@ class PartitionMemory:
         return self.model.usable_bytes
 
     def to_dict(self) -> dict:
-        return {"model": self.model.to_dict(), "num_microbatches": int(self.num_microbatches), "activation": self.activation}
+        return {"model": self.model.to_dict(), "num_microbatches": int(self.num_microbatches), "activation": self.activation,
+                "checkpointing": bool(self.checkpointing)}
 
 
 def as_partition_memory(memory) -> PartitionMemory | None:
@@ -162,6 +171,9 @@ def differentiable(graph: OpGraph) -> np.ndarray:
     and buffers get none. Conservative: an op with integer or boolean outputs downstream of a
     parameter (a router's top-k indices) counts as differentiable.
     """
+    hit = _DIFFERENTIABLE.get(id(graph))
+    if hit is not None and hit[0] is graph:
+        return hit[1].copy()
     import networkx as nx  # noqa: PLC0415 - heavy import kept off the partitioner's import path
 
     dag = nx.DiGraph()
@@ -171,7 +183,32 @@ def differentiable(graph: OpGraph) -> np.ndarray:
     for v in nx.topological_sort(dag):
         if not out[v]:
             out[v] = any(out[u] for u in graph.predecessors(v))
+    if len(_DIFFERENTIABLE) > 8:
+        _DIFFERENTIABLE.clear()
+    _DIFFERENTIABLE[id(graph)] = (graph, out.copy())  # the graph object is kept: its id stays its own
     return out
+
+
+#: :func:`differentiable` per graph object (the mesh search asks for every candidate's partition).
+_DIFFERENTIABLE: dict[int, tuple] = {}
+
+
+def activation_floor(graph: OpGraph, objective: str, memory) -> tuple[np.ndarray, float] | None:
+    """What a stage that may checkpoint keeps per micro-batch, per node, and its replay allowance (bytes).
+
+    None unless ``memory`` is a :class:`PartitionMemory` with ``checkpointing`` in training. A stage
+    running per-block ``"full"`` checkpointing keeps the inputs of its blocks and what its ops outside
+    every block save (:func:`fxpipe.memory.checkpoint.partition_floor`), and while its (fused: nothing
+    held for W) backward runs one replayed block on top (the allowance, the graph's largest), once per
+    stage: the stage's stash is the smaller of its ``act_bytes`` and that.
+    """
+    pm = memory if isinstance(memory, PartitionMemory) else None
+    if pm is None or not pm.checkpointing or objective != "training":
+        return None
+    from fxpipe.memory.checkpoint import partition_floor  # noqa: PLC0415 - the module is torch-free
+
+    kept, allowance = partition_floor(graph)
+    return kept, float(allowance)
 
 
 def memory_inputs(graph: OpGraph, k: int, objective: str, memory) -> tuple:
@@ -181,18 +218,23 @@ def memory_inputs(graph: OpGraph, k: int, objective: str, memory) -> tuple:
     ``buf_out`` the receive-buffer bytes per byte of the input / output boundary of the block
     at pipeline position ``s``, ``size_grad`` the output bytes that come back as a gradient
     (:func:`differentiable`; the relay output boundary counts only those). Without a memory
-    model: zeros and ``usable_bytes = inf``.
+    model: zeros and ``usable_bytes = inf``. With ``checkpointing`` the stash is
+    :func:`activation_floor`'s and the usable bytes are less its replay allowance (the kernels
+    sum per node, so they count every stage as checkpointing, never less than
+    :func:`stage_memory_bytes`, which takes the smaller of the two per stage).
     """
     pm = as_partition_memory(memory)
     n = graph.n
     if pm is None:
         return np.zeros(n), np.zeros(n), np.ones(k), math.inf, np.zeros(k), 0.0, np.zeros(n)
     f_in, f_out = pm.model.comm_buffer_factors(k, pm.num_microbatches, objective)
+    floor = activation_floor(graph, objective, pm)
+    act, allowance = (np.array(graph.act_bytes, dtype=np.float64), 0.0) if floor is None else floor
     return (
         np.array(num_params(graph) * pm.model.static_bytes_per_param(objective), dtype=np.float64),
-        np.array(graph.act_bytes, dtype=np.float64),
+        np.ascontiguousarray(act, dtype=np.float64),
         inflight_stashes(k, pm.num_microbatches, pm.activation, objective),
-        float(pm.usable_bytes),
+        float(pm.usable_bytes) - allowance,
         np.ascontiguousarray(f_in, dtype=np.float64),
         f_out,
         np.where(differentiable(graph), np.asarray(graph.size_out_bytes, dtype=np.float64), 0.0),
@@ -217,7 +259,12 @@ def stage_memory_bytes(graph: OpGraph, assignment, k: int, objective: str, memor
     if comm == "relay":  # gradient buffers: only the relayed tensors that carry one
         out_b = io_bytes(graph, a, k, comm, producers=differentiable(graph))[1]
     f_in, f_out = pm.model.comm_buffer_factors(k, pm.num_microbatches, objective)
-    return static + act * inflight_stashes(k, pm.num_microbatches, pm.activation, objective) + f_in * in_b + f_out * out_b
+    inflight = inflight_stashes(k, pm.num_microbatches, pm.activation, objective)
+    stash = act * inflight
+    floor = activation_floor(graph, objective, pm)
+    if floor is not None:  # a stage that fits only when it checkpoints is admitted with it
+        stash = np.minimum(stash, np.bincount(a, weights=floor[0], minlength=k) * inflight + floor[1])
+    return static + stash + f_in * in_b + f_out * out_b
 
 
 def as_model(memory) -> MemoryModel:
@@ -231,10 +278,13 @@ def as_model(memory) -> MemoryModel:
 
 def fewest_stages_to_try(graph: OpGraph, k: int, objective: str, memory) -> int:
     """The first stage count above ``k`` that could fit: every stage holds its static state and
-    one stash, so no count below ``total / usable`` fits (the search for the smallest feasible
-    count of :func:`infeasible_error` starts here)."""
+    one stash (with ``checkpointing``, at least what per-block checkpointing keeps), so no count
+    below ``total / usable`` fits (the search for the smallest feasible count of
+    :func:`infeasible_error` starts here)."""
     pm = memory if isinstance(memory, PartitionMemory) else as_partition_memory(memory)
-    total = float(np.sum(num_params(graph)) * pm.model.static_bytes_per_param(objective) + np.sum(graph.act_bytes))
+    floor = activation_floor(graph, objective, pm)
+    act = float(np.sum(graph.act_bytes)) if floor is None else min(float(np.sum(graph.act_bytes)), float(np.sum(floor[0])))
+    total = float(np.sum(num_params(graph)) * pm.model.static_bytes_per_param(objective) + act)
     return max(k + 1, int(math.ceil(total / pm.usable_bytes - 1e-9)))
 
 
@@ -295,21 +345,30 @@ def memory_remedies(graph: OpGraph, assignment, k: int, objective: str, comm: st
     runtime does not give their memory.
     """
     pm = memory if isinstance(memory, PartitionMemory) else as_partition_memory(memory)
-    floor = _dc.replace(pm, activation="floor")
+    floor = _dc.replace(pm, activation="floor", checkpointing=False)
     need_floor = stage_memory_bytes(graph, assignment, k, objective, floor, comm)
     fits_floor = bool(need_floor.max() <= pm.usable_bytes)
+    ckpt = _dc.replace(floor, checkpointing=True)
+    need_ckpt = stage_memory_bytes(graph, assignment, k, objective, ckpt, comm)
     out: dict[str, str] = {}
     if fits_floor:
         out["offload"] = ("Offloading stashes to host memory would help: static state plus one micro-batch's stash "
                           "fits every stage.")
-        out["recompute"] = ("Activation recomputation would help: it keeps only stage inputs between F and B.")
+        out["recompute"] = ("Activation checkpointing would help: it keeps fewer activations between F and B "
+                            "(activation_checkpointing='auto').")
     else:
         s = int(np.argmax(need_floor))
         out["offload"] = (f"Offload would not help: stage {s}'s static state, receive buffers and a single "
                           f"micro-batch's stash ({format_bytes(float(need_floor[s]))}) already exceed the usable "
                           f"{format_bytes(pm.usable_bytes)}.")
-        out["recompute"] = ("Activation recomputation would not help either (a recomputing B holds the whole replayed "
-                            "stash).")
+        c = int(np.argmax(need_ckpt))
+        if objective == "training" and need_ckpt.max() <= pm.usable_bytes:
+            out["recompute"] = ("Per-block activation checkpointing would help: keeping only each block's inputs and "
+                                f"replaying one block at a time, the largest stage needs {format_bytes(float(need_ckpt[c]))} "
+                                "(activation_checkpointing='auto' or 'full').")
+        else:
+            out["recompute"] = ("Activation checkpointing would not help either: even keeping only each block's inputs "
+                                f"and replaying one block at a time, stage {c} needs {format_bytes(float(need_ckpt[c]))}.")
     zero = None
     if objective == "training":
         # ZeRO-1 at any degree first: it is what a mesh runs (dp_shard), and it must divide the micro-batches

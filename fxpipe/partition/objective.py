@@ -82,9 +82,14 @@ def io_bytes(graph: OpGraph, assignment: Sequence[int] | np.ndarray, k: int, com
         On a malformed assignment, or a backward edge in relay mode.
     """
     a = _check_assignment(graph, assignment, k)
+    if comm not in COMM_MODES:
+        raise InputError(f"comm must be one of {COMM_MODES}, got {comm!r}")
+    fast = _io_bytes_arrays(graph, a, k, comm, producers)
+    if fast is not None:
+        return fast
     in_b = np.zeros(k)
     out_b = np.zeros(k)
-    for u in range(graph.n):
+    for u in range(graph.n):  # a relay edge to an earlier block: the first one, named in the error
         cons = graph.successors(u)
         if cons.size == 0 or (producers is not None and not producers[u]):
             continue
@@ -108,6 +113,39 @@ def io_bytes(graph: OpGraph, assignment: Sequence[int] | np.ndarray, k: int, com
             in_b[bu + 1 : last + 1] += size
         else:
             raise InputError(f"comm must be one of {COMM_MODES}, got {comm!r}")
+    return in_b, out_b
+
+
+def _io_bytes_arrays(graph: OpGraph, a: np.ndarray, k: int, comm: str,
+                     producers: np.ndarray | None) -> tuple[np.ndarray, np.ndarray] | None:
+    """:func:`io_bytes` over the edge arrays (each tensor counted once per block, as there); None when a
+    relay edge goes to an earlier block (the loop there names it)."""
+    edges = np.asarray(graph.edges, dtype=np.int64).reshape(-1, 2)
+    src, dst = edges[:, 0], edges[:, 1]
+    if producers is not None:
+        keep = np.asarray(producers, dtype=bool)[src]
+        src, dst = src[keep], dst[keep]
+    size = np.asarray(graph.size_out_bytes, dtype=np.float64)
+    bs, bd = a[src], a[dst]
+    if comm == "relay":
+        if np.any(bd < bs):
+            return None
+        last = np.full(graph.n, -1, dtype=np.int64)
+        np.maximum.at(last, src, bd)
+        u = np.flatnonzero(last > a)  # producers with a consumer in a later block
+        lo, hi, w = a[u], last[u], size[u]
+        d_out = np.zeros(k + 1)
+        np.add.at(d_out, lo, w)
+        np.add.at(d_out, hi, -w)  # out over blocks lo .. hi-1
+        d_in = np.zeros(k + 2)
+        np.add.at(d_in, lo + 1, w)
+        np.add.at(d_in, hi + 1, -w)  # in over blocks lo+1 .. hi
+        return np.cumsum(d_in)[:k], np.cumsum(d_out)[:k]
+    other = bd != bs  # dag: every other block a tensor reaches, once; its producer's block sends it once
+    pairs = np.unique(np.stack([src[other], bd[other]], axis=1), axis=0) if other.any() else np.zeros((0, 2), np.int64)
+    in_b = np.bincount(pairs[:, 1], weights=size[pairs[:, 0]], minlength=k).astype(np.float64)[:k]
+    senders = np.unique(pairs[:, 0])
+    out_b = np.bincount(a[senders], weights=size[senders], minlength=k).astype(np.float64)[:k]
     return in_b, out_b
 
 

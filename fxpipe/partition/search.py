@@ -42,7 +42,13 @@ from fxpipe.partition.brkga import BRKGAParams, PopulationDecoder, run_brkga
 from fxpipe.partition.chain import solve_chain
 from fxpipe.partition.colocate import contract_colocated, forbidden_cut_edges
 from fxpipe.partition.contract import contract_trivial
-from fxpipe.partition.memory import as_partition_memory, fewest_stages_to_try, infeasible_error, stage_memory_bytes
+from fxpipe.partition.memory import (
+    as_partition_memory,
+    fewest_stages_to_try,
+    infeasible_error,
+    memory_inputs,
+    stage_memory_bytes,
+)
 from fxpipe.partition.objective import Partition, block_costs, check_objective
 from fxpipe.partition.orders import kahn_order, keys_from_order, structured_orders
 from fxpipe.partition.slicegraph import _check_k, assignment_from_cuts, check_order, kernel_inputs, slice_order_arrays
@@ -167,6 +173,7 @@ def partition(
     merge_trivial: bool = True,
     colocate: bool = True,
     _explain: bool = True,
+    _gap_rtol: float = PROVEN_RTOL,
 ) -> Partition:
     """Partition ``graph`` into at most ``k`` pipeline stages minimising the bottleneck.
 
@@ -259,13 +266,22 @@ def partition(
             return _partition_colocated(
                 graph, con, k, warm_order, objective=objective, comm=comm, method=method, time_limit_s=time_limit_s,
                 seed=seed, evaluations=evaluations, memory=model, progress=progress, brkga_params=brkga_params,
-                contract=contract, chain=chain, merge_trivial=merge_trivial, _explain=_explain)
+                contract=contract, chain=chain, merge_trivial=merge_trivial, _explain=_explain, _gap_rtol=_gap_rtol)
 
     t0 = time.perf_counter()
+    if model is not None and chain and comm == "relay" and graph.n > 1 and _memory_tight(graph, k, objective, model):
+        need = memory_lower_bound(graph, k, objective, model)
+        if need > memory_inputs(graph, k, objective, model)[3] * (1 + 1e-9):  # no search can find a fitting one
+            if not _explain:
+                raise InfeasibleError(f"no partition into {k} stages fits in {model.usable_bytes:.0f} usable bytes: every "
+                                      f"one has a stage whose static state and least stash need {need:.0f} bytes")
+            raise _infeasible_error(graph, k, objective, comm, model)
     st = None
     with Search("partition") as run:  # Ctrl-C: the best partition so far, with meta["interrupted"]
         lower, lower_method, chain_part = _lower_bound(graph, k, objective, comm, model, chain)
-        st = _SearchState(run, t0, lower * (1.0 + PROVEN_RTOL), kernel_inputs(graph, k, objective, comm, model))
+        # the search stops within _gap_rtol of its lower bound (proven optimal only within PROVEN_RTOL, _finish)
+        st = _SearchState(run, t0, lower * (1.0 + max(PROVEN_RTOL, float(_gap_rtol))),
+                          kernel_inputs(graph, k, objective, comm, model))
         seeds = _seed_orders(graph, chain_part, warm_order, evaluations)
         run.best_payload = (seeds[0][1], seeds[0][0])  # decoded below even if Ctrl-C came already
         st.decode(seeds, st.inputs)
@@ -301,6 +317,32 @@ def _check_arguments(graph, k, objective, comm, method, time_limit_s, evaluation
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
         raise InputError(f"seed must be an integer, got {seed!r}")
     return k, time_limit_s, evaluations
+
+
+def _memory_tight(graph: OpGraph, k: int, objective: str, memory) -> bool:
+    """Whether the stages' memory is on average over 80 % of the usable bytes (or a node alone is over them): only
+    then is :func:`memory_lower_bound` worth its chain decomposition."""
+    mem_param, mem_act, inflight, cap = memory_inputs(graph, k, objective, memory)[:4]
+    weights = mem_param + mem_act * float(np.min(inflight))
+    return bool(weights.sum() / k > 0.8 * cap or (weights.size and weights.max() > cap))
+
+
+def memory_lower_bound(graph: OpGraph, k: int, objective: str, memory) -> float:
+    """A lower bound on the largest stage's memory over every partition into ``k`` stages (bytes).
+
+    The per-node memory the kernels count (:func:`fxpipe.partition.memory.memory_inputs`: static state and
+    stash per node, receive buffers left out, so never more than a stage needs) is a partition objective of
+    its own, the bottleneck of the per-stage sums; the chain bound (:func:`fxpipe.partition.chain.solve_chain`,
+    valid for every partition) of the graph with those bytes as its work and free communication bounds it.
+    When it exceeds the usable bytes no partition fits, which the search would only find out at its time
+    limit.
+    """
+    mem_param, mem_act, inflight = memory_inputs(graph, k, objective, memory)[:3]
+    weights = mem_param + mem_act * float(np.min(inflight))
+    scale = float(weights.max()) if weights.size and weights.max() > 0 else 1.0
+    surrogate = replace(graph, t_fwd_s=weights / scale, t_bwd_input_s=np.zeros(graph.n),
+                        t_bwd_weight_s=np.zeros(graph.n), bandwidth_bytes_per_s=1e300)
+    return float(solve_chain(surrogate, k, "inference", "relay", partition=False).lower_bound_s) * scale
 
 
 def _lower_bound(graph: OpGraph, k: int, objective: str, comm: str, model, chain: bool) -> tuple:

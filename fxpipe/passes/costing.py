@@ -75,6 +75,10 @@ from fxpipe.passes.op_families import ATTENTION, FLOP_COMPOSITE, MATMUL_COMPOSIT
 
 #: The single namespaced ``node.meta`` key this pass writes.
 COST_KEY = "fxpipe_cost"
+#: ``node.meta`` key listing the fx nodes (by name) whose outputs the node saves for its backward (the
+#: bases its ``act_bytes`` resolves to, each listed by every node that saves it, also when an earlier node
+#: counted its bytes): what activation checkpointing (:mod:`fxpipe.memory.checkpoint`) replays or keeps.
+SAVED_KEY = "fxpipe_saved"
 
 aten = torch.ops.aten
 
@@ -528,7 +532,10 @@ class RooflineCosts(PassBase):
                 if b.op in ("placeholder", "get_attr"):
                     continue
                 # ---- end act_bytes fix
-                if b in saved_bases or i in param_of or b in param_of:
+                if i in param_of or b in param_of:
+                    continue
+                node.meta.setdefault(SAVED_KEY, []).append(b.name)  # every tensor it saves (issue 28)
+                if b in saved_bases:
                     continue
                 saved_bases.add(b)
                 total += float(sum(self._bytes(t) for t in _tensors(b.meta.get("val"))))

@@ -24,7 +24,10 @@ Node mapping (what codegen and the partition baselines rely on):
   A node whose output size depends on the data (an unbacked symbolic size: ``x[mask]``,
   ``nonzero``, ``unique``, ...; :func:`~fxpipe.passes.capture.has_data_dependent_size`) also
   has ``"data_dependent": True`` and ``"source"`` (the user's source line); the partitioner
-  never cuts its output edges (:mod:`fxpipe.partition.colocate`).
+  never cuts its output edges (:mod:`fxpipe.partition.colocate`). A node that saves tensors for
+  its backward has ``"saved"``: the names of the OpGraph nodes whose outputs it saves (the
+  bases its ``act_bytes`` counts, listed also when an earlier node counted them), which
+  activation checkpointing reads (:mod:`fxpipe.memory.checkpoint`).
   A node that tensor parallelism splits or runs on the sequence shard also has ``"tp_role"``
   (``"column"``, ``"row"``, ``"sharded"``, ``"sequence"``) and, inside a column / row region,
   ``"tp_region"``; ``meta["tensor_parallel"]`` holds the regions (their parameters' shard dims
@@ -46,6 +49,7 @@ from fxpipe.cost.roofline import OpCost
 from fxpipe.errors import InputError
 from fxpipe.ir import OpGraph
 from fxpipe.passes.annotate import COST_KEY, AnnotateCosts
+from fxpipe.passes.costing import SAVED_KEY
 from fxpipe.passes.capture import (
     MODULE_PREFIX_KEY,
     Captured,
@@ -110,6 +114,7 @@ def to_opgraph(gm: torch.fx.GraphModule, hardware: str | HardwareSpec = "h100-sx
     numel = gm.meta.get("fxpipe_param_numel", {})
     skeys = structural_keys(gm)
     tp = find_tensor_parallel(gm)
+    kept_names = {n.name for n in nodes}
     for node in nodes:
         cost = node.meta.get(COST_KEY)
         if not isinstance(cost, OpCost):
@@ -121,6 +126,9 @@ def to_opgraph(gm: torch.fx.GraphModule, hardware: str | HardwareSpec = "h100-sx
         extra.append({"module": module_path(node, prefix), "target": str(node.target),
                       "flops": float(cost.flops), "kind": cost.kind, "num_params": int(numel.get(node.name, 0)),
                       SKEY: skeys[node.name][0], OPKEY: skeys[node.name][1]})
+        saved = [b for b in dict.fromkeys(node.meta.get(SAVED_KEY, ())) if b in kept_names]
+        if saved:  # the tensors it saves for its backward, by producer (fxpipe.memory.checkpoint)
+            extra[-1]["saved"] = saved
         if has_data_dependent_size(node):  # must not cross a stage boundary (fxpipe.partition.colocate)
             extra[-1].update(data_dependent=True, source=user_source_line(node))
         if node.name in tp.roles:  # tensor parallelism (fxpipe.passes.tensor_parallel)

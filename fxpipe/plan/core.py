@@ -28,6 +28,7 @@ from fxpipe.errors import InputError
 from fxpipe.io import format_bytes, format_ms, ms_column
 from fxpipe.ir import OpGraph, Orders, Schedule, ScheduleProblem, read_json, schedule_to_orders, write_json_atomic
 from fxpipe.memory import MemoryModel
+from fxpipe.memory.checkpoint import plan_policies, policies_match
 from fxpipe.mesh import (MESH_DIMS, Topology, device_host_step_s, device_num_params, dim_span, dp_links, format_mesh,
                          format_rank_order, mesh_degrees, mesh_dp, mesh_tp, normalize_mesh, normalize_rank_order,
                          pipeline_dp_sync_s, pipeline_step_s, pure_pipeline)
@@ -124,6 +125,12 @@ class Plan:
         The mesh dimensions outermost first, how global ranks map to mesh coordinates
         (:func:`fxpipe.mesh.rank_coords`); default (and plans saved without it) the pipeline rank
         innermost, :data:`fxpipe.mesh.MESH_DIMS`.
+    activation_checkpointing : tuple[CheckpointPolicy, ...]
+        The activation-checkpoint policy of every stage (:class:`fxpipe.memory.checkpoint.CheckpointPolicy`:
+        its kind, the segments B replays by node name, the outputs F keeps, replay time and
+        bytes), the option ``problem.checkpoint`` names; derived from the graph and the problem
+        when not given (or given for another problem), so a plan saved before issue 28 has
+        ``"stage"`` for its recomputing stages and ``"none"`` elsewhere.
     options : dict
         The options the plan was made with (seed, time limit, resolved schedule, ...; the
         ``torch.compile`` backend adds its own), and what happened while it was made:
@@ -152,6 +159,7 @@ class Plan:
     memory: MemoryModel = field(default_factory=MemoryModel)
     mesh: dict = field(default_factory=dict)
     rank_order: tuple = MESH_DIMS
+    activation_checkpointing: tuple = ()
     capture: CaptureCell = field(default_factory=CaptureCell, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -162,6 +170,10 @@ class Plan:
         object.__setattr__(self, "rank_order", order)
         if mesh["pp"] != self.devices:
             raise InputError(f"plan mesh {mesh} disagrees with its {self.devices} pipeline devices (pp)")
+        policies = tuple(self.activation_checkpointing or ())
+        if not policies_match(policies, self.problem):  # not given, or of another problem (a replaced one)
+            policies = plan_policies(self.graph, self.partition.assignment, self.problem)
+        object.__setattr__(self, "activation_checkpointing", policies)
 
     def replace(self, **changes: Any) -> "Plan":
         """A copy with ``changes`` (:func:`dataclasses.replace`; the capture is shared)."""
@@ -509,16 +521,17 @@ class Plan:
             f"hardware {self.hardware}, objective {self.objective}, schedule {self.schedule.method}",
             *self.mesh_summary(),
             f"{'stage':>5} {'device':>6} {'ops':>6} {'params':>10} {'F ms':>9} {'B ms':>9} {'W ms':>9} {'cost ms':>9} "
-            f"{'memory':>10}",
+            f"{'memory':>10} {'checkpoint':>10}",
         ]
         worst = int(np.argmax([s.cost_s for s in self.stages])) if self.stages and v == 1 else -1
+        names = self.problem.checkpoint
         times = list(zip(*(ms_column([getattr(s, k) for s in self.stages])
                            for k in ("t_fwd_s", "t_bwd_input_s", "t_bwd_weight_s", "cost_s"))))
         for s, t in zip(self.stages, times):
             mark = " <- bottleneck" if s.stage == worst else ""
             lines.append(
                 f"{s.stage:>5} {s.device:>6} {s.num_ops:>6} {format_bytes(s.params_bytes):>10} "
-                + " ".join(f"{x:>9}" for x in t) + f" {format_bytes(s.memory_bytes):>10}{mark}"
+                + " ".join(f"{x:>9}" for x in t) + f" {format_bytes(s.memory_bytes):>10} {names[s.stage]:>10}{mark}"
             )
         opt = self.optimality()
         if v > 1 and self.device_table:
@@ -585,9 +598,26 @@ class Plan:
                 f"{format_bytes(d.reserved_bytes):>10} {format_bytes(d.memory_bytes):>10} {cap:>10}{mark}"
             )
         n_off = sum(1 for o in self.schedule.ops if o.type == "O")
-        if rec or n_off:
-            rows.append(f"memory binds: {n_off} stashes offloaded" + (f", stages {rec} recompute their forward" if rec else ""))
+        chosen = self.options.get("activation_checkpointing", "auto") == "auto"  # not pinned by the user
+        if n_off or (rec and chosen):
+            rows.append(f"memory binds: {n_off} stashes offloaded" + (f", stages {rec} checkpoint activations" if rec else ""))
+        rows += self.checkpoint_summary()
         return "\n".join(rows)
+
+    def checkpoint_summary(self) -> list[str]:
+        """One line per checkpointing stage: its policy, replay time, kept bytes and replay peak per micro-batch
+        (none when no stage checkpoints)."""
+        out = []
+        for s, (pol, name) in enumerate(zip(self.activation_checkpointing, self.problem.checkpoint)):
+            if pol.kind == "none":
+                continue
+            none = self.problem.checkpoint_option(s, "none")
+            out.append(f"  stage {s}: {name} ({pol.describe()}): replays {pol.replay_s * 1e3:.3f} ms of forward, keeps "
+                       f"{format_bytes(pol.kept_bytes)} of {format_bytes(none.kept_bytes)} per micro-batch, "
+                       f"replay peak {format_bytes(pol.replay_peak_bytes)}")
+        if out:
+            out.insert(0, "activation checkpointing per stage (per micro-batch):")
+        return out
 
     # ------------------------------------------------------------------ JSON (fxpipe.plan.file)
     def to_dict(self) -> dict[str, Any]:
@@ -678,8 +708,10 @@ class Plan:
     worker_stage_of.__doc__ = _worker_stage_of.__doc__
 
     def recompute_stages(self) -> tuple[int, ...]:
-        """Stages the schedule problem marks for activation recomputation (``problem.recompute``)."""
-        return tuple(s for s, r in enumerate(getattr(self.problem, "recompute", ()) or ()) if r)
+        """Stages that replay their whole forward during B (policy ``"stage"``, what plans before issue 28
+        called recomputation; the runtime's ``recompute_stages``). The per-block policies of the other
+        checkpointing stages are :attr:`activation_checkpointing`."""
+        return tuple(s for s, p in enumerate(self.activation_checkpointing) if p.kind == "stage")
 
     # ------------------------------------------------------------------ operations (their own modules)
     def build(self, rank: int, *, model=None, args=(), kwargs=None, loss_fn: Callable | None = None, group=None,

@@ -2,12 +2,13 @@
 
 Compatibility rule (``docs/design.md``, "The plan"): ``fxpipe.plan/2`` keeps every field of
 ``fxpipe.plan/1`` with its name and meaning and only adds fields (``fxpipe_version``,
-``memory_model``, ``rank_order``, and ``tensor_parallel`` in a plan with ``mesh["tp"] > 1``), so a
-reader of ``/1`` files reads ``/2`` files once it accepts the new format string. A ``/2``
-file always has the complete layout (``mesh``, ``device_of_stage``, the device table, the
-memory model, the stages' ``device``); the ``/1`` files of older layouts may lack them and are
-filled in on load (:func:`plan_fields_from_dict`): a pure-pipeline mesh (no ``tp``: 1), the default
-rank order (pipeline rank innermost, :data:`fxpipe.mesh.MESH_DIMS`), one stage per device,
+``memory_model``, ``rank_order``, ``activation_checkpointing``, and ``tensor_parallel`` in a plan
+with ``mesh["tp"] > 1``), so a reader of ``/1`` files reads ``/2`` files once it accepts the new
+format string. A ``/2`` file always has the complete layout (``mesh``, ``device_of_stage``, the
+device table, the memory model, the stages' ``device``); the ``/1`` files of older layouts may lack
+them and are filled in on load (:func:`plan_fields_from_dict`): a pure-pipeline mesh (no ``tp``: 1),
+the default rank order (pipeline rank innermost, :data:`fxpipe.mesh.MESH_DIMS`), one stage per
+device, the activation checkpoint policies (``"stage"`` for a recomputing stage, ``"none"`` elsewhere),
 and the stage / device tables recomputed from the graph, partition and schedule. A plan saved
 under an older version of the memory model (``memory_model`` missing or below
 :data:`MEMORY_MODEL_VERSION`) keeps its saved tables, which that model counted more
@@ -30,6 +31,7 @@ from fxpipe import __version__
 from fxpipe.errors import InputError, PlanWarning
 from fxpipe.ir import OpGraph, Schedule, ScheduleProblem
 from fxpipe.memory import MemoryModel
+from fxpipe.memory.checkpoint import CheckpointPolicy, policies_match
 from fxpipe.mesh import MESH_DIMS, mesh_degrees, normalize_mesh, normalize_rank_order, pure_pipeline
 from fxpipe.mesh.tensor_parallel import check_tensor_parallel
 from fxpipe.partition.objective import Partition, validate_partition
@@ -86,6 +88,7 @@ def plan_to_dict(plan) -> dict[str, Any]:
         "devices": plan.devices,
         "mesh": dict(plan.mesh),
         "rank_order": list(plan.rank_order),
+        "activation_checkpointing": [p.to_dict() for p in plan.activation_checkpointing],
         "dp_sync_s": plan.dp_sync_s,
         "num_stages": plan.num_stages,
         "stages_per_device": plan.stages_per_device,
@@ -166,7 +169,20 @@ def _parse(doc: Mapping[str, Any], source: str) -> dict[str, Any]:
         memory=MemoryModel.from_dict(doc["memory"]) if "memory" in doc else MemoryModel(),
         mesh=_mesh_from_doc(doc, source),  # /1 before meshes: a pure pipeline
         rank_order=_rank_order_from_doc(doc, source),  # before rank orders: pipeline rank innermost
+        activation_checkpointing=_policies_from_doc(doc, source),  # before issue 28: derived from the problem
     )
+
+
+def _policies_from_doc(doc: Mapping[str, Any], source: str) -> tuple:
+    """The plan's per-stage checkpoint policies (empty for files saved before them: the plan derives them,
+    ``"stage"`` for the problem's recomputing stages and ``"none"`` for the others)."""
+    raw = doc.get("activation_checkpointing")
+    if raw is None:
+        return ()
+    if not isinstance(raw, list):
+        raise InputError(f"{source}: activation_checkpointing must be a list with one policy per stage")
+    return tuple(CheckpointPolicy.from_dict(p, source=f"{source}: activation_checkpointing[{i}]")
+                 for i, p in enumerate(raw))
 
 
 def _check_parts(f: Mapping[str, Any], source: str) -> None:
@@ -191,6 +207,11 @@ def _check_parts(f: Mapping[str, Any], source: str) -> None:
     expected = {graph.names[i]: int(partition.assignment[i]) for i in range(graph.n)}
     if f["stage_of"] != expected:
         raise InputError(f"{source}: stage_of disagrees with the partition's assignment")
+    policies = f.get("activation_checkpointing") or ()
+    if policies and not policies_match(policies, problem):
+        raise InputError(f"{source}: activation_checkpointing disagrees with the schedule problem's checkpoint options "
+                         f"{list(problem.checkpoint)} (one policy per stage, of the kind and replay time of its option): "
+                         "the file was edited or corrupted; regenerate it with fxpipe.compile")
     violations = check_schedule(problem, f["schedule"].ops)
     if violations:
         raise InputError(f"{source}: the schedule breaks Contract 3: {violations[0]} ({len(violations)} violations)")

@@ -22,20 +22,30 @@ schedule of it:
    (:mod:`fxpipe.schedule.offload_search`), which decides offloads with the compute order.
    They run after step 3 and are skipped when the problem's lower bound
    (:func:`~fxpipe.schedule.bounds.combinatorial_lower_bound`, valid with offload) is above
-   the best candidate of steps 1 and 3: none of them could be chosen. PipeOffload, which
+   the best candidate of steps 1 and 3: none of them could be chosen. On a large problem
+   (over :data:`JUMP_MIN_OPS` compute ops) that step 3 fits, only the offload search runs
+   (PipeOffload and AdaOffload time a whole schedule per warm-up or offload set), and the
+   step-1 heuristics under the limit run after step 3, skipped when the bound of the problem
+   without offload is above the best found. PipeOffload, which
    times every warm-up from ``p - 1`` down until one fits, runs last of them and stops at the
    first warm-up whose :func:`limited_1f1b_bound` is above the best found; warm-ups that
    overflow whatever is offloaded (:func:`~fxpipe.schedule.heuristics.warmup_overflow_bytes`)
    are not timed.
-3. **Recomputation** (memory binds and ``recompute=True``): devices whose 1F1B-family
-   schedule without offload exceeds their limit (:func:`plain_peak`, simulated without a
-   limit) get recomputation on their cheapest stage, the one with the smallest forward time
-   (the replay's cost), among those where recomputing saves memory
-   (``recompute_mem_f < mem_f``); the step-1 heuristics (else the offload ones, else the
-   fewer-in-flight ones) run on the new problem and are candidates; repeated, one more
-   stage per still-overflowing device each round, until 1F1B fits every device or no stage
-   is left. 1F1B with every stage recomputing (where that saves memory) is a candidate too,
-   so ``auto`` is never worse than that common fallback (one stage per device).
+3. **Activation checkpointing** (memory binds and ``recompute=True``): every stage has a menu
+   of checkpoint options (:attr:`~fxpipe.ir.ScheduleProblem.checkpoint_menu`: none, per-block
+   selective / budgeted / full checkpointing, whole-stage recomputation, each with its replay
+   time, kept bytes and B peak; :mod:`fxpipe.memory.checkpoint`; the default menu of a problem
+   without one is none and whole-stage recomputation, ``recompute_mem_f``). Devices whose
+   1F1B-family schedule without offload exceeds their limit (:func:`plain_peak`, simulated
+   without a limit) move one stage one step along its :func:`checkpoint_ladder` (options by
+   increasing replay time, each keeping fewer bytes than those before): the step that adds the
+   least replay time among the device's stages (with the default menu: recomputation of the
+   stage with the smallest forward); the step-1 heuristics (else the offload ones, else the
+   fewer-in-flight ones) run on the new problem and are candidates; repeated, one more step
+   per still-overflowing device each round, until 1F1B fits every device or no step is left.
+   1F1B with every stage on one kind (whole-stage recomputation, per-block ``"full"``,
+   ``"selective"``; where it saves memory) is a candidate too, so ``auto`` is never worse than
+   those common fallbacks (one stage per device).
 4. **Choice.** The schedule with the lowest objective among steps 1-3: fewer micro-batches
    in flight costs bubbles, offload is free while the copy stream keeps up, recomputation
    costs one forward per micro-batch of each recomputing stage; the fastest wins.
@@ -77,10 +87,10 @@ from fxpipe.schedule.heuristics import orders_1f1b
 import fxpipe.schedule.milp as milp
 from fxpipe.schedule.milp.feasibility import sequential_schedule
 from fxpipe.schedule.simulate import simulate
-from fxpipe.schedule.validate import check_schedule, peak_memory
+from fxpipe.schedule.validate import check_schedule, peak_memory, place_fused_w
 
-__all__ = ["AutoResult", "auto_schedule", "limited_1f1b", "plain_peak", "PLAIN_METHODS", "PLAIN_MULTI_METHODS", "OFFLOAD_METHODS",
-           "AUTO_MILP_MAX_OPS"]
+__all__ = ["AutoResult", "auto_schedule", "checkpoint_ladder", "least_memory", "limited_1f1b", "plain_peak", "PLAIN_METHODS",
+           "PLAIN_MULTI_METHODS", "OFFLOAD_METHODS", "AUTO_MILP_MAX_OPS"]
 
 #: Step 1 with one stage per device (ties: the first); from :mod:`fxpipe.schedule.registry`.
 PLAIN_METHODS = registry.auto_candidates("plain", one_stage_per_device=True)
@@ -109,8 +119,13 @@ class AutoResult:
         ``offload``, ``recompute<i>`` (and ``recompute<i>`` -> the recomputing stages),
         ``milp``; ``binding`` says whether memory binds.
     recompute_stages : tuple[int, ...]
-        Stages that recompute their forward during B.
+        Stages that checkpoint (replay part or all of their forward during B).
     """
+
+    @property
+    def checkpoint(self) -> tuple[str, ...]:
+        """The checkpoint option of every stage (``problem.checkpoint``)."""
+        return self.problem.checkpoint
 
     problem: ScheduleProblem
     schedule: Schedule
@@ -162,6 +177,7 @@ class _Invalid(Exception):
 
 
 def _checked(problem: ScheduleProblem, sched: Schedule, tag: str, m: str, tried: dict) -> Schedule:
+    sched = place_fused_w(problem, sched)
     bad = check_schedule(problem, sched)
     if bad:
         tried[f"{tag}/{m}"] = f"invalid: {bad[0][:200]}"
@@ -194,7 +210,10 @@ def limited_1f1b(problem: ScheduleProblem, *, beat: float | None = None) -> Sche
     if not problem.identity_placement:
         raise InputError("1f1b-limited schedules stage s on device s")
     p, M = problem.num_stages, problem.num_microbatches
-    for w in range(p - 1, -1, -1):
+    top = p - 1
+    if _large(problem) and p > 8:  # start near the largest warm-up that fits: a bisection on the fit
+        top = _largest_fitting_warmup(problem)
+    for w in range(top, -1, -1):
         if beat is not None:
             lb = limited_1f1b_bound(problem, w)
             if lb > beat * (1 + 1e-9) + 1e-12:
@@ -207,6 +226,30 @@ def limited_1f1b(problem: ScheduleProblem, *, beat: float | None = None) -> Sche
         if not check_schedule(problem, sched):
             return sched
     raise InfeasibleError("1f1b-limited: not even one micro-batch at a time fits mem_limit")
+
+
+def _largest_fitting_warmup(problem: ScheduleProblem) -> int:
+    """The largest uniform 1F1B warm-up whose schedule fits memory, by bisection (a warm-up holds at least
+    the micro-batches of every smaller one); ``p - 1`` when it fits, 0 when none does. Used to start
+    :func:`limited_1f1b`'s scan on a large problem, which otherwise times every warm-up from ``p - 1``."""
+    p, M = problem.num_stages, problem.num_microbatches
+
+    def fits(w: int) -> bool:
+        warm = [min(w, p - s - 1, M) for s in range(p)]
+        if heuristics.warmup_overflow_bytes(problem, warm) > 0:
+            return False
+        return not check_schedule(problem, simulate(problem, orders_1f1b(p, M, warm)))
+
+    lo, hi = 0, p - 1  # fits(lo) assumed; the answer lies in [lo, hi]
+    if fits(hi):
+        return hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 def _sequential(problem: ScheduleProblem) -> Schedule:
@@ -228,6 +271,7 @@ def _run(problem: ScheduleProblem, methods, tag: str, tried: dict, beat: float |
         except (InfeasibleError, InputError) as exc:
             tried[f"{tag}/{m}"] = _reason(exc)
             continue
+        sched = place_fused_w(problem, sched)  # a fused stage's W right after its B (one full backward)
         bad = check_schedule(problem, sched)
         if bad:  # over the limit (the sequential fallback), or a generator's bug: never used
             tried[f"{tag}/{m}"] = f"invalid: {bad[0][:200]}"
@@ -242,13 +286,15 @@ def _value(cands: list[tuple[ScheduleProblem, Schedule]]) -> float | None:
     return min((s.value for _, s in cands), default=None)
 
 
-def _run_unless_hopeless(problem: ScheduleProblem, methods, tag: str, tried: dict, beat: float | None) -> list[Schedule]:
+def _run_unless_hopeless(problem: ScheduleProblem, methods, tag: str, tried: dict, beat: float | None,
+                         bound_problem: ScheduleProblem | None = None) -> list[Schedule]:
     """:func:`_run`, unless the problem's lower bound (:func:`combinatorial_lower_bound`, valid
-    for every schedule of it, offloading or not) is above ``beat``, a value already found:
+    for every schedule of it, offloading or not; of ``bound_problem`` when given, e.g. the problem
+    without offload for methods that never offload) is above ``beat``, a value already found:
     then no method can give the best candidate, and each is recorded as skipped. PipeOffload
     runs after the others, with the best of ``beat`` and their values as its ``beat``."""
     if beat is not None:
-        lb = combinatorial_lower_bound(problem)
+        lb = combinatorial_lower_bound(problem if bound_problem is None else bound_problem)
         if lb > beat * (1 + 1e-9) + 1e-12:
             for m in methods:
                 tried[f"{tag}/{m}"] = (f"skipped: every schedule of this problem takes at least {lb:.6g} s "
@@ -310,28 +356,124 @@ def plain_peak(problem: ScheduleProblem) -> np.ndarray:
     return min_device_memory(problem, offload=False) if best is None else best
 
 
-def _full_recompute_1f1b(problem: ScheduleProblem, tried: dict) -> list[tuple[ScheduleProblem, Schedule]]:
-    """1F1B with every stage recomputing whose recomputation saves memory: the practitioners'
-    fallback, a candidate so that ``auto`` is never worse than it (one stage per device)."""
+def _uniform_1f1b(problem: ScheduleProblem, tried: dict) -> list[tuple[ScheduleProblem, Schedule]]:
+    """1F1B with every stage on one checkpoint kind where it saves memory: ``"stage"`` (whole-stage
+    recomputation, the practitioners' old fallback), ``"full"`` and ``"selective"`` per block
+    (torchtitan's two AC modes); candidates so that ``auto`` is never worse than them (one stage per
+    device)."""
     if problem.num_devices != problem.num_stages:
         return []
-    saving = [s for s in range(problem.num_stages) if problem.recompute_mem_f[s] < problem.mem_f[s]]
-    if not saving:
-        return []
-    full = problem.with_recompute(saving)
-    return [(full, s) for s in _run(full, ("1f1b",), "recompute-all", tried)]
+    out = []
+    for name, tag in (("stage", "recompute-all"), ("full", "full-all"), ("selective", "selective-all")):
+        choice = {s: name for s in range(problem.num_stages) if problem.checkpoint[s] == "none"
+                  and any(o.name == name and o.kept_bytes < problem.checkpoint_option(s).kept_bytes
+                          for o in problem.checkpoint_menu[s])}
+        if not choice:
+            continue
+        uniform = problem.with_checkpoint(choice)
+        out += [(uniform, s) for s in _run(uniform, ("1f1b",), tag, tried)]
+    return out
 
 
-def _next_recompute(problem: ScheduleProblem) -> list[int]:
-    """One more stage to recompute on every device whose plain peak exceeds its limit."""
+def _footprint(problem: ScheduleProblem, stage: int, opt, least: int = 1) -> float:
+    """Memory of ``stage`` under 1F1B running checkpoint option ``opt``: ``n = min(S - s, m)`` (at least
+    ``least``) micro-batches in flight, ``n - 1`` of them kept and the oldest in its B (its level; without
+    checkpointing a B only frees)."""
+    c = float(problem.pooled_bytes[stage])
+    n = max(1, least, min(problem.num_stages - stage, problem.num_microbatches))
+    return (n - 1) * (opt.kept_bytes + c) + (opt.b_level(c) if opt.name != "none" else opt.kept_bytes + c)
+
+
+def checkpoint_ladder(problem: ScheduleProblem, stage: int) -> list[str]:
+    """The options ``auto`` steps ``stage`` through, from the one it runs: by increasing replay time (a split
+    backward before a fused one: its W can still fill bubbles), each needing less memory under 1F1B than
+    every option before it (``max(2, min(S - s, m))`` micro-batches in
+    flight, the oldest in its B: :func:`_footprint`), the Pareto front of replay time and footprint of its
+    :attr:`~fxpipe.ir.ScheduleProblem.checkpoint_menu`. The footprint falls strictly along it, so the steps
+    of ``auto`` never cycle."""
+    cur = problem.checkpoint_option(stage)
+
+    def footprint(o) -> float:  # at least two in flight: the stash kept beside a B is what a device adds up
+        return _footprint(problem, stage, o, least=2)
+
+    opts = sorted((o for o in problem.checkpoint_menu[stage] if o.name != "none" and o.replay_s >= cur.replay_s),
+                  key=lambda o: (o.replay_s, o.fused, footprint(o), o.name))  # split before fused: W may fill bubbles
+    out, foot = [cur.name], footprint(cur)
+    for o in opts:  # the footprint falls strictly along a ladder: steps never cycle
+        if o.name != cur.name and footprint(o) < foot * (1 - 1e-12):
+            out.append(o.name)
+            foot = footprint(o)
+    return out
+
+
+#: Problems of more compute ops than this (3 S m) start checkpointing with :func:`_jump_checkpoint`.
+JUMP_MIN_OPS = 300
+
+
+def _large(problem: ScheduleProblem) -> bool:
+    return 3 * problem.num_stages * problem.num_microbatches > JUMP_MIN_OPS
+
+
+def _overflows_1f1b(problem: ScheduleProblem, free: ScheduleProblem, tried: dict) -> bool:
+    """Whether 1F1B without a limit overflows ``problem``'s (recorded in ``tried`` as the unlimited round's)."""
+    got = _run(free, ("1f1b",), "unlimited", tried)
+    return not got or bool(check_schedule(problem, got[0]))
+
+
+def least_memory(problem: ScheduleProblem) -> ScheduleProblem:
+    """``problem`` with every stage on the option of its menu whose one micro-batch needs the least memory
+    (``max(kept + pooled, B's level)``, :attr:`~fxpipe.ir.ScheduleProblem.stash_footprint`), if that is less
+    than what it runs: the floor of every checkpoint choice (:func:`fxpipe.schedule.device_greedy.min_device_memory`
+    of it)."""
+    choice = {}
+    for s in range(problem.num_stages):
+        c = float(problem.pooled_bytes[s])
+        cur = float(problem.stash_footprint[s])
+        best = min(((max(o.kept_bytes + c, o.b_level(c)), o.name) for o in problem.checkpoint_menu[s]
+                    if o.name != "none"), default=None)
+        if best is not None and best[0] < cur * (1 - 1e-12):
+            choice[s] = best[1]
+    return problem.with_checkpoint(choice) if choice else problem
+
+
+def _jump_checkpoint(problem: ScheduleProblem) -> dict[int, str]:
+    """The first round of checkpointing on a pipeline of one stage per device (stage s on device s): every
+    stage whose device overflows under 1F1B takes the first option of its :func:`checkpoint_ladder` whose
+    1F1B footprint (:func:`_footprint`) fits the device's limit, else the ladder's last; the steps of
+    :func:`_next_checkpoint` refine it. With many stages far over their limits (a deep pipeline of a large
+    model) this reaches in one round what steps would in many, each scheduling the whole pipeline."""
+    if not problem.identity_placement:
+        return {}
     peak = plain_peak(problem)
     lim = np.asarray(problem.mem_limit, dtype=float)
-    add = []
+    out: dict[int, str] = {}
+    for s in np.flatnonzero(peak > lim * (1 + 1e-12)):
+        s = int(s)
+        ladder = checkpoint_ladder(problem, s)
+        if len(ladder) < 2:
+            continue
+        fit = [n for n in ladder[1:] if _footprint(problem, s, problem.checkpoint_option(s, n)) <= lim[s]]
+        out[s] = fit[0] if fit else ladder[-1]
+    return out
+
+
+def _next_checkpoint(problem: ScheduleProblem) -> dict[int, str]:
+    """One more step of checkpointing on every device whose plain peak exceeds its limit: among the device's
+    stages, the next option of its :func:`checkpoint_ladder` that adds the least replay time (ties: the
+    lower stage). With the default menu (none, stage) this recomputes the stage with the cheapest forward."""
+    peak = plain_peak(problem)
+    lim = np.asarray(problem.mem_limit, dtype=float)
+    add: dict[int, str] = {}
     for d in np.flatnonzero(peak > lim * (1 + 1e-12)):
-        cands = [s for s in problem.stages_of_device(int(d))
-                 if not problem.recompute[s] and problem.recompute_mem_f[s] < problem.mem_f[s]]
-        if cands:
-            add.append(min(cands, key=lambda s: (float(problem.t_f[s]), s)))
+        moves = []
+        for s in problem.stages_of_device(int(d)):
+            ladder = checkpoint_ladder(problem, s)
+            if len(ladder) > 1:
+                nxt = problem.checkpoint_option(s, ladder[1])
+                moves.append((nxt.replay_s - problem.checkpoint_option(s).replay_s, s, nxt.name))
+        if moves:
+            _, s, name = min(moves)
+            add[s] = name
     return add
 
 
@@ -350,7 +492,8 @@ def auto_schedule(
     problem : ScheduleProblem
         Contract-3 problem; its ``recompute_mem_f`` says what recomputation would save.
     recompute : bool
-        Allow step 3 (otherwise the returned problem is ``problem`` itself).
+        Allow step 3, activation checkpointing from the problem's menus (otherwise the returned
+        problem is ``problem`` itself).
     time_limit_s : float
         MILP budget of step 5 in seconds (0: no MILP).
     milp_max_ops : int
@@ -373,13 +516,22 @@ def auto_schedule(
     tried: dict[str, Any] = {}
     cands: list[tuple[ScheduleProblem, Schedule]] = []
     free = problem.replace(mem_limit=math.inf)
-    free_best = _best([(problem, s) for s in _run(free, _plain_methods(problem), "unlimited", tried)])
+    large = _large(problem)
+    methods = _plain_methods(problem)
+    if large and "1f1b" in methods and _overflows_1f1b(problem, free, tried):
+        # a large problem whose 1F1B overflows: the others hold at least as much without a limit
+        for m in methods:
+            tried.setdefault(f"unlimited/{m}", "skipped: 1F1B already overflows mem_limit and holds the least of them")
+        free_best = None
+    else:
+        free_best = _best([(problem, s) for s in _run(free, methods, "unlimited", tried)])
     if free_best is not None and not check_schedule(problem, free_best[1]):
         cands.append(free_best)  # memory does not bind: nothing to offload or recompute
         tried["binding"] = False
     else:
         tried["binding"] = True
-        cands += [(problem, s) for s in _run(problem, _plain_methods(problem), "plain", tried)]
+        if not (large and recompute):  # a large one's plain schedules run after the checkpoint rounds, if they can win
+            cands += [(problem, s) for s in _run(problem, methods, "plain", tried)]
         # fewer in flight (1F1B with a smaller warm-up) is tried last, against the best of the
         # others: warm-ups that provably cannot beat it are not timed; the offload heuristics
         # (the costly ones) run after the recomputation rounds, and not at all when the
@@ -389,25 +541,39 @@ def auto_schedule(
         rounds: list[tuple[ScheduleProblem, Schedule]] = []
         if recompute:
             cur = problem
-            for rnd in range(1, problem.num_stages + 1):
-                add = _next_recompute(cur)
+            max_rounds = sum(len(problem.checkpoint_menu[s]) for s in range(problem.num_stages))
+            for rnd in range(1, max_rounds + 1):
+                add = (_jump_checkpoint(cur) if rnd == 1 and _large(cur) else {}) or _next_checkpoint(cur)
                 if not add:
-                    tried[f"recompute{rnd}"] = "1F1B fits every device, or no stage is left whose recomputation saves memory"
+                    tried[f"recompute{rnd}"] = "1F1B fits every device, or no stage is left whose checkpointing saves memory"
                     break
-                cur = cur.with_recompute(add)
+                cur = cur.with_checkpoint(add)
                 tag = f"recompute{rnd}"
                 tried[tag] = list(cur.recompute_stages)
+                if any(c not in ("none", "stage") for c in cur.checkpoint):
+                    tried[f"checkpoint{rnd}"] = {s: c for s, c in enumerate(cur.checkpoint) if c != "none"}
                 found = [(cur, s) for s in _run(cur, _plain_methods(cur), tag, tried)]
-                if not found and _can_offload(cur):
+                if not found and not large and _can_offload(cur):
                     found = [(cur, s) for s in _run_unless_hopeless(cur, OFFLOAD_METHODS, tag, tried, _value(cands + rounds))]
-                if not found:
+                if not found and not large:  # a large problem: fewer in flight only after the last round
                     found = [(cur, s) for s in _degraded(cur, tag, tried, beat=_value(cands + rounds))]
                 rounds += found
-            rounds += _full_recompute_1f1b(problem, tried)
+            if large and not rounds and cur is not problem:
+                rounds += [(cur, s) for s in _degraded(cur, tag, tried, beat=_value(cands))]
+            rounds += _uniform_1f1b(problem, tried)
+        if large and recompute:  # bounded as schedules without offload (none of these offloads)
+            cands += [(problem, s) for s in _run_unless_hopeless(problem, methods, "plain", tried, _value(rounds),
+                                                                  bound_problem=problem.replace(offload_bytes=0.0))]
         tried_rounds = dict(tried)
         tried.clear()
         if _can_offload(problem):
-            cands += [(problem, s) for s in _run_unless_hopeless(problem, OFFLOAD_METHODS, "offload", tried,
+            # a large problem that checkpointing fits runs only the offload search, which decides offloads with
+            # the compute order (PipeOffload and AdaOffload time a whole schedule per warm-up / offload set)
+            offload = OFFLOAD_METHODS if not (large and rounds) else tuple(m for m in OFFLOAD_METHODS if m == "offload-search")
+            for m in OFFLOAD_METHODS:
+                if m not in offload:
+                    tried[f"offload/{m}"] = "skipped: a large problem that activation checkpointing fits (offload-search runs)"
+            cands += [(problem, s) for s in _run_unless_hopeless(problem, offload, "offload", tried,
                                                                  _value(cands + rounds))]
         tried_offload = dict(tried)
         tried.clear()
@@ -419,12 +585,13 @@ def auto_schedule(
         tried.update(tried_rounds)
     chosen = _best(cands)
     if chosen is None:
-        need = None
-        floor = min_device_memory(problem, offload=True)
+        least = least_memory(problem) if recompute else problem
+        floor = np.minimum(min_device_memory(problem, offload=True), min_device_memory(least, offload=True))
         lim = np.asarray(problem.mem_limit, dtype=float)
         d = int(np.argmax(floor - lim))
         need = float(floor[d])
-        what = "plain schedules" + (", offload" if _can_offload(problem) else "") + (", recomputation" if recompute else "")
+        what = ("plain schedules" + (", offload" if _can_offload(problem) else "")
+                + (", activation checkpointing" if recompute else ""))
         if need > lim[d]:
             msg = (f"no schedule fits: device {d} needs at least {need:.6g} bytes of activations for one micro-batch, "
                    f"over its limit {lim[d]:.6g} by {need - lim[d]:.6g}")
@@ -440,7 +607,8 @@ def auto_schedule(
     n_ops = 3 * best_p.num_stages * best_p.num_microbatches
     if time_limit_s > 0 and n_ops <= milp_max_ops and best_s.value > bound * (1 + 1e-6):
         try:
-            ms = milp.solve(best_p, time_limit_s=time_limit_s, warm_start=best_s, progress=progress)
+            ms = place_fused_w(best_p, milp.solve(best_p, time_limit_s=time_limit_s, warm_start=best_s,
+                                                  progress=progress))
             if check_schedule(best_p, ms):
                 raise SolverError("the MILP returned a schedule that breaks Contract 3")
             tried["milp"] = {"value_s": float(ms.value), "status": ms.status, "lower_bound_s": float(ms.lower_bound_s)}
@@ -458,6 +626,7 @@ def auto_schedule(
         best_s = dataclasses.replace(best_s, status="optimal")
     rec = best_p.recompute_stages
     meta = {**best_s.meta, "auto": {"tried": tried, "recompute_stages": list(rec),
+                                     "checkpoint": list(best_p.checkpoint),
                                      "offloaded": sum(1 for o in best_s.ops if o.type == "O")}}
     sched = dataclasses.replace(best_s, lower_bound_s=max(float(best_s.lower_bound_s), bound), meta=meta,
                                 solver_time_s=time.perf_counter() - t0, objective=best_p.objective)

@@ -168,6 +168,9 @@ of issue 19, whose late stages' work reaches stage 0 only through the chain.
 
 7. Over every recomputation choice (:func:`recompute_lower_bound`)
 -------------------------------------------------------------------
+(Written for the default menu, none or whole-stage recomputation; :func:`recompute_lower_bound`
+takes every stage's checkpoint menu, see its docstring: the same threshold argument with the
+least-replay option below each threshold.)
 ``auto`` chooses which stages recompute (:meth:`ScheduleProblem.with_recompute`); a bound
 valid for every choice ``x`` (``x_i = 1``: stage i recomputes) is
 ``min_x LB(x)``, with ``2^S`` choices. Split the terms: ``h_i(x_i)``, the bounds of parts
@@ -207,6 +210,7 @@ copy stream); DESIGN.md Contract 3.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -258,7 +262,8 @@ def stage_span_bounds(problem: ScheduleProblem) -> np.ndarray:
     return out
 
 
-def chain_stage_span_bounds(problem: ScheduleProblem, *, memory: bool = True) -> np.ndarray:
+def chain_stage_span_bounds(problem: ScheduleProblem, *, memory: bool = True,
+                            w_extra_s: np.ndarray | None = None) -> np.ndarray:
     """Downstream chain lower bound on the span of every stage (float64 array (S,), seconds).
 
     Part 6 of the module docstring: stage s's span contains the path of one micro-batch to a
@@ -271,6 +276,9 @@ def chain_stage_span_bounds(problem: ScheduleProblem, *, memory: bool = True) ->
         Contract 3 problem (any placement; comm between stages of one device is free).
     memory : bool
         Use the memory limits (False: the memory-blind bound, ``P_k = m - 1``).
+    w_extra_s : float64 array (S,), optional
+        The W work memory forces before stage k's last B, given (seconds; replaces what ``memory``
+        would compute): :func:`recompute_lower_bound` passes the least over a stage's checkpoint options.
 
     Returns
     -------
@@ -286,7 +294,9 @@ def chain_stage_span_bounds(problem: ScheduleProblem, *, memory: bool = True) ->
     c = problem.t_comm_effective
     F, B, W = (np.asarray(x, dtype=float) for x in (problem.t_f, problem.t_b, problem.t_w))
     core = m * (F + B)
-    if memory:
+    if w_extra_s is not None:
+        core = core + np.asarray(w_extra_s, dtype=float)
+    elif memory:
         a, b = np.asarray(problem.mem_f, dtype=float), np.asarray(problem.mem_b, dtype=float)
         tr = np.asarray(problem.mem_b_transient, dtype=float)
         held = -np.asarray(problem.mem_w, dtype=float)  # a + b: what a micro-batch holds until its W
@@ -697,43 +707,87 @@ def _stage_terms(problem: ScheduleProblem, s: int) -> float:
     return best
 
 
-def _monotone_part(problem: ScheduleProblem) -> float:
-    """``C(x)`` of part 7: the objective bound of parts 1, 4 (memory-blind) and 6 (with limits)."""
-    spans = np.maximum(stage_span_bounds(problem), chain_stage_span_bounds(problem, memory=True))
-    return _objective_bound(problem, spans, device_span_bounds(problem, memory=False))
+def _forced_w_s(problem: ScheduleProblem, k: int, opt, t_b0: float, t_w0: float) -> float:
+    """Part 6's W work before stage k's last B that memory forces when k runs checkpoint option ``opt``
+    (``t_b0`` / ``t_w0`` the stage's B and W times without replay, with a split backward; a fused option
+    owes none): ``max(0, m - 1 - P) * t_w0`` with ``P = floor((L - level) / held)``, ``level`` the memory of
+    a micro-batch whose B started and ``held`` what it keeps until its W."""
+    m, L = problem.num_microbatches, problem.device_mem_limit(k)
+    c = float(problem.pooled_bytes[k])
+    held = opt.w_bytes + c
+    if opt.fused or not math.isfinite(L) or held <= 0.0 or t_w0 <= 0.0 or t_b0 + opt.replay_s <= 0.0:
+        return 0.0
+    level = held if opt.name == "none" else opt.b_level(c)
+    L_eff = L + _MEM_RTOL * max(1.0, abs(L), max(opt.kept_bytes + c, level))
+    owed = math.floor((L_eff - level) / held)
+    return max(0, m - 1 - min(m - 1, max(0, owed))) * t_w0
+
+
+def _reachable(problem: ScheduleProblem, s: int) -> list:
+    """The checkpoint options stage s may run from ``problem`` (a checkpointing stage never goes back to none)."""
+    if problem.checkpoint[s] == "none":
+        return list(problem.checkpoint_menu[s])
+    return [o for o in problem.checkpoint_menu[s] if o.name != "none"]
 
 
 def recompute_lower_bound(problem: ScheduleProblem) -> float:
-    """A lower bound on every schedule of ``problem`` under *any* choice of recomputing stages.
+    """A lower bound on every schedule of ``problem`` under *any* choice of checkpoint options.
 
-    Part 7 of the module docstring: ``min`` over the choices ``x`` of a relaxation of
-    :func:`combinatorial_lower_bound` of ``problem.with_recompute(x)``, found exactly among
-    ``S + 1`` threshold choices. Stages that already recompute in ``problem`` stay so. What
-    ``auto`` reports next to its chosen problem's bound (its ``recompute_lower_bound_s``):
-    the quality of the recomputation choice and the schedule together.
+    Part 7 of the module docstring, over the menus (:attr:`~fxpipe.ir.ScheduleProblem.checkpoint_menu`;
+    with the default menu, the old recomputation choice): ``min`` over the choices ``x`` of a
+    relaxation of :func:`combinatorial_lower_bound` of ``problem.with_checkpoint(x)``. ``h_i(o)``
+    are parts 1-3 on stage i running option o, every other stage on its lightest option (the least
+    replayed forward, the least round trip). ``C(x)`` are parts 1, 4 (memory-blind) and 6, with
+    every stage's B taken as its split-backward time plus the option's replay (a fused option moves
+    W's time into B, which never lowers these terms: part 1's mixed case grows with B at fixed
+    ``B + W``, the round trips with B, part 4's sums are unchanged) and part 6's forced W work
+    the least over the stage's options; so ``C`` grows with each stage's replay time, and for
+    every threshold ``V`` the choice of the least-replay option with ``h_i <= V`` attains the
+    minimum of ``max(max_i h_i, C)`` among choices with every ``h_i <= V``. Trying every ``V`` in
+    ``{h_i(o)}`` gives a bound on every schedule of every choice (stages that already checkpoint
+    stay checkpointing).
 
     Parameters
     ----------
     problem : ScheduleProblem
-        Contract 3 problem whose ``recompute_mem_f`` says what recomputing would keep.
+        Contract 3 problem with its checkpoint menus.
 
     Returns
     -------
     float
-        Seconds; every valid schedule of ``problem.with_recompute(x)``, for every ``x``, has
-        an objective value at least this large.
+        Seconds; every valid schedule of ``problem.with_checkpoint(x)``, for every reachable ``x``,
+        has an objective value at least this large.
 
     References
     ----------
     Module docstring parts 1-7; Chen et al. 2016 (activation recomputation).
     """
     S = problem.num_stages
-    h0 = np.array([_stage_terms(problem, i) for i in range(S)])
-    h1 = np.array([_stage_terms(problem.with_recompute([i]), i) for i in range(S)])
+    opts = [_reachable(problem, s) for s in range(S)]
+    cur = [problem.checkpoint_option(s) for s in range(S)]
+    tb0 = np.array([float(problem.t_b[s]) - cur[s].replay_s - cur[s].fused_w_s for s in range(S)])
+    tw0 = np.array([float(problem.t_w[s]) + cur[s].fused_w_s for s in range(S)])
+    light = {s: min(opts[s], key=lambda o: (o.replay_s + o.fused_w_s, o.name)).name for s in range(S)}
+    lightest = problem.with_checkpoint({s: n for s, n in light.items() if n != problem.checkpoint[s]})
+    h = [{o.name: _stage_terms(lightest.with_checkpoint({s: o.name}), s) for o in opts[s]} for s in range(S)]
+    extra = np.array([min(_forced_w_s(problem, s, o, float(tb0[s]), float(tw0[s])) for o in opts[s]) for s in range(S)])
     best = math.inf
-    for theta in sorted(set([-math.inf] + h0.tolist())):
-        rec = [i for i in range(S) if h0[i] > theta]
-        q = problem.with_recompute(rec) if rec else problem
-        val = max(float(np.max(np.where(h0 > theta, h1, h0))), _monotone_part(q))
+    for theta in sorted({-math.inf} | {v for hs in h for v in hs.values()}):
+        pick = []
+        for s in range(S):
+            ok = [o for o in opts[s] if h[s][o.name] <= theta]
+            pick.append(min(ok, key=lambda o: o.replay_s) if ok else None)
+        if any(p is None for p in pick):
+            continue
+        relaxed = dataclasses.replace(problem, t_b=_frozen(tb0 + [p.replay_s for p in pick]), t_w=_frozen(tw0))
+        spans = np.maximum(stage_span_bounds(relaxed), chain_stage_span_bounds(relaxed, w_extra_s=extra))
+        val = max(max(h[s][pick[s].name] for s in range(S)),
+                  _objective_bound(relaxed, spans, device_span_bounds(relaxed, memory=False)))
         best = min(best, val)
     return best
+
+
+def _frozen(arr) -> np.ndarray:
+    out = np.ascontiguousarray(np.asarray(arr, dtype=np.float64))
+    out.setflags(write=False)
+    return out

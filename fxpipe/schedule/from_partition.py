@@ -32,13 +32,14 @@ Per stage:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Sequence
 
 import numpy as np
 
 from fxpipe.errors import InputError
-from fxpipe.ir import OpGraph, ScheduleProblem
+from fxpipe.ir import CheckpointOption, OpGraph, ScheduleProblem
 from fxpipe.partition.objective import Partition, io_bytes
 
 __all__ = ["problem_from_partition"]
@@ -60,6 +61,7 @@ def problem_from_partition(
     name: str | None = None,
     device_of_stage: Sequence[int] | None = None,
     pooled_buffer_bytes: Sequence[float] | np.ndarray | None = None,
+    checkpoint_menu: Sequence[Sequence[CheckpointOption]] | None = None,
 ) -> ScheduleProblem:
     """The scheduling problem of running ``graph`` split by ``partition`` as a pipeline.
 
@@ -93,6 +95,13 @@ def problem_from_partition(
         :func:`fxpipe.memory.plan_view.schedule_mem_limit` leaves these out of the static state,
         so pass them with it: ``stage_static(...).pooled_buffer_bytes`` of the same memory model
         and placement (what ``fxpipe.planner`` does).
+    checkpoint_menu : sequence (k,) of sequences of CheckpointOption, optional
+        The activation-checkpoint options of every stage besides ``"none"``
+        (:func:`fxpipe.memory.checkpoint.stage_menu`'s, as :meth:`MenuEntry.option`); the problem's
+        menu is ``"none"`` (the stage as built here: ``kept_bytes = mem_f - pooled``, ``w_bytes =
+        -mem_w - pooled``) followed by them, each keeping at least the 1-byte floor
+        (``mem_f > 0``). Default: the default menu (none, and whole-stage recomputation from
+        ``recompute_mem_f``).
 
     Returns
     -------
@@ -145,6 +154,17 @@ def problem_from_partition(
     else:
         t_off = np.zeros(k)
         off_bytes = np.zeros(k)
+    menu = None
+    if checkpoint_menu is not None:
+        if len(checkpoint_menu) != k:
+            raise InputError(f"checkpoint_menu must list the options of each of the {k} stages, got {len(checkpoint_menu)}")
+        menu = []
+        for s in range(k):
+            c = float(pooled[s])
+            none = CheckpointOption("none", 0.0, float(mem_f[s]) - c, 0.0, max(float(-mem_w[s]) - c, 0.0))
+            floor = max(MIN_STASH_BYTES - c, 0.0)  # Contract 3: mem_f > 0
+            menu.append([none] + [dataclasses.replace(o, kept_bytes=max(o.kept_bytes, floor))
+                                  for o in checkpoint_menu[s] if o.name != "none"])
     return ScheduleProblem.create(
         num_stages=k,
         num_microbatches=num_microbatches,
@@ -165,4 +185,5 @@ def problem_from_partition(
         objective=objective,
         name=graph.name if name is None else name,
         device_of_stage=device_of_stage,
+        checkpoint_menu=menu,
     )

@@ -36,6 +36,7 @@ References
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import operator
 from collections import defaultdict
@@ -44,7 +45,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from fxpipe.errors import InputError
-from fxpipe.ir import OP_TYPES, Schedule, ScheduledOp, ScheduleProblem
+from fxpipe.ir import OP_TYPES, Schedule, ScheduledOp, ScheduleProblem, sort_ops
 
 __all__ = [
     "InvalidScheduleError",
@@ -55,6 +56,7 @@ __all__ = [
     "device_memory_profile",
     "device_busy_s",
     "device_spans",
+    "place_fused_w",
     "peak_memory",
     "offloaded_peak",
     "stage_peaks",
@@ -742,3 +744,33 @@ def offloaded_peak(problem: ScheduleProblem, ops: Schedule | Iterable[ScheduledO
             cur += x
             out[d] = max(out[d], cur)
     return out
+
+
+def place_fused_w(problem: ScheduleProblem, schedule: Schedule) -> Schedule:
+    """``schedule`` with every W of a stage whose checkpoint option is *fused* moved to the end of its B.
+
+    A fused option (:attr:`fxpipe.ir.CheckpointOption.fused_w_s`) runs B and W of a micro-batch as
+    one full backward: its W has no length and frees only the pooled buffers, so starting it at
+    its B's end keeps every rule of Contract 3 (no device op overlaps an instant at which another
+    ends, memory only falls earlier) and puts it right after its B in the device's program, which
+    the runtime fuses (:func:`fxpipe.ir.lowering.merge_backward`). The objective values are
+    recomputed (:func:`objective_values`); a schedule without fused stages is returned as is.
+    """
+    fused = {s for s in range(problem.num_stages) if problem.checkpoint_option(s).fused}
+    if not fused:
+        return schedule
+    b_end = {(o.stage, o.microbatch): o.end_s for o in schedule.ops if o.type == "B" and o.stage in fused}
+    ops = []
+    moved = False
+    for o in schedule.ops:
+        if o.type == "W" and o.stage in fused:
+            t = b_end[(o.stage, o.microbatch)]
+            if o.start_s != t or o.end_s != t:
+                o = ScheduledOp(o.stage, o.microbatch, "W", t, t)
+                moved = True
+        ops.append(o)
+    if not moved:
+        return schedule
+    ops = tuple(sort_ops(ops))
+    makespan, span = objective_values(problem, ops)
+    return dataclasses.replace(schedule, ops=ops, makespan=makespan, stage_span=span)
