@@ -73,8 +73,11 @@ from fxpipe.errors import InputError
 from fxpipe.passes.capture import _leaves, _packet, _to_int, getattr_path
 from fxpipe.passes.op_families import ATTENTION, FLOP_COMPOSITE, MATMUL_COMPOSITE, efficiency_family, packets  # noqa: F401 (re-exported)
 
-#: The single namespaced ``node.meta`` key this pass writes.
+#: The namespaced ``node.meta`` key of the costs this pass writes.
 COST_KEY = "fxpipe_cost"
+#: ``node.meta`` key: names of the (non-resident) base tensors the node's backward reads, every one
+#: of them, not only those its ``act_bytes`` counts first (issue 28: what a checkpoint replay rebuilds)
+SAVES_KEY = "fxpipe_saves"
 
 aten = torch.ops.aten
 
@@ -418,7 +421,9 @@ class RooflineCosts(PassBase):
                                           weight_grad_s=weight_grad)
                 if not has_w:
                     t_w = 0.0
+                self._saving = []
                 act = self._act_bytes(node, kind, pkt, act_in, base, saved_bases, param_of, rg)
+                node.meta[SAVES_KEY] = tuple(dict.fromkeys(self._saving))  # issue 28: what a replay must rebuild
             else:
                 t_b = t_w = 0.0
                 act = 0.0
@@ -528,7 +533,10 @@ class RooflineCosts(PassBase):
                 if b.op in ("placeholder", "get_attr"):
                     continue
                 # ---- end act_bytes fix
-                if b in saved_bases or i in param_of or b in param_of:
+                if i in param_of or b in param_of:
+                    continue
+                self._saving.append(b.name)
+                if b in saved_bases:
                     continue
                 saved_bases.add(b)
                 total += float(sum(self._bytes(t) for t in _tensors(b.meta.get("val"))))

@@ -41,6 +41,7 @@ from fxpipe.cost.roofline import OpCost
 from fxpipe.errors import InputError
 from fxpipe.ir import OpGraph
 from fxpipe.passes.annotate import COST_KEY, AnnotateCosts
+from fxpipe.passes.costing import SAVES_KEY
 from fxpipe.passes.capture import (
     MODULE_PREFIX_KEY,
     Captured,
@@ -111,6 +112,8 @@ def to_opgraph(gm: torch.fx.GraphModule, hardware: str | HardwareSpec = "h100-sx
         extra.append({"module": module_path(node, prefix), "target": str(node.target),
                       "flops": float(cost.flops), "kind": cost.kind, "num_params": int(numel.get(node.name, 0)),
                       SKEY: skeys[node.name][0], OPKEY: skeys[node.name][1]})
+        if node.meta.get(SAVES_KEY):  # the bases its backward reads (activation checkpointing, issue 28)
+            extra[-1]["saves"] = list(node.meta[SAVES_KEY])
         if has_data_dependent_size(node):  # must not cross a stage boundary (fxpipe.partition.colocate)
             extra[-1].update(data_dependent=True, source=user_source_line(node))
         v = index[node]

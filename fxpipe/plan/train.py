@@ -109,6 +109,7 @@ def train_local(
     run = dict(make_model=make_model, stage_of=plan.worker_stage_of(), orders=plan.orders(),
                num_microbatches=plan.global_microbatches, make_batch=make_batch, steps=steps, lr=lr, loss=loss,
                seed=seed, recompute_stages=plan.recompute_stages(), compile_stages=compile_stages_option(plan, compile_stages),
+               activation_checkpointing=getattr(plan, "activation_checkpointing", None),
                mesh={**plan.mesh, "order": plan.rank_order},
                offload_optimizer=bool(getattr(plan.memory, "offload_optimizer", False)))
     res = spawn_train_many([run], world_size=plan.world_size, timeout_s=timeout_s, warn_random=rnd is None,

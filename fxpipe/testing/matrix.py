@@ -247,6 +247,7 @@ def _plan_runs(zms: dict, k: int, cfg: _Settings, checkpoints: dict[str, str], m
             runs.append(dict(make_model=zm, make_batch=zm.batch, loss=zm.loss,
                              stage_of=plans[s].worker_stage_of(), orders=plans[s].orders(),
                              recompute_stages=plans[s].recompute_stages(),
+                             activation_checkpointing=getattr(plans[s], "activation_checkpointing", None),
                              num_microbatches=cfg.microbatches, steps=cfg.steps, lr=cfg.lr, model_key=n))
             keys.append((n, s, compile_s[s]))
         if n in meta_errors:
