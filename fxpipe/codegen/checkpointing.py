@@ -59,6 +59,7 @@ Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Mode
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import operator
 import threading
@@ -80,7 +81,6 @@ __all__ = [
     "segment_scope",
     "run_segment_body",
     "policy_kind",
-    "measure_stage",
 ]
 
 logger = logging.getLogger(__name__)
@@ -141,8 +141,7 @@ def captured_policies(policies: Sequence[Any] | None, num_stages: int,
         lost = [n for n in p.save if n not in names]
         if lost:
             raise InputError(f"activation_checkpointing[{s}].save names nodes this capture of the model lacks: {lost[:3]}")
-        out.append(type(p)(kind=p.kind, segments=tuple(seg for seg in segs if seg), save=tuple(names[n] for n in p.save),
-                           replay_s=p.replay_s, kept_bytes=p.kept_bytes, replay_peak_bytes=p.replay_peak_bytes))
+        out.append(dataclasses.replace(p, segments=tuple(seg for seg in segs if seg), save=tuple(names[n] for n in p.save)))
     return tuple(out)
 
 
@@ -352,7 +351,8 @@ def _runs(nodes: list[fx.Node], members: set[fx.Node]) -> list[list[fx.Node]]:
 
 
 def _is_wrapper(n: fx.Node) -> bool:
-    return n.op == "call_function" and getattr(n.target, "__name__", "") in _WRAPPERS
+    """split's own wrappers, and submodule calls (export's ``_guards_fn``): never inside a segment."""
+    return n.op == "call_module" or (n.op == "call_function" and getattr(n.target, "__name__", "") in _WRAPPERS)
 
 
 def apply_checkpoint(module: fx.GraphModule, policy: Any, stage: int = 0) -> CarvedStage:
@@ -530,67 +530,3 @@ def tag_for_compile(module: fx.GraphModule, policy: Any) -> int:
                 tagged += 1
     return tagged
 
-
-# ----------------------------------------------------------------------------- measurement
-def measure_stage(staged, stage: int, policy: Any, stage_inputs: Sequence[Any], seed: int = 0) -> dict[str, Any]:
-    """Run one micro-batch of one stage under ``policy`` in this process and measure it (saved-tensor hooks).
-
-    The stage's forward runs under a :class:`~fxpipe.codegen.stash.DeviceStash` as on a
-    pipeline rank (its inputs are leaves that stay resident, as torch's receive buffers), then
-    a full backward from random output gradients (seeded).
-
-    Parameters
-    ----------
-    staged : StagedProgram
-        From :func:`fxpipe.codegen.split.split_stages` (node names of this capture).
-    stage : int
-    policy : CheckpointPolicy or None
-        In this capture's names (``"stage"``: the stash's whole-stage recomputation).
-    stage_inputs : sequence
-        The stage's inputs for one micro-batch (:meth:`StagedProgram.stage_inputs`).
-    seed : int
-        Seed of the output gradients.
-
-    Returns
-    -------
-    dict
-        ``kept_bytes`` (what the forward left saved: unique storages, the measured counterpart
-        of ``CheckpointPolicy.kept_bytes``), ``replay_peak_bytes`` (replayed saved tensors held
-        at once during the backward, gradients not included), ``backward_extra_bytes``,
-        ``replays``, ``segment_runs``, ``pieces`` (carved segment modules) and ``grads``
-        (parameter gradients, canonical names).
-    """
-    from fxpipe.codegen.stash import DeviceStash  # the stash imports this module
-
-    spec = staged.stages[stage]
-    module = spec.module
-    whole = policy_kind(policy) == "stage"
-    carved = apply_checkpoint(module, None if whole else policy, stage)
-    try:
-        for p in module.parameters():
-            p.grad = None
-        stash = DeviceStash("cpu", recompute_stages=[stage] if whole else [])
-        args = tuple(x.detach().requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x
-                     for x in stage_inputs)
-        out = stash.forward(stage, 0, module, args, {}, lambda: list(module.parameters()) + list(module.buffers()))
-        outs = [o for o in (out if isinstance(out, (tuple, list)) else (out,))
-                if isinstance(o, torch.Tensor) and o.requires_grad]
-        g = torch.Generator().manual_seed(seed)
-        grads = [torch.randn(o.shape, generator=g, dtype=torch.float32).to(o.dtype) for o in outs]
-        stash.before_backward(stage, 0)
-        if outs:
-            torch.autograd.backward(outs, grads)
-        stash.release(stage, 0)
-        st = stash.stats().stages[stage]
-        return {
-            "kept_bytes": st.max_microbatch_bytes,
-            "replay_peak_bytes": st.max_replay_peak_bytes,
-            "backward_extra_bytes": st.max_backward_extra_bytes,
-            "replays": st.replays + st.recomputes,
-            "segment_runs": st.segment_runs,
-            "pieces": list(carved.pieces),
-            "grads": {fqn: (p.grad.detach().clone() if p.grad is not None else None)
-                      for fqn, p in spec.named_parameters().items()},
-        }
-    finally:
-        apply_checkpoint(module, None, stage)

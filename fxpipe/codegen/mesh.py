@@ -66,7 +66,9 @@ forward hooks (:func:`fxpipe.codegen.runtime.forward_without_dp_hooks`: the stag
 between torch's ``UNSHARD`` and ``RESHARD`` actions, and the replayed graph, discarded, must not
 register hooks or leave FSDP2's training state in ``FORWARD``), once per micro-batch, split
 backward included; gradients reach the unsharded parameters only through the original graph, so
-``REDUCE_GRAD`` reduces them as without recomputation.
+``REDUCE_GRAD`` reduces them as without recomputation. A stage's checkpointed segments
+(:mod:`fxpipe.codegen.checkpointing`) take the unsharded parameters as inputs and replay on them
+(after ``module.unshard()``, :func:`fxpipe.codegen.runtime.dp_unshard_fn`).
 
 Not yet supported with data parallelism or optimizer offload (a clear error): ``compile_stages``.
 """

@@ -573,6 +573,8 @@ class FxpipePipelineStage(PipelineStage):
 
     def backward_weight_one_chunk(self, bwd_chunk_id, last_backward=False):
         with self._fxpipe_action("W", bwd_chunk_id):
+            if self.fxpipe_stash is not None:  # a W may replay too (a B that reached no stage input did no work)
+                self.fxpipe_stash.before_backward(self.stage_index, bwd_chunk_id)
             super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
             if self.fxpipe_stash is not None:
                 self.fxpipe_stash.release(self.stage_index, bwd_chunk_id)

@@ -1,4 +1,4 @@
-"""The activation stash of a pipeline rank: saved-tensor hooks, live-byte accounting, offload/reload, recomputation.
+"""The activation stash of a pipeline rank: saved-tensor hooks, live-byte accounting, offload/reload, recomputation, checkpointed segments.
 
 Every stage forward that the runtime runs goes through :meth:`DeviceStash.forward`, which
 installs ``torch.autograd.graph.saved_tensors_hooks`` for that (stage, micro-batch). Autograd
@@ -51,6 +51,30 @@ Recomputation (a stage in ``recompute_stages``)
     that saves tensors of other shapes or fewer tensors than the original forward raises
     :class:`StashError`.
 
+Checkpointed segments (a stage's activation-checkpoint policy, :mod:`fxpipe.codegen.checkpointing`)
+    A segment carved into the stage program runs, inside the stage forward, under its own hooks:
+    its inputs are kept (as slots: counted, offloaded with the stash), what autograd saves inside
+    it leaves a *placeholder* (unless the stash already holds that storage: an input, a kept op
+    result, another op's stash), and the planned op results (``save``) are kept as slots. The
+    first time a backward needs a placeholder, the segment's body runs again on its kept inputs,
+    with the forward's random-number state and updated state, returning the kept results instead
+    of recomputing them, and fills every placeholder of the segment by position (once per
+    micro-batch). Under a full backward autograd frees each node's saved tensors as it runs, so
+    the backward holds one segment's replay at a time. Under a split backward (``B`` now, ``W``
+    later) a replayed tensor is dropped as soon as ``B`` has read it unless the autograd node
+    reading it runs again in ``W`` (:class:`_WeightNeeds`: torch's backward-weight pass starts
+    at the nodes where a parameter's gradient path meets the stage inputs'), so ``W`` finds what
+    it needs without a second replay and ``B`` holds one segment's replay plus what ``W`` reads.
+    torch's ``torch.utils.checkpoint`` replays once per autograd graph task instead: once for ``B``
+    and once per parameter group for ``W`` (``benchmarks/bench_checkpoint_memory.py``, torch 2.13:
+    a segment of 4 Linear + tanh layers under ``stage_backward_input`` / ``stage_backward_weight``
+    replays 5 times per micro-batch, the stash once, same gradients), each ``W`` replay holding
+    its unconsumed tensors until the graph is freed; its ``GraphExecGroup`` (one replay for
+    several backward calls) refuses B then W, which read the same saved tensors.
+    Measured per micro-batch: ``max_microbatch_bytes`` (what the forward kept),
+    ``max_replay_peak_bytes`` (replayed tensors held at once during its backward),
+    ``max_w_held_bytes`` (left for ``W`` by a split ``B``), ``segment_runs`` and ``replays``.
+
 Data parallelism (:mod:`fxpipe.codegen.mesh`)
     A stage wrapped by FSDP2's ``fully_shard`` or ``replicate`` holds sharded (or replicated)
     DTensor parameters outside its forward and, inside it, the unsharded parameters (other
@@ -74,19 +98,21 @@ from __future__ import annotations
 
 import functools
 import threading
+import time
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
-from fxpipe.codegen.checkpointing import run_segment_body, segment_scope
+from fxpipe.codegen.checkpointing import apply_checkpoint, policy_kind, run_segment_body, segment_scope
 from fxpipe.codegen.effects import analyze
 from fxpipe.codegen.offload import OffloadProgram, offload_program, programs_of
 from fxpipe.codegen.runtime import current_autograd_node, grad_fn_or_grad_acc
 from fxpipe.errors import InputError
 
-__all__ = ["StashError", "StageActivationStats", "ActivationStats", "DeviceStash", "device_stash", "mutated_state"]
+__all__ = ["StashError", "StageActivationStats", "ActivationStats", "DeviceStash", "device_stash", "mutated_state",
+           "measure_stage"]
 
 
 class StashError(RuntimeError):
@@ -1143,6 +1169,82 @@ class DeviceStash:
         if ms is None:
             return []
         return [s.tensor for g in ms.groups.values() for s in g.alive_slots() if s.tensor is not None]
+
+
+# ----------------------------------------------------------------------------- measurement
+def measure_stage(staged, stage: int, policy: Any, stage_inputs: Sequence[Any], seed: int = 0,
+                  repeat: int = 1) -> dict[str, Any]:
+    """Run one micro-batch of one stage under ``policy`` in this process and measure it (saved-tensor hooks).
+
+    The stage's forward runs under a :class:`DeviceStash` as on a
+    pipeline rank (its inputs are leaves that stay resident, as torch's receive buffers), then
+    a full backward from random output gradients (seeded).
+
+    Parameters
+    ----------
+    staged : StagedProgram
+        From :func:`fxpipe.codegen.split.split_stages` (node names of this capture).
+    stage : int
+    policy : CheckpointPolicy or None
+        In this capture's names (``"stage"``: the stash's whole-stage recomputation).
+    stage_inputs : sequence
+        The stage's inputs for one micro-batch (:meth:`StagedProgram.stage_inputs`).
+    seed : int
+        Seed of the output gradients.
+    repeat : int
+        Forward + backward runs (the measurements are the largest over them; the gradients
+        those of the last).
+
+    Returns
+    -------
+    dict
+        ``kept_bytes`` (what the forward left saved: unique storages, the measured counterpart
+        of ``CheckpointPolicy.kept_bytes``), ``replay_peak_bytes`` (replayed saved tensors held
+        at once during the backward, gradients not included), ``backward_extra_bytes``,
+        ``replays`` and ``segment_runs`` (per run), ``pieces`` (carved segment modules),
+        ``wall_s`` (seconds of each run's forward + backward) and ``grads`` (parameter
+        gradients, canonical names).
+    """
+
+    spec = staged.stages[stage]
+    module = spec.module
+    whole = policy_kind(policy) == "stage"
+    carved = apply_checkpoint(module, None if whole else policy, stage)
+    try:
+        stash = DeviceStash("cpu", recompute_stages=[stage] if whole else [])
+        walls = []
+        runs = max(1, int(repeat))
+        for _ in range(runs):
+            for p in module.parameters():
+                p.grad = None
+            args = tuple(x.detach().requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x
+                         for x in stage_inputs)
+            t0 = time.perf_counter()
+            out = stash.forward(stage, 0, module, args, {}, lambda: list(module.parameters()) + list(module.buffers()))
+            outs = [o for o in (out if isinstance(out, (tuple, list)) else (out,))
+                    if isinstance(o, torch.Tensor) and o.requires_grad]
+            g = torch.Generator().manual_seed(seed)
+            grads = [torch.randn(o.shape, generator=g, dtype=torch.float32).to(o.dtype) for o in outs]
+            stash.before_backward(stage, 0)
+            if outs:
+                torch.autograd.backward(outs, grads)
+            stash.release(stage, 0)
+            walls.append(time.perf_counter() - t0)
+            del out, outs, args
+        st = stash.stats().stages[stage]
+        return {
+            "kept_bytes": st.max_microbatch_bytes,
+            "replay_peak_bytes": st.max_replay_peak_bytes,
+            "backward_extra_bytes": st.max_backward_extra_bytes,
+            "replays": (st.replays + st.recomputes) // runs,
+            "segment_runs": st.segment_runs // runs,
+            "pieces": list(carved.pieces),
+            "wall_s": walls,
+            "grads": {fqn: (p.grad.detach().clone() if p.grad is not None else None)
+                      for fqn, p in spec.named_parameters().items()},
+        }
+    finally:
+        apply_checkpoint(module, None, stage)
 
 
 def device_stash(device_index: int, orders: Any, torch_actions: Sequence[Any], recompute_stages: Iterable[int],

@@ -1,8 +1,8 @@
-"""Hand-built activation-checkpoint policies for the runtime tests of issue 28 (test support).
+"""Hand-built activation-checkpoint policies for the runtime's tests and benchmarks (issue 28; test support).
 
-The planner (h-28plan's side of issue 28) chooses policies from the graph; the runtime tests
-build them here, from a plan's OpGraph (node names, module paths, op kinds) and stage map, so
-that they do not depend on the planner:
+The planner chooses policies from the graph; the runtime's tests and
+``benchmarks/bench_checkpoint_memory.py`` build them here, from a plan's OpGraph (node names,
+module paths, op kinds) and stage map, so that they do not depend on the planner:
 
 * ``"full"``: one segment per repeated block of a stage (the nodes whose module path has the
   same prefix up to its first numeric component: ``model.layers.3``, ``encoder.block.0``,
@@ -17,6 +17,8 @@ that they do not depend on the planner:
 from __future__ import annotations
 
 from fxpipe.memory.checkpoint import CheckpointPolicy
+
+__all__ = ["policy", "policies", "stage_nodes", "block_of"]
 
 MATMUL_KINDS = ("matmul", "matmul_param", "attention")
 
