@@ -776,15 +776,40 @@ class DeviceStash:
             if isinstance(value, _Slot):
                 if value.tensor is None:
                     g = value.group
-                    raise StashError(f"{where}: its kept inputs are {'on the host (offloaded, never reloaded)' if g is not None and g.state == 'host' else 'released'}: "
-                                     "the backward cannot replay it")
+                    state = "on the host (offloaded, never reloaded)" if g is not None and g.state == "host" else "released"
+                    raise StashError(f"{where}: its kept inputs are {state}: the backward cannot replay it")
                 value = value.tensor
             if isinstance(value, torch.Tensor):
                 value = value.detach()
                 if rg and (value.is_floating_point() or value.is_complex()):
                     value.requires_grad_(True)
             args.append(value)
-        last = max(wanted)
+        prepare = self.before_replay.get(ms.stage)
+        if prepare is not None:
+            prepare()
+        try:
+            self._refill(ms, wanted, lambda: run_segment_body(rec.module, args, fetch=self._fetch_result,
+                                                              handles=rec.handles),
+                         rec.rng, rec.cuda_rng, rec.state_before, where, "segment's forward")
+        finally:
+            with self._lock:
+                self._stage_stats(ms.stage).replays += 1
+                for h in rec.handles.values():  # the replay took them (what it saved shares their storage)
+                    for part in ([h[1]] if h[0] == "t" else h[2]):
+                        if isinstance(part, _Slot):
+                            self._drop_slot(part)
+                rec.handles = {}
+
+    def _refill(self, ms: _MicrobatchStash, wanted: dict[int, _Slot], run: Callable[[], Any], rng, cuda_rng,
+                state_before: list, where: str, what: str) -> None:
+        """Replay a forward (``run()``) and fill the placeholder slots ``wanted`` by position, stopping at the last.
+
+        The random-number state is set to the forward's (``rng``, ``cuda_rng``) and the state the
+        forward updates in place (``state_before``: ``(tensor, value before)``) to its value
+        before it, both restored after. Raises :class:`StashError` naming ``where`` when the
+        replay saves another tensor at a wanted position or fewer tensors.
+        """
+        last = max(wanted, default=-1)
         counter = [0]
 
         def pack(t):
@@ -796,49 +821,39 @@ class DeviceStash:
                     raise StashError(
                         f"{where}: the replay saved a different tensor at position {i} "
                         f"({getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))} instead of "
-                        f"{slot.dtype} {slot.size}): the segment's forward is not deterministic"
+                        f"{slot.dtype} {slot.size}): the {what} is not deterministic"
                     )
                 self._add_slot(ms, slot, t.detach())
             if i >= last:
                 raise _StopRecompute
             return t
 
-        prepare = self.before_replay.get(ms.stage)
-        if prepare is not None:
-            prepare()
         current = []
         with torch.no_grad():
-            for t, before in rec.state_before:
+            for t, before in state_before:
                 current.append(t.detach().clone())
                 t.copy_(before)
-        self._replaying = True
+        self._replaying = True  # what the replay makes is measured as such (max_replay_peak_bytes)
         try:
             with torch.random.fork_rng(devices=[self.device] if self._cuda else []):
-                torch.set_rng_state(rec.rng)
+                torch.set_rng_state(rng)
                 if self._cuda:
-                    torch.cuda.set_rng_state(rec.cuda_rng, self.device)
+                    torch.cuda.set_rng_state(cuda_rng, self.device)
                 with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x), torch.enable_grad():
                     try:
-                        run_segment_body(rec.module, args, fetch=self._fetch_result, handles=rec.handles)
+                        run()
                     except _StopRecompute:
                         pass
         finally:
             self._replaying = False
             with torch.no_grad():
-                for (t, _), now in zip(rec.state_before, current):
+                for (t, _), now in zip(state_before, current):
                     t.copy_(now)
-        with self._lock:
-            self._stage_stats(ms.stage).replays += 1
-            for h in rec.handles.values():  # the replay took them (what it saved shares their storage)
-                for part in ([h[1]] if h[0] == "t" else h[2]):
-                    if isinstance(part, _Slot):
-                        self._drop_slot(part)
-            rec.handles = {}
         missing = [i for i, s in wanted.items() if s.tensor is None]
         wanted.clear()  # the pack closure outlives this call (tracebacks): it must not keep the slots alive
         if missing:
             raise StashError(f"{where}: the replay saved fewer tensors than the forward ({len(missing)} missing, first "
-                             f"at position {missing[0]}): the segment's forward is not deterministic")
+                             f"at position {missing[0]}): the {what} is not deterministic")
 
     def _drop_slot(self, slot: _Slot) -> None:
         """Let go of one slot's tensor now (its group's memory goes with its last slot). Lock held."""
@@ -922,56 +937,12 @@ class DeviceStash:
             return
         ms.recomputed = True
         wanted = {s.index: s for s in (r() for r in ms.slots) if s is not None}
-        last = max(wanted, default=-1)
-        counter = [0]
-
-        def pack(t):
-            i = counter[0]
-            counter[0] += 1
-            slot = wanted.get(i)
-            if slot is not None:
-                if not _plain(t) or tuple(t.shape) != slot.size or t.dtype != slot.dtype:
-                    raise StashError(
-                        f"stage {ms.stage}, micro-batch {ms.mb}: the recomputed forward saved a different tensor at "
-                        f"position {i} ({getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))} "
-                        f"instead of {slot.dtype} {slot.size}): the stage forward is not deterministic; do not "
-                        "recompute this stage"
-                    )
-                self._add_slot(ms, slot, t.detach())
-            if i >= last:
-                raise _StopRecompute
-            return t
-
-        current = []
-        with torch.no_grad():
-            for t, before in ms.state_before:
-                current.append(t.detach().clone())
-                t.copy_(before)
-        self._replaying = True  # measured as a replay (max_replay_peak_bytes)
         try:
-            with torch.random.fork_rng(devices=[self.device] if self._cuda else []):
-                torch.set_rng_state(ms.rng)
-                if self._cuda:
-                    torch.cuda.set_rng_state(ms.cuda_rng, self.device)
-                with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x), torch.enable_grad():
-                    try:
-                        ms.fn(*ms.inputs, **ms.kwargs)
-                    except _StopRecompute:
-                        pass
+            self._refill(ms, wanted, lambda: ms.fn(*ms.inputs, **ms.kwargs), ms.rng, ms.cuda_rng, ms.state_before,
+                         f"stage {ms.stage}, micro-batch {ms.mb}", "stage forward (do not recompute this stage)")
         finally:
-            self._replaying = False
-            with torch.no_grad():
-                for (t, _), now in zip(ms.state_before, current):
-                    t.copy_(now)
-        with self._lock:
-            self._stage_stats(ms.stage).recomputes += 1
-        missing = [i for i, s in wanted.items() if s.tensor is None]
-        wanted.clear()  # the pack closure outlives this call (tracebacks): it must not keep the slots alive
-        if missing:
-            raise StashError(
-                f"stage {ms.stage}, micro-batch {ms.mb}: the recomputed forward saved fewer tensors than the original "
-                f"({len(missing)} missing, first at position {missing[0]}): the stage forward is not deterministic"
-            )
+            with self._lock:
+                self._stage_stats(ms.stage).recomputes += 1
 
     # ------------------------------------------------------------------ offload / reload
     def after(self, torch_action) -> None:
