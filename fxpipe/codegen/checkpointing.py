@@ -33,8 +33,8 @@ Replay (:mod:`fxpipe.codegen.stash`)
 
 Kept outputs (``save``)
     The op-level selective checkpointing of torch (``create_selective_checkpoint_contexts``)
-    decides per ATen op; a plan decides per fx node. The body runs through an fx ``Interpreter``
-    so the current node is known while its ops dispatch; a dispatch interceptor
+    decides per ATen op; a plan decides per fx node. Each kept node of a body calls its op
+    through a :class:`KeptOp`, so the current node is known while its ops dispatch; a dispatch interceptor
     (:func:`fxpipe.codegen.runtime.op_interceptor`) sees every ATen op of a kept node, and when
     the node has run the stash keeps exactly the op results whose storage *is* the node's output
     (not views of its inputs, not temporaries of a decomposed op); the replay returns those
@@ -263,23 +263,25 @@ class _Keeper:
         self.count = {}
 
 
-class _Tracker(fx.Interpreter):
-    """Runs a segment body node by node; kept nodes run under the dispatch interceptor."""
+class KeptOp:
+    """The target of a kept (``save``) node in a segment body: calls the node's op, its ATen ops seen by
+    the running segment's keeper (under the dispatch interceptor) when there is one."""
 
-    def __init__(self, body: fx.GraphModule, save: frozenset, keeper: _Keeper):
-        super().__init__(body, garbage_collect_values=True)
-        self.save = save
-        self.keeper = keeper
+    def __init__(self, name: str, target: Callable):
+        self.name = name
+        self.target = target
+        self.__name__ = f"kept_{getattr(target, '__name__', 'op')}"
 
-    def run_node(self, n: fx.Node):
-        if n.name not in self.save:
-            return super().run_node(n)
+    def __call__(self, *args, **kwargs):
+        keeper = getattr(_ACTIVE, "keeper", None)
+        if keeper is None:
+            return self.target(*args, **kwargs)
         from fxpipe.codegen.runtime import op_interceptor  # the dispatch mode is a private torch API
 
-        self.keeper.node, self.keeper.count, self.keeper.seen = n.name, {}, []
-        with op_interceptor(self.keeper.op):
-            result = super().run_node(n)
-        self.keeper.node_done(result)
+        keeper.node, keeper.count, keeper.seen = self.name, {}, []
+        with op_interceptor(keeper.op):
+            result = self.target(*args, **kwargs)
+        keeper.node_done(result)
         return result
 
 
@@ -295,7 +297,12 @@ def run_segment_body(segment: CheckpointSegment, args: Sequence[Any], *, keep: C
     if not segment.save:
         return segment.body(*args), {}
     keeper = _Keeper(keep, fetch, handles)
-    out = _Tracker(segment.body, segment.save, keeper).run(*args)
+    prev = getattr(_ACTIVE, "keeper", None)
+    _ACTIVE.keeper = keeper
+    try:
+        out = segment.body(*args)
+    finally:
+        _ACTIVE.keeper = prev
     return out, keeper.handles
 
 
@@ -476,7 +483,13 @@ def _carve_run(g: fx.Graph, module: fx.GraphModule, run: list[fx.Node], name: st
         ph.meta = dict(a.meta)
         env[a] = ph
     for n in run:
-        env[n] = body.node_copy(n, lambda a: env[a])
+        if n.name in save and n.op == "call_function":  # its ATen ops go through the keeper (kept_call)
+            args = fx.map_arg(n.args, lambda a: env[a])
+            kwargs = fx.map_arg(n.kwargs, lambda a: env[a])
+            env[n] = body.create_node("call_function", KeptOp(n.name, n.target), args, kwargs, name=n.name)
+            env[n].meta = dict(n.meta)
+        else:
+            env[n] = body.node_copy(n, lambda a: env[a])
     body.output(tuple(env[o] for o in outs))
     seg = cls(fx.GraphModule(torch.nn.Module(), body, class_name="Segment"), index, segment, frozenset(save), state_in)
     module.add_submodule(name, seg)
