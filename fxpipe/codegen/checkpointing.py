@@ -383,7 +383,9 @@ def apply_checkpoint(module: fx.GraphModule, policy: Any, stage: int = 0) -> Car
     Raises
     ------
     InputError
-        For a segment naming a node the stage does not compute, or segments whose spans overlap.
+        When no segment names a node the stage computes (another capture's names), or for
+        segments whose spans overlap. A segment none of whose nodes the stage computes (the
+        split moved them to another stage) is skipped (``CarvedStage.dropped`` says so).
     """
     from fxpipe.codegen.effects import analyze
     from fxpipe.codegen.runtime import copy_graph_codegen
@@ -407,11 +409,8 @@ def apply_checkpoint(module: fx.GraphModule, policy: Any, stage: int = 0) -> Car
     spans = []
     for k, seg in enumerate(policy.segments):
         listed = [by_name[n] for n in seg if n in by_name]
-        missing = [n for n in seg if n not in by_name]
-        if missing and not listed:
-            raise InputError(f"stage {stage}: activation-checkpoint segment {k} names nodes the stage does not compute: "
-                             f"{missing[:3]}")
-        if not listed:
+        if not listed:  # e.g. BatchNorm counter updates the split moved to their module's stage
+            done.dropped.append(f"segment {k}: none of its nodes is computed on this stage ({', '.join(seg[:3])})")
             continue
         lo, hi = min(pos[n] for n in listed), max(pos[n] for n in listed)
         span = [n for n in nodes[lo:hi + 1] if n.op in _COMPUTE and not _is_wrapper(n)]
@@ -421,6 +420,9 @@ def apply_checkpoint(module: fx.GraphModule, policy: Any, stage: int = 0) -> Car
                                  f"{n.name!r} (segments are disjoint spans of the stage program)")
             owner[n] = k
         spans.append((k, span))
+    if not spans:
+        raise InputError(f"stage {stage}: no node of the activation-checkpoint segments is computed on this stage "
+                         f"(first: {policy.segments[0][:3]}): the policy names another capture's nodes")
     writers = {}
     for w, b in eff.writes:
         writers.setdefault(b, []).append(w)

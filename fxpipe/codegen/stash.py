@@ -1182,7 +1182,8 @@ def measure_stage(staged, stage: int, policy: Any, stage_inputs: Sequence[Any], 
     whole = policy_kind(policy) == "stage"
     carved = apply_checkpoint(module, None if whole else policy, stage)
     try:
-        stash = DeviceStash("cpu", recompute_stages=[stage] if whole else [])
+        stash = DeviceStash("cpu", recompute_stages=[stage] if whole else [],
+                            mutated={stage: mutated_state(module)} if whole else None)
         walls = []
         runs = max(1, int(repeat))
         for _ in range(runs):

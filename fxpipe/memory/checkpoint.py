@@ -170,8 +170,9 @@ def predict_checkpoint_bytes(graph, stage_nodes: Sequence[int], policy: Checkpoi
         base made on the stage that stays from the forward to the backward: read by an op in no
         segment, a segment input, or a saved (``save``) node. ``replay_peak_bytes``: the largest
         over segments of what its replay rebuilds, the own bytes of its ops plus the bases they
-        read that are not kept (``"stage"``: the whole stage is one segment whose inputs are
-        the stage's). Gradients are not counted. Bases made on earlier stages (the stage's
+        read that are not kept (a base made inside the segment is rebuilt unless saved, even
+        when an op after the segment keeps it too; ``"stage"``: the whole stage is one segment
+        whose inputs are the stage's). Gradients are not counted. Bases made on earlier stages (the stage's
         inputs, held by receive buffers) and model inputs are never counted; a view's base is
         found through shape-only ops (``extra["kind"] == "shape"``).
 
@@ -217,15 +218,20 @@ def predict_checkpoint_bytes(graph, stage_nodes: Sequence[int], policy: Checkpoi
         if i not in seg_of:
             kept += own[i]
             kept_bases.update(b for b in saves[i] if made_here(b))
+    saved_nodes: set[int] = set()
     if kind != "stage":
         for i in seg_of:
             for u in preds[i]:
                 if seg_of.get(u) != seg_of[i] and made_here(base(u)):
                     kept_bases.add(base(u))
-        kept_bases.update(base(index[m]) for m in (policy.save if policy else ()) if m in index)
+        saved_nodes = {base(index[m]) for m in (policy.save if policy else ()) if m in index}
+        kept_bases |= saved_nodes
     kept += sum(size[b] for b in kept_bases)
     peak = 0.0
-    for seg in segs:
-        rebuilt = {b for i in seg for b in saves[i] if made_here(b) and b not in kept_bases}
+    for k, seg in enumerate(segs):
+        # a base made inside the segment and read by its ops is rebuilt even when an op after it keeps it too
+        # (the forward saved it inside the segment first); one made outside is kept (an input)
+        rebuilt = {b for i in seg for b in saves[i] if made_here(b) and b not in saved_nodes
+                   and (seg_of.get(b) == k or b not in kept_bases)}
         peak = max(peak, sum(own[i] for i in seg) + sum(size[b] for b in rebuilt))
     return float(kept), float(peak)
