@@ -190,7 +190,11 @@ def _plan_mesh(graph, mesh: Any, devices: int, microbatches: int, memory: Memory
     tp = mesh_tp(degrees)
     if tp > 1:  # tensor parallelism (fxpipe.mesh.tensor_parallel): refuse what it cannot split; no offload yet
         check_tensor_parallel(graph, tp)
-        options = dataclasses.replace(options, host_bandwidth_bytes_per_s=None)
+        if options.activation_checkpointing not in ("auto", "none"):
+            raise InputError(f"mesh tp={tp}: activation_checkpointing={options.activation_checkpointing!r} does not run "
+                             "with tensor parallelism yet (the stash sees plain tensors, not DTensor shards): use "
+                             "activation_checkpointing='none' or tp=1")
+        options = dataclasses.replace(options, host_bandwidth_bytes_per_s=None, activation_checkpointing="none")
     planned = plan_with_options(pipeline_graph(graph, degrees), devices=degrees["pp"],
                                 microbatches=microbatches_per_replica(microbatches, degrees), options=options,
                                 memory=model, memory_bytes=model.capacity_bytes)  # resolved already

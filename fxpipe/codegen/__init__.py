@@ -15,6 +15,8 @@ Small passes, one job each:
   schemas, fake tensors, ``_PipelineScheduleRuntime``) and :class:`FxpipeScheduleRuntime`.
 - :mod:`fxpipe.codegen.rank`: :func:`build_rank` / :func:`build_pipeline_rank` (this rank's
   ``PipelineStage`` s - several with looped or V placements - and the schedule runtime).
+- :mod:`fxpipe.codegen.checkpointing`: a stage's activation-checkpoint policy carved into its
+  program (segments replayed by the stash during the backward, kept op results tied to fx nodes).
 - :mod:`fxpipe.codegen.mesh`: pipeline x data parallelism on a ``DeviceMesh`` (a rank's stages
   wrapped by FSDP2 ``fully_shard`` / ``replicate`` over its data-parallel group, :func:`build_mesh_rank`).
 - :mod:`fxpipe.codegen.launch`: :func:`spawn_train` (multi-process gloo training on this

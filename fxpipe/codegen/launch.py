@@ -33,6 +33,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from fxpipe.codegen.actions import check_orders
+from fxpipe.codegen.checkpointing import captured_policies
 from fxpipe.codegen.compare import gradient_precision, output_precision, random_ops_warning
 from fxpipe.codegen.effects import random_ops
 from fxpipe.codegen.interface import ModelInputs, as_call, call_model, split_microbatches
@@ -281,6 +282,20 @@ def _staged_for(cap: _Captured, run: Mapping[str, Any], num_stages: int, where: 
     return cap.staged[skey]
 
 
+def _policies_for(cap: _Captured, run: Mapping[str, Any], num_stages: int):
+    """The run's activation-checkpoint policies (plan node names) in the names of this worker's capture."""
+    policies = run.get("activation_checkpointing")
+    if policies is None:
+        return None
+    structure = getattr(run["stage_of"], "structure", None)  # a plan's stage map: match by structure
+    names = None
+    if structure is not None:
+        from fxpipe.passes.structure import match_nodes
+
+        names = match_nodes(structure, cap.gm)
+    return captured_policies(policies, num_stages, names)
+
+
 def _build_rank_program(rank: int, run: Mapping[str, Any], cap: _Captured, staged, groups: dict, dp: int):
     """This rank's ``PipelineStage`` s and schedule runtime: ``(stages, schedule, replica, pp_rank)``."""
     source = None
@@ -292,6 +307,7 @@ def _build_rank_program(rank: int, run: Mapping[str, Any], cap: _Captured, stage
         example_microbatch_inputs=cap.mb_example, fuse=run["fuse"], fused_backward=run["fused_backward"],
         group_cache=groups, io_cache=cap.io_cache, compile_stages=run.get("compile_stages", False),
         recompute_stages=tuple(run.get("recompute_stages", ())), state_source=source,
+        activation_checkpointing=_policies_for(cap, run, staged.num_stages),
     )
     mesh = run.get("mesh")
     if mesh is None:
@@ -429,6 +445,8 @@ def _write_run_results(out_dir: str, idx: int, rank: int, run: Mapping[str, Any]
                 "output_precision": cap.output_precision,
                 "train_wall_s": wall,
                 "activation": stash.stats().to_dict() if stash is not None else None,
+                "checkpointing": {s: vars(c) for s, c in (getattr(sched, "fxpipe_checkpointing", None) or {}).items()
+                                  if c is not None},
                 "materialized": {s: r.to_dict() for s, r in mat.items()} if mat else None,
                 "held_state_bytes": held,
                 "offload_policy": {st.stage_index: repr(fsdp_offload_policy(st.submod)) for st in stages},
@@ -569,7 +587,11 @@ def spawn_train_many(runs: Sequence[Mapping[str, Any]], *, world_size: int, time
         ``timeout_s`` (``make_model``, ``stage_of``, ``orders``, ``num_microbatches`` and
         ``make_batch`` are required), plus optionally ``model_key`` (hashable, names the model
         for capture reuse), ``recompute_stages`` (stages that recompute their forward during the
-        backward) and ``state`` (a dict with ``seed`` and optionally ``checkpoint``: every worker
+        backward), ``activation_checkpointing`` (one
+        :class:`~fxpipe.memory.checkpoint.CheckpointPolicy` per stage, in the node names of
+        ``stage_of``'s plan, matched to each worker's capture by structure when ``stage_of`` is
+        a plan's; ``TrainResult.meta["checkpointing"]`` says what each stage carved,
+        :mod:`fxpipe.codegen.checkpointing`) and ``state`` (a dict with ``seed`` and optionally ``checkpoint``: every worker
         builds the model on ``meta`` and materializes only its stages from the model's
         initializers under that seed and/or the checkpoint; the single-process reference is
         :class:`fxpipe.codegen.materialize.MetaInit`), and ``mesh`` (``{"pp", "dp_shard",
@@ -635,7 +657,8 @@ def spawn_train_many(runs: Sequence[Mapping[str, Any]], *, world_size: int, time
             m_pipe = run["num_microbatches"]
             if run.get("mesh") is not None:
                 mesh = normalize_mesh(run["mesh"], world_size)
-                check_mesh_run(mesh, run["orders"], tuple(run.get("recompute_stages", ())), run["compile_stages"])
+                check_mesh_run(mesh, run["orders"], tuple(run.get("recompute_stages", ())), run["compile_stages"],
+                               run.get("activation_checkpointing"))
                 m_pipe = microbatches_per_replica(run["num_microbatches"], mesh)
                 run["mesh"] = None if is_pure_pipeline(mesh) and mesh_tp(mesh) == 1 and not run.get("offload_optimizer") \
                     else mesh
@@ -760,6 +783,7 @@ def _gather(out_dir: str, world: int, idx: int, wall: float) -> TrainResult:
     materialized: dict[int, Any] = {}
     held: dict[int, Any] = {}
     offload: dict[int, Any] = {}
+    checkpointing: dict[int, Any] = {}
     train_wall = 0.0
     for r in range(world):
         with open(os.path.join(out_dir, f"run{idx}_rank{r}.json")) as f:
@@ -770,6 +794,7 @@ def _gather(out_dir: str, world: int, idx: int, wall: float) -> TrainResult:
         fused.update({int(s): v for s, v in info["fused_full_backward"].items()})
         recv_buffers.update({int(s): v for s, v in (info.get("recv_buffers") or {}).items()})
         compiled.update({int(s): v for s, v in (info.get("compiled_stages") or {}).items()})
+        checkpointing.update({int(s): v for s, v in (info.get("checkpointing") or {}).items()})
         activation[r] = info.get("activation")
         materialized[r] = info.get("materialized")
         held[r] = info.get("held_state_bytes")
@@ -802,5 +827,5 @@ def _gather(out_dir: str, world: int, idx: int, wall: float) -> TrainResult:
          "grad_precision": info.get("grad_precision") or {}, "output_precision": info.get("output_precision"),
          "fused_full_backward": fused, "recv_buffers": recv_buffers, "compiled_stages": compiled, "train_wall_s": train_wall, "wall_s": wall,
          "activation": activation, "materialized": materialized, "held_state_bytes": held,
-         "offload_policy": offload},
+         "offload_policy": offload, "checkpointing": checkpointing},
     )

@@ -66,7 +66,9 @@ forward hooks (:func:`fxpipe.codegen.runtime.forward_without_dp_hooks`: the stag
 between torch's ``UNSHARD`` and ``RESHARD`` actions, and the replayed graph, discarded, must not
 register hooks or leave FSDP2's training state in ``FORWARD``), once per micro-batch, split
 backward included; gradients reach the unsharded parameters only through the original graph, so
-``REDUCE_GRAD`` reduces them as without recomputation.
+``REDUCE_GRAD`` reduces them as without recomputation. A stage's checkpointed segments
+(:mod:`fxpipe.codegen.checkpointing`) take the unsharded parameters as inputs and replay on them
+(after ``module.unshard()``, :func:`fxpipe.codegen.runtime.dp_unshard_fn`).
 
 Parameters of several dtypes (a bfloat16 model with float32 layers): FSDP2 reduces a unit's
 parameters as one flat buffer of one dtype, so every stage is wrapped as one unit per dtype, the
@@ -410,7 +412,7 @@ def make_shared_param_groups(staged, device_of_stage: Sequence[int], mesh: Mappi
 
 
 def check_mesh_run(mesh: Mapping[str, int], orders: Orders, recompute_stages: Sequence[int] = (),
-                   compile_stages: bool = False) -> None:
+                   compile_stages: bool = False, activation_checkpointing: Sequence[Any] | None = None) -> None:
     """Refuse, before any process group is touched, what data parallelism does not support yet.
 
     Activation recomputation (``recompute_stages``) and offload/reload actions in ``orders``
@@ -430,7 +432,8 @@ def check_mesh_run(mesh: Mapping[str, int], orders: Orders, recompute_stages: Se
     if orders.num_devices != m["pp"]:
         raise InputError(f"the orders place the stages on {orders.num_devices} devices but mesh {format_mesh(m)} has "
                          f"pp={m['pp']}")
-    check_tensor_parallel_run(mesh_tp(m), recompute_stages, bool(orders.offloaded()), compile_stages)
+    check_tensor_parallel_run(mesh_tp(m), recompute_stages, bool(orders.offloaded()), compile_stages,
+                              activation_checkpointing)
     if mesh_dp(m) == 1:
         return
     what = f"mesh {format_mesh(m)}"
@@ -531,7 +534,8 @@ def build_mesh_rank(
     """
     order = _order(mesh, rank_order)
     m = mesh_degrees(normalize_mesh(mesh))
-    check_mesh_run(m, orders, build_kwargs.get("recompute_stages", ()), build_kwargs.get("compile_stages", False))
+    check_mesh_run(m, orders, build_kwargs.get("recompute_stages", ()), build_kwargs.get("compile_stages", False),
+                   build_kwargs.get("activation_checkpointing"))
     if offload_optimizer:
         check_offload_run(orders, build_kwargs.get("recompute_stages", ()), build_kwargs.get("compile_stages", False))
     mr = mesh_rank(m, rank, device_mesh, torch.device(device).type, order)

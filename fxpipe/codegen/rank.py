@@ -20,10 +20,11 @@ import torch
 import torch.distributed as dist
 
 from fxpipe.codegen.actions import lower_orders
+from fxpipe.codegen.checkpointing import CarvedStage, apply_checkpoint, captured_policies, policy_kind, tag_for_compile
 from fxpipe.codegen.compiled import CompiledPipelineStage, compile_stage
 from fxpipe.codegen.interface import ModelInputs, ModelInterface
 from fxpipe.codegen.materialize import holds_meta, materialize_stage
-from fxpipe.codegen.runtime import FxpipePipelineStage, FxpipeScheduleRuntime, tree_unflatten
+from fxpipe.codegen.runtime import FxpipePipelineStage, FxpipeScheduleRuntime, dp_unshard_fn, tree_unflatten
 from fxpipe.codegen.shapes import stage_io
 from fxpipe.codegen.split import StagedProgram, split_stages
 from fxpipe.codegen.stash import device_stash
@@ -115,6 +116,7 @@ def build_rank(
     state_source: Any = None,
     wrap_module: Callable[[int, torch.nn.Module], None] | None = None,
     local_io: Callable[[int, Any], Any] | None = None,
+    activation_checkpointing: Sequence[Any] | None = None,
 ) -> tuple[tuple[FxpipePipelineStage, ...], FxpipeScheduleRuntime]:
     """This rank's ``PipelineStage`` s and a schedule runtime loaded with their actions.
 
@@ -179,6 +181,14 @@ def build_rank(
     local_io : callable(stage, StageIO) -> StageIO, optional
         The stage's inputs and outputs as this rank sends and receives them (tensor
         parallelism: the sequence shard of sequence-parallel values), from the model's shapes.
+    activation_checkpointing : sequence of CheckpointPolicy or None, optional
+        One :class:`~fxpipe.memory.checkpoint.CheckpointPolicy` per stage
+        (``plan.activation_checkpointing``), node names of *this* capture
+        (:func:`fxpipe.codegen.checkpointing.captured_policies` maps a plan's). Segments are
+        carved into the stage programs and replayed during the backward, kept op results stay
+        (:mod:`fxpipe.codegen.checkpointing`); ``"stage"`` policies join ``recompute_stages``.
+        With ``compile_stages`` the segments are tags for Inductor's partitioner instead.
+        ``schedule.fxpipe_checkpointing`` reports what each local stage carved.
 
     Returns
     -------
@@ -197,6 +207,10 @@ def build_rank(
         outside the pipeline; example inputs that do not match the captured graph; or a
         schedule torch rejects (the message names rank, stage and micro-batch).
     """
+    policies = captured_policies(activation_checkpointing, staged.num_stages)
+    if not compile_stages:  # whole-stage policies: the stash's recomputation (compiled stages: Inductor's tags)
+        recompute_stages = tuple(sorted(set(int(s) for s in recompute_stages)
+                                        | {s for s, p in enumerate(policies) if policy_kind(p) == "stage"}))
     _check_rank_request(staged, rank, orders, group, compile_stages, recompute_stages)
     acts = lower_orders(orders, num_microbatches, fuse=fuse)
     if fused_backward:
@@ -213,6 +227,8 @@ def build_rank(
         fused_here.update({s: True for s in blind})
     dev = torch.device(device)
     materialized = _materialize_stages(staged, local, state_source, dev)
+    carved = {s: _checkpoint_stage(staged.stages[s].module, policies[s], s, compile_stages, recompute_stages)
+              for s in local}
     pipeline_stages, modules = _pipeline_stages(staged, local, ios, dev, group, wrap_module, compile_stages)
     shared = _shared_param_groups(staged, orders.device_of_stage, rank, group, modules, group_cache)
     sched = FxpipeScheduleRuntime(pipeline_stages, num_microbatches, loss_fn=loss_fn, interface=staged.interface,
@@ -223,13 +239,32 @@ def build_rank(
     sched.fxpipe_named_state = {s: (modules[s], dict(staged.stages[s].param_targets), dict(staged.stages[s].buffer_targets))
                                 for s in modules}
     # ---- begin activation stash (fxpipe.codegen.stash): live saved bytes, offload/reload, recomputation
-    stash = device_stash(rank, orders, acts[rank], recompute_stages, modules, dev, track_activations)
+    segmented = any(c is not None and c.pieces for c in carved.values())
+    stash = device_stash(rank, orders, acts[rank], recompute_stages, modules, dev, track_activations or segmented)
     for st in pipeline_stages:
         st.fxpipe_stash = stash
+    if stash is not None:  # a replay outside the stage forward needs FSDP2's unsharded parameters
+        stash.before_replay.update({s: fn for s, m in modules.items() if (fn := dp_unshard_fn(m)) is not None})
     sched.fxpipe_stash = stash
     sched.fxpipe_materialized = materialized or None
+    sched.fxpipe_checkpointing = carved
     # ---- end activation stash
     return tuple(pipeline_stages), sched
+
+
+def _checkpoint_stage(module: torch.nn.Module, policy: Any, stage: int, compile_stages: bool,
+                      recompute_stages: Sequence[int]) -> CarvedStage | None:
+    """Put ``policy`` into a stage module (:mod:`fxpipe.codegen.checkpointing`): carved segments, or
+    Inductor's recompute tags with ``compile_stages``; a recomputing stage replays all of it instead."""
+    if not isinstance(module, torch.fx.GraphModule):
+        return None
+    if compile_stages:
+        n = tag_for_compile(module, None if stage in recompute_stages else policy)
+        return CarvedStage(policy_kind(policy), pieces=[f"{n} nodes tagged for Inductor"] if n else [])
+    if stage in recompute_stages:  # the whole stage replays (fxpipe.codegen.stash)
+        apply_checkpoint(module, None, stage)
+        return CarvedStage("stage")
+    return apply_checkpoint(module, policy, stage)
 
 
 def _check_rank_request(staged: StagedProgram, rank: Any, orders: Any, group, compile_stages: bool,
@@ -375,6 +410,7 @@ def build_pipeline_rank(
     recompute_stages: Sequence[int] = (),
     track_activations: bool = True,
     state_source: Any = None,
+    activation_checkpointing: Sequence[Any] | None = None,
 ) -> tuple[tuple[FxpipePipelineStage, ...], FxpipeScheduleRuntime]:
     """Split ``gm`` into ``orders.num_stages`` stages and build this rank's stages and runtime (one call).
 
@@ -397,4 +433,5 @@ def build_pipeline_rank(
         example_microbatch_inputs=example_microbatch_inputs, fuse=fuse, fused_backward=fused_backward,
         compile_stages=compile_stages,
         recompute_stages=recompute_stages, track_activations=track_activations, state_source=state_source,
+        activation_checkpointing=activation_checkpointing,
     )

@@ -76,6 +76,8 @@ __all__ = [
     "fake_on",
     "meta_literals_as",
     "grad_fn_or_grad_acc",
+    "current_autograd_node",
+    "op_interceptor",
     "construct_reverse_graph",
     "reverse_closure",
     "torch_action",
@@ -88,6 +90,7 @@ __all__ = [
     "replicate_module",
     "fsdp_offload_policy",
     "forward_without_dp_hooks",
+    "dp_unshard_fn",
 ]
 
 logger = logging.getLogger(__name__)
@@ -265,6 +268,32 @@ def construct_reverse_graph(roots: list) -> dict:
 def reverse_closure(roots: list, targets: set, reverse_edges: dict) -> tuple[set, set]:
     """Nodes reachable from ``roots`` along reverse edges, stopping at ``targets`` (see torch's ``_backward``)."""
     return _reverse_closure(roots, targets, reverse_edges)
+
+
+def current_autograd_node():
+    """The autograd node whose backward is running on this thread (None outside a backward).
+
+    Read by a saved tensor's unpack hook, it names the node that reads the tensor
+    (:mod:`fxpipe.codegen.stash`: which replayed tensors a split backward's ``W`` reads again).
+    """
+    return torch._C._current_autograd_node()
+
+
+def op_interceptor(fn: Callable[[Any, tuple, dict], Any]):
+    """A dispatch mode that hands every ATen op to ``fn(func, args, kwargs)`` (which runs it, or not).
+
+    ``torch.utils._python_dispatch.TorchDispatchMode``: it sees the ops below autograd (after
+    composite ops are decomposed), so ``fn`` can return a result kept from an earlier run
+    instead of computing it (:mod:`fxpipe.codegen.checkpointing`: the kept outputs of a
+    selective activation-checkpoint policy). Inside ``fn`` the mode is off.
+    """
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class _Intercept(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return fn(func, args, kwargs or {})
+
+    return _Intercept()
 
 
 # ----------------------------------------------------------------------------- actions
@@ -518,6 +547,7 @@ class FxpipePipelineStage(PipelineStage):
     #: the rank's :class:`~fxpipe.codegen.stash.DeviceStash` (set by :func:`fxpipe.codegen.rank.build_rank`), or None
     fxpipe_stash = None
     _fxpipe_mb = -1
+    _fxpipe_bmb = -1
 
     def forward_one_chunk(self, fwd_chunk_id, args, kwargs=None, save_forward_output=True):
         self._fxpipe_mb = fwd_chunk_id
@@ -544,14 +574,19 @@ class FxpipePipelineStage(PipelineStage):
             stash = self.fxpipe_stash
             if stash is not None:
                 stash.before_backward(self.stage_index, bwd_chunk_id)
+            self._fxpipe_bmb = bwd_chunk_id
             super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward)
             if stash is not None:
                 if full_backward:
                     stash.release(self.stage_index, bwd_chunk_id)
+                else:
+                    stash.end_backward_input(self.stage_index, bwd_chunk_id)
                 stash.after(Action(self.stage_index, FULL_BACKWARD if full_backward else "B", bwd_chunk_id))
 
     def backward_weight_one_chunk(self, bwd_chunk_id, last_backward=False):
         with self._fxpipe_action("W", bwd_chunk_id):
+            if self.fxpipe_stash is not None:  # a W may replay too (a B that reached no stage input did no work)
+                self.fxpipe_stash.before_backward(self.stage_index, bwd_chunk_id)
             super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
             if self.fxpipe_stash is not None:
                 self.fxpipe_stash.release(self.stage_index, bwd_chunk_id)
@@ -592,7 +627,12 @@ class FxpipePipelineStage(PipelineStage):
             out = _stage_backward_weight(params, bwd_kwargs["param_groups"], retain_graph=True)
             own_weight_grads(params, before, recorded)
             return out, None
-        grads, param_groups = super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+        stash = self.fxpipe_stash
+        scope = contextlib.nullcontext()
+        if stash is not None and backward_type == "input":  # activation checkpointing: keep only what W reads again
+            scope = stash.backward_scope(self.stage_index, self._fxpipe_bmb, bwd_kwargs.get("input_values"))
+        with scope:
+            grads, param_groups = super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
         if backward_type == "input" and param_groups:
             param_groups = merge_param_groups(param_groups)
         return grads, param_groups
@@ -952,6 +992,18 @@ def fsdp_offload_policy(module: torch.nn.Module):
         return None
     groups = module._get_fsdp_state()._fsdp_param_groups
     return groups[0].offload_policy if groups else None
+
+
+def dp_unshard_fn(module: torch.nn.Module) -> Callable[[], None] | None:
+    """``module.unshard`` for a stage wrapped by FSDP2 (``fully_shard`` / ``replicate``), else None.
+
+    A checkpointed segment's replay (:mod:`fxpipe.codegen.stash`) runs outside the stage's
+    forward, on the unsharded parameters the forward used; this makes sure they hold data (a
+    no-op while torch's runtime keeps the stage unsharded between ``UNSHARD`` and ``RESHARD``).
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    return module.unshard if isinstance(module, FSDPModule) else None
 
 
 def forward_without_dp_hooks(module: torch.nn.Module) -> Callable:

@@ -1,4 +1,4 @@
-"""The activation stash of a pipeline rank: saved-tensor hooks, live-byte accounting, offload/reload, recomputation.
+"""The activation stash of a pipeline rank: saved-tensor hooks, live-byte accounting, offload/reload, recomputation, checkpointed segments.
 
 Every stage forward that the runtime runs goes through :meth:`DeviceStash.forward`, which
 installs ``torch.autograd.graph.saved_tensors_hooks`` for that (stage, micro-batch). Autograd
@@ -51,6 +51,30 @@ Recomputation (a stage in ``recompute_stages``)
     that saves tensors of other shapes or fewer tensors than the original forward raises
     :class:`StashError`.
 
+Checkpointed segments (a stage's activation-checkpoint policy, :mod:`fxpipe.codegen.checkpointing`)
+    A segment carved into the stage program runs, inside the stage forward, under its own hooks:
+    its inputs are kept (as slots: counted, offloaded with the stash), what autograd saves inside
+    it leaves a *placeholder* (unless the stash already holds that storage: an input, a kept op
+    result, another op's stash), and the planned op results (``save``) are kept as slots. The
+    first time a backward needs a placeholder, the segment's body runs again on its kept inputs,
+    with the forward's random-number state and updated state, returning the kept results instead
+    of recomputing them, and fills every placeholder of the segment by position (once per
+    micro-batch). Under a full backward autograd frees each node's saved tensors as it runs, so
+    the backward holds one segment's replay at a time. Under a split backward (``B`` now, ``W``
+    later) a replayed tensor is dropped as soon as ``B`` has read it unless the autograd node
+    reading it runs again in ``W`` (:class:`_WeightNeeds`: torch's backward-weight pass starts
+    at the nodes where a parameter's gradient path meets the stage inputs'), so ``W`` finds what
+    it needs without a second replay and ``B`` holds one segment's replay plus what ``W`` reads.
+    torch's ``torch.utils.checkpoint`` replays once per autograd graph task instead: once for ``B``
+    and once per parameter group for ``W`` (``benchmarks/bench_checkpoint_memory.py``, torch 2.13:
+    a segment of 4 Linear + tanh layers under ``stage_backward_input`` / ``stage_backward_weight``
+    replays 5 times per micro-batch, the stash once, same gradients), each ``W`` replay holding
+    its unconsumed tensors until the graph is freed; its ``GraphExecGroup`` (one replay for
+    several backward calls) refuses B then W, which read the same saved tensors.
+    Measured per micro-batch: ``max_microbatch_bytes`` (what the forward kept),
+    ``max_replay_peak_bytes`` (replayed tensors held at once during its backward),
+    ``max_w_held_bytes`` (left for ``W`` by a split ``B``), ``segment_runs`` and ``replays``.
+
 Data parallelism (:mod:`fxpipe.codegen.mesh`)
     A stage wrapped by FSDP2's ``fully_shard`` or ``replicate`` holds sharded (or replicated)
     DTensor parameters outside its forward and, inside it, the unsharded parameters (other
@@ -72,18 +96,23 @@ Pipeline Parallelism", ICLR 2024 (B/W split).
 
 from __future__ import annotations
 
+import functools
 import threading
+import time
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
+from fxpipe.codegen.checkpointing import apply_checkpoint, policy_kind, run_segment_body, segment_scope
 from fxpipe.codegen.effects import analyze
 from fxpipe.codegen.offload import OffloadProgram, offload_program, programs_of
+from fxpipe.codegen.runtime import current_autograd_node, grad_fn_or_grad_acc
 from fxpipe.errors import InputError
 
-__all__ = ["StashError", "StageActivationStats", "ActivationStats", "DeviceStash", "device_stash", "mutated_state"]
+__all__ = ["StashError", "StageActivationStats", "ActivationStats", "DeviceStash", "device_stash", "mutated_state",
+           "measure_stage"]
 
 
 class StashError(RuntimeError):
@@ -115,6 +144,18 @@ class StageActivationStats:
         Bytes copied to the host, summed over all offloads.
     recompute : bool
         The stage recomputes its forward.
+    segment_runs, replays : int
+        Checkpointed segments run forward, and replayed during backwards (all micro-batches;
+        equal when every segment replays once per micro-batch).
+    max_replay_peak_bytes : int
+        Largest amount of replayed saved tensors one micro-batch's backward held at once (the
+        measured counterpart of a policy's ``replay_peak_bytes``, gradients not included).
+    max_backward_extra_bytes : int
+        Largest excess, during one micro-batch's backward, of its live stash over what its
+        forward left (kept and replayed tensors together, minus what the backward freed).
+    max_w_held_bytes : int
+        Largest amount of replayed saved tensors a split backward-input ``B`` left for the
+        micro-batch's ``W`` (what the weight gradients still need).
     """
 
     stage: int
@@ -127,6 +168,11 @@ class StageActivationStats:
     recomputes: int = 0
     offloaded_bytes_total: int = 0
     recompute: bool = False
+    segment_runs: int = 0
+    replays: int = 0
+    max_replay_peak_bytes: int = 0
+    max_backward_extra_bytes: int = 0
+    max_w_held_bytes: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -154,7 +200,8 @@ class ActivationStats:
 class _Group:
     """One storage saved by one micro-batch's forward (every saved view of it shares the group)."""
 
-    __slots__ = ("stash", "ptr", "nbytes", "device", "slots", "live", "state", "host", "event", "pending", "counted")
+    __slots__ = ("stash", "ptr", "nbytes", "device", "slots", "live", "state", "host", "event", "pending", "counted",
+                 "replayed")
 
     def __init__(self, stash: "_MicrobatchStash", ptr: int, nbytes: int, device: torch.device):
         self.stash = stash
@@ -168,6 +215,7 @@ class _Group:
         self.event = None  # CUDA: the reload's copy has finished
         self.pending = None  # CUDA: (event, device tensors) of an offload whose copy is in flight
         self.counted = False
+        self.replayed = False  # made by a checkpointed segment's replay
 
     def alive_slots(self) -> list["_Slot"]:
         return [s for s in (r() for r in self.slots) if s is not None]
@@ -176,10 +224,11 @@ class _Group:
 class _Slot:
     """What autograd keeps for one saved tensor: a handle into the stash."""
 
-    __slots__ = ("owner", "group", "tensor", "index", "dtype", "size", "stride", "offset", "__weakref__")
+    __slots__ = ("owner", "group", "tensor", "index", "dtype", "size", "stride", "offset", "seg", "__weakref__")
 
     def __init__(self, owner: "_MicrobatchStash", group: _Group | None, tensor: torch.Tensor | None, index: int,
-                 like: torch.Tensor):
+                 like: torch.Tensor, seg: "_SegmentRun | None" = None):
+        self.seg = seg  # a placeholder of this checkpointed segment run (filled by its replay)
         self.owner = owner
         self.group = group
         self.tensor = tensor
@@ -202,7 +251,8 @@ class _MicrobatchStash:
     """The stash of one (stage, micro-batch)."""
 
     __slots__ = ("owner", "stage", "mb", "groups", "slots", "recompute", "npacks", "state", "inputs", "kwargs", "fn",
-                 "rng", "cuda_rng", "state_before", "recomputed", "__weakref__")
+                 "rng", "cuda_rng", "state_before", "recomputed", "live_ptr", "segments", "live", "replay_live", "kept",
+                 "in_backward", "bwd_peak", "replay_peak", "__weakref__")
 
     def __init__(self, owner: "DeviceStash", stage: int, mb: int):
         self.owner = owner
@@ -220,10 +270,104 @@ class _MicrobatchStash:
         self.cuda_rng = None
         self.state_before: list = []
         self.recomputed = False
+        self.live_ptr: dict[int, _Group] = {}  # storage address -> its group, while the storage is on the device
+        self.segments: list[_SegmentRun] = []  # checkpointed segments run by the forward
+        self.live = 0  # device bytes of this micro-batch's groups (unique storages)
+        self.replay_live = 0  # ... of the groups made by replays
+        self.kept = 0  # bytes right after the forward
+        self.in_backward = False
+        self.bwd_peak = 0
+        self.replay_peak = 0
+
+
+class _SegmentRun:
+    """One forward of a checkpointed segment (:class:`fxpipe.codegen.checkpointing.CheckpointSegment`) of a micro-batch.
+
+    ``inputs``: per input, ``(value, requires_grad)`` where value is a kept-input :class:`_Slot`
+    (counted, offloaded with the stash) or the object itself (resident tensors, non-tensors).
+    ``slots``: weak references to the placeholders its saved tensors left; ``handles``: its kept
+    op results (:func:`fxpipe.codegen.checkpointing.run_segment_body`), slots until its first replay.
+    """
+
+    __slots__ = ("module", "inputs", "rng", "cuda_rng", "state_before", "slots", "handles", "npacks", "__weakref__")
+
+    def __init__(self, module):
+        self.module = module
+        self.inputs: list[tuple[Any, bool | None]] = []
+        self.rng = None
+        self.cuda_rng = None
+        self.state_before: list = []
+        self.slots: list[weakref.ref] = []
+        self.handles: dict = {}
+        self.npacks = 0
 
 
 class _StopRecompute(Exception):
     pass
+
+
+class _WeightNeeds:
+    """Which autograd nodes a split backward's ``W`` runs again (Zero Bubble's B/W split as torch does it).
+
+    torch's backward-weight pass back-propagates from the *intermediates*, the nodes where a
+    parameter's gradient path meets the stage inputs' (``get_param_groups``), to the
+    parameters. A node that the backward-input pass runs is run again by ``W`` iff one of its
+    next functions does not reach a stage input but reaches a parameter's gradient
+    accumulator: then it is such an intermediate. Walks memoised per backward.
+    """
+
+    def __init__(self, input_nodes: Iterable[Any]):
+        self.inputs = set(input_nodes)
+        self._to_input: dict[Any, bool] = {}
+        self._to_param: dict[Any, bool] = {}
+
+    def _reach(self, root, memo: dict, hit: Callable[[Any], bool]) -> bool:
+        if root in memo:
+            return memo[root]
+        stack = [(root, False)]
+        while stack:
+            n, expanded = stack.pop()
+            if n in memo:
+                continue
+            kids = [m for m, _ in getattr(n, "next_functions", ()) if m is not None]
+            if expanded:
+                memo[n] = hit(n) or any(memo.get(m, False) for m in kids)
+                continue
+            if hit(n):
+                memo[n] = True
+                continue
+            stack.append((n, True))
+            stack.extend((m, False) for m in kids if m not in memo)
+        return memo[root]
+
+    def needed(self, node) -> bool:
+        for m, _ in getattr(node, "next_functions", ()):
+            if m is None:
+                continue
+            if not self._reach(m, self._to_input, lambda n: n in self.inputs) and \
+                    self._reach(m, self._to_param, lambda n: hasattr(n, "variable") and n not in self.inputs):
+                return True
+        return False
+
+
+class _BackwardScope:
+    def __init__(self, stash: "DeviceStash", stage: int, mb: int, inputs):
+        self.stash, self.stage, self.mb, self.inputs = stash, stage, mb, inputs
+
+    def __enter__(self):
+        nodes = []
+        for t in self.inputs or ():
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                n = grad_fn_or_grad_acc(t)
+                if n is not None:
+                    nodes.append(n)
+        self.prev = self.stash._split_b
+        self.stash._split_b = (self.stage, self.mb, _WeightNeeds(nodes))
+        return self
+
+    def __exit__(self, *exc):
+        self.stash._split_b = self.prev
+        return False
 
 
 def _plain(t: Any) -> bool:
@@ -326,6 +470,10 @@ class DeviceStash:
         self._copy_stream = torch.cuda.Stream(self.device) if cuda else None
         self._pool = _HostPool(pin=cuda)
         self._in_flight: list[_Group] = []  # CUDA offloads whose device memory is not released yet
+        self._replaying = False  # a checkpointed segment's replay is filling placeholders
+        self._split_b = None  # (stage, microbatch, _WeightNeeds) while a split backward-input B runs
+        #: per stage, what makes its parameters usable for a replay outside FSDP2's own unshard (``module.unshard``)
+        self.before_replay: dict[int, Callable[[], None]] = {}
 
     # ------------------------------------------------------------------ accounting
     def _stage_stats(self, stage: int) -> StageActivationStats:
@@ -338,6 +486,13 @@ class DeviceStash:
         s = g.stash.stage
         st = self._stage_stats(s)
         if device_delta:
+            ms = g.stash  # this micro-batch's own bytes (its groups are unique storages)
+            ms.live += device_delta
+            if g.replayed:
+                ms.replay_live += device_delta
+            if ms.in_backward:
+                ms.bwd_peak = max(ms.bwd_peak, ms.live)
+                ms.replay_peak = max(ms.replay_peak, ms.replay_live)
             ptrs = self._stage_ptrs.setdefault(s, {})
             if device_delta > 0:
                 n = ptrs.get(g.ptr, 0)
@@ -369,6 +524,8 @@ class DeviceStash:
 
     def _drop_group(self, g: _Group) -> None:
         """Stop counting ``g`` and drop its memory (called with the lock held)."""
+        if g.stash.live_ptr.get(g.ptr) is g:
+            del g.stash.live_ptr[g.ptr]
         if g.pending is not None:
             self._finish_offload(g, wait=True)
         if g.event is not None:  # a reload still reading the host buffer
@@ -443,7 +600,9 @@ class DeviceStash:
         if stage in self.recompute_stages:
             return self._forward_recompute(ms, fn, args, kwargs, ptrs, lazy, recompute_fn or fn)
         saved_inputs: set[int] = set()
-        with torch.autograd.graph.saved_tensors_hooks(self._packer(ms, ptrs, inputs, saved_inputs, lazy), self._unpack):
+        run = functools.partial(self._segment_forward, ms, ptrs, lazy)
+        with torch.autograd.graph.saved_tensors_hooks(self._packer(ms, ptrs, inputs, saved_inputs, lazy), self._unpack), \
+                segment_scope(run):
             out = fn(*args, **kwargs)
         self._stashed(ms, sum(inputs[p] for p in saved_inputs))
         return out
@@ -452,6 +611,7 @@ class DeviceStash:
         with self._lock:
             ms.state = "stashed"
             n = sum(g.nbytes for g in ms.groups.values() if g.counted)
+            ms.kept = ms.live
             st = self._stage_stats(ms.stage)
             st.max_microbatch_bytes = max(st.max_microbatch_bytes, n)
             st.max_input_saved_bytes = max(st.max_input_saved_bytes, int(input_bytes))
@@ -459,10 +619,12 @@ class DeviceStash:
     def _new_group(self, ms: _MicrobatchStash, t: torch.Tensor) -> _Group:
         storage = t.untyped_storage()
         ptr = storage.data_ptr()
-        g = ms.groups.get(ptr)
+        g = ms.live_ptr.get(ptr)
         if g is None:
-            g = ms.groups[ptr] = _Group(ms, ptr, storage.nbytes(), t.device)
+            g = _Group(ms, ptr, storage.nbytes(), t.device)
+            ms.groups[id(g)] = ms.live_ptr[ptr] = g
             g.counted = True
+            g.replayed = self._replaying
             self._count(g, g.nbytes, 0)
         return g
 
@@ -500,6 +662,8 @@ class DeviceStash:
             g = x.group
             if g is not None and g.event is not None:  # CUDA reload in flight
                 torch.cuda.current_stream(g.device).wait_event(g.event)
+            if x.seg is not None:
+                self._after_replayed_unpack(x)
             return t
         ms, g = x.owner, x.group
         where = f"stage {ms.stage}, micro-batch {ms.mb}"
@@ -509,6 +673,14 @@ class DeviceStash:
                 f"device program must issue the reload {ms.stage}R{ms.mb} after {ms.stage}O{ms.mb} and before the "
                 "backward of this micro-batch"
             )
+        if x.seg is not None and ms.state != "released":
+            self._replay_segment(ms, x.seg)
+            t = x.tensor
+            if t is not None:
+                self._after_replayed_unpack(x)
+                return t
+            raise StashError(f"{where}: replaying checkpointed segment {x.seg.module.index} did not reproduce saved "
+                             f"tensor #{x.index}")
         if ms.recompute and g is None and ms.state != "released":
             self._recompute(ms)
             if x.tensor is not None:
@@ -518,6 +690,219 @@ class DeviceStash:
             f"{where}: the backward needs activations that were already released (a backward of this micro-batch "
             "after its last one?)"
         )
+
+    # ------------------------------------------------------------------ checkpointed segments
+    def _segment_forward(self, ms: _MicrobatchStash, resident_ptrs: set[int], lazy: Callable | None, seg, args: tuple):
+        """Forward of a checkpointed segment inside a stage forward: keep its inputs, leave placeholders for what
+        autograd saves (a storage the stash already holds is kept as is), keep the planned op results."""
+        if lazy is not None:  # inside the stage forward: FSDP2 has put the unsharded parameters in place
+            resident_ptrs.update(_resident_ptrs(lazy()))
+        rec = _SegmentRun(seg)
+        rec.rng = torch.get_rng_state()
+        if self._cuda:
+            rec.cuda_rng = torch.cuda.get_rng_state(self.device)
+        for a in args:
+            if not isinstance(a, torch.Tensor):
+                rec.inputs.append((a, None))
+            elif _plain(a) and _ptr(a) not in resident_ptrs:
+                slot = _Slot(ms, None, None, -1, a)
+                self._add_slot(ms, slot, a.detach())
+                rec.inputs.append((slot, a.requires_grad))
+            else:
+                rec.inputs.append((a, a.requires_grad))
+        if seg.writes_state:
+            with torch.no_grad():
+                rec.state_before = [(args[i], args[i].detach().clone()) for i in seg.writes_state]
+
+        def pack(t):
+            ms.npacks += 1
+            i = rec.npacks
+            rec.npacks += 1
+            if not _plain(t) or _ptr(t) in resident_ptrs:
+                return t
+            if _ptr(t) in ms.live_ptr:  # kept anyway (an input, a kept op result, the stash of another op)
+                slot = _Slot(ms, None, None, i, t)
+                self._add_slot(ms, slot, t)
+                return slot
+            slot = _Slot(ms, None, None, i, t, seg=rec)
+            rec.slots.append(weakref.ref(slot))
+            return slot
+
+        keep = functools.partial(self._keep_result, ms) if seg.save else None
+        with torch.autograd.graph.saved_tensors_hooks(pack, self._unpack):
+            out, rec.handles = run_segment_body(seg, args, keep=keep)
+        with self._lock:
+            ms.segments.append(rec)
+            self._stage_stats(ms.stage).segment_runs += 1
+        return out
+
+    def _keep_result(self, ms: _MicrobatchStash, key: tuple, value: Any) -> tuple:
+        """Keep an op result of a segment's forward (the planned ``save`` set) as slots: counted, offloaded."""
+        if isinstance(value, torch.Tensor):
+            return ("t", self._kept_slot(ms, value))
+        return ("seq", type(value), [self._kept_slot(ms, v) if isinstance(v, torch.Tensor) else ("v", v) for v in value])
+
+    def _kept_slot(self, ms: _MicrobatchStash, t: torch.Tensor):
+        if not _plain(t):
+            return ("v", t)
+        slot = _Slot(ms, None, None, -1, t)
+        self._add_slot(ms, slot, t.detach())
+        return slot
+
+    @staticmethod
+    def _fetch_result(handle: tuple):
+        """A kept op result for the replay (None when any part of it is gone: the op then runs again)."""
+
+        def one(h):
+            if isinstance(h, _Slot):
+                return None if h.tensor is None else h.tensor.detach()
+            return h[1]
+
+        if handle[0] == "t":
+            return one(handle[1])
+        parts = [one(h) for h in handle[2]]
+        if any(p is None and isinstance(h, _Slot) for p, h in zip(parts, handle[2])):
+            return None
+        return handle[1](parts)
+
+    def _replay_segment(self, ms: _MicrobatchStash, rec: _SegmentRun) -> None:
+        """Run a segment's forward again on its kept inputs and fill its empty placeholders (by position)."""
+        wanted = {s.index: s for s in (r() for r in rec.slots) if s is not None and s.tensor is None}
+        if not wanted:
+            return
+        where = f"stage {ms.stage}, micro-batch {ms.mb}, checkpointed segment {rec.module.index}"
+        args = []
+        for value, rg in rec.inputs:
+            if isinstance(value, _Slot):
+                if value.tensor is None:
+                    g = value.group
+                    state = "on the host (offloaded, never reloaded)" if g is not None and g.state == "host" else "released"
+                    raise StashError(f"{where}: its kept inputs are {state}: the backward cannot replay it")
+                value = value.tensor
+            if isinstance(value, torch.Tensor):
+                value = value.detach()
+                if rg and (value.is_floating_point() or value.is_complex()):
+                    value.requires_grad_(True)
+            args.append(value)
+        prepare = self.before_replay.get(ms.stage)
+        if prepare is not None:
+            prepare()
+        try:
+            self._refill(ms, wanted, lambda: run_segment_body(rec.module, args, fetch=self._fetch_result,
+                                                              handles=rec.handles),
+                         rec.rng, rec.cuda_rng, rec.state_before, where, "segment's forward")
+        finally:
+            with self._lock:
+                self._stage_stats(ms.stage).replays += 1
+                for h in rec.handles.values():  # the replay took them (what it saved shares their storage)
+                    for part in ([h[1]] if h[0] == "t" else h[2]):
+                        if isinstance(part, _Slot):
+                            self._drop_slot(part)
+                rec.handles = {}
+
+    def _refill(self, ms: _MicrobatchStash, wanted: dict[int, _Slot], run: Callable[[], Any], rng, cuda_rng,
+                state_before: list, where: str, what: str) -> None:
+        """Replay a forward (``run()``) and fill the placeholder slots ``wanted`` by position, stopping at the last.
+
+        The random-number state is set to the forward's (``rng``, ``cuda_rng``) and the state the
+        forward updates in place (``state_before``: ``(tensor, value before)``) to its value
+        before it, both restored after. Raises :class:`StashError` naming ``where`` when the
+        replay saves another tensor at a wanted position or fewer tensors.
+        """
+        last = max(wanted, default=-1)
+        counter = [0]
+
+        def pack(t):
+            i = counter[0]
+            counter[0] += 1
+            slot = wanted.get(i)
+            if slot is not None:
+                if not _plain(t) or tuple(t.shape) != slot.size or t.dtype != slot.dtype:
+                    raise StashError(
+                        f"{where}: the replay saved a different tensor at position {i} "
+                        f"({getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))} instead of "
+                        f"{slot.dtype} {slot.size}): the {what} is not deterministic"
+                    )
+                self._add_slot(ms, slot, t.detach())
+            if i >= last:
+                raise _StopRecompute
+            return t
+
+        current = []
+        with torch.no_grad():
+            for t, before in state_before:
+                current.append(t.detach().clone())
+                t.copy_(before)
+        self._replaying = True  # what the replay makes is measured as such (max_replay_peak_bytes)
+        try:
+            with torch.random.fork_rng(devices=[self.device] if self._cuda else []):
+                torch.set_rng_state(rng)
+                if self._cuda:
+                    torch.cuda.set_rng_state(cuda_rng, self.device)
+                with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x), torch.enable_grad():
+                    try:
+                        run()
+                    except _StopRecompute:
+                        pass
+        finally:
+            self._replaying = False
+            with torch.no_grad():
+                for (t, _), now in zip(state_before, current):
+                    t.copy_(now)
+        missing = [i for i, s in wanted.items() if s.tensor is None]
+        wanted.clear()  # the pack closure outlives this call (tracebacks): it must not keep the slots alive
+        if missing:
+            raise StashError(f"{where}: the replay saved fewer tensors than the forward ({len(missing)} missing, first "
+                             f"at position {missing[0]}): the {what} is not deterministic")
+
+    def _drop_slot(self, slot: _Slot) -> None:
+        """Let go of one slot's tensor now (its group's memory goes with its last slot). Lock held."""
+        g = slot.group
+        slot.tensor = None
+        slot.group = None
+        if g is not None:
+            g.live -= 1
+            if g.live <= 0 and g.state != "released":
+                self._drop_group(g)
+
+    def _after_replayed_unpack(self, x: _Slot) -> None:
+        """A split backward-input ``B`` read a replayed tensor: drop it unless the micro-batch's ``W`` reads it again."""
+        scope = self._split_b
+        ms = x.owner
+        if scope is None or scope[0] != ms.stage or scope[1] != ms.mb:
+            return
+        node = current_autograd_node()
+        if node is None or scope[2].needed(node):
+            return
+        with self._lock:
+            self._drop_slot(x)
+
+    def backward_scope(self, stage: int, mb: int, inputs: Sequence[Any] | None = None):
+        """Context around a split backward-input ``B`` of ``(stage, mb)`` (``inputs``: the stage's input values).
+
+        Inside it, a replayed saved tensor is dropped right after the ``B`` reads it unless the
+        autograd node reading it will run again in the micro-batch's ``W`` (:class:`_WeightNeeds`),
+        so a checkpointed stage holds one segment's replay at a time plus what ``W`` needs.
+        """
+        return _BackwardScope(self, int(stage), int(mb), inputs)
+
+    def _begin_backward(self, stage: int, mb: int) -> None:
+        ms = self._stashes.get((int(stage), int(mb)))
+        if ms is None or ms.in_backward:
+            return
+        ms.in_backward = True
+        ms.bwd_peak = ms.live
+        ms.replay_peak = ms.replay_live
+
+    def _end_backward(self, ms: _MicrobatchStash, split: bool) -> None:
+        if not ms.in_backward:
+            return
+        ms.in_backward = False
+        st = self._stage_stats(ms.stage)
+        st.max_replay_peak_bytes = max(st.max_replay_peak_bytes, ms.replay_peak)
+        st.max_backward_extra_bytes = max(st.max_backward_extra_bytes, ms.bwd_peak - ms.kept)
+        if split:
+            st.max_w_held_bytes = max(st.max_w_held_bytes, ms.replay_live)
 
     # ------------------------------------------------------------------ recompute
     def _forward_recompute(self, ms: _MicrobatchStash, fn, args, kwargs, resident_ptrs: set[int],
@@ -552,53 +937,12 @@ class DeviceStash:
             return
         ms.recomputed = True
         wanted = {s.index: s for s in (r() for r in ms.slots) if s is not None}
-        last = max(wanted, default=-1)
-        counter = [0]
-
-        def pack(t):
-            i = counter[0]
-            counter[0] += 1
-            slot = wanted.get(i)
-            if slot is not None:
-                if not _plain(t) or tuple(t.shape) != slot.size or t.dtype != slot.dtype:
-                    raise StashError(
-                        f"stage {ms.stage}, micro-batch {ms.mb}: the recomputed forward saved a different tensor at "
-                        f"position {i} ({getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))} "
-                        f"instead of {slot.dtype} {slot.size}): the stage forward is not deterministic; do not "
-                        "recompute this stage"
-                    )
-                self._add_slot(ms, slot, t.detach())
-            if i >= last:
-                raise _StopRecompute
-            return t
-
-        current = []
-        with torch.no_grad():
-            for t, before in ms.state_before:
-                current.append(t.detach().clone())
-                t.copy_(before)
         try:
-            with torch.random.fork_rng(devices=[self.device] if self._cuda else []):
-                torch.set_rng_state(ms.rng)
-                if self._cuda:
-                    torch.cuda.set_rng_state(ms.cuda_rng, self.device)
-                with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x), torch.enable_grad():
-                    try:
-                        ms.fn(*ms.inputs, **ms.kwargs)
-                    except _StopRecompute:
-                        pass
+            self._refill(ms, wanted, lambda: ms.fn(*ms.inputs, **ms.kwargs), ms.rng, ms.cuda_rng, ms.state_before,
+                         f"stage {ms.stage}, micro-batch {ms.mb}", "stage forward (do not recompute this stage)")
         finally:
-            with torch.no_grad():
-                for (t, _), now in zip(ms.state_before, current):
-                    t.copy_(now)
-        with self._lock:
-            self._stage_stats(ms.stage).recomputes += 1
-        missing = [i for i, s in wanted.items() if s.tensor is None]
-        if missing:
-            raise StashError(
-                f"stage {ms.stage}, micro-batch {ms.mb}: the recomputed forward saved fewer tensors than the original "
-                f"({len(missing)} missing, first at position {missing[0]}): the stage forward is not deterministic"
-            )
+            with self._lock:
+                self._stage_stats(ms.stage).recomputes += 1
 
     # ------------------------------------------------------------------ offload / reload
     def after(self, torch_action) -> None:
@@ -652,6 +996,8 @@ class DeviceStash:
                 del src
                 for s in slots:
                     s.tensor = None
+                if ms.live_ptr.get(g.ptr) is g:
+                    del ms.live_ptr[g.ptr]
                 g.host = host
                 g.state = "host"
                 self._count(g, 0, g.nbytes)
@@ -691,7 +1037,8 @@ class DeviceStash:
                 for s in g.alive_slots():
                     s.tensor = torch.empty(0, dtype=s.dtype, device=g.device).set_(storage, s.offset, s.size, s.stride)
                 self._count(g, 0, -g.nbytes)
-                g.ptr = storage.data_ptr()  # ms.groups keeps its forward-time keys: freed addresses get reused
+                g.ptr = storage.data_ptr()
+                ms.live_ptr[g.ptr] = g
                 g.state = "device"
                 self._count(g, g.nbytes, 0)
 
@@ -733,6 +1080,8 @@ class DeviceStash:
     def before_backward(self, stage: int, mb: int) -> None:
         """Make the compute stream wait for the reload of ``(stage, mb)`` (CUDA; nothing on CPU)."""
         self._poll()
+        with self._lock:
+            self._begin_backward(stage, mb)
         if not self._cuda:
             return
         ms = self._stashes.get((int(stage), int(mb)))
@@ -749,7 +1098,15 @@ class DeviceStash:
         with self._lock:
             ms = self._stashes.pop((int(stage), int(mb)), None)
             if ms is not None:
+                self._end_backward(ms, split=False)
                 self._release(ms)
+
+    def end_backward_input(self, stage: int, mb: int) -> None:
+        """A split backward-input ``B`` of ``(stage, mb)`` ended (its ``W`` comes later): record its measurements."""
+        with self._lock:
+            ms = self._stashes.get((int(stage), int(mb)))
+            if ms is not None:
+                self._end_backward(ms, split=True)
 
     def _release(self, ms: _MicrobatchStash) -> None:
         for g in ms.groups.values():
@@ -761,6 +1118,8 @@ class DeviceStash:
                 slot.tensor = None
         ms.state = "released"
         ms.inputs, ms.kwargs, ms.fn, ms.state_before = (), {}, None, []
+        ms.segments = []
+        ms.live_ptr = {}
 
     def begin_step(self) -> None:
         """Start of a training step: no stash may be left from the previous one."""
@@ -781,6 +1140,83 @@ class DeviceStash:
         if ms is None:
             return []
         return [s.tensor for g in ms.groups.values() for s in g.alive_slots() if s.tensor is not None]
+
+
+# ----------------------------------------------------------------------------- measurement
+def measure_stage(staged, stage: int, policy: Any, stage_inputs: Sequence[Any], seed: int = 0,
+                  repeat: int = 1) -> dict[str, Any]:
+    """Run one micro-batch of one stage under ``policy`` in this process and measure it (saved-tensor hooks).
+
+    The stage's forward runs under a :class:`DeviceStash` as on a
+    pipeline rank (its inputs are leaves that stay resident, as torch's receive buffers), then
+    a full backward from random output gradients (seeded).
+
+    Parameters
+    ----------
+    staged : StagedProgram
+        From :func:`fxpipe.codegen.split.split_stages` (node names of this capture).
+    stage : int
+    policy : CheckpointPolicy or None
+        In this capture's names (``"stage"``: the stash's whole-stage recomputation).
+    stage_inputs : sequence
+        The stage's inputs for one micro-batch (:meth:`StagedProgram.stage_inputs`).
+    seed : int
+        Seed of the output gradients.
+    repeat : int
+        Forward + backward runs (the measurements are the largest over them; the gradients
+        those of the last).
+
+    Returns
+    -------
+    dict
+        ``kept_bytes`` (what the forward left saved: unique storages, the measured counterpart
+        of ``CheckpointPolicy.kept_bytes``), ``replay_peak_bytes`` (replayed saved tensors held
+        at once during the backward, gradients not included), ``backward_extra_bytes``,
+        ``replays`` and ``segment_runs`` (per run), ``pieces`` (carved segment modules),
+        ``wall_s`` (seconds of each run's forward + backward) and ``grads`` (parameter
+        gradients, canonical names).
+    """
+
+    spec = staged.stages[stage]
+    module = spec.module
+    whole = policy_kind(policy) == "stage"
+    carved = apply_checkpoint(module, None if whole else policy, stage)
+    try:
+        stash = DeviceStash("cpu", recompute_stages=[stage] if whole else [],
+                            mutated={stage: mutated_state(module)} if whole else None)
+        walls = []
+        runs = max(1, int(repeat))
+        for _ in range(runs):
+            for p in module.parameters():
+                p.grad = None
+            args = tuple(x.detach().requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x
+                         for x in stage_inputs)
+            t0 = time.perf_counter()
+            out = stash.forward(stage, 0, module, args, {}, lambda: list(module.parameters()) + list(module.buffers()))
+            outs = [o for o in (out if isinstance(out, (tuple, list)) else (out,))
+                    if isinstance(o, torch.Tensor) and o.requires_grad]
+            g = torch.Generator().manual_seed(seed)
+            grads = [torch.randn(o.shape, generator=g, dtype=torch.float32).to(o.dtype) for o in outs]
+            stash.before_backward(stage, 0)
+            if outs:
+                torch.autograd.backward(outs, grads)
+            stash.release(stage, 0)
+            walls.append(time.perf_counter() - t0)
+            del out, outs, args
+        st = stash.stats().stages[stage]
+        return {
+            "kept_bytes": st.max_microbatch_bytes,
+            "replay_peak_bytes": st.max_replay_peak_bytes,
+            "backward_extra_bytes": st.max_backward_extra_bytes,
+            "replays": (st.replays + st.recomputes) // runs,
+            "segment_runs": st.segment_runs // runs,
+            "pieces": list(carved.pieces),
+            "wall_s": walls,
+            "grads": {fqn: (p.grad.detach().clone() if p.grad is not None else None)
+                      for fqn, p in spec.named_parameters().items()},
+        }
+    finally:
+        apply_checkpoint(module, None, stage)
 
 
 def device_stash(device_index: int, orders: Any, torch_actions: Sequence[Any], recompute_stages: Iterable[int],

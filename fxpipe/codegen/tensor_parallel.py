@@ -162,19 +162,27 @@ _CONVERSIONS: dict[tuple[str, str], tuple[str, Callable] | None] = {
 }
 
 
-def check_tensor_parallel_run(tp: int, recompute_stages=(), offloads: bool = False, compile_stages: bool = False) -> None:
+def check_tensor_parallel_run(tp: int, recompute_stages=(), offloads: bool = False, compile_stages: bool = False,
+                              activation_checkpointing=None) -> None:
     """Refuse, before any process group is touched, what tensor parallelism does not run yet.
+
+    ``activation_checkpointing``: the stages' :class:`~fxpipe.memory.checkpoint.CheckpointPolicy`
+    (or None); any kind but ``"none"`` is refused with ``tp > 1``.
 
     Raises
     ------
     InputError
-        With ``tp > 1``: activation recomputation, offload/reload actions, ``compile_stages``.
+        With ``tp > 1``: activation recomputation or checkpointing, offload/reload actions,
+        ``compile_stages``.
     """
     if int(tp) <= 1:
         return
     what = []
     if tuple(recompute_stages):
         what.append(f"activation recomputation (stages {list(recompute_stages)})")
+    checkpointed = [s for s, p in enumerate(activation_checkpointing or ()) if getattr(p, "kind", "none") != "none"]
+    if checkpointed:
+        what.append(f"activation checkpointing (stages {checkpointed})")
     if offloads:
         what.append("activation offload/reload (O/R actions)")
     if compile_stages:

@@ -21,7 +21,8 @@ Policies (:data:`CHECKPOINT_KINDS`)
     The same segments, keeping the outputs of matmul and attention ops (torchtitan's op-level
     selective AC, ``_save_list``: ``mm`` and the SDPA kernels, with its rule of saving every
     other matmul: within a segment the 1st, 3rd, ... matmul-class op is kept, the 2nd, 4th, ...
-    replayed; every attention op is kept). Korthikanti et al. 2022, Sec. 5.
+    replayed; every attention op is kept). Korthikanti et al. 2022, Sec. 5. No policy keeps an
+    output that a later in-place op may write (its replay would read the written value).
 ``"budget"``
     The same segments, the kept set chosen for a memory budget: the outputs whose replay costs
     most per byte kept, exactly (a 0/1 knapsack by dynamic programming over the stage's ops,
@@ -115,6 +116,7 @@ __all__ = [
     "kind_of",
     "plan_policies",
     "policies_match",
+    "predict_checkpoint_bytes",
 ]
 
 #: Policy kinds: "none" (stash everything), "full" (per-block segments, replay all of a block),
@@ -407,6 +409,44 @@ class _SavedModel:
         self.matmul = np.array([k in _MATMUL_KINDS for k in kinds], dtype=bool)
         self.attention = np.array([k in _ATTENTION_KINDS for k in kinds], dtype=bool)
         self.graph = graph
+        self.keepable = ~_mutated(graph, extra)
+
+
+def _mutated(graph: OpGraph, extra: Sequence[Mapping[str, Any]]) -> np.ndarray:
+    """Nodes whose output an in-place op (``aten.add_``, ...) may write after it is made, through views too.
+
+    A kept output is the forward's tensor object: an in-place op after it would change what the
+    replay reads (T5's relative-position buckets are built with ``+=``), so such a node is never
+    kept. Conservative: every input of an in-place op, the base of each through shape-only ops
+    (``kind == "shape"``), and every shape-only node on top of those bases.
+    """
+    n = graph.n
+    out = np.zeros(n, dtype=bool)
+    inplace = []
+    for v in range(n):
+        target = str(extra[v].get("target", ""))
+        parts = target.split(".")
+        if len(parts) >= 2 and parts[0] == "aten" and parts[1].endswith("_") and not parts[1].startswith("_"):
+            inplace.append(v)
+    if not inplace:
+        return out
+    shape = np.array([extra[v].get("kind") == "shape" for v in range(n)], dtype=bool)
+    stack = [u for v in inplace for u in graph.predecessors(v).tolist()]
+    while stack:  # down to the bases
+        u = stack.pop()
+        if out[u]:
+            continue
+        out[u] = True
+        if shape[u]:
+            stack.extend(graph.predecessors(u).tolist())
+    stack = [u for u in np.flatnonzero(out).tolist()]
+    while stack:  # up to the views of those bases
+        u = stack.pop()
+        for w in graph.successors(u).tolist():
+            if shape[w] and not out[w]:
+                out[w] = True
+                stack.append(w)
+    return out
 
 
 _CACHE: dict[int, tuple[Any, _SavedModel, GraphBlocks]] = {}
@@ -567,10 +607,11 @@ def _selective_keep(sm: _SavedModel, segments: Sequence[np.ndarray]) -> set[int]
         for v in seg:
             v = int(v)
             if sm.attention[v]:
-                keep.add(v)
+                if sm.keepable[v]:
+                    keep.add(v)
             elif sm.matmul[v]:
                 count += 1
-                if count % 2 == 1:
+                if count % 2 == 1 and sm.keepable[v]:
                     keep.add(v)
     return keep
 
@@ -707,7 +748,7 @@ def stage_menu(graph: OpGraph, nodes: Sequence[int] | np.ndarray, *, kinds: Sequ
         out = [e for e in out if e.policy.kind != "full"]
     if "budget" in kinds and full is not None and segs:
         cand = np.concatenate(segs)
-        cand = cand[(sm.t_fwd[cand] > 0)]
+        cand = cand[(sm.t_fwd[cand] > 0) & sm.keepable[cand]]
         base_kept = _evaluate(sm, nodes, segs, set())
         kept_already = _kept_tensors(sm, nodes, segs)
         weights = np.where(np.isin(cand, list(kept_already)), 0.0, sm.size[cand])
@@ -878,3 +919,55 @@ def policies_match(policies: Sequence[CheckpointPolicy], problem) -> bool:
         if p.kind != kind_of(opt.name) or abs(p.replay_s - opt.replay_s) > 1e-6 * max(1e-12, opt.replay_s):
             return False
     return True
+
+
+def predict_checkpoint_bytes(graph: OpGraph, stage_nodes: Sequence[int] | np.ndarray,
+                             policy: CheckpointPolicy | None) -> tuple[float, float]:
+    """Kept bytes and replay peak of one micro-batch of a stage under ``policy``, as the saved-tensor hooks count them.
+
+    The figures :func:`stage_menu` gives the policy (module docstring, "Costs"), recomputed for a
+    policy given by node names: what the runtime's measurement (:mod:`fxpipe.codegen.stash`)
+    is checked against.
+
+    Parameters
+    ----------
+    graph : fxpipe.ir.OpGraph
+        The costed graph the policy's node names belong to.
+    stage_nodes : sequence of int
+        OpGraph ids of the stage's nodes.
+    policy : CheckpointPolicy or None
+        The stage's policy; None or ``"none"``: stash everything. Node names not in the stage
+        are ignored; a ``"stage"`` policy without segments replays the whole stage.
+
+    Returns
+    -------
+    (kept_bytes, replay_peak_bytes) : tuple[float, float]
+        Bytes per micro-batch: what F keeps for B, and the largest segment's replayed tensors
+        beyond it (gradients not counted). Unlike the menu's ``kept_bytes``, a received tensor
+        (the stage's input, held by its receive buffer) that the stage saves is not counted: the
+        hooks see it as the buffer, and the memory model counts it twice (its buffers and the
+        stash), which this leaves out.
+    """
+    sm, _ = _graph_model(graph)
+    nodes = np.unique(np.asarray(stage_nodes, dtype=np.int64))
+    in_stage = set(nodes.tolist())
+    index = {name: i for i, name in enumerate(graph.names)}
+    kind = "none" if policy is None else policy.kind
+    segments: list[np.ndarray] = []
+    keep: set[int] = set()
+    if kind == "stage" and not policy.segments:
+        body = nodes[~(sm.placeholder[nodes] | sm.output[nodes])]
+        segments = [body] if body.size else []
+    elif kind != "none":
+        for seg in policy.segments:
+            ids = sorted(index[x] for x in seg if x in index and index[x] in in_stage)
+            if ids:
+                segments.append(np.asarray(ids, dtype=np.int64))
+        keep = {index[x] for x in policy.save if x in index}
+    fig = _evaluate(sm, nodes, segments, keep)
+    # a received tensor (made on an earlier stage) that a node outside every segment saves is the stage's
+    # receive buffer: the memory model counts it in the stash too (conservative), the hooks do not
+    inside = {int(v) for seg in segments for v in seg}
+    received = sum(sm.size[u] for v in nodes.tolist() if v not in inside
+                   for u in sm.saves[v] if u not in in_stage and sm.first_saver.get(u) == v)
+    return max(float(fig.kept_bytes) - float(received), 0.0), float(fig.replay_peak_bytes)

@@ -73,7 +73,7 @@ from fxpipe.errors import InputError
 from fxpipe.passes.capture import _leaves, _packet, _to_int, getattr_path
 from fxpipe.passes.op_families import ATTENTION, FLOP_COMPOSITE, MATMUL_COMPOSITE, efficiency_family, packets  # noqa: F401 (re-exported)
 
-#: The single namespaced ``node.meta`` key this pass writes.
+#: The namespaced ``node.meta`` key of the costs this pass writes.
 COST_KEY = "fxpipe_cost"
 #: ``node.meta`` key listing the fx nodes (by name) whose outputs the node saves for its backward (the
 #: bases its ``act_bytes`` resolves to, each listed by every node that saves it, also when an earlier node

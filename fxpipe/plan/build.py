@@ -15,12 +15,13 @@ import numpy as np
 from fxpipe.errors import InputError
 from fxpipe.mesh import rank_coords
 
-__all__ = ["build_rank", "replica_batch", "compile_stages_option", "worker_stage_of", "PlanStageOf"]
+__all__ = ["build_rank", "replica_batch", "compile_stages_option", "worker_stage_of", "PlanStageOf",
+           "captured_checkpointing"]
 
 
 def build_rank(plan, rank: int, *, model=None, args=(), kwargs=None, loss_fn: Callable | None = None, group=None,
                device="cpu", checkpoint=None, seed: int | None = None, init_fn: Callable | None = None,
-               compile_stages: bool | None = None):
+               compile_stages: bool | None = None, activation_checkpointing=None):
     """This rank's ``PipelineStage`` s and schedule runtime, inside an initialised process group.
 
     Call from every worker of ``torchrun`` / ``torch.multiprocessing`` after
@@ -72,9 +73,14 @@ def build_rank(plan, rank: int, *, model=None, args=(), kwargs=None, loss_fn: Ca
         Run every stage with Inductor, its backward split into backward-input and
         backward-weight graphs (:mod:`fxpipe.codegen.compiled`). Default: the
         ``compile_stages`` option of the ``torch.compile`` backend that made the plan, else False.
+    activation_checkpointing : sequence of CheckpointPolicy, optional
+        One policy per stage in the plan's node names, instead of ``plan.activation_checkpointing``.
 
     The stages the schedule problem marks for recomputation (:meth:`recompute_stages`) replay
-    their forward during the backward; the schedule's offload/reload actions are executed
+    their forward during the backward; ``plan.activation_checkpointing`` (one
+    :class:`~fxpipe.memory.checkpoint.CheckpointPolicy` per stage, when the plan has it) is
+    executed: segments replayed, kept outputs kept (:mod:`fxpipe.codegen.checkpointing`,
+    :func:`captured_checkpointing`); the schedule's offload/reload actions are executed
     (:mod:`fxpipe.codegen.stash`; ``schedule.fxpipe_stash.stats()`` reports the measured
     activation peaks).
 
@@ -106,6 +112,8 @@ def build_rank(plan, rank: int, *, model=None, args=(), kwargs=None, loss_fn: Ca
         source = StateSource(seed=0 if seed is None else int(seed), checkpoint=checkpoint, init_fn=init_fn,
                              model=model if model is not None else getattr(traced, "model", None))
     offload = bool(getattr(plan.memory, "offload_optimizer", False))
+    stage_of = plan.captured_stage_of()
+    policies = captured_checkpointing(plan, traced, activation_checkpointing)
     if plan.dp > 1 or offload or plan.tp > 1:  # ---- mesh (fxpipe.codegen.mesh): pipeline x data x tensor parallelism
         import torch.distributed as dist  # lazy: torch
 
@@ -126,17 +134,17 @@ def build_rank(plan, rank: int, *, model=None, args=(), kwargs=None, loss_fn: Ca
             tp_kwargs = dict(tensor_parallel=find_tensor_parallel(traced.gm),
                              tensor_parallel_params=plan.tensor_parallel.params)
         stages, sched, _ = build_mesh_rank(
-            split_stages(traced.gm, plan.captured_stage_of(), plan.num_stages), int(rank), plan.orders(), mesh=plan.mesh,
+            split_stages(traced.gm, stage_of, plan.num_stages), int(rank), plan.orders(), mesh=plan.mesh,
             rank_order=plan.rank_order,
             num_microbatches=plan.microbatches, loss_fn=loss_fn, device=device,
             example_microbatch_inputs=example_inputs_from_gm(traced.gm), recompute_stages=plan.recompute_stages(),
             state_source=source, compile_stages=compile_stages_option(plan, compile_stages), offload_optimizer=offload,
-            **tp_kwargs,
+            activation_checkpointing=policies, **tp_kwargs,
         )
         return stages, sched
     return build_pipeline_rank(
         traced.gm,
-        plan.captured_stage_of(),
+        stage_of,
         int(rank),
         plan.orders(),
         num_microbatches=plan.microbatches,
@@ -146,7 +154,27 @@ def build_rank(plan, rank: int, *, model=None, args=(), kwargs=None, loss_fn: Ca
         recompute_stages=plan.recompute_stages(),
         state_source=source,
         compile_stages=compile_stages_option(plan, compile_stages),
+        activation_checkpointing=policies,
     )
+
+
+def captured_checkpointing(plan, traced, policies=None) -> tuple | None:
+    """``plan``'s per-stage activation-checkpoint policies (or ``policies``) in the node names of ``traced``.
+
+    ``plan.activation_checkpointing`` names the plan's nodes; the capture ``traced`` (this
+    process's, or a worker's) is matched to them by structure
+    (:func:`fxpipe.passes.structure.match_nodes`), as the stage map is. None when the plan has
+    no policies.
+    """
+    policies = getattr(plan, "activation_checkpointing", None) if policies is None else policies
+    if policies is None:
+        return None
+    from fxpipe.codegen.checkpointing import captured_policies  # lazy: torch
+    from fxpipe.passes.structure import PlanStructure, match_nodes  # lazy: torch
+
+    structure = PlanStructure.from_graph(plan.graph)
+    names = match_nodes(structure, traced.gm) if structure is not None else None
+    return captured_policies(policies, plan.num_stages, names)
 
 
 def replica_batch(plan, rank: int, inputs: Any, target: Any = None) -> tuple[Any, Any]:

@@ -109,6 +109,7 @@ def train_local(
     run = dict(make_model=make_model, stage_of=plan.worker_stage_of(), orders=plan.orders(),
                num_microbatches=plan.global_microbatches, make_batch=make_batch, steps=steps, lr=lr, loss=loss,
                seed=seed, recompute_stages=plan.recompute_stages(), compile_stages=compile_stages_option(plan, compile_stages),
+               activation_checkpointing=getattr(plan, "activation_checkpointing", None),
                mesh={**plan.mesh, "order": plan.rank_order},
                **({"tensor_parallel_params": plan.tensor_parallel.params} if plan.tp > 1 else {}),
                offload_optimizer=bool(getattr(plan.memory, "offload_optimizer", False)))

@@ -13,6 +13,9 @@ and the benchmarks import it by module path.
 * :mod:`fxpipe.testing.docs`: the claims of README.md and docs/ (``python -m
   fxpipe.testing.docs --check``): output blocks rerun and compared by structure, every command
   parsed, every path, link and figure checked (``tests/test_docs.py``).
+* :mod:`fxpipe.testing.checkpoint_policies`: activation-checkpoint policies built by hand from a
+  plan's graph (per-block segments, every-other-matmul keep sets), for the runtime's tests and
+  ``benchmarks/bench_checkpoint_memory.py`` (issue 28). Torch-free.
 
 This package's ``__init__`` imports nothing, so that importing one module does not pull in
 torch or the others.

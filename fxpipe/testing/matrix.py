@@ -250,6 +250,7 @@ def _plan_runs(zms: dict, k: int, cfg: _Settings, checkpoints: dict[str, str], m
             run = dict(make_model=zm, make_batch=zm.batch, loss=zm.loss,
                        stage_of=plans[s].worker_stage_of(), orders=plans[s].orders(),
                        recompute_stages=plans[s].recompute_stages(),
+                       activation_checkpointing=getattr(plans[s], "activation_checkpointing", None),
                        num_microbatches=cfg.microbatches, steps=cfg.steps, lr=cfg.lr, model_key=n)
             runs.append({**run, **_mesh_run(plans[s])})
             keys.append((n, s, compile_s[s], format_mesh(plans[s].mesh)))
