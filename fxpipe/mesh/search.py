@@ -317,7 +317,8 @@ def search_mesh(graph, *, devices: int, microbatches: int, memory, options: Plan
             g, (part, problem, sched, _) = planned[key]
             if _memory_binds(problem, sched):  # recomputation or activation offload: more room may be faster
                 needs_host(row, mesh)
-            sync = pipeline_dp_sync_s(g, part.assignment, problem.device_of_stage, mesh, order)
+            sync = pipeline_dp_sync_s(g, part.assignment, problem.device_of_stage, mesh, order, memory=mem,
+                                      num_microbatches=problem.num_microbatches)
             step = pipeline_step_s(g, part.assignment, problem.device_of_stage, sched, mesh, order, memory=mem)
             host_s = max(device_host_step_s(g, part.assignment, problem.device_of_stage, mesh["pp"], mem))
             entry.update(step_time_s=float(sched.value), dp_sync_s=sync, exposed_sync_s=step - float(sched.value),

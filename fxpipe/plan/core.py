@@ -241,7 +241,7 @@ class Plan:
         bandwidth, the largest; not overlapped with the pipeline and not in the schedule.
         """
         return pipeline_dp_sync_s(self.graph, self.partition.assignment, self.device_of_stage, self.mesh,
-                                  self.rank_order)
+                                  self.rank_order, memory=self.memory, num_microbatches=self.microbatches)
 
     @property
     def predicted_step_s(self) -> float:
