@@ -156,3 +156,10 @@ def test_a_captured_llama_plans_per_block_units_with_its_modules_parameters():
     assert math.isclose(row.optimizer_bytes, total * 12 / 2, rel_tol=1e-9)
     again = fxpipe.Plan.from_dict(plan.to_dict())
     assert again.memory.fsdp_units == "block" and again.device_table[0].params_bytes == row.params_bytes
+    # priced, not run: the plan says so and the runtime refuses it before any worker starts
+    assert any("fsdp_units='block'" in w for w in plan.all_warnings())
+    assert "FSDP2 unit per block" in plan.memory_summary()
+    with pytest.raises(InputError, match="fsdp_units"):
+        plan.build(0)
+    with pytest.raises(InputError, match="fsdp_units"):
+        plan.train_local(lambda: model, lambda step: (a, k))

@@ -19,6 +19,21 @@ __all__ = ["build_rank", "replica_batch", "compile_stages_option", "worker_stage
            "captured_checkpointing"]
 
 
+#: Why :func:`build_rank` refuses a plan with per-block FSDP2 units (``plan.memory.fsdp_units == "block"``).
+BLOCK_UNITS_NOT_RUN = (
+    "the plan's memory model has fsdp_units='block' (one FSDP2 unit per repeated block, ZeRO-3 memory during the "
+    "step): fxpipe prices such plans but its runtime does not execute them yet (it wraps every stage as one FSDP2 "
+    "unit, torch's pipelining keeps it unsharded for the step); re-plan with MemoryModel(fsdp_units='stage') "
+    "(the default) to run it")
+
+
+def check_runnable(plan) -> None:
+    """Raise :class:`~fxpipe.errors.InputError` for a plan the runtime cannot execute: per-block FSDP2 units
+    (:attr:`fxpipe.memory.MemoryModel.fsdp_units` ``"block"`` on a mesh with ``dp_shard > 1``)."""
+    if getattr(plan.memory, "block_units", False) and int(plan.mesh.get("dp_shard", 1)) > 1:
+        raise InputError(f"plan memory.fsdp_units: {BLOCK_UNITS_NOT_RUN}")
+
+
 def build_rank(plan, rank: int, *, model=None, args=(), kwargs=None, loss_fn: Callable | None = None, group=None,
                device="cpu", checkpoint=None, seed: int | None = None, init_fn: Callable | None = None,
                compile_stages: bool | None = None, activation_checkpointing=None):
@@ -97,11 +112,13 @@ def build_rank(plan, rank: int, *, model=None, args=(), kwargs=None, loss_fn: Ca
     Raises
     ------
     InputError
-        On a rank outside 0..world_size-1, a model that does not match the plan, or (with
-        data parallelism) what :func:`fxpipe.codegen.mesh.build_mesh_rank` does not support yet.
+        On a rank outside 0..world_size-1, a model that does not match the plan, a plan with per-block
+        FSDP2 units (:func:`check_runnable`: priced, not executed yet), or (with data parallelism) what
+        :func:`fxpipe.codegen.mesh.build_mesh_rank` does not support yet.
     """
     if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or not 0 <= int(rank) < plan.world_size:
         raise InputError(f"rank must be an integer in 0..{plan.world_size - 1}, got {rank!r}")
+    check_runnable(plan)
     from fxpipe.codegen import build_pipeline_rank  # lazy: torch
 
     traced = plan.captured(model, args, kwargs)

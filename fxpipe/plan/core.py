@@ -35,7 +35,7 @@ from fxpipe.mesh import (MESH_DIMS, Topology, device_host_step_s, device_num_par
 from fxpipe.mesh.tensor_parallel import TP_COSTS_WARNING, TensorParallelLayout, graph_tensor_parallel, stage_tensor_parallel
 from fxpipe.partition.objective import Partition
 from fxpipe.partition.placement import placement_name
-from fxpipe.plan.build import PlanStageOf, build_rank, compile_stages_option
+from fxpipe.plan.build import BLOCK_UNITS_NOT_RUN, PlanStageOf, build_rank, compile_stages_option
 from fxpipe.plan.build import replica_batch as _replica_batch
 from fxpipe.plan.build import worker_stage_of as _worker_stage_of
 from fxpipe.plan.file import PLAN_FORMAT, graph_signature, plan_fields_from_dict, plan_to_dict
@@ -495,9 +495,10 @@ class Plan:
     def all_warnings(self) -> list[str]:
         """Every warning about this plan, each once: what fxpipe warned while making it (a capture on
         meta with a device branch, a mesh search stopped by Ctrl-C, ...; ``options["warnings"]``), then
-        :meth:`waste_warnings` and :meth:`tensor_parallel_warnings`."""
+        :meth:`waste_warnings`, :meth:`tensor_parallel_warnings` and that per-block FSDP2 units are not run yet."""
         out: list[str] = []
-        for w in [*(self.options.get("warnings") or []), *self.waste_warnings(), *self.tensor_parallel_warnings()]:
+        units = [BLOCK_UNITS_NOT_RUN] if self.memory.block_units and self.mesh.get("dp_shard", 1) > 1 else []
+        for w in [*(self.options.get("warnings") or []), *self.waste_warnings(), *self.tensor_parallel_warnings(), *units]:
             if str(w) not in out:
                 out.append(str(w))
         return out
@@ -584,6 +585,7 @@ class Plan:
         cap = format_bytes(m.capacity_bytes)
         head = (f"memory per device ({m.precision.name}, {m.precision.training_bytes:g} B/param"
                 + (f", ZeRO-{m.zero_stage} over {m.data_parallel}" if m.zero_stage else "")
+                + (", FSDP2 unit per block: the root and two blocks unsharded" if m.block_units else "")
                 + (", optimizer state on the host" if m.offload_optimizer is True else "")
                 + f"; capacity {cap}, {m.reserved_fraction:.0%} reserved)")
         rows = [head, f"{'device':>6} {'params':>10} {'grads':>10} {'optimizer':>10} {'act peak':>10} {'offloaded':>10} "

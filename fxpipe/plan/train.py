@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import Any, Callable
 
-from fxpipe.plan.build import compile_stages_option
+from fxpipe.plan.build import check_runnable, compile_stages_option
 
 __all__ = ["train_local"]
 
@@ -96,6 +96,7 @@ def train_local(
         When the model draws random numbers in training mode (active dropout): bitwise
         equality with the reference cannot hold; compare in eval mode or with p = 0.
     """
+    check_runnable(plan)  # before any worker starts
     from fxpipe.codegen.compare import compare_training, random_ops_warning  # lazy: torch
     from fxpipe.codegen.launch import reference_train, spawn_train_many  # lazy: torch
 
