@@ -12,6 +12,7 @@ import math
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_checkpoint_policy import block_chain
@@ -22,6 +23,7 @@ from fxpipe.memory.fsdp import additive_unsharded, block_units, unsharded_params
 from fxpipe.mesh import mesh_memory
 from fxpipe.mesh.costs import block_fsdp_parts_s, pipeline_dp_sync_s
 from fxpipe.partition.memory import PartitionMemory, memory_inputs, num_params, stage_memory_bytes
+from fxpipe.testing import zoo
 
 
 def _brute_unsharded(graph, assignment, k):
@@ -156,10 +158,53 @@ def test_a_captured_llama_plans_per_block_units_with_its_modules_parameters():
     assert math.isclose(row.optimizer_bytes, total * 12 / 2, rel_tol=1e-9)
     again = fxpipe.Plan.from_dict(plan.to_dict())
     assert again.memory.fsdp_units == "block" and again.device_table[0].params_bytes == row.params_bytes
-    # priced, not run: the plan says so and the runtime refuses it before any worker starts
-    assert any("fsdp_units='block'" in w for w in plan.all_warnings())
     assert "FSDP2 unit per block" in plan.memory_summary()
-    with pytest.raises(InputError, match="fsdp_units"):
-        plan.build(0)
-    with pytest.raises(InputError, match="fsdp_units"):
-        plan.train_local(lambda: model, lambda step: (a, k))
+
+
+# ----------------------------------------------------------------------------- runtime on 2 gloo ranks
+class _Llama4(zoo.ZooModel):
+    """The matrix's tiny Llama with 4 layers (2 would put every block in the unsharded working set)."""
+
+    def _make(self, batch, g, build):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.seed)
+            model, args, kwargs, target = zoo._decoder("LlamaForCausalLM", "LlamaConfig", num_hidden_layers=4)(
+                batch, g, build)
+        if model is not None:
+            model.eval()
+        return model, args, kwargs, target
+
+
+def test_per_block_units_train_like_one_process_and_hold_what_the_model_predicts():
+    """dp_shard=2 with per-block FSDP2 units trains to the single-process gradients, each rank holds at most
+    the root's and two blocks' parameters unsharded (measured), and whole-stage units hold all of them."""
+    import fxpipe
+    from fxpipe.codegen.compare import compare_training
+    from fxpipe.codegen.launch import reference_train, spawn_train_many
+    from fxpipe.plan.build import fsdp_blocks
+
+    zm = _Llama4("llama")
+    model, a, k = zm.one_microbatch()
+    plans = {units: fxpipe.compile(model, a, k, devices=2, microbatches=4, mesh={"dp_shard": 2}, schedule="1f1b",
+                                   memory=MemoryModel(fsdp_units=units), activation_checkpointing="none",
+                                   time_limit_s=1, schedule_time_limit_s=0) for units in ("block", "stage")}
+    assert fsdp_blocks(plans["block"]) == tuple(f"model.layers.{i}" for i in range(4))
+    assert fsdp_blocks(plans["stage"]) is None
+    runs = [dict(make_model=zm, stage_of=p.worker_stage_of(), orders=p.orders(), num_microbatches=p.global_microbatches,
+                 make_batch=zm.batch, loss=zm.loss, steps=2, lr=0.05, mesh={**p.mesh, "order": p.rank_order},
+                 fsdp_blocks=fsdp_blocks(p)) for p in plans.values()]
+    block, stage = spawn_train_many(runs, world_size=2, timeout_s=600)
+    ref = reference_train(zm, zm.batch, num_microbatches=4, steps=2, lr=0.05, loss=zm.loss)
+    for res in (block, stage):
+        cmp = compare_training(res, ref)
+        assert cmp.ok, cmp.problems
+    assert block.meta["fsdp_blocks"][0] == [f"model.layers.{i}" for i in range(4)]
+    p = plans["block"]
+    a0 = np.zeros(p.graph.n, dtype=np.int64)
+    predicted = float(unsharded_params(p.graph, a0, 1, num_params(p.graph))[0])
+    total = float(num_params(p.graph).sum())
+    layer = sum(prm.numel() for prm in model.model.layers[0].parameters())
+    for r in (0, 1):
+        measured = block.meta["unsharded_peak_params"][r][0]
+        assert total - 4 * layer + layer <= measured <= predicted  # at least the root and one block, at most two
+        assert stage.meta["unsharded_peak_params"][r][0] == total > predicted

@@ -245,7 +245,8 @@ def mesh_rank(mesh: Mapping[str, int], rank: int, device_mesh=None, device_type:
     return MeshRank(m, int(rank), coords, device_mesh, order)
 
 
-def data_parallel_wrapper(mr: MeshRank, offload_optimizer: bool = False) -> Callable[[int, torch.nn.Module], None] | None:
+def data_parallel_wrapper(mr: MeshRank, offload_optimizer: bool = False,
+                          fsdp_blocks: Sequence[str] | None = None) -> Callable[[int, torch.nn.Module], None] | None:
     """The in-place wrapper of a stage module for :func:`~fxpipe.codegen.rank.build_rank`'s ``wrap_module``.
 
     ``fully_shard`` over the ``dp_shard`` sub-mesh (HSDP over ``(dp_replicate, dp_shard)``), or
@@ -258,6 +259,12 @@ def data_parallel_wrapper(mr: MeshRank, offload_optimizer: bool = False) -> Call
     them live in host memory and the optimizer steps there; without data parallelism the stage
     is wrapped by ``fully_shard`` over the size-1 ``dp_shard`` sub-mesh (the module docstring
     says what runs where).
+
+    With ``fsdp_blocks`` (the module paths of the model's repeated blocks; per-block FSDP2 units,
+    ``plan.memory.fsdp_units == "block"``, ``dp_shard > 1``) every block a stage computes is first carved
+    into a submodule owning its parameters (:func:`fxpipe.codegen.fsdp_blocks.carve_blocks`) and wrapped
+    by ``fully_shard`` on its own, then the stage (its root unit), as torchtitan wraps a model; the
+    runtime keeps only the root unsharded for the step (:func:`fxpipe.codegen.runtime.mark_block_units`).
     """
     kind = mr.data_parallel
     if kind is None and not offload_optimizer:
@@ -288,6 +295,19 @@ def data_parallel_wrapper(mr: MeshRank, offload_optimizer: bool = False) -> Call
     sub = dm["dp_replicate", "dp_shard"] if kind == "hsdp" else dm["dp_shard"]  # FSDP or offload alone: dp_shard
 
     def wrap(stage: int, module: torch.nn.Module) -> None:  # noqa: F811 - one of the two wrappers
+        if fsdp_blocks:  # per-block units (fxpipe.codegen.fsdp_blocks), then the stage as the root unit
+            from fxpipe.codegen.fsdp_blocks import block_modules, carve_blocks
+            from fxpipe.codegen.runtime import mark_block_units
+
+            if dtype_units(module, f"stage {stage}"):
+                raise InputError(f"stage {stage}: per-block FSDP2 units need one parameter dtype per stage; "
+                                 "plan with MemoryModel(fsdp_units='stage')")
+            carve_blocks(module, fsdp_blocks, stage)
+            for block in block_modules(module):
+                fully_shard(block, mesh=sub, **policy)
+            fully_shard(module, mesh=sub, **policy)
+            mark_block_units(module)
+            return
         for unit in dtype_units(module, f"stage {stage}"):  # one FSDP2 unit per parameter dtype
             fully_shard(unit, mesh=sub, **policy)
         fully_shard(module, mesh=sub, **policy)
@@ -443,6 +463,43 @@ def check_mesh_run(mesh: Mapping[str, int], orders: Orders, recompute_stages: Se
                          "(fxpipe.compile(..., mesh='pipeline'))")
 
 
+def check_block_units_run(mesh: Mapping[str, int], orders: Orders, offload_optimizer: bool = False,
+                          recompute_stages: Sequence[int] = (), compile_stages: bool = False,
+                          activation_checkpointing: Sequence[Any] | None = None, **_: Any) -> None:
+    """Refuse what per-block FSDP2 units do not run with yet (before any process group is touched).
+
+    They run on meshes with ``dp_shard > 1`` (FSDP, HSDP), without tensor parallelism, optimizer offload,
+    activation offload / reload, recomputation or activation-checkpoint segments (the stash reads a stage's
+    parameters as resident, and a block's are resident only inside its own forward and backward) and
+    ``compile_stages``. A schedule that splits B and W runs with them fused (a block's gradients are
+    reduce-scattered after its backward).
+
+    Raises
+    ------
+    InputError
+        Naming the combination.
+    """
+    from fxpipe.codegen.checkpointing import policy_kind
+
+    m = normalize_mesh(mesh)
+    why = None
+    if m.get("dp_shard", 1) == 1:
+        why = "they need dp_shard > 1"
+    elif mesh_tp(m) > 1:
+        why = "tensor parallelism (tp > 1) does not run with them yet"
+    elif offload_optimizer:
+        why = "optimizer offload does not run with them yet"
+    elif orders.offloaded():
+        why = "activation offload / reload does not run with them yet"
+    elif recompute_stages or any(policy_kind(p) not in ("none",) for p in activation_checkpointing or () if p is not None):
+        why = "activation recomputation and checkpointing do not run with them yet"
+    elif compile_stages:
+        why = "compile_stages does not run with them yet"
+    if why is not None:
+        raise InputError(f"mesh {format_mesh(m)} with per-block FSDP2 units (memory.fsdp_units='block'): {why}; "
+                         "plan with MemoryModel(fsdp_units='stage')")
+
+
 def check_offload_run(orders: Orders, recompute_stages: Sequence[int] = (), compile_stages: bool = False) -> None:
     """Refuse, before any process group is touched, what optimizer offload does not support yet.
 
@@ -476,6 +533,7 @@ def build_mesh_rank(
     offload_optimizer: bool = False,
     tensor_parallel: Any = None,
     tensor_parallel_params: Mapping[str, str] | None = None,
+    fsdp_blocks: Sequence[str] | None = None,
     **build_kwargs: Any,
 ):
     """This global rank's pipeline stages on the mesh, wrapped for data parallelism, and its runtime.
@@ -518,6 +576,10 @@ def build_mesh_rank(
     tensor_parallel_params : Mapping[str, str], optional
         The plan's parameter placements (``plan.tensor_parallel.params``), checked against the
         ones resolved here.
+    fsdp_blocks : sequence of str, optional
+        Per-block FSDP2 units (``plan.memory.fsdp_units == "block"``): the module paths of the model's
+        repeated blocks (:func:`fxpipe.memory.checkpoint.find_blocks` of the plan's graph); needs
+        ``dp_shard > 1`` and refuses what they do not run with yet (:func:`check_block_units_run`).
 
     Returns
     -------
@@ -538,9 +600,12 @@ def build_mesh_rank(
                    build_kwargs.get("activation_checkpointing"))
     if offload_optimizer:
         check_offload_run(orders, build_kwargs.get("recompute_stages", ()), build_kwargs.get("compile_stages", False))
+    if fsdp_blocks:
+        check_block_units_run(m, orders, offload_optimizer, **build_kwargs)
+        build_kwargs["fused_backward"] = True  # a block's gradients are reduced after its backward: no separate W
     mr = mesh_rank(m, rank, device_mesh, torch.device(device).type, order)
     cache = make_shared_param_groups(staged, orders.device_of_stage, m, group_cache, order)
-    wrap = data_parallel_wrapper(mr, offload_optimizer)
+    wrap = data_parallel_wrapper(mr, offload_optimizer, fsdp_blocks)
     if wrap is not None:
         wrap = _untie_then(wrap, staged)
     tpr = None

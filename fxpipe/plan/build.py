@@ -19,19 +19,15 @@ __all__ = ["build_rank", "replica_batch", "compile_stages_option", "worker_stage
            "captured_checkpointing"]
 
 
-#: Why :func:`build_rank` refuses a plan with per-block FSDP2 units (``plan.memory.fsdp_units == "block"``).
-BLOCK_UNITS_NOT_RUN = (
-    "the plan's memory model has fsdp_units='block' (one FSDP2 unit per repeated block, ZeRO-3 memory during the "
-    "step): fxpipe prices such plans but its runtime does not execute them yet (it wraps every stage as one FSDP2 "
-    "unit, torch's pipelining keeps it unsharded for the step); re-plan with MemoryModel(fsdp_units='stage') "
-    "(the default) to run it")
+def fsdp_blocks(plan) -> tuple[str, ...] | None:
+    """The module paths of the blocks a plan with per-block FSDP2 units wraps one by one
+    (:func:`fxpipe.memory.checkpoint.find_blocks` of its graph), or None (whole-stage units: no
+    ``memory.fsdp_units == "block"``, or no ``dp_shard > 1``)."""
+    if not (getattr(plan.memory, "block_units", False) and int(plan.mesh.get("dp_shard", 1)) > 1):
+        return None
+    from fxpipe.memory.checkpoint import find_blocks
 
-
-def check_runnable(plan) -> None:
-    """Raise :class:`~fxpipe.errors.InputError` for a plan the runtime cannot execute: per-block FSDP2 units
-    (:attr:`fxpipe.memory.MemoryModel.fsdp_units` ``"block"`` on a mesh with ``dp_shard > 1``)."""
-    if getattr(plan.memory, "block_units", False) and int(plan.mesh.get("dp_shard", 1)) > 1:
-        raise InputError(f"plan memory.fsdp_units: {BLOCK_UNITS_NOT_RUN}")
+    return tuple(find_blocks(plan.graph).names)
 
 
 def build_rank(plan, rank: int, *, model=None, args=(), kwargs=None, loss_fn: Callable | None = None, group=None,
@@ -112,13 +108,12 @@ def build_rank(plan, rank: int, *, model=None, args=(), kwargs=None, loss_fn: Ca
     Raises
     ------
     InputError
-        On a rank outside 0..world_size-1, a model that does not match the plan, a plan with per-block
-        FSDP2 units (:func:`check_runnable`: priced, not executed yet), or (with data parallelism) what
-        :func:`fxpipe.codegen.mesh.build_mesh_rank` does not support yet.
+        On a rank outside 0..world_size-1, a model that does not match the plan, or (with data
+        parallelism) what :func:`fxpipe.codegen.mesh.build_mesh_rank` does not support yet (per-block
+        FSDP2 units: :func:`fxpipe.codegen.mesh.check_block_units_run`).
     """
     if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or not 0 <= int(rank) < plan.world_size:
         raise InputError(f"rank must be an integer in 0..{plan.world_size - 1}, got {rank!r}")
-    check_runnable(plan)
     from fxpipe.codegen import build_pipeline_rank  # lazy: torch
 
     traced = plan.captured(model, args, kwargs)
@@ -156,7 +151,7 @@ def build_rank(plan, rank: int, *, model=None, args=(), kwargs=None, loss_fn: Ca
             num_microbatches=plan.microbatches, loss_fn=loss_fn, device=device,
             example_microbatch_inputs=example_inputs_from_gm(traced.gm), recompute_stages=plan.recompute_stages(),
             state_source=source, compile_stages=compile_stages_option(plan, compile_stages), offload_optimizer=offload,
-            activation_checkpointing=policies, **tp_kwargs,
+            activation_checkpointing=policies, fsdp_blocks=fsdp_blocks(plan), **tp_kwargs,
         )
         return stages, sched
     return build_pipeline_rank(

@@ -35,7 +35,7 @@ from fxpipe.mesh import (MESH_DIMS, Topology, device_host_step_s, device_num_par
 from fxpipe.mesh.tensor_parallel import TP_COSTS_WARNING, TensorParallelLayout, graph_tensor_parallel, stage_tensor_parallel
 from fxpipe.partition.objective import Partition
 from fxpipe.partition.placement import placement_name
-from fxpipe.plan.build import BLOCK_UNITS_NOT_RUN, PlanStageOf, build_rank, compile_stages_option
+from fxpipe.plan.build import PlanStageOf, build_rank, compile_stages_option
 from fxpipe.plan.build import replica_batch as _replica_batch
 from fxpipe.plan.build import worker_stage_of as _worker_stage_of
 from fxpipe.plan.file import PLAN_FORMAT, graph_signature, plan_fields_from_dict, plan_to_dict
@@ -495,10 +495,9 @@ class Plan:
     def all_warnings(self) -> list[str]:
         """Every warning about this plan, each once: what fxpipe warned while making it (a capture on
         meta with a device branch, a mesh search stopped by Ctrl-C, ...; ``options["warnings"]``), then
-        :meth:`waste_warnings`, :meth:`tensor_parallel_warnings` and that per-block FSDP2 units are not run yet."""
+        :meth:`waste_warnings` and :meth:`tensor_parallel_warnings`."""
         out: list[str] = []
-        units = [BLOCK_UNITS_NOT_RUN] if self.memory.block_units and self.mesh.get("dp_shard", 1) > 1 else []
-        for w in [*(self.options.get("warnings") or []), *self.waste_warnings(), *self.tensor_parallel_warnings(), *units]:
+        for w in [*(self.options.get("warnings") or []), *self.waste_warnings(), *self.tensor_parallel_warnings()]:
             if str(w) not in out:
                 out.append(str(w))
         return out
