@@ -185,26 +185,34 @@ def test_per_block_units_train_like_one_process_and_hold_what_the_model_predicts
 
     zm = _Llama4("llama")
     model, a, k = zm.one_microbatch()
-    plans = {units: fxpipe.compile(model, a, k, devices=2, microbatches=4, mesh={"dp_shard": 2}, schedule="1f1b",
-                                   memory=MemoryModel(fsdp_units=units), activation_checkpointing="none",
-                                   time_limit_s=1, schedule_time_limit_s=0) for units in ("block", "stage")}
-    assert fsdp_blocks(plans["block"]) == tuple(f"model.layers.{i}" for i in range(4))
-    assert fsdp_blocks(plans["stage"]) is None
+    plans = {(units, ac): fxpipe.compile(model, a, k, devices=2, microbatches=4, mesh={"dp_shard": 2}, schedule="1f1b",
+                                         memory=MemoryModel(fsdp_units=units), activation_checkpointing=ac,
+                                         time_limit_s=1, schedule_time_limit_s=0)
+             for units, ac in (("block", "none"), ("stage", "none"), ("block", "full"))}
+    assert {p.kind for p in plans["block", "full"].activation_checkpointing} == {"full"}
+    assert fsdp_blocks(plans["block", "none"]) == tuple(f"model.layers.{i}" for i in range(4))
+    assert fsdp_blocks(plans["stage", "none"]) is None
     runs = [dict(make_model=zm, stage_of=p.worker_stage_of(), orders=p.orders(), num_microbatches=p.global_microbatches,
                  make_batch=zm.batch, loss=zm.loss, steps=2, lr=0.05, mesh={**p.mesh, "order": p.rank_order},
-                 fsdp_blocks=fsdp_blocks(p)) for p in plans.values()]
-    block, stage = spawn_train_many(runs, world_size=2, timeout_s=600)
+                 fsdp_blocks=fsdp_blocks(p), activation_checkpointing=p.activation_checkpointing) for p in plans.values()]
+    block, stage, full = spawn_train_many(runs, world_size=2, timeout_s=600)
     ref = reference_train(zm, zm.batch, num_microbatches=4, steps=2, lr=0.05, loss=zm.loss)
-    for res in (block, stage):
+    for res in (block, stage, full):
         cmp = compare_training(res, ref)
         assert cmp.ok, cmp.problems
-    assert block.meta["fsdp_blocks"][0] == [f"model.layers.{i}" for i in range(4)]
-    p = plans["block"]
+    assert block.meta["fsdp_blocks"][0] == full.meta["fsdp_blocks"][0] == [f"model.layers.{i}" for i in range(4)]
+    # the checkpoint segments ran inside the blocks: replayed in the backward
+    assert full.meta["checkpointing"][0]["pieces"]
+    for r in (0, 1):
+        st = next(iter(full.meta["activation"][r]["stages"].values()))
+        assert st["replays"] >= 4 * 4 and st["segment_runs"] >= 4 * 4  # 4 layers x 4 micro-batches, each step
+    p = plans["block", "none"]
     a0 = np.zeros(p.graph.n, dtype=np.int64)
     predicted = float(unsharded_params(p.graph, a0, 1, num_params(p.graph))[0])
     total = float(num_params(p.graph).sum())
     layer = sum(prm.numel() for prm in model.model.layers[0].parameters())
     for r in (0, 1):
-        measured = block.meta["unsharded_peak_params"][r][0]
-        assert total - 4 * layer + layer <= measured <= predicted  # at least the root and one block, at most two
+        for res in (block, full):
+            measured = res.meta["unsharded_peak_params"][r][0]
+            assert total - 4 * layer + layer <= measured <= predicted  # at least the root and one block, at most two
         assert stage.meta["unsharded_peak_params"][r][0] == total > predicted

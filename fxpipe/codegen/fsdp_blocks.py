@@ -18,7 +18,10 @@ the block (ops of no module between them, such as the capture's per-layer copies
 with it, as :func:`~fxpipe.memory.checkpoint.find_blocks` absorbs them); each span is contiguous in
 program order, hence convex. A block is not carved (it stays in the root unit, and the stage
 reports it) when a parameter of it is read outside its span (a tied parameter), or when the stage
-holds nothing of it.
+holds nothing of it. Activation-checkpoint segments already carved in the stage
+(:func:`fxpipe.codegen.checkpointing.apply_checkpoint`: per-block ``"full"`` / ``"selective"``
+segments lie inside blocks) move into their block's submodule, where they replay on the block's
+unsharded parameters during its backward.
 """
 
 from __future__ import annotations
@@ -73,12 +76,13 @@ def carve_blocks(module: fx.GraphModule, blocks: Sequence[str], stage: int = 0) 
     for block in blocks:
         nodes = list(g.nodes)
         pos = {n: i for i, n in enumerate(nodes)}
-        members = [n for n in nodes if n.op == "call_function" and _within(node_module_path(n), block)]
+        members = [n for n in nodes if (n.op == "call_function" and _within(node_module_path(n), block))
+                   or (n.op == "call_module" and _segment_within(module, n, block))]
         if not members:
             continue
         lo, hi = pos[members[0]], pos[members[-1]]
         params = [n for n in nodes if n.op == "get_attr" and _within(str(n.target), block)]
-        run = [n for n in nodes[lo:hi + 1] if n.op == "call_function"]
+        run = [n for n in nodes[lo:hi + 1] if n.op == "call_function" or n in members]
         inset = set(run) | set(params)
         if any(u not in inset for p in params for u in p.users):
             logger.info("stage %d: block %s stays in the root unit (a parameter of it is read outside it)", stage, block)
@@ -113,8 +117,16 @@ def _carve(module: fx.GraphModule, g: fx.Graph, block: str, run: list[fx.Node]) 
         else:
             env[n] = body.node_copy(n, lambda a: env[a])
     body.output(tuple(env[o] for o in outs))
-    owner = module.get_submodule(block)
-    sub = fx.GraphModule(owner, body, class_name="FsdpBlock")  # copies the block's parameters / buffers by reference
+    holder = torch.nn.Module()  # what the body reads, by reference, at its names inside the block
+    for n in body.nodes:
+        if n.op == "get_attr":
+            _move_attr(module, f"{block}.{n.target}", holder, str(n.target))
+        elif n.op == "call_module":  # a checkpoint segment of the block (fxpipe.codegen.checkpointing)
+            holder.add_module(str(n.target), module.get_submodule(str(n.target)))
+    sub = fx.GraphModule(holder, body, class_name="FsdpBlock")
+    for n in run:
+        if n.op == "call_module":
+            delattr(module, str(n.target))
     parent, _, leaf = block.rpartition(".")
     setattr(module.get_submodule(parent) if parent else module, leaf, sub)
     last = [n for n in run if n.op != "get_attr"][-1]
@@ -127,6 +139,35 @@ def _carve(module: fx.GraphModule, g: fx.Graph, block: str, run: list[fx.Node]) 
         o.replace_all_uses_with(get, delete_user_cb=lambda u: u not in inset)
     for n in reversed(run):
         g.erase_node(n)
+
+
+def _segment_within(module: fx.GraphModule, node: fx.Node, block: str) -> bool:
+    """A carved checkpoint segment (a ``call_module`` of the stage) all of whose ops lie in ``block``."""
+    body = getattr(module.get_submodule(str(node.target)), "body", None)
+    if not isinstance(body, fx.GraphModule):
+        return False
+    paths = [node_module_path(n) for n in body.graph.nodes if n.op == "call_function"]
+    paths = [p for p in paths if p]
+    return bool(paths) and all(_within(p, block) for p in paths)
+
+
+def _move_attr(src: torch.nn.Module, target: str, dst: torch.nn.Module, name: str) -> None:
+    """Register ``src``'s parameter / buffer / attribute ``target`` in ``dst`` at ``name`` (same object)."""
+    owner_path, _, leaf = target.rpartition(".")
+    owner = src.get_submodule(owner_path) if owner_path else src
+    obj = getattr(owner, leaf)
+    path, _, new_leaf = name.rpartition(".")
+    at = dst
+    for part in path.split(".") if path else ():
+        if not hasattr(at, part):
+            at.add_module(part, torch.nn.Module())
+        at = getattr(at, part)
+    if leaf in owner._buffers:
+        at.register_buffer(new_leaf, obj, persistent=leaf not in owner._non_persistent_buffers_set)
+    elif isinstance(obj, torch.nn.Parameter):
+        at.register_parameter(new_leaf, obj)
+    else:
+        setattr(at, new_leaf, obj)
 
 
 def block_modules(module: torch.nn.Module) -> list[torch.nn.Module]:

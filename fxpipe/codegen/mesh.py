@@ -468,10 +468,10 @@ def check_block_units_run(mesh: Mapping[str, int], orders: Orders, offload_optim
                           activation_checkpointing: Sequence[Any] | None = None, **_: Any) -> None:
     """Refuse what per-block FSDP2 units do not run with yet (before any process group is touched).
 
-    They run on meshes with ``dp_shard > 1`` (FSDP, HSDP), without tensor parallelism, optimizer offload,
-    activation offload / reload, recomputation or activation-checkpoint segments (the stash reads a stage's
-    parameters as resident, and a block's are resident only inside its own forward and backward) and
-    ``compile_stages``. A schedule that splits B and W runs with them fused (a block's gradients are
+    They run on meshes with ``dp_shard > 1`` (FSDP, HSDP) with per-block activation-checkpoint segments
+    (which move into their blocks, :func:`fxpipe.codegen.fsdp_blocks.carve_blocks`), without tensor
+    parallelism, optimizer offload, activation offload / reload, whole-stage recomputation (its replay runs
+    the stage without FSDP2's hooks, which the blocks need) and ``compile_stages``. A schedule that splits B and W runs with them fused (a block's gradients are
     reduce-scattered after its backward).
 
     Raises
@@ -491,8 +491,9 @@ def check_block_units_run(mesh: Mapping[str, int], orders: Orders, offload_optim
         why = "optimizer offload does not run with them yet"
     elif orders.offloaded():
         why = "activation offload / reload does not run with them yet"
-    elif recompute_stages or any(policy_kind(p) not in ("none",) for p in activation_checkpointing or () if p is not None):
-        why = "activation recomputation and checkpointing do not run with them yet"
+    elif recompute_stages or any(policy_kind(p) == "stage" for p in activation_checkpointing or () if p is not None):
+        why = ("whole-stage recomputation (activation_checkpointing 'stage') does not run with them yet (per-block "
+               "'full' / 'selective' / 'budget' segments do)")
     elif compile_stages:
         why = "compile_stages does not run with them yet"
     if why is not None:
