@@ -105,6 +105,9 @@ def _check_mesh(mesh: Any, devices: int, microbatches: int, memory: Any) -> None
             raise InputError("mesh='search' sets the data-parallel degree of the memory model: leave data_parallel at 1 "
                              "(or pin the mesh, e.g. mesh={'pp': 2, 'dp_shard': 2})")
         return
+    if isinstance(memory, MemoryModel) and memory.fsdp_units == "block" and memory.offload_optimizer is True:
+        raise InputError("memory: fsdp_units='block' (per-block FSDP2 units) does not run with offload_optimizer=True "
+                         "yet: use fsdp_units='stage' to keep the optimizer on the host")
     if _searches(mesh, memory):
         return
     degrees = normalize_mesh(mesh, devices)  # "pipeline", and "auto" not searched: the pure pipeline
@@ -187,6 +190,11 @@ def _plan_mesh(graph, mesh: Any, devices: int, microbatches: int, memory: Memory
     why = mesh_runtime_limit(degrees, bool(model.offload_optimizer), runtime_limits(graph))
     if why is not None:  # a pinned mesh the runtime cannot run for this model: say so now, not on every rank
         raise InputError(f"mesh {format_mesh(degrees)}: {why}; plan with mesh='pipeline' or mesh='auto'")
+    if model.block_units:  # per-block FSDP2 units (fxpipe.codegen.fsdp_blocks): what they run with
+        if mesh_tp(degrees) > 1:
+            raise InputError(f"mesh {format_mesh(degrees)}: fsdp_units='block' does not run with tensor parallelism "
+                             "yet: use fsdp_units='stage' or tp=1")
+        options = dataclasses.replace(options, host_bandwidth_bytes_per_s=None)  # no activation offload yet
     tp = mesh_tp(degrees)
     if tp > 1:  # tensor parallelism (fxpipe.mesh.tensor_parallel): refuse what it cannot split; no offload yet
         check_tensor_parallel(graph, tp)

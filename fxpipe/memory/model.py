@@ -377,6 +377,8 @@ class MemoryModel:
         device holds unsharded only its root units' weights and gradients plus those of at most two
         blocks per stage (the one computing and the one prefetched,
         :func:`fxpipe.memory.fsdp.unsharded_params`; :meth:`static_bytes`' ``unsharded_params_per_stage``).
+        The runtime wraps such plans so (:mod:`fxpipe.codegen.fsdp_blocks`); the planner then offers no
+        activation offload, whole-stage recomputation or optimizer offload, which do not run with them yet.
 
     Raises
     ------

@@ -128,6 +128,8 @@ def optimizer_placements(memory, mesh: Mapping[str, Any], host: Mapping[str, flo
     ``False``. :func:`search_mesh` plans the second only for a mesh whose memory binds on the device."""
     if memory.offload_optimizer is not None:
         return [bool(memory.offload_optimizer)]
+    if getattr(memory, "fsdp_units", None) == "block" and int(mesh.get("dp_shard", 1)) > 1:
+        return [False]  # per-block FSDP2 units do not run with optimizer offload yet
     if objective != "training" or not host or not host["host_bytes_per_s"] > 0 \
             or not host["host_memory_bytes_per_s"] > 0:
         return [False]
@@ -197,6 +199,8 @@ def search_mesh(graph, *, devices: int, microbatches: int, memory, options: Plan
         options = PlanOptions(**plan_kwargs)
     elif plan_kwargs:
         raise InputError(f"search_mesh takes options or plan_graph keywords, not both: got {sorted(plan_kwargs)}")
+    if getattr(memory, "fsdp_units", None) == "block":  # per-block FSDP2 units run without activation offload yet
+        options = dataclasses.replace(options, host_bandwidth_bytes_per_s=None)
     graph_params = float(np.sum(num_params(graph)))
     act_floor = _activation_floor(graph, options)
     topology = Topology.of_graph(graph)
