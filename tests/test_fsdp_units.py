@@ -216,3 +216,32 @@ def test_per_block_units_train_like_one_process_and_hold_what_the_model_predicts
             measured = res.meta["unsharded_peak_params"][r][0]
             assert total - 4 * layer + layer <= measured <= predicted  # at least the root and one block, at most two
         assert stage.meta["unsharded_peak_params"][r][0] == total > predicted
+
+
+def test_the_search_and_a_pinned_mesh_turn_to_per_block_units_when_whole_stages_do_not_fit():
+    """Memory between what dp_shard=4 needs with per-block units and with whole-stage units: a pinned
+    {"dp_shard": 4} plans with block units (recorded in the plan), and the mesh search plans that candidate
+    beside the whole-stage one it skips (planning only)."""
+    import fxpipe
+    from fxpipe.mesh.search import BLOCK_UNITS_SUFFIX
+
+    zm = _Llama4("llama")
+    model, a, k = zm.one_microbatch()
+    kw = dict(devices=4, microbatches=4, activation_checkpointing="none", time_limit_s=1, schedule_time_limit_s=0,
+              hardware="h100-sxm")
+    need = {}
+    for units in ("stage", "block"):
+        d = fxpipe.compile(model, a, k, mesh={"dp_shard": 4}, memory=MemoryModel(fsdp_units=units), **kw).device_table[0]
+        need[units] = d.memory_bytes - d.reserved_bytes
+    assert need["block"] < need["stage"]  # 4 layers over 4 ranks: the root and two layers unsharded cost less
+    cap = (need["block"] + need["stage"]) / 2 / 0.9  # 10 % reserved
+    pinned = fxpipe.compile(model, a, k, mesh={"dp_shard": 4}, memory_bytes=cap, **kw)
+    assert pinned.memory.fsdp_units == "block" and pinned.memory.zero_stage == 3
+    assert all(d.fits for d in pinned.device_table)
+    with pytest.raises(fxpipe.errors.InfeasibleError):
+        fxpipe.compile(model, a, k, mesh={"dp_shard": 4}, memory_bytes=cap, memory=MemoryModel(fsdp_units="stage"), **kw)
+    plan = fxpipe.compile(model, a, k, mesh="auto", memory_bytes=cap, **kw)
+    rows = {r["mesh_text"]: r for r in plan.options["mesh_search"]}
+    assert "predicted_step_s" in rows["dp_shard=4" + BLOCK_UNITS_SUFFIX] and "skipped" in rows["dp_shard=4"]
+    assert plan.memory.fsdp_units == ("block" if BLOCK_UNITS_SUFFIX in next(
+        t for t, r in rows.items() if r.get("chosen")) else None)

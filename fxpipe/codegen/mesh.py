@@ -28,6 +28,19 @@ parameters over the pipeline ranks of the replica (the local shards line up, eve
 rank shards a tied parameter the same way), so the gradients equal those of one process
 training on the global batch with the mean micro-batch loss.
 
+Per-block FSDP2 units (``plan.memory.fsdp_units == "block"``, ``fsdp_blocks=`` here; ZeRO-3 during the
+step, :mod:`fxpipe.memory.fsdp` is their memory model): every repeated block of a stage is carved into a
+submodule that owns its parameters (:mod:`fxpipe.codegen.fsdp_blocks`) and wrapped by ``fully_shard`` on
+its own, then the stage (its root unit), as torchtitan wraps a model. torch's ``UNSHARD`` action then
+all-gathers the root only (:func:`fxpipe.codegen.runtime.mark_block_units`); each block is all-gathered
+by its own forward and backward pre-hooks (FSDP2 prefetches the next one in the backward), resharded
+after its forward and its backward, and its gradients are reduce-scattered after every micro-batch's
+backward into its sharded gradient (:func:`fxpipe.codegen.runtime.block_unit_backward`); only the root
+defers its gradient sync to ``REDUCE_GRAD``. The backward runs fused (B and W as one), per-block
+activation-checkpoint segments move into their blocks, and what does not run with them yet (tensor
+parallelism, activation or optimizer offload, whole-stage recomputation, ``compile_stages``, several
+parameter dtypes) is refused (:func:`check_block_units_run`; the planner never offers it).
+
 Batches: every replica trains on its slice of the global batch,
 :func:`replica_slice` (``split_microbatches(batch, dp)[replica]``), so with a global batch
 of ``microbatches`` x micro-batch size along dim 0 replica ``r`` runs the global micro-batches
@@ -391,6 +404,16 @@ def _dtype_units(module: torch.nn.Module) -> tuple[list[list[torch.nn.Module]], 
             if other:
                 return [], f"submodule {name!r} holds {d} parameters and, inside it, {', '.join(other)} ones"
     return [[m for _, m in unit] for unit in units.values()], None
+
+
+def block_units_limit(model: torch.nn.Module) -> str | None:
+    """Why per-block FSDP2 units (``fsdp_units="block"``) could not wrap ``model``'s stages, or None: they need
+    one trainable parameter dtype (a stage of several dtypes is wrapped as one unit per dtype,
+    :func:`dtype_units`, which per-block units do not do yet)."""
+    units, problem = _dtype_units(model)
+    if problem is not None or units:
+        return "per-block FSDP2 units need one trainable parameter dtype (the model has several)"
+    return None
 
 
 def data_parallel_limit(model: torch.nn.Module) -> str | None:

@@ -368,9 +368,11 @@ class MemoryModel:
         mesh whose memory binds and keeps it when it predicts a faster step.
     fsdp_units : {"stage", "block"} or None
         Training with ``dp_shard > 1`` (:func:`fxpipe.mesh.mesh_memory`): what one FSDP2 unit is.
-        ``"stage"`` (``None``, the default, means the same; plan files without the field): the whole
-        pipeline stage, unsharded from its first compute of the step to its ``REDUCE_GRAD`` (ZeRO-1's
-        memory during the step). ``"block"``: every repeated block of the graph
+        ``"stage"``: the whole pipeline stage, unsharded from its first compute of the step to its
+        ``REDUCE_GRAD`` (ZeRO-1's memory during the step). ``None`` (the default; plan files without
+        the field): whole stages, except that a mesh whose whole-stage units do not fit (pinned, or a
+        candidate of the mesh search) is planned with ``"block"`` where the runtime runs them
+        (:func:`fxpipe.mesh.search.block_units_allowed`). ``"block"``: every repeated block of the graph
         (:func:`fxpipe.memory.checkpoint.find_blocks`) is its own unit, the ops outside every block
         the stage's root unit (torchtitan's ``fully_shard`` per transformer block, then the root):
         the weights, gradients and optimizer state are sharded (ZeRO-3, ``zero_stage=3``) and a

@@ -51,8 +51,10 @@ def mesh_memory(memory, mesh: Mapping[str, int]):
     with ``dp_shard > 1`` gives a memory model with ``zero_stage=1, data_parallel=dp_shard``
     unless ``memory`` already names ``data_parallel == dp_shard`` (kept as given). With
     ``memory.fsdp_units == "block"`` (one FSDP2 unit per repeated block, the rest of a stage its
-    root unit, :mod:`fxpipe.memory.fsdp`) it is ``zero_stage=3``: weights, gradients and optimizer
-    state sharded, plus the unsharded working set of the root and two blocks per stage.
+    root unit, :mod:`fxpipe.memory.fsdp`; the runtime: :mod:`fxpipe.codegen.fsdp_blocks`) it is
+    ``zero_stage=3``: weights, gradients and optimizer state sharded, plus the unsharded working set of
+    the root and two blocks per stage. (The mesh search and a pinned mesh turn to them when
+    ``fsdp_units`` is None and whole-stage units do not fit: :func:`fxpipe.mesh.search.block_units_allowed`.)
     ``dp_replicate`` shards nothing. (Not counted yet: the sharded copies of parameters and
     gradients, ``1 / dp_shard`` of each.) ``memory.offload_optimizer`` is kept: with ``True`` the
     sharded optimizer state is on the host, not the device.
