@@ -57,7 +57,8 @@ def _row(job: str, policy: str, mesh: str, plan=None, wall: float = 0.0, cpu: fl
     chosen = ", ".join(sorted(set(plan.problem.checkpoint)))
     from fxpipe.mesh import format_mesh
 
-    return (f"| {job} | {policy} | {format_mesh(plan.mesh)} | {plan.predicted_step_s:.3f} | {peak:.1f} | {chosen} | "
+    units = ", FSDP2 unit per block" if plan.memory.block_units else ""
+    return (f"| {job} | {policy} | {format_mesh(plan.mesh)}{units} | {plan.predicted_step_s:.3f} | {peak:.1f} | {chosen} | "
             f"{wall:.1f} / {cpu:.1f} | {note} |")
 
 

@@ -245,3 +245,34 @@ def test_the_search_and_a_pinned_mesh_turn_to_per_block_units_when_whole_stages_
     assert "predicted_step_s" in rows["dp_shard=4" + BLOCK_UNITS_SUFFIX] and "skipped" in rows["dp_shard=4"]
     assert plan.memory.fsdp_units == ("block" if BLOCK_UNITS_SUFFIX in next(
         t for t, r in rows.items() if r.get("chosen")) else None)
+
+
+@pytest.mark.slow
+def test_per_block_units_on_4_ranks_with_pipelining_hsdp_and_checkpointing():
+    """pp=2 x dp_shard=2 (1F1B; ZB-H1 with "full" segments, its W fused into B) and HSDP dp_shard=2 x
+    dp_replicate=2 ("selective") with per-block units train like one process."""
+    import fxpipe
+    from fxpipe.codegen.compare import compare_training
+    from fxpipe.codegen.launch import reference_train, spawn_train_many
+    from fxpipe.plan.build import fsdp_blocks
+
+    zm = _Llama4("llama")
+    model, a, k = zm.one_microbatch()
+    cases = [({"pp": 2, "dp_shard": 2}, "1f1b", "none"), ({"pp": 2, "dp_shard": 2}, "zb-h1", "full"),
+             ({"dp_shard": 2, "dp_replicate": 2}, "1f1b", "selective")]
+    runs = []
+    for mesh, schedule, ac in cases:
+        p = fxpipe.compile(model, a, k, devices=4, microbatches=4, mesh=mesh, schedule=schedule,
+                           memory=MemoryModel(fsdp_units="block"), activation_checkpointing=ac, time_limit_s=1,
+                           schedule_time_limit_s=0)
+        assert p.memory.block_units and {c.kind for c in p.activation_checkpointing} == {ac}
+        runs.append(dict(make_model=zm, stage_of=p.worker_stage_of(), orders=p.orders(),
+                         num_microbatches=p.global_microbatches, make_batch=zm.batch, loss=zm.loss, steps=2, lr=0.05,
+                         mesh={**p.mesh, "order": p.rank_order}, fsdp_blocks=fsdp_blocks(p),
+                         activation_checkpointing=p.activation_checkpointing))
+    ref = reference_train(zm, zm.batch, num_microbatches=4, steps=2, lr=0.05, loss=zm.loss)
+    for (mesh, schedule, ac), res in zip(cases, spawn_train_many(runs, world_size=4, timeout_s=900)):
+        cmp = compare_training(res, ref)
+        assert cmp.ok, (mesh, schedule, ac, cmp.problems)
+        assert all(res.meta["fused_full_backward"].values())  # a block reduces its gradients after its backward
+        assert sorted(b for blocks in res.meta["fsdp_blocks"].values() for b in blocks)[-1] == "model.layers.3"
