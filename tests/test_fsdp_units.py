@@ -195,6 +195,11 @@ def test_per_block_units_train_like_one_process_and_hold_what_the_model_predicts
     runs = [dict(make_model=zm, stage_of=p.worker_stage_of(), orders=p.orders(), num_microbatches=p.global_microbatches,
                  make_batch=zm.batch, loss=zm.loss, steps=2, lr=0.05, mesh={**p.mesh, "order": p.rank_order},
                  fsdp_blocks=fsdp_blocks(p), activation_checkpointing=p.activation_checkpointing) for p in plans.values()]
+    # what they do not run with yet is refused before any worker starts
+    with pytest.raises(InputError, match="whole-stage recomputation"):
+        spawn_train_many([{**runs[0], "recompute_stages": (0,)}], world_size=2)
+    with pytest.raises(InputError, match="optimizer offload"):
+        spawn_train_many([{**runs[0], "offload_optimizer": True}], world_size=2)
     block, stage, full = spawn_train_many(runs, world_size=2, timeout_s=600)
     ref = reference_train(zm, zm.batch, num_microbatches=4, steps=2, lr=0.05, loss=zm.loss)
     for res in (block, stage, full):

@@ -38,8 +38,7 @@ from fxpipe.codegen.compare import gradient_precision, output_precision, random_
 from fxpipe.codegen.effects import random_ops
 from fxpipe.codegen.interface import ModelInputs, as_call, call_model, split_microbatches
 from fxpipe.codegen.materialize import StateSource, real_state_bytes
-from fxpipe.codegen.mesh import (build_mesh_rank, check_block_units_run, check_mesh_run, check_offload_run, full_tensors,
-                                 init_mesh, replica_slice)
+from fxpipe.codegen.mesh import build_mesh_rank, check_mesh_run, check_offload_run, full_tensors, init_mesh, replica_slice
 from fxpipe.codegen.rank import build_rank
 from fxpipe.codegen.runtime import UnshardedProbe, fsdp_offload_policy
 from fxpipe.codegen.split import split_stages
@@ -668,11 +667,7 @@ def spawn_train_many(runs: Sequence[Mapping[str, Any]], *, world_size: int, time
             if run.get("mesh") is not None:
                 mesh = normalize_mesh(run["mesh"], world_size)
                 check_mesh_run(mesh, run["orders"], tuple(run.get("recompute_stages", ())), run["compile_stages"],
-                               run.get("activation_checkpointing"))
-                if run.get("fsdp_blocks"):  # per-block FSDP2 units (fxpipe.codegen.fsdp_blocks)
-                    check_block_units_run(mesh, run["orders"], bool(run.get("offload_optimizer")),
-                                          tuple(run.get("recompute_stages", ())), run["compile_stages"],
-                                          run.get("activation_checkpointing"))
+                               run.get("activation_checkpointing"), run.get("fsdp_blocks"), run.get("offload_optimizer"))
                 m_pipe = microbatches_per_replica(run["num_microbatches"], mesh)
                 run["mesh"] = None if is_pure_pipeline(mesh) and mesh_tp(mesh) == 1 and not run.get("offload_optimizer") \
                     else mesh

@@ -455,12 +455,14 @@ def make_shared_param_groups(staged, device_of_stage: Sequence[int], mesh: Mappi
 
 
 def check_mesh_run(mesh: Mapping[str, int], orders: Orders, recompute_stages: Sequence[int] = (),
-                   compile_stages: bool = False, activation_checkpointing: Sequence[Any] | None = None) -> None:
+                   compile_stages: bool = False, activation_checkpointing: Sequence[Any] | None = None,
+                   fsdp_blocks: Sequence[str] | None = None, offload_optimizer: bool = False) -> None:
     """Refuse, before any process group is touched, what data parallelism does not support yet.
 
     Activation recomputation (``recompute_stages``) and offload/reload actions in ``orders``
     run with any mesh (see the module docstring); ``recompute_stages`` is accepted for the
-    callers' uniformity.
+    callers' uniformity. With ``fsdp_blocks`` (per-block FSDP2 units): also
+    :func:`check_block_units_run`.
 
     Raises
     ------
@@ -477,6 +479,9 @@ def check_mesh_run(mesh: Mapping[str, int], orders: Orders, recompute_stages: Se
                          f"pp={m['pp']}")
     check_tensor_parallel_run(mesh_tp(m), recompute_stages, bool(orders.offloaded()), compile_stages,
                               activation_checkpointing)
+    if fsdp_blocks:
+        check_block_units_run(m, orders, bool(offload_optimizer), recompute_stages, compile_stages,
+                              activation_checkpointing)
     if mesh_dp(m) == 1:
         return
     what = f"mesh {format_mesh(m)}"
@@ -488,7 +493,7 @@ def check_mesh_run(mesh: Mapping[str, int], orders: Orders, recompute_stages: Se
 
 def check_block_units_run(mesh: Mapping[str, int], orders: Orders, offload_optimizer: bool = False,
                           recompute_stages: Sequence[int] = (), compile_stages: bool = False,
-                          activation_checkpointing: Sequence[Any] | None = None, **_: Any) -> None:
+                          activation_checkpointing: Sequence[Any] | None = None) -> None:
     """Refuse what per-block FSDP2 units do not run with yet (before any process group is touched).
 
     They run on meshes with ``dp_shard > 1`` (FSDP, HSDP) with per-block activation-checkpoint segments
@@ -621,11 +626,10 @@ def build_mesh_rank(
     order = _order(mesh, rank_order)
     m = mesh_degrees(normalize_mesh(mesh))
     check_mesh_run(m, orders, build_kwargs.get("recompute_stages", ()), build_kwargs.get("compile_stages", False),
-                   build_kwargs.get("activation_checkpointing"))
+                   build_kwargs.get("activation_checkpointing"), fsdp_blocks, offload_optimizer)
     if offload_optimizer:
         check_offload_run(orders, build_kwargs.get("recompute_stages", ()), build_kwargs.get("compile_stages", False))
     if fsdp_blocks:
-        check_block_units_run(m, orders, offload_optimizer, **build_kwargs)
         build_kwargs["fused_backward"] = True  # a block's gradients are reduced after its backward: no separate W
     mr = mesh_rank(m, rank, device_mesh, torch.device(device).type, order)
     cache = make_shared_param_groups(staged, orders.device_of_stage, m, group_cache, order)
