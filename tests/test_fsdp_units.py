@@ -126,6 +126,12 @@ def test_block_collectives_follow_the_ring_formulas():
         assert math.isclose(exposed, m * want)
         blk = mesh_memory(MemoryModel(fsdp_units="block"), mesh)
         assert math.isclose(pipeline_dp_sync_s(g, a, [0], mesh, memory=blk, num_microbatches=m), total)
+    # HSDP: every block's gradient shard is also all-reduced over dp_replicate each micro-batch, the root's once
+    hsdp = {"pp": 1, "dp_shard": 2, "dp_replicate": 3}
+    ring2, ar = 1 / 2 / bw, 2 * 2 / 3 / 2 / bw  # over 2 shards; all-reduce of a 1/2 shard over 3 replicas
+    (_, reduce, _, total), = block_fsdp_parts_s(g, a, [0], hsdp, 2)
+    assert math.isclose(total, root * (2 * ring2 + ar) + 2 * sum(b * (3 * ring2 + ar) for b in blocks))
+    assert math.isclose(reduce, root * (ring2 + ar) + max(blocks) * (ring2 + ar))
     # links fast enough: every block's collectives hide behind its compute
     fast = dataclasses.replace(g, bandwidth_bytes_per_s=1e15)
     assert block_fsdp_parts_s(fast, a, [0], mesh, 8)[0][2] == 0.0

@@ -406,6 +406,15 @@ def _dp_shard_collective_s(nbytes, mesh: Mapping[str, int], graph, topology: Top
     return (s - 1) / s * nbytes / bw + (s - 1) * lat
 
 
+def _replicate_all_reduce_s(nbytes, mesh: Mapping[str, int], graph, topology: Topology | None, order: Any):
+    """Seconds of the ring all-reduce over ``dp_replicate`` of the ``1 / dp_shard`` shard of ``nbytes`` (HSDP)."""
+    r, s = int(mesh.get("dp_replicate", 1)), int(mesh.get("dp_shard", 1))
+    if r == 1:
+        return 0.0 * nbytes
+    bw, lat = dp_links(mesh, graph.bandwidth_bytes_per_s, 0.0, topology, order, "all_reduce")["dp_replicate"]
+    return 2 * (r - 1) / r * (nbytes / s) / bw + 2 * (r - 1) * lat
+
+
 def block_fsdp_parts_s(graph, assignment, device_of_stage, mesh: Mapping[str, int], num_microbatches: int,
                        order: Any = None) -> list[tuple[float, float, float, float]]:
     """Data-parallel communication of every pipeline device with per-block FSDP2 units (seconds):
@@ -425,8 +434,10 @@ def block_fsdp_parts_s(graph, assignment, device_of_stage, mesh: Mapping[str, in
     * the root unit (the stage's ops outside every block: embeddings, final norm, head) stays
       unsharded for the step: it is gathered once at the step's start and its gradients reduced once
       at the end, like a whole-stage unit (:func:`pipeline_step_s`' ``G_d`` / ``R_d``), and so are the
-      first block's all-gather (nothing computes before it) and the all-reduce over ``dp_replicate``
-      of the gradient shards (deferred to the last micro-batch, FSDP2's ``set_requires_all_reduce``).
+      first block's all-gather (nothing computes before it);
+    * under HSDP (``dp_replicate > 1``) a block's reduce-scatter is followed by the all-reduce of its
+      gradient shard over ``dp_replicate`` in every micro-batch (what the runtime does: FSDP2 reduces a
+      unit whenever its gradients sync), counted with the reduce-scatter; the root's once per step.
 
     Collectives are ring all-gathers / reduce-scatters over ``dp_shard`` on its link
     (:func:`dp_links`, the formulas of :func:`dp_sync_parts_s`), of the blocks' parameter bytes in the
@@ -463,7 +474,6 @@ def block_fsdp_parts_s(graph, assignment, device_of_stage, mesh: Mapping[str, in
     root = unit < 0
     dev = np.asarray(device_of_stage, dtype=np.int64)[a]
     root_bytes = np.bincount(dev[root], weights=pbytes[root], minlength=pp)
-    all_bytes = np.bincount(dev, weights=pbytes, minlength=pp)
     exposed = np.zeros(pp)
     total = np.zeros(pp)
     first = np.zeros(pp)
@@ -478,7 +488,8 @@ def block_fsdp_parts_s(graph, assignment, device_of_stage, mesh: Mapping[str, in
                                         + np.asarray(graph.t_bwd_weight_s, dtype=np.float64))[~root], minlength=size)
         used = np.flatnonzero(ub > 0)
         ag = _dp_shard_collective_s(ub[used], mesh, graph, topology, order, "all_gather")
-        rs = _dp_shard_collective_s(ub[used], mesh, graph, topology, order, "reduce_scatter")
+        rs = _dp_shard_collective_s(ub[used], mesh, graph, topology, order, "reduce_scatter") + \
+            _replicate_all_reduce_s(ub[used], mesh, graph, topology, order)
         per_mb = np.maximum(0.0, ag - uf[used]) + np.maximum(0.0, ag + rs - ubw[used])
         udev = np.asarray(device_of_stage, dtype=np.int64)[used // nb]
         exposed = np.bincount(udev, weights=per_mb, minlength=pp) * float(num_microbatches)
@@ -486,15 +497,10 @@ def block_fsdp_parts_s(graph, assignment, device_of_stage, mesh: Mapping[str, in
         np.maximum.at(first, udev, ag)
         np.maximum.at(last, udev, rs)
     out = []
-    r = int(mesh.get("dp_replicate", 1))
-    s = int(mesh.get("dp_shard", 1))
     for d in range(pp):
         root_ag = float(_dp_shard_collective_s(root_bytes[d], mesh, graph, topology, order, "all_gather"))
         root_rs = float(_dp_shard_collective_s(root_bytes[d], mesh, graph, topology, order, "reduce_scatter"))
-        replicate = 0.0
-        if r > 1:  # the gradient shards' all-reduce over dp_replicate, once per step
-            bw, lat = dp_links(mesh, graph.bandwidth_bytes_per_s, 0.0, topology, order, "all_reduce")["dp_replicate"]
-            replicate = 2 * (r - 1) / r * (all_bytes[d] / s) / bw + 2 * (r - 1) * lat
+        replicate = float(_replicate_all_reduce_s(root_bytes[d], mesh, graph, topology, order))  # the root's, once
         out.append((root_ag + first[d], root_rs + last[d] + replicate, float(exposed[d]),
                     root_ag + root_rs + replicate + float(total[d])))
     return out
