@@ -394,7 +394,9 @@ def memory_remedies(graph: OpGraph, assignment, k: int, objective: str, comm: st
         for d, z in tries:
             if pm.model.zero_stage >= z and pm.model.data_parallel >= d:
                 continue
-            m2 = _dc.replace(floor, model=_dc.replace(pm.model, data_parallel=d, zero_stage=z))
+            # ZeRO-3 as fxpipe runs it: per-block FSDP2 units, the root and two blocks unsharded (fxpipe.memory.fsdp)
+            units = "block" if z == 3 else pm.model.fsdp_units
+            m2 = _dc.replace(floor, model=_dc.replace(pm.model, data_parallel=d, zero_stage=z, fsdp_units=units))
             if stage_memory_bytes(graph, assignment, k, objective, m2, comm).max() <= pm.usable_bytes:
                 zero = (d, z)
                 break
@@ -402,6 +404,10 @@ def memory_remedies(graph: OpGraph, assignment, k: int, objective: str, comm: st
         out["zero"] = (f"A mesh of {k * zero[0]} devices, pp={k} x dp_shard={zero[0]} (mesh=, --mesh; fxpipe shards "
                        f"the optimizer state over dp_shard, ZeRO-1), would fit this partition (with offload or "
                        f"recomputation where the schedule needs it).")
+    elif zero and zero[1] == 3 and pm.num_microbatches % zero[0] == 0:
+        out["zero"] = (f"A mesh of {k * zero[0]} devices, pp={k} x dp_shard={zero[0]} with per-block FSDP2 units "
+                       "(ZeRO-3: MemoryModel(fsdp_units='block'), --fsdp-units block; the default when whole-stage units "
+                       "do not fit), would fit this partition.")
     elif zero:
         out["zero"] = (f"ZeRO-{zero[1]} sharding over {zero[0]} data-parallel replicas would fit this partition, but "
                        "fxpipe's pipeline runtime gives ZeRO-1's memory only (torch's PipelineStage keeps a stage's "

@@ -280,7 +280,8 @@ class Plan:
         if self.dp == 1:
             return lines
         ds, dr = self.mesh["dp_shard"], self.mesh["dp_replicate"]
-        how = ("FSDP2 fully_shard over dp_shard" + (", HSDP with dp_replicate" if dr > 1 else "")) if ds > 1 else \
+        how = ("FSDP2 fully_shard over dp_shard" + (" per block, then the stage" if self.memory.block_units else "")
+               + (", HSDP with dp_replicate" if dr > 1 else "")) if ds > 1 else \
             "replicate (DDP) over dp_replicate"
         topology = Topology.of_graph(self.graph)
         used = []
