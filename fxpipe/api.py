@@ -25,11 +25,11 @@ import dataclasses
 import warnings
 from typing import Any, Mapping, Sequence
 
-from fxpipe.errors import FxpipeWarning, InputError, PlanWarning
+from fxpipe.errors import FxpipeWarning, InfeasibleError, InputError, PlanWarning
 from fxpipe.memory import MemoryModel
 from fxpipe.mesh import format_mesh, mesh_memory, mesh_tp, microbatches_per_replica, normalize_mesh, pipeline_graph
 from fxpipe.mesh.limits import mesh_runtime_limit, record_runtime_limits, runtime_limits
-from fxpipe.mesh.search import search_mesh
+from fxpipe.mesh.search import block_units_allowed, search_mesh
 from fxpipe.mesh.tensor_parallel import check_tensor_parallel
 from fxpipe.options import (  # noqa: F401 (public re-exports)
     AUTO_MILP_MIN_SHARE,
@@ -105,6 +105,9 @@ def _check_mesh(mesh: Any, devices: int, microbatches: int, memory: Any) -> None
             raise InputError("mesh='search' sets the data-parallel degree of the memory model: leave data_parallel at 1 "
                              "(or pin the mesh, e.g. mesh={'pp': 2, 'dp_shard': 2})")
         return
+    if isinstance(memory, MemoryModel) and memory.fsdp_units == "block" and memory.offload_optimizer is True:
+        raise InputError("memory: fsdp_units='block' (per-block FSDP2 units) does not run with offload_optimizer=True "
+                         "yet: use fsdp_units='stage' to keep the optimizer on the host")
     if _searches(mesh, memory):
         return
     degrees = normalize_mesh(mesh, devices)  # "pipeline", and "auto" not searched: the pure pipeline
@@ -119,7 +122,7 @@ def _capture(model, args: tuple, kwargs: dict, *, costs: str, hardware, dtype, n
     machine first; ``hardware`` None: the default of ``costs``). Returns the
     :class:`~fxpipe.passes.to_opgraph.TracedModel`, the hardware's name and the extra phase timings."""
     from fxpipe.codegen.devicecheck import warn_meta_kernel_gaps  # lazy: torch
-    from fxpipe.codegen.mesh import data_parallel_limit  # lazy: torch
+    from fxpipe.codegen.mesh import block_units_limit, data_parallel_limit  # lazy: torch
 
     if costs not in ("roofline", "measured"):
         raise InputError(f"costs must be 'roofline' or 'measured', got {costs!r}")
@@ -141,7 +144,8 @@ def _capture(model, args: tuple, kwargs: dict, *, costs: str, hardware, dtype, n
     # a capture on meta may have taken a device branch's non-CPU path (issue 17): say so now, not on a rank
     warn_meta_kernel_gaps(traced.gm, stacklevel=4)  # the caller of fxpipe.compile
     # what the runtime cannot run for this model, for the mesh search (fxpipe.mesh.limits)
-    record_runtime_limits(traced.graph, data_parallel=data_parallel_limit(traced.gm))
+    record_runtime_limits(traced.graph, data_parallel=data_parallel_limit(traced.gm),
+                          fsdp_blocks=block_units_limit(traced.gm))
     return traced, getattr(hardware, "name", None) or str(hardware), timings
 
 
@@ -173,6 +177,23 @@ def recording_warnings():
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
 
 
+def _check_block_units(graph, degrees) -> None:
+    """Refuse per-block FSDP2 units where they do not run (tensor parallelism, several parameter dtypes)."""
+    why = "it does not run with tensor parallelism yet (use tp=1)" if mesh_tp(degrees) > 1 else \
+        runtime_limits(graph).get("fsdp_blocks")
+    if why:
+        raise InputError(f"mesh {format_mesh(degrees)}: memory fsdp_units='block': {why}; use fsdp_units='stage'")
+
+
+def _block_units_instead(graph, degrees, memory: MemoryModel, options: PlanOptions) -> PlanOptions | None:
+    """The options to plan a pinned mesh with per-block FSDP2 units when whole-stage units do not fit, or None
+    (the user chose the units, no ``dp_shard > 1``, the optimizer pinned to the host, or they cannot run here)."""
+    if memory.offload_optimizer is True or not block_units_allowed(graph, memory, degrees, options.objective,
+                                                                   runtime_limits(graph)):
+        return None
+    return dataclasses.replace(options, host_bandwidth_bytes_per_s=None)
+
+
 def _plan_mesh(graph, mesh: Any, devices: int, microbatches: int, memory: MemoryModel, options: PlanOptions):
     """Plan the pipeline of ``mesh`` (``"auto"`` and ``"search"``: of the best mesh,
     :func:`fxpipe.mesh.search.search_mesh`; ``"auto"`` with a memory model that already shards over
@@ -187,6 +208,9 @@ def _plan_mesh(graph, mesh: Any, devices: int, microbatches: int, memory: Memory
     why = mesh_runtime_limit(degrees, bool(model.offload_optimizer), runtime_limits(graph))
     if why is not None:  # a pinned mesh the runtime cannot run for this model: say so now, not on every rank
         raise InputError(f"mesh {format_mesh(degrees)}: {why}; plan with mesh='pipeline' or mesh='auto'")
+    if model.block_units:  # per-block FSDP2 units (fxpipe.codegen.fsdp_blocks): what they run with
+        _check_block_units(graph, degrees)
+        options = dataclasses.replace(options, host_bandwidth_bytes_per_s=None)  # no activation offload yet
     tp = mesh_tp(degrees)
     if tp > 1:  # tensor parallelism (fxpipe.mesh.tensor_parallel): refuse what it cannot split; no offload yet
         check_tensor_parallel(graph, tp)
@@ -195,9 +219,17 @@ def _plan_mesh(graph, mesh: Any, devices: int, microbatches: int, memory: Memory
                              "with tensor parallelism yet (the stash sees plain tensors, not DTensor shards): use "
                              "activation_checkpointing='none' or tp=1")
         options = dataclasses.replace(options, host_bandwidth_bytes_per_s=None, activation_checkpointing="none")
-    planned = plan_with_options(pipeline_graph(graph, degrees), devices=degrees["pp"],
-                                microbatches=microbatches_per_replica(microbatches, degrees), options=options,
-                                memory=model, memory_bytes=model.capacity_bytes)  # resolved already
+    plan_args = dict(devices=degrees["pp"], microbatches=microbatches_per_replica(microbatches, degrees))
+    try:
+        planned = plan_with_options(pipeline_graph(graph, degrees), options=options, memory=model,
+                                    memory_bytes=model.capacity_bytes, **plan_args)  # resolved already
+    except InfeasibleError:
+        blocks = _block_units_instead(graph, degrees, memory, options)
+        if blocks is None:
+            raise
+        model = mesh_memory(dataclasses.replace(memory, fsdp_units="block"), degrees)
+        planned = plan_with_options(pipeline_graph(graph, degrees), options=blocks, memory=model,
+                                    memory_bytes=model.capacity_bytes, **plan_args)
     if tp > 1 and any(getattr(planned[1], "recompute", ()) or ()):
         raise InputError(f"mesh tp={tp}: the plan recomputes activations (memory binds, counted as for tp=1 until "
                          "tensor parallelism's memory is modelled) and tensor parallelism does not run with "

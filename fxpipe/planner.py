@@ -414,8 +414,11 @@ class _CandidateSearch:
         key = (part.k, part.assignment.tobytes())
         if key not in self.menus:
             a = np.asarray(part.assignment)
+            # per-block FSDP2 units run per-block segments, not a whole-stage replay (fxpipe.codegen.mesh.check_block_units_run)
+            drop = ("stage",) if getattr(self.memory, "block_units", False) else ()
             self.menus[key] = [[e.option() for e in menu_for_request(self.graph, np.flatnonzero(a == s),
-                                                                     self.options.activation_checkpointing)]
+                                                                     self.options.activation_checkpointing)
+                                if e.policy.kind not in drop]
                                for s in range(part.k)]
         return self.menus[key]
 

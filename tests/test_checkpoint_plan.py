@@ -14,6 +14,7 @@ import torch
 import fxpipe
 from fxpipe.api import plan_graph
 from fxpipe.errors import InfeasibleError, InputError
+from fxpipe.memory import MemoryModel
 from fxpipe.memory.checkpoint import CheckpointPolicy
 from fxpipe.models import build_hf_model
 from fxpipe.schedule.dispatch import make_schedule
@@ -145,18 +146,23 @@ def test_the_default_mesh_is_no_worse_than_torchtitan_fsdp8(llama8b_2x8192):
     assert any(r["mesh"] == {"pp": 1, "dp_shard": 8, "dp_replicate": 1} for r in default.options["mesh_search"])
 
 
-def test_llama3_70b_fsdp64_full_says_what_does_not_fit():
+def test_llama3_70b_fsdp64_full_fits_with_per_block_units_and_says_why_whole_stages_do_not():
     """torchtitan trains Llama-3-70B on 64 A100s with FSDP and full AC (ZeRO-3: a block's parameters gathered at
-    a time). fxpipe's runtime keeps a stage's parameters and gradients unsharded for the whole step (ZeRO-1's
-    memory, fxpipe.mesh.mesh_memory), so one stage holding the model does not fit: the error says so, with the
-    static state, and that checkpointing would not help."""
+    a time). With whole-stage FSDP2 units (fsdp_units="stage") a stage's parameters and gradients stay unsharded
+    for the whole step (ZeRO-1's memory, fxpipe.mesh.mesh_memory), so one stage holding the model does not fit:
+    the error says so, with the static state, and that checkpointing would not help. By default the pinned mesh
+    then turns to per-block units (issue 28's done-when, fxpipe.memory.fsdp) and fits."""
     model, args, kwargs = build_hf_model("llama-3-70b", {"seq_len": 8192, "attn_implementation": "sdpa"}, device="meta",
                                          dtype=torch.bfloat16)
+    job = dict(devices=64, microbatches=64, mesh={"dp_shard": 64}, hardware="a100-80gb", activation_checkpointing="full",
+               time_limit_s=1.0, schedule_time_limit_s=0)
     with pytest.raises(InfeasibleError) as info:
-        fxpipe.compile(model, args, kwargs, devices=64, microbatches=64, mesh={"dp_shard": 64}, hardware="a100-80gb",
-                       activation_checkpointing="full", time_limit_s=1.0, schedule_time_limit_s=0)
+        fxpipe.compile(model, args, kwargs, memory=MemoryModel(fsdp_units="stage"), **job)
     text = str(info.value)
     assert "no partition into 1 stages fits" in text and "checkpointing would not help" in text
+    plan = fxpipe.compile(model, args, kwargs, **job)
+    assert plan.memory.fsdp_units == "block" and plan.memory.zero_stage == 3
+    assert all(d.fits for d in plan.device_table) and {p.kind for p in plan.activation_checkpointing} == {"full"}
 
 
 @pytest.mark.slow

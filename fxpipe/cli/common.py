@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 from fxpipe.errors import InputError
 from fxpipe.ir import OpGraph, _json_default, read_json
-from fxpipe.memory import DEFAULT_POLICY, DEFAULT_RESERVED_FRACTION, POLICIES, MemoryModel
+from fxpipe.memory import DEFAULT_POLICY, DEFAULT_RESERVED_FRACTION, FSDP_UNITS, POLICIES, MemoryModel
 from fxpipe.partition import loaders
 from fxpipe.partition.memory import PartitionMemory
 
@@ -207,6 +207,11 @@ def add_memory_arguments(parser: argparse.ArgumentParser, *, plan: bool = False)
                         "CPUOffloadPolicy at run time), so the devices hold weights and gradients only; "
                         "--no-offload-optimizer: never (default: on the device, but `fxpipe plan --mesh auto` also tries "
                         "the host for a mesh whose memory binds)")
+    parser.add_argument("--fsdp-units", choices=FSDP_UNITS, default=None,
+                        help="with --mesh dp_shard > 1: one FSDP2 unit per pipeline stage (stage, the default: ZeRO-1's "
+                        "memory during the step) or per repeated block with the rest of a stage as its root (block: "
+                        "ZeRO-3's memory plus the root and two blocks unsharded, all-gathers and reduce-scatters "
+                        "every micro-batch; runs without tensor parallelism, offload and whole-stage recomputation)")
 
 
 def memory_model_from_args(args: argparse.Namespace, default_capacity_bytes: float | None = None):
@@ -227,7 +232,8 @@ def memory_model_from_args(args: argparse.Namespace, default_capacity_bytes: flo
         return None
     return MemoryModel(capacity_bytes=cap, policy=args.precision, data_parallel=args.data_parallel,
                        zero_stage=args.zero_stage, reserved_fraction=args.reserved_fraction,
-                       offload_optimizer=getattr(args, "offload_optimizer", None))
+                       offload_optimizer=getattr(args, "offload_optimizer", None),
+                       fsdp_units=getattr(args, "fsdp_units", None))
 
 
 def partition_memory_from_args(args: argparse.Namespace):

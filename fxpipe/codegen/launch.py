@@ -40,7 +40,7 @@ from fxpipe.codegen.interface import ModelInputs, as_call, call_model, split_mic
 from fxpipe.codegen.materialize import StateSource, real_state_bytes
 from fxpipe.codegen.mesh import build_mesh_rank, check_mesh_run, check_offload_run, full_tensors, init_mesh, replica_slice
 from fxpipe.codegen.rank import build_rank
-from fxpipe.codegen.runtime import fsdp_offload_policy
+from fxpipe.codegen.runtime import UnshardedProbe, fsdp_offload_policy
 from fxpipe.codegen.split import split_stages
 from fxpipe.errors import InputError, WorkerError
 from fxpipe.io import write_text_atomic
@@ -324,7 +324,8 @@ def _build_rank_program(rank: int, run: Mapping[str, Any], cap: _Captured, stage
         build_kwargs["tensor_parallel"] = cap.tp_structure
         build_kwargs["tensor_parallel_params"] = run.get("tensor_parallel_params")
     stages, sched, mr = build_mesh_rank(staged, rank, run["orders"], mesh=mesh, device_mesh=groups[mkey],
-                                        offload_optimizer=bool(run.get("offload_optimizer")), **build_kwargs)
+                                        offload_optimizer=bool(run.get("offload_optimizer")),
+                                        fsdp_blocks=run.get("fsdp_blocks"), **build_kwargs)
     return stages, sched, mr.replica, mr.pp_rank
 
 
@@ -379,6 +380,11 @@ def _run_one(rank: int, world: int, run: dict, out_dir: str, idx: int, cache: di
     stages, sched, replica, pp_rank = _build_rank_program(rank, run, cap, staged, groups, dp)
     for st in stages:  # every compute action into the rank's heartbeat (fxpipe.launcher)
         st.fxpipe_on_action = functools.partial(_beat_action, where)
+    if dp > 1 and run.get("mesh") is not None:  # FSDP2's unsharded parameters, measured (fxpipe.memory.fsdp)
+        from torch.distributed.fsdp import FSDPModule
+
+        sched.fxpipe_unsharded = {st.stage_index: UnshardedProbe(st.submod) for st in stages
+                                  if isinstance(st.submod, FSDPModule)}
     local = [st.stage_index for st in stages]
     named: dict[str, torch.nn.Parameter] = {}
     for s in local:  # stages of one rank share tied parameter objects: each once
@@ -450,6 +456,9 @@ def _write_run_results(out_dir: str, idx: int, rank: int, run: Mapping[str, Any]
                 "materialized": {s: r.to_dict() for s, r in mat.items()} if mat else None,
                 "held_state_bytes": held,
                 "offload_policy": {st.stage_index: repr(fsdp_offload_policy(st.submod)) for st in stages},
+                "fsdp_blocks": {st.stage_index: list(getattr(st.submod, "fxpipe_fsdp_blocks", ())) for st in stages},
+                "unsharded_peak_params": {s: p.peak_params
+                                          for s, p in (getattr(sched, "fxpipe_unsharded", None) or {}).items()},
             }
         ),
     )
@@ -658,7 +667,7 @@ def spawn_train_many(runs: Sequence[Mapping[str, Any]], *, world_size: int, time
             if run.get("mesh") is not None:
                 mesh = normalize_mesh(run["mesh"], world_size)
                 check_mesh_run(mesh, run["orders"], tuple(run.get("recompute_stages", ())), run["compile_stages"],
-                               run.get("activation_checkpointing"))
+                               run.get("activation_checkpointing"), run.get("fsdp_blocks"), run.get("offload_optimizer"))
                 m_pipe = microbatches_per_replica(run["num_microbatches"], mesh)
                 run["mesh"] = None if is_pure_pipeline(mesh) and mesh_tp(mesh) == 1 and not run.get("offload_optimizer") \
                     else mesh
@@ -784,6 +793,8 @@ def _gather(out_dir: str, world: int, idx: int, wall: float) -> TrainResult:
     held: dict[int, Any] = {}
     offload: dict[int, Any] = {}
     checkpointing: dict[int, Any] = {}
+    fsdp_blocks: dict[int, Any] = {}
+    unsharded: dict[int, dict[int, int]] = {}
     train_wall = 0.0
     for r in range(world):
         with open(os.path.join(out_dir, f"run{idx}_rank{r}.json")) as f:
@@ -799,6 +810,8 @@ def _gather(out_dir: str, world: int, idx: int, wall: float) -> TrainResult:
         materialized[r] = info.get("materialized")
         held[r] = info.get("held_state_bytes")
         offload.update({int(s): v for s, v in (info.get("offload_policy") or {}).items()})
+        fsdp_blocks.update({int(s): v for s, v in (info.get("fsdp_blocks") or {}).items()})
+        unsharded[r] = {int(s): v for s, v in (info.get("unsharded_peak_params") or {}).items()}
         train_wall = max(train_wall, info["train_wall_s"])
         if info["has_last_stage"]:  # one per data-parallel replica
             replica_losses.append(info["losses"])
@@ -827,5 +840,6 @@ def _gather(out_dir: str, world: int, idx: int, wall: float) -> TrainResult:
          "grad_precision": info.get("grad_precision") or {}, "output_precision": info.get("output_precision"),
          "fused_full_backward": fused, "recv_buffers": recv_buffers, "compiled_stages": compiled, "train_wall_s": train_wall, "wall_s": wall,
          "activation": activation, "materialized": materialized, "held_state_bytes": held,
-         "offload_policy": offload, "checkpointing": checkpointing},
+         "offload_policy": offload, "checkpointing": checkpointing, "fsdp_blocks": fsdp_blocks,
+         "unsharded_peak_params": unsharded},
     )

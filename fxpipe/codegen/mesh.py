@@ -28,6 +28,19 @@ parameters over the pipeline ranks of the replica (the local shards line up, eve
 rank shards a tied parameter the same way), so the gradients equal those of one process
 training on the global batch with the mean micro-batch loss.
 
+Per-block FSDP2 units (``plan.memory.fsdp_units == "block"``, ``fsdp_blocks=`` here; ZeRO-3 during the
+step, :mod:`fxpipe.memory.fsdp` is their memory model): every repeated block of a stage is carved into a
+submodule that owns its parameters (:mod:`fxpipe.codegen.fsdp_blocks`) and wrapped by ``fully_shard`` on
+its own, then the stage (its root unit), as torchtitan wraps a model. torch's ``UNSHARD`` action then
+all-gathers the root only (:func:`fxpipe.codegen.runtime.mark_block_units`); each block is all-gathered
+by its own forward and backward pre-hooks (FSDP2 prefetches the next one in the backward), resharded
+after its forward and its backward, and its gradients are reduce-scattered after every micro-batch's
+backward into its sharded gradient (:func:`fxpipe.codegen.runtime.block_unit_backward`); only the root
+defers its gradient sync to ``REDUCE_GRAD``. The backward runs fused (B and W as one), per-block
+activation-checkpoint segments move into their blocks, and what does not run with them yet (tensor
+parallelism, activation or optimizer offload, whole-stage recomputation, ``compile_stages``, several
+parameter dtypes) is refused (:func:`check_block_units_run`; the planner never offers it).
+
 Batches: every replica trains on its slice of the global batch,
 :func:`replica_slice` (``split_microbatches(batch, dp)[replica]``), so with a global batch
 of ``microbatches`` x micro-batch size along dim 0 replica ``r`` runs the global micro-batches
@@ -245,7 +258,8 @@ def mesh_rank(mesh: Mapping[str, int], rank: int, device_mesh=None, device_type:
     return MeshRank(m, int(rank), coords, device_mesh, order)
 
 
-def data_parallel_wrapper(mr: MeshRank, offload_optimizer: bool = False) -> Callable[[int, torch.nn.Module], None] | None:
+def data_parallel_wrapper(mr: MeshRank, offload_optimizer: bool = False,
+                          fsdp_blocks: Sequence[str] | None = None) -> Callable[[int, torch.nn.Module], None] | None:
     """The in-place wrapper of a stage module for :func:`~fxpipe.codegen.rank.build_rank`'s ``wrap_module``.
 
     ``fully_shard`` over the ``dp_shard`` sub-mesh (HSDP over ``(dp_replicate, dp_shard)``), or
@@ -258,6 +272,12 @@ def data_parallel_wrapper(mr: MeshRank, offload_optimizer: bool = False) -> Call
     them live in host memory and the optimizer steps there; without data parallelism the stage
     is wrapped by ``fully_shard`` over the size-1 ``dp_shard`` sub-mesh (the module docstring
     says what runs where).
+
+    With ``fsdp_blocks`` (the module paths of the model's repeated blocks; per-block FSDP2 units,
+    ``plan.memory.fsdp_units == "block"``, ``dp_shard > 1``) every block a stage computes is first carved
+    into a submodule owning its parameters (:func:`fxpipe.codegen.fsdp_blocks.carve_blocks`) and wrapped
+    by ``fully_shard`` on its own, then the stage (its root unit), as torchtitan wraps a model; the
+    runtime keeps only the root unsharded for the step (:func:`fxpipe.codegen.runtime.mark_block_units`).
     """
     kind = mr.data_parallel
     if kind is None and not offload_optimizer:
@@ -288,6 +308,19 @@ def data_parallel_wrapper(mr: MeshRank, offload_optimizer: bool = False) -> Call
     sub = dm["dp_replicate", "dp_shard"] if kind == "hsdp" else dm["dp_shard"]  # FSDP or offload alone: dp_shard
 
     def wrap(stage: int, module: torch.nn.Module) -> None:  # noqa: F811 - one of the two wrappers
+        if fsdp_blocks:  # per-block units (fxpipe.codegen.fsdp_blocks), then the stage as the root unit
+            from fxpipe.codegen.fsdp_blocks import block_modules, carve_blocks
+            from fxpipe.codegen.runtime import mark_block_units
+
+            if dtype_units(module, f"stage {stage}"):
+                raise InputError(f"stage {stage}: per-block FSDP2 units need one parameter dtype per stage; "
+                                 "plan with MemoryModel(fsdp_units='stage')")
+            carve_blocks(module, fsdp_blocks, stage)
+            for block in block_modules(module):
+                fully_shard(block, mesh=sub, **policy)
+            fully_shard(module, mesh=sub, **policy)
+            mark_block_units(module)
+            return
         for unit in dtype_units(module, f"stage {stage}"):  # one FSDP2 unit per parameter dtype
             fully_shard(unit, mesh=sub, **policy)
         fully_shard(module, mesh=sub, **policy)
@@ -373,6 +406,16 @@ def _dtype_units(module: torch.nn.Module) -> tuple[list[list[torch.nn.Module]], 
     return [[m for _, m in unit] for unit in units.values()], None
 
 
+def block_units_limit(model: torch.nn.Module) -> str | None:
+    """Why per-block FSDP2 units (``fsdp_units="block"``) could not wrap ``model``'s stages, or None: they need
+    one trainable parameter dtype (a stage of several dtypes is wrapped as one unit per dtype,
+    :func:`dtype_units`, which per-block units do not do yet)."""
+    units, problem = _dtype_units(model)
+    if problem is not None or units:
+        return "per-block FSDP2 units need one trainable parameter dtype (the model has several)"
+    return None
+
+
 def data_parallel_limit(model: torch.nn.Module) -> str | None:
     """Why the stages of ``model`` could not be wrapped for data parallelism (FSDP2), or None.
 
@@ -412,12 +455,14 @@ def make_shared_param_groups(staged, device_of_stage: Sequence[int], mesh: Mappi
 
 
 def check_mesh_run(mesh: Mapping[str, int], orders: Orders, recompute_stages: Sequence[int] = (),
-                   compile_stages: bool = False, activation_checkpointing: Sequence[Any] | None = None) -> None:
+                   compile_stages: bool = False, activation_checkpointing: Sequence[Any] | None = None,
+                   fsdp_blocks: Sequence[str] | None = None, offload_optimizer: bool = False) -> None:
     """Refuse, before any process group is touched, what data parallelism does not support yet.
 
     Activation recomputation (``recompute_stages``) and offload/reload actions in ``orders``
     run with any mesh (see the module docstring); ``recompute_stages`` is accepted for the
-    callers' uniformity.
+    callers' uniformity. With ``fsdp_blocks`` (per-block FSDP2 units): also
+    :func:`check_block_units_run`.
 
     Raises
     ------
@@ -434,6 +479,9 @@ def check_mesh_run(mesh: Mapping[str, int], orders: Orders, recompute_stages: Se
                          f"pp={m['pp']}")
     check_tensor_parallel_run(mesh_tp(m), recompute_stages, bool(orders.offloaded()), compile_stages,
                               activation_checkpointing)
+    if fsdp_blocks:
+        check_block_units_run(m, orders, bool(offload_optimizer), recompute_stages, compile_stages,
+                              activation_checkpointing)
     if mesh_dp(m) == 1:
         return
     what = f"mesh {format_mesh(m)}"
@@ -441,6 +489,44 @@ def check_mesh_run(mesh: Mapping[str, int], orders: Orders, recompute_stages: Se
         raise InputError(f"{what}: compile_stages=True with data parallelism is not supported yet; "
                          "use compile_stages=False, or plan a pure pipeline to compile its stages "
                          "(fxpipe.compile(..., mesh='pipeline'))")
+
+
+def check_block_units_run(mesh: Mapping[str, int], orders: Orders, offload_optimizer: bool = False,
+                          recompute_stages: Sequence[int] = (), compile_stages: bool = False,
+                          activation_checkpointing: Sequence[Any] | None = None) -> None:
+    """Refuse what per-block FSDP2 units do not run with yet (before any process group is touched).
+
+    They run on meshes with ``dp_shard > 1`` (FSDP, HSDP) with per-block activation-checkpoint segments
+    (which move into their blocks, :func:`fxpipe.codegen.fsdp_blocks.carve_blocks`), without tensor
+    parallelism, optimizer offload, activation offload / reload, whole-stage recomputation (its replay runs
+    the stage without FSDP2's hooks, which the blocks need) and ``compile_stages``. A schedule that splits B and W runs with them fused (a block's gradients are
+    reduce-scattered after its backward).
+
+    Raises
+    ------
+    InputError
+        Naming the combination.
+    """
+    from fxpipe.codegen.checkpointing import policy_kind
+
+    m = normalize_mesh(mesh)
+    why = None
+    if m.get("dp_shard", 1) == 1:
+        why = "they need dp_shard > 1"
+    elif mesh_tp(m) > 1:
+        why = "tensor parallelism (tp > 1) does not run with them yet"
+    elif offload_optimizer:
+        why = "optimizer offload does not run with them yet"
+    elif orders.offloaded():
+        why = "activation offload / reload does not run with them yet"
+    elif recompute_stages or any(policy_kind(p) == "stage" for p in activation_checkpointing or () if p is not None):
+        why = ("whole-stage recomputation (activation_checkpointing 'stage') does not run with them yet (per-block "
+               "'full' / 'selective' / 'budget' segments do)")
+    elif compile_stages:
+        why = "compile_stages does not run with them yet"
+    if why is not None:
+        raise InputError(f"mesh {format_mesh(m)} with per-block FSDP2 units (memory.fsdp_units='block'): {why}; "
+                         "plan with MemoryModel(fsdp_units='stage')")
 
 
 def check_offload_run(orders: Orders, recompute_stages: Sequence[int] = (), compile_stages: bool = False) -> None:
@@ -476,6 +562,7 @@ def build_mesh_rank(
     offload_optimizer: bool = False,
     tensor_parallel: Any = None,
     tensor_parallel_params: Mapping[str, str] | None = None,
+    fsdp_blocks: Sequence[str] | None = None,
     **build_kwargs: Any,
 ):
     """This global rank's pipeline stages on the mesh, wrapped for data parallelism, and its runtime.
@@ -518,6 +605,10 @@ def build_mesh_rank(
     tensor_parallel_params : Mapping[str, str], optional
         The plan's parameter placements (``plan.tensor_parallel.params``), checked against the
         ones resolved here.
+    fsdp_blocks : sequence of str, optional
+        Per-block FSDP2 units (``plan.memory.fsdp_units == "block"``): the module paths of the model's
+        repeated blocks (:func:`fxpipe.memory.checkpoint.find_blocks` of the plan's graph); needs
+        ``dp_shard > 1`` and refuses what they do not run with yet (:func:`check_block_units_run`).
 
     Returns
     -------
@@ -535,12 +626,14 @@ def build_mesh_rank(
     order = _order(mesh, rank_order)
     m = mesh_degrees(normalize_mesh(mesh))
     check_mesh_run(m, orders, build_kwargs.get("recompute_stages", ()), build_kwargs.get("compile_stages", False),
-                   build_kwargs.get("activation_checkpointing"))
+                   build_kwargs.get("activation_checkpointing"), fsdp_blocks, offload_optimizer)
     if offload_optimizer:
         check_offload_run(orders, build_kwargs.get("recompute_stages", ()), build_kwargs.get("compile_stages", False))
+    if fsdp_blocks:
+        build_kwargs["fused_backward"] = True  # a block's gradients are reduced after its backward: no separate W
     mr = mesh_rank(m, rank, device_mesh, torch.device(device).type, order)
     cache = make_shared_param_groups(staged, orders.device_of_stage, m, group_cache, order)
-    wrap = data_parallel_wrapper(mr, offload_optimizer)
+    wrap = data_parallel_wrapper(mr, offload_optimizer, fsdp_blocks)
     if wrap is not None:
         wrap = _untie_then(wrap, staged)
     tpr = None

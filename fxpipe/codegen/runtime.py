@@ -53,6 +53,7 @@ from torch.distributed.pipelining._backward import (
     _get_grad_fn_or_grad_acc,
     construct_reverse_graph as _construct_reverse_graph,
     reverse_closure as _reverse_closure,
+    stage_backward,
     stage_backward_weight as _stage_backward_weight,
 )
 from torch.distributed.pipelining.schedules import _Action, _ComputationType, _PipelineScheduleRuntime
@@ -91,6 +92,9 @@ __all__ = [
     "fsdp_offload_policy",
     "forward_without_dp_hooks",
     "dp_unshard_fn",
+    "mark_block_units",
+    "UnshardedProbe",
+    "block_unit_backward",
 ]
 
 logger = logging.getLogger(__name__)
@@ -627,6 +631,8 @@ class FxpipePipelineStage(PipelineStage):
             out = _stage_backward_weight(params, bwd_kwargs["param_groups"], retain_graph=True)
             own_weight_grads(params, before, recorded)
             return out, None
+        if backward_type == "full" and getattr(self.submod, "fxpipe_fsdp_blocks", ()):  # per-block FSDP2 units
+            return block_unit_backward(self.submod, bwd_kwargs)
         stash = self.fxpipe_stash
         scope = contextlib.nullcontext()
         if stash is not None and backward_type == "input":  # activation checkpointing: keep only what W reads again
@@ -992,6 +998,104 @@ def fsdp_offload_policy(module: torch.nn.Module):
         return None
     groups = module._get_fsdp_state()._fsdp_param_groups
     return groups[0].offload_policy if groups else None
+
+
+class _DoneUnshard:
+    """The handle of an all-gather that is not issued (a block unit left to FSDP2's own hooks)."""
+
+    def wait(self) -> None:
+        return None
+
+
+def mark_block_units(module: torch.nn.Module) -> None:
+    """Let FSDP2 unshard the carved blocks of a stage module itself (per-block units, :mod:`fxpipe.codegen.fsdp_blocks`).
+
+    torch's schedule runtime (``_PipelineScheduleRuntime``, ``UNSHARD`` action) all-gathers every FSDP2
+    module inside a stage before its first compute and keeps it so until the step's ``RESHARD``: every
+    block unsharded for the step, ZeRO-1's memory. Here a carved block's ``unshard`` called by that action
+    issues nothing (an already completed handle): the block's own forward pre-hook all-gathers it (its
+    backward pre-hook again), and it is resharded after its forward and after its backward, in which its
+    gradients are reduce-scattered (:meth:`FxpipePipelineStage.backward_maybe_with_nosync`); the stage
+    module (the root unit) is unsharded by the action as before. ``unshard`` on a block from anywhere
+    else is not used by fxpipe.
+    """
+    from fxpipe.codegen.fsdp_blocks import block_modules
+
+    for block in block_modules(module):
+        block.unshard = lambda async_op=False: _DoneUnshard() if async_op else None  # noqa: B023 - no capture
+
+
+class UnshardedProbe:
+    """The most parameters of a stage's FSDP2 units held unsharded at once, sampled during training.
+
+    Samples (the elements of every FSDP2 parameter whose unsharded copy has storage, each once) are
+    taken when a unit's forward starts (after FSDP2's pre-forward all-gather, which runs first) and
+    when autograd computes a gradient of an unsharded parameter (a unit's backward: it and the unit
+    FSDP2 prefetched are unsharded). The per-block memory model (:func:`fxpipe.memory.fsdp.unsharded_params`)
+    predicts at most the root's parameters and two blocks'; whole-stage units hold all of them.
+    Reads FSDP2's private per-parameter state (``_get_fsdp_state``, ``fsdp_params``, ``_unsharded_param``).
+
+    Attributes
+    ----------
+    peak_params : int
+        Most unsharded parameter elements seen at one sample.
+    samples : int
+    """
+
+    def __init__(self, module: torch.nn.Module):
+        from torch.distributed.fsdp import FSDPModule
+
+        self.peak_params = 0
+        self.samples = 0
+        self._units = [m for m in module.modules() if isinstance(m, FSDPModule)]
+        self._hooked: set[int] = set()
+        for unit in self._units:
+            unit.register_forward_pre_hook(lambda *_: self._sample())
+
+    def _params(self):
+        for unit in self._units:
+            for group in unit._get_fsdp_state()._fsdp_param_groups:
+                yield from group.fsdp_params
+
+    def _sample(self) -> None:
+        total, seen = 0, set()
+        for fp in self._params():
+            up = getattr(fp, "_unsharded_param", None)
+            if up is None:
+                continue
+            if id(up) not in self._hooked and up.requires_grad:  # created at the first all-gather, kept after
+                self._hooked.add(id(up))
+                up.register_hook(lambda g: (self._sample(), g)[1])
+            st = up.untyped_storage()
+            if st.nbytes() > 0 and id(up) not in seen:
+                seen.add(id(up))
+                total += up.numel()
+        self.samples += 1
+        self.peak_params = max(self.peak_params, total)
+
+
+def block_unit_backward(stage_module: torch.nn.Module, bwd_kwargs: dict):
+    """One micro-batch's fused backward of a stage with per-block FSDP2 units: ``(input grads, None)``.
+
+    torch's ``PipelineStage.backward_maybe_with_nosync`` turns off gradient sync and the reshard after
+    backward on every FSDP2 module of a stage (sync once, in ``REDUCE_GRAD``): the blocks would keep
+    unsharded parameters and gradients for the step. Here only the root unit (the stage module, its
+    non-block parameters) defers its sync and stays unsharded, as torchtitan's root; every block
+    reshards after its backward and reduce-scatters its gradients there, accumulating them in its
+    sharded gradient over the micro-batches (Zhao et al., "PyTorch FSDP", VLDB 2023, Sec. 3.2). The
+    step's ``REDUCE_GRAD`` then reduces the root and finalises every unit (a block's second
+    ``post_backward`` finds no unsharded gradient and does nothing).
+    """
+    from fxpipe.codegen.fsdp_blocks import block_modules
+
+    stage_module.set_is_last_backward(False)
+    stage_module.set_reshard_after_backward(False, recurse=False)
+    stage_module.set_requires_gradient_sync(False, recurse=False)
+    for block in block_modules(stage_module):
+        block.set_reshard_after_backward(True, recurse=False)
+        block.set_requires_gradient_sync(True, recurse=False)
+    grads = stage_backward(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"], bwd_kwargs["input_values"])
+    return grads, None
 
 
 def dp_unshard_fn(module: torch.nn.Module) -> Callable[[], None] | None:

@@ -379,6 +379,17 @@ def _ptr(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
 
+def _resident(t: Any, resident_ptrs: set[int]) -> bool:
+    """Whether a saved tensor stays on the device anyway: not a plain tensor, a storage of the stage's
+    resident tensors, or a parameter (or a view of one): a per-block FSDP2 unit's unsharded parameters
+    (:mod:`fxpipe.codegen.fsdp_blocks`) are unsharded only around the block's own forward and backward,
+    after the stage's resident tensors were read, and FSDP2 refills their storage before the block's
+    backward reads them."""
+    if not _plain(t) or _ptr(t) in resident_ptrs:
+        return True
+    return isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter)
+
+
 def _resident_ptrs(tensors: Iterable[Any]) -> set[int]:
     """Storage addresses of the plain tensors among ``tensors`` (a DTensor, e.g. a sharded FSDP2
     parameter, is skipped: the forward saves the unsharded parameter, another tensor)."""
@@ -644,7 +655,7 @@ class DeviceStash:
             if ms.npacks == 0 and lazy is not None:  # inside the forward: FSDP2 has unsharded the parameters
                 resident_ptrs.update(_resident_ptrs(lazy()))
             ms.npacks += 1
-            if not _plain(t) or _ptr(t) in resident_ptrs:
+            if _resident(t, resident_ptrs):
                 if saved_inputs is not None and _plain(t) and _ptr(t) in inputs:
                     saved_inputs.add(_ptr(t))
                 return t
@@ -704,7 +715,7 @@ class DeviceStash:
         for a in args:
             if not isinstance(a, torch.Tensor):
                 rec.inputs.append((a, None))
-            elif _plain(a) and _ptr(a) not in resident_ptrs:
+            elif not _resident(a, resident_ptrs):
                 slot = _Slot(ms, None, None, -1, a)
                 self._add_slot(ms, slot, a.detach())
                 rec.inputs.append((slot, a.requires_grad))
@@ -718,7 +729,7 @@ class DeviceStash:
             ms.npacks += 1
             i = rec.npacks
             rec.npacks += 1
-            if not _plain(t) or _ptr(t) in resident_ptrs:
+            if _resident(t, resident_ptrs):
                 return t
             if _ptr(t) in ms.live_ptr:  # kept anyway (an input, a kept op result, the stash of another op)
                 slot = _Slot(ms, None, None, i, t)
@@ -919,7 +930,7 @@ class DeviceStash:
             if ms.npacks == 0 and lazy is not None:  # inside the forward: FSDP2 has unsharded the parameters
                 resident_ptrs.update(_resident_ptrs(lazy()))
             ms.npacks += 1
-            if not _plain(t) or _ptr(t) in resident_ptrs:
+            if _resident(t, resident_ptrs):
                 return t
             slot = _Slot(ms, None, None, ms.npacks - 1, t)
             ms.slots.append(weakref.ref(slot))

@@ -12,6 +12,8 @@
   a graph, each stage's menu of policies (none, per-block full / selective / budgeted,
   whole-stage) with what F keeps, what B replays and holds, and the plan's
   :class:`~fxpipe.memory.checkpoint.CheckpointPolicy` per stage.
+* :mod:`fxpipe.memory.fsdp`: per-block FSDP2 units (``MemoryModel.fsdp_units="block"``): the
+  parameters each stage holds unsharded at its peak (its root unit and two blocks).
 * The partitioner's view (the per-stage memory the SliceGraph DP and the bounds count) is
   :mod:`fxpipe.partition.memory`: it lives beside the partitioner, which must stay free of
   anything but plain numbers.

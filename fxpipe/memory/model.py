@@ -100,7 +100,11 @@ Inference keeps the weights only (``policy.weight_bytes`` per parameter, no shar
 
 ZeRO sharding over a data-parallel degree ``d`` (Rajbhandari et al. 2020, Sec. 5; FSDP's
 ``SHARD_GRAD_OP`` is stage 2 and ``FULL_SHARD`` stage 3): stage 1 divides the optimizer state
-by ``d``, stage 2 also the gradients, stage 3 also the weights.
+by ``d``, stage 2 also the gradients, stage 3 also the weights. Under stage 3 with per-block FSDP2
+units (``fsdp_units="block"``, :mod:`fxpipe.memory.fsdp`) a stage also holds, unsharded, the weights
+and gradients of its root unit and of at most two blocks at a time (the working set of torchtitan's
+``fully_shard`` per block; Zhao et al. 2023, "PyTorch FSDP", Sec. 3.2.2 and 4.2: one unit all-gathered
+ahead of the one computing).
 
 References
 ----------
@@ -123,6 +127,7 @@ __all__ = [
     "ACTIVATION_RULES",
     "DEFAULT_POLICY",
     "DEFAULT_RESERVED_FRACTION",
+    "FSDP_UNITS",
     "KINDS",
     "POLICIES",
     "KIND_LABELS",
@@ -138,6 +143,9 @@ __all__ = [
 
 #: Activation rules of the partitioner (module docstring).
 ACTIVATION_RULES = ("floor", "1f1b")
+
+#: What one FSDP2 unit of a stage is (:attr:`MemoryModel.fsdp_units`).
+FSDP_UNITS = ("stage", "block")
 
 #: Fraction of each device's capacity kept back for the runtime (see the module docstring).
 DEFAULT_RESERVED_FRACTION = 0.10
@@ -358,6 +366,21 @@ class MemoryModel:
         ``False``: on the device, always. ``None`` (the default): on the device, except that the
         mesh search (``mesh="auto"``, :mod:`fxpipe.mesh.search`) also tries the host for a
         mesh whose memory binds and keeps it when it predicts a faster step.
+    fsdp_units : {"stage", "block"} or None
+        Training with ``dp_shard > 1`` (:func:`fxpipe.mesh.mesh_memory`): what one FSDP2 unit is.
+        ``"stage"``: the whole pipeline stage, unsharded from its first compute of the step to its
+        ``REDUCE_GRAD`` (ZeRO-1's memory during the step). ``None`` (the default; plan files without
+        the field): whole stages, except that a mesh whose whole-stage units do not fit (pinned, or a
+        candidate of the mesh search) is planned with ``"block"`` where the runtime runs them
+        (:func:`fxpipe.mesh.search.block_units_allowed`). ``"block"``: every repeated block of the graph
+        (:func:`fxpipe.memory.checkpoint.find_blocks`) is its own unit, the ops outside every block
+        the stage's root unit (torchtitan's ``fully_shard`` per transformer block, then the root):
+        the weights, gradients and optimizer state are sharded (ZeRO-3, ``zero_stage=3``) and a
+        device holds unsharded only its root units' weights and gradients plus those of at most two
+        blocks per stage (the one computing and the one prefetched,
+        :func:`fxpipe.memory.fsdp.unsharded_params`; :meth:`static_bytes`' ``unsharded_params_per_stage``).
+        The runtime wraps such plans so (:mod:`fxpipe.codegen.fsdp_blocks`); the planner then offers no
+        activation offload, whole-stage recomputation or optimizer offload, which do not run with them yet.
 
     Raises
     ------
@@ -372,6 +395,7 @@ class MemoryModel:
     zero_stage: int = 0
     reserved_fraction: float = DEFAULT_RESERVED_FRACTION
     offload_optimizer: bool | None = None
+    fsdp_units: str | None = None
     _policy: PrecisionPolicy = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -394,6 +418,15 @@ class MemoryModel:
                 raise InputError(f"offload_optimizer must be True, False or None (let the mesh search choose), "
                                  f"got {self.offload_optimizer!r}")
             object.__setattr__(self, "offload_optimizer", bool(self.offload_optimizer))
+        if self.fsdp_units not in FSDP_UNITS + (None,):
+            raise InputError(f"fsdp_units must be one of {FSDP_UNITS} or None (whole stages), got {self.fsdp_units!r}")
+
+    @property
+    def block_units(self) -> bool:
+        """Per-block FSDP2 units hold part of the parameters unsharded (``fsdp_units == "block"`` under ZeRO-3,
+        which :func:`fxpipe.mesh.mesh_memory` sets for ``dp_shard > 1``): :meth:`static_bytes` then adds the
+        unsharded working set."""
+        return self.fsdp_units == "block" and self.zero_stage >= 3 and self.data_parallel > 1
 
     # ------------------------------------------------------------------ per parameter
     @property
@@ -553,7 +586,8 @@ class MemoryModel:
             raise InputError(f"input_bytes and output_bytes must be 1-d arrays of equal length, got {inp.shape} and {out.shape}")
         return inp, out
 
-    def static_bytes(self, params_per_stage, objective: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def static_bytes(self, params_per_stage, objective: str,
+                     unsharded_params_per_stage=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(params, grads, optimizer)`` bytes of every stage, each float64 (k,).
 
         Parameters
@@ -561,12 +595,32 @@ class MemoryModel:
         params_per_stage : float array (k,)
             Number of parameters held by each stage (a tied parameter counts on every stage
             that holds a copy).
+        unsharded_params_per_stage : float array (k,), optional
+            With per-block FSDP2 units (:attr:`block_units`, training): the parameters a stage holds
+            unsharded at its peak (:func:`fxpipe.memory.fsdp.unsharded_params`: its root unit and its
+            two largest blocks). Their full weights and full gradients are added to the sharded ones
+            (FSDP2 keeps the sharded copy while a unit is all-gathered; a block's unsharded gradients
+            live from its backward to their reduce-scatter). Ignored otherwise.
         """
         n = np.asarray(params_per_stage, dtype=np.float64)
         if n.ndim != 1 or np.any(n < 0) or not np.all(np.isfinite(n)):
             raise InputError("params_per_stage must be a 1-d array of finite counts >= 0")
         w, g, o = self.bytes_per_param(objective)
-        return n * w, n * g, n * o
+        params, grads = n * w, n * g
+        if unsharded_params_per_stage is not None and self.block_units and objective == "training":
+            u = np.asarray(unsharded_params_per_stage, dtype=np.float64)
+            if u.shape != n.shape or np.any(u < 0) or not np.all(np.isfinite(u)):
+                raise InputError(f"unsharded_params_per_stage must be {n.shape[0]} finite counts >= 0, got shape {u.shape}")
+            params = params + u * self._policy.weight_bytes
+            grads = grads + u * self._policy.grad_bytes
+        return params, grads, n * o
+
+    def unsharded_bytes_per_param(self, objective: str) -> float:
+        """Bytes per parameter a per-block FSDP2 unit adds while unsharded (full weights and gradients; 0 unless
+        :attr:`block_units` in training): the factor of :meth:`static_bytes`' ``unsharded_params_per_stage``."""
+        if not (self.block_units and objective == "training"):
+            return 0.0
+        return self._policy.weight_bytes + self._policy.grad_bytes
 
     def activation_budget_bytes(
         self,
@@ -574,6 +628,7 @@ class MemoryModel:
         comm_buffer_bytes,
         objective: str,
         device_of_stage: Sequence[int] | None = None,
+        unsharded_params_per_stage=None,
     ) -> np.ndarray:
         """Bytes each device may use for activations: ``usable - static`` of its stages.
 
@@ -589,12 +644,14 @@ class MemoryModel:
         objective : {"training", "inference"}
         device_of_stage : sequence of int, optional
             Device of every stage (default: stage s on device s).
+        unsharded_params_per_stage : float array (S,), optional
+            Per-block FSDP2 units' working set (:meth:`static_bytes`).
 
         Returns
         -------
         float64 array (num_devices,)
         """
-        p, g, o = self.static_bytes(params_per_stage, objective)
+        p, g, o = self.static_bytes(params_per_stage, objective, unsharded_params_per_stage)
         per_stage = p + g + o + np.asarray(comm_buffer_bytes, dtype=np.float64)
         per_device = _per_device(per_stage, device_of_stage)
         if not math.isfinite(self.capacity_bytes):
@@ -610,6 +667,7 @@ class MemoryModel:
         *,
         offloaded_peak_bytes=None,
         device_of_stage: Sequence[int] | None = None,
+        unsharded_params_per_stage=None,
     ) -> list[DeviceMemory]:
         """Memory of every device by kind (one :class:`DeviceMemory` per device).
 
@@ -625,8 +683,10 @@ class MemoryModel:
             (:func:`fxpipe.schedule.validate.offloaded_peak`).
         device_of_stage : sequence of int, optional
             Default: stage s on device s (then "device" and "stage" coincide).
+        unsharded_params_per_stage : float array (S,), optional
+            Per-block FSDP2 units' working set (:meth:`static_bytes`).
         """
-        p, g, o = self.static_bytes(params_per_stage, objective)
+        p, g, o = self.static_bytes(params_per_stage, objective, unsharded_params_per_stage)
         comm = np.asarray(comm_buffer_bytes, dtype=np.float64)
         dev = [_per_device(x, device_of_stage) for x in (p, g, o, comm)]
         act = np.asarray(activation_peak_bytes, dtype=np.float64)
@@ -662,6 +722,7 @@ class MemoryModel:
             "zero_stage": int(self.zero_stage),
             "reserved_fraction": float(self.reserved_fraction),
             "offload_optimizer": self.offload_optimizer,
+            "fsdp_units": self.fsdp_units,
         }
 
     @classmethod
@@ -691,6 +752,7 @@ class MemoryModel:
                 zero_stage=int(doc.get("zero_stage", 0)),
                 reserved_fraction=float(doc.get("reserved_fraction", DEFAULT_RESERVED_FRACTION)),
                 offload_optimizer=None if doc.get("offload_optimizer") is None else bool(doc["offload_optimizer"]),
+                fsdp_units=doc.get("fsdp_units"),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise InputError(f"malformed memory model {dict(doc)!r:.200}: {exc}") from None

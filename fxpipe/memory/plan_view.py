@@ -9,7 +9,8 @@ carry a gradient, :func:`fxpipe.partition.memory.differentiable`: torch allocate
 buffer for a mask or a rotary table, which the partitioner still counts) for the step-long ones and
 :meth:`MemoryModel.pooled_buffer_bytes` per micro-batch in flight for the pooled ones (the
 schedule problem adds those to each stash, so the activation peak counts them), the static state is
-:meth:`MemoryModel.static_bytes`, the activation budget the schedule gets is
+:meth:`MemoryModel.static_bytes` (with per-block FSDP2 units, of the parameters each stage holds
+unsharded too, :func:`fxpipe.memory.fsdp.unsharded_params`), the activation budget the schedule gets is
 :meth:`MemoryModel.activation_budget_bytes` (Contract 3's ``mem_limit``), and the activation
 peak is read from the schedule's memory curve (:func:`fxpipe.schedule.validate.peak_memory`,
 :func:`~fxpipe.schedule.validate.memory_profile`). The partitioner
@@ -29,6 +30,7 @@ import numpy as np
 from fxpipe.errors import InfeasibleError
 from fxpipe.ir import OpGraph, Schedule, ScheduleProblem
 from fxpipe.io import format_bytes
+from fxpipe.memory.fsdp import unsharded_params
 from fxpipe.memory.model import DeviceMemory, MemoryModel
 from fxpipe.partition.memory import differentiable, num_params
 from fxpipe.partition.objective import io_bytes
@@ -51,9 +53,14 @@ class StageStatic:
         (:meth:`MemoryModel.pooled_buffer_bytes`; the schedule problem's ``mem_f`` includes them).
     input_bytes, output_bytes : float64 (k,)
         Relay bytes a stage receives / sends forward per micro-batch.
+    unsharded_params : float64 (k,) or None
+        With per-block FSDP2 units (:attr:`MemoryModel.block_units`): the parameters each stage holds
+        unsharded at its peak (:func:`fxpipe.memory.fsdp.unsharded_params`); None otherwise.
     """
 
-    def __init__(self, num_params, comm_buffer_bytes, input_bytes, output_bytes, pooled_buffer_bytes=None):
+    def __init__(self, num_params, comm_buffer_bytes, input_bytes, output_bytes, pooled_buffer_bytes=None,
+                 unsharded_params=None):
+        self.unsharded_params = None if unsharded_params is None else np.asarray(unsharded_params, dtype=np.float64)
         self.num_params = np.asarray(num_params, dtype=np.float64)
         self.comm_buffer_bytes = np.asarray(comm_buffer_bytes, dtype=np.float64)
         self.input_bytes = np.asarray(input_bytes, dtype=np.float64)
@@ -80,12 +87,15 @@ def stage_static(graph: OpGraph, assignment, k: int, model: MemoryModel, num_mic
         (:meth:`MemoryModel.pooled_stages`); default one stage per device.
     """
     a = np.asarray(assignment, dtype=np.int64)
-    params = np.bincount(a, weights=num_params(graph), minlength=k)
+    per_node = num_params(graph)
+    params = np.bincount(a, weights=per_node, minlength=k)
+    unsharded = unsharded_params(graph, a, k, per_node) if model.block_units and objective == "training" else None
     in_b, out_b = io_bytes(graph, a, k, "relay")
     # gradient buffers: only for relayed tensors that carry a gradient (not masks, positions, rotary tables)
     grad_b = io_bytes(graph, a, k, "relay", producers=differentiable(graph))[1] if objective == "training" else out_b
     comm = model.comm_buffer_bytes(in_b, grad_b, num_microbatches, objective, device_of_stage)
-    return StageStatic(params, comm, in_b, out_b, model.pooled_buffer_bytes(in_b, objective, device_of_stage))
+    return StageStatic(params, comm, in_b, out_b, model.pooled_buffer_bytes(in_b, objective, device_of_stage),
+                       unsharded)
 
 
 def schedule_mem_limit(graph: OpGraph, assignment, k: int, device_of_stage: Sequence[int], model: MemoryModel,
@@ -105,7 +115,8 @@ def schedule_mem_limit(graph: OpGraph, assignment, k: int, device_of_stage: Sequ
         alone leaves no room for activations; the message names the device and the overflow.
     """
     st = stage_static(graph, assignment, k, model, num_microbatches, objective, device_of_stage)
-    limit = model.activation_budget_bytes(st.num_params, st.comm_buffer_bytes, objective, device_of_stage)
+    limit = model.activation_budget_bytes(st.num_params, st.comm_buffer_bytes, objective, device_of_stage,
+                                          st.unsharded_params)
     bad = np.flatnonzero(limit <= 0)
     if bad.size:
         d = int(bad[np.argmin(limit[bad])])
@@ -144,7 +155,8 @@ def stage_memory(graph: OpGraph, assignment, problem: ScheduleProblem, schedule:
         _, mem = memory_profile(problem, ops, s)
         act[s] = float(mem.max()) if mem.size else 0.0
         off[s] = _offloaded_of_stage(problem, ops, s)
-    rows = model.breakdown(st.num_params, st.comm_buffer_bytes, act, objective, offloaded_peak_bytes=off)
+    rows = model.breakdown(st.num_params, st.comm_buffer_bytes, act, objective, offloaded_peak_bytes=off,
+                           unsharded_params_per_stage=st.unsharded_params)
     return [DeviceMemory(**{**r.__dict__, "device": int(problem.device_of_stage[s])}) for s, r in enumerate(rows)]
 
 
@@ -157,4 +169,4 @@ def device_memory(graph: OpGraph, assignment, problem: ScheduleProblem, schedule
                       problem.device_of_stage)
     return model.breakdown(st.num_params, st.comm_buffer_bytes, peak_memory(problem, schedule.ops), objective,
                            offloaded_peak_bytes=offloaded_peak(problem, schedule.ops),
-                           device_of_stage=problem.device_of_stage)
+                           device_of_stage=problem.device_of_stage, unsharded_params_per_stage=st.unsharded_params)

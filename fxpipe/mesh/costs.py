@@ -23,6 +23,7 @@ __all__ = [
     "mesh_memory",
     "dp_sync_time_s",
     "dp_sync_parts_s",
+    "block_fsdp_parts_s",
     "pipeline_dp_sync_s",
     "pipeline_step_s",
     "host_links",
@@ -41,13 +42,19 @@ COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "p2p")
 def mesh_memory(memory, mesh: Mapping[str, int]):
     """The :class:`~fxpipe.memory.MemoryModel` of one device of a mesh plan.
 
-    fxpipe wraps every pipeline stage as one FSDP2 unit and torch's pipelining runtime keeps a
+    By default (``memory.fsdp_units`` ``None`` or ``"stage"``) fxpipe wraps every pipeline stage as
+    one FSDP2 unit and torch's pipelining runtime keeps a
     stage's parameters unsharded from its first compute action of the step to its
     ``REDUCE_GRAD`` (gradient sync is deferred to the step's end, so the unsharded gradients
     accumulate too): during the step a device holds its stages' full parameters and gradients
     and only the optimizer state is sharded over ``dp_shard``, i.e. ZeRO-1's memory. So a mesh
     with ``dp_shard > 1`` gives a memory model with ``zero_stage=1, data_parallel=dp_shard``
-    unless ``memory`` already names ``data_parallel == dp_shard`` (kept as given).
+    unless ``memory`` already names ``data_parallel == dp_shard`` (kept as given). With
+    ``memory.fsdp_units == "block"`` (one FSDP2 unit per repeated block, the rest of a stage its
+    root unit, :mod:`fxpipe.memory.fsdp`; the runtime: :mod:`fxpipe.codegen.fsdp_blocks`) it is
+    ``zero_stage=3``: weights, gradients and optimizer state sharded, plus the unsharded working set of
+    the root and two blocks per stage. (The mesh search and a pinned mesh turn to them when
+    ``fsdp_units`` is None and whole-stage units do not fit: :func:`fxpipe.mesh.search.block_units_allowed`.)
     ``dp_replicate`` shards nothing. (Not counted yet: the sharded copies of parameters and
     gradients, ``1 / dp_shard`` of each.) ``memory.offload_optimizer`` is kept: with ``True`` the
     sharded optimizer state is on the host, not the device.
@@ -67,7 +74,7 @@ def mesh_memory(memory, mesh: Mapping[str, int]):
             f"the memory model shards over data_parallel={memory.data_parallel} but mesh {format_mesh(mesh)} shards "
             f"over dp_shard={ds}: leave data_parallel at 1 (the mesh sets it) or make them equal"
         )
-    return dataclasses.replace(memory, zero_stage=1, data_parallel=ds)
+    return dataclasses.replace(memory, zero_stage=3 if memory.fsdp_units == "block" else 1, data_parallel=ds)
 
 
 @dataclass(frozen=True)
@@ -361,21 +368,142 @@ def _device_param_bytes(graph, assignment, device_of_stage, pp: int):
     return _per_device(assignment, device_of_stage, pp, graph.size_param_bytes)
 
 
-def pipeline_dp_sync_s(graph, assignment, device_of_stage, mesh: Mapping[str, int], order: Any = None) -> float:
+def _block_units_of(memory, mesh: Mapping[str, int]) -> bool:
+    """Whether ``memory`` (a device's :class:`~fxpipe.memory.MemoryModel`, or None) runs per-block FSDP2 units on ``mesh``."""
+    return bool(getattr(memory, "block_units", False)) and int(mesh.get("dp_shard", 1)) > 1
+
+
+def pipeline_dp_sync_s(graph, assignment, device_of_stage, mesh: Mapping[str, int], order: Any = None,
+                       memory=None, num_microbatches: int = 1) -> float:
     """:func:`dp_sync_time_s` of the busiest device of a partitioned, placed pipeline (seconds).
 
     ``graph`` is the :class:`~fxpipe.ir.OpGraph` (its ``size_param_bytes``, and the links: its
     recorded :class:`Topology` if the capture knew the hardware's nodes, else its
     ``bandwidth_bytes_per_s`` for every group), ``assignment`` the stage of every node,
     ``device_of_stage`` the placement, ``order`` the rank order (default the mesh's ``"order"``,
-    else :data:`MESH_DIMS`).
+    else :data:`MESH_DIMS`). With per-block FSDP2 units (``memory.fsdp_units == "block"``) every collective
+    of the step (:func:`block_fsdp_parts_s`' ``total_s``, ``num_microbatches`` per replica).
     """
     if mesh_dp(mesh) == 1:
         return 0.0
+    if _block_units_of(memory, mesh):
+        return float(max(t for *_, t in block_fsdp_parts_s(graph, assignment, device_of_stage, mesh,
+                                                           num_microbatches, order)))
     per_device = _device_param_bytes(graph, assignment, device_of_stage, mesh["pp"])
     topology = Topology.of_graph(graph)
     return float(max(dp_sync_time_s(float(b), mesh, graph.bandwidth_bytes_per_s, topology=topology, order=order)
                      for b in per_device))
+
+
+def _dp_shard_collective_s(nbytes, mesh: Mapping[str, int], graph, topology: Topology | None, order: Any,
+                           kind: str):
+    """Seconds of one ring all-gather / reduce-scatter of ``nbytes`` (float or array) over ``dp_shard``
+    (:func:`dp_sync_parts_s`' formula)."""
+    s = int(mesh.get("dp_shard", 1))
+    if s == 1:
+        return 0.0 * nbytes
+    bw, lat = dp_links(mesh, graph.bandwidth_bytes_per_s, 0.0, topology, order, kind)["dp_shard"]
+    return (s - 1) / s * nbytes / bw + (s - 1) * lat
+
+
+def _replicate_all_reduce_s(nbytes, mesh: Mapping[str, int], graph, topology: Topology | None, order: Any):
+    """Seconds of the ring all-reduce over ``dp_replicate`` of the ``1 / dp_shard`` shard of ``nbytes`` (HSDP)."""
+    r, s = int(mesh.get("dp_replicate", 1)), int(mesh.get("dp_shard", 1))
+    if r == 1:
+        return 0.0 * nbytes
+    bw, lat = dp_links(mesh, graph.bandwidth_bytes_per_s, 0.0, topology, order, "all_reduce")["dp_replicate"]
+    return 2 * (r - 1) / r * (nbytes / s) / bw + 2 * (r - 1) * lat
+
+
+def block_fsdp_parts_s(graph, assignment, device_of_stage, mesh: Mapping[str, int], num_microbatches: int,
+                       order: Any = None) -> list[tuple[float, float, float, float]]:
+    """Data-parallel communication of every pipeline device with per-block FSDP2 units (seconds):
+    ``(gather_s, reduce_s, exposed_s, total_s)`` per device.
+
+    With ``fsdp_units="block"`` (:mod:`fxpipe.memory.fsdp`: one FSDP2 unit per repeated block of a stage,
+    the stage's other ops its root unit) FSDP2 all-gathers a block's parameters before its forward and
+    again before its backward in every micro-batch, and reduce-scatters its gradients after every
+    micro-batch's backward (Zhao et al., "PyTorch FSDP", VLDB 2023, Sec. 3.2 and 4.2). It prefetches the
+    next block's all-gather while the current block computes, so per block and micro-batch this model
+    takes as exposed (assumptions):
+
+    * forward: ``max(0, AG_b - F_b)``; backward: ``max(0, AG_b + RS_b - (B_b + W_b))`` (the block's
+      re-gather and the previous block's reduce-scatter run behind its backward; F, B, W are the
+      summed op times of the block's nodes on the stage; a checkpointed block's replay, which would
+      hide more, is not counted);
+    * the root unit (the stage's ops outside every block: embeddings, final norm, head) stays
+      unsharded for the step: it is gathered once at the step's start and its gradients reduced once
+      at the end, like a whole-stage unit (:func:`pipeline_step_s`' ``G_d`` / ``R_d``), and so are the
+      first block's all-gather (nothing computes before it);
+    * under HSDP (``dp_replicate > 1``) a block's reduce-scatter is followed by the all-reduce of its
+      gradient shard over ``dp_replicate`` in every micro-batch (what the runtime does: FSDP2 reduces a
+      unit whenever its gradients sync), counted with the reduce-scatter; the root's once per step.
+
+    Collectives are ring all-gathers / reduce-scatters over ``dp_shard`` on its link
+    (:func:`dp_links`, the formulas of :func:`dp_sync_parts_s`), of the blocks' parameter bytes in the
+    graph's dtype (gradients in the same dtype).
+
+    Parameters
+    ----------
+    graph : OpGraph
+        Op times, parameter bytes and blocks (:func:`fxpipe.memory.fsdp.block_units`), and the links.
+    assignment : int array (n,)
+        Stage of every node.
+    device_of_stage : sequence of int
+        The placement.
+    mesh, order :
+        The mesh and its rank order.
+    num_microbatches : int
+        Micro-batches per replica and step.
+
+    Returns
+    -------
+    list of (gather_s, reduce_s, exposed_s, total_s), one per pipeline device
+        ``gather_s`` / ``reduce_s`` at the step's start / end, ``exposed_s`` over all micro-batches,
+        ``total_s`` all of the device's collectives of the step, overlapped or not.
+    """
+    import numpy as np
+
+    from fxpipe.memory.fsdp import block_units  # noqa: PLC0415 - torch-free
+
+    pp = int(mesh["pp"])
+    topology = Topology.of_graph(graph)
+    a = np.asarray(assignment, dtype=np.int64)
+    unit = block_units(graph)
+    pbytes = np.asarray(graph.size_param_bytes, dtype=np.float64)
+    root = unit < 0
+    dev = np.asarray(device_of_stage, dtype=np.int64)[a]
+    root_bytes = np.bincount(dev[root], weights=pbytes[root], minlength=pp)
+    exposed = np.zeros(pp)
+    total = np.zeros(pp)
+    first = np.zeros(pp)
+    last = np.zeros(pp)
+    if not root.all():
+        nb = int(unit.max()) + 1
+        key = a[~root] * nb + unit[~root]  # a (stage, block) pair is one unit
+        size = int(a.max() + 1) * nb if a.size else 0
+        ub = np.bincount(key, weights=pbytes[~root], minlength=size)
+        uf = np.bincount(key, weights=np.asarray(graph.t_fwd_s, dtype=np.float64)[~root], minlength=size)
+        ubw = np.bincount(key, weights=(np.asarray(graph.t_bwd_input_s, dtype=np.float64)
+                                        + np.asarray(graph.t_bwd_weight_s, dtype=np.float64))[~root], minlength=size)
+        used = np.flatnonzero(ub > 0)
+        ag = _dp_shard_collective_s(ub[used], mesh, graph, topology, order, "all_gather")
+        rs = _dp_shard_collective_s(ub[used], mesh, graph, topology, order, "reduce_scatter") + \
+            _replicate_all_reduce_s(ub[used], mesh, graph, topology, order)
+        per_mb = np.maximum(0.0, ag - uf[used]) + np.maximum(0.0, ag + rs - ubw[used])
+        udev = np.asarray(device_of_stage, dtype=np.int64)[used // nb]
+        exposed = np.bincount(udev, weights=per_mb, minlength=pp) * float(num_microbatches)
+        total = np.bincount(udev, weights=2 * ag + rs, minlength=pp) * float(num_microbatches)
+        np.maximum.at(first, udev, ag)
+        np.maximum.at(last, udev, rs)
+    out = []
+    for d in range(pp):
+        root_ag = float(_dp_shard_collective_s(root_bytes[d], mesh, graph, topology, order, "all_gather"))
+        root_rs = float(_dp_shard_collective_s(root_bytes[d], mesh, graph, topology, order, "reduce_scatter"))
+        replicate = float(_replicate_all_reduce_s(root_bytes[d], mesh, graph, topology, order))  # the root's, once
+        out.append((root_ag + first[d], root_rs + last[d] + replicate, float(exposed[d]),
+                    root_ag + root_rs + replicate + float(total[d])))
+    return out
 
 
 #: Stages a device may hold for :func:`pipeline_step_s`'s overlap: torch's ``_add_unshard_reshard``
@@ -495,6 +623,12 @@ def pipeline_step_s(graph, assignment, device_of_stage, schedule, mesh: Mapping[
       re-gathered mid-step): not overlapped, ``value + max_d (G_d + R_d)`` (what the search
       assumed before; not a proven upper bound for those placements).
 
+    With per-block FSDP2 units (``memory.fsdp_units == "block"``, ``dp_shard > 1``) ``G_d`` and ``R_d`` are
+    the root unit's all-gather (and the first block's) and reduction (and the last block's, and the
+    all-reduce over ``dp_replicate``), and each device's compute is stretched by what its blocks'
+    per-micro-batch collectives do not hide (:func:`block_fsdp_parts_s`' ``exposed_s``, added after
+    its last compute, before ``R_d``).
+
     With the optimizer offloaded to the host (``memory.offload_optimizer``), each device's host
     step (:func:`optimizer_host_step_s`) follows its reduction, like the reduction itself.
 
@@ -515,7 +649,7 @@ def pipeline_step_s(graph, assignment, device_of_stage, schedule, mesh: Mapping[
     mesh, order :
         The mesh and its rank order (default the mesh's ``"order"``, else :data:`MESH_DIMS`).
     memory : MemoryModel, optional
-        The device's memory model; only its ``offload_optimizer`` matters here.
+        The device's memory model; its ``offload_optimizer`` and ``fsdp_units`` matter here.
 
     Returns
     -------
@@ -526,11 +660,19 @@ def pipeline_step_s(graph, assignment, device_of_stage, schedule, mesh: Mapping[
     host = device_host_step_s(graph, assignment, device_of_stage, mesh["pp"], memory)
     if mesh_dp(mesh) == 1 and not any(host):
         return value
-    per_device = _device_param_bytes(graph, assignment, device_of_stage, mesh["pp"])
-    topology = Topology.of_graph(graph)
-    parts = [dp_sync_parts_s(float(b), mesh, graph.bandwidth_bytes_per_s, topology=topology, order=order)
-             for b in per_device]
-    parts = [(g, r + h) for (g, r), h in zip(parts, host)]  # the host step follows the reduction
+    blocks = _block_units_of(memory, mesh)
+    if blocks:  # per-block FSDP2 units: their per-micro-batch collectives stretch each device's compute
+        m = len({op.microbatch for op in schedule.ops}) or 1
+        parts4 = block_fsdp_parts_s(graph, assignment, device_of_stage, mesh, m, order)
+        parts = [(g, r) for g, r, _, _ in parts4]
+        stretch = [e for _, _, e, _ in parts4]
+    else:
+        per_device = _device_param_bytes(graph, assignment, device_of_stage, mesh["pp"])
+        topology = Topology.of_graph(graph)
+        parts = [dp_sync_parts_s(float(b), mesh, graph.bandwidth_bytes_per_s, topology=topology, order=order)
+                 for b in per_device]
+        stretch = [0.0] * len(parts)
+    parts = [(g, r + h + e) for (g, r), h, e in zip(parts, host, stretch)]  # the host step follows the reduction
     stages_per_device = max(list(device_of_stage).count(d) for d in range(int(mesh["pp"])))
     first: dict[int, float] = {}
     end: dict[int, float] = {}

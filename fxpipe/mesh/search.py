@@ -113,10 +113,13 @@ from fxpipe.planner import plan_with_options
 from fxpipe.progress import Search
 from fxpipe.schedule.validate import check_schedule
 
-__all__ = ["search_mesh", "mesh_lower_bound_s", "rank_orders_to_try", "optimizer_placements", "OFFLOAD_SUFFIX"]
+__all__ = ["search_mesh", "mesh_lower_bound_s", "rank_orders_to_try", "optimizer_placements", "block_units_allowed",
+           "OFFLOAD_SUFFIX", "BLOCK_UNITS_SUFFIX"]
 
 #: Appended to a candidate's ``mesh_text`` when its optimizer state lives on the host.
 OFFLOAD_SUFFIX = ", optimizer on host"
+#: How a mesh with per-block FSDP2 units is named in the search's table.
+BLOCK_UNITS_SUFFIX = ", FSDP2 unit per block"
 
 
 def optimizer_placements(memory, mesh: Mapping[str, Any], host: Mapping[str, float] | None,
@@ -128,6 +131,8 @@ def optimizer_placements(memory, mesh: Mapping[str, Any], host: Mapping[str, flo
     ``False``. :func:`search_mesh` plans the second only for a mesh whose memory binds on the device."""
     if memory.offload_optimizer is not None:
         return [bool(memory.offload_optimizer)]
+    if getattr(memory, "fsdp_units", None) == "block" and int(mesh.get("dp_shard", 1)) > 1:
+        return [False]  # per-block FSDP2 units do not run with optimizer offload yet
     if objective != "training" or not host or not host["host_bytes_per_s"] > 0 \
             or not host["host_memory_bytes_per_s"] > 0:
         return [False]
@@ -216,11 +221,14 @@ def search_mesh(graph, *, devices: int, microbatches: int, memory, options: Plan
     table = []
     seq = itertools.count()  # equal bounds: more stages first, the default order first, the device before the host
 
-    def add_row(mesh, offload: bool, after: dict | None = None) -> None:
-        """The row of ``mesh`` with the optimizer on the host or not, and a candidate per rank order."""
-        mem = mesh_memory(dataclasses.replace(memory, offload_optimizer=offload), mesh)
-        row = {"mesh": dict(mesh), "mesh_text": format_mesh(mesh) + (OFFLOAD_SUFFIX if offload else ""),
-               "offload_optimizer": offload, "by_order": []}
+    def add_row(mesh, offload: bool, after: dict | None = None, units: str | None = None) -> None:
+        """The row of ``mesh`` with the optimizer on the host or not (and per-block FSDP2 units with
+        ``units="block"``), and a candidate per rank order."""
+        mem = mesh_memory(dataclasses.replace(memory, offload_optimizer=offload,
+                                              fsdp_units=units or memory.fsdp_units), mesh)
+        row = {"mesh": dict(mesh), "mesh_text": format_mesh(mesh) + (OFFLOAD_SUFFIX if offload else "")
+               + (BLOCK_UNITS_SUFFIX if mem.block_units else ""),
+               "offload_optimizer": offload, "fsdp_units": "block" if mem.block_units else "stage", "by_order": []}
         for order in rank_orders_to_try(mesh, topology):
             entry = {"rank_order": list(order),
                      "pipeline_bytes_per_s": pipeline_link(mesh, graph.bandwidth_bytes_per_s, topology, order),
@@ -245,8 +253,17 @@ def search_mesh(graph, *, devices: int, microbatches: int, memory, options: Plan
     siblings: dict[tuple, list] = {}  # (pp, pipeline bandwidth, optimizer on host) -> [(memory, planner's result)]
     graphs: dict[float, Any] = {}  # pipeline bandwidth -> the one graph planned on it
 
+    blocks_next = {format_mesh(mesh) for mesh in candidate_meshes(devices, microbatches, replicate=topology is not None)
+                   if block_units_allowed(graph, memory, mesh, options.objective, limits)}
+
     def needs_host(row: dict, mesh) -> None:
-        """The optimizer state of ``mesh`` binds its memory on the device: try it on the host too (once)."""
+        """The optimizer state of ``mesh`` binds its memory on the device: try it on the host too (once), and
+        per-block FSDP2 units (once, with the optimizer on the device: they shard the weights and gradients too)."""
+        if row.get("fsdp_units") == "block":
+            return
+        if format_mesh(mesh) in blocks_next:
+            blocks_next.discard(format_mesh(mesh))
+            add_row(mesh, False, after=row, units="block")
         if offload_next.pop(format_mesh(mesh), False) and not row["offload_optimizer"]:
             add_row(mesh, True, after=row)
 
@@ -317,7 +334,8 @@ def search_mesh(graph, *, devices: int, microbatches: int, memory, options: Plan
             g, (part, problem, sched, _) = planned[key]
             if _memory_binds(problem, sched):  # recomputation or activation offload: more room may be faster
                 needs_host(row, mesh)
-            sync = pipeline_dp_sync_s(g, part.assignment, problem.device_of_stage, mesh, order)
+            sync = pipeline_dp_sync_s(g, part.assignment, problem.device_of_stage, mesh, order, memory=mem,
+                                      num_microbatches=problem.num_microbatches)
             step = pipeline_step_s(g, part.assignment, problem.device_of_stage, sched, mesh, order, memory=mem)
             host_s = max(device_host_step_s(g, part.assignment, problem.device_of_stage, mesh["pp"], mem))
             entry.update(step_time_s=float(sched.value), dp_sync_s=sync, exposed_sync_s=step - float(sched.value),
@@ -423,8 +441,22 @@ def _plan_or_reuse(graph, row: dict, entry: dict, mesh, mem, order, microbatches
 
 
 def _group(row: dict, entry: dict, mesh) -> tuple:
-    """The sibling group of a candidate: its pp, pipeline link and optimizer place."""
-    return int(mesh["pp"]), entry["pipeline_bytes_per_s"], bool(row["offload_optimizer"])
+    """The sibling group of a candidate: its pp, pipeline link, optimizer place and FSDP2 units."""
+    return int(mesh["pp"]), entry["pipeline_bytes_per_s"], bool(row["offload_optimizer"]), row.get("fsdp_units")
+
+
+def block_units_allowed(graph, memory, mesh, objective: str, limits: Mapping[str, str]) -> bool:
+    """Whether the search tries per-block FSDP2 units for ``mesh`` (when its whole-stage units bind memory):
+    training, ``memory`` leaves the units to it (``fsdp_units=None``) with the optimizer not pinned to the
+    host, ``dp_shard > 1`` without tensor parallelism, a graph with repeated blocks and nothing recorded
+    against them (:data:`fxpipe.mesh.limits`, ``"fsdp_blocks"``: parameters of several dtypes)."""
+    if objective != "training" or memory.fsdp_units is not None or memory.offload_optimizer is True:
+        return False
+    if int(mesh.get("dp_shard", 1)) < 2 or int(mesh.get("tp", 1)) > 1 or "fsdp_blocks" in limits:
+        return False
+    from fxpipe.memory.fsdp import block_units  # noqa: PLC0415 - torch-free
+
+    return bool(np.any(block_units(graph) >= 0))
 
 
 def _sibling_plan(graph, row: dict, entry: dict, mesh, mem, order, options: PlanOptions, siblings: dict,
@@ -445,6 +477,8 @@ def _plan_kwargs(g, row: dict, entry: dict, mesh, mem, microbatches: int, option
                  explain: bool) -> dict:
     """The arguments :func:`~fxpipe.planner.plan_with_options` plans a candidate with."""
     m = microbatches // mesh_dp(mesh)
+    if mem.block_units:  # per-block FSDP2 units run without activation offload yet (fxpipe.codegen.mesh)
+        options = dataclasses.replace(options, host_bandwidth_bytes_per_s=None)
     return dict(graph=g, devices=int(mesh["pp"]), microbatches=m, options=options, memory=mem,
                 memory_bytes=mem.capacity_bytes, explain=explain,
                 partitions=_proven_partition(g, siblings, _group(row, entry, mesh), mem, options, m))
@@ -458,7 +492,7 @@ def _proven_partition(graph, siblings: dict, group: tuple, memory, options: Plan
 
     pm = PartitionMemory(memory, microbatches, "floor", checkpointing=options.objective == "training"
                          and options.activation_checkpointing != "none")
-    for (pp, link, _), results in siblings.items():
+    for (pp, link, *_), results in siblings.items():
         if (pp, link) != group[:2]:
             continue
         for _, (part, *_rest) in results:
@@ -613,7 +647,9 @@ def mesh_lower_bound_s(graph, mesh, microbatches: int, objective: str = "trainin
         else pipeline rank innermost).
     memory : MemoryModel, optional
         The mesh's memory model: with ``offload_optimizer`` every device's host step
-        (:func:`fxpipe.mesh.optimizer_host_step_s`, linear in its parameters) joins its sync.
+        (:func:`fxpipe.mesh.optimizer_host_step_s`, linear in its parameters) joins its sync; with per-block
+        FSDP2 units (``fsdp_units="block"``) the sync counts its latencies only (its transfers may hide behind
+        the blocks' compute, :func:`fxpipe.mesh.costs.block_fsdp_parts_s`).
     stage_work_s : float, optional
         A lower bound on the busiest stage's work per micro-batch over every partition into ``pp``
         stages (:func:`stage_work_bound_s`): with one stage per device that device computes at
@@ -636,8 +672,10 @@ def mesh_lower_bound_s(graph, mesh, microbatches: int, objective: str = "trainin
     params = num_params(graph) if getattr(memory, "offload_optimizer", False) else np.zeros_like(param_bytes)
     host = host_links(graph)
 
+    blocks = bool(getattr(memory, "block_units", False))  # per-block units hide their collectives but the latency
+
     def sync(b: float, n: float = 0.0) -> float:  # the sync of b parameter bytes and the host step of n parameters
-        return (dp_sync_time_s(b, mesh, graph.bandwidth_bytes_per_s, topology=topology, order=order)
+        return (dp_sync_time_s(0.0 if blocks else b, mesh, graph.bandwidth_bytes_per_s, topology=topology, order=order)
                 + (optimizer_host_step_s(n, memory, host) if n > 0 else 0.0))
 
     # the average device: its compute and the sync of its parameters (affine in the bytes)

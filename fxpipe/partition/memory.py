@@ -7,7 +7,9 @@ pipeline position ``s`` of ``k`` holding the nodes ``V_s`` needs
 ``num_params(V_s) * static_bytes_per_param``
     weights, gradients and optimizer state under the model's precision policy and ZeRO
     sharding (:meth:`MemoryModel.static_bytes_per_param`, 16 bytes per parameter for the
-    default mixed-precision Adam),
+    default mixed-precision Adam), plus with per-block FSDP2 units the full weights and gradients
+    of what the stage holds unsharded (:mod:`fxpipe.memory.fsdp`: its root unit and two blocks;
+    the kernels count the root per node and twice the graph's largest block per stage),
 ``+ inflight[s] * act_bytes(V_s)``
     its stashes by the activation rule (:func:`fxpipe.memory.inflight_stashes`: ``"floor"``,
     one stash, the default, which no schedule can do without; ``"1f1b"``, ``min(k - s, m)``),
@@ -230,8 +232,17 @@ def memory_inputs(graph: OpGraph, k: int, objective: str, memory) -> tuple:
     f_in, f_out = pm.model.comm_buffer_factors(k, pm.num_microbatches, objective)
     floor = activation_floor(graph, objective, pm)
     act, allowance = (np.array(graph.act_bytes, dtype=np.float64), 0.0) if floor is None else floor
+    params = num_params(graph)
+    static = params * pm.model.static_bytes_per_param(objective)
+    unsharded = pm.model.unsharded_bytes_per_param(objective)
+    if unsharded:  # per-block FSDP2 units: the root's per node, two of the largest blocks per stage (an upper bound)
+        from fxpipe.memory.fsdp import additive_unsharded  # noqa: PLC0415 - torch-free
+
+        per_node, per_stage = additive_unsharded(graph, params)
+        static = static + per_node * unsharded
+        allowance += per_stage * unsharded
     return (
-        np.array(num_params(graph) * pm.model.static_bytes_per_param(objective), dtype=np.float64),
+        np.array(static, dtype=np.float64),
         np.ascontiguousarray(act, dtype=np.float64),
         inflight_stashes(k, pm.num_microbatches, pm.activation, objective),
         float(pm.usable_bytes) - allowance,
@@ -253,7 +264,13 @@ def stage_memory_bytes(graph: OpGraph, assignment, k: int, objective: str, memor
     else:
         pm = PartitionMemory(MemoryModel() if memory is None else as_model(memory))
     a = np.asarray(assignment, dtype=np.int64)
-    static = np.bincount(a, weights=num_params(graph) * pm.model.static_bytes_per_param(objective), minlength=k)
+    params = num_params(graph)
+    static = np.bincount(a, weights=params * pm.model.static_bytes_per_param(objective), minlength=k)
+    unsharded = pm.model.unsharded_bytes_per_param(objective)
+    if unsharded:  # per-block FSDP2 units: what each stage holds unsharded
+        from fxpipe.memory.fsdp import unsharded_params  # noqa: PLC0415 - torch-free
+
+        static = static + unsharded_params(graph, a, k, params) * unsharded
     act = np.bincount(a, weights=graph.act_bytes, minlength=k)
     in_b, out_b = io_bytes(graph, a, k, comm)
     if comm == "relay":  # gradient buffers: only the relayed tensors that carry one
@@ -377,7 +394,9 @@ def memory_remedies(graph: OpGraph, assignment, k: int, objective: str, comm: st
         for d, z in tries:
             if pm.model.zero_stage >= z and pm.model.data_parallel >= d:
                 continue
-            m2 = _dc.replace(floor, model=_dc.replace(pm.model, data_parallel=d, zero_stage=z))
+            # ZeRO-3 as fxpipe runs it: per-block FSDP2 units, the root and two blocks unsharded (fxpipe.memory.fsdp)
+            units = "block" if z == 3 else pm.model.fsdp_units
+            m2 = _dc.replace(floor, model=_dc.replace(pm.model, data_parallel=d, zero_stage=z, fsdp_units=units))
             if stage_memory_bytes(graph, assignment, k, objective, m2, comm).max() <= pm.usable_bytes:
                 zero = (d, z)
                 break
@@ -385,6 +404,10 @@ def memory_remedies(graph: OpGraph, assignment, k: int, objective: str, comm: st
         out["zero"] = (f"A mesh of {k * zero[0]} devices, pp={k} x dp_shard={zero[0]} (mesh=, --mesh; fxpipe shards "
                        f"the optimizer state over dp_shard, ZeRO-1), would fit this partition (with offload or "
                        f"recomputation where the schedule needs it).")
+    elif zero and zero[1] == 3 and pm.num_microbatches % zero[0] == 0:
+        out["zero"] = (f"A mesh of {k * zero[0]} devices, pp={k} x dp_shard={zero[0]} with per-block FSDP2 units "
+                       "(ZeRO-3: MemoryModel(fsdp_units='block'), --fsdp-units block; the default when whole-stage units "
+                       "do not fit), would fit this partition.")
     elif zero:
         out["zero"] = (f"ZeRO-{zero[1]} sharding over {zero[0]} data-parallel replicas would fit this partition, but "
                        "fxpipe's pipeline runtime gives ZeRO-1's memory only (torch's PipelineStage keeps a stage's "

@@ -19,6 +19,17 @@ __all__ = ["build_rank", "replica_batch", "compile_stages_option", "worker_stage
            "captured_checkpointing"]
 
 
+def fsdp_blocks(plan) -> tuple[str, ...] | None:
+    """The module paths of the blocks a plan with per-block FSDP2 units wraps one by one
+    (:func:`fxpipe.memory.checkpoint.find_blocks` of its graph), or None (whole-stage units: no
+    ``memory.fsdp_units == "block"``, or no ``dp_shard > 1``)."""
+    if not (getattr(plan.memory, "block_units", False) and int(plan.mesh.get("dp_shard", 1)) > 1):
+        return None
+    from fxpipe.memory.checkpoint import find_blocks
+
+    return tuple(find_blocks(plan.graph).names)
+
+
 def build_rank(plan, rank: int, *, model=None, args=(), kwargs=None, loss_fn: Callable | None = None, group=None,
                device="cpu", checkpoint=None, seed: int | None = None, init_fn: Callable | None = None,
                compile_stages: bool | None = None, activation_checkpointing=None):
@@ -97,8 +108,9 @@ def build_rank(plan, rank: int, *, model=None, args=(), kwargs=None, loss_fn: Ca
     Raises
     ------
     InputError
-        On a rank outside 0..world_size-1, a model that does not match the plan, or (with
-        data parallelism) what :func:`fxpipe.codegen.mesh.build_mesh_rank` does not support yet.
+        On a rank outside 0..world_size-1, a model that does not match the plan, or (with data
+        parallelism) what :func:`fxpipe.codegen.mesh.build_mesh_rank` does not support yet (per-block
+        FSDP2 units: :func:`fxpipe.codegen.mesh.check_block_units_run`).
     """
     if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or not 0 <= int(rank) < plan.world_size:
         raise InputError(f"rank must be an integer in 0..{plan.world_size - 1}, got {rank!r}")
@@ -139,7 +151,7 @@ def build_rank(plan, rank: int, *, model=None, args=(), kwargs=None, loss_fn: Ca
             num_microbatches=plan.microbatches, loss_fn=loss_fn, device=device,
             example_microbatch_inputs=example_inputs_from_gm(traced.gm), recompute_stages=plan.recompute_stages(),
             state_source=source, compile_stages=compile_stages_option(plan, compile_stages), offload_optimizer=offload,
-            activation_checkpointing=policies, **tp_kwargs,
+            activation_checkpointing=policies, fsdp_blocks=fsdp_blocks(plan), **tp_kwargs,
         )
         return stages, sched
     return build_pipeline_rank(

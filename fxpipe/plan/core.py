@@ -241,7 +241,7 @@ class Plan:
         bandwidth, the largest; not overlapped with the pipeline and not in the schedule.
         """
         return pipeline_dp_sync_s(self.graph, self.partition.assignment, self.device_of_stage, self.mesh,
-                                  self.rank_order)
+                                  self.rank_order, memory=self.memory, num_microbatches=self.microbatches)
 
     @property
     def predicted_step_s(self) -> float:
@@ -280,7 +280,8 @@ class Plan:
         if self.dp == 1:
             return lines
         ds, dr = self.mesh["dp_shard"], self.mesh["dp_replicate"]
-        how = ("FSDP2 fully_shard over dp_shard" + (", HSDP with dp_replicate" if dr > 1 else "")) if ds > 1 else \
+        how = ("FSDP2 fully_shard over dp_shard" + (" per block, then the stage" if self.memory.block_units else "")
+               + (", HSDP with dp_replicate" if dr > 1 else "")) if ds > 1 else \
             "replicate (DDP) over dp_replicate"
         topology = Topology.of_graph(self.graph)
         used = []
@@ -584,6 +585,7 @@ class Plan:
         cap = format_bytes(m.capacity_bytes)
         head = (f"memory per device ({m.precision.name}, {m.precision.training_bytes:g} B/param"
                 + (f", ZeRO-{m.zero_stage} over {m.data_parallel}" if m.zero_stage else "")
+                + (", FSDP2 unit per block: the root and two blocks unsharded" if m.block_units else "")
                 + (", optimizer state on the host" if m.offload_optimizer is True else "")
                 + f"; capacity {cap}, {m.reserved_fraction:.0%} reserved)")
         rows = [head, f"{'device':>6} {'params':>10} {'grads':>10} {'optimizer':>10} {'act peak':>10} {'offloaded':>10} "

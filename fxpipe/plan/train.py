@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import Any, Callable
 
-from fxpipe.plan.build import compile_stages_option
+from fxpipe.plan.build import compile_stages_option, fsdp_blocks
 
 __all__ = ["train_local"]
 
@@ -112,7 +112,7 @@ def train_local(
                activation_checkpointing=getattr(plan, "activation_checkpointing", None),
                mesh={**plan.mesh, "order": plan.rank_order},
                **({"tensor_parallel_params": plan.tensor_parallel.params} if plan.tp > 1 else {}),
-               offload_optimizer=bool(getattr(plan.memory, "offload_optimizer", False)))
+               offload_optimizer=bool(getattr(plan.memory, "offload_optimizer", False)), fsdp_blocks=fsdp_blocks(plan))
     res = spawn_train_many([run], world_size=plan.world_size, timeout_s=timeout_s, warn_random=rnd is None,
                            progress=progress, action_timeout_s=action_timeout_s)[0]
     out: dict[str, Any] = {"pipeline_losses": list(res.losses), "pipeline_wall_s": time.perf_counter() - t0}

@@ -271,8 +271,10 @@ def _mesh_run(plan) -> dict:
     """The run keys of a mesh plan (:meth:`fxpipe.plan.Plan.train_local`'s): none for a pure pipeline."""
     if plan.world_size == plan.devices and not getattr(plan.memory, "offload_optimizer", False):
         return {}
+    from fxpipe.plan.build import fsdp_blocks  # noqa: PLC0415
+
     return {"mesh": {**plan.mesh, "order": plan.rank_order}, "num_microbatches": plan.global_microbatches,
-            "offload_optimizer": bool(getattr(plan.memory, "offload_optimizer", False))}
+            "offload_optimizer": bool(getattr(plan.memory, "offload_optimizer", False)), "fsdp_blocks": fsdp_blocks(plan)}
 
 
 def _verdict_cell(name: str, family: str, k: int, schedule: str, compile_s: float, result, ref,
