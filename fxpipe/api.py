@@ -30,7 +30,7 @@ from fxpipe.memory import MemoryModel
 from fxpipe.mesh import format_mesh, mesh_memory, mesh_tp, microbatches_per_replica, normalize_mesh, pipeline_graph
 from fxpipe.mesh.limits import mesh_runtime_limit, record_runtime_limits, runtime_limits
 from fxpipe.mesh.search import search_mesh
-from fxpipe.mesh.tensor_parallel import check_tensor_parallel
+from fxpipe.mesh.tensor_parallel import check_tensor_parallel, tensor_parallel_options
 from fxpipe.options import (  # noqa: F401 (public re-exports)
     AUTO_MILP_MIN_SHARE,
     AUTO_STAGES_PER_DEVICE,
@@ -188,20 +188,21 @@ def _plan_mesh(graph, mesh: Any, devices: int, microbatches: int, memory: Memory
     if why is not None:  # a pinned mesh the runtime cannot run for this model: say so now, not on every rank
         raise InputError(f"mesh {format_mesh(degrees)}: {why}; plan with mesh='pipeline' or mesh='auto'")
     tp = mesh_tp(degrees)
-    if tp > 1:  # tensor parallelism (fxpipe.mesh.tensor_parallel): refuse what it cannot split; no offload yet
+    if tp > 1:  # tensor parallelism (fxpipe.mesh.tensor_parallel): refuse what it cannot split or run
         check_tensor_parallel(graph, tp)
         if options.activation_checkpointing not in ("auto", "none"):
             raise InputError(f"mesh tp={tp}: activation_checkpointing={options.activation_checkpointing!r} does not run "
                              "with tensor parallelism yet (the stash sees plain tensors, not DTensor shards): use "
                              "activation_checkpointing='none' or tp=1")
-        options = dataclasses.replace(options, host_bandwidth_bytes_per_s=None, activation_checkpointing="none")
+        options = tensor_parallel_options(options)
+    # one tensor-parallel rank's costs and memory (fxpipe.mesh.tensor_parallel.tensor_parallel_graph)
     planned = plan_with_options(pipeline_graph(graph, degrees), devices=degrees["pp"],
                                 microbatches=microbatches_per_replica(microbatches, degrees), options=options,
                                 memory=model, memory_bytes=model.capacity_bytes)  # resolved already
     if tp > 1 and any(getattr(planned[1], "recompute", ()) or ()):
-        raise InputError(f"mesh tp={tp}: the plan recomputes activations (memory binds, counted as for tp=1 until "
-                         "tensor parallelism's memory is modelled) and tensor parallelism does not run with "
-                         "recomputation yet: give more memory (memory_bytes=...) or use tp=1")
+        raise InputError(f"mesh tp={tp}: the plan recomputes activations (the memory of one tensor-parallel rank "
+                         "binds) and tensor parallelism does not run with recomputation yet: give more memory "
+                         "(memory_bytes=...), more pipeline stages or micro-batches of fewer tokens, or use tp=1")
     return degrees, model, planned, None
 
 
