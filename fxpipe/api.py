@@ -325,15 +325,18 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
         "dp_shard": b, "dp_replicate": c, "tp": t}`` (missing = 1, ``a * b * c * t == devices``;
         ``b * c`` divides ``microbatches``; ``t`` devices share every stage's matmuls, Megatron's
         column / row split found on the graph, :mod:`fxpipe.mesh.tensor_parallel`, run on DTensor,
-        :mod:`fxpipe.codegen.tensor_parallel`; its costs are not modelled yet, the plan says so,
-        and ``"auto"`` never picks ``t > 1``): ``b * c`` replicas of a pipeline over ``a`` devices, each
+        :mod:`fxpipe.codegen.tensor_parallel`; planned on one tensor-parallel rank's costs and memory,
+        :func:`fxpipe.mesh.tensor_parallel.tensor_parallel_graph`, without activation checkpointing,
+        recomputation or offload, which the runtime does not run under ``t > 1``): ``b * c`` replicas of a pipeline over ``a`` devices, each
         planned for ``microbatches / (b * c)`` micro-batches, its stages wrapped by FSDP2
         ``fully_shard`` over ``dp_shard`` (HSDP with ``dp_replicate``) or ``replicate``
         (:mod:`fxpipe.codegen.mesh`), the optimizer state sharded over ``dp_shard``
         (:func:`fxpipe.mesh.mesh_memory`); an ``"order"`` entry (e.g. torchtitan's ``["pp",
         "dp_replicate", "dp_shard"]``) places the ranks (``plan.rank_order``). ``"auto"``
         (default): the joint search (:func:`fxpipe.mesh.search.search_mesh`; ``"search"``
-        forces it): every such mesh (and rank order, on hardware with nodes) planned, the
+        forces it): every such mesh (``t`` in 1, 2, 4, 8 where the model's blocks and the node admit
+        it, :func:`fxpipe.mesh.search.tensor_parallel_degrees`; and rank order, on hardware with
+        nodes) planned, the
         smallest predicted step that fits kept, so a small model may get pure data parallelism
         (``pp = 1``); ``plan.options["mesh_search"]`` and the summary list the candidates. With
         a ``memory`` model already sharding over ``data_parallel > 1`` (your own data
@@ -356,8 +359,8 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     -----
     PlanWarning
         For a plan that wastes devices (:meth:`Plan.waste_warnings`: fewer micro-batches than
-        devices, stages with almost no work), naming the better choice; with ``tp > 1`` the
-        costs not modelled yet and the stages tensor parallelism does not split, with the
+        devices, stages with almost no work), naming the better choice; with ``tp > 1`` what
+        tensor parallelism does not split (odd vocabularies, the stages it is not offered for), with the
         reason (:meth:`Plan.tensor_parallel_warnings`).
     DeviceBranchWarning
         A model captured on ``meta`` holds an op that this process's CPU (or CUDA) backend

@@ -75,7 +75,7 @@ def test_tp_is_innermost_parsed_formatted_and_a_bijection():
             seen.add((c["pp"], c["replica"], c["tp"]))
         assert len(seen) == 24
         assert dim_strides(mesh, order)["tp"] == 1 and min(v for k, v in dim_strides(mesh, order).items() if k != "tp") == 2
-    # mesh="auto" offers no tp until its costs are modelled
+    # candidate_meshes offers tp only for the degrees it is given (the search passes those the graph admits)
     assert all("tp" not in m for m in candidate_meshes(16, 16, replicate=True))
 
 
