@@ -199,3 +199,59 @@ def test_a_pinned_tp_plan_is_planned_on_one_ranks_costs():
     assert tp2.graph.meta[TP_COSTS_KEY]["tp"] == 2 and TP_COSTS_KEY not in pp2.graph.meta
     assert float(tp2.graph.size_param_bytes.sum()) < 0.6 * float(pp2.graph.size_param_bytes.sum())
     assert "collectives per micro-batch" in tp2.summary()
+
+
+# ----------------------------------------------------------------------------- the search (issue 29 item 4)
+def _heavy_chain(blocks: int = 4, param_bytes: float = 4e9, units: int = 8):
+    """A chain of Megatron blocks whose matmuls are heavy in parameters and compute, light in activations:
+    data parallelism pays a large parameter sync, tensor parallelism small collectives."""
+    g = _chain([{"kind": "mlp", "cols": [units]}] * blocks, 8, np.random.default_rng(0))
+    roles = [e.get("tp_role") for e in g.extra]
+    mm = np.isin(np.asarray(roles, dtype=object), ["column", "row"])
+    import dataclasses
+
+    n = g.n
+    return dataclasses.replace(
+        g, t_fwd_s=np.where(mm, 10e-3, 1e-5), t_bwd_input_s=np.where(mm, 10e-3, 1e-5),
+        t_bwd_weight_s=np.where(mm, 10e-3, 0.0), size_out_bytes=np.full(n, 1e6), act_bytes=np.full(n, 1e6),
+        size_param_bytes=np.where(mm, param_bytes, np.asarray(g.size_param_bytes)),
+        extra=tuple(dict(e, num_params=float(p) / 2) for e, p in zip(g.extra, np.where(mm, param_bytes,
+                                                                                        g.size_param_bytes))),
+        meta={**g.meta, "topology": TOPO.to_dict()})
+
+
+def _search(g, devices, microbatches, **opts):
+    import math
+
+    from fxpipe.mesh.search import search_mesh
+    from fxpipe.options import PlanOptions
+    from fxpipe.planner import resolve_memory
+
+    memory = resolve_memory(g, None, opts.pop("memory_bytes", math.inf), None)
+    return search_mesh(g, devices=devices, microbatches=microbatches, memory=memory,
+                       options=PlanOptions(time_limit_s=0.3, schedule_time_limit_s=0, seed=0, **opts))
+
+
+def test_the_search_offers_tp_where_the_graph_admits_it_and_picks_it_when_it_predicts_faster():
+    g = _heavy_chain()
+    mesh, _, (part, problem, sched, _), table = _search(g, 2, 2)
+    texts = [r["mesh_text"] for r in table]
+    assert "tp=2" in texts and "pp=2" in texts and "dp_shard=2" in texts
+    assert mesh.get("tp") == 2, table  # 8 GB of parameters to sync over dp, 1 MB activations to gather over tp
+    chosen = next(r for r in table if r.get("chosen"))
+    for r in table:  # the winner is no slower than any planned candidate; every bound is below its prediction
+        if "predicted_step_s" in r:
+            assert chosen["predicted_step_s"] <= r["predicted_step_s"] * (1 + 1e-9)
+            assert r["lower_bound_s"] <= r["predicted_step_s"] * (1 + 1e-9)
+    # planned on one rank's graph: half of every matmul's parameters on the device
+    assert problem is not None and float(sum(g.size_param_bytes)) > 1.9 * float(
+        sum(pipeline_graph(g, mesh).size_param_bytes))
+    # nothing the runtime refuses under tp: no recomputation, no offload in the chosen plan
+    assert not any(getattr(problem, "recompute", ()) or ()) and not any(o.type in ("O", "R") for o in sched.ops)
+    # a pinned per-block checkpointing policy keeps the search at tp = 1 (the runtime refuses it under tp)
+    _, _, _, table = _search(g, 2, 2, activation_checkpointing="full")
+    assert all("tp=" not in r["mesh_text"] for r in table)
+    # only the degrees that divide the widths: 6 output features admit tp = 2, not 4 or 8
+    _, _, _, table = _search(_heavy_chain(param_bytes=1e6, units=6), 8, 8)
+    tps = {r["mesh"].get("tp", 1) for r in table}
+    assert tps == {1, 2}, tps
