@@ -207,6 +207,12 @@ def plan_row(row: dict, variant: str, time_limit_s: float, default: bool = False
         tp_collectives_s=sum((g.meta.get("tp_costs") or {}).get(k, 0.0) for k in ("collective_fwd_s", "collective_bwd_s")),
         by_family_fbw_s=_by_family(g),
     )
+    if plan.tp > 1:  # what tensor parallelism splits, by region kind (split / found)
+        regions = (g.meta.get("tensor_parallel") or {}).get("regions", [])
+        split = set(plan.tensor_parallel.regions)
+        kinds = sorted({r["kind"] for r in regions})
+        out["tp_split"] = ", ".join(f"{k} {sum(1 for r in regions if r['kind'] == k and int(r['id']) in split)}/"
+                                    f"{sum(1 for r in regions if r['kind'] == k)}" for k in kinds)
     return out
 
 
@@ -270,6 +276,8 @@ def _line(row: dict, res: dict, what: str) -> str:
                 f"- | {'; '.join(res['notes'] + ['not planned: ' + res['error']])} |")
     ratio = res["predicted_tokens_per_s_per_gpu"] / row["published_tokens_per_s_per_gpu"]
     notes = res["notes"] + explain(row, res)
+    if res.get("tp_split"):
+        notes.append(f"tp splits {res['tp_split']} regions")
     if res.get("tp_collectives_s"):
         notes.append(f"tensor-parallel collectives {res['tp_collectives_s'] * 1e3:.1f} ms per micro-batch, not overlapped")
     fit = "" if res.get("fits", True) else " (over 96 GB)"

@@ -661,6 +661,14 @@ def mesh_lower_bound_s(graph, mesh, microbatches: int, objective: str = "trainin
     search skip 256-stage pipelines without planning them.
     Communication between stages, bubbles and recomputation only add to all of them.
 
+    And the round trip of one micro-batch (Contract 3 chains the stages: ``F(s, j)`` follows
+    ``F(s - 1, j)``, ``B(s, j)`` follows ``B(s + 1, j)``): the first stage's span, from its first
+    forward to the backward of that micro-batch, holds every op's forward and backward-input time,
+    ``sum(t_fwd_s + t_bwd_input_s)`` (the forward alone in inference), whatever the partition; a
+    makespan holds it too. It is what a deep pipeline with few micro-batches per stage pays (the
+    round-trip term of :func:`fxpipe.schedule.bounds.stage_span_bounds` with the stage's own work
+    left out), and what lets the search skip 256-stage pipelines of a 405B model without planning them.
+
     Parameters
     ----------
     graph : OpGraph
@@ -712,4 +720,6 @@ def mesh_lower_bound_s(graph, mesh, microbatches: int, objective: str = "trainin
             bound = max(bound, per_replica * float(work_per_op[top[pp - 1]] + work_per_op[top[pp]]) + sync(0.0))
     if stage_work_s is not None:  # the busiest stage of any partition (one stage per device)
         bound = max(bound, per_replica * float(stage_work_s) + sync(0.0))
-    return bound
+    # one micro-batch's round trip: forward through every stage, backward through every stage
+    trip = float(np.sum(graph.t_fwd_s)) + (float(np.sum(graph.t_bwd_input_s)) if objective == "training" else 0.0)
+    return max(bound, trip + sync(0.0))
