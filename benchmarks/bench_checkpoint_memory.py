@@ -2,10 +2,11 @@
 
 Every model is planned with ``fxpipe.compile`` (2 stages by default); every stage is run for one
 micro-batch in this process under the runtime's stash (:mod:`fxpipe.codegen.stash`, saved-tensor
-hooks: unique storages, parameters and stage inputs excluded) with each policy kind, the
-policies built by hand from the plan's graph (:mod:`fxpipe.testing.checkpoint_policies`: one
-segment per repeated block; ``selective`` keeps every other matmul output of a block; ``budget``
-the largest matmul outputs up to half of a block's). Printed per stage and policy:
+hooks: unique storages, parameters and stage inputs excluded) with each policy kind, each the
+planner's option of that kind for the stage (:mod:`fxpipe.testing.checkpoint_policies`, from
+:func:`fxpipe.memory.checkpoint.stage_menu`: one segment per repeated block; ``selective`` keeps
+every attention output and every other matmul output of a block; ``budget`` the knapsack's keep
+set at the middle budget level). Printed per stage and policy:
 
 * ``kept meas`` / ``kept pred``: bytes the forward leaves saved for the backward (the stash), and
   :func:`fxpipe.memory.checkpoint.predict_checkpoint_bytes`' prediction from the OpGraph;

@@ -188,3 +188,24 @@ def test_planning_ahead_in_worker_processes_changes_no_figure(llama8b_2x8192, mo
         tables.append([(r["mesh_text"], r.get("predicted_step_s"), r.get("skipped", "")[:40], r.get("chosen"))
                        for r in plan.options["mesh_search"]])
     assert tables[0] == tables[1]
+
+
+def test_tensor_parallelism_plans_and_builds_without_checkpointing():
+    """The runtime does not run checkpoint segments under tp > 1 (the stash sees DTensor wrappers): a pinned
+    policy is refused at planning, "auto" plans every stage "none", and the runtime's own check refuses one."""
+    from fxpipe.codegen.tensor_parallel import check_tensor_parallel_run
+
+    model, args, kwargs = zoo.get("llama").one_microbatch()
+    with pytest.raises(InputError, match="does not run with tensor parallelism"):
+        fxpipe.compile(model, args, kwargs, devices=4, microbatches=4, mesh={"pp": 2, "tp": 2}, schedule="1f1b",
+                       activation_checkpointing="full", time_limit_s=0.3, seed=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = fxpipe.compile(model, args, kwargs, devices=4, microbatches=4, mesh={"pp": 2, "tp": 2},
+                              schedule="1f1b", time_limit_s=0.3, seed=0)
+    assert [p.kind for p in plan.activation_checkpointing] == ["none", "none"]
+    check_tensor_parallel_run(2, activation_checkpointing=plan.activation_checkpointing)
+    check_tensor_parallel_run(1, activation_checkpointing=[CheckpointPolicy("full", segments=(("a",),))])
+    with pytest.raises(InputError, match=r"activation checkpointing \(stages \[1\]\)"):
+        check_tensor_parallel_run(2, activation_checkpointing=[CheckpointPolicy("none"),
+                                                               CheckpointPolicy("full", segments=(("a",),))])

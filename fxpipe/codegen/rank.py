@@ -238,18 +238,24 @@ def build_rank(
     # the original model's names of this rank's state (fxpipe.codegen.checkpoint keys checkpoints by them)
     sched.fxpipe_named_state = {s: (modules[s], dict(staged.stages[s].param_targets), dict(staged.stages[s].buffer_targets))
                                 for s in modules}
-    # ---- begin activation stash (fxpipe.codegen.stash): live saved bytes, offload/reload, recomputation
+    _attach_stash(sched, pipeline_stages, carved, rank, orders, acts[rank], recompute_stages, modules, dev,
+                  track_activations)
+    sched.fxpipe_materialized = materialized or None
+    return tuple(pipeline_stages), sched
+
+
+def _attach_stash(sched, pipeline_stages, carved, rank: int, orders, actions, recompute_stages, modules, dev,
+                  track_activations: bool) -> None:
+    """The device's activation stash (:mod:`fxpipe.codegen.stash`: live saved bytes, offload/reload,
+    recomputation and checkpointed segments' replays) on the schedule and its stages."""
     segmented = any(c is not None and c.pieces for c in carved.values())
-    stash = device_stash(rank, orders, acts[rank], recompute_stages, modules, dev, track_activations or segmented)
+    stash = device_stash(rank, orders, actions, recompute_stages, modules, dev, track_activations or segmented)
     for st in pipeline_stages:
         st.fxpipe_stash = stash
     if stash is not None:  # a replay outside the stage forward needs FSDP2's unsharded parameters
         stash.before_replay.update({s: fn for s, m in modules.items() if (fn := dp_unshard_fn(m)) is not None})
     sched.fxpipe_stash = stash
-    sched.fxpipe_materialized = materialized or None
     sched.fxpipe_checkpointing = carved
-    # ---- end activation stash
-    return tuple(pipeline_stages), sched
 
 
 def _checkpoint_stage(module: torch.nn.Module, policy: Any, stage: int, compile_stages: bool,
