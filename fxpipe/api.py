@@ -30,7 +30,7 @@ from fxpipe.memory import MemoryModel
 from fxpipe.mesh import format_mesh, mesh_memory, mesh_tp, microbatches_per_replica, normalize_mesh, pipeline_graph
 from fxpipe.mesh.limits import mesh_runtime_limit, record_runtime_limits, runtime_limits
 from fxpipe.mesh.search import block_units_allowed, search_mesh
-from fxpipe.mesh.tensor_parallel import check_tensor_parallel
+from fxpipe.mesh.tensor_parallel import check_tensor_parallel, tensor_parallel_options
 from fxpipe.options import (  # noqa: F401 (public re-exports)
     AUTO_MILP_MIN_SHARE,
     AUTO_STAGES_PER_DEVICE,
@@ -212,13 +212,14 @@ def _plan_mesh(graph, mesh: Any, devices: int, microbatches: int, memory: Memory
         _check_block_units(graph, degrees)
         options = dataclasses.replace(options, host_bandwidth_bytes_per_s=None)  # no activation offload yet
     tp = mesh_tp(degrees)
-    if tp > 1:  # tensor parallelism (fxpipe.mesh.tensor_parallel): refuse what it cannot split; no offload yet
+    if tp > 1:  # tensor parallelism (fxpipe.mesh.tensor_parallel): refuse what it cannot split or run
         check_tensor_parallel(graph, tp)
         if options.activation_checkpointing not in ("auto", "none"):
             raise InputError(f"mesh tp={tp}: activation_checkpointing={options.activation_checkpointing!r} does not run "
                              "with tensor parallelism yet (the stash sees plain tensors, not DTensor shards): use "
                              "activation_checkpointing='none' or tp=1")
-        options = dataclasses.replace(options, host_bandwidth_bytes_per_s=None, activation_checkpointing="none")
+        options = tensor_parallel_options(options)
+    # one tensor-parallel rank's costs and memory (fxpipe.mesh.tensor_parallel.tensor_parallel_graph)
     plan_args = dict(devices=degrees["pp"], microbatches=microbatches_per_replica(microbatches, degrees))
     try:
         planned = plan_with_options(pipeline_graph(graph, degrees), options=options, memory=model,
@@ -231,9 +232,9 @@ def _plan_mesh(graph, mesh: Any, devices: int, microbatches: int, memory: Memory
         planned = plan_with_options(pipeline_graph(graph, degrees), options=blocks, memory=model,
                                     memory_bytes=model.capacity_bytes, **plan_args)
     if tp > 1 and any(getattr(planned[1], "recompute", ()) or ()):
-        raise InputError(f"mesh tp={tp}: the plan recomputes activations (memory binds, counted as for tp=1 until "
-                         "tensor parallelism's memory is modelled) and tensor parallelism does not run with "
-                         "recomputation yet: give more memory (memory_bytes=...) or use tp=1")
+        raise InputError(f"mesh tp={tp}: the plan recomputes activations (the memory of one tensor-parallel rank "
+                         "binds) and tensor parallelism does not run with recomputation yet: give more memory "
+                         "(memory_bytes=...), more pipeline stages or micro-batches of fewer tokens, or use tp=1")
     return degrees, model, planned, None
 
 
@@ -356,15 +357,18 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
         "dp_shard": b, "dp_replicate": c, "tp": t}`` (missing = 1, ``a * b * c * t == devices``;
         ``b * c`` divides ``microbatches``; ``t`` devices share every stage's matmuls, Megatron's
         column / row split found on the graph, :mod:`fxpipe.mesh.tensor_parallel`, run on DTensor,
-        :mod:`fxpipe.codegen.tensor_parallel`; its costs are not modelled yet, the plan says so,
-        and ``"auto"`` never picks ``t > 1``): ``b * c`` replicas of a pipeline over ``a`` devices, each
+        :mod:`fxpipe.codegen.tensor_parallel`; planned on one tensor-parallel rank's costs and memory,
+        :func:`fxpipe.mesh.tensor_parallel.tensor_parallel_graph`, without activation checkpointing,
+        recomputation or offload, which the runtime does not run under ``t > 1``): ``b * c`` replicas of a pipeline over ``a`` devices, each
         planned for ``microbatches / (b * c)`` micro-batches, its stages wrapped by FSDP2
         ``fully_shard`` over ``dp_shard`` (HSDP with ``dp_replicate``) or ``replicate``
         (:mod:`fxpipe.codegen.mesh`), the optimizer state sharded over ``dp_shard``
         (:func:`fxpipe.mesh.mesh_memory`); an ``"order"`` entry (e.g. torchtitan's ``["pp",
         "dp_replicate", "dp_shard"]``) places the ranks (``plan.rank_order``). ``"auto"``
         (default): the joint search (:func:`fxpipe.mesh.search.search_mesh`; ``"search"``
-        forces it): every such mesh (and rank order, on hardware with nodes) planned, the
+        forces it): every such mesh (``t`` in 1, 2, 4, 8 where the model's blocks and the node admit
+        it, :func:`fxpipe.mesh.search.tensor_parallel_degrees`; and rank order, on hardware with
+        nodes) planned, the
         smallest predicted step that fits kept, so a small model may get pure data parallelism
         (``pp = 1``); ``plan.options["mesh_search"]`` and the summary list the candidates. With
         a ``memory`` model already sharding over ``data_parallel > 1`` (your own data
@@ -387,8 +391,8 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     -----
     PlanWarning
         For a plan that wastes devices (:meth:`Plan.waste_warnings`: fewer micro-batches than
-        devices, stages with almost no work), naming the better choice; with ``tp > 1`` the
-        costs not modelled yet and the stages tensor parallelism does not split, with the
+        devices, stages with almost no work), naming the better choice; with ``tp > 1`` what
+        tensor parallelism does not split (odd vocabularies, the stages it is not offered for), with the
         reason (:meth:`Plan.tensor_parallel_warnings`).
     DeviceBranchWarning
         A model captured on ``meta`` holds an op that this process's CPU (or CUDA) backend

@@ -89,6 +89,15 @@ ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
         "max_position_embeddings": 8192, "rms_norm_eps": 1e-5,
         "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}, "dtype": "bfloat16",  # its config.json
     }),
+    # Llama-3.1-405B dimensions (Grattafiori et al. 2024, "The Llama 3 Herd of Models", Table 3;
+    # HF meta-llama/Llama-3.1-405B config.json: 126 layers, hidden 16384, GQA 128/8 heads, FFN 53248,
+    # vocab 128256; its "llama3" rope scaling changes no cost and is left at the default type)
+    "llama-3.1-405b": ("llama", {
+        "num_hidden_layers": 126, "hidden_size": 16384, "num_attention_heads": 128,
+        "num_key_value_heads": 8, "intermediate_size": 53248, "vocab_size": 128256,
+        "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}, "dtype": "bfloat16",
+    }),
 }
 
 #: Example-input keys that are not config fields: batch size and sequence length.
@@ -212,8 +221,9 @@ def _build_preset(
         One of ``"gpt2"``, ``"t5"``, ``"llama"``, ``"mixtral"`` or the presets
         ``"llama-2-7b"`` (32 layers, hidden 4096, 32 heads, intermediate 11008, vocab 32000,
         float16), ``"llama-3-8b"`` (32 layers, hidden 4096, GQA 32/8 heads, intermediate 14336,
-        vocab 128256, bfloat16) and ``"llama-3-70b"`` (80 layers, hidden 8192, GQA 64/8 heads,
-        bfloat16).
+        vocab 128256, bfloat16), ``"llama-3-70b"`` (80 layers, hidden 8192, GQA 64/8 heads,
+        bfloat16) and ``"llama-3.1-405b"`` (126 layers, hidden 16384, GQA 128/8 heads, intermediate
+        53248, bfloat16).
     overrides : mapping, optional
         Config fields to override (e.g. ``{"n_layer": 2, "n_embd": 64}``), plus the
         example-input sizes ``batch_size`` (default 1), ``seq_len`` (default 128) and, for T5,
@@ -1206,7 +1216,7 @@ def build_hf_model(
     ----------
     arch : str
         A preset of :data:`ARCHS` (``"gpt2"``, ``"t5"``, ``"llama"``, ``"mixtral"``,
-        ``"llama-2-7b"``, ``"llama-3-8b"``, ``"llama-3-70b"``); any other transformers ``model_type``
+        ``"llama-2-7b"``, ``"llama-3-8b"``, ``"llama-3-70b"``, ``"llama-3.1-405b"``); any other transformers ``model_type``
         (``"qwen3"``, ``"bert"``, ``"whisper"``, ``"llava"``, ...; :func:`known_model_types`),
         built from its default config with the small sizes of :data:`TINY` (falling back to
         the default widths with 2 layers when the architecture rejects them); or a path to a

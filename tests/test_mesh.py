@@ -255,9 +255,12 @@ def test_mesh_search_keeps_the_fastest_mesh_that_fits(tmp_path):
     plan = fxpipe.compile(model, args, kwargs, devices=4, microbatches=4, mesh="search", schedule="zb-h1", time_limit_s=0.5,
                           memory_bytes=float("inf"))
     table = plan.options["mesh_search"]
-    # the capture knows the h100-sxm's nodes (a topology), so HSDP splits are candidates too
-    assert [r["mesh_text"] for r in table] == ["pp=4", "pp=2 x dp_shard=2", "pp=2 x dp_replicate=2", "dp_shard=4",
-                                               "dp_shard=2 x dp_replicate=2", "dp_replicate=4"]
+    # the capture knows the h100-sxm's nodes (a topology), so HSDP splits are candidates too; GPT-2's MLPs split,
+    # so tensor-parallel meshes are candidates as well (fxpipe.mesh.search.tensor_parallel_degrees)
+    assert [r["mesh_text"] for r in table if "tp=" not in r["mesh_text"]] == [
+        "pp=4", "pp=2 x dp_shard=2", "pp=2 x dp_replicate=2", "dp_shard=4", "dp_shard=2 x dp_replicate=2",
+        "dp_replicate=4"]
+    assert {r["mesh"].get("tp", 1) for r in table} == {1, 2, 4}
     chosen = [r for r in table if r.get("chosen")]
     assert len(chosen) == 1 and chosen[0]["mesh"] == plan.mesh
     assert all(chosen[0]["predicted_step_s"] <= r.get("predicted_step_s", float("inf")) for r in table)
@@ -297,8 +300,9 @@ def test_mesh_search_keeps_the_fastest_mesh_that_fits(tmp_path):
     assert chosen["predicted_step_s"] == pytest.approx(free.predicted_step_s)
     assert chosen["predicted_step_s"] <= min(r.get("predicted_step_s", float("inf")) for r in rows)
     assert all(r["lower_bound_s"] <= r.get("predicted_step_s", float("inf")) * (1 + 1e-9) for r in rows)
-    # (each dp_shard mesh also tried with per-block FSDP2 units, fxpipe.memory.fsdp: skipped too)
-    assert ["skipped" in r for r in tight.options["mesh_search"]] == [False] + [True] * (len(tight.options["mesh_search"]) - 1)
+    # (each dp_shard mesh also tried with per-block FSDP2 units, fxpipe.memory.fsdp; the tp meshes too: skipped)
+    skipped = ["skipped" in r for r in tight.options["mesh_search"]]
+    assert skipped == [False] + [True] * (len(skipped) - 1) and len(skipped) > 6
     assert sum("FSDP2 unit per block" in r["mesh_text"] for r in tight.options["mesh_search"]) == 3
     assert all("\n" not in r["skipped"] and len(r["skipped"]) < 300 for r in tight.options["mesh_search"][1:])
     # 5 kB: nothing fits; one error says why each mesh was skipped and what the training state needs of all devices

@@ -75,7 +75,9 @@ def test_mesh_search_skips_data_parallelism_the_runtime_cannot_run():
     rows = {r["mesh_text"]: r for r in plan.options["mesh_search"]}
     assert rows["pp=2"].get("chosen")
     assert all("the runtime cannot run data parallelism for this model" in r["skipped"]
-               for t, r in rows.items() if t != "pp=2")
+               for t, r in rows.items() if r["mesh"]["dp_shard"] * r["mesh"]["dp_replicate"] > 1)
+    assert all(r["mesh"].get("tp", 1) > 1 for t, r in rows.items() if t != "pp=2"  # tp alone wraps no FSDP2 unit
+               and r["mesh"]["dp_shard"] * r["mesh"]["dp_replicate"] == 1)
     torch.manual_seed(0)
     uniform = M.TwoDtypeModule()
     uniform.b.scale.data = uniform.b.scale.data.float()

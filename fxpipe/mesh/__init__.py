@@ -7,8 +7,9 @@
 * :mod:`fxpipe.mesh.search`: ``mesh="auto"``, the search over meshes pruned by lower bounds
   (imported on its own: it plans, so it sits above :mod:`fxpipe.planner`);
 * :mod:`fxpipe.mesh.tensor_parallel`: what tensor parallelism splits at a degree ``tp`` (the
-  graph's column / row regions resolved, placements, refusals, per-stage reasons; imported on
-  its own).
+  graph's column / row regions resolved, placements, refusals, per-stage reasons) and one
+  tensor-parallel rank's costs and memory (:func:`~fxpipe.mesh.tensor_parallel.tensor_parallel_graph`,
+  which :func:`pipeline_graph` applies; its names are not re-exported here).
 
 The runtime half (a rank's stages on a ``DeviceMesh``, wrapped by FSDP2 / DDP) is
 :mod:`fxpipe.codegen.mesh`. Everything in ``layout`` and ``costs`` is re-exported here, so

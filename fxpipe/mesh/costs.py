@@ -14,6 +14,7 @@ from types import MappingProxyType
 from typing import Any, Mapping
 
 from fxpipe.errors import InputError
+from fxpipe.mesh.tensor_parallel import tensor_parallel_graph
 from fxpipe.mesh.layout import dim_span, format_mesh, mesh_dp, mesh_rank_order, mesh_tp, normalize_rank_order, rank_of
 
 __all__ = [
@@ -273,18 +274,22 @@ def pipeline_link(mesh: Mapping[str, int], bandwidth_bytes_per_s: float, topolog
 
 
 def pipeline_graph(graph, mesh: Mapping[str, Any], order: Any = None):
-    """``graph`` with its one link bandwidth set to the link the mesh's pipelines span in ``order``.
+    """The graph a mesh's pipeline is planned on: one tensor-parallel rank's costs, on the link its pipelines span.
 
+    With ``tp > 1`` (:func:`fxpipe.mesh.layout.mesh_tp`) the graph of one tensor-parallel rank
+    (:func:`fxpipe.mesh.tensor_parallel.tensor_parallel_graph`: the split ops' compute, activations,
+    outputs and parameters divided by ``tp``, every split region's collectives on the node's links).
     The partition and the schedule cost every stage boundary at ``graph.bandwidth_bytes_per_s``
     (the intra-node link of a captured hardware). When the rank order makes most of the
     pipelines' hops cross nodes (:func:`pipeline_link`, e.g. ``pp`` outermost over
     ``dp >= devices_per_node`` ranks) that is the inter-node bandwidth; otherwise, and without a
-    :class:`Topology`, ``graph`` itself is returned. Plan a mesh's pipeline on this
-    graph and keep it as the plan's graph (the partition's costs are checked against it on load).
+    :class:`Topology`, the bandwidth is kept (and with ``tp = 1`` ``graph`` itself is returned). Plan a mesh's
+    pipeline on this graph and keep it as the plan's graph (the partition's costs are checked against it on load).
 
     ``order``: the rank order (default the mesh's ``"order"`` entry, else pipeline rank innermost).
     """
     order = mesh_rank_order(mesh) if order is None else normalize_rank_order(order)
+    graph = tensor_parallel_graph(graph, mesh_tp(mesh), Topology.of_graph(graph))
     bw = pipeline_link(mesh, graph.bandwidth_bytes_per_s, Topology.of_graph(graph), order)
     if bw == float(graph.bandwidth_bytes_per_s):
         return graph

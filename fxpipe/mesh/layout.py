@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from fxpipe.errors import InputError
 
@@ -355,25 +355,26 @@ def format_mesh(mesh: Mapping[str, int]) -> str:
     return " x ".join(parts) if parts else f"pp={int(mesh.get('pp', 1))}"
 
 
-def candidate_meshes(devices: int, microbatches: int, *, replicate: bool = False) -> list[dict[str, int]]:
+def candidate_meshes(devices: int, microbatches: int, *, replicate: bool = False,
+                     tp_degrees: Sequence[int] = (1,)) -> list[dict[str, int]]:
     """Every mesh of ``devices`` devices whose replicas divide ``microbatches`` (pure pipeline first).
 
-    The pinned meshes a joint search would compare: ``pp * dp_shard = devices`` with
+    The pinned meshes a joint search would compare: for every tensor-parallel degree ``tp`` of
+    ``tp_degrees`` that divides ``devices`` (default: 1 only), ``pp * dp_shard * tp = devices`` with
     ``dp_shard | microbatches`` and, with ``replicate=True``, also every split of the
-    data-parallel degree into ``dp_shard * dp_replicate``. Ordered by decreasing ``pp``.
-
-    Every candidate has ``tp = 1``: the costs of tensor parallelism (1/tp of the sharded ops'
-    compute, the per-block collectives on the node's links, parameters and activations divided
-    by tp) are not modelled yet (issue 29, items 3 and 4), so the search offers no ``tp`` mesh; a
-    pinned ``{"tp": ...}`` plans and runs (:mod:`fxpipe.mesh.tensor_parallel`).
+    data-parallel degree into ``dp_shard * dp_replicate``. Ordered by decreasing ``pp``, then
+    increasing ``tp``; a mesh with ``tp = 1`` has no ``"tp"`` key. Which degrees a graph admits
+    (its heads and widths, the node) is :func:`fxpipe.mesh.tensor_parallel.check_tensor_parallel`'s.
     """
     out = []
     for pp in range(int(devices), 0, -1):
-        if devices % pp:
-            continue
-        dp = devices // pp
-        if microbatches % dp:
-            continue
-        splits = [(dp, 1)] + ([(dp // r, r) for r in range(2, dp + 1) if dp % r == 0] if replicate else [])
-        out += [{"pp": pp, "dp_shard": ds, "dp_replicate": dr} for ds, dr in splits]
+        for tp in sorted({int(t) for t in tp_degrees}):
+            if devices % (pp * tp):
+                continue
+            dp = devices // (pp * tp)
+            if microbatches % dp:
+                continue
+            splits = [(dp, 1)] + ([(dp // r, r) for r in range(2, dp + 1) if dp % r == 0] if replicate else [])
+            out += [{"pp": pp, "dp_shard": ds, "dp_replicate": dr, **({"tp": tp} if tp > 1 else {})}
+                    for ds, dr in splits]
     return out

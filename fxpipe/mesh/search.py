@@ -1,4 +1,4 @@
-"""``mesh="search"``: pick pp x dp_shard by predicted step time under the device memory (torch-free).
+"""``mesh="search"``: pick pp x dp_shard x dp_replicate x tp by predicted step time under the device memory (torch-free).
 
 A joint search (issue 18 item 3): every mesh of :func:`fxpipe.mesh.candidate_meshes`
 (``pp * dp = devices``, ``dp`` dividing the global micro-batches; the splits of ``dp`` into
@@ -17,6 +17,18 @@ topology is known, else the graph's one bandwidth; with one stage per device a d
 all-gather hides behind its wait for the first input and its reduction behind the others'
 cool-down, as torch's pipelining runtime issues them; with several, not overlapped). The
 smallest predicted step wins (ties: more pipeline stages).
+
+Tensor parallelism (issue 29 item 4): every degree ``tp`` of :data:`TP_DEGREES` (1, 2, 4, 8) that
+divides the devices and that the graph admits (:func:`tensor_parallel_degrees`: it divides every
+attention block's heads and MLP's widths, something is split, ``tp`` consecutive ranks share a node)
+multiplies the meshes: ``pp * dp_shard * dp_replicate * tp = devices``. A ``tp > 1`` candidate is
+planned, bounded and checked for static fit on one tensor-parallel rank's graph
+(:func:`fxpipe.mesh.tensor_parallel.tensor_parallel_graph`: 1/tp of the split ops' compute,
+activations and parameters, the regions' collectives on the node's links), with no activation
+checkpointing, recomputation or offload and the optimizer state on the device
+(:func:`fxpipe.mesh.tensor_parallel.tensor_parallel_options`): what the runtime runs under tensor
+parallelism. A pinned per-block checkpointing policy or optimizer on the host keeps the search at
+``tp = 1``.
 
 Rank placement (issue 18 item 2, "the most talkative dimension inside the node"): with a
 topology every mesh is costed under each rank order that places it differently
@@ -56,8 +68,8 @@ the device, its host step (:func:`fxpipe.mesh.optimizer_host_step_s`) in its bou
 predicted step, skipped when its host state exceeds the host memory. It is planned in bound
 order like every candidate, so it wins only on a faster predicted step.
 
-Plans are reused across sibling candidates: meshes of one ``pp`` (so one ``dp`` and the same
-micro-batches per replica) on one pipeline link, with the optimizer in the same place, differ
+Plans are reused across sibling candidates: meshes of one ``pp`` and ``tp`` (so one ``dp`` and the same
+micro-batches per replica, one rank's graph) on one pipeline link, with the optimizer in the same place, differ
 only in their memory (ZeRO-1 over ``dp_shard``) and sync; a plan made under memory at least as
 loose is taken for a sibling when its schedule satisfies every rule of Contract 3 under the
 sibling's activation limits (:func:`_reuse`; the sibling's feasible plans are a subset of the
@@ -96,6 +108,7 @@ from fxpipe.mesh import (
     format_mesh,
     host_links,
     mesh_dp,
+    mesh_tp,
     mesh_memory,
     optimizer_host_step_s,
     pipeline_dp_sync_s,
@@ -107,6 +120,7 @@ from fxpipe.mesh import (
 from fxpipe.memory.plan_view import schedule_mem_limit
 from fxpipe.mesh.prefetch import PlanPrefetch, search_workers
 from fxpipe.mesh.limits import mesh_runtime_limit, runtime_limits
+from fxpipe.mesh.tensor_parallel import check_tensor_parallel, tensor_parallel_graph, tensor_parallel_options
 from fxpipe.options import PlanOptions
 from fxpipe.partition.memory import num_params
 from fxpipe.planner import plan_with_options
@@ -114,7 +128,7 @@ from fxpipe.progress import Search
 from fxpipe.schedule.validate import check_schedule
 
 __all__ = ["search_mesh", "mesh_lower_bound_s", "rank_orders_to_try", "optimizer_placements", "block_units_allowed",
-           "OFFLOAD_SUFFIX", "BLOCK_UNITS_SUFFIX"]
+           "tensor_parallel_degrees", "TP_DEGREES", "OFFLOAD_SUFFIX", "BLOCK_UNITS_SUFFIX"]
 
 #: Appended to a candidate's ``mesh_text`` when its optimizer state lives on the host.
 OFFLOAD_SUFFIX = ", optimizer on host"
@@ -133,10 +147,49 @@ def optimizer_placements(memory, mesh: Mapping[str, Any], host: Mapping[str, flo
         return [bool(memory.offload_optimizer)]
     if getattr(memory, "fsdp_units", None) == "block" and int(mesh.get("dp_shard", 1)) > 1:
         return [False]  # per-block FSDP2 units do not run with optimizer offload yet
+    if mesh_tp(mesh) > 1:  # tensor parallelism with the optimizer on the host is not run (nor tested) yet
+        return [False]
     if objective != "training" or not host or not host["host_bytes_per_s"] > 0 \
             or not host["host_memory_bytes_per_s"] > 0:
         return [False]
     return [False, True]
+
+
+#: The tensor-parallel degrees the search tries (torchtitan's and Megatron-LM's: powers of two inside a node).
+TP_DEGREES = (1, 2, 4, 8)
+
+
+def tensor_parallel_degrees(graph, devices: int, memory, options: PlanOptions) -> list[int]:
+    """The degrees of :data:`TP_DEGREES` the search plans: those dividing ``devices`` that the graph admits
+    (:func:`fxpipe.mesh.tensor_parallel.check_tensor_parallel`: they divide the heads and widths of every
+    attention block and MLP, something is split, and with a known topology ``tp`` consecutive ranks share a
+    node), and only 1 when the run could not execute tensor parallelism: a pinned per-block
+    ``activation_checkpointing`` (``"full"`` / ``"selective"``) or the optimizer state pinned on the host
+    (the runtime refuses the first under ``tp > 1``; the second is not run yet). A ``tp > 1`` candidate is
+    planned without checkpointing, recomputation or activation offload (:func:`tensor_parallel_options`)."""
+    if options.activation_checkpointing in ("full", "selective") or memory.offload_optimizer is True:
+        return [1]
+    out = [1]
+    for tp in TP_DEGREES[1:]:
+        if int(devices) % tp:
+            continue
+        try:
+            check_tensor_parallel(graph, tp)
+        except InputError:
+            continue
+        out.append(tp)
+    return out
+
+
+class _RankView:
+    """One tensor-parallel rank of degree ``tp``: its graph (:func:`fxpipe.mesh.tensor_parallel.tensor_parallel_graph`),
+    its planning options, its parameters and its least activations (:func:`_activation_floor`)."""
+
+    def __init__(self, graph, tp: int, options: PlanOptions, topology) -> None:
+        self.graph = tensor_parallel_graph(graph, tp, topology)
+        self.options = tensor_parallel_options(options) if tp > 1 else options
+        self.params = float(np.sum(num_params(self.graph)))
+        self.act_floor = _activation_floor(self.graph, self.options)
 
 
 def rank_orders_to_try(mesh: Mapping[str, Any], topology: Topology | None) -> list[tuple[str, str, str]]:
@@ -202,21 +255,25 @@ def search_mesh(graph, *, devices: int, microbatches: int, memory, options: Plan
         options = PlanOptions(**plan_kwargs)
     elif plan_kwargs:
         raise InputError(f"search_mesh takes options or plan_graph keywords, not both: got {sorted(plan_kwargs)}")
-    graph_params = float(np.sum(num_params(graph)))
-    act_floor = _activation_floor(graph, options)
     topology = Topology.of_graph(graph)
     host = host_links(graph)
     limits = runtime_limits(graph)
+    views = {tp: _RankView(graph, tp, options, topology) for tp in tensor_parallel_degrees(graph, devices, memory, options)}
     heap: list = []  # (lower bound, sequence, row, order entry, mesh, memory model, order)
-    work_bounds: dict[int, float | None] = {}
+    work_bounds: dict[tuple[int, int], float | None] = {}
 
-    def stage_work(pp: int) -> float | None:
+    def view(mesh) -> "_RankView":
+        """One tensor-parallel rank's graph and planning options of ``mesh``."""
+        return views[mesh_tp(mesh)]
+
+    def stage_work(mesh) -> float | None:
         """:func:`stage_work_bound_s` of ``pp`` stages (one per device; None with several per device)."""
         if options.placement_candidates() != [(1, "looped")]:
             return None
-        if pp not in work_bounds:
-            work_bounds[pp] = stage_work_bound_s(graph, pp, options.objective)
-        return work_bounds[pp]
+        key = (int(mesh["pp"]), mesh_tp(mesh))
+        if key not in work_bounds:
+            work_bounds[key] = stage_work_bound_s(view(mesh).graph, key[0], options.objective)
+        return work_bounds[key]
 
     table = []
     seq = itertools.count()  # equal bounds: more stages first, the default order first, the device before the host
@@ -233,7 +290,8 @@ def search_mesh(graph, *, devices: int, microbatches: int, memory, options: Plan
             entry = {"rank_order": list(order),
                      "pipeline_bytes_per_s": pipeline_link(mesh, graph.bandwidth_bytes_per_s, topology, order),
                      "pipeline_hops_across_nodes": list(pipeline_hops(mesh, topology, order)) if topology else [0, 0],
-                     "lower_bound_s": mesh_lower_bound_s(graph, mesh, microbatches, options.objective, order, memory=mem)}
+                     "lower_bound_s": mesh_lower_bound_s(view(mesh).graph, mesh, microbatches, options.objective, order,
+                                                         memory=mem)}
             row["by_order"].append(entry)
             heapq.heappush(heap, (entry["lower_bound_s"], next(seq), row, entry, mesh, mem, order))
         row["lower_bound_s"] = min(e["lower_bound_s"] for e in row["by_order"])
@@ -242,7 +300,7 @@ def search_mesh(graph, *, devices: int, microbatches: int, memory, options: Plan
     offload_next: dict[str, bool] = {}  # mesh_text -> whether its optimizer may still move to the host
     # HSDP (dp_shard x dp_replicate) only pays off on a topology: with one bandwidth it moves as
     # many bytes as dp_shard alone and shards less
-    for mesh in candidate_meshes(devices, microbatches, replicate=topology is not None):
+    for mesh in candidate_meshes(devices, microbatches, replicate=topology is not None, tp_degrees=tuple(views)):
         placements = optimizer_placements(memory, mesh, host, options.objective)
         add_row(mesh, placements[0])
         offload_next[format_mesh(mesh)] = len(placements) > 1
@@ -251,7 +309,7 @@ def search_mesh(graph, *, devices: int, microbatches: int, memory, options: Plan
     timings: dict[str, float] = {}
     planned: dict[tuple, Any] = {}  # (mesh, pipeline bandwidth) -> the planner's result or error
     siblings: dict[tuple, list] = {}  # (pp, pipeline bandwidth, optimizer on host) -> [(memory, planner's result)]
-    graphs: dict[float, Any] = {}  # pipeline bandwidth -> the one graph planned on it
+    graphs: dict[tuple, Any] = {}  # (pipeline bandwidth, tp) -> the one graph planned on it
 
     blocks_next = {format_mesh(mesh) for mesh in candidate_meshes(devices, microbatches, replicate=topology is not None)
                    if block_units_allowed(graph, memory, mesh, options.objective, limits)}
@@ -277,29 +335,31 @@ def search_mesh(graph, *, devices: int, microbatches: int, memory, options: Plan
         if key in planned or key in prefetch.jobs:
             return None
         bound = entry["lower_bound_s"]
+        v = view(mesh)
         if best is not None:
-            work = stage_work(int(mesh["pp"]))
+            work = stage_work(mesh)
             if work is not None:
-                bound = max(bound, mesh_lower_bound_s(graph, mesh, microbatches, options.objective, order, memory=mem,
+                bound = max(bound, mesh_lower_bound_s(v.graph, mesh, microbatches, options.objective, order, memory=mem,
                                                       stage_work_s=work))
             if bound >= best[1]["predicted_step_s"]:
                 return None
         if mesh_runtime_limit(mesh, row["offload_optimizer"], limits) is not None or \
-                _static_misfit(mem, graph_params / mesh["pp"], host, options.objective, act_floor / mesh["pp"])[0]:
+                _static_misfit(mem, v.params / mesh["pp"], host, options.objective, v.act_floor / mesh["pp"])[0]:
             return None
-        g, looser = _sibling_plan(graph, row, entry, mesh, mem, order, options, siblings, graphs, check=False)
+        g, looser = _sibling_plan(v.graph, row, entry, mesh, mem, order, v.options, siblings, graphs, check=False)
         if looser is not None:
             return None
-        return key, _plan_kwargs(g, row, entry, mesh, mem, microbatches, options, siblings, mesh["pp"] == devices)
+        return key, _plan_kwargs(g, row, entry, mesh, mem, microbatches, v.options, siblings, mesh["pp"] == devices)
 
     # Ctrl-C: the best mesh so far (a candidate being planned ends with its planner's best so far)
     with Search("mesh search", unit="candidate", progress=options.progress) as run, prefetch:
         while heap and not run.stopped:
             _, _, row, entry, mesh, mem, order = heapq.heappop(heap)
-            work = stage_work(int(mesh["pp"])) if best is not None else None  # refined only where it may prune
+            v = view(mesh)
+            work = stage_work(mesh) if best is not None else None  # refined only where it may prune
             if work is not None:
                 entry["lower_bound_s"] = max(entry["lower_bound_s"], mesh_lower_bound_s(
-                    graph, mesh, microbatches, options.objective, order, memory=mem, stage_work_s=work))
+                    v.graph, mesh, microbatches, options.objective, order, memory=mem, stage_work_s=work))
                 row["lower_bound_s"] = min(e["lower_bound_s"] for e in row["by_order"])
             if best is not None and entry["lower_bound_s"] >= best[1]["predicted_step_s"]:
                 entry["skipped"] = (f"pruned: its lower bound {format_ms(entry['lower_bound_s'])} is no better than "
@@ -309,8 +369,8 @@ def search_mesh(graph, *, devices: int, microbatches: int, memory, options: Plan
             if unrunnable is not None:
                 entry["skipped"] = unrunnable
                 continue
-            misfit, on_device = _static_misfit(mem, graph_params / mesh["pp"], host, options.objective,
-                                               act_floor / mesh["pp"])
+            misfit, on_device = _static_misfit(mem, v.params / mesh["pp"], host, options.objective,
+                                               v.act_floor / mesh["pp"])
             if misfit is not None:
                 entry["skipped"] = misfit
                 if on_device:
@@ -321,9 +381,9 @@ def search_mesh(graph, *, devices: int, microbatches: int, memory, options: Plan
                 if prefetch.on:  # this candidate and the next ones the search would plan, in worker processes
                     prefetch.ahead([(entry["lower_bound_s"], 0, row, entry, mesh, mem, order)]
                                    + heapq.nsmallest(4 * prefetch.workers, heap), ahead_args)
-                planned[key] = _plan_or_reuse(graph, row, entry, mesh, mem, order, microbatches, options, siblings,
-                                              timings, graphs, explain=mesh["pp"] == devices, prefetch=prefetch,
-                                              key=key)
+                planned[key] = _plan_or_reuse(v.graph, row, entry, mesh, mem, order, microbatches, v.options,
+                                              siblings, timings, graphs, explain=mesh["pp"] == devices,
+                                              prefetch=prefetch, key=key)
             run.update(1, mesh=row["mesh_text"])
             if isinstance(planned[key], Exception):
                 errors[row["mesh_text"]] = planned[key]
@@ -441,8 +501,10 @@ def _plan_or_reuse(graph, row: dict, entry: dict, mesh, mem, order, microbatches
 
 
 def _group(row: dict, entry: dict, mesh) -> tuple:
-    """The sibling group of a candidate: its pp, pipeline link, optimizer place and FSDP2 units."""
-    return int(mesh["pp"]), entry["pipeline_bytes_per_s"], bool(row["offload_optimizer"]), row.get("fsdp_units")
+    """The sibling group of a candidate: its pp, tp (the graph of one tensor-parallel rank), pipeline link,
+    optimizer place and FSDP2 units."""
+    return (int(mesh["pp"]), mesh_tp(mesh), entry["pipeline_bytes_per_s"], bool(row["offload_optimizer"]),
+            row.get("fsdp_units"))
 
 
 def block_units_allowed(graph, memory, mesh, objective: str, limits: Mapping[str, str]) -> bool:
@@ -464,7 +526,7 @@ def _sibling_plan(graph, row: dict, entry: dict, mesh, mem, order, options: Plan
     """``(pipeline graph, a sibling's plan that fits here or None)``; with ``check=False`` the plan of any
     looser sibling, not checked (whether one may be reused)."""
     g = pipeline_graph(graph, mesh, order)
-    g = graphs.setdefault(float(g.bandwidth_bytes_per_s), g)  # one graph object per link: its caches are reused
+    g = graphs.setdefault((float(g.bandwidth_bytes_per_s), mesh_tp(mesh)), g)  # one graph object per link and tp
     for looser, result in siblings.get(_group(row, entry, mesh), ()):
         if looser.static_bytes_per_param(options.objective) <= mem.static_bytes_per_param(options.objective):
             reused = _reuse(g, result, mem, options) if check else result
@@ -485,15 +547,15 @@ def _plan_kwargs(g, row: dict, entry: dict, mesh, mem, microbatches: int, option
 
 
 def _proven_partition(graph, siblings: dict, group: tuple, memory, options: PlanOptions, microbatches: int) -> dict:
-    """``{k: partition}`` of a plan made for the same ``pp`` and pipeline link (the optimizer anywhere) whose
+    """``{k: partition}`` of a plan made for the same ``pp``, ``tp`` and pipeline link (the optimizer anywhere) whose
     partition is proven optimal (its bottleneck meets a bound that ignores memory) and fits ``memory`` by the
     partitioner's rule: the partition the planner would find here too, so it is not searched again."""
     from fxpipe.partition.memory import PartitionMemory, stage_memory_bytes  # noqa: PLC0415
 
     pm = PartitionMemory(memory, microbatches, "floor", checkpointing=options.objective == "training"
                          and options.activation_checkpointing != "none")
-    for (pp, link, *_), results in siblings.items():
-        if (pp, link) != group[:2]:
+    for (pp, tp, link, *_), results in siblings.items():
+        if (pp, tp, link) != group[:3]:
             continue
         for _, (part, *_rest) in results:
             if not part.meta.get("proven_optimal"):
@@ -633,6 +695,14 @@ def mesh_lower_bound_s(graph, mesh, microbatches: int, objective: str = "trainin
     search skip 256-stage pipelines without planning them.
     Communication between stages, bubbles and recomputation only add to all of them.
 
+    And the round trip of one micro-batch (Contract 3 chains the stages: ``F(s, j)`` follows
+    ``F(s - 1, j)``, ``B(s, j)`` follows ``B(s + 1, j)``): the first stage's span, from its first
+    forward to the backward of that micro-batch, holds every op's forward and backward-input time,
+    ``sum(t_fwd_s + t_bwd_input_s)`` (the forward alone in inference), whatever the partition; a
+    makespan holds it too. It is what a deep pipeline with few micro-batches per stage pays (the
+    round-trip term of :func:`fxpipe.schedule.bounds.stage_span_bounds` with the stage's own work
+    left out), and what lets the search skip 256-stage pipelines of a 405B model without planning them.
+
     Parameters
     ----------
     graph : OpGraph
@@ -688,4 +758,6 @@ def mesh_lower_bound_s(graph, mesh, microbatches: int, objective: str = "trainin
             bound = max(bound, per_replica * float(work_per_op[top[pp - 1]] + work_per_op[top[pp]]) + sync(0.0))
     if stage_work_s is not None:  # the busiest stage of any partition (one stage per device)
         bound = max(bound, per_replica * float(stage_work_s) + sync(0.0))
-    return bound
+    # one micro-batch's round trip: forward through every stage, backward through every stage
+    trip = float(np.sum(graph.t_fwd_s)) + (float(np.sum(graph.t_bwd_input_s)) if objective == "training" else 0.0)
+    return max(bound, trip + sync(0.0))

@@ -23,8 +23,13 @@ sequence parallelism for the token-wise ops between them) and records it in the 
 
 :func:`stage_tensor_parallel` says per pipeline stage which share of its work is split and, for
 a stage with none (convolutions, a MoE's experts, a rejected fused projection), why: tensor
-parallelism is not offered for it, its ranks replicate it. The costs of tensor parallelism are
-not modelled yet (a plan with ``tp > 1`` is costed as ``tp = 1`` and says so).
+parallelism is not offered for it, its ranks replicate it.
+
+:func:`tensor_parallel_graph` is what one tensor-parallel rank computes, holds and sends: the
+OpGraph with the split ops' compute, activations, outputs and parameters divided by ``tp`` and
+every split region's collectives (forward and backward) added to the op that starts or ends it.
+:func:`fxpipe.mesh.pipeline_graph` applies it, so the partition, the schedule, the memory model
+and the predicted step of a ``tp > 1`` mesh all read one rank's figures.
 
 The runtime (:mod:`fxpipe.codegen.tensor_parallel`) resolves the same record of its own capture
 with this function, so what runs is what was planned.
@@ -32,11 +37,13 @@ with this function, so what runs is what was planned.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
+import numpy as np
+
 from fxpipe.errors import InputError
-from fxpipe.mesh.costs import Topology
 
 __all__ = [
     "REPLICATE",
@@ -46,14 +53,16 @@ __all__ = [
     "node_domains",
     "stage_tensor_parallel",
     "check_tensor_parallel",
-    "TP_COSTS_WARNING",
+    "tensor_parallel_graph",
+    "tp_collective_s",
+    "tensor_parallel_options",
+    "TP_COSTS_KEY",
 ]
 
 #: The placement text of a replicated parameter (DTensor's ``repr`` of ``Replicate()``).
 REPLICATE = "Replicate()"
-#: The warning every plan with ``tp > 1`` carries until the costs are modelled (issue 29, items 3 and 4).
-TP_COSTS_WARNING = ("tp costs not modelled yet: the partition, schedule, memory and predicted step are those of "
-                    "tp=1 (no 1/tp compute, no tensor-parallel collectives, no 1/tp parameters)")
+#: ``graph.meta`` key of a graph :func:`tensor_parallel_graph` made (its degree and collective times).
+TP_COSTS_KEY = "tp_costs"
 
 _BLOCKS = ("attention", "mlp")
 
@@ -295,10 +304,207 @@ def check_tensor_parallel(graph, tp: int, what: str = "mesh") -> TensorParallelL
                             "(no matmul with a parameter weight: convolutions and other ops have no tensor-parallel "
                             "pattern)")
                          + "; use tp=1")
-    topology = Topology.of_graph(graph)
-    if topology is not None and not topology.in_node(1, tp, tp * topology.devices_per_node):  # every group of a job
+    per_node = _devices_per_node(graph)
+    if per_node is not None and per_node % tp:  # tp consecutive ranks (innermost) share a node in every group
         raise InputError(f"{what} tp={tp}: tensor parallelism runs inside a node (its collectives in every layer need "
                          f"the node's links) and {tp} consecutive ranks do not fit in the nodes of "
-                         f"{topology.devices_per_node} devices of {getattr(graph, 'meta', {}).get('hardware', 'this hardware')}: "
-                         f"use a tp that divides {topology.devices_per_node}")
+                         f"{per_node} devices of {getattr(graph, 'meta', {}).get('hardware', 'this hardware')}: "
+                         f"use a tp that divides {per_node}")
     return layout
+
+
+def tensor_parallel_options(options):
+    """The planning options (:class:`fxpipe.options.PlanOptions`) of a ``tp > 1`` mesh: no activation
+    checkpointing, no recomputation and no activation offload (``activation_checkpointing="none"``,
+    no host link), the only ones the runtime runs under tensor parallelism
+    (:func:`fxpipe.codegen.tensor_parallel.check_tensor_parallel_run`)."""
+    return dataclasses.replace(options, host_bandwidth_bytes_per_s=None, activation_checkpointing="none")
+
+
+def _devices_per_node(graph) -> int | None:
+    """``devices_per_node`` of the topology the capture recorded (``graph.meta["topology"]``), or None."""
+    doc = (getattr(graph, "meta", None) or {}).get("topology")
+    return int(doc["devices_per_node"]) if doc else None
+
+
+def tp_collective_s(kind: str, nbytes: float, tp: int, topology=None, bandwidth_bytes_per_s: float = 1.0) -> float:
+    """Seconds of one tensor-parallel collective of a ``nbytes`` tensor (its full size) over ``tp`` ranks.
+
+    Ring collectives (Thakur, Rabenseifner and Gropp 2005), as :func:`fxpipe.mesh.dp_sync_parts_s`
+    prices the data-parallel ones: an all-gather or reduce-scatter moves ``(tp - 1) / tp * nbytes``
+    per rank, an all-reduce twice that, each step costing the link's latency. Tensor parallelism
+    is innermost (``tp`` consecutive ranks, inside a node: :func:`check_tensor_parallel`), so with a
+    :class:`~fxpipe.mesh.Topology` the link is the node's (NVLink) at the bandwidth NCCL achieves for
+    ``kind`` (:meth:`~fxpipe.mesh.Topology.achieved`, ``inter_node=False``); without one,
+    ``bandwidth_bytes_per_s`` (the graph's link) and no latency.
+
+    Parameters
+    ----------
+    kind : {"all_gather", "reduce_scatter", "all_reduce"}
+    nbytes : float
+        Bytes of the whole (unsharded) tensor.
+    tp : int
+        The degree.
+    topology : Topology, optional
+    bandwidth_bytes_per_s : float
+        The link without a topology.
+
+    Returns
+    -------
+    float
+        Seconds; 0 for ``tp = 1``.
+    """
+    tp = int(tp)
+    if tp <= 1 or nbytes <= 0:
+        return 0.0
+    if topology is not None:
+        bw = float(topology.intra_node_bytes_per_s) * topology.achieved(kind, inter_node=False)
+        lat = float(topology.intra_node_latency_s)
+    else:
+        bw, lat = float(bandwidth_bytes_per_s), 0.0
+    steps = 2 if kind == "all_reduce" else 1
+    return steps * ((tp - 1) / tp * float(nbytes) / bw + (tp - 1) * lat)
+
+
+def _region_collectives(kind: str, sp: bool) -> tuple[tuple, tuple]:
+    """``(forward, backward)`` collectives of a split region: ``(collective kind, tensor, where)`` each.
+
+    ``tensor``: ``"in"`` (the columns' input), ``"out"`` (a row's or the embedding's output) or
+    ``"logits"`` (the output projection's whole output); ``where``: ``"first"`` (the region's first
+    column, the op that starts it) or ``"end"`` (the op that ends it: each row, the embedding, the
+    output projection). Megatron-LM's ``f`` / ``g`` operators (Shoeybi et al. 2019, Sec. 3, Fig. 3),
+    with sequence parallelism ``g`` / ``g-bar`` (Korthikanti et al. 2022, Sec. 4.2.2, Fig. 6): an
+    all-gather before the columns and a reduce-scatter after the row in the forward, the reverse in the
+    backward; without it one all-reduce each way."""
+    if kind == "embedding":  # vocab-parallel: a partial sum reduced at once
+        return ((("reduce_scatter" if sp else "all_reduce"), "out", "end"),), \
+            (((("all_gather", "out", "end"),) if sp else ()))
+    if kind == "output":  # a column whose output (the logits) is all-gathered at the model's output
+        fwd = ((("all_gather", "in", "first"),) if sp else ()) + (("all_gather", "logits", "end"),)
+        return fwd, ((("reduce_scatter" if sp else "all_reduce"), "in", "first"),)
+    if sp:
+        return ((("all_gather", "in", "first"), ("reduce_scatter", "out", "end")),
+                (("all_gather", "out", "end"), ("reduce_scatter", "in", "first")))
+    return ((("all_reduce", "out", "end"),), (("all_reduce", "in", "first"),))
+
+
+def tensor_parallel_graph(graph, tp: int, topology=None):
+    """What one of ``tp`` tensor-parallel ranks computes, holds and sends: ``graph`` with tp's costs.
+
+    At the layout :func:`graph_tensor_parallel` resolves for ``tp`` (Megatron-LM's column / row
+    split, Shoeybi et al. 2019, Sec. 3; sequence parallelism, Korthikanti et al. 2022, Sec. 4.2.2):
+
+    * every op of a split region (``tp_role`` column / row / sharded) and, with sequence
+      parallelism, every ``sequence`` op (norms, dropout, residual additions on the sequence
+      shard) costs ``1 / tp`` of its compute (``t_fwd_s``, ``t_bwd_input_s``, ``t_bwd_weight_s``),
+      keeps ``1 / tp`` of its activations (``act_bytes``) and outputs ``1 / tp`` of its bytes
+      (``size_out_bytes``). Exceptions, as the runtime (DTensor) runs them: a column matmul saves
+      its whole input (under sequence parallelism the all-gathered one; Megatron-LM would save the
+      shard and gather it again in the backward, Korthikanti Sec. 4.2.3, fxpipe's runtime does
+      not); a row's output is the reduced sum, whole without sequence parallelism and the sequence
+      shard with it, as is the vocab-parallel embedding's; the output projection's logits are
+      all-gathered, whole; a k / v projection grouped-query attention keeps replicated (fewer kv
+      heads than ``tp``) is computed whole. So pipeline sends carry the sequence shard of a
+      sequence-parallel value and the whole tensor otherwise;
+    * the parameters of a split region's matmuls are ``1 / tp`` (``size_param_bytes`` and
+      ``extra[i]["num_params"]``: gradients and optimizer state follow in the memory model, which
+      derives them from the parameters); replicated parameters (norm weights, a replicated k / v,
+      every op outside the split regions) stay whole. A row's bias, replicated, is counted as
+      split with its weight (``1 / in_features`` of the row's parameters);
+    * every split region adds its collectives (:func:`_region_collectives`, priced by
+      :func:`tp_collective_s` on the node's links) to the op that starts it (the first column:
+      the input's all-gather in the forward, the input gradient's reduction in the backward) or
+      ends it (each row: the output's reduction in the forward, the output gradient's all-gather
+      in the backward), not overlapped with compute (Megatron-LM without communication overlap,
+      torchtitan without async TP); backward collectives go to ``t_bwd_input_s``.
+
+    Everything else (ops of regions ``tp`` does not split, a MoE's experts, convolutions) is
+    computed whole by every rank. ``extra[i]["flops"]`` is left as captured (the op's work, not the
+    rank's); ``graph.meta[TP_COSTS_KEY]`` records the degree and the collectives' seconds per micro-batch.
+
+    Parameters
+    ----------
+    graph : OpGraph
+        The captured graph (one micro-batch, every rank's view at ``tp = 1``).
+    tp : int
+        The degree, >= 1.
+    topology : Topology, optional
+        The hardware's nodes (:meth:`fxpipe.mesh.Topology.of_graph`); without one the collectives run
+        at ``graph.bandwidth_bytes_per_s``.
+
+    Returns
+    -------
+    OpGraph
+        ``graph`` itself for ``tp = 1`` or when it already has ``tp``'s costs, else a new graph with
+        the same nodes, edges, names and ``extra`` keys (its structure signature is unchanged).
+
+    Raises
+    ------
+    InputError
+        When ``graph`` already carries the costs of another degree.
+    """
+    tp = int(tp)
+    done = (graph.meta or {}).get(TP_COSTS_KEY)
+    if done:
+        if int(done["tp"]) == tp:
+            return graph
+        raise InputError(f"the graph already carries the costs of tp={done['tp']}: plan tp={tp} on the captured graph")
+    if tp == 1:
+        return graph
+    layout = graph_tensor_parallel(graph, tp)
+    regions = {int(r["id"]): r for r in ((graph.meta or {}).get("tensor_parallel") or {}).get("regions") or []}
+    index = {name: i for i, name in enumerate(graph.names)}
+    n, sp = graph.n, layout.sequence_parallel
+    work = np.ones(n)
+    out = np.ones(n)
+    act = np.ones(n)
+    par = np.ones(n)
+    for i, d in enumerate(node_domains(graph, layout)):
+        if d != "plain":
+            work[i] = out[i] = act[i] = 1.0 / tp
+    fwd = np.zeros(n)
+    bwd = np.zeros(n)
+    size_out = np.asarray(graph.size_out_bytes, dtype=np.float64)
+    for rid in layout.regions:
+        r = regions[rid]
+        kept = set(layout.replicated_columns.get(rid, ()))
+        cols = [index[c["node"]] for c in r["columns"]]
+        for ci, i in enumerate(cols):
+            act[i] = 1.0  # the column's whole input (the all-gathered one under sequence parallelism)
+            if ci in kept:
+                work[i] = out[i] = 1.0
+            else:
+                par[i] = 1.0 / tp
+        ends = [index[row["node"]] for row in r["rows"]] or cols[:1]
+        for i in ends[: len(r["rows"])]:
+            par[i] = 1.0 / tp
+            out[i] = 1.0 / tp if sp else 1.0  # the reduced sum: reduce-scattered under sequence parallelism
+        if r["kind"] == "embedding":
+            out[cols[0]] = 1.0 / tp if sp else 1.0
+        elif r["kind"] == "output":
+            out[cols[0]] = 1.0  # the logits, all-gathered
+        first = min(cols)
+        preds = graph.pred_idx[graph.pred_ptr[first]:graph.pred_ptr[first + 1]]
+        sizes = {"in": float(size_out[preds].max()) if len(preds) else 0.0}
+        fw, bw = _region_collectives(r["kind"], sp)
+        for into, ops in ((fwd, fw), (bwd, bw)):
+            for kind, tensor, where in ops:
+                for i in ([first] if where == "first" else ends):
+                    nbytes = sizes["in"] if tensor == "in" else float(size_out[i])
+                    into[i] += tp_collective_s(kind, nbytes, tp, topology, graph.bandwidth_bytes_per_s)
+    extra = tuple(dict(e, num_params=float(e["num_params"]) * par[i]) if "num_params" in e and par[i] != 1.0 else e
+                  for i, e in enumerate(graph.extra or ()))
+    meta = dict(graph.meta or {})
+    meta[TP_COSTS_KEY] = {"tp": tp, "sequence_parallel": sp, "regions": len(layout.regions),
+                          "collective_fwd_s": float(fwd.sum()), "collective_bwd_s": float(bwd.sum())}
+
+    def frozen(a) -> np.ndarray:
+        a = np.ascontiguousarray(a, dtype=np.float64)
+        a.setflags(write=False)
+        return a
+
+    return dataclasses.replace(
+        graph, t_fwd_s=frozen(graph.t_fwd_s * work + fwd), t_bwd_input_s=frozen(graph.t_bwd_input_s * work + bwd),
+        t_bwd_weight_s=frozen(graph.t_bwd_weight_s * work), size_out_bytes=frozen(size_out * out),
+        act_bytes=frozen(graph.act_bytes * act), size_param_bytes=frozen(graph.size_param_bytes * par),
+        extra=extra or graph.extra, meta=meta)

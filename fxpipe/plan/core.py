@@ -32,7 +32,7 @@ from fxpipe.memory.checkpoint import plan_policies, policies_match
 from fxpipe.mesh import (MESH_DIMS, Topology, device_host_step_s, device_num_params, dim_span, dp_links, format_mesh,
                          format_rank_order, mesh_degrees, mesh_dp, mesh_tp, normalize_mesh, normalize_rank_order,
                          pipeline_dp_sync_s, pipeline_step_s, pure_pipeline)
-from fxpipe.mesh.tensor_parallel import TP_COSTS_WARNING, TensorParallelLayout, graph_tensor_parallel, stage_tensor_parallel
+from fxpipe.mesh.tensor_parallel import TP_COSTS_KEY, TensorParallelLayout, graph_tensor_parallel, stage_tensor_parallel
 from fxpipe.partition.objective import Partition
 from fxpipe.partition.placement import placement_name
 from fxpipe.plan.build import PlanStageOf, build_rank, compile_stages_option
@@ -216,12 +216,12 @@ class Plan:
         return stage_tensor_parallel(self.graph, self.partition.assignment, self.num_stages, self.tensor_parallel)
 
     def tensor_parallel_warnings(self) -> list[str]:
-        """Sentences about tensor parallelism (none with ``tp = 1``): its costs are not modelled yet, what it
-        does not split (odd vocabularies, the sequence length) and the stages it is not offered for, with the reason."""
+        """Sentences about tensor parallelism (none with ``tp = 1``): what it does not split (odd vocabularies,
+        the sequence length) and the stages it is not offered for, with the reason."""
         if self.tp == 1:
             return []
         layout = self.tensor_parallel
-        out = [TP_COSTS_WARNING] + [f"tensor parallelism: {note}" for note in layout.notes]
+        out = [f"tensor parallelism: {note}" for note in layout.notes]
         for row in self.tensor_parallel_stages():
             if row["reason"]:
                 out.append(f"stage {row['stage']}: tensor parallelism not offered (its tp={self.tp} ranks each compute "
@@ -329,8 +329,9 @@ class Plan:
                 f"{best.get('skipped', 'was not planned')}); {here}; {force}")
 
     def _tensor_parallel_line(self) -> str:
-        """The summary line of tensor parallelism: what is split, sequence parallelism, the costs' status."""
+        """The summary line of tensor parallelism: what is split, sequence parallelism, the collectives' time."""
         layout = self.tensor_parallel
+        costs = (self.graph.meta or {}).get(TP_COSTS_KEY)
         regions = (self.graph.meta or {}).get("tensor_parallel", {}).get("regions", [])
         kinds: dict[str, int] = {}
         for r in regions:
@@ -342,8 +343,10 @@ class Plan:
                 f"{len(regions)} column/row regions split ({', '.join(f'{n} {k}' for k, n in sorted(kinds.items()))}), "
                 f"{sharded} parameters sharded"
                 + (f", {gqa} k/v projections replicated (fewer kv heads than tp)" if gqa else "")
-                + f"; sequence parallelism {'on' if layout.sequence_parallel else 'off'}; "
-                "costs as for tp=1 (not modelled yet)")
+                + f"; sequence parallelism {'on' if layout.sequence_parallel else 'off'}"
+                + (f"; collectives per micro-batch {costs['collective_fwd_s'] * 1e3:.3f} ms forward, "
+                   f"{costs['collective_bwd_s'] * 1e3:.3f} ms backward (not overlapped)" if costs else
+                   "; costs as for tp=1 (a plan file made before tensor parallelism was costed)"))
 
     # ------------------------------------------------------------------ placement
     @property
