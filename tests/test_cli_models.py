@@ -291,7 +291,7 @@ def test_models_command_lists_presets_and_the_three_ways(capsys):
         assert needle in out, needle
     code, out, _ = _cli(["models", "--json"], capsys)
     doc = json.loads(out)
-    assert {p["name"] for p in doc["presets"]} == {"gpt2", "t5", "llama", "mixtral", "llama-2-7b", "llama-3-8b", "llama-3-70b"}
+    assert {p["name"] for p in doc["presets"]} == {"gpt2", "t5", "llama", "mixtral", "llama-2-7b", "llama-3-8b", "llama-3-70b", "llama-3.1-405b"}
     assert len(doc["ways"]) == 4
     code, out, _ = _cli(["models", "whisper", "--json"], capsys)
     doc = json.loads(out)
