@@ -93,7 +93,7 @@ def test_a_hand_edited_output_block_fails_the_check(runner, checked):
     pure = next(x for x in dp.splitlines() if x.startswith("  pp=4 "))
     edited = dp.replace(chosen, chosen[: -len(" (chosen)")]).replace(pure, pure + " (chosen)")
     problems = docs.check(ROOT, texts={"README.md": README.replace(dp, edited)}, runner=runner)
-    assert [p for p in problems if p.path == "README.md" and "chosen: the block says 'pp=4', a fresh run 'dp_shard=2 x dp_replicate=2'" in p.what], problems
+    assert [p for p in problems if p.path == "README.md" and "chosen: the block says 'pp=4', a fresh run 'dp_shard=2 x dp_replicate=2, FSDP2 unit per block'" in p.what], problems
 
     llama = _block_after(README, '<!-- fxpipe-docs: output cmd="fxpipe plan --hf llama-2-7b --devices 4"')
     row = next(x for x in llama.splitlines() if re.match(r"^\s+1\s+1\s", x))

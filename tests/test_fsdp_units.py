@@ -287,3 +287,33 @@ def test_per_block_units_on_4_ranks_with_pipelining_hsdp_and_checkpointing():
         assert cmp.ok, (mesh, schedule, ac, cmp.problems)
         assert all(res.meta["fused_full_backward"].values())  # a block reduces its gradients after its backward
         assert sorted(b for blocks in res.meta["fsdp_blocks"].values() for b in blocks)[-1] == "model.layers.3"
+
+
+def test_the_search_tries_block_units_where_whole_stage_units_expose_the_sync():
+    """A candidate whose whole-stage units leave more than BLOCK_UNITS_SYNC_SHARE of its step to exposed sync is
+    planned with per-block units too, and the search keeps whichever predicts the shorter step."""
+    import warnings
+
+    import fxpipe
+    from fxpipe.mesh.search import BLOCK_UNITS_SUFFIX, BLOCK_UNITS_SYNC_SHARE
+    from fxpipe.models import build_hf_model
+
+    model, args, kwargs = build_hf_model("gpt2", {"n_layer": 8, "n_embd": 256, "n_head": 4, "seq_len": 64},
+                                         device="meta")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = fxpipe.compile(model, args, kwargs, devices=4, microbatches=8, time_limit_s=1.0, seed=0)
+    rows = plan.options["mesh_search"]
+    planned = [r for r in rows if r.get("predicted_step_s") is not None]
+    exposed = [r for r in planned if r["fsdp_units"] == "stage" and not r["offload_optimizer"]
+               and r["exposed_sync_s"] > BLOCK_UNITS_SYNC_SHARE * r["predicted_step_s"]
+               and r["mesh"].get("dp_shard", 1) > 1]
+    assert exposed, [(r["mesh_text"], r.get("exposed_sync_s")) for r in planned]
+    for r in exposed:  # each has its per-block twin in the table
+        assert any(b["mesh_text"] == r["mesh_text"] + BLOCK_UNITS_SUFFIX for b in rows), r["mesh_text"]
+    best = min(r["predicted_step_s"] for r in planned)
+    assert plan.predicted_step_s == pytest.approx(best)
+    quiet = [r for r in planned if r["fsdp_units"] == "stage" and r["mesh"].get("dp_shard", 1) > 1
+             and r["exposed_sync_s"] <= BLOCK_UNITS_SYNC_SHARE * r["predicted_step_s"] and not r["offload_optimizer"]]
+    for r in quiet:  # a whole-stage candidate that hides its sync and fits gets no per-block twin
+        assert not any(b["mesh_text"] == r["mesh_text"] + BLOCK_UNITS_SUFFIX for b in rows), r["mesh_text"]

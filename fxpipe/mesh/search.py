@@ -128,7 +128,13 @@ from fxpipe.progress import Search
 from fxpipe.schedule.validate import check_schedule
 
 __all__ = ["search_mesh", "mesh_lower_bound_s", "rank_orders_to_try", "optimizer_placements", "block_units_allowed",
-           "tensor_parallel_degrees", "TP_DEGREES", "OFFLOAD_SUFFIX", "BLOCK_UNITS_SUFFIX"]
+           "tensor_parallel_degrees", "TP_DEGREES", "OFFLOAD_SUFFIX", "BLOCK_UNITS_SUFFIX", "BLOCK_UNITS_SYNC_SHARE"]
+
+#: A candidate with whole-stage FSDP2 units whose exposed data-parallel sync is above this share of its
+#: predicted step is also planned with per-block units (which hide the sync behind each block's compute
+#: but gather and reduce every micro-batch); where whole-stage units do not fit or bind memory they are
+#: tried anyway. Which candidates are planned, not how one is judged: the search keeps the fastest.
+BLOCK_UNITS_SYNC_SHARE = 0.05
 
 #: Appended to a candidate's ``mesh_text`` when its optimizer state lives on the host.
 OFFLOAD_SUFFIX = ", optimizer on host"
@@ -314,6 +320,15 @@ def search_mesh(graph, *, devices: int, microbatches: int, memory, options: Plan
     blocks_next = {format_mesh(mesh) for mesh in candidate_meshes(devices, microbatches, replicate=topology is not None)
                    if block_units_allowed(graph, memory, mesh, options.objective, limits)}
 
+    def sync_exposed(row: dict, mesh, entry: dict) -> None:
+        """Whole-stage FSDP2 units of ``mesh`` leave a share of the step to the data-parallel sync: try per-block
+        units too (once), whose collectives run per block under its compute (:data:`BLOCK_UNITS_SYNC_SHARE`)."""
+        if row.get("fsdp_units") == "block" or format_mesh(mesh) not in blocks_next:
+            return
+        if entry["exposed_sync_s"] > BLOCK_UNITS_SYNC_SHARE * entry["predicted_step_s"]:
+            blocks_next.discard(format_mesh(mesh))
+            add_row(mesh, False, after=row, units="block")
+
     def needs_host(row: dict, mesh) -> None:
         """The optimizer state of ``mesh`` binds its memory on the device: try it on the host too (once), and
         per-block FSDP2 units (once, with the optimizer on the device: they shard the weights and gradients too)."""
@@ -400,6 +415,8 @@ def search_mesh(graph, *, devices: int, microbatches: int, memory, options: Plan
             host_s = max(device_host_step_s(g, part.assignment, problem.device_of_stage, mesh["pp"], mem))
             entry.update(step_time_s=float(sched.value), dp_sync_s=sync, exposed_sync_s=step - float(sched.value),
                          optimizer_host_step_s=host_s, predicted_step_s=step)
+            if not row["offload_optimizer"]:
+                sync_exposed(row, mesh, entry)
             if best is None or _better(entry, mesh, best[1], best[2]):
                 best = (row, entry, mesh, mem, order, (part, problem, sched))
                 run.update(0, best=f"{row['mesh_text']} {format_ms(step)}")

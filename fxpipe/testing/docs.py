@@ -65,7 +65,8 @@ SHELL = ("bash", "sh", "shell", "console")
 #: Output blocks are rerun with this time limit (seconds).
 RUN_TIMEOUT_S = 900
 _NUMBER = re.compile(r"(?<![A-Za-z_])[-+]?\d+(?:[.,]\d+)*(?:[eE][-+]?\d+)?")
-_MESH_TEXT = r"(?:pp|dp_shard|dp_replicate|tp)=\d+(?: x (?:pp|dp_shard|dp_replicate|tp)=\d+)*(?:, optimizer on host)?"
+_MESH_TEXT = (r"(?:pp|dp_shard|dp_replicate|tp)=\d+(?: x (?:pp|dp_shard|dp_replicate|tp)=\d+)*(?:, optimizer on host)?"
+              r"(?:, FSDP2 unit per block)?")
 
 
 @dataclass
