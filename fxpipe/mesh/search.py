@@ -131,9 +131,10 @@ __all__ = ["search_mesh", "mesh_lower_bound_s", "rank_orders_to_try", "optimizer
            "tensor_parallel_degrees", "TP_DEGREES", "OFFLOAD_SUFFIX", "BLOCK_UNITS_SUFFIX", "BLOCK_UNITS_SYNC_SHARE"]
 
 #: A candidate with whole-stage FSDP2 units whose exposed data-parallel sync is above this share of its
-#: predicted step is also planned with per-block units (which hide the sync behind each block's compute
-#: but gather and reduce every micro-batch); where whole-stage units do not fit or bind memory they are
-#: tried anyway. Which candidates are planned, not how one is judged: the search keeps the fastest.
+#: predicted step, and whose step without that sync would beat the best so far, is also planned with
+#: per-block units (which hide the sync behind each block's compute but gather and reduce every
+#: micro-batch); where whole-stage units do not fit or bind memory they are tried anyway. Which
+#: candidates are planned, not how one is judged: the search keeps the fastest.
 BLOCK_UNITS_SYNC_SHARE = 0.05
 
 #: Appended to a candidate's ``mesh_text`` when its optimizer state lives on the host.
@@ -322,10 +323,14 @@ def search_mesh(graph, *, devices: int, microbatches: int, memory, options: Plan
 
     def sync_exposed(row: dict, mesh, entry: dict) -> None:
         """Whole-stage FSDP2 units of ``mesh`` leave a share of the step to the data-parallel sync: try per-block
-        units too (once), whose collectives run per block under its compute (:data:`BLOCK_UNITS_SYNC_SHARE`)."""
+        units too (once), whose collectives run per block under its compute (:data:`BLOCK_UNITS_SYNC_SHARE`),
+        where the step without that sync would beat the best so far."""
         if row.get("fsdp_units") == "block" or format_mesh(mesh) not in blocks_next:
             return
-        if entry["exposed_sync_s"] > BLOCK_UNITS_SYNC_SHARE * entry["predicted_step_s"]:
+        to_beat = entry["predicted_step_s"] if best is None else min(entry["predicted_step_s"],
+                                                                     best[1]["predicted_step_s"])
+        if entry["exposed_sync_s"] > BLOCK_UNITS_SYNC_SHARE * entry["predicted_step_s"] and \
+                entry["predicted_step_s"] - entry["exposed_sync_s"] < to_beat:
             blocks_next.discard(format_mesh(mesh))
             add_row(mesh, False, after=row, units="block")
 
