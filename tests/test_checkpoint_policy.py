@@ -270,3 +270,29 @@ def test_a_stage_admitted_with_checkpointing_has_a_schedule(seed, blocks, per_bl
     part, problem, sched, _ = plan_graph(g, devices=1, microbatches=m, memory_bytes=cap, time_limit_s=0.2,
                                          schedule_time_limit_s=0)
     assert any(c != "none" for c in problem.checkpoint)
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 10**6), blocks=st.integers(1, 3), per_block=st.integers(3, 7))
+def test_no_policy_keeps_an_output_a_later_in_place_op_may_write(seed, blocks, per_block):
+    """A kept output is the forward's tensor object: when an in-place op (``aten.add_``) reads it, the selective
+    and budget keep sets leave it (and its views) to the replay; without the in-place op it may be kept."""
+    import dataclasses
+
+    g = block_chain(seed, blocks, per_block)
+    nodes = np.arange(g.n)
+    kept = {n for e in stage_menu(g, nodes, fused=False) for n in e.policy.save}
+    if not kept:
+        return
+    index = {name: i for i, name in enumerate(g.names)}
+    read = [index[n] for n in sorted(kept) if g.successors(index[n]).size]
+    if not read:
+        return
+    victim = read[0]
+    writer = int(g.successors(victim)[0])
+    extra = [dict(e) for e in g.extra]
+    extra[writer]["target"] = "aten.add_.Tensor"
+    g2 = dataclasses.replace(g, extra=extra)
+    kept2 = {index[n] for e in stage_menu(g2, nodes, fused=False) for n in e.policy.save}
+    written = {victim} | {int(u) for u in g2.predecessors(writer)}
+    assert not kept2 & written, (sorted(kept2 & written), g.names[writer])
