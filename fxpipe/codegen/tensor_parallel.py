@@ -21,6 +21,10 @@ before FSDP2 / ``replicate`` wrap it (:mod:`fxpipe.codegen.mesh`):
   ``to_local`` ed. ``from_local``'s backward turns every gradient into its forward placement,
   so a gradient never reaches a region's boundary as a partial sum of another kind (DTensor
   cannot turn a partial sum back into the vocab-parallel embedding's masked one);
+* **shape-only reads** (role ``shape``: a static empty vector, the anchor that ties a layer's
+  copy of a constant to the layer, :mod:`fxpipe.passes.duplicate_constants`) take every input
+  as its local tensor, sharded or not (``to_local``, no communication): the value read is the
+  same empty vector on every rank;
 * **stage inputs and outputs** are local tensors in the layout of their value: the sequence
   shard for sequence-parallel values (the pipeline sends ``1 / tp`` of them), whole otherwise;
   the model's outputs whole. :meth:`TensorParallelRank.local_io` gives torch's
@@ -159,6 +163,10 @@ _CONVERSIONS: dict[tuple[str, str], tuple[str, Callable] | None] = {
     ("param", "dt"): None, ("param", "dsp"): None,
     ("param", _R): ("param_to_local", lambda x, m: x.to_local()),
     ("param", "out:R"): ("param_to_local", lambda x, m: x.to_local()),
+    # a shape-only read ("local"): any value as the tensor this rank holds, no communication
+    (_R, "local"): None, (_S1, "local"): None,
+    ("dt", "local"): ("dt_local", lambda x, m: x.to_local()), ("dsp", "local"): ("sp_local", lambda x, m: x.to_local()),
+    ("param", "local"): ("param_local", lambda x, m: x.to_local()),
 }
 
 
@@ -298,7 +306,10 @@ class TensorParallelRank:
                 if kind != _R and str(n.target).endswith("_assert_tensor_metadata.default"):
                     graph.erase_node(n)  # a dtype / device check: DTensor has no rule for it
                     continue
-                need[n] = (kind, region)
+                if kind == _R and self.roles.get(n.name) == "shape":
+                    need[n] = ("local", None)  # reads only dtype and device: its inputs' local tensors
+                else:
+                    need[n] = (kind, region)
                 produced[n] = (kind, region)
         # a region's value read by several other domains leaves it once, whole (a vocab-parallel embedding's masked
         # partial sum can be reduced only once), and every other layout is taken from that
@@ -306,7 +317,7 @@ class TensorParallelRank:
         for c, (kind, region) in need.items():
             for a in c.all_input_nodes:
                 pk, pr = produced.get(a, (_R, None))
-                if pk == "dt" and not (kind == "dt" and region == pr) and _is_tensor(a):
+                if pk == "dt" and not (kind == "dt" and region == pr) and kind != "local" and _is_tensor(a):
                     exits.setdefault(a, set()).add(kind if kind != "dt" else "dt:other")
         whole = {a for a, keys in exits.items() if len(keys - {_R, "out:R"}) + bool(keys & {_R, "out:R"}) > 1}
         cache: dict = {}

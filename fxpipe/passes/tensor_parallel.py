@@ -28,6 +28,14 @@ al. 2022, "Reducing Activation Recomputation in Large Transformer Models", Sec. 
   shard (``Shard(1)``, torchtitan's ``SequenceParallel``); a region's partial output is then
   reduce-scattered instead of all-reduced, and its input all-gathered.
 
+* **shape-only reads**: an op whose value is a static empty vector (shape ``(0,)``) reads no
+  element of its inputs, only their dtype and device, so it is the same on every rank whatever
+  their placement. :mod:`fxpipe.passes.duplicate_constants` ties each layer's copy of a constant
+  to the layer through one (``as_strided(h, [0], [1], 0)`` of an input ``h`` of the layer's first
+  reader, in an attention layer the head-sharded query): such a node gets the role ``shape``, is
+  replicated without cutting the region it reads from, and the runtime computes it on the local
+  tensor of its input (no communication, no cost change).
+
 Everything else stays replicated (every tensor-parallel rank computes it whole). A column
 whose shard reaches an op the rules do not know (a layer norm over the sharded dim, a
 ``topk``, a custom op such as transformers' ``grouped_mm_fallback``), or that leaves its block
@@ -36,7 +44,7 @@ other than through a row matmul or the model output, is *rejected* with the reas
 convolutions, MoE experts and routers, fused QKV projections split along the sharded width.
 
 The result is torch-free plain data, independent of the degree: per node a role (``column``,
-``row``, ``sharded``, ``sequence``; replicated nodes have none) and region, per region its
+``row``, ``sharded``, ``sequence``, ``shape``; other replicated nodes have none) and region, per region its
 columns and rows (each parameter's shard dim) and units. :mod:`fxpipe.mesh.tensor_parallel`
 resolves it for a degree ``tp`` (which regions divide evenly, grouped-query attention with
 fewer kv heads than ``tp`` replicating k and v, the placements of every parameter), for the
@@ -56,7 +64,8 @@ import torch.fx
 
 from fxpipe.passes.structure import module_path
 
-__all__ = ["TP_FORMAT", "ROLE_KEY", "REGION_KEY", "META_KEY", "TensorParallelStructure", "find_tensor_parallel"]
+__all__ = ["TP_FORMAT", "ROLE_KEY", "REGION_KEY", "META_KEY", "TensorParallelStructure", "find_tensor_parallel",
+           "reads_no_value"]
 
 #: Version of the plain-data record (``graph.meta["tensor_parallel"]["format"]``).
 TP_FORMAT = 1
@@ -145,8 +154,9 @@ class TensorParallelStructure:
     Attributes
     ----------
     roles : dict[str, str]
-        fx node name -> ``"column"``, ``"row"``, ``"sharded"`` (inside a column / row region) or
-        ``"sequence"`` (sequence parallel); nodes left out are replicated.
+        fx node name -> ``"column"``, ``"row"``, ``"sharded"`` (inside a column / row region),
+        ``"sequence"`` (sequence parallel) or ``"shape"`` (replicated, a static empty vector read
+        from its inputs' local tensors: :func:`reads_no_value`); nodes left out are replicated.
     node_region : dict[str, int]
         Node name -> region id, for the nodes of a region.
     regions : list[dict]
@@ -286,6 +296,8 @@ class _Finder:
             if mm is not None:
                 self.state[node] = self._matmul(node, mm)
                 continue
+            if reads_no_value(node):
+                continue  # replicated, whatever its inputs' placement (a layer's anchor: module docstring)
             # a rejected shard (_Fail) is read as replicated: the next walk, without its columns, makes it so
             ins = [self.state.get(a) for a in node.all_input_nodes]
             if not any(isinstance(s, (_Sh, tuple)) for s in ins):
@@ -393,6 +405,20 @@ def _origins(st: Any) -> frozenset:
 
 
 # ----------------------------------------------------------------------------- rules
+def reads_no_value(node: torch.fx.Node) -> bool:
+    """Whether ``node``'s value is a static empty vector (a tensor of shape ``(0,)``) computed from tensors.
+
+    Such a value holds no element: the op reads nothing of its inputs but their dtype and device
+    (:mod:`fxpipe.passes.duplicate_constants`' anchor ``as_strided(h, [0], [1], 0)`` and its
+    ``view(dtype)``), and computing it from a rank's shard of an input gives the same empty
+    vector as from the whole. Only the 1-D shape ``(0,)`` counts: a higher-dimensional empty
+    tensor may keep a sharded dim's size (``h[:, :0]``), which differs between the whole tensor
+    and a rank's shard.
+    """
+    return node.op == "call_function" and _shape(node) == (0,) and any(
+        isinstance(_val(a), torch.Tensor) for a in node.all_input_nodes)
+
+
 def _dim(d: int, ndim: int) -> int:
     return d + ndim if d < 0 else d
 
@@ -717,6 +743,9 @@ def find_tensor_parallel(gm: torch.fx.GraphModule) -> TensorParallelStructure:
     seq, sizes = _sequence_nodes(gm, finder, region_of_root)
     for name in seq:
         roles.setdefault(name, "sequence")
+    for node in gm.graph.nodes:
+        if node.name not in roles and reads_no_value(node):
+            roles[node.name] = "shape"  # computed from the local tensors of its inputs (module docstring)
     for node in gm.graph.nodes:
         if _opname(node) == "_assert_tensor_metadata" and node.args and roles.get(getattr(node.args[0], "name", "")) == "sequence":
             roles[node.name] = "sequence"
