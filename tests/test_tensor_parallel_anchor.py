@@ -11,7 +11,8 @@ region (role ``shape``) and the runtime computes it from the query's local heads
 * the capture of a Llama of the matrix at 1536 tokens (a 2.4M-element mask, copied per layer)
   has an attention and an MLP region in every layer, nothing rejected;
 * the runtime's stage graph reads every anchor's input as the rank's local tensor (no gather);
-* at ``{"tp": 2}`` on 2 gloo ranks it trains equal to one process (losses, gradients, parameters).
+* at ``{"tp": 2}`` on 2 gloo ranks it trains equal to one process (losses, gradients, parameters);
+  slow: the same at ``{"pp": 2, "tp": 2}`` on 4 ranks.
 """
 
 from __future__ import annotations
@@ -107,17 +108,31 @@ def test_the_runtime_reads_an_anchor_from_the_local_heads(plan):
     assert seen == LAYERS - 1  # one anchor per copying layer, each on its query's local heads
 
 
-def test_tp2_with_copied_constants_trains_like_one_process():
-    fac = _factory(layers=2)
+def _train_equal(layers: int, mesh: dict) -> None:
+    """The repro Llama planned with ``mesh`` trains on gloo ranks like one process."""
+    fac = _factory(layers=layers)
     model, args, kwargs = fac.one_microbatch()
-    p = fxpipe.compile(model, args, kwargs, devices=2, microbatches=MB, mesh={"tp": 2}, schedule="1f1b",
+    world = 1
+    for v in mesh.values():
+        world *= v
+    p = fxpipe.compile(model, args, kwargs, devices=world, microbatches=MB, mesh=mesh, schedule="1f1b",
                        time_limit_s=0.3, seed=0)
     assert p.capture.traced.gm.meta[REPORT_KEY]["duplicated"]
-    assert [r["kind"] for r in find_tensor_parallel(p.capture.traced.gm).regions].count("attention") == 2
+    assert [r["kind"] for r in find_tensor_parallel(p.capture.traced.gm).regions].count("attention") == layers
     run = dict(make_model=fac, stage_of=p.worker_stage_of(), orders=p.orders(), num_microbatches=MB,
                make_batch=_BatchFn(fac), loss=fac.loss, steps=2, lr=0.05, mesh={**p.mesh, "order": p.rank_order},
                model_key="llama-copied-mask", tensor_parallel_params=p.tensor_parallel.params)
-    res = spawn_train_many([run], world_size=2, timeout_s=900)
+    res = spawn_train_many([run], world_size=world, timeout_s=900)
     ref = reference_train(fac, _BatchFn(fac), num_microbatches=MB, steps=2, lr=0.05, loss=fac.loss)
     assert ref.losses[1] != ref.losses[0]
-    assert_same_training(res[0], ref, "llama at 1536 tokens, tp=2")
+    assert_same_training(res[0], ref, f"llama at {SEQ} tokens, {mesh}")
+
+
+def test_tp2_with_copied_constants_trains_like_one_process():
+    _train_equal(2, {"tp": 2})
+
+
+@pytest.mark.slow
+def test_pp2_tp2_with_copied_constants_trains_like_one_process():
+    # the copying layers on the second stage, whose inputs arrive as sequence shards
+    _train_equal(LAYERS, {"pp": 2, "tp": 2})

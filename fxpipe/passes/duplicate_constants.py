@@ -69,7 +69,11 @@ Placement
     outside itself (a small constant, a buffer) through ``type_as(x, e)``, with ``e`` an empty
     view of a non-constant input ``h`` of the layer's first reader, and a ``full`` / ``ones`` /
     ``zeros`` root becomes ``new_full(e, ...)`` etc.: three shape-only ops (no memory read, no
-    time, no gradient to ``h``) that put the copy downstream of its layer's input.
+    time, no gradient to ``h``) that put the copy downstream of its layer's input. In an
+    attention layer ``h`` is often the query, split over the heads under tensor parallelism;
+    the empty view (a static ``(0,)`` tensor) reads no element of it, so the tensor-parallel
+    finder replicates it without cutting the attention region and the runtime computes it from
+    the rank's local heads (:func:`fxpipe.passes.tensor_parallel.reads_no_value`).
 
 The graph's outputs are unchanged (the copies compute the same values with the same ops);
 node names of the original graph are kept, copies are named ``<original>_dup<g>`` for
@@ -379,7 +383,9 @@ class _Anchor:
     read no memory: values, gradients (``h`` gets none through ``e``) and costs (all three are
     shape-only ops) are unchanged, but the copy is now downstream of the layer's input, so
     the partitioner cannot hoist it to an earlier stage and the chain of layers keeps its
-    gates (:mod:`fxpipe.partition.chain`)."""
+    gates (:mod:`fxpipe.partition.chain`). Under tensor parallelism ``h`` may be sharded: the
+    empty view is read from the rank's local tensor (role ``shape`` of
+    :mod:`fxpipe.passes.tensor_parallel`), no communication."""
 
     def __init__(self, graph: torch.fx.Graph, reader: torch.fx.Node, const: set):
         self.graph = graph
