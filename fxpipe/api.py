@@ -214,10 +214,6 @@ def _plan_mesh(graph, mesh: Any, devices: int, microbatches: int, memory: Memory
     tp = mesh_tp(degrees)
     if tp > 1:  # tensor parallelism (fxpipe.mesh.tensor_parallel): refuse what it cannot split or run
         check_tensor_parallel(graph, tp)
-        if options.activation_checkpointing not in ("auto", "none"):
-            raise InputError(f"mesh tp={tp}: activation_checkpointing={options.activation_checkpointing!r} does not run "
-                             "with tensor parallelism yet (the stash sees plain tensors, not DTensor shards): use "
-                             "activation_checkpointing='none' or tp=1")
         options = tensor_parallel_options(options)
     # one tensor-parallel rank's costs and memory (fxpipe.mesh.tensor_parallel.tensor_parallel_graph)
     plan_args = dict(devices=degrees["pp"], microbatches=microbatches_per_replica(microbatches, degrees))
@@ -231,10 +227,6 @@ def _plan_mesh(graph, mesh: Any, devices: int, microbatches: int, memory: Memory
         model = mesh_memory(dataclasses.replace(memory, fsdp_units="block"), degrees)
         planned = plan_with_options(pipeline_graph(graph, degrees), options=blocks, memory=model,
                                     memory_bytes=model.capacity_bytes, **plan_args)
-    if tp > 1 and any(getattr(planned[1], "recompute", ()) or ()):
-        raise InputError(f"mesh tp={tp}: the plan recomputes activations (the memory of one tensor-parallel rank "
-                         "binds) and tensor parallelism does not run with recomputation yet: give more memory "
-                         "(memory_bytes=...), more pipeline stages or micro-batches of fewer tokens, or use tp=1")
     return degrees, model, planned, None
 
 
@@ -358,8 +350,8 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
         ``b * c`` divides ``microbatches``; ``t`` devices share every stage's matmuls, Megatron's
         column / row split found on the graph, :mod:`fxpipe.mesh.tensor_parallel`, run on DTensor,
         :mod:`fxpipe.codegen.tensor_parallel`; planned on one tensor-parallel rank's costs and memory,
-        :func:`fxpipe.mesh.tensor_parallel.tensor_parallel_graph`, without activation checkpointing,
-        recomputation or offload, which the runtime does not run under ``t > 1``): ``b * c`` replicas of a pipeline over ``a`` devices, each
+        :func:`fxpipe.mesh.tensor_parallel.tensor_parallel_graph`, activation checkpointing, recomputation
+        and offload included, run on the local shards): ``b * c`` replicas of a pipeline over ``a`` devices, each
         planned for ``microbatches / (b * c)`` micro-batches, its stages wrapped by FSDP2
         ``fully_shard`` over ``dp_shard`` (HSDP with ``dp_replicate``) or ``replicate``
         (:mod:`fxpipe.codegen.mesh`), the optimizer state sharded over ``dp_shard``

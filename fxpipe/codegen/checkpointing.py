@@ -81,6 +81,7 @@ __all__ = [
     "segment_scope",
     "run_segment_body",
     "policy_kind",
+    "rewrite_under_checkpoint",
 ]
 
 logger = logging.getLogger(__name__)
@@ -210,7 +211,13 @@ def _storages(value: Any) -> set[int]:
 
 
 def _tensor_leaves(value: Any) -> list[torch.Tensor]:
+    """The plain tensors of ``value`` (a DTensor by its local shard: what holds its storage under tensor parallelism)."""
     if isinstance(value, torch.Tensor):
+        from fxpipe.codegen.runtime import dtensor_local
+
+        local = dtensor_local(value)
+        if local is not None:
+            value = local
         return [value] if type(value) is torch.Tensor or type(value) is torch.nn.Parameter else []
     if isinstance(value, (list, tuple)):
         return [t for v in value for t in _tensor_leaves(v)]
@@ -328,6 +335,7 @@ class CarvedStage:
 
 _PLAIN = "_fxpipe_plain_graph"
 _CARVED = "_fxpipe_checkpoint"
+_POLICY = "_fxpipe_checkpoint_policy"  # (policy, CarvedStage) of the last apply_checkpoint
 
 
 def _restore(module: fx.GraphModule) -> None:
@@ -393,6 +401,7 @@ def apply_checkpoint(module: fx.GraphModule, policy: Any, stage: int = 0) -> Car
     _restore(module)
     kind = policy_kind(policy)
     done = CarvedStage(kind)
+    setattr(module, _POLICY, None)
     if kind in ("none", "stage") or not policy.segments:
         return done
     plain = module.graph
@@ -458,7 +467,30 @@ def apply_checkpoint(module: fx.GraphModule, policy: Any, stage: int = 0) -> Car
     module.graph = g
     module.recompile()
     setattr(module, _CARVED, tuple(done.pieces))
+    setattr(module, _POLICY, (policy, done))
     return done
+
+
+def rewrite_under_checkpoint(module: fx.GraphModule, rewrite: Callable[[fx.GraphModule], None], stage: int = 0) -> None:
+    """Rewrite a stage program in place with its checkpoint segments carved again afterwards.
+
+    ``rewrite(module)`` edits the plain program (the segments taken out first); the policy of the
+    last :func:`apply_checkpoint` is then carved into the rewritten program, so its segments hold
+    the new ops as well. Tensor parallelism (:meth:`fxpipe.codegen.tensor_parallel.TensorParallelRank.shard_stage`)
+    inserts the layout conversions between its domains this way: a conversion inside a block
+    (the all-gather before an attention or MLP region, the reduce-scatter after it) becomes part
+    of the block's segment and replays with it, as in Megatron-LM's and torchtitan's per-block
+    checkpointing (Korthikanti et al. 2022, Sec. 5). The :class:`CarvedStage` the first carving
+    returned is updated in place.
+    """
+    policy, done = getattr(module, _POLICY, None) or (None, None)
+    _restore(module)
+    rewrite(module)
+    if policy is None:
+        return
+    again = apply_checkpoint(module, policy, stage)
+    done.pieces[:], done.dropped[:] = again.pieces, again.dropped
+    setattr(module, _POLICY, (policy, done))
 
 
 def _inputs(run: list[fx.Node], inset: set[fx.Node]) -> list[fx.Node]:

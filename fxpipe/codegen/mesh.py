@@ -664,8 +664,11 @@ def build_mesh_rank(
 def _tensor_parallel_then(tpr, staged, wrap: Callable[[int, torch.nn.Module], None] | None) -> Callable[[int, torch.nn.Module], None]:
     """Make a stage module tensor-parallel (:meth:`TensorParallelRank.shard_stage`), then apply ``wrap`` (data parallelism)."""
 
+    from fxpipe.codegen.checkpointing import rewrite_under_checkpoint
+
     def shard_then_wrap(stage: int, module: torch.nn.Module) -> None:
-        tpr.shard_stage(staged.stages[stage], module)
+        # checkpoint segments carved already are carved again into the tensor-parallel program (its collectives replay)
+        rewrite_under_checkpoint(module, lambda m: tpr.shard_stage(staged.stages[stage], m), stage)
         if wrap is not None:
             wrap(stage, module)
 

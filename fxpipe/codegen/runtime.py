@@ -11,6 +11,9 @@ everything torch-version specific lives here, behind small adapters that the res
   :func:`meta_literals_as` (a ``TorchDispatchMode``);
 * autograd-graph walks of ``torch.distributed.pipelining._backward``: :func:`grad_fn_or_grad_acc`,
   :func:`construct_reverse_graph`, :func:`reverse_closure`;
+* DTensor's local tensor and spec (``DTensor._local_tensor``, ``DTensor._spec``, its constructor):
+  :func:`dtensor_local`, :func:`dtensor_spec`, :func:`dtensor_from_local` (the activation stash keeps a
+  DTensor activation as its local shard, :mod:`fxpipe.codegen.stash`);
 * torch's action type ``_Action``: :func:`torch_action`, the one conversion of a lowered
   :class:`fxpipe.ir.Action` (no text in between);
 * the stage and schedule runtime (``PipelineStage`` internals, ``_PipelineScheduleRuntime``):
@@ -78,6 +81,9 @@ __all__ = [
     "meta_literals_as",
     "grad_fn_or_grad_acc",
     "current_autograd_node",
+    "dtensor_local",
+    "dtensor_spec",
+    "dtensor_from_local",
     "op_interceptor",
     "construct_reverse_graph",
     "reverse_closure",
@@ -281,6 +287,39 @@ def current_autograd_node():
     (:mod:`fxpipe.codegen.stash`: which replayed tensors a split backward's ``W`` reads again).
     """
     return torch._C._current_autograd_node()
+
+
+def dtensor_local(t: Any) -> torch.Tensor | None:
+    """The local shard of a ``DTensor`` (the very tensor it wraps, sharing its storage); None for anything else.
+
+    An ``AsyncCollectiveTensor`` local (a functional collective's pending result) is waited for
+    first and its plain result returned. The activation stash (:mod:`fxpipe.codegen.stash`) counts,
+    offloads and replays DTensor activations through their local shards: under tensor
+    parallelism autograd saves the DTensor wrappers, whose storage is their local tensor's.
+    """
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(t, DTensor):
+        return None
+    local = t._local_tensor
+    wait = getattr(local, "trigger_wait", None)  # torch.distributed._functional_collectives.AsyncCollectiveTensor
+    return wait() if callable(wait) else local
+
+
+def dtensor_spec(t: Any) -> Any:
+    """The layout of a ``DTensor`` (mesh, placements, global shape and stride; no data): what
+    :func:`dtensor_from_local` needs to wrap a local shard again. None for anything else."""
+    from torch.distributed.tensor import DTensor
+
+    return t._spec if isinstance(t, DTensor) else None
+
+
+def dtensor_from_local(local: torch.Tensor, spec: Any) -> torch.Tensor:
+    """The ``DTensor`` of layout ``spec`` (:func:`dtensor_spec`) over ``local``, without autograd history and
+    without communication (what a saved DTensor was, rebuilt by the stash's unpack hook)."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor(local, spec, requires_grad=False)
 
 
 def op_interceptor(fn: Callable[[Any, tuple, dict], Any]):

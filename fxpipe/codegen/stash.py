@@ -84,8 +84,17 @@ Data parallelism (:mod:`fxpipe.codegen.mesh`)
     offloaded, whether or not FSDP2 reshards after the forward. A recomputation replays the
     forward with ``recompute_fn`` (the module's forward without FSDP2's hooks).
 
-Only public torch APIs are used (``saved_tensors_hooks``, ``UntypedStorage``, CUDA streams and
-events).
+Tensor parallelism (:mod:`fxpipe.codegen.tensor_parallel`)
+    Inside a tensor-parallel stage autograd saves DTensor wrappers (a region's activations, the
+    sequence shard of a norm's input). A slot holds a DTensor's *local shard* and its layout (mesh,
+    placements, global shape; no data): the shard is what is counted (one rank's bytes), grouped by
+    storage, offloaded, reloaded and filled by a replay, and the unpack hook wraps it again into a
+    DTensor of that layout, without communication. A DTensor parameter (and its local storage) is
+    resident. A replay re-runs the segment's layout conversions, i.e. its collectives, on every
+    tensor-parallel rank of the stage at the same point of their identical backwards.
+
+Public torch APIs are used (``saved_tensors_hooks``, ``UntypedStorage``, CUDA streams and events);
+a DTensor's local shard and layout through :mod:`fxpipe.codegen.runtime`'s adapters.
 
 References
 ----------
@@ -108,7 +117,7 @@ import torch
 from fxpipe.codegen.checkpointing import apply_checkpoint, policy_kind, run_segment_body, segment_scope
 from fxpipe.codegen.effects import analyze
 from fxpipe.codegen.offload import OffloadProgram, offload_program, programs_of
-from fxpipe.codegen.runtime import current_autograd_node, grad_fn_or_grad_acc
+from fxpipe.codegen.runtime import current_autograd_node, dtensor_from_local, dtensor_local, dtensor_spec, grad_fn_or_grad_acc
 from fxpipe.errors import InputError
 
 __all__ = ["StashError", "StageActivationStats", "ActivationStats", "DeviceStash", "device_stash", "mutated_state",
@@ -224,11 +233,12 @@ class _Group:
 class _Slot:
     """What autograd keeps for one saved tensor: a handle into the stash."""
 
-    __slots__ = ("owner", "group", "tensor", "index", "dtype", "size", "stride", "offset", "seg", "__weakref__")
+    __slots__ = ("owner", "group", "tensor", "index", "dtype", "size", "stride", "offset", "seg", "spec", "__weakref__")
 
     def __init__(self, owner: "_MicrobatchStash", group: _Group | None, tensor: torch.Tensor | None, index: int,
-                 like: torch.Tensor, seg: "_SegmentRun | None" = None):
+                 like: torch.Tensor, seg: "_SegmentRun | None" = None, spec: Any = None):
         self.seg = seg  # a placeholder of this checkpointed segment run (filled by its replay)
+        self.spec = spec  # a DTensor's layout (``like`` and ``tensor`` are then its local shard), else None
         self.owner = owner
         self.group = group
         self.tensor = tensor
@@ -237,6 +247,13 @@ class _Slot:
         self.size = tuple(like.size())
         self.stride = tuple(like.stride())
         self.offset = like.storage_offset()
+
+    def value(self) -> torch.Tensor | None:
+        """What autograd saved: the tensor, or the DTensor of ``spec`` over the local shard held (None when empty)."""
+        t = self.tensor
+        if t is None or self.spec is None:
+            return t
+        return dtensor_from_local(t, self.spec)
 
     def __del__(self):  # autograd dropped the saved tensor
         g = self.group
@@ -379,21 +396,37 @@ def _ptr(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
 
+def _local(t: Any) -> Any:
+    """A DTensor's local shard (the storage it holds on this rank), anything else as it is."""
+    local = dtensor_local(t)
+    return t if local is None else local
+
+
+def _parts(t: Any) -> tuple[Any, Any]:
+    """``(local tensor, DTensor layout or None)``: what a slot holds for a saved tensor. Under tensor parallelism
+    autograd saves DTensor wrappers (:mod:`fxpipe.codegen.tensor_parallel`); the stash counts, moves and replays
+    their local shards and wraps them again when the backward reads them."""
+    local = dtensor_local(t)
+    return (t, None) if local is None else (local, dtensor_spec(t))
+
+
 def _resident(t: Any, resident_ptrs: set[int]) -> bool:
     """Whether a saved tensor stays on the device anyway: not a plain tensor, a storage of the stage's
     resident tensors, or a parameter (or a view of one): a per-block FSDP2 unit's unsharded parameters
     (:mod:`fxpipe.codegen.fsdp_blocks`) are unsharded only around the block's own forward and backward,
     after the stage's resident tensors were read, and FSDP2 refills their storage before the block's
     backward reads them."""
-    if not _plain(t) or _ptr(t) in resident_ptrs:
-        return True
-    return isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter)
+    if isinstance(t, torch.nn.Parameter) or isinstance(getattr(t, "_base", None), torch.nn.Parameter):
+        return True  # (a DTensor parameter, or a view of one, too)
+    local = _local(t)
+    return not _plain(local) or _ptr(local) in resident_ptrs
 
 
 def _resident_ptrs(tensors: Iterable[Any]) -> set[int]:
-    """Storage addresses of the plain tensors among ``tensors`` (a DTensor, e.g. a sharded FSDP2
-    parameter, is skipped: the forward saves the unsharded parameter, another tensor)."""
-    return {_ptr(t) for t in tensors if _plain(t)}
+    """Storage addresses of the plain tensors among ``tensors``, and of the local shards of the DTensors (a
+    tensor-parallel parameter; a sharded FSDP2 parameter's shard is harmless: the forward saves the unsharded
+    parameter, another tensor, whose address the stash reads again inside the forward)."""
+    return {_ptr(local) for t in tensors if _plain(local := _local(t))}
 
 
 def mutated_state(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -659,8 +692,9 @@ class DeviceStash:
                 if saved_inputs is not None and _plain(t) and _ptr(t) in inputs:
                     saved_inputs.add(_ptr(t))
                 return t
-            slot = _Slot(ms, None, None, ms.npacks - 1, t)
-            self._add_slot(ms, slot, t)
+            local, spec = _parts(t)
+            slot = _Slot(ms, None, None, ms.npacks - 1, local, spec=spec)
+            self._add_slot(ms, slot, local)
             return slot
 
         return pack
@@ -673,9 +707,10 @@ class DeviceStash:
             g = x.group
             if g is not None and g.event is not None:  # CUDA reload in flight
                 torch.cuda.current_stream(g.device).wait_event(g.event)
+            value = x.value()
             if x.seg is not None:
                 self._after_replayed_unpack(x)
-            return t
+            return value
         ms, g = x.owner, x.group
         where = f"stage {ms.stage}, micro-batch {ms.mb}"
         if g is not None and g.state == "host":
@@ -686,7 +721,7 @@ class DeviceStash:
             )
         if x.seg is not None and ms.state != "released":
             self._replay_segment(ms, x.seg)
-            t = x.tensor
+            t = x.value()
             if t is not None:
                 self._after_replayed_unpack(x)
                 return t
@@ -695,7 +730,7 @@ class DeviceStash:
         if ms.recompute and g is None and ms.state != "released":
             self._recompute(ms)
             if x.tensor is not None:
-                return x.tensor
+                return x.value()
             raise StashError(f"{where}: recomputing the stage forward did not reproduce saved tensor #{x.index}")
         raise StashError(
             f"{where}: the backward needs activations that were already released (a backward of this micro-batch "
@@ -716,8 +751,9 @@ class DeviceStash:
             if not isinstance(a, torch.Tensor):
                 rec.inputs.append((a, None))
             elif not _resident(a, resident_ptrs):
-                slot = _Slot(ms, None, None, -1, a)
-                self._add_slot(ms, slot, a.detach())
+                local, spec = _parts(a)
+                slot = _Slot(ms, None, None, -1, local, spec=spec)
+                self._add_slot(ms, slot, local.detach())
                 rec.inputs.append((slot, a.requires_grad))
             else:
                 rec.inputs.append((a, a.requires_grad))
@@ -731,11 +767,12 @@ class DeviceStash:
             rec.npacks += 1
             if _resident(t, resident_ptrs):
                 return t
-            if _ptr(t) in ms.live_ptr:  # kept anyway (an input, a kept op result, the stash of another op)
-                slot = _Slot(ms, None, None, i, t)
-                self._add_slot(ms, slot, t)
+            local, spec = _parts(t)
+            if _ptr(local) in ms.live_ptr:  # kept anyway (an input, a kept op result, the stash of another op)
+                slot = _Slot(ms, None, None, i, local, spec=spec)
+                self._add_slot(ms, slot, local)
                 return slot
-            slot = _Slot(ms, None, None, i, t, seg=rec)
+            slot = _Slot(ms, None, None, i, local, seg=rec, spec=spec)
             rec.slots.append(weakref.ref(slot))
             return slot
 
@@ -754,10 +791,11 @@ class DeviceStash:
         return ("seq", type(value), [self._kept_slot(ms, v) if isinstance(v, torch.Tensor) else ("v", v) for v in value])
 
     def _kept_slot(self, ms: _MicrobatchStash, t: torch.Tensor):
-        if not _plain(t):
+        local, spec = _parts(t)
+        if not _plain(local):
             return ("v", t)
-        slot = _Slot(ms, None, None, -1, t)
-        self._add_slot(ms, slot, t.detach())
+        slot = _Slot(ms, None, None, -1, local, spec=spec)
+        self._add_slot(ms, slot, local.detach())
         return slot
 
     @staticmethod
@@ -766,7 +804,7 @@ class DeviceStash:
 
         def one(h):
             if isinstance(h, _Slot):
-                return None if h.tensor is None else h.tensor.detach()
+                return None if h.tensor is None else h.value().detach()
             return h[1]
 
         if handle[0] == "t":
@@ -789,7 +827,7 @@ class DeviceStash:
                     g = value.group
                     state = "on the host (offloaded, never reloaded)" if g is not None and g.state == "host" else "released"
                     raise StashError(f"{where}: its kept inputs are {state}: the backward cannot replay it")
-                value = value.tensor
+                value = value.value()
             if isinstance(value, torch.Tensor):
                 value = value.detach()
                 if rg and (value.is_floating_point() or value.is_complex()):
@@ -828,13 +866,15 @@ class DeviceStash:
             counter[0] += 1
             slot = wanted.get(i)
             if slot is not None:
-                if not _plain(t) or tuple(t.shape) != slot.size or t.dtype != slot.dtype:
+                local, spec = _parts(t)
+                if not _plain(local) or tuple(local.shape) != slot.size or local.dtype != slot.dtype \
+                        or (spec is None) != (slot.spec is None):
                     raise StashError(
                         f"{where}: the replay saved a different tensor at position {i} "
-                        f"({getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))} instead of "
-                        f"{slot.dtype} {slot.size}): the {what} is not deterministic"
+                        f"({getattr(local, 'dtype', type(t).__name__)} {tuple(getattr(local, 'shape', ()))} instead "
+                        f"of {slot.dtype} {slot.size}): the {what} is not deterministic"
                     )
-                self._add_slot(ms, slot, t.detach())
+                self._add_slot(ms, slot, local.detach())
             if i >= last:
                 raise _StopRecompute
             return t
@@ -932,7 +972,8 @@ class DeviceStash:
             ms.npacks += 1
             if _resident(t, resident_ptrs):
                 return t
-            slot = _Slot(ms, None, None, ms.npacks - 1, t)
+            local, spec = _parts(t)
+            slot = _Slot(ms, None, None, ms.npacks - 1, local, spec=spec)
             ms.slots.append(weakref.ref(slot))
             return slot
 

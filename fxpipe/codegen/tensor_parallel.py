@@ -35,9 +35,13 @@ sequence parallelism, k / v replicated for grouped-query attention) gets a parti
 gradient; :meth:`TensorParallelRank.reduce_grads` redistributes every gradient to its
 parameter's placement once per step (FSDP2 does the same for its stages in ``REDUCE_GRAD``).
 
-Not yet with tensor parallelism (a clear error before any process group is touched):
-activation recomputation and offload/reload (the stash saves plain tensors; DTensor activations
-would be neither counted nor moved), ``compile_stages``.
+Activation checkpointing, recomputation and offload/reload run under tensor parallelism: the
+stash (:mod:`fxpipe.codegen.stash`) keeps what autograd saves as DTensor by its local shard (counted,
+moved and replayed as the shard, wrapped again when the backward reads it), and a stage's
+checkpoint segments are carved again into the rewritten program
+(:func:`fxpipe.codegen.checkpointing.rewrite_under_checkpoint`), so the layout conversions inside a
+block (its all-gather and reduce-scatter) replay with it. Not yet with tensor parallelism (a clear
+error before any process group is touched): ``compile_stages`` (Inductor sees plain tensors).
 
 Sources: Shoeybi et al. 2019 (Megatron-LM, Sec. 3: column / row parallel matmuls);
 Korthikanti et al. 2022 (sequence parallelism, Sec. 4.2.2); torch's DTensor
@@ -174,31 +178,19 @@ def check_tensor_parallel_run(tp: int, recompute_stages=(), offloads: bool = Fal
                               activation_checkpointing=None) -> None:
     """Refuse, before any process group is touched, what tensor parallelism does not run yet.
 
-    ``activation_checkpointing``: the stages' :class:`~fxpipe.memory.checkpoint.CheckpointPolicy`
-    (or None); any kind but ``"none"`` is refused with ``tp > 1``.
+    Activation checkpointing of every kind (``activation_checkpointing``: the stages'
+    :class:`~fxpipe.memory.checkpoint.CheckpointPolicy`), whole-stage recomputation
+    (``recompute_stages``) and offload/reload actions (``offloads``) run with ``tp > 1`` (module
+    docstring); the parameters stay for the callers' uniformity.
 
     Raises
     ------
     InputError
-        With ``tp > 1``: activation recomputation or checkpointing, offload/reload actions,
-        ``compile_stages``.
+        With ``tp > 1``: ``compile_stages``.
     """
-    if int(tp) <= 1:
-        return
-    what = []
-    if tuple(recompute_stages):
-        what.append(f"activation recomputation (stages {list(recompute_stages)})")
-    checkpointed = [s for s, p in enumerate(activation_checkpointing or ()) if getattr(p, "kind", "none") != "none"]
-    if checkpointed:
-        what.append(f"activation checkpointing (stages {checkpointed})")
-    if offloads:
-        what.append("activation offload/reload (O/R actions)")
-    if compile_stages:
-        what.append("compile_stages=True")
-    if what:
-        raise InputError(f"tensor parallelism (tp={tp}) does not run with {' or '.join(what)} yet: the activation "
-                         "stash and Inductor see plain tensors, not DTensor shards; use a schedule without them "
-                         "(1f1b, zb-h1, ...) or tp=1")
+    if int(tp) > 1 and compile_stages:
+        raise InputError(f"tensor parallelism (tp={tp}) does not run with compile_stages=True yet: Inductor compiles "
+                         "plain tensors, not DTensor shards; use compile_stages=False or tp=1")
 
 
 class TensorParallelRank:

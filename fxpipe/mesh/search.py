@@ -24,11 +24,10 @@ attention block's heads and MLP's widths, something is split, ``tp`` consecutive
 multiplies the meshes: ``pp * dp_shard * dp_replicate * tp = devices``. A ``tp > 1`` candidate is
 planned, bounded and checked for static fit on one tensor-parallel rank's graph
 (:func:`fxpipe.mesh.tensor_parallel.tensor_parallel_graph`: 1/tp of the split ops' compute,
-activations and parameters, the regions' collectives on the node's links), with no activation
-checkpointing, recomputation or offload and the optimizer state on the device
-(:func:`fxpipe.mesh.tensor_parallel.tensor_parallel_options`): what the runtime runs under tensor
-parallelism. A pinned per-block checkpointing policy or optimizer on the host keeps the search at
-``tp = 1``.
+activations and parameters, the regions' collectives on the node's links), with the options
+:func:`fxpipe.mesh.tensor_parallel.tensor_parallel_options` gives (checkpointing, recomputation and
+offload included: the runtime runs them on the local shards) and the optimizer state on the device.
+An optimizer pinned on the host keeps the search at ``tp = 1``.
 
 Rank placement (issue 18 item 2, "the most talkative dimension inside the node"): with a
 topology every mesh is costed under each rank order that places it differently
@@ -170,11 +169,10 @@ def tensor_parallel_degrees(graph, devices: int, memory, options: PlanOptions) -
     """The degrees of :data:`TP_DEGREES` the search plans: those dividing ``devices`` that the graph admits
     (:func:`fxpipe.mesh.tensor_parallel.check_tensor_parallel`: they divide the heads and widths of every
     attention block and MLP, something is split, and with a known topology ``tp`` consecutive ranks share a
-    node), and only 1 when the run could not execute tensor parallelism: a pinned per-block
-    ``activation_checkpointing`` (``"full"`` / ``"selective"``) or the optimizer state pinned on the host
-    (the runtime refuses the first under ``tp > 1``; the second is not run yet). A ``tp > 1`` candidate is
-    planned without checkpointing, recomputation or activation offload (:func:`tensor_parallel_options`)."""
-    if options.activation_checkpointing in ("full", "selective") or memory.offload_optimizer is True:
+    node), and only 1 when the optimizer state is pinned on the host (not run with tensor parallelism yet).
+    A ``tp > 1`` candidate is planned with the options :func:`tensor_parallel_options` gives (activation
+    checkpointing, recomputation and offload included: the runtime runs them on the local shards)."""
+    if memory.offload_optimizer is True:
         return [1]
     out = [1]
     for tp in TP_DEGREES[1:]:

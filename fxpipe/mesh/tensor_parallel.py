@@ -314,11 +314,18 @@ def check_tensor_parallel(graph, tp: int, what: str = "mesh") -> TensorParallelL
 
 
 def tensor_parallel_options(options):
-    """The planning options (:class:`fxpipe.options.PlanOptions`) of a ``tp > 1`` mesh: no activation
-    checkpointing, no recomputation and no activation offload (``activation_checkpointing="none"``,
-    no host link), the only ones the runtime runs under tensor parallelism
-    (:func:`fxpipe.codegen.tensor_parallel.check_tensor_parallel_run`)."""
-    return dataclasses.replace(options, host_bandwidth_bytes_per_s=None, activation_checkpointing="none")
+    """The planning options (:class:`fxpipe.options.PlanOptions`) of a ``tp > 1`` mesh: ``options`` as they are.
+
+    The runtime runs every activation-checkpoint policy (per-block ``full``, ``selective``,
+    ``budget``, whole-stage ``stage``) and activation offload/reload under tensor parallelism
+    (:func:`fxpipe.codegen.tensor_parallel.check_tensor_parallel_run`: the stash keeps DTensor
+    activations by their local shards), so nothing is taken away; their costs are one rank's
+    (:func:`tensor_parallel_graph`: kept bytes of sharded values at ``1 / tp``, replayed ops at
+    ``1 / tp`` of their compute, and a replayed block's forward collectives, which
+    ``tensor_parallel_graph`` puts on its first column and its rows, replayed with it). The one
+    place that says what a ``tp > 1`` plan may use, for :func:`fxpipe.api.compile` and the mesh
+    search alike."""
+    return options
 
 
 def _devices_per_node(graph) -> int | None:
