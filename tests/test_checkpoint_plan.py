@@ -196,22 +196,33 @@ def test_planning_ahead_in_worker_processes_changes_no_figure(llama8b_2x8192, mo
     assert tables[0] == tables[1]
 
 
-def test_tensor_parallelism_plans_and_builds_without_checkpointing():
-    """The runtime does not run checkpoint segments under tp > 1 (the stash sees DTensor wrappers): a pinned
-    policy is refused at planning, "auto" plans every stage "none", and the runtime's own check refuses one."""
+def test_tensor_parallelism_plans_checkpointing_on_one_rank_and_refuses_only_compile_stages(tiny_llama):
+    """Under tp > 1 (the runtime runs every policy on the local shards, tests/test_tensor_parallel_run.py):
+    a pinned ``"full"`` plans on every stage, priced on one tensor-parallel rank's graph (it keeps less than at
+    tp = 1: the residual stream's sequence shard); ``"auto"`` checkpoints where one rank's memory forces it;
+    the runtime's own check refuses compile_stages only."""
     from fxpipe.codegen.tensor_parallel import check_tensor_parallel_run
+    from fxpipe.schedule.device_greedy import min_device_memory
 
-    model, args, kwargs = zoo.get("llama").one_microbatch()
-    with pytest.raises(InputError, match="does not run with tensor parallelism"):
-        fxpipe.compile(model, args, kwargs, devices=4, microbatches=4, mesh={"pp": 2, "tp": 2}, schedule="1f1b",
-                       activation_checkpointing="full", time_limit_s=0.3, seed=0)
+    model, args, kwargs = tiny_llama
+    common = dict(devices=4, microbatches=4, schedule="1f1b", time_limit_s=0.3, seed=0)
+    kept = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        plan = fxpipe.compile(model, args, kwargs, devices=4, microbatches=4, mesh={"pp": 2, "tp": 2},
-                              schedule="1f1b", time_limit_s=0.3, seed=0)
-    assert [p.kind for p in plan.activation_checkpointing] == ["none", "none"]
-    check_tensor_parallel_run(2, activation_checkpointing=plan.activation_checkpointing)
-    check_tensor_parallel_run(1, activation_checkpointing=[CheckpointPolicy("full", segments=(("a",),))])
-    with pytest.raises(InputError, match=r"activation checkpointing \(stages \[1\]\)"):
-        check_tensor_parallel_run(2, activation_checkpointing=[CheckpointPolicy("none"),
-                                                               CheckpointPolicy("full", segments=(("a",),))])
+        for tp in (1, 2):
+            plan = fxpipe.compile(model, args, kwargs, **{**common, "devices": 2 * tp}, mesh={"pp": 2, "tp": tp},
+                                  activation_checkpointing="full")
+            assert [p.kind for p in plan.activation_checkpointing] == ["full", "full"]
+            kept[tp] = [p.kept_bytes for p in plan.activation_checkpointing]
+            check_tensor_parallel_run(tp, activation_checkpointing=plan.activation_checkpointing)
+        assert all(0 < k2 < k1 for k1, k2 in zip(kept[1], kept[2])), kept
+        free = fxpipe.compile(model, args, kwargs, **common, mesh={"pp": 2, "tp": 2})
+        assert [p.kind for p in free.activation_checkpointing] == ["none", "none"]
+        one = float(min_device_memory(free.problem, offload=False).max())  # one micro-batch of the larger stage
+        tight = fxpipe.compile(model, args, kwargs, devices=4, microbatches=4, time_limit_s=1.0, schedule_time_limit_s=0,
+                               seed=0, mesh={"pp": 2, "tp": 2}, mem_limit_bytes=0.9 * one)
+    assert tight.tp == 2 and any(p.kind != "none" for p in tight.activation_checkpointing)
+    assert check_schedule(tight.problem, tight.schedule) == []
+    with pytest.raises(InputError, match="compile_stages"):
+        check_tensor_parallel_run(2, compile_stages=True)
+    check_tensor_parallel_run(1, compile_stages=True)

@@ -39,7 +39,7 @@ from helpers import assert_same_training  # noqa: E402
 GLOBAL_MB = 4
 
 
-def _run(name, mesh, schedule, offload=False, **kw):
+def _planned_run(name, mesh, schedule, offload=False, **kw):
     """A spawn_train_many run of zoo model ``name`` planned with ``mesh``, and its label (``offload``: the
     optimizer state on the host, FSDP2's CPUOffloadPolicy around the tensor-parallel stages)."""
     zm = zoo.get(name, microbatches=GLOBAL_MB)
@@ -53,7 +53,12 @@ def _run(name, mesh, schedule, offload=False, **kw):
     run = dict(make_model=zm, stage_of=plan.worker_stage_of(), orders=plan.orders(), num_microbatches=GLOBAL_MB,
                make_batch=zm.batch, loss=zm.loss, steps=2, lr=0.05, mesh={**plan.mesh, "order": plan.rank_order},
                model_key=name, tensor_parallel_params=plan.tensor_parallel.params, offload_optimizer=offload)
-    return run, f"{name} {format_mesh(plan.mesh)} {schedule}" + (" optimizer on the host" if offload else "")
+    return run, f"{name} {format_mesh(plan.mesh)} {schedule}" + (" optimizer on the host" if offload else ""), plan
+
+
+def _run(name, mesh, schedule, offload=False, **kw):
+    """:func:`_planned_run` without the plan."""
+    return _planned_run(name, mesh, schedule, offload, **kw)[:2]
 
 
 def _check(results, labels, runs):
@@ -71,6 +76,93 @@ def test_llama_pp2_tp2_trains_like_one_process():
     # 4 ranks, each its pipeline stage of one tensor-parallel half: ranks 0, 1 run stage 0, ranks 2, 3 stage 1
     acts = res[0].meta["actions"]
     assert acts[0] == acts[1] and acts[2] == acts[3] and acts[0] != acts[2]
+
+
+def _checkpointed(name, mesh, schedule, kind, offload=False, **kw):
+    """A :func:`_run` whose every stage runs the planner's ``kind`` policy (``fxpipe.testing.checkpoint_policies``),
+    the plan (for its predictions) and the label; ``offload``: every stash offloaded to the host and reloaded."""
+    from fxpipe.codegen.offload import offload_all
+    from fxpipe.testing.checkpoint_policies import policies
+
+    run, label, plan = _planned_run(name, mesh, schedule, **kw)
+    run["activation_checkpointing"] = policies(plan, kind)
+    if offload:
+        run["orders"] = offload_all(run["orders"])
+    if schedule.startswith("zb"):
+        run["fuse"] = False  # every backward split into B and W
+    return run, plan, f"{label} {kind}" + (" offloaded" if offload else "")
+
+
+def _stage_stats(res) -> dict:
+    """Per stage, the activation measurements of its first rank (``meta["activation"]``)."""
+    out: dict = {}
+    for act in res.meta["activation"].values():
+        for s, st in (act or {}).get("stages", {}).items():
+            out.setdefault(int(s), st)
+    return out
+
+
+def test_tp2_checkpointing_trains_like_one_process_and_measures_as_predicted():
+    """Activation checkpointing under tensor parallelism (issue 29 with issue 28's policies), 2 gloo ranks at tp=2.
+
+    Per-block ``full`` (1F1B), torchtitan-style ``selective`` (1F1B, and ZB-H1 with every backward split into B
+    and W) train a Llama to the single-process result; every carved segment runs once per micro-batch and
+    replays; and what the stash's saved-tensor hooks measure on a rank (its local shards: kept bytes after the
+    forward, replayed bytes held at once in a full backward) is within 10 % of the policy's prediction on one
+    tensor-parallel rank's graph (:func:`fxpipe.memory.checkpoint.predict_checkpoint_bytes` of
+    ``plan.graph``). Before the stash kept DTensor activations by their local shards it counted none of them,
+    and checkpointing under tp kept them all."""
+    from fxpipe.memory.checkpoint import predict_checkpoint_bytes
+    from fxpipe.testing.checkpoint_policies import stage_nodes
+
+    mesh = {"pp": 1, "tp": 2}
+    cases = [_checkpointed("llama", mesh, "1f1b", "full"), _checkpointed("llama", mesh, "1f1b", "selective"),
+             _checkpointed("llama", mesh, "zb-h1", "selective")]
+    runs, plans, labels = zip(*cases)
+    res = spawn_train_many(list(runs), world_size=2, timeout_s=900)
+    _check(res, labels, runs)
+    for r, run, plan, label in zip(res, runs, plans, labels):
+        st = _stage_stats(r)[0]
+        pol = run["activation_checkpointing"][0]
+        pieces = r.meta["checkpointing"][0]["pieces"]
+        assert pieces and st["segment_runs"] == len(pieces) * 2 * GLOBAL_MB // mesh["pp"], (label, st)
+        assert 0 < st["replays"] <= st["segment_runs"], (label, st)
+        kept, peak = predict_checkpoint_bytes(plan.graph, stage_nodes(plan, 0), pol)
+        assert st["max_microbatch_bytes"] == pytest.approx(kept, rel=0.1), (label, st, kept)
+        if "zb" not in label:
+            assert st["max_replay_peak_bytes"] == pytest.approx(peak, rel=0.1), (label, st, peak)
+    # the policies do what they are for, on the local shards: full keeps least, both less than the plain stash
+    plain = plans[0].graph
+    none_kept, _ = predict_checkpoint_bytes(plain, stage_nodes(plans[0], 0), None)
+    full, sel = (_stage_stats(r)[0]["max_microbatch_bytes"] for r in res[:2])
+    assert full < sel < none_kept, (full, sel, none_kept)
+
+
+@pytest.mark.slow
+def test_tp_checkpointing_composes_with_pipelining_split_backward_offload_fsdp_and_moe_on_4_ranks():
+    """pp2 x tp2 of a Llama under ``full`` (1F1B), ``selective`` (ZB-H1, split backward), ``budget`` with every
+    stash offloaded and reloaded, whole-stage ``stage`` recomputation; tp2 x dp_shard2 (2-D FSDP2) under
+    ``full``; pp2 x tp2 of a Qwen3-MoE under ``full``: each trains like one process."""
+    pp_tp = {"pp": 2, "tp": 2}
+    cases = [_checkpointed("llama", pp_tp, "1f1b", "full"), _checkpointed("llama", pp_tp, "zb-h1", "selective"),
+             _checkpointed("llama", pp_tp, "1f1b", "budget", offload=True),
+             _checkpointed("llama", pp_tp, "1f1b", "stage"),
+             _checkpointed("llama", {"pp": 1, "tp": 2, "dp_shard": 2}, "1f1b", "full"),
+             _checkpointed("qwen3_moe", pp_tp, "1f1b", "full")]
+    runs, _, labels = zip(*cases)
+    res = spawn_train_many(list(runs), world_size=4, timeout_s=1500)
+    _check(res, labels, runs)
+    for r, run, label in zip(res, runs, labels):
+        stats = _stage_stats(r)
+        kinds = {p.kind for p in run["activation_checkpointing"]}
+        if kinds & {"full", "selective", "budget"}:
+            assert all(st["replays"] > 0 for st in stats.values()), (label, stats)
+        if "stage" in kinds:
+            assert all(st["recomputes"] > 0 for st in stats.values()), (label, stats)
+        if "offloaded" in label:
+            assert any(st["offloads"] > 0 and st["offloads"] == st["reloads"] for st in stats.values()), (label, stats)
+    split = _stage_stats(res[1])
+    assert res[1].meta["fused_full_backward"][1] is False and split[1]["max_w_held_bytes"] > 0, split
 
 
 @pytest.mark.slow

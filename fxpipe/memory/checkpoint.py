@@ -377,6 +377,15 @@ def _absorb_interleaved(graph: OpGraph, block_of: np.ndarray, count: int) -> Non
             block_of[v] = succ[0]
 
 
+#: ``graph.meta`` key of one tensor-parallel rank's costs (:func:`fxpipe.mesh.tensor_parallel.tensor_parallel_graph`)
+TP_COSTS_META = "tp_costs"
+#: in ``graph.meta[TP_COSTS_META]``: node name -> bytes of the op's own result on one tensor-parallel rank where
+#: they differ from its output (``size_out_bytes``, after its region's collective): a row's partial sum and the
+#: vocab-parallel embedding's are whole, the output projection's logits before their all-gather ``1 / tp``. A
+#: kept op result (``save``) is that result, so a policy keeps these bytes of such a node.
+RESULT_BYTES_KEY = "result_bytes"
+
+
 # ----------------------------------------------------------------------------- one stage
 class _SavedModel:
     """What every node of a graph saves: producers (by node id) and private bytes (module docstring)."""
@@ -387,6 +396,10 @@ class _SavedModel:
         act = np.asarray(graph.act_bytes, dtype=np.float64)
         extra = graph.extra if graph.extra and len(graph.extra) == n else [{}] * n
         index = {name: i for i, name in enumerate(graph.names)}
+        self.result = self.size.copy()  # what keeping a node's op result holds (tensor parallelism: RESULT_BYTES_KEY)
+        for name, nbytes in (((graph.meta or {}).get(TP_COSTS_META) or {}).get(RESULT_BYTES_KEY) or {}).items():
+            if name in index:
+                self.result[index[name]] = float(nbytes)
         self.saves: list[tuple[int, ...]] = []
         self.identity = any("saved" in e for e in extra)
         first: dict[int, int] = {}
@@ -525,7 +538,10 @@ def _evaluate(sm: _SavedModel, nodes: np.ndarray, segments: Sequence[np.ndarray]
             if int(v) in keep:
                 need(int(v), starts[i])
     kept_set = set(first_need)
-    kept = float(sum(sm.size[u] for u in kept_set)) + private_out
+    # a kept op result is the op's own (under tensor parallelism a row's partial sum, whole), a segment input the
+    # value it reads (the row's reduced shard)
+    size = {u: float(sm.result[u] if u in keep else sm.size[u]) for u in kept_set}
+    kept = float(sum(size.values())) + private_out
     # what each segment replays, and the W inputs it recreates
     replay = []
     w_of_seg = []
@@ -566,8 +582,8 @@ def _evaluate(sm: _SavedModel, nodes: np.ndarray, segments: Sequence[np.ndarray]
         kept_w = {u for u in kept_set if u in w_tensors}
         for i, seg in enumerate(segments):
             last = int(seg[-1])
-            live = sum(sm.size[u] for u in kept_set if first_need[u] <= last) + private_out
-            held = live + sum(sm.size[u] for u in kept_w if first_need[u] > last)
+            live = sum(size[u] for u in kept_set if first_need[u] <= last) + private_out
+            held = live + sum(size[u] for u in kept_w if first_need[u] > last)
             done_w = sum(w_of_seg[j] for j in range(i + 1, len(segments)))
             level = max(level, held + done_w + replay[i])
             fused = max(fused, live + replay[i])

@@ -44,6 +44,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from fxpipe.errors import InputError
+from fxpipe.memory.checkpoint import RESULT_BYTES_KEY, TP_COSTS_META
 
 __all__ = [
     "REPLICATE",
@@ -62,7 +63,7 @@ __all__ = [
 #: The placement text of a replicated parameter (DTensor's ``repr`` of ``Replicate()``).
 REPLICATE = "Replicate()"
 #: ``graph.meta`` key of a graph :func:`tensor_parallel_graph` made (its degree and collective times).
-TP_COSTS_KEY = "tp_costs"
+TP_COSTS_KEY = TP_COSTS_META  # (defined with the checkpoint model, which reads it: mesh imports memory)
 
 _BLOCKS = ("attention", "mlp")
 
@@ -469,6 +470,7 @@ def tensor_parallel_graph(graph, tp: int, topology=None):
     for i, d in enumerate(node_domains(graph, layout)):
         if d != "plain":
             work[i] = out[i] = act[i] = 1.0 / tp
+    local = out.copy()  # what the op itself leaves on the rank (a kept op result), before its region's collective
     fwd = np.zeros(n)
     bwd = np.zeros(n)
     size_out = np.asarray(graph.size_out_bytes, dtype=np.float64)
@@ -486,10 +488,13 @@ def tensor_parallel_graph(graph, tp: int, topology=None):
         for i in ends[: len(r["rows"])]:
             par[i] = 1.0 / tp
             out[i] = 1.0 / tp if sp else 1.0  # the reduced sum: reduce-scattered under sequence parallelism
+            local[i] = 1.0  # the partial sum, whole
         if r["kind"] == "embedding":
             out[cols[0]] = 1.0 / tp if sp else 1.0
+            local[cols[0]] = 1.0  # the masked partial sum, whole
         elif r["kind"] == "output":
             out[cols[0]] = 1.0  # the logits, all-gathered
+            local[cols[0]] = 1.0 if 0 in kept else 1.0 / tp  # the logits of its vocabulary shard
         first = min(cols)
         preds = graph.pred_idx[graph.pred_ptr[first]:graph.pred_ptr[first + 1]]
         sizes = {"in": float(size_out[preds].max()) if len(preds) else 0.0}
@@ -503,7 +508,9 @@ def tensor_parallel_graph(graph, tp: int, topology=None):
                   for i, e in enumerate(graph.extra or ()))
     meta = dict(graph.meta or {})
     meta[TP_COSTS_KEY] = {"tp": tp, "sequence_parallel": sp, "regions": len(layout.regions),
-                          "collective_fwd_s": float(fwd.sum()), "collective_bwd_s": float(bwd.sum())}
+                          "collective_fwd_s": float(fwd.sum()), "collective_bwd_s": float(bwd.sum()),
+                          RESULT_BYTES_KEY: {graph.names[i]: float(size_out[i] * local[i])
+                                             for i in np.flatnonzero(local != out).tolist()}}
 
     def frozen(a) -> np.ndarray:
         a = np.ascontiguousarray(a, dtype=np.float64)
