@@ -30,9 +30,11 @@ Rows (:data:`ROWS`; issue 29 adds the tensor-parallel ones). Sources:
 Tensor-parallel rows (issue 29 item 6): the published ``local_batch`` sequences per data-parallel
 replica are planned as micro-batches of ``microbatch_size`` sequences (torchtitan's pipeline
 default: one sequence per micro-batch; with ``pp = 1`` gradient accumulation over the same tokens).
-fxpipe's runtime does not run activation checkpointing under ``tp > 1`` yet, so these rows are
-planned WITHOUT the published full AC (``activation_checkpointing="none"``): when that does not fit
-the 96 GB the row says so with the planner's figures instead of pretending. Float8, torch.compile and
+They are planned WITH the published full AC (``activation_checkpointing="full"``): fxpipe's runtime
+runs per-block checkpointing on the tensor-parallel stages (the stash keeps the local shards, a
+block's replay re-runs its collectives, :mod:`fxpipe.codegen.tensor_parallel`), priced on one
+tensor-parallel rank's graph; a row that still does not fit the 96 GB says so with the planner's
+figures (and is then planned without a memory limit, time terms only). Float8, torch.compile and
 async TP are not modelled (bf16 matmuls, collectives not overlapped): the prediction is pessimistic
 by them. Each tensor-parallel row also plans fxpipe's default (``mesh="auto"``) for the same job
 (same GPUs, tokens per step and micro-batch size), printed on the next line.
@@ -157,10 +159,6 @@ def plan_row(row: dict, variant: str, time_limit_s: float, default: bool = False
     extra = {}
     if default:
         out["ac_planned"] = "auto"
-    elif tp > 1:  # the runtime does not run activation checkpointing under tensor parallelism yet
-        extra["activation_checkpointing"] = out["ac_planned"] = "none"
-        out["notes"].append(f"published '{row['ac']}' AC not planned: fxpipe's runtime refuses activation "
-                            "checkpointing under tp > 1")
     elif has_activation_checkpointing():
         extra["activation_checkpointing"] = row["ac"]
         out["ac_planned"] = row["ac"]
@@ -176,14 +174,14 @@ def plan_row(row: dict, variant: str, time_limit_s: float, default: bool = False
     try:
         plan = fxpipe.compile(model, args, kwargs, **common)
     except InfeasibleError as exc:
-        if extra.get("activation_checkpointing") not in (None, "none") or default:
+        if default or tp == 1 and extra.get("activation_checkpointing") not in (None, "none"):
             out.update(error=str(exc).splitlines()[0][:300], plan_s=time.perf_counter() - t0)
             return out
-        # without the published checkpointing the published batch does not fit: plan it without a memory
-        # limit, clearly labelled, so the time terms can still be compared
-        out["notes"].append("DOES NOT FIT without AC (" + str(exc).splitlines()[0][:160] + "); planned WITHOUT a "
-                            "memory limit: time terms only, memory column = what it would need")
-        out["ac_planned"] = "none (memory not checked)"
+        # the published batch does not fit as planned: plan it without a memory limit, clearly labelled, so the
+        # time terms and the memory it would need can still be compared
+        out["notes"].append(f"DOES NOT FIT with AC {out['ac_planned']!r} (" + str(exc).splitlines()[0][:160] +
+                            "); planned WITHOUT a memory limit: time terms only, memory column = what it would need")
+        out["ac_planned"] = f"{out['ac_planned']} (memory not checked)"
         out["fits"] = False
         try:
             plan = fxpipe.compile(model, args, kwargs, **{**common, "memory_bytes": math.inf})
@@ -247,7 +245,7 @@ def explain(row: dict, res: dict) -> list[str]:
     if row["ac"] == "selective" and not res["recompute_stages"]:
         notes.append("no recomputation planned where torchtitan's selective AC recomputes part of the forward "
                      "(a few % of the step): the prediction is that much optimistic")
-    if row["ac"] == "full" and not res["recompute_stages"] and res.get("ac_planned") != "full":
+    if row["ac"] == "full" and not res["recompute_stages"] and not str(res.get("ac_planned", "")).startswith("full"):
         with_ac = tokens / (res["predicted_step_s"] + res["forward_s"]) / pub
         both = tokens / max(res["schedule_s"] + res["forward_s"], res["dp_sync_s"]) / pub
         notes.append(f"full AC recomputes the forward, {res['forward_s']:.2f} s more per step, not planned here "
