@@ -41,6 +41,7 @@ from fxpipe.progress import phase
 from fxpipe.schedule.auto import AUTO_MILP_MAX_OPS, auto_schedule
 from fxpipe.schedule.dispatch import default_method, make_schedule, methods_for_placement
 from fxpipe.schedule.from_partition import problem_from_partition
+from fxpipe.schedule.validate import place_fused_w
 
 __all__ = ["plan_graph", "plan_with_options", "resolve_memory", "auto_milp_budget_s", "fill_empty_stages"]
 
@@ -403,7 +404,19 @@ class _CandidateSearch:
             return chosen.problem, chosen.schedule
         budget = DEFAULT_MILP_TIME_LIMIT_S if opts.schedule_time_limit_s is None else opts.schedule_time_limit_s
         with phase(f"schedule {k} stages x {m} micro-batches ({method})", on=opts.progress):
-            return problem, make_schedule(problem, method, time_limit_s=budget, progress=opts.progress)
+            try:
+                return problem, make_schedule(problem, method, time_limit_s=budget, progress=opts.progress)
+            except InfeasibleError:
+                # a pinned policy's split backward holds every W input from B to W; its fused variant (B and W as
+                # one full backward, as 1F1B runs them) holds one segment's replay: the published per-block
+                # checkpointing under a pinned 1F1B-like method
+                fused = {s: f"{pinned}-fused" for s in range(k) if problem.checkpoint[s] == pinned
+                         and any(o.name == f"{pinned}-fused" for o in problem.checkpoint_menu[s])}
+                if pinned not in ("full", "selective") or not fused:
+                    raise
+                problem = problem.with_checkpoint(fused)
+                return problem, place_fused_w(problem, make_schedule(problem, method, time_limit_s=budget,
+                                                                     progress=opts.progress))
 
     def _menus(self, part: Partition) -> list[list] | None:
         """The activation-checkpoint options of every stage of ``part`` besides ``"none"`` (cached per

@@ -226,3 +226,22 @@ def test_tensor_parallelism_plans_checkpointing_on_one_rank_and_refuses_only_com
     with pytest.raises(InputError, match="compile_stages"):
         check_tensor_parallel_run(2, compile_stages=True)
     check_tensor_parallel_run(1, compile_stages=True)
+
+def test_a_pinned_policy_under_a_pinned_1f1b_runs_fused_where_its_split_backward_does_not_fit():
+    """A split backward of a per-block policy holds every W input from B to W; where that does not fit under a
+    pinned schedule, the plan runs the policy's fused variant (B and W as one full backward, one segment's
+    replay held), as torchtitan's full AC under 1F1B does (at tp = 2, the published Table 5 layout's shape)."""
+    model, args, kwargs = build_hf_model("llama", {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4,
+                                                   "num_key_value_heads": 2, "vocab_size": 96, "num_hidden_layers": 8,
+                                                   "seq_len": 16, "batch_size": 1})
+    common = dict(devices=4, microbatches=8, mesh={"pp": 2, "tp": 2}, schedule="1f1b", activation_checkpointing="full",
+                  time_limit_s=1.0, schedule_time_limit_s=0, seed=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        free = fxpipe.compile(model, args, kwargs, **common)
+        assert free.problem.checkpoint == ("full", "full")
+        split_one = float(np.max(free.problem.stash_footprint))  # one micro-batch's B under the split variant
+        tight = fxpipe.compile(model, args, kwargs, **common, mem_limit_bytes=0.9 * split_one)
+    assert tight.problem.checkpoint == ("full-fused", "full-fused")
+    assert check_schedule(tight.problem, tight.schedule) == []
+    assert [p.kind for p in tight.activation_checkpointing] == ["full", "full"]
