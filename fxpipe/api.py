@@ -178,9 +178,8 @@ def recording_warnings():
 
 
 def _check_block_units(graph, degrees) -> None:
-    """Refuse per-block FSDP2 units where they do not run (tensor parallelism, several parameter dtypes)."""
-    why = "it does not run with tensor parallelism yet (use tp=1)" if mesh_tp(degrees) > 1 else \
-        runtime_limits(graph).get("fsdp_blocks")
+    """Refuse per-block FSDP2 units where they do not run (several parameter dtypes)."""
+    why = runtime_limits(graph).get("fsdp_blocks")
     if why:
         raise InputError(f"mesh {format_mesh(degrees)}: memory fsdp_units='block': {why}; use fsdp_units='stage'")
 

@@ -142,13 +142,23 @@ def test_tp2_checkpointing_trains_like_one_process_and_measures_as_predicted():
 def test_tp_checkpointing_composes_with_pipelining_split_backward_offload_fsdp_and_moe_on_4_ranks():
     """pp2 x tp2 of a Llama under ``full`` (1F1B), ``selective`` (ZB-H1, split backward), ``budget`` with every
     stash offloaded and reloaded, whole-stage ``stage`` recomputation; tp2 x dp_shard2 (2-D FSDP2) under
-    ``full``; pp2 x tp2 of a Qwen3-MoE under ``full``: each trains like one process."""
+    ``full``, with whole-stage units and with per-block units (every block carved, its segment inside it);
+    pp2 x tp2 of a Qwen3-MoE under ``full``: each trains like one process."""
+    from fxpipe.memory import MemoryModel
+    from fxpipe.plan.build import fsdp_blocks
+
     pp_tp = {"pp": 2, "tp": 2}
     cases = [_checkpointed("llama", pp_tp, "1f1b", "full"), _checkpointed("llama", pp_tp, "zb-h1", "selective"),
              _checkpointed("llama", pp_tp, "1f1b", "budget", offload=True),
              _checkpointed("llama", pp_tp, "1f1b", "stage"),
              _checkpointed("llama", {"pp": 1, "tp": 2, "dp_shard": 2}, "1f1b", "full"),
-             _checkpointed("qwen3_moe", pp_tp, "1f1b", "full")]
+             _checkpointed("qwen3_moe", pp_tp, "1f1b", "full"),
+             # per-block FSDP2 units over (dp_shard, tp), the checkpoint segments inside their blocks
+             _checkpointed("llama", {"pp": 1, "tp": 2, "dp_shard": 2}, "1f1b", "full",
+                           memory=MemoryModel(fsdp_units="block"))]
+    blocks = fsdp_blocks(cases[-1][1])
+    assert blocks == ("model.layers.0", "model.layers.1")
+    cases[-1][0]["fsdp_blocks"] = blocks
     runs, _, labels = zip(*cases)
     res = spawn_train_many(list(runs), world_size=4, timeout_s=1500)
     _check(res, labels, runs)
@@ -163,6 +173,7 @@ def test_tp_checkpointing_composes_with_pipelining_split_backward_offload_fsdp_a
             assert any(st["offloads"] > 0 and st["offloads"] == st["reloads"] for st in stats.values()), (label, stats)
     split = _stage_stats(res[1])
     assert res[1].meta["fused_full_backward"][1] is False and split[1]["max_w_held_bytes"] > 0, split
+    assert all(got == list(blocks) for got in res[-1].meta["fsdp_blocks"].values()), res[-1].meta["fsdp_blocks"]
 
 
 @pytest.mark.slow

@@ -211,7 +211,7 @@ def add_memory_arguments(parser: argparse.ArgumentParser, *, plan: bool = False)
                         help="with --mesh dp_shard > 1: one FSDP2 unit per pipeline stage (stage, the default: ZeRO-1's "
                         "memory during the step) or per repeated block with the rest of a stage as its root (block: "
                         "ZeRO-3's memory plus the root and two blocks unsharded, all-gathers and reduce-scatters "
-                        "every micro-batch; runs without tensor parallelism, offload and whole-stage recomputation)")
+                        "every micro-batch; runs without offload and whole-stage recomputation)")
 
 
 def memory_model_from_args(args: argparse.Namespace, default_capacity_bytes: float | None = None):

@@ -37,8 +37,9 @@ by its own forward and backward pre-hooks (FSDP2 prefetches the next one in the 
 after its forward and its backward, and its gradients are reduce-scattered after every micro-batch's
 backward into its sharded gradient (:func:`fxpipe.codegen.runtime.block_unit_backward`); only the root
 defers its gradient sync to ``REDUCE_GRAD``. The backward runs fused (B and W as one), per-block
-activation-checkpoint segments move into their blocks, and what does not run with them yet (tensor
-parallelism, activation or optimizer offload, whole-stage recomputation, ``compile_stages``, several
+activation-checkpoint segments move into their blocks, tensor parallelism composes (each block's DTensor
+parameters 2-D ``fully_shard`` ed over (dp_shard, tp)), and what does not run with them yet (activation or
+optimizer offload, whole-stage recomputation, ``compile_stages``, several
 parameter dtypes) is refused (:func:`check_block_units_run`; the planner never offers it).
 
 Batches: every replica trains on its slice of the global batch,
@@ -497,8 +498,8 @@ def check_block_units_run(mesh: Mapping[str, int], orders: Orders, offload_optim
     """Refuse what per-block FSDP2 units do not run with yet (before any process group is touched).
 
     They run on meshes with ``dp_shard > 1`` (FSDP, HSDP) with per-block activation-checkpoint segments
-    (which move into their blocks, :func:`fxpipe.codegen.fsdp_blocks.carve_blocks`), without tensor
-    parallelism, optimizer offload, activation offload / reload, whole-stage recomputation (its replay runs
+    (which move into their blocks, :func:`fxpipe.codegen.fsdp_blocks.carve_blocks`), with tensor parallelism
+    (2-D ``fully_shard`` of each block over its DTensor parameters), without optimizer offload, activation offload / reload, whole-stage recomputation (its replay runs
     the stage without FSDP2's hooks, which the blocks need) and ``compile_stages``. A schedule that splits B and W runs with them fused (a block's gradients are
     reduce-scattered after its backward).
 
@@ -513,8 +514,6 @@ def check_block_units_run(mesh: Mapping[str, int], orders: Orders, offload_optim
     why = None
     if m.get("dp_shard", 1) == 1:
         why = "they need dp_shard > 1"
-    elif mesh_tp(m) > 1:
-        why = "tensor parallelism (tp > 1) does not run with them yet"
     elif offload_optimizer:
         why = "optimizer offload does not run with them yet"
     elif orders.offloaded():

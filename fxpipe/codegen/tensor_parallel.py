@@ -331,6 +331,9 @@ class TensorParallelRank:
                 with graph.inserting_before(node):
                     hit = graph.call_function(fn, (a,))
                 hit.meta = dict(a.meta)
+                # the module of the op it feeds: a per-block FSDP2 unit or checkpoint segment takes it with that op
+                # (fxpipe.codegen.fsdp_blocks reads module paths), not with the producer's module
+                hit.meta["nn_module_stack"] = dict(node.meta.get("nn_module_stack") or {})
                 cache[(a, key)] = hit
             return hit
 

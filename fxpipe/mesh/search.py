@@ -530,11 +530,12 @@ def _group(row: dict, entry: dict, mesh) -> tuple:
 def block_units_allowed(graph, memory, mesh, objective: str, limits: Mapping[str, str]) -> bool:
     """Whether the search tries per-block FSDP2 units for ``mesh`` (when its whole-stage units bind memory):
     training, ``memory`` leaves the units to it (``fsdp_units=None``) with the optimizer not pinned to the
-    host, ``dp_shard > 1`` without tensor parallelism, a graph with repeated blocks and nothing recorded
-    against them (:data:`fxpipe.mesh.limits`, ``"fsdp_blocks"``: parameters of several dtypes)."""
+    host, ``dp_shard > 1`` (with tensor parallelism too: 2-D ``fully_shard`` per block), a graph with repeated
+    blocks and nothing recorded against them (:data:`fxpipe.mesh.limits`, ``"fsdp_blocks"``: parameters of
+    several dtypes)."""
     if objective != "training" or memory.fsdp_units is not None or memory.offload_optimizer is True:
         return False
-    if int(mesh.get("dp_shard", 1)) < 2 or int(mesh.get("tp", 1)) > 1 or "fsdp_blocks" in limits:
+    if int(mesh.get("dp_shard", 1)) < 2 or "fsdp_blocks" in limits:
         return False
     from fxpipe.memory.fsdp import block_units  # noqa: PLC0415 - torch-free
 
