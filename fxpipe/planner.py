@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from fxpipe.cost.hardware import HARDWARE
-from fxpipe.errors import InfeasibleError, InputError
+from fxpipe.errors import FxpipeError, InfeasibleError, InputError
 from fxpipe.ir import OpGraph, Schedule, ScheduleProblem
 from fxpipe.memory import MemoryModel
 from fxpipe.memory.checkpoint import menu_for_request
@@ -39,6 +39,7 @@ from fxpipe.partition.objective import Partition, block_costs
 from fxpipe.partition.placement import device_costs, placement_of
 from fxpipe.progress import phase
 from fxpipe.schedule.auto import AUTO_MILP_MAX_OPS, auto_schedule
+from fxpipe.schedule.bounds import recompute_lower_bound
 from fxpipe.schedule.dispatch import default_method, make_schedule, methods_for_placement
 from fxpipe.schedule.from_partition import problem_from_partition
 from fxpipe.schedule.validate import place_fused_w
@@ -47,6 +48,25 @@ __all__ = ["plan_graph", "plan_with_options", "resolve_memory", "auto_milp_budge
 
 #: How far above its lower bound a mesh-search candidate's partition search may stop (relative).
 QUICK_GAP_RTOL = 0.01
+
+
+class CandidatePruned(FxpipeError):
+    """Raised by :func:`plan_with_options` with ``beat_s``: every placement candidate's schedule lower bound
+    (:func:`fxpipe.schedule.bounds.recompute_lower_bound` of its partition's problem, valid for every schedule
+    under every checkpoint choice and offload) is at least ``beat_s``, so none was scheduled.
+
+    Attributes
+    ----------
+    lower_bound_s : float
+        The smallest of those bounds (seconds).
+    """
+
+    def __init__(self, message: str, lower_bound_s: float):
+        super().__init__(message)
+        self.lower_bound_s = float(lower_bound_s)
+
+    def __reduce__(self):  # raised in the mesh search's worker processes, pickled back
+        return CandidatePruned, (str(self), self.lower_bound_s)
 
 #: What :func:`plan_graph` returns: the kept candidate's partition, problem, schedule and phase timings (seconds).
 PlanResult = tuple[Partition, ScheduleProblem, Schedule, dict[str, float]]
@@ -256,7 +276,8 @@ def plan_graph(
 
 def plan_with_options(graph: OpGraph, *, devices: int, microbatches: int, options: PlanOptions,
                       memory: MemoryModel | None = None, memory_bytes: float | None = None,
-                      explain: bool = True, partitions: dict[int, Partition] | None = None) -> PlanResult:
+                      explain: bool = True, partitions: dict[int, Partition] | None = None,
+                      beat_s: float | None = None) -> PlanResult:
     """:func:`plan_graph` with its options built: the memory model is :func:`resolve_memory` of
     ``memory`` and ``memory_bytes``, and every candidate of ``options.placement_candidates()`` is
     tried. Same returns and errors as :func:`plan_graph`; with ``explain=False`` (the mesh search's
@@ -267,7 +288,11 @@ def plan_with_options(graph: OpGraph, *, devices: int, microbatches: int, option
     without improvement (a candidate whose memory admits few partitions, or none, would otherwise
     search to the limit). ``partitions`` (stage count -> partition)
     are taken instead of partitioning: the mesh search passes a sibling's partition that is proven
-    optimal and fits this memory too."""
+    optimal and fits this memory too. ``beat_s`` (seconds; the mesh search's best predicted step so far): a
+    placement candidate whose schedule lower bound after partitioning
+    (:func:`fxpipe.schedule.bounds.recompute_lower_bound`: every valid schedule of its problem, under every
+    checkpoint choice, offload included) is at least ``beat_s`` is not scheduled, and when none is left
+    :class:`CandidatePruned` is raised; candidates below it are planned exactly as without it."""
     devices = check_count(devices, "devices")
     microbatches = check_count(microbatches, "microbatches")
     memory = resolve_memory(graph, memory, memory_bytes)
@@ -275,6 +300,7 @@ def plan_with_options(graph: OpGraph, *, devices: int, microbatches: int, option
         optimizer_host_step_s(1.0, memory, host_links(graph))  # its cost needs the host's links: say so now
     search = _CandidateSearch(graph, devices, microbatches, options, memory)
     search.explain = explain
+    search.beat_s = beat_s
     search.parts.update(partitions or {})
     for v, name in options.placement_candidates():
         search.try_candidate(v, name)
@@ -301,6 +327,8 @@ class _CandidateSearch:
         self.first_error: Exception | None = None
         self.menus: dict[tuple, list] = {}
         self.explain = True
+        self.beat_s: float | None = None
+        self.pruned: list[float] = []  # schedule lower bounds of the candidates not scheduled (>= beat_s)
 
     def _skip(self, record: dict[str, Any], exc: Exception, *, counts: bool = True) -> None:
         """Record why a candidate is skipped (``counts``: its error may be the one raised when none is
@@ -337,7 +365,15 @@ class _CandidateSearch:
             return self._skip(record, part)
         t0 = time.perf_counter()
         try:
-            problem, sched = self._schedule(part, dev, method, record)
+            problem = self._problem(part, dev, record)
+            if self.beat_s is not None:  # the mesh search's best so far: no schedule of this problem can beat it
+                bound = recompute_lower_bound(problem)
+                if bound >= self.beat_s:
+                    record["skipped"] = (f"pruned: its schedule lower bound {bound:.6g} s is no better than "
+                                         f"{self.beat_s:.6g} s")
+                    self.pruned.append(bound)
+                    return None
+            problem, sched = self._schedule(problem, method)
         except InfeasibleError as exc:
             return self._skip(record, exc)
         finally:
@@ -380,8 +416,9 @@ class _CandidateSearch:
         self.parts[k] = part
         return part
 
-    def _schedule(self, part: Partition, dev, method: str, record: dict[str, Any]) -> tuple[ScheduleProblem, Schedule]:
-        """The scheduling problem of ``part`` placed by ``dev`` under the memory limit, and its schedule by ``method``."""
+    def _problem(self, part: Partition, dev, record: dict[str, Any]) -> ScheduleProblem:
+        """The scheduling problem of ``part`` placed by ``dev`` under the memory limit (the user's pinned
+        checkpoint policy applied)."""
         graph, opts, m, k = self.graph, self.options, self.microbatches, part.k
         limit = schedule_mem_limit(graph, part.assignment, k, dev, self.memory, m, opts.objective)
         if opts.mem_limit_bytes is not None:
@@ -396,6 +433,12 @@ class _CandidateSearch:
                                                if any(o.name == pinned for o in problem.checkpoint_menu[s])})
         record["device_bottleneck_s"] = float(device_costs(graph, part.assignment, dev, opts.objective, "relay").max())
         record["stage_bottleneck_s"] = float(part.bottleneck)
+        return problem
+
+    def _schedule(self, problem: ScheduleProblem, method: str) -> tuple[ScheduleProblem, Schedule]:
+        """The schedule of ``problem`` by ``method`` (``"auto"``: with the checkpoint policies it chooses)."""
+        opts, m, k = self.options, self.microbatches, problem.num_stages
+        pinned = opts.activation_checkpointing if opts.objective == "training" else "none"
         if method == "auto":
             budget = auto_milp_budget_s(problem) if opts.schedule_time_limit_s is None else opts.schedule_time_limit_s
             with phase(f"schedule {k} stages x {m} micro-batches (auto, MILP up to {budget:g} s)", on=opts.progress):
@@ -441,6 +484,10 @@ class _CandidateSearch:
         if self.best is None:
             if self.first_error is not None:
                 raise self.first_error
+            if self.pruned and len(self.pruned) == len(self.tried):
+                low = min(self.pruned)
+                raise CandidatePruned(f"pruned after partitioning: its schedule lower bound {low:.6g} s is no better "
+                                      f"than {self.beat_s:.6g} s", low)
             raise InputError("no placement candidate could be planned: " + "; ".join(r["skipped"] for r in self.tried))
         part, problem, sched, record = self.best
         if self.several:

@@ -54,6 +54,23 @@ def _plan(kwargs: dict) -> Any:
         return exc
 
 
+def _beats_compatible(made: float | None, now: float | None) -> bool:
+    """Whether a plan made with the best-so-far ``made`` (:func:`~fxpipe.planner.plan_with_options`'s ``beat_s``)
+    is the plan with ``now``: the planner prunes only what cannot beat ``beat_s``, and the best only improves, so
+    a plan made with no target or a looser one is the same plan, or a pruned one that a tighter target prunes too."""
+    return made is None or (now is not None and now <= made)
+
+
+def _pruned_still(result: Any, beat_s: float | None) -> tuple[bool, Any]:
+    """``(True, result)`` unless ``result`` is a :class:`~fxpipe.planner.CandidatePruned` whose bound no longer
+    prunes under ``beat_s`` (cannot happen while the best only improves; kept as a check)."""
+    from fxpipe.planner import CandidatePruned  # noqa: PLC0415
+
+    if isinstance(result, CandidatePruned) and (beat_s is None or result.lower_bound_s < beat_s):
+        return False, None
+    return True, result
+
+
 def _same_partitions(a: dict | None, b: dict | None) -> bool:
     a, b = a or {}, b or {}
     return set(a) == set(b) and all((a[k].assignment == b[k].assignment).all() for k in a)
@@ -97,12 +114,12 @@ class PlanPrefetch:
             return False, None
         future, made = job
         same = (set(made) == set(kwargs) and made["graph"] is kwargs["graph"]
-                and all(made[k] == kwargs[k] for k in kwargs if k not in ("partitions", "graph")))
-        if not same:
+                and all(made[k] == kwargs[k] for k in kwargs if k not in ("partitions", "graph", "beat_s")))
+        if not same or not _beats_compatible(made.get("beat_s"), kwargs.get("beat_s")):
             future.cancel()
             return False, None
         if _same_partitions(made.get("partitions"), kwargs.get("partitions")):
-            return True, future.result()
+            return _pruned_still(future.result(), kwargs.get("beat_s"))
         # handed a partition now (a sibling's, proven optimal) but not then: the plan is this one's when the
         # worker's own search found that very partition
         result = future.result()
@@ -112,6 +129,8 @@ class PlanPrefetch:
             if result[0].k == k and (result[0].assignment == part.assignment).all():
                 return True, result
         return False, None
+
+
 
     def ahead(self, candidates: list, plan_args: Callable[[Any], tuple | None]) -> None:
         """Prefetch the first of ``candidates`` (in the search's order) that ``plan_args`` gives a ``(key,

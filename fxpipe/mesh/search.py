@@ -122,11 +122,11 @@ from fxpipe.mesh.limits import mesh_runtime_limit, runtime_limits
 from fxpipe.mesh.tensor_parallel import check_tensor_parallel, tensor_parallel_graph, tensor_parallel_options
 from fxpipe.options import PlanOptions
 from fxpipe.partition.memory import num_params
-from fxpipe.planner import plan_with_options
+from fxpipe.planner import CandidatePruned, plan_with_options
 from fxpipe.progress import Search
 from fxpipe.schedule.validate import check_schedule
 
-__all__ = ["search_mesh", "mesh_lower_bound_s", "rank_orders_to_try", "optimizer_placements", "block_units_allowed",
+__all__ = ["search_mesh", "mesh_lower_bound_s", "planning_key_s", "rank_orders_to_try", "optimizer_placements", "block_units_allowed",
            "tensor_parallel_degrees", "TP_DEGREES", "OFFLOAD_SUFFIX", "BLOCK_UNITS_SUFFIX", "BLOCK_UNITS_SYNC_SHARE"]
 
 #: A candidate with whole-stage FSDP2 units whose exposed data-parallel sync is above this share of its
@@ -298,7 +298,8 @@ def search_mesh(graph, *, devices: int, microbatches: int, memory, options: Plan
                      "lower_bound_s": mesh_lower_bound_s(view(mesh).graph, mesh, microbatches, options.objective, order,
                                                          memory=mem)}
             row["by_order"].append(entry)
-            heapq.heappush(heap, (entry["lower_bound_s"], next(seq), row, entry, mesh, mem, order))
+            heapq.heappush(heap, (planning_key_s(entry["lower_bound_s"], mesh, microbatches), next(seq), row, entry,
+                                  mesh, mem, order))
         row["lower_bound_s"] = min(e["lower_bound_s"] for e in row["by_order"])
         table.insert(table.index(after) + 1 if after is not None else len(table), row)
 
@@ -354,27 +355,29 @@ def search_mesh(graph, *, devices: int, microbatches: int, memory, options: Plan
             return None
         bound = entry["lower_bound_s"]
         v = view(mesh)
-        if best is not None:
+        if best is not None and bound < best[1]["predicted_step_s"]:
             work = stage_work(mesh)
             if work is not None:
                 bound = max(bound, mesh_lower_bound_s(v.graph, mesh, microbatches, options.objective, order, memory=mem,
                                                       stage_work_s=work))
-            if bound >= best[1]["predicted_step_s"]:
-                return None
+        if best is not None and bound >= best[1]["predicted_step_s"]:
+            return None
         if mesh_runtime_limit(mesh, row["offload_optimizer"], limits) is not None or \
                 _static_misfit(mem, v.params / mesh["pp"], host, options.objective, v.act_floor / mesh["pp"])[0]:
             return None
         g, looser = _sibling_plan(v.graph, row, entry, mesh, mem, order, v.options, siblings, graphs, check=False)
         if looser is not None:
             return None
-        return key, _plan_kwargs(g, row, entry, mesh, mem, microbatches, v.options, siblings, mesh["pp"] == devices)
+        return key, _plan_kwargs(g, row, entry, mesh, mem, microbatches, v.options, siblings, mesh["pp"] == devices,
+                                 beat_s=None if best is None else best[1]["predicted_step_s"])
 
     # Ctrl-C: the best mesh so far (a candidate being planned ends with its planner's best so far)
     with Search("mesh search", unit="candidate", progress=options.progress) as run, prefetch:
         while heap and not run.stopped:
             _, _, row, entry, mesh, mem, order = heapq.heappop(heap)
             v = view(mesh)
-            work = stage_work(mesh) if best is not None else None  # refined only where it may prune
+            # refined only where it may prune
+            work = stage_work(mesh) if best is not None and entry["lower_bound_s"] < best[1]["predicted_step_s"] else None
             if work is not None:
                 entry["lower_bound_s"] = max(entry["lower_bound_s"], mesh_lower_bound_s(
                     v.graph, mesh, microbatches, options.objective, order, memory=mem, stage_work_s=work))
@@ -401,8 +404,16 @@ def search_mesh(graph, *, devices: int, microbatches: int, memory, options: Plan
                                    + heapq.nsmallest(4 * prefetch.workers, heap), ahead_args)
                 planned[key] = _plan_or_reuse(v.graph, row, entry, mesh, mem, order, microbatches, v.options,
                                               siblings, timings, graphs, explain=mesh["pp"] == devices,
-                                              prefetch=prefetch, key=key)
+                                              prefetch=prefetch, key=key,
+                                              beat_s=None if best is None else best[1]["predicted_step_s"])
             run.update(1, mesh=row["mesh_text"])
+            if isinstance(planned[key], CandidatePruned):  # partitioned, but no schedule of it can beat the best
+                entry["skipped"] = (f"pruned after partitioning: its schedule lower bound "
+                                    f"{format_ms(planned[key].lower_bound_s)} is no better than {best[0]['mesh_text']}'s "
+                                    f"predicted {format_ms(best[1]['predicted_step_s'])}")
+                entry["lower_bound_s"] = max(entry["lower_bound_s"], planned[key].lower_bound_s)
+                needs_host(row, mesh)  # as if its memory bound: its twins are tried (and bounded) all the same
+                continue
             if isinstance(planned[key], Exception):
                 errors[row["mesh_text"]] = planned[key]
                 entry["skipped"] = _first_sentence(str(planned[key]))
@@ -448,6 +459,17 @@ def search_mesh(graph, *, devices: int, microbatches: int, memory, options: Plan
         (part, problem, sched, timings), table
 
 
+def planning_key_s(lower_bound_s: float, mesh: Mapping[str, Any], microbatches: int) -> float:
+    """The order in which the search plans its candidates (seconds; smallest first): the lower bound stretched by
+    a 1F1B pipeline's bubble, ``(m + pp - 1) / m`` with ``m = microbatches / dp`` micro-batches per replica (Huang
+    et al. 2019, GPipe Section 2.2; Narayanan et al. 2021, PipeDream-Flush). An estimate, not a bound: it only
+    decides which candidates are planned first, so that a good best-so-far prunes the deep pipelines (whose
+    bubble the lower bound leaves out) by their bounds; what is pruned is decided by the bounds alone."""
+    pp = int(mesh["pp"])
+    m = max(1, int(microbatches) // max(1, mesh_dp(mesh)))
+    return float(lower_bound_s) * (m + pp - 1) / m
+
+
 def _activation_floor(graph, options: PlanOptions) -> float:
     """The least activation bytes all the stages of any pipeline of ``graph`` hold together (training):
     every stage keeps one micro-batch's stash, or with checkpointing at least what per-block
@@ -490,7 +512,8 @@ def _copy_figures(row: dict, entry: dict) -> None:
 
 
 def _plan_or_reuse(graph, row: dict, entry: dict, mesh, mem, order, microbatches: int, options: PlanOptions,
-                   siblings: dict, timings: dict, graphs: dict, explain: bool = True, prefetch=None, key=None):
+                   siblings: dict, timings: dict, graphs: dict, explain: bool = True, prefetch=None, key=None,
+                   beat_s: float | None = None):
     """``(pipeline graph, planner's result)`` of a candidate, or the planner's error.
 
     Meshes of one pp (so one dp and the same micro-batches per replica) on one pipeline link, with
@@ -499,13 +522,14 @@ def _plan_or_reuse(graph, row: dict, entry: dict, mesh, mem, order, microbatches
     this mesh's feasible plans are a subset of the sibling's), marked ``reused`` in ``entry``;
     else the pipeline is planned (or its plan taken from ``prefetch``, :class:`fxpipe.mesh.prefetch.PlanPrefetch`,
     when made with the same arguments, under ``key``) and kept in ``siblings``, its phase times added to
-    ``timings``.
+    ``timings``. With ``beat_s`` (the best predicted step so far) the planner stops after partitioning when no
+    schedule can beat it, and the :class:`~fxpipe.planner.CandidatePruned` it raises is returned.
     """
     g, reused = _sibling_plan(graph, row, entry, mesh, mem, order, options, siblings, graphs)
     if reused is not None:
         entry["reused"] = True
         return g, reused
-    kwargs = _plan_kwargs(g, row, entry, mesh, mem, microbatches, options, siblings, explain)
+    kwargs = _plan_kwargs(g, row, entry, mesh, mem, microbatches, options, siblings, explain, beat_s=beat_s)
     got, result = prefetch.take(key, kwargs) if prefetch is not None else (False, None)
     if not got:
         try:
@@ -557,13 +581,15 @@ def _sibling_plan(graph, row: dict, entry: dict, mesh, mem, order, options: Plan
 
 
 def _plan_kwargs(g, row: dict, entry: dict, mesh, mem, microbatches: int, options: PlanOptions, siblings: dict,
-                 explain: bool) -> dict:
-    """The arguments :func:`~fxpipe.planner.plan_with_options` plans a candidate with."""
+                 explain: bool, beat_s: float | None = None) -> dict:
+    """The arguments :func:`~fxpipe.planner.plan_with_options` plans a candidate with (``beat_s``: the best
+    predicted step so far, which the candidate's schedule must beat; every predicted step is at least its
+    schedule's value, :func:`fxpipe.mesh.pipeline_step_s`)."""
     m = microbatches // mesh_dp(mesh)
     if mem.block_units:  # per-block FSDP2 units run without activation offload yet (fxpipe.codegen.mesh)
         options = dataclasses.replace(options, host_bandwidth_bytes_per_s=None)
     return dict(graph=g, devices=int(mesh["pp"]), microbatches=m, options=options, memory=mem,
-                memory_bytes=mem.capacity_bytes, explain=explain,
+                memory_bytes=mem.capacity_bytes, explain=explain, beat_s=beat_s,
                 partitions=_proven_partition(g, siblings, _group(row, entry, mesh), mem, options, m))
 
 
