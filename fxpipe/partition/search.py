@@ -30,6 +30,8 @@ Inference", ICML 2024, Section 4 and Appendix C.1.
 
 from __future__ import annotations
 
+import copy
+
 import math
 import time
 from dataclasses import replace
@@ -345,6 +347,27 @@ def memory_lower_bound(graph: OpGraph, k: int, objective: str, memory) -> float:
     return float(solve_chain(surrogate, k, "inference", "relay", partition=False).lower_bound_s) * scale
 
 
+#: :func:`_chain_solution`'s results, ``(id(graph), k, objective) -> (graph, ChainResult)`` (a few graphs: the mesh
+#: search partitions one graph object per pipeline link and tensor-parallel degree into the same stage counts under
+#: many memory models).
+_CHAIN_SOLUTIONS: dict = {}
+
+
+def _chain_solution(graph: OpGraph, k: int, objective: str):
+    """:func:`fxpipe.partition.chain.solve_chain` of ``graph`` into ``k`` stages with its partition, relay
+    communication: memory-blind, so computed once per graph object, stage count and objective (the mesh search
+    partitions one graph into ``k`` stages under each candidate's memory model)."""
+    key = (id(graph), int(k), objective)
+    hit = _CHAIN_SOLUTIONS.get(key)
+    if hit is not None and hit[0] is graph:
+        return hit[1]
+    res = solve_chain(graph, k, objective, "relay", partition=True)
+    if len(_CHAIN_SOLUTIONS) >= 16:
+        _CHAIN_SOLUTIONS.clear()
+    _CHAIN_SOLUTIONS[key] = (graph, res)
+    return res
+
+
 def _lower_bound(graph: OpGraph, k: int, objective: str, comm: str, model, chain: bool) -> tuple:
     """The instant lower bound ``(lower_s, method, chain_partition or None)``: Lemma 3.3, and for
     relay communication the chain DP's bound and its partition (dropped if it does not fit)."""
@@ -353,10 +376,10 @@ def _lower_bound(graph: OpGraph, k: int, objective: str, comm: str, model, chain
     lower, lower_method = simple_work_bound(graph.work_s(objective), k), "simple"
     chain_part = None
     if chain and comm == "relay" and graph.n > 1:
-        res = solve_chain(graph, k, objective, "relay", partition=True)
+        res = _chain_solution(graph, k, objective)
         if res.lower_bound_s > lower:
             lower, lower_method = res.lower_bound_s, "chain"
-        cand = res.partition
+        cand = copy.deepcopy(res.partition)
         if cand is not None and model is not None:
             if stage_memory_bytes(graph, cand.assignment, k, objective, model, comm).max() > model.usable_bytes:
                 cand = None

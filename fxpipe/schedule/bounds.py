@@ -430,22 +430,24 @@ def memory_time_stage_span_bounds(problem: ScheduleProblem) -> np.ndarray:
     DESIGN.md Contract 3 rules 1, 4, 5; Little's law (memory = arrival rate x holding time).
     """
     D = _round_trip(problem)
+    return np.array([_memory_time_stage_bound(problem, s, float(D[s])) for s in range(problem.num_stages)],
+                    dtype=np.float64)
+
+
+def _memory_time_stage_bound(problem: ScheduleProblem, s: int, d: float) -> float:
+    """:func:`memory_time_stage_span_bounds` of stage s alone (``d`` its round trip, :func:`_round_trip`)."""
     m = problem.num_microbatches
-    out = np.full(problem.num_stages, -math.inf)
-    for s in range(problem.num_stages):
-        L = problem.device_mem_limit(s)
-        if not math.isfinite(L):
-            continue
-        F, B = float(problem.t_f[s]), float(problem.t_b[s])
-        a, b, o, tau = (float(problem.mem_f[s]), float(problem.mem_b[s]), float(problem.offload_bytes[s]),
-                        float(problem.t_offload[s]))
-        d = float(D[s])
-        c_keep = a * (F + d) + (a + b) * B
-        c_off = a * F + (a - o) * max(d, 2.0 * tau) + 2.0 * o * tau + (a + b) * B
-        L_eff = L * (1.0 + _MEM_RTOL)  # the validator's memory tolerance, in the schedule's favour
-        ns = range(m + 1) if o > 0.0 else range(1)
-        out[s] = min(max((n * c_off + (m - n) * c_keep) / L_eff, 2.0 * n * tau) for n in ns)
-    return out
+    L = problem.device_mem_limit(s)
+    if not math.isfinite(L):
+        return -math.inf
+    F, B = float(problem.t_f[s]), float(problem.t_b[s])
+    a, b, o, tau = (float(problem.mem_f[s]), float(problem.mem_b[s]), float(problem.offload_bytes[s]),
+                    float(problem.t_offload[s]))
+    c_keep = a * (F + d) + (a + b) * B
+    c_off = a * F + (a - o) * max(d, 2.0 * tau) + 2.0 * o * tau + (a + b) * B
+    L_eff = L * (1.0 + _MEM_RTOL)  # the validator's memory tolerance, in the schedule's favour
+    ns = range(m + 1) if o > 0.0 else range(1)
+    return min(max((n * c_off + (m - n) * c_keep) / L_eff, 2.0 * n * tau) for n in ns)
 
 
 def _knapsack_max(values: list[float], weights: list[float], cap: float, count: int) -> float:
@@ -700,7 +702,7 @@ def _stage_terms(problem: ScheduleProblem, s: int) -> float:
     best = max(max(m * F, F + d) + m * (B + W), m * F + d + B + W)
     if m >= 2:
         best = min(best, m * (F + B + W) + max(0.0, F + d - (m - 1) * F) + max(0.0, d + B + W - (m * (B + W) - B)))
-    best = max(best, _memory_stage_bound(problem, s, d), float(memory_time_stage_span_bounds(problem)[s]))
+    best = max(best, _memory_stage_bound(problem, s, d), _memory_time_stage_bound(problem, s, d))
     if problem.objective == "makespan":
         c = problem.t_comm_effective
         best += float(sum(problem.t_f[k] + c[k] for k in range(s)))
