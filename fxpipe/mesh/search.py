@@ -41,12 +41,19 @@ order with the smaller predicted step is the mesh's (ties: the one planned first
 equal bounds), recorded in its row
 (``rank_order``, and every order's figures under ``by_order``) and in the returned mesh.
 
-Kept fast by bounds: the candidates are planned in increasing order of a lower bound that needs
-no partition (:func:`mesh_lower_bound_s`: perfectly balanced work without bubbles plus the sync
-of the average device's parameters; when a best exists, refined with the busiest stage's work
-over every partition, :func:`stage_work_bound_s`), and the search stops at the first candidate
-whose bound is no better than the best predicted step so far (the rest are pruned: none can
-win). A candidate whose average static state (parameters, gradients, optimizer state under the
+Kept fast by bounds: every candidate has a lower bound that needs no partition
+(:func:`mesh_lower_bound_s`: perfectly balanced work without bubbles plus the sync of the average
+device's parameters; when a best exists and the bound alone does not prune, refined with the busiest
+stage's work over every partition, :func:`stage_work_bound_s`), and a candidate whose bound is no
+better than the best predicted step so far is pruned without planning (none can win). A candidate
+that passes is partitioned, and is pruned before scheduling when its schedule's lower bound
+(:func:`fxpipe.schedule.bounds.recompute_lower_bound`: every valid schedule of its problem under every
+checkpoint choice and offload; the predicted step is at least the schedule's value) is no better than
+the best so far (:func:`fxpipe.planner.plan_with_options` ``beat_s``; its row says "pruned after
+partitioning" with that bound, and its optimizer-on-host and per-block twins are tried as when its memory
+binds). Candidates are planned in the order of :func:`planning_key_s` (the bound stretched by the
+1F1B bubble, an estimate): a good best comes early and prunes the deep pipelines, whose bubble the
+partition-free bound leaves out; what is pruned is decided by the bounds alone. A candidate whose average static state (parameters, gradients, optimizer state under the
 mesh's memory model), with the least activations every device holds (one micro-batch,
 checkpointed where allowed), already exceeds the usable memory is skipped without planning; so
 is one the planner finds infeasible, with its reason (the partitioner refuses at once a stage
@@ -76,7 +83,8 @@ looser one's, so the bounds stay valid), else the sibling is planned afresh.
 
 Not yet: overlap of the sync with several stages per device, per-hop pipeline links (a pipeline is
 costed at the link most of its hops use, one bandwidth for every stage boundary), reuse from a
-tighter sibling to a looser one, and planning candidates in parallel processes.
+tighter sibling to a looser one. Candidates may be planned ahead in worker processes
+(:mod:`fxpipe.mesh.prefetch`, four cores or more).
 
 Long searches (Llama-3-70B on 256 devices plans 35 candidates in 8 minutes on 2 cores) show a
 progress line with ``progress=True`` (candidates planned, the best so far) and stop at Ctrl-C
@@ -399,7 +407,8 @@ def search_mesh(graph, *, devices: int, microbatches: int, memory, options: Plan
                 continue
             key = (row["mesh_text"], entry["pipeline_bytes_per_s"])  # the orders of one mesh on the same link share it
             if key not in planned:
-                if prefetch.on:  # this candidate and the next ones the search would plan, in worker processes
+                if prefetch.on and best is not None:  # the next candidates the search would plan, in worker processes
+                    # (only once a best exists: before, they would be planned whole where its bound prunes them)
                     prefetch.ahead([(entry["lower_bound_s"], 0, row, entry, mesh, mem, order)]
                                    + heapq.nsmallest(4 * prefetch.workers, heap), ahead_args)
                 planned[key] = _plan_or_reuse(v.graph, row, entry, mesh, mem, order, microbatches, v.options,
