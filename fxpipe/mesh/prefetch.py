@@ -59,20 +59,21 @@ def _plan(kwargs: dict) -> Any:
 
 
 def _beats_compatible(made: float | None, now: float | None) -> bool:
-    """Whether a plan made with the best-so-far ``made`` (:func:`~fxpipe.planner.plan_with_options`'s ``beat_s``)
-    is the plan with ``now``: the planner prunes only what cannot beat ``beat_s``, and the best only improves, so
-    a plan made with no target or a looser one is the same plan, or a pruned one that a tighter target prunes too."""
+    """Whether a job made with the best-so-far ``made`` (:func:`~fxpipe.planner.plan_with_options`'s ``beat_s``)
+    may answer for ``now``: the best only improves, so ``now`` is no looser (see :func:`_pruned_still`)."""
     return made is None or (now is not None and now <= made)
 
 
-def _pruned_still(result: Any, beat_s: float | None) -> tuple[bool, Any]:
-    """``(True, result)`` unless ``result`` is a :class:`~fxpipe.planner.CandidatePruned` whose bound no longer
-    prunes under ``beat_s`` (cannot happen while the best only improves; kept as a check)."""
+def _pruned_still(result: Any, made: float | None, now: float | None) -> tuple[bool, Any]:
+    """``(True, result)`` when the planner would return ``result`` under ``now`` too: a
+    :class:`~fxpipe.planner.CandidatePruned` whose bound still prunes, or a plan (or another error) made with that
+    same target (one made with a looser target might be pruned now, and the table would differ); else
+    ``(False, None)``."""
     from fxpipe.planner import CandidatePruned  # noqa: PLC0415
 
-    if isinstance(result, CandidatePruned) and (beat_s is None or result.lower_bound_s < beat_s):
-        return False, None
-    return True, result
+    if isinstance(result, CandidatePruned):
+        return (True, result) if now is not None and result.lower_bound_s >= now else (False, None)
+    return (True, result) if made == now else (False, None)
 
 
 def _same_partitions(a: dict | None, b: dict | None) -> bool:
@@ -123,12 +124,13 @@ class PlanPrefetch:
             future.cancel()
             return False, None
         if _same_partitions(made.get("partitions"), kwargs.get("partitions")):
-            return _pruned_still(future.result(), kwargs.get("beat_s"))
+            return _pruned_still(future.result(), made.get("beat_s"), kwargs.get("beat_s"))
         # handed a partition now (a sibling's, proven optimal) but not then: the plan is this one's when the
         # worker's own search found that very partition
         result = future.result()
         want = kwargs.get("partitions") or {}
-        if not made.get("partitions") and not isinstance(result, Exception) and len(want) == 1:
+        if not made.get("partitions") and not isinstance(result, Exception) and len(want) == 1 and \
+                made.get("beat_s") == kwargs.get("beat_s"):
             (k, part), = want.items()
             if result[0].k == k and (result[0].assignment == part.assignment).all():
                 return True, result
