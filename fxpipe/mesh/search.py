@@ -695,7 +695,7 @@ def _no_mesh_fits(graph, devices: int, microbatches: int, memory, objective: str
 
 def _better(entry: dict, mesh: dict, best: dict, best_mesh: dict) -> bool:
     """Smaller predicted step; on a tie (1e-9 relative) more pipeline stages (the pure pipeline first), then
-    the candidate planned first (smaller bound; on equal bounds the default rank order)."""
+    the candidate planned first (smaller :func:`planning_key_s`; on equal keys the default rank order)."""
     a, b = entry["predicted_step_s"], best["predicted_step_s"]
     if a < b * (1 - 1e-9):
         return True
