@@ -167,3 +167,24 @@ def test_the_milp_schedules_the_chosen_options():
     got = place_fused_w(p, milp.solve(p, time_limit_s=30, warm_start=start))
     assert check_schedule(p, got) == [] and got.value <= start.value * (1 + 1e-9)
     assert got.status == "optimal" and got.value == pytest.approx(combinatorial_lower_bound(p), rel=1e-6)
+
+
+@settings(max_examples=25, deadline=None)
+@given(S=st.integers(1, 4), m=st.integers(1, 5), limit=st.sampled_from([14.0, 20.0, 60.0, math.inf]),
+       pooled=st.sampled_from([0.0, 1.0]), t_w=st.sampled_from([0.5, 2.0]), data=st.data())
+def test_one_stage_view_reads_as_the_problem_with_that_stage_s_option(S, m, limit, pooled, t_w, data):
+    """recompute_lower_bound's per-stage terms read stage s under each option from a view of the
+    problem (no problem built per option): the same figures as the problem with_checkpoint builds."""
+    from fxpipe.schedule.bounds import _StageView, _reachable, _round_trip, _stage_terms
+
+    p = menu_problem(S=S, m=m, mem_limit=limit, pooled=pooled, t_w=t_w)
+    start = data.draw(st.lists(st.sampled_from([o.name for o in p.checkpoint_menu[0]]), min_size=S, max_size=S))
+    base = p.with_checkpoint(start)
+    d = _round_trip(base)
+    for s in range(S):
+        for o in _reachable(base, s):
+            q = base.with_checkpoint({s: o.name})
+            view = _StageView(base, s, o.name)
+            for field in ("t_b", "t_w", "mem_f", "mem_b", "mem_w", "offload_bytes"):
+                assert np.allclose(getattr(view, field), getattr(q, field), rtol=0, atol=1e-12), (field, s, o.name)
+            assert _stage_terms(view, s, d[s]) == pytest.approx(_stage_terms(q, s), rel=1e-12, abs=1e-12)
