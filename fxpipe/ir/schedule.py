@@ -723,12 +723,15 @@ class ScheduleProblem:
                           t_w: float | None = None) -> tuple[float, float, float, float, float, float, float]:
         """Stage ``stage``'s ``(t_b, t_w, mem_f, mem_b, mem_w, mem_b_transient, offload_bytes)`` (seconds,
         bytes) when it runs its menu's option ``name`` instead of the one it runs (the rule of
-        :meth:`with_checkpoint`, before it clips negative times; ``t_b`` / ``t_w``: the stage's times
-        to start from, default the problem's). For bounds that look at one stage under each of its
+        :meth:`with_checkpoint`, before it clips negative times; the option it runs: its fields as
+        they are; ``t_b`` / ``t_w``: the stage's times to start from, default the problem's). For bounds that look at one stage under each of its
         options without building a problem per option."""
         cur, new = self.checkpoint_option(stage), self.checkpoint_option(stage, name)
         t_b = float(self.t_b[stage]) if t_b is None else t_b
         t_w = float(self.t_w[stage]) if t_w is None else t_w
+        if new.name == cur.name:  # the option it runs: its fields as they are (offload included)
+            return (t_b, t_w, float(self.mem_f[stage]), float(self.mem_b[stage]), float(self.mem_w[stage]),
+                    float(self.mem_b_transient[stage]), float(self.offload_bytes[stage]))
         c = float(self.pooled_bytes[stage])
         mem_f = new.kept_bytes + c
         mem_w = -(new.w_bytes + c)
