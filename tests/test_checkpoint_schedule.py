@@ -213,3 +213,21 @@ def test_auto_with_an_outside_best_keeps_every_checkpoint_choice_that_beats_it(S
             assert got.problem.checkpoint == ref.problem.checkpoint
         else:
             assert got.schedule.value >= beat * (1 - 1e-9)
+
+
+@settings(max_examples=20, deadline=None)
+@given(S=st.integers(1, 4), m=st.integers(1, 5), limit=st.sampled_from([14.0, 20.0, 60.0, math.inf]),
+       offload=st.sampled_from([0.0, 3.0]), data=st.data())
+def test_the_bound_is_the_same_as_with_a_problem_built_per_option(S, m, limit, offload, data):
+    import fxpipe.schedule.bounds as bounds
+
+    p = menu_problem(S=S, m=m, mem_limit=limit).replace(offload_bytes=offload, t_offload=0.5)
+    p = p.with_checkpoint(data.draw(st.lists(st.sampled_from(["none", "selective", "full"]), min_size=S, max_size=S)))
+    fast = recompute_lower_bound(p)
+    real = bounds._StageView
+    try:
+        bounds._StageView = lambda problem, s, name: problem.with_checkpoint({s: name})
+        slow = recompute_lower_bound(p)
+    finally:
+        bounds._StageView = real
+    assert fast == pytest.approx(slow, rel=1e-12, abs=1e-12)
