@@ -292,10 +292,15 @@ def test_auto_with_an_outside_best_finds_every_schedule_that_beats_it(p, factor)
     """auto_schedule(beat_s=b) skips only methods whose bounds are above b: the schedule it returns
     without b is returned with it whenever it beats b; otherwise it returns nothing better than b
     (ScheduleCannotBeat, or a schedule no faster than b)."""
+    ref = auto_schedule(p, time_limit_s=0.0)
+    check_outside_best(p, ref, factor * ref.schedule.value)
+
+
+def check_outside_best(p, ref, beat):
+    """auto_schedule(p, beat_s=beat) against ``ref`` = auto_schedule(p): the same when ``ref`` beats ``beat``,
+    else ScheduleCannotBeat or a valid schedule no faster than ``beat``."""
     from fxpipe.schedule.auto import ScheduleCannotBeat
 
-    ref = auto_schedule(p, time_limit_s=0.0)
-    beat = factor * ref.schedule.value
     try:
         got = auto_schedule(p, time_limit_s=0.0, beat_s=beat)
     except ScheduleCannotBeat:
