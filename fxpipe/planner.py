@@ -39,7 +39,7 @@ from fxpipe.partition.objective import Partition, block_costs
 from fxpipe.partition.placement import device_costs, placement_of
 from fxpipe.progress import phase
 from fxpipe.schedule.auto import AUTO_MILP_MAX_OPS, ScheduleCannotBeat, auto_schedule
-from fxpipe.schedule.bounds import recompute_lower_bound, stage_lower_bounds_any_checkpoint
+from fxpipe.schedule.bounds import recompute_lower_bound
 from fxpipe.schedule.dispatch import default_method, make_schedule, methods_for_placement
 from fxpipe.schedule.from_partition import problem_from_partition
 from fxpipe.schedule.validate import place_fused_w
@@ -283,7 +283,7 @@ def plan_graph(
 def plan_with_options(graph: OpGraph, *, devices: int, microbatches: int, options: PlanOptions,
                       memory: MemoryModel | None = None, memory_bytes: float | None = None,
                       explain: bool = True, partitions: dict[int, Partition] | None = None,
-                      beat_s: float | None = None, device_tail_s=None) -> PlanResult:
+                      beat_s: float | None = None) -> PlanResult:
     """:func:`plan_graph` with its options built: the memory model is :func:`resolve_memory` of
     ``memory`` and ``memory_bytes``, and every candidate of ``options.placement_candidates()`` is
     tried. Same returns and errors as :func:`plan_graph`; with ``explain=False`` (the mesh search's
@@ -298,12 +298,7 @@ def plan_with_options(graph: OpGraph, *, devices: int, microbatches: int, option
     placement candidate whose schedule lower bound after partitioning
     (:func:`fxpipe.schedule.bounds.recompute_lower_bound`: every valid schedule of its problem, under every
     checkpoint choice, offload included) is at least ``beat_s`` is not scheduled, and when none is left
-    :class:`CandidatePruned` is raised; candidates below it are planned exactly as without it.
-    ``device_tail_s`` (with ``beat_s``; the mesh search's): a callable ``(graph, assignment, device_of_stage)
-    -> seconds per device`` that the predicted step adds after each device's last compute
-    (:func:`fxpipe.mesh.costs.device_sync_parts_s`): the bound is then also ``max_d`` of the device's least
-    span under every checkpoint choice (:func:`fxpipe.schedule.bounds.stage_lower_bounds_any_checkpoint`) plus
-    its tail."""
+    :class:`CandidatePruned` is raised; candidates below it are planned exactly as without it."""
     devices = check_count(devices, "devices")
     microbatches = check_count(microbatches, "microbatches")
     memory = resolve_memory(graph, memory, memory_bytes)
@@ -312,7 +307,6 @@ def plan_with_options(graph: OpGraph, *, devices: int, microbatches: int, option
     search = _CandidateSearch(graph, devices, microbatches, options, memory)
     search.explain = explain
     search.beat_s = beat_s
-    search.device_tail_s = device_tail_s
     search.parts.update(partitions or {})
     for v, name in options.placement_candidates():
         search.try_candidate(v, name)
@@ -340,7 +334,6 @@ class _CandidateSearch:
         self.menus: dict[tuple, list] = {}
         self.explain = True
         self.beat_s: float | None = None
-        self.device_tail_s = None  # (graph, assignment, device_of_stage) -> seconds after each device's last compute
         self.pruned: list[float] = []  # schedule lower bounds of the candidates not scheduled (>= beat_s)
         self.pruned_scheduling = 0  # of them, those whose schedule search found nothing that may beat beat_s
 
@@ -382,14 +375,8 @@ class _CandidateSearch:
             problem = self._problem(part, dev, record)
             if self.beat_s is not None:  # the mesh search's best so far: no schedule of this problem can beat it
                 bound = recompute_lower_bound(problem)
-                if bound < self.beat_s and self.device_tail_s is not None:  # each device's span and its sync after
-                    span = stage_lower_bounds_any_checkpoint(problem)
-                    tail = np.asarray(self.device_tail_s(graph, part.assignment, dev), dtype=np.float64)
-                    dev_span = np.zeros(tail.shape[0])
-                    np.maximum.at(dev_span, np.asarray(dev, dtype=np.int64), span)
-                    bound = max(bound, float(np.max(dev_span + tail)))
                 if bound >= self.beat_s:
-                    record["skipped"] = (f"pruned: its step lower bound {bound:.6g} s is no better than "
+                    record["skipped"] = (f"pruned: its schedule lower bound {bound:.6g} s is no better than "
                                          f"{self.beat_s:.6g} s")
                     self.pruned.append(bound)
                     return None
@@ -513,8 +500,8 @@ class _CandidateSearch:
                 low = min(self.pruned)
                 if self.pruned_scheduling:
                     raise CandidatePruned(f"pruned while scheduling: no schedule found that may beat {self.beat_s:.6g} s "
-                                          f"(its step lower bound {low:.6g} s)", low, while_scheduling=True)
-                raise CandidatePruned(f"pruned after partitioning: its step lower bound {low:.6g} s is no better "
+                                          f"(its schedule lower bound {low:.6g} s)", low, while_scheduling=True)
+                raise CandidatePruned(f"pruned after partitioning: its schedule lower bound {low:.6g} s is no better "
                                       f"than {self.beat_s:.6g} s", low)
             raise InputError("no placement candidate could be planned: " + "; ".join(r["skipped"] for r in self.tried))
         part, problem, sched, record = self.best

@@ -27,7 +27,6 @@ __all__ = [
     "block_fsdp_parts_s",
     "pipeline_dp_sync_s",
     "pipeline_step_s",
-    "device_sync_parts_s",
     "host_links",
     "optimizer_host_step_s",
     "device_host_step_s",
@@ -594,30 +593,6 @@ def device_host_step_s(graph, assignment, device_of_stage, pp: int, memory) -> l
             for c in device_num_params(graph, assignment, device_of_stage, pp)]
 
 
-def device_sync_parts_s(graph, assignment, device_of_stage, mesh: Mapping[str, int], order: Any = None,
-                        memory=None, num_microbatches: int = 1) -> list[tuple[float, float]]:
-    """``(G_d, T_d)`` of every pipeline device as :func:`pipeline_step_s` adds them (seconds): its parameters'
-    all-gather before its first compute, and what follows its last compute: its reduction (reduce-scatter,
-    all-reduce over ``dp_replicate``), then its optimizer's host step (optimizer offload), and with per-block
-    FSDP2 units what its blocks' collectives do not hide (:func:`block_fsdp_parts_s`, ``num_microbatches``
-    per replica). Independent of the schedule: a partition's predicted step is at least
-    ``max_d (span_d + T_d)`` for every device span ``span_d`` of its schedule (:func:`pipeline_step_s`)."""
-    host = device_host_step_s(graph, assignment, device_of_stage, mesh["pp"], memory)
-    if mesh_dp(mesh) == 1:
-        return [(0.0, h) for h in host]
-    if _block_units_of(memory, mesh):  # per-block FSDP2 units: their per-micro-batch collectives stretch each device
-        parts4 = block_fsdp_parts_s(graph, assignment, device_of_stage, mesh, num_microbatches, order)
-        parts = [(g, r) for g, r, _, _ in parts4]
-        stretch = [e for _, _, e, _ in parts4]
-    else:
-        per_device = _device_param_bytes(graph, assignment, device_of_stage, mesh["pp"])
-        topology = Topology.of_graph(graph)
-        parts = [dp_sync_parts_s(float(b), mesh, graph.bandwidth_bytes_per_s, topology=topology, order=order)
-                 for b in per_device]
-        stretch = [0.0] * len(parts)
-    return [(g, r + h + e) for (g, r), h, e in zip(parts, host, stretch)]  # the host step follows the reduction
-
-
 def pipeline_step_s(graph, assignment, device_of_stage, schedule, mesh: Mapping[str, int],
                     order: Any = None, memory=None) -> float:
     """Predicted step time (seconds) of one pipeline of a mesh with its data-parallel sync, as the runtime overlaps it.
@@ -687,10 +662,22 @@ def pipeline_step_s(graph, assignment, device_of_stage, schedule, mesh: Mapping[
         Seconds; ``schedule.value`` without data parallelism and optimizer offload.
     """
     value = float(schedule.value)
-    if mesh_dp(mesh) == 1 and getattr(memory, "offload_optimizer", None) is not True:
+    host = device_host_step_s(graph, assignment, device_of_stage, mesh["pp"], memory)
+    if mesh_dp(mesh) == 1 and not any(host):
         return value
-    m = len({op.microbatch for op in schedule.ops}) or 1
-    parts = device_sync_parts_s(graph, assignment, device_of_stage, mesh, order, memory, m)
+    blocks = _block_units_of(memory, mesh)
+    if blocks:  # per-block FSDP2 units: their per-micro-batch collectives stretch each device's compute
+        m = len({op.microbatch for op in schedule.ops}) or 1
+        parts4 = block_fsdp_parts_s(graph, assignment, device_of_stage, mesh, m, order)
+        parts = [(g, r) for g, r, _, _ in parts4]
+        stretch = [e for _, _, e, _ in parts4]
+    else:
+        per_device = _device_param_bytes(graph, assignment, device_of_stage, mesh["pp"])
+        topology = Topology.of_graph(graph)
+        parts = [dp_sync_parts_s(float(b), mesh, graph.bandwidth_bytes_per_s, topology=topology, order=order)
+                 for b in per_device]
+        stretch = [0.0] * len(parts)
+    parts = [(g, r + h + e) for (g, r), h, e in zip(parts, host, stretch)]  # the host step follows the reduction
     stages_per_device = max(list(device_of_stage).count(d) for d in range(int(mesh["pp"])))
     first: dict[int, float] = {}
     end: dict[int, float] = {}

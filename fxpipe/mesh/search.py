@@ -112,7 +112,6 @@ from fxpipe.mesh import (
     Topology,
     candidate_meshes,
     device_host_step_s,
-    device_sync_parts_s,
     dp_sync_time_s,
     format_mesh,
     host_links,
@@ -424,9 +423,9 @@ def search_mesh(graph, *, devices: int, microbatches: int, memory, options: Plan
                 if planned[key].while_scheduling:  # auto_schedule ran only the methods its bounds let beat the best
                     entry["skipped"] = (f"pruned while scheduling: no schedule found that may beat "
                                         f"{best[0]['mesh_text']}'s predicted {format_ms(best[1]['predicted_step_s'])} "
-                                        f"(its step lower bound {format_ms(planned[key].lower_bound_s)})")
+                                        f"(its schedule lower bound {format_ms(planned[key].lower_bound_s)})")
                 else:
-                    entry["skipped"] = (f"pruned after partitioning: its step lower bound "
+                    entry["skipped"] = (f"pruned after partitioning: its schedule lower bound "
                                         f"{format_ms(planned[key].lower_bound_s)} is no better than "
                                         f"{best[0]['mesh_text']}'s predicted {format_ms(best[1]['predicted_step_s'])}")
                 entry["lower_bound_s"] = max(entry["lower_bound_s"], planned[key].lower_bound_s)
@@ -608,39 +607,7 @@ def _plan_kwargs(g, row: dict, entry: dict, mesh, mem, microbatches: int, option
         options = dataclasses.replace(options, host_bandwidth_bytes_per_s=None)
     return dict(graph=g, devices=int(mesh["pp"]), microbatches=m, options=options, memory=mem,
                 memory_bytes=mem.capacity_bytes, explain=explain, beat_s=beat_s,
-                partitions=_proven_partition(g, siblings, _group(row, entry, mesh), mem, options, m),
-                device_tail_s=DeviceTail(dict(mesh), tuple(entry["rank_order"]), mem, m))
-
-
-@dataclasses.dataclass(frozen=True)
-class DeviceTail:
-    """What the predicted step of a candidate adds after each pipeline device's last compute (seconds per device,
-    :func:`fxpipe.mesh.costs.device_sync_parts_s`: its reduction, host step and unhidden per-block collectives),
-    called by the planner as ``(graph, assignment, device_of_stage)`` to bound a partition's predicted step
-    before scheduling it (:func:`~fxpipe.planner.plan_with_options`, ``device_tail_s``). A plain object, so
-    the plan's arguments travel to the search's worker processes.
-
-    Attributes
-    ----------
-    mesh : dict
-        The candidate's degrees.
-    order : tuple of str
-        Its rank order.
-    memory : MemoryModel
-        Its memory model (optimizer offload, FSDP2 units).
-    microbatches : int
-        Micro-batches per replica.
-    """
-
-    mesh: dict
-    order: tuple
-    memory: Any
-    microbatches: int
-
-    def __call__(self, graph, assignment, device_of_stage) -> np.ndarray:
-        parts = device_sync_parts_s(graph, assignment, device_of_stage, self.mesh, self.order, self.memory,
-                                    self.microbatches)
-        return np.array([t for _, t in parts], dtype=np.float64)
+                partitions=_proven_partition(g, siblings, _group(row, entry, mesh), mem, options, m))
 
 
 def _proven_partition(graph, siblings: dict, group: tuple, memory, options: PlanOptions, microbatches: int) -> dict:

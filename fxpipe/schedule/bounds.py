@@ -821,24 +821,6 @@ def recompute_lower_bound(problem: ScheduleProblem) -> float:
     return best
 
 
-def stage_lower_bounds_any_checkpoint(problem: ScheduleProblem) -> np.ndarray:
-    """A lower bound on every stage's span under *any* choice of checkpoint options (float64 (S,), seconds).
-
-    Stage s's entry is ``min_o h_s(o)`` over the options ``o`` it may run, ``h_s`` the terms of
-    :func:`recompute_lower_bound` (parts 1-3 of the module docstring on stage s running ``o``, the
-    other stages on their lightest options, so the least round trip): whatever each stage runs, stage s
-    spans at least this in every valid schedule (from its first op to its last; for the ``makespan``
-    objective, from time 0 to its last op).
-    """
-    S = problem.num_stages
-    opts = [_reachable(problem, s) for s in range(S)]
-    light = {s: min(opts[s], key=lambda o: (o.replay_s + o.fused_w_s, o.name)).name for s in range(S)}
-    lightest = problem.with_checkpoint({s: n for s, n in light.items() if n != problem.checkpoint[s]})
-    d_light = _round_trip(lightest)
-    return np.array([min(_stage_terms(_StageView(lightest, s, o.name), s, d_light[s]) for o in opts[s])
-                     for s in range(S)], dtype=np.float64)
-
-
 def _frozen(arr) -> np.ndarray:
     out = np.ascontiguousarray(np.asarray(arr, dtype=np.float64))
     out.setflags(write=False)
