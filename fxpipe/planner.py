@@ -39,7 +39,7 @@ from fxpipe.partition.objective import Partition, block_costs
 from fxpipe.partition.placement import device_costs, placement_of
 from fxpipe.progress import phase
 from fxpipe.schedule.auto import AUTO_MILP_MAX_OPS, ScheduleCannotBeat, auto_schedule
-from fxpipe.schedule.bounds import recompute_lower_bound
+from fxpipe.schedule.bounds import recompute_lower_bound, round_trip_lower_bound
 from fxpipe.schedule.dispatch import default_method, make_schedule, methods_for_placement
 from fxpipe.schedule.from_partition import problem_from_partition
 from fxpipe.schedule.validate import place_fused_w
@@ -372,6 +372,15 @@ class _CandidateSearch:
             return self._skip(record, part)
         t0 = time.perf_counter()
         try:
+            if self.beat_s is not None:  # before the checkpoint menus are built: the memory-blind bound of the
+                # problem without them (no replay) is below every schedule under every checkpoint choice
+                bound = round_trip_lower_bound(problem_from_partition(
+                    graph, part, num_microbatches=self.microbatches, device_of_stage=dev))
+                if bound >= self.beat_s:
+                    record["skipped"] = (f"pruned: its schedule lower bound {bound:.6g} s is no better than "
+                                         f"{self.beat_s:.6g} s")
+                    self.pruned.append(bound)
+                    return None
             problem = self._problem(part, dev, record)
             if self.beat_s is not None:  # the mesh search's best so far: no schedule of this problem can beat it
                 bound = recompute_lower_bound(problem)

@@ -220,3 +220,19 @@ def test_the_bound_is_the_same_as_with_a_problem_built_per_option(S, m, limit, o
     finally:
         bounds._StageView = real
     assert fast == pytest.approx(slow, rel=1e-12, abs=1e-12)
+
+
+@settings(max_examples=25, deadline=None)
+@given(S=st.integers(1, 4), m=st.integers(1, 5), limit=st.sampled_from([14.0, 20.0, 30.0, 60.0, math.inf]),
+       pooled=st.sampled_from([0.0, 1.0]), t_w=st.sampled_from([0.5, 2.0]))
+def test_the_memory_blind_bound_without_menus_is_below_every_checkpoint_choice(S, m, limit, pooled, t_w):
+    """The planner prunes on round_trip_lower_bound of the problem built without checkpoint menus (no replay) before
+    it builds them: below every schedule bound of every choice of the menus."""
+    from fxpipe.schedule.bounds import round_trip_lower_bound
+
+    p = menu_problem(S=S, m=m, mem_limit=limit, pooled=pooled, t_w=t_w)
+    bare = p.replace(checkpoint_menu=None, checkpoint=None)
+    quick = round_trip_lower_bound(bare)
+    assert quick <= recompute_lower_bound(p) * (1 + 1e-9) + 1e-12
+    for choice in _choices(p):
+        assert quick <= combinatorial_lower_bound(p.with_checkpoint(list(choice))) * (1 + 1e-9) + 1e-12, choice
