@@ -10,7 +10,9 @@ Jobs (issues 28, 29; capture excluded from the plan time):
 Each job is planned twice in the same run: as fxpipe plans it, and as the search planned before the prune
 after partitioning (candidates in bound order, every candidate that passes its partition-free bound scheduled:
 :func:`fxpipe.mesh.search.planning_key_s` replaced by the bound and the planner's
-:func:`~fxpipe.schedule.bounds.recompute_lower_bound` by ``-inf``), one candidate at a time in both
+:func:`~fxpipe.schedule.bounds.recompute_lower_bound` and ``round_trip_lower_bound`` by ``-inf``, and
+:func:`~fxpipe.schedule.auto.auto_schedule`
+run without the best so far as its ``beat_s``), one candidate at a time in both
 (``FXPIPE_SEARCH_WORKERS=1`` unless set). It prints the wall and CPU seconds of the search (the machine may be
 shared: the load average is printed too), the chosen mesh and its predicted step, which must be equal.
 
@@ -60,26 +62,29 @@ def _plan(model, args, kwargs, common: dict, baseline: bool) -> str:
     import fxpipe.mesh.search as ms
     import fxpipe.planner as planner
 
-    saved = ms.planning_key_s, planner.recompute_lower_bound
+    saved = ms.planning_key_s, planner.recompute_lower_bound, planner.auto_schedule, planner.round_trip_lower_bound
     if baseline:
         ms.planning_key_s = lambda lower_bound_s, mesh, microbatches: lower_bound_s
-        planner.recompute_lower_bound = lambda problem: -math.inf
+        planner.recompute_lower_bound = planner.round_trip_lower_bound = lambda problem: -math.inf
+        planner.auto_schedule = lambda problem, beat_s=None, **kw: saved[2](problem, **kw)
     t0, c0, load = time.perf_counter(), _cpu_s(), os.getloadavg()[0]
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             plan = fxpipe.compile(model, args, kwargs, mesh="auto", time_limit_s=5, schedule_time_limit_s=0, **common)
     finally:
-        ms.planning_key_s, planner.recompute_lower_bound = saved
+        ms.planning_key_s, planner.recompute_lower_bound, planner.auto_schedule, planner.round_trip_lower_bound = saved
     capture = sum(plan.timings_s.get(k, 0.0) for k in ("capture", "cost", "export"))
     wall, cpu = time.perf_counter() - t0 - capture, _cpu_s() - c0
     rows = plan.options.get("mesh_search") or []
     pruned = sum(1 for r in rows if str(r.get("skipped", "")).startswith("pruned after partitioning"))
+    pruned_sched = sum(1 for r in rows if str(r.get("skipped", "")).startswith("pruned while scheduling"))
     planned = sum(1 for r in rows if "predicted_step_s" in r)
     mesh = ", ".join(f"{k}={v}" for k, v in plan.mesh.items() if k != "order" and v != 1)
     units = ", FSDP2 unit per block" if plan.memory.block_units else ""
     return (f"{wall:7.1f} s wall | {cpu:7.1f} s CPU (with capture) | load {load:.1f} | {mesh}{units} | "
-            f"predicted {plan.predicted_step_s:.4f} s | {planned} planned, {pruned} pruned after partitioning")
+            f"predicted {plan.predicted_step_s:.4f} s | {planned} planned, {pruned} pruned after partitioning, "
+            f"{pruned_sched} while scheduling")
 
 
 def main(argv=None) -> int:

@@ -38,8 +38,8 @@ from fxpipe.partition.memory import PartitionMemory, stage_memory_bytes
 from fxpipe.partition.objective import Partition, block_costs
 from fxpipe.partition.placement import device_costs, placement_of
 from fxpipe.progress import phase
-from fxpipe.schedule.auto import AUTO_MILP_MAX_OPS, auto_schedule
-from fxpipe.schedule.bounds import recompute_lower_bound
+from fxpipe.schedule.auto import AUTO_MILP_MAX_OPS, ScheduleCannotBeat, auto_schedule
+from fxpipe.schedule.bounds import recompute_lower_bound, round_trip_lower_bound
 from fxpipe.schedule.dispatch import default_method, make_schedule, methods_for_placement
 from fxpipe.schedule.from_partition import problem_from_partition
 from fxpipe.schedule.validate import place_fused_w
@@ -59,14 +59,20 @@ class CandidatePruned(FxpipeError):
     ----------
     lower_bound_s : float
         The smallest of those bounds (seconds).
+    while_scheduling : bool
+        Some candidate's bound was below ``beat_s`` but its schedule search
+        (:func:`~fxpipe.schedule.auto.auto_schedule` with ``beat_s``) ran only the methods whose own
+        bounds are below ``beat_s`` and they found no schedule (:class:`~fxpipe.schedule.auto.ScheduleCannotBeat`):
+        no schedule of it beats ``beat_s`` that the planner would have found.
     """
 
-    def __init__(self, message: str, lower_bound_s: float):
+    def __init__(self, message: str, lower_bound_s: float, while_scheduling: bool = False):
         super().__init__(message)
         self.lower_bound_s = float(lower_bound_s)
+        self.while_scheduling = bool(while_scheduling)
 
     def __reduce__(self):  # raised in the mesh search's worker processes, pickled back
-        return CandidatePruned, (str(self), self.lower_bound_s)
+        return CandidatePruned, (str(self), self.lower_bound_s, self.while_scheduling)
 
 #: What :func:`plan_graph` returns: the kept candidate's partition, problem, schedule and phase timings (seconds).
 PlanResult = tuple[Partition, ScheduleProblem, Schedule, dict[str, float]]
@@ -329,6 +335,7 @@ class _CandidateSearch:
         self.explain = True
         self.beat_s: float | None = None
         self.pruned: list[float] = []  # schedule lower bounds of the candidates not scheduled (>= beat_s)
+        self.pruned_scheduling = 0  # of them, those whose schedule search found nothing that may beat beat_s
 
     def _skip(self, record: dict[str, Any], exc: Exception, *, counts: bool = True) -> None:
         """Record why a candidate is skipped (``counts``: its error may be the one raised when none is
@@ -365,6 +372,15 @@ class _CandidateSearch:
             return self._skip(record, part)
         t0 = time.perf_counter()
         try:
+            if self.beat_s is not None:  # before the checkpoint menus are built: the memory-blind bound of the
+                # problem without them (no replay) is below every schedule under every checkpoint choice
+                bound = round_trip_lower_bound(problem_from_partition(
+                    graph, part, num_microbatches=self.microbatches, device_of_stage=dev))
+                if bound >= self.beat_s:
+                    record["skipped"] = (f"pruned: its schedule lower bound {bound:.6g} s is no better than "
+                                         f"{self.beat_s:.6g} s")
+                    self.pruned.append(bound)
+                    return None
             problem = self._problem(part, dev, record)
             if self.beat_s is not None:  # the mesh search's best so far: no schedule of this problem can beat it
                 bound = recompute_lower_bound(problem)
@@ -374,6 +390,11 @@ class _CandidateSearch:
                     self.pruned.append(bound)
                     return None
             problem, sched = self._schedule(problem, method)
+        except ScheduleCannotBeat as exc:
+            record["skipped"] = f"pruned while scheduling: {exc}"
+            self.pruned.append(bound)
+            self.pruned_scheduling += 1
+            return None
         except InfeasibleError as exc:
             return self._skip(record, exc)
         finally:
@@ -443,7 +464,7 @@ class _CandidateSearch:
             budget = auto_milp_budget_s(problem) if opts.schedule_time_limit_s is None else opts.schedule_time_limit_s
             with phase(f"schedule {k} stages x {m} micro-batches (auto, MILP up to {budget:g} s)", on=opts.progress):
                 chosen = auto_schedule(problem, recompute=pinned != "none", time_limit_s=budget,
-                                       progress=opts.progress)
+                                       progress=opts.progress, beat_s=self.beat_s)
             return chosen.problem, chosen.schedule
         budget = DEFAULT_MILP_TIME_LIMIT_S if opts.schedule_time_limit_s is None else opts.schedule_time_limit_s
         with phase(f"schedule {k} stages x {m} micro-batches ({method})", on=opts.progress):
@@ -486,6 +507,9 @@ class _CandidateSearch:
                 raise self.first_error
             if self.pruned and len(self.pruned) == len(self.tried):
                 low = min(self.pruned)
+                if self.pruned_scheduling:
+                    raise CandidatePruned(f"pruned while scheduling: no schedule found that may beat {self.beat_s:.6g} s "
+                                          f"(its schedule lower bound {low:.6g} s)", low, while_scheduling=True)
                 raise CandidatePruned(f"pruned after partitioning: its schedule lower bound {low:.6g} s is no better "
                                       f"than {self.beat_s:.6g} s", low)
             raise InputError("no placement candidate could be planned: " + "; ".join(r["skipped"] for r in self.tried))

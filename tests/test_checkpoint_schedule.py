@@ -167,3 +167,72 @@ def test_the_milp_schedules_the_chosen_options():
     got = place_fused_w(p, milp.solve(p, time_limit_s=30, warm_start=start))
     assert check_schedule(p, got) == [] and got.value <= start.value * (1 + 1e-9)
     assert got.status == "optimal" and got.value == pytest.approx(combinatorial_lower_bound(p), rel=1e-6)
+
+
+@settings(max_examples=25, deadline=None)
+@given(S=st.integers(1, 4), m=st.integers(1, 5), limit=st.sampled_from([14.0, 20.0, 60.0, math.inf]),
+       pooled=st.sampled_from([0.0, 1.0]), t_w=st.sampled_from([0.5, 2.0]), data=st.data())
+def test_one_stage_view_reads_as_the_problem_with_that_stage_s_option(S, m, limit, pooled, t_w, data):
+    """recompute_lower_bound's per-stage terms read stage s under each option from a view of the
+    problem (no problem built per option): the same figures as the problem with_checkpoint builds."""
+    from fxpipe.schedule.bounds import _StageView, _reachable, _round_trip, _stage_terms
+
+    p = menu_problem(S=S, m=m, mem_limit=limit, pooled=pooled, t_w=t_w)
+    # stages as built may offload some of their stash (no option of the menu says so)
+    p = p.replace(offload_bytes=data.draw(st.sampled_from([0.0, 3.0])), t_offload=0.5)
+    start = data.draw(st.lists(st.sampled_from([o.name for o in p.checkpoint_menu[0]]), min_size=S, max_size=S))
+    base = p.with_checkpoint(start)
+    d = _round_trip(base)
+    for s in range(S):
+        for o in _reachable(base, s):
+            q = base.with_checkpoint({s: o.name})
+            view = _StageView(base, s, o.name)
+            for field in ("t_b", "t_w", "mem_f", "mem_b", "mem_w", "offload_bytes"):
+                assert np.allclose(getattr(view, field), getattr(q, field), rtol=0, atol=1e-12), (field, s, o.name)
+            assert _stage_terms(view, s, d[s]) == pytest.approx(_stage_terms(q, s), rel=1e-12, abs=1e-12)
+
+
+@pytest.mark.parametrize("S, m, limit", [(2, 4, 14.0), (3, 4, 20.0), (3, 6, 30.0), (4, 8, 24.0)])
+def test_auto_with_an_outside_best_keeps_every_checkpoint_choice_that_beats_it(S, m, limit):
+    """With checkpoint menus that memory forces: auto_schedule(beat_s=b) returns what it returns
+    without b when that beats b, else nothing faster than b."""
+    from test_schedule_recompute import check_outside_best
+
+    p = menu_problem(S=S, m=m, mem_limit=limit)
+    ref = auto_schedule(p, time_limit_s=0.0)
+    for factor in (0.5, 0.95, 1.0 + 1e-6, 1.05, 2.0):
+        check_outside_best(p, ref, factor * ref.schedule.value)
+
+
+@settings(max_examples=20, deadline=None)
+@given(S=st.integers(1, 4), m=st.integers(1, 5), limit=st.sampled_from([14.0, 20.0, 60.0, math.inf]),
+       offload=st.sampled_from([0.0, 3.0]), data=st.data())
+def test_the_bound_is_the_same_as_with_a_problem_built_per_option(S, m, limit, offload, data):
+    import fxpipe.schedule.bounds as bounds
+
+    p = menu_problem(S=S, m=m, mem_limit=limit).replace(offload_bytes=offload, t_offload=0.5)
+    p = p.with_checkpoint(data.draw(st.lists(st.sampled_from(["none", "selective", "full"]), min_size=S, max_size=S)))
+    fast = recompute_lower_bound(p)
+    real = bounds._StageView
+    try:
+        bounds._StageView = lambda problem, s, name: problem.with_checkpoint({s: name})
+        slow = recompute_lower_bound(p)
+    finally:
+        bounds._StageView = real
+    assert fast == pytest.approx(slow, rel=1e-12, abs=1e-12)
+
+
+@settings(max_examples=25, deadline=None)
+@given(S=st.integers(1, 4), m=st.integers(1, 5), limit=st.sampled_from([14.0, 20.0, 30.0, 60.0, math.inf]),
+       pooled=st.sampled_from([0.0, 1.0]), t_w=st.sampled_from([0.5, 2.0]))
+def test_the_memory_blind_bound_without_menus_is_below_every_checkpoint_choice(S, m, limit, pooled, t_w):
+    """The planner prunes on round_trip_lower_bound of the problem built without checkpoint menus (no replay) before
+    it builds them: below every schedule bound of every choice of the menus."""
+    from fxpipe.schedule.bounds import round_trip_lower_bound
+
+    p = menu_problem(S=S, m=m, mem_limit=limit, pooled=pooled, t_w=t_w)
+    bare = p.replace(checkpoint_menu=None, checkpoint=None)
+    quick = round_trip_lower_bound(bare)
+    assert quick <= recompute_lower_bound(p) * (1 + 1e-9) + 1e-12
+    for choice in _choices(p):
+        assert quick <= combinatorial_lower_bound(p.with_checkpoint(list(choice))) * (1 + 1e-9) + 1e-12, choice

@@ -226,3 +226,26 @@ def test_time_limited_search_reports_why_it_stopped():
     assert p.meta["stop_reason"] in ("bound", "stall", "generations", "time")
     assert p.meta["lower_bound_method"] == "simple"
     assert 0.0 <= p.meta["gap"] < 1.0
+
+
+def test_time_limit_holds_while_seed_orders_are_sliced(monkeypatch):
+    """A slicing that takes longer than the time limit (a deep pipeline on a large graph): the seeds
+    after the first are left undecoded, the best so far is returned with stop reason "time"."""
+    import time
+
+    from fxpipe.partition import search as search_mod
+
+    g = random_dag(3, 40, 0.1)
+    real = search_mod.slice_order_arrays
+
+    def slow(order, inputs, bound):
+        time.sleep(0.05)
+        return real(order, inputs, bound)
+
+    monkeypatch.setattr(search_mod, "slice_order_arrays", slow)
+    p = partition(g, 4, comm="relay", time_limit_s=0.01)
+    validate_partition(g, p)
+    assert p.meta["evaluations"] == 1
+    assert p.meta["seeds_left"] >= 1
+    assert p.meta["stop_reason"] in ("time", "bound")
+    assert p.meta["stop_reason"] == "bound" or not p.meta["proven_optimal"]

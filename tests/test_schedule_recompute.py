@@ -284,3 +284,31 @@ def test_peak_reads_an_offload_ending_as_an_f_starts_as_one_instant():
 
     assert np.allclose(stage_peaks(p, sched), peak_memory(p, sched))
     assert np.allclose([memory_profile(p, sched, s)[1].max() for s in range(3)], peak_memory(p, sched))
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(p=recompute_problems(), factor=st.sampled_from([0.5, 0.9, 0.999, 1.001, 1.2, 3.0]))
+def test_auto_with_an_outside_best_finds_every_schedule_that_beats_it(p, factor):
+    """auto_schedule(beat_s=b) skips only methods whose bounds are above b: the schedule it returns
+    without b is returned with it whenever it beats b; otherwise it returns nothing better than b
+    (ScheduleCannotBeat, or a schedule no faster than b)."""
+    ref = auto_schedule(p, time_limit_s=0.0)
+    check_outside_best(p, ref, factor * ref.schedule.value)
+
+
+def check_outside_best(p, ref, beat):
+    """auto_schedule(p, beat_s=beat) against ``ref`` = auto_schedule(p): the same when ``ref`` beats ``beat``,
+    else ScheduleCannotBeat or a valid schedule no faster than ``beat``."""
+    from fxpipe.schedule.auto import ScheduleCannotBeat
+
+    try:
+        got = auto_schedule(p, time_limit_s=0.0, beat_s=beat)
+    except ScheduleCannotBeat:
+        assert ref.schedule.value >= beat * (1 - 1e-9)
+        return
+    assert check_schedule(got.problem, got.schedule) == []
+    if ref.schedule.value < beat:
+        assert got.schedule.value == pytest.approx(ref.schedule.value, rel=1e-12)
+        assert got.problem.checkpoint == ref.problem.checkpoint
+    else:
+        assert got.schedule.value >= beat * (1 - 1e-9)

@@ -708,14 +708,8 @@ class ScheduleProblem:
             if new.name == NO_CHECKPOINT:
                 raise InputError(f"stage {s} checkpoints ({cur.name!r}): a derived problem cannot go back to 'none' "
                                  "(its offload is not recorded); derive from the problem as built")
-            c = float(self.pooled_bytes[s])
-            t_b[s] += new.replay_s + new.fused_w_s - cur.replay_s - cur.fused_w_s
-            t_w[s] += cur.fused_w_s - new.fused_w_s
-            mem_f[s] = new.kept_bytes + c
-            mem_w[s] = -(new.w_bytes + c)
-            mem_b[s] = -mem_f[s] - mem_w[s]
-            trans[s] = max(new.b_level(c) - (new.w_bytes + c), 0.0)
-            off[s] = 0.0
+            t_b[s], t_w[s], mem_f[s], mem_b[s], mem_w[s], trans[s], off[s] = self.stage_fields_with(
+                s, new.name, float(t_b[s]), float(t_w[s]))
             names[s] = new.name
         if names == list(self.checkpoint):
             return self
@@ -724,6 +718,25 @@ class ScheduleProblem:
                                          "mem_b": mem_b, "mem_w": mem_w, "mem_b_transient": trans,
                                          "offload_bytes": off, "recompute": None, "checkpoint": names,
                                          "checkpoint_menu": self.checkpoint_menu})
+
+    def stage_fields_with(self, stage: int, name: str, t_b: float | None = None,
+                          t_w: float | None = None) -> tuple[float, float, float, float, float, float, float]:
+        """Stage ``stage``'s ``(t_b, t_w, mem_f, mem_b, mem_w, mem_b_transient, offload_bytes)`` (seconds,
+        bytes) when it runs its menu's option ``name`` instead of the one it runs (the rule of
+        :meth:`with_checkpoint`, before it clips negative times; the option it runs: its fields as
+        they are; ``t_b`` / ``t_w``: the stage's times to start from, default the problem's). For bounds that look at one stage under each of its
+        options without building a problem per option."""
+        cur, new = self.checkpoint_option(stage), self.checkpoint_option(stage, name)
+        t_b = float(self.t_b[stage]) if t_b is None else t_b
+        t_w = float(self.t_w[stage]) if t_w is None else t_w
+        if new.name == cur.name:  # the option it runs: its fields as they are (offload included)
+            return (t_b, t_w, float(self.mem_f[stage]), float(self.mem_b[stage]), float(self.mem_w[stage]),
+                    float(self.mem_b_transient[stage]), float(self.offload_bytes[stage]))
+        c = float(self.pooled_bytes[stage])
+        mem_f = new.kept_bytes + c
+        mem_w = -(new.w_bytes + c)
+        return (t_b + new.replay_s + new.fused_w_s - cur.replay_s - cur.fused_w_s, t_w + cur.fused_w_s - new.fused_w_s,
+                mem_f, -mem_f - mem_w, mem_w, max(new.b_level(c) - (new.w_bytes + c), 0.0), 0.0)
 
     def with_recompute(self, stages: Sequence[int] | Sequence[bool]) -> "ScheduleProblem":
         """The problem in which ``stages`` (also) recompute their whole forward during B.

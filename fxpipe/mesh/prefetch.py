@@ -71,6 +71,8 @@ def _pruned_still(result: Any, made: float | None, now: float | None) -> tuple[b
     ``(False, None)``."""
     from fxpipe.planner import CandidatePruned  # noqa: PLC0415
 
+    if isinstance(result, CandidatePruned) and result.while_scheduling:  # nothing found that may beat ``made``
+        return (True, result) if now is not None and made is not None and now <= made else (False, None)
     if isinstance(result, CandidatePruned):
         return (True, result) if now is not None and result.lower_bound_s >= now else (False, None)
     return (True, result) if made == now else (False, None)

@@ -98,6 +98,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import itertools
+import time
 import warnings
 from typing import Any, Mapping
 
@@ -411,15 +412,22 @@ def search_mesh(graph, *, devices: int, microbatches: int, memory, options: Plan
                     # (only once a best exists: before, they would be planned whole where its bound prunes them)
                     prefetch.ahead([(entry["lower_bound_s"], 0, row, entry, mesh, mem, order)]
                                    + heapq.nsmallest(4 * prefetch.workers, heap), ahead_args)
+                t_plan = time.perf_counter()
                 planned[key] = _plan_or_reuse(v.graph, row, entry, mesh, mem, order, microbatches, v.options,
                                               siblings, timings, graphs, explain=mesh["pp"] == devices,
                                               prefetch=prefetch, key=key,
                                               beat_s=None if best is None else best[1]["predicted_step_s"])
+                entry["plan_s"] = time.perf_counter() - t_plan  # wall seconds this candidate took the search
             run.update(1, mesh=row["mesh_text"])
             if isinstance(planned[key], CandidatePruned):  # partitioned, but no schedule of it can beat the best
-                entry["skipped"] = (f"pruned after partitioning: its schedule lower bound "
-                                    f"{format_ms(planned[key].lower_bound_s)} is no better than {best[0]['mesh_text']}'s "
-                                    f"predicted {format_ms(best[1]['predicted_step_s'])}")
+                if planned[key].while_scheduling:  # auto_schedule ran only the methods its bounds let beat the best
+                    entry["skipped"] = (f"pruned while scheduling: no schedule found that may beat "
+                                        f"{best[0]['mesh_text']}'s predicted {format_ms(best[1]['predicted_step_s'])} "
+                                        f"(its schedule lower bound {format_ms(planned[key].lower_bound_s)})")
+                else:
+                    entry["skipped"] = (f"pruned after partitioning: its schedule lower bound "
+                                        f"{format_ms(planned[key].lower_bound_s)} is no better than "
+                                        f"{best[0]['mesh_text']}'s predicted {format_ms(best[1]['predicted_step_s'])}")
                 entry["lower_bound_s"] = max(entry["lower_bound_s"], planned[key].lower_bound_s)
                 needs_host(row, mesh)  # as if its memory bound: its twins are tried (and bounded) all the same
                 continue

@@ -870,11 +870,10 @@ def _points(dec: ChainDecomposition, k: int, *, exact_only: bool) -> _Points:
     S = dec.num_segments
     total = float(dec.seg_work_s.sum())
     width = total / (max(k, 1) * BINS_PER_BLOCK) if total > 0 else 0.0
-    cols: dict[str, list] = {c: [] for c in ("seg", "wlo", "whi", "cut", "mask", "flag", "exact")}
+    chunks: list[tuple] = []  # (seg, wlo, whi, cut, mask, flag, exact), each a scalar or an array of one length
 
     def add(j, lo, hi, cut, mask, flag, exact):
-        for c, v in zip(cols, (j, lo, hi, cut, mask, flag, exact)):
-            cols[c].append(v)
+        chunks.append((j, lo, hi, cut, mask, flag, exact))
 
     w_before = 0.0
     for j in range(S):
@@ -884,10 +883,10 @@ def _points(dec: ChainDecomposition, k: int, *, exact_only: bool) -> _Points:
             pw, pc, pf = dec.point_work_s[j], dec.point_cut_bytes[j], dec.point_flag[j]
             size = np.array([bin(int(x) & 0xFFFFFFFFFFFFFFFF).count("1") for x in ms.tolist()], dtype=np.int64)
             order = np.lexsort((size, pw))
-            for i in order.tolist():
-                if j > 0 and size[i] == 0:
-                    continue  # J = {} is the previous segment's full ideal
-                add(j, float(pw[i]), float(pw[i]), float(pc[i]), int(ms[i]), bool(pf[i]), True)
+            if j > 0:
+                order = order[size[order] != 0]  # J = {} is the previous segment's full ideal
+            n = order.shape[0]
+            add(np.full(n, j), pw[order], pw[order], pc[order], ms[order], pf[order], np.ones(n, dtype=bool))
         else:
             if j == 0:
                 add(0, 0.0, 0.0, 0.0, 0, False, True)
@@ -898,25 +897,21 @@ def _points(dec: ChainDecomposition, k: int, *, exact_only: bool) -> _Points:
                 starts = np.flatnonzero(np.r_[True, idx[1:] != idx[:-1]])
                 ends = np.r_[starts[1:], bw.shape[0]]
                 cmin = np.minimum.reduceat(bc, starts)
-                for a_, b_, c_ in zip(starts.tolist(), ends.tolist(), cmin.tolist()):
-                    add(j, float(bw[a_]), float(bw[b_ - 1]), float(c_), -1, False, False)
+                n = starts.shape[0]
+                add(np.full(n, j), bw[starts], bw[ends - 1], cmin, np.full(n, -1), np.zeros(n, dtype=bool),
+                    np.zeros(n, dtype=bool))
             elif not exact_only and width > 0:
                 nb = int(math.ceil((w_after - w_before) / width)) if w_after > w_before else 1
                 nb = max(1, min(nb, 4 * BINS_PER_BLOCK))
                 edges = np.linspace(w_before, w_after, nb + 1)
-                for b in range(nb):
-                    add(j, float(edges[b]), float(edges[b + 1]), float(dec.mandatory_cut_bytes[j]), -1, False, False)
+                add(np.full(nb, j), edges[:-1], edges[1:], np.full(nb, float(dec.mandatory_cut_bytes[j])),
+                    np.full(nb, -1), np.zeros(nb, dtype=bool), np.zeros(nb, dtype=bool))
             add(j, w_after, w_after, float(dec.gate_cut_bytes[j]), -1, dec.inputs_entry <= j, True)
         w_before = w_after
-    out = _Points(
-        seg=np.array(cols["seg"], dtype=np.int64),
-        wlo=np.array(cols["wlo"], dtype=np.float64),
-        whi=np.array(cols["whi"], dtype=np.float64),
-        cut=np.array(cols["cut"], dtype=np.float64),
-        mask=np.array(cols["mask"], dtype=np.int64),
-        flag=np.array(cols["flag"], dtype=np.bool_),
-        exact=np.array(cols["exact"], dtype=np.bool_),
-    )
+    dtypes = (np.int64, np.float64, np.float64, np.float64, np.int64, np.bool_, np.bool_)
+    cols = [np.concatenate([np.atleast_1d(np.asarray(c[i], dtype=dt)) for c in chunks]) if chunks
+            else np.zeros(0, dtype=dt) for i, dt in enumerate(dtypes)]
+    out = _Points(*cols)
     if exact_only:
         keep = out.exact
         out = _Points(*(getattr(out, f)[keep] for f in ("seg", "wlo", "whi", "cut", "mask", "flag", "exact")))

@@ -194,8 +194,10 @@ def partition(
         until ``time_limit_s`` or ``evaluations``. ``"brkga"``: BRKGA over Kahn priorities
         whose initial population contains the structured orders (and ``warm_start``).
     time_limit_s : float
-        Wall-clock budget in seconds (>= 0; checked between batches/generations, so a run
-        may overshoot by one batch). ``0`` decodes only the seeds.
+        Wall-clock budget in seconds (>= 0; checked between seed orders and between
+        batches/generations, so a run may overshoot by one slicing or one batch; at least one
+        seed is decoded; ``meta["seeds_left"]`` counts the seeds the limit left undecoded).
+        ``0`` decodes every seed and nothing else.
     seed : int
         Seed of the only random generator; with ``evaluations`` set (and a generous time
         limit) the result is reproducible.
@@ -282,13 +284,15 @@ def partition(
     with Search("partition") as run:  # Ctrl-C: the best partition so far, with meta["interrupted"]
         lower, lower_method, chain_part = _lower_bound(graph, k, objective, comm, model, chain)
         # the search stops within _gap_rtol of its lower bound (proven optimal only within PROVEN_RTOL, _finish)
+        # time_limit_s == 0: every seed is decoded (and nothing else)
         st = _SearchState(run, t0, lower * (1.0 + max(PROVEN_RTOL, float(_gap_rtol))),
-                          kernel_inputs(graph, k, objective, comm, model))
+                          kernel_inputs(graph, k, objective, comm, model),
+                          deadline=t0 + time_limit_s if time_limit_s > 0 else math.inf)
         seeds = _seed_orders(graph, chain_part, warm_order, evaluations)
         run.best_payload = (seeds[0][1], seeds[0][0])  # decoded below even if Ctrl-C came already
         st.decode(seeds, st.inputs)
         budget_left = None if evaluations is None else evaluations - st.evals
-        if not st.done and (budget_left is None or budget_left > 0):
+        if not st.done and not st.timed_out and (budget_left is None or budget_left > 0):
             _search_contracted(st, graph, k, objective, comm, model, method=method, time_limit_s=time_limit_s,
                                seed=seed, evaluations=evaluations, progress=progress, brkga_params=brkga_params,
                                contract=contract)
@@ -403,9 +407,10 @@ class _SearchState:
     flag; best bottleneck and ``(order on the original graph, rule)``), the evaluations, the
     reason it stopped and the target (the lower bound within :data:`PROVEN_RTOL`)."""
 
-    def __init__(self, run: Search, t0: float, target: float, inputs: tuple):
-        self.run, self.t0, self.target, self.inputs = run, t0, target, inputs
+    def __init__(self, run: Search, t0: float, target: float, inputs: tuple, deadline: float = math.inf):
+        self.run, self.t0, self.target, self.inputs, self.deadline = run, t0, target, inputs, deadline
         self.evals = 0
+        self.seeds_left = 0  # seed orders not decoded because the time limit came first
         self.stop_reason = "time"
         self.extra_meta: dict = {}
         self.search_n: int | None = None
@@ -432,13 +437,24 @@ class _SearchState:
         return self.run.stopped
 
     def decode(self, seeds, inputs, to_original=None, prefix: str = "") -> None:
-        """Slice every seed order optimally (SliceGraph) until one is proven optimal or Ctrl-C."""
-        for rule, o in seeds:
+        """Slice every seed order optimally (SliceGraph) until one is proven optimal, Ctrl-C, or the
+        deadline once a partition exists (a slicing of a deep pipeline on a large graph takes seconds:
+        the time limit holds for the seeds too, and ``seeds_left`` counts the ones not decoded)."""
+        for i, (rule, o) in enumerate(seeds):
+            if self.run.best_payload is not None and self.evals and time.perf_counter() >= self.deadline:
+                self.seeds_left += len(seeds) - i
+                self.stop_reason = "time"
+                return
             val, _ = slice_order_arrays(o, inputs, self.best)
             self.evals += 1
             self.offer(float(val), o if to_original is None else to_original(o), prefix + rule)
             if self.done or self.check_interrupt():
                 return
+
+    @property
+    def timed_out(self) -> bool:
+        """The deadline came while seeds were left: no further search."""
+        return self.seeds_left > 0
 
 
 def _search_contracted(st: _SearchState, graph: OpGraph, k: int, objective: str, comm: str, model, *, method: str,
@@ -467,7 +483,7 @@ def _search_contracted(st: _SearchState, graph: OpGraph, k: int, objective: str,
             s_seeds = list(structured_orders(sg).items())[: None if evaluations is None else evaluations - st.evals - 1]
             st.decode(s_seeds, kernel_inputs(sg, k, objective, comm, model), to_original, "contracted-")
         budget_left = None if evaluations is None else evaluations - st.evals
-        if st.done or (budget_left is not None and budget_left <= 0):
+        if st.done or st.timed_out or (budget_left is not None and budget_left <= 0):
             return
         if method == "orders":
             _random_orders(st, decoder, to_original, seed=seed, time_limit_s=time_limit_s, evaluations=evaluations,
@@ -550,6 +566,7 @@ def _finish(graph: OpGraph, k: int, objective: str, comm: str, model, st: _Searc
         "lower_bound_s": float(lower),
         "lower_bound_method": lower_method,
         "search_nodes": int(graph.n if st.search_n is None else st.search_n),
+        "seeds_left": int(st.seeds_left),
         **st.extra_meta,
     }
     if model is not None:

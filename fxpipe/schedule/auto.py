@@ -168,6 +168,11 @@ def _degraded(problem: ScheduleProblem, tag: str, tried: dict, beat: float | Non
     return _run(problem, ("sequential",), tag, tried)
 
 
+class ScheduleCannotBeat(InfeasibleError):
+    """Raised by :func:`auto_schedule` with ``beat_s`` when it found no schedule: none of the methods
+    it ran (those whose lower bounds are below ``beat_s``) found one that fits."""
+
+
 class _CannotBeat(InfeasibleError):
     """A candidate skipped because its lower bound is above a schedule already found."""
 
@@ -281,7 +286,7 @@ def _run(problem: ScheduleProblem, methods, tag: str, tried: dict, beat: float |
     return out
 
 
-def _value(cands: list[tuple[ScheduleProblem, Schedule]]) -> float | None:
+def _best_value(cands: list[tuple[ScheduleProblem, Schedule]]) -> float | None:
     """The best objective value among ``cands`` (None if there is none)."""
     return min((s.value for _, s in cands), default=None)
 
@@ -484,6 +489,7 @@ def auto_schedule(
     time_limit_s: float = 10.0,
     milp_max_ops: int = AUTO_MILP_MAX_OPS,
     progress: bool = False,
+    beat_s: float | None = None,
 ) -> AutoResult:
     """The best schedule of ``problem`` that fits its memory limits (module docstring).
 
@@ -500,6 +506,12 @@ def auto_schedule(
         Largest problem (3 S m compute ops) the MILP is tried on.
     progress : bool
         MILP progress bar.
+    beat_s : float, optional
+        A value found elsewhere (seconds; the mesh search's best predicted step, which every
+        candidate's predicted step is at least its schedule's value): methods and checkpoint rounds
+        whose own lower bound (:func:`~fxpipe.schedule.bounds.combinatorial_lower_bound`, or the
+        limited warm-ups' bound) is above it are not run, as methods are skipped against the best
+        found here. Schedules below ``beat_s`` are found exactly as without it.
 
     Returns
     -------
@@ -507,12 +519,21 @@ def auto_schedule(
 
     Raises
     ------
+    ScheduleCannotBeat
+        With ``beat_s``, when no schedule was found: every method either could not beat it by its
+        bound or found nothing that fits.
     InfeasibleError
         When no candidate fits: the message names the device that overflows most in the
         least-memory attempt and by how many bytes, and whether offload / recomputation were
         tried.
     """
     t0 = time.perf_counter()
+
+    def _beat(found: list[tuple[ScheduleProblem, Schedule]]) -> float | None:
+        """The value a method must beat: the best of ``found`` and ``beat_s``."""
+        v = _best_value(found)
+        return beat_s if v is None else (v if beat_s is None else min(v, beat_s))
+
     tried: dict[str, Any] = {}
     cands: list[tuple[ScheduleProblem, Schedule]] = []
     free = problem.replace(mem_limit=math.inf)
@@ -552,17 +573,20 @@ def auto_schedule(
                 tried[tag] = list(cur.recompute_stages)
                 if any(c not in ("none", "stage") for c in cur.checkpoint):
                     tried[f"checkpoint{rnd}"] = {s: c for s, c in enumerate(cur.checkpoint) if c != "none"}
-                found = [(cur, s) for s in _run(cur, _plain_methods(cur), tag, tried)]
+                if beat_s is not None:  # this round's methods only where they may beat beat_s
+                    found = [(cur, s) for s in _run_unless_hopeless(cur, _plain_methods(cur), tag, tried, beat_s)]
+                else:
+                    found = [(cur, s) for s in _run(cur, _plain_methods(cur), tag, tried)]
                 if not found and not large and _can_offload(cur):
-                    found = [(cur, s) for s in _run_unless_hopeless(cur, OFFLOAD_METHODS, tag, tried, _value(cands + rounds))]
+                    found = [(cur, s) for s in _run_unless_hopeless(cur, OFFLOAD_METHODS, tag, tried, _beat(cands + rounds))]
                 if not found and not large:  # a large problem: fewer in flight only after the last round
-                    found = [(cur, s) for s in _degraded(cur, tag, tried, beat=_value(cands + rounds))]
+                    found = [(cur, s) for s in _degraded(cur, tag, tried, beat=_beat(cands + rounds))]
                 rounds += found
             if large and not rounds and cur is not problem:
-                rounds += [(cur, s) for s in _degraded(cur, tag, tried, beat=_value(cands))]
+                rounds += [(cur, s) for s in _degraded(cur, tag, tried, beat=_beat(cands))]
             rounds += _uniform_1f1b(problem, tried)
         if large and recompute:  # bounded as schedules without offload (none of these offloads)
-            cands += [(problem, s) for s in _run_unless_hopeless(problem, methods, "plain", tried, _value(rounds),
+            cands += [(problem, s) for s in _run_unless_hopeless(problem, methods, "plain", tried, _beat(rounds),
                                                                   bound_problem=problem.replace(offload_bytes=0.0))]
         tried_rounds = dict(tried)
         tried.clear()
@@ -574,16 +598,19 @@ def auto_schedule(
                 if m not in offload:
                     tried[f"offload/{m}"] = "skipped: a large problem that activation checkpointing fits (offload-search runs)"
             cands += [(problem, s) for s in _run_unless_hopeless(problem, offload, "offload", tried,
-                                                                 _value(cands + rounds))]
+                                                                 _beat(cands + rounds))]
         tried_offload = dict(tried)
         tried.clear()
         tried.update(tried_head)
         cands += rounds
-        beat = _value(cands)
+        beat = _beat(cands)
         cands[at:at] = [(problem, s) for s in _degraded(problem, "plain", tried, beat=beat)]
         tried.update(tried_offload)
         tried.update(tried_rounds)
     chosen = _best(cands)
+    if chosen is None and beat_s is not None:
+        raise ScheduleCannotBeat(f"no schedule found that may beat {beat_s:.6g} s: the methods whose lower bounds "
+                                 "allow it found none that fits", tried=tried)
     if chosen is None:
         least = least_memory(problem) if recompute else problem
         floor = np.minimum(min_device_memory(problem, offload=True), min_device_memory(least, offload=True))

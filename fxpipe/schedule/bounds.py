@@ -694,11 +694,12 @@ def limited_1f1b_bound(problem: ScheduleProblem, w: int) -> float:
     return best
 
 
-def _stage_terms(problem: ScheduleProblem, s: int) -> float:
-    """Parts 1-3 of the module docstring for stage s alone (seconds; ``+ A_s`` for makespan)."""
-    D = _round_trip(problem)
+def _stage_terms(problem: ScheduleProblem, s: int, d: float | None = None) -> float:
+    """Parts 1-3 of the module docstring for stage s alone (seconds; ``+ A_s`` for makespan; ``d`` its round
+    trip, :func:`_round_trip`, computed when not given)."""
+    d = float(_round_trip(problem)[s]) if d is None else float(d)
     m = problem.num_microbatches
-    F, B, W, d = float(problem.t_f[s]), float(problem.t_b[s]), float(problem.t_w[s]), float(D[s])
+    F, B, W = float(problem.t_f[s]), float(problem.t_b[s]), float(problem.t_w[s])
     best = max(max(m * F, F + d) + m * (B + W), m * F + d + B + W)
     if m >= 2:
         best = min(best, m * (F + B + W) + max(0.0, F + d - (m - 1) * F) + max(0.0, d + B + W - (m * (B + W) - B)))
@@ -707,6 +708,36 @@ def _stage_terms(problem: ScheduleProblem, s: int) -> float:
         c = problem.t_comm_effective
         best += float(sum(problem.t_f[k] + c[k] for k in range(s)))
     return best
+
+
+class _StageView:
+    """``problem.with_checkpoint({stage: name})`` as :func:`_stage_terms` reads it for ``stage`` (its
+    fields by :meth:`~fxpipe.ir.ScheduleProblem.stage_fields_with`; every other stage, and so the
+    round trip of ``stage``, which reads only later stages, as in ``problem``): a bound per stage
+    and option without building a problem per option (O(S) each)."""
+
+    def __init__(self, problem: ScheduleProblem, stage: int, name: str):
+        self._p = problem
+        t_b, t_w, mem_f, mem_b, mem_w, _trans, off = problem.stage_fields_with(stage, name)
+        t_w = 0.0 if abs(t_w) < 1e-15 else t_w
+        self.t_f = problem.t_f
+        self.t_b = _patched(problem.t_b, stage, max(t_b, 0.0))
+        self.t_w = _patched(problem.t_w, stage, max(t_w, 0.0))
+        self.mem_f, self.mem_b, self.mem_w = (_patched(getattr(problem, k), stage, v)
+                                              for k, v in (("mem_f", mem_f), ("mem_b", mem_b), ("mem_w", mem_w)))
+        self.offload_bytes = _patched(problem.offload_bytes, stage, off)
+        self.num_microbatches, self.num_stages, self.objective = (problem.num_microbatches, problem.num_stages,
+                                                                   problem.objective)
+        self.t_offload, self.t_comm_effective = problem.t_offload, problem.t_comm_effective
+
+    def device_mem_limit(self, stage: int) -> float:
+        return self._p.device_mem_limit(stage)
+
+
+def _patched(arr, i: int, value: float) -> np.ndarray:
+    out = np.array(arr, dtype=np.float64)
+    out[i] = value
+    return out
 
 
 def _forced_w_s(problem: ScheduleProblem, k: int, opt, t_b0: float, t_w0: float) -> float:
@@ -771,7 +802,8 @@ def recompute_lower_bound(problem: ScheduleProblem) -> float:
     tw0 = np.array([float(problem.t_w[s]) + cur[s].fused_w_s for s in range(S)])
     light = {s: min(opts[s], key=lambda o: (o.replay_s + o.fused_w_s, o.name)).name for s in range(S)}
     lightest = problem.with_checkpoint({s: n for s, n in light.items() if n != problem.checkpoint[s]})
-    h = [{o.name: _stage_terms(lightest.with_checkpoint({s: o.name}), s) for o in opts[s]} for s in range(S)]
+    d_light = _round_trip(lightest)  # stage s's round trip reads only later stages: the same under s's options
+    h = [{o.name: _stage_terms(_StageView(lightest, s, o.name), s, d_light[s]) for o in opts[s]} for s in range(S)]
     extra = np.array([min(_forced_w_s(problem, s, o, float(tb0[s]), float(tw0[s])) for o in opts[s]) for s in range(S)])
     best = math.inf
     for theta in sorted({-math.inf} | {v for hs in h for v in hs.values()}):
