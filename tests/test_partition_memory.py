@@ -233,3 +233,43 @@ def test_zero_remedy_names_the_zero1_mesh_fxpipe_runs_before_zero2_or_3():
     pm3 = PartitionMemory(MemoryModel(capacity_bytes=8500.0, reserved_fraction=0.0), num_microbatches=3)
     text3 = memory_remedies(g, np.zeros(1, dtype=np.int64), 1, "training", "relay", pm3)["zero"]
     assert text3.startswith("ZeRO-2 sharding over 4") and "ZeRO-1's memory only" in text3, text3
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 10_000), n=st.integers(2, 6), k=st.integers(2, 3), m=st.integers(1, 6),
+       objective=st.sampled_from(["training", "inference"]), rule=st.sampled_from(["floor", "1f1b"]))
+def test_memory_lower_bound_never_exceeds_any_partitions_memory(seed, n, k, m, objective, rule):
+    """The search's infeasibility proof (static state, least stash and receive buffers) is a lower bound on the
+    largest stage's memory by the partitioner's rule of every partition into k stages (brute force)."""
+    import itertools
+
+    from fxpipe.partition.search import memory_lower_bound
+
+    g = random_dag(seed, n, 0.4)
+    rng = np.random.default_rng(seed)
+    g = g.__class__.from_arrays(t_fwd_s=g.t_fwd_s, size_out_bytes=rng.integers(0, 50, n).astype(float),
+                                size_param_bytes=rng.integers(0, 3, n) * 2.0, act_bytes=rng.integers(0, 20, n).astype(float),
+                                edges=g.edges.tolist(), bandwidth_bytes_per_s=1e6)
+    pm = PartitionMemory(_model(1e9), num_microbatches=m, activation=rule)
+    best = math.inf
+    for a in itertools.product(range(k), repeat=n):
+        if any(a[u] > a[v] for u, v in g.edges.tolist()):
+            continue
+        best = min(best, float(stage_memory_bytes(g, np.array(a), k, objective, pm, "relay").max()))
+    assert memory_lower_bound(g, k, objective, pm) <= best * (1 + 1e-9) + 1e-9
+
+
+def test_receive_buffers_prove_infeasibility_before_the_search():
+    # 4 ops of 100 bytes of state each, 10-byte tensors between them: static state fits 2 stages of 2 ops in
+    # 230 bytes, but stage 0 also holds m = 4 gradient buffers (40 bytes) and the last stage 4 activation buffers
+    g = OpGraph.from_arrays(t_fwd_s=np.ones(4), size_out_bytes=np.full(4, 10.0), size_param_bytes=np.full(4, 100.0),
+                            act_bytes=np.zeros(4), edges=[[i, i + 1] for i in range(3)], meta={"param_dtype_bytes": 16.0})
+    pm = PartitionMemory(_model(230.0), num_microbatches=4)
+    from fxpipe.partition.search import memory_lower_bound
+
+    assert memory_lower_bound(g, 2, "training", pm) >= 240.0 - 1e-6
+    free = partition(g, 2, objective="training", comm="relay", method="orders", time_limit_s=0)
+    assert stage_memory_bytes(g, free.assignment, 2, "training", pm, "relay").max() > 230.0
+    with pytest.raises(InfeasibleError, match="receive buffers"):  # the bound's message: no search ran
+        partition(g, 2, objective="training", comm="relay", method="brkga", time_limit_s=30, memory=pm,
+                  _explain=False)

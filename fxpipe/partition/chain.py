@@ -129,6 +129,7 @@ __all__ = [
     "ChainDecomposition",
     "ChainResult",
     "decompose",
+    "boundary_weighted_bound",
     "chain_bound",
     "chain_partition",
     "solve_chain",
@@ -926,20 +927,23 @@ def _keys(whi: np.ndarray, io: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return rank, np.ascontiguousarray(keys[order])
 
 
-def _relaxed_min_bottleneck(pts: _Points, io_scale: float, k: int, rel_tol: float = 1e-10) -> tuple[float, float, int]:
+def _relaxed_min_bottleneck(pts: _Points, io_scale: float, k: int, rel_tol: float = 1e-10,
+                            out_scale: float | None = None) -> tuple[float, float, int]:
     """Bisection for the smallest T with a path of <= k transitions: ``(lo, hi, iterations)``.
 
-    ``lo`` is a threshold proven infeasible (a valid lower bound), ``hi`` a feasible one.
+    ``lo`` is a threshold proven infeasible (a valid lower bound), ``hi`` a feasible one. A block's
+    input cut is weighted by ``io_scale``, its output cut by ``out_scale`` (default: the same).
     """
-    io = pts.cut * io_scale
-    rank, keys_desc = _keys(pts.whi, io)
+    io_in = pts.cut * io_scale
+    io_out = io_in if out_scale is None else pts.cut * out_scale
+    rank, keys_desc = _keys(pts.whi, io_in)
     end = pts.seg.shape[0] - 1
-    hi = float(pts.whi[end] - pts.wlo[0]) + 2 * float(io.max(initial=0.0)) + 1e-300
+    hi = float(pts.whi[end] - pts.wlo[0]) + float(io_in.max(initial=0.0)) + float(io_out.max(initial=0.0)) + 1e-300
     lo = 0.0
     it = 0
     while hi - lo > rel_tol * hi and it < 200:
         mid = 0.5 * (lo + hi)
-        f = _min_transitions(pts.wlo, pts.whi, io, rank, keys_desc, 0, end, mid, 1e-9 * mid)
+        f = _min_transitions(pts.wlo, pts.whi, io_out, rank, keys_desc, 0, end, mid, 1e-9 * mid)
         if f <= k:
             hi = mid
         else:
@@ -1180,6 +1184,43 @@ def _chain_partition(graph, dec, k, objective, io_scale, upper, details) -> Part
     details["partition_blocks"] = len(chain) - 1
     a = _assignment(graph, dec, ex, chain)
     return Partition.from_assignment(graph, a, k, objective, "relay", meta={"method": "chain", "chain_threshold_s": float(T)})
+
+
+def boundary_weighted_bound(graph: OpGraph, k: int, in_per_byte: float, out_per_byte: float) -> float:
+    """A lower bound on ``max_s (work(V_s) + in_per_byte * in_s + out_per_byte * out_s)`` over every
+    partition of ``graph`` into ``k`` stages with relay communication (``work`` is ``t_fwd_s``; ``in_s`` /
+    ``out_s`` the bytes crossing the stage's input / output boundary, Contract 2).
+
+    The relaxed chain DP of :func:`solve_chain` (Lemmas D, L, S, G of the module docstring) with the
+    two boundaries of a block weighted apart: a transition ``p -> q`` costs at least
+    ``wlo[q] - whi[p] + in_per_byte * cut[p] + out_per_byte * cut[q]``. With both weights equal to
+    ``1 / bandwidth`` it is :func:`chain_bound` in inference.
+
+    Parameters
+    ----------
+    graph : OpGraph
+        Its ``t_fwd_s`` (float64 (n,)) is the work per node, its ``size_out_bytes`` the tensors cut.
+    k : int
+        Stages, >= 1.
+    in_per_byte, out_per_byte : float
+        Cost per byte of a stage's input / output boundary (units of ``t_fwd_s`` per byte), >= 0.
+
+    Returns
+    -------
+    float
+        The bound, in the units of ``t_fwd_s``.
+
+    Raises
+    ------
+    InputError
+        For a bad ``k`` or a negative weight.
+    """
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
+        raise InputError(f"k must be a positive integer, got {k!r}")
+    if not (in_per_byte >= 0 and out_per_byte >= 0):
+        raise InputError(f"boundary weights must be >= 0, got {in_per_byte!r}, {out_per_byte!r}")
+    pts = _points(cached_decomposition(graph, "inference"), int(k), exact_only=False)
+    return float(_relaxed_min_bottleneck(pts, float(in_per_byte), int(k), out_scale=float(out_per_byte))[0])
 
 
 def chain_bound(graph: OpGraph, k: int, objective: str = "training", comm: str = "relay") -> float:

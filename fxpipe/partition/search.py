@@ -41,7 +41,7 @@ import numpy as np
 from fxpipe.errors import InfeasibleError, InputError
 from fxpipe.ir import OpGraph
 from fxpipe.partition.brkga import BRKGAParams, PopulationDecoder, run_brkga
-from fxpipe.partition.chain import solve_chain
+from fxpipe.partition.chain import boundary_weighted_bound, solve_chain
 from fxpipe.partition.colocate import contract_colocated, forbidden_cut_edges
 from fxpipe.partition.contract import contract_trivial
 from fxpipe.partition.memory import (
@@ -278,7 +278,7 @@ def partition(
         if need > memory_inputs(graph, k, objective, model)[3] * (1 + 1e-9):  # no search can find a fitting one
             if not _explain:
                 raise InfeasibleError(f"no partition into {k} stages fits in {model.usable_bytes:.0f} usable bytes: every "
-                                      f"one has a stage whose static state and least stash need {need:.0f} bytes")
+                                      f"one has a stage whose static state, least stash and receive buffers need {need:.0f} bytes")
             raise _infeasible_error(graph, k, objective, comm, model)
     st = None
     with Search("partition") as run:  # Ctrl-C: the best partition so far, with meta["interrupted"]
@@ -337,18 +337,21 @@ def memory_lower_bound(graph: OpGraph, k: int, objective: str, memory) -> float:
     """A lower bound on the largest stage's memory over every partition into ``k`` stages (bytes).
 
     The per-node memory the kernels count (:func:`fxpipe.partition.memory.memory_inputs`: static state and
-    stash per node, receive buffers left out, so never more than a stage needs) is a partition objective of
-    its own, the bottleneck of the per-stage sums; the chain bound (:func:`fxpipe.partition.chain.solve_chain`,
-    valid for every partition) of the graph with those bytes as its work and free communication bounds it.
-    When it exceeds the usable bytes no partition fits, which the search would only find out at its time
-    limit.
+    stash per node) plus the receive buffers of the stage's two relay boundaries, each weighted by the least
+    factor any stage applies to it (:meth:`fxpipe.memory.MemoryModel.comm_buffer_factors`: ``f_in`` of the
+    stages after the first, ``f_out`` on the gradients; only the tensors that carry one, :func:`differentiable`,
+    are counted on either boundary, so never more than a stage needs), is a partition objective of its own;
+    the relaxed chain DP (:func:`fxpipe.partition.chain.boundary_weighted_bound`, valid for every partition)
+    bounds its bottleneck. When it exceeds the usable bytes no partition fits, which the search would only
+    find out at its time limit.
     """
-    mem_param, mem_act, inflight = memory_inputs(graph, k, objective, memory)[:3]
+    mem_param, mem_act, inflight, _cap, f_in, f_out, size_grad = memory_inputs(graph, k, objective, memory)
     weights = mem_param + mem_act * float(np.min(inflight))
     scale = float(weights.max()) if weights.size and weights.max() > 0 else 1.0
-    surrogate = replace(graph, t_fwd_s=weights / scale, t_bwd_input_s=np.zeros(graph.n),
-                        t_bwd_weight_s=np.zeros(graph.n), bandwidth_bytes_per_s=1e300)
-    return float(solve_chain(surrogate, k, "inference", "relay", partition=False).lower_bound_s) * scale
+    in_per_byte = float(np.min(f_in[1:])) if k > 1 else 0.0
+    surrogate = replace(graph, t_fwd_s=weights / scale, t_bwd_input_s=np.zeros(graph.n), t_bwd_weight_s=np.zeros(graph.n),
+                        size_out_bytes=np.asarray(size_grad, dtype=np.float64), bandwidth_bytes_per_s=1e300)
+    return boundary_weighted_bound(surrogate, k, in_per_byte / scale, float(f_out) / scale) * scale
 
 
 #: :func:`_chain_solution`'s results, ``(id(graph), k, objective) -> (graph, ChainResult)`` (a few graphs: the mesh
