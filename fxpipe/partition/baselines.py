@@ -249,12 +249,14 @@ def min_bottleneck_split(weights: Sequence[float] | np.ndarray, k: int) -> list[
 
 
 def min_spread_split(weights: Sequence[float] | np.ndarray, k: int) -> list[int]:
-    """DeepSpeed's current ``partition_balanced``: k non-empty parts minimising max - min.
+    """DeepSpeed's current ``partition_balanced``: k non-empty parts, aiming at the least max - min.
 
     The dynamic program of ``deepspeed/runtime/utils.py`` ("The Linear Partition Problem"):
-    ``cost[i, j]`` is the smallest spread (largest part sum minus smallest part sum) of the
-    first i items cut into j non-empty parts; among equal costs the latest split point wins,
-    as DeepSpeed's ``>=`` comparison does. With ``U <= k`` items each item gets its own part
+    ``cost[i, j]`` is the spread (largest part sum minus smallest part sum) of the first i items
+    cut into j non-empty parts, extending only the least-spread split of each shorter prefix;
+    among equal costs the latest split point wins, as DeepSpeed's ``>=`` comparison does. One
+    (largest, smallest) pair per prefix makes it inexact, as in DeepSpeed: [3, 3, 5, 2, 7] in 4
+    parts gives spread 5 where 4 exists (reproduced here on purpose: this is a baseline). With ``U <= k`` items each item gets its own part
     (DeepSpeed's ``partition_uniform``). The inner loop over split points is vectorised:
     ``O(U k)`` numpy operations of length ``<= U``.
 
