@@ -376,18 +376,12 @@ class _CandidateSearch:
                 # problem without them (no replay) is below every schedule under every checkpoint choice
                 bound = round_trip_lower_bound(problem_from_partition(
                     graph, part, num_microbatches=self.microbatches, device_of_stage=dev))
-                if bound >= self.beat_s:
-                    record["skipped"] = (f"pruned: its schedule lower bound {bound:.6g} s is no better than "
-                                         f"{self.beat_s:.6g} s")
-                    self.pruned.append(bound)
+                if self._pruned(record, bound):
                     return None
             problem = self._problem(part, dev, record)
             if self.beat_s is not None:  # the mesh search's best so far: no schedule of this problem can beat it
                 bound = recompute_lower_bound(problem)
-                if bound >= self.beat_s:
-                    record["skipped"] = (f"pruned: its schedule lower bound {bound:.6g} s is no better than "
-                                         f"{self.beat_s:.6g} s")
-                    self.pruned.append(bound)
+                if self._pruned(record, bound):
                     return None
             problem, sched = self._schedule(problem, method)
         except ScheduleCannotBeat as exc:
@@ -436,6 +430,15 @@ class _CandidateSearch:
             self.timings["partition"] += time.perf_counter() - t0
         self.parts[k] = part
         return part
+
+    def _pruned(self, record: dict[str, Any], bound: float) -> bool:
+        """Whether a schedule lower bound ``bound`` (seconds) of the candidate is no better than ``beat_s``; if so
+        the candidate is recorded as pruned with it."""
+        if bound < self.beat_s:
+            return False
+        record["skipped"] = f"pruned: its schedule lower bound {bound:.6g} s is no better than {self.beat_s:.6g} s"
+        self.pruned.append(bound)
+        return True
 
     def _problem(self, part: Partition, dev, record: dict[str, Any]) -> ScheduleProblem:
         """The scheduling problem of ``part`` placed by ``dev`` under the memory limit (the user's pinned

@@ -89,6 +89,30 @@ def test_planner_beat_prunes_only_what_cannot_beat_it():
     assert isinstance(back, planner.CandidatePruned) and back.lower_bound_s == err.value.lower_bound_s
 
 
+def test_planner_reports_a_candidate_pruned_while_scheduling(monkeypatch):
+    """When the schedule search, given the best so far, finds nothing that may beat it
+    (:class:`~fxpipe.schedule.auto.ScheduleCannotBeat`), the planner raises
+    :class:`~fxpipe.planner.CandidatePruned` marked ``while_scheduling`` with the candidate's schedule lower bound,
+    which stays at most the value of the schedule it would have found."""
+    from fxpipe.schedule.auto import ScheduleCannotBeat
+
+    g = _chain(seed=3)
+    opts = PlanOptions(time_limit_s=0.3, seed=0, schedule_time_limit_s=0)
+    kw = dict(devices=4, microbatches=4, options=opts, memory=MemoryModel(), explain=False)
+    _, _, sched, _ = planner.plan_with_options(g, **kw)
+
+    def cannot_beat(problem, beat_s=None, **_):
+        assert beat_s is not None  # the planner passes the best so far down
+        raise ScheduleCannotBeat(f"no method's bound is below {beat_s}")
+
+    monkeypatch.setattr(planner, "auto_schedule", cannot_beat)
+    with pytest.raises(planner.CandidatePruned) as err:
+        planner.plan_with_options(g, beat_s=float(sched.value) * 1.001, **kw)
+    assert err.value.while_scheduling and "pruned while scheduling" in str(err.value)
+    assert 0 < err.value.lower_bound_s <= float(sched.value) * (1 + 1e-9)
+    assert pickle.loads(pickle.dumps(err.value)).while_scheduling
+
+
 def test_planning_key_orders_by_the_bubble():
     """The order estimate stretches the bound by the 1F1B bubble: a deep pipeline of few micro-batches comes after
     a data-parallel mesh of the same bound; one stage is the bound itself."""
