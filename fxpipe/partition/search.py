@@ -31,9 +31,9 @@ Inference", ICML 2024, Section 4 and Appendix C.1.
 from __future__ import annotations
 
 import copy
-
 import math
 import time
+import weakref
 from dataclasses import replace
 
 import numpy as np
@@ -354,25 +354,21 @@ def memory_lower_bound(graph: OpGraph, k: int, objective: str, memory) -> float:
     return boundary_weighted_bound(surrogate, k, in_per_byte / scale, float(f_out) / scale) * scale
 
 
-#: :func:`_chain_solution`'s results, ``(id(graph), k, objective) -> (graph, ChainResult)`` (a few graphs: the mesh
-#: search partitions one graph object per pipeline link and tensor-parallel degree into the same stage counts under
-#: many memory models).
-_CHAIN_SOLUTIONS: dict = {}
+#: :func:`_chain_solution`'s results per graph object, ``graph -> {(k, objective): ChainResult}`` (weakly keyed, as
+#: :func:`fxpipe.partition.chain.cached_decomposition` is: the mesh search partitions one graph object per pipeline
+#: link and tensor-parallel degree into the same stage counts under many memory models).
+_CHAIN_SOLUTIONS: "weakref.WeakKeyDictionary[OpGraph, dict]" = weakref.WeakKeyDictionary()
 
 
 def _chain_solution(graph: OpGraph, k: int, objective: str):
     """:func:`fxpipe.partition.chain.solve_chain` of ``graph`` into ``k`` stages with its partition, relay
     communication: memory-blind, so computed once per graph object, stage count and objective (the mesh search
     partitions one graph into ``k`` stages under each candidate's memory model)."""
-    key = (id(graph), int(k), objective)
-    hit = _CHAIN_SOLUTIONS.get(key)
-    if hit is not None and hit[0] is graph:
-        return hit[1]
-    res = solve_chain(graph, k, objective, "relay", partition=True)
-    if len(_CHAIN_SOLUTIONS) >= 16:
-        _CHAIN_SOLUTIONS.clear()
-    _CHAIN_SOLUTIONS[key] = (graph, res)
-    return res
+    per = _CHAIN_SOLUTIONS.setdefault(graph, {})
+    key = (int(k), objective)
+    if key not in per:
+        per[key] = solve_chain(graph, k, objective, "relay", partition=True)
+    return per[key]
 
 
 def _lower_bound(graph: OpGraph, k: int, objective: str, comm: str, model, chain: bool) -> tuple:
