@@ -22,7 +22,7 @@ from fxpipe.schedule import heuristics, milp
 from fxpipe.schedule.bounds import combinatorial_lower_bound
 from fxpipe.schedule.milp.time_indexed import probe_lower_bound
 from fxpipe.schedule.offload_search import default_params, offload_list_schedule, offload_search
-from fxpipe.schedule.validate import check_schedule
+from fxpipe.schedule.validate import check_schedule, objective_values
 
 
 def _offload_problem(p: int, m: int, limit: float, **kw) -> ScheduleProblem:
@@ -131,7 +131,7 @@ def test_no_policy_fits_and_ctrl_c_before_any_schedule(monkeypatch):
     import fxpipe.schedule.offload_search as mod
 
     p = _offload_problem(3, 4, 2.0)
-    monkeypatch.setattr(mod, "offload_list_schedule", lambda problem, params: None)  # every policy deadlocks
+    monkeypatch.setattr(mod, "_columns", lambda problem, params: None)  # every policy deadlocks
     with pytest.raises(InfeasibleError, match="cannot fit mem_limit with any of the 5"):
         offload_search(p, max_evals=5, time_limit_s=60)
     calls = []
@@ -142,9 +142,46 @@ def test_no_policy_fits_and_ctrl_c_before_any_schedule(monkeypatch):
             raise KeyboardInterrupt
         return None
 
-    monkeypatch.setattr(mod, "offload_list_schedule", deadlock_then_press)
+    monkeypatch.setattr(mod, "_columns", deadlock_then_press)
     with pytest.raises(KeyboardInterrupt):  # nothing to return: the press goes on to the caller
         offload_search(p, max_evals=5, time_limit_s=60)
+
+
+def _value_on_ops(problem, params):
+    """The search's value of one policy the slow way: its ops, idle O / R pairs dropped, the validator's objective."""
+    ops = offload_list_schedule(problem, params)
+    if ops is None:
+        return math.inf, None
+    o_end = {(o.stage, o.microbatch): o.end_s for o in ops if o.type == "O"}
+    idle = {(o.stage, o.microbatch) for o in ops if o.type == "R" and o.start_s <= o_end[(o.stage, o.microbatch)] + 1e-9}
+    ops = [o for o in ops if not (o.type in "OR" and (o.stage, o.microbatch) in idle)]
+    ms, span = objective_values(problem, ops)
+    return (span if problem.objective == "stage_span" else ms), ops
+
+
+@pytest.mark.parametrize("objective", ["makespan", "stage_span"])
+@pytest.mark.parametrize("limit", [math.inf, 4.0, 2.0, 1.5])
+def test_value_taken_on_columns_equals_the_validators_on_ops(objective, limit):
+    # the search values a policy on the kernel's columns and builds ops only for a keeper: the value must be
+    # the validator's, bit for bit, and the kept ops those of the policy less its idle offloads
+    import random
+
+    import fxpipe.schedule.offload_search as mod
+
+    p = _offload_problem(4, 8, limit, objective=objective)
+    rng = random.Random(7)
+    kept = cut = 0
+    for k in range(60):
+        params = default_params(p) if k == 0 else mod._random_params(p, rng)
+        want, ops = _value_on_ops(p, params)
+        valid = ops is not None and not check_schedule(p, ops)
+        got, got_ops = mod._evaluate(p, params)
+        assert (got, got_ops) == ((want, ops) if valid else (math.inf, None))
+        if valid:
+            kept += 1
+            assert mod._evaluate(p, params, accept_at_most=want - 1e-3) == (math.inf, None)
+            cut += 1
+    assert kept >= 5 and cut == kept
 
 
 def test_milp_starts_from_the_longer_search():

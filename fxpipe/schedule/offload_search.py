@@ -116,6 +116,13 @@ def offload_list_schedule(problem: ScheduleProblem, params: OffloadParams) -> li
         None when memory blocks every stage before all ops ran (the policy deadlocked).
         The result is *not* validated here (:func:`offload_search` does that).
     """
+    cols = _columns(problem, params)
+    return None if cols is None else _ops_of_columns(cols)
+
+
+def _columns(problem: ScheduleProblem, params: OffloadParams) -> tuple[np.ndarray, ...] | None:
+    """The kernel's ops as columns ``(stage, microbatch, type code, start, end)`` (int64, int64, int64,
+    float64, float64; type codes index ``"FBWOR"``), or None if the policy deadlocked."""
     from fxpipe.schedule._offload_kernel import list_schedule  # noqa: PLC0415 (lazy: a numba kernel)
 
     S, M = problem.num_stages, problem.num_microbatches
@@ -131,7 +138,11 @@ def offload_list_schedule(problem: ScheduleProblem, params: OffloadParams) -> li
                              int(params.reload_stages), float(params.margin), bool(params.eager_w))
     if n < 0:
         return None
-    s_, j_, ty_, t0_, t1_ = (c[:n].tolist() for c in cols)
+    return tuple(c[:n] for c in cols)
+
+
+def _ops_of_columns(cols: tuple[np.ndarray, ...]) -> list[ScheduledOp]:
+    s_, j_, ty_, t0_, t1_ = (c.tolist() for c in cols)
     return [ScheduledOp(s, j, "FBWOR"[ty], a, e) for s, j, ty, a, e in zip(s_, j_, ty_, t0_, t1_)]
 
 
@@ -156,24 +167,63 @@ def _evaluate(problem: ScheduleProblem, params: OffloadParams,
               accept_at_most: float = math.inf) -> tuple[float, list[ScheduledOp] | None]:
     """Value and ops of one policy; (inf, None) if it deadlocks, is invalid or exceeds ``accept_at_most``.
 
-    The validator runs only on schedules that would be kept (value <= ``accept_at_most``).
+    The value is taken on the kernel's columns (the same IEEE operations as
+    :func:`~fxpipe.schedule.validate.objective_values` on the ops), so the ops are built and the
+    validator runs only on schedules that would be kept (value <= ``accept_at_most``).
     """
-    ops = offload_list_schedule(problem, params)
-    if ops is None:
+    cols = _columns(problem, params)
+    if cols is None:
         return math.inf, None
-    ops = _drop_idle_offloads(ops)
-    ms, span = objective_values(problem, ops)
-    value = float(span if problem.objective == "stage_span" else ms)
-    if value > accept_at_most + _EPS or check_schedule(problem, ops):
+    cols = _drop_idle_offload_columns(cols)
+    value = _objective_of_columns(problem, cols)
+    if value > accept_at_most + _EPS:
+        return math.inf, None
+    ops = _ops_of_columns(cols)
+    if check_schedule(problem, ops):
         return math.inf, None
     return value, ops
 
 
-def _drop_idle_offloads(ops: list[ScheduledOp]) -> list[ScheduledOp]:
-    """Remove O/R pairs that never left the device (reload starting when the offload ends)."""
-    o_end = {(o.stage, o.microbatch): o.end_s for o in ops if o.type == "O"}
-    drop = {(o.stage, o.microbatch) for o in ops if o.type == "R" and o.start_s <= o_end[(o.stage, o.microbatch)] + _EPS}
-    return [o for o in ops if not (o.type in ("O", "R") and (o.stage, o.microbatch) in drop)]
+def _objective_of_columns(problem: ScheduleProblem, cols: tuple[np.ndarray, ...]) -> float:
+    """The problem's objective of the ops in ``cols``: :func:`~fxpipe.schedule.validate.objective_values`
+    (makespan: latest end minus earliest start; ``stage_span``: the largest device span, its last W's end
+    minus its first F's start) on columns, one stage per device."""
+    stage, _, ty, start, end = cols
+    if not len(ty):
+        return 0.0
+    if problem.objective != "stage_span":
+        return float(end.max() - start.min())
+    dev = np.asarray(problem.device_of_stage, dtype=np.int64)[stage]
+    first_f = np.full(problem.num_devices, math.inf)
+    last_w = np.full(problem.num_devices, -math.inf)
+    f, w = ty == 0, ty == 2
+    np.minimum.at(first_f, dev[f], start[f])
+    np.maximum.at(last_w, dev[w], end[w])
+    ok = np.isfinite(first_f) & np.isfinite(last_w)
+    spans = np.where(ok, last_w - np.where(ok, first_f, 0.0), 0.0)
+    return float(max(spans.max(initial=0.0), 0.0))
+
+
+def _drop_idle_offload_columns(cols: tuple[np.ndarray, ...]) -> tuple[np.ndarray, ...]:
+    """``cols`` without the O / R pairs that never left the device (the reload starting when the offload
+    ends, within 1e-9 s), order kept."""
+    stage, mb, ty, start, end = cols
+    o, r = np.flatnonzero(ty == 3), np.flatnonzero(ty == 4)
+    if not len(r):
+        return cols
+    key_scale = int(mb.max()) + 1
+    o_key = stage[o] * key_scale + mb[o]
+    order = np.argsort(o_key, kind="stable")
+    r_key = stage[r] * key_scale + mb[r]
+    pos = order[np.searchsorted(o_key[order], r_key)]  # every R follows its own O
+    idle = start[r] <= end[o[pos]] + _EPS
+    if not idle.any():
+        return cols
+    drop = np.zeros(len(ty), dtype=bool)
+    drop[r[idle]] = True
+    drop[o[pos[idle]]] = True
+    keep = ~drop
+    return tuple(c[keep] for c in cols)
 
 
 def _mutate(problem: ScheduleProblem, p: OffloadParams, rng: random.Random) -> OffloadParams:
