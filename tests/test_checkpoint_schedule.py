@@ -236,3 +236,19 @@ def test_the_memory_blind_bound_without_menus_is_below_every_checkpoint_choice(S
     assert quick <= recompute_lower_bound(p) * (1 + 1e-9) + 1e-12
     for choice in _choices(p):
         assert quick <= combinatorial_lower_bound(p.with_checkpoint(list(choice))) * (1 + 1e-9) + 1e-12, choice
+
+
+@settings(max_examples=30, deadline=None)
+@given(S=st.integers(1, 4), m=st.integers(1, 5), limit=st.sampled_from([14.0, 20.0, 30.0, 60.0, math.inf]),
+       offload=st.sampled_from([0.0, 3.0]), pooled=st.sampled_from([0.0, 1.0]), data=st.data())
+def test_the_bound_skips_only_thresholds_that_cannot_lower_it(S, m, limit, offload, pooled, data):
+    """recompute_lower_bound stops at the first threshold at or above its least value and skips a threshold that
+    repeats the choice before it: the same value as the relaxation of every threshold's choice."""
+    from fxpipe.schedule.bounds import _recompute_terms, _threshold_choice
+
+    p = menu_problem(S=S, m=m, mem_limit=limit, pooled=pooled).replace(offload_bytes=offload, t_offload=0.5)
+    p = p.with_checkpoint(data.draw(st.lists(st.sampled_from(["none", "selective", "full"]), min_size=S, max_size=S)))
+    opts, h, value = _recompute_terms(p)
+    thetas = sorted({-math.inf} | {v for hs in h for v in hs.values()})
+    every = min((value(c) for c in (_threshold_choice(opts, h, t) for t in thetas) if c is not None), default=math.inf)
+    assert recompute_lower_bound(p) == every

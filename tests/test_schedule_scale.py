@@ -113,6 +113,31 @@ def test_fast_simulator_matches_the_reference(case):
         assert (got.makespan, got.stage_span) == (want.makespan, want.stage_span)
 
 
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(sim_cases(), st.sampled_from(["mem_limit", "half_limit", "t_f", "t_comm"]))
+def test_timings_remembered_across_problem_copies_only_when_they_time_alike(case, field):
+    # simulate remembers its last timings and reuses them for a copy of the problem that times alike (the same
+    # durations; the same memory fields too when memory-aware): a copy that differs must be timed afresh
+    import importlib
+
+    fast = importlib.import_module("fxpipe.schedule.simulate")
+    problem, rows, offload, respect = case
+    orders = Orders(problem.device_of_stage, tuple(tuple(Action(s, t, j) for s, t, j in row) for row in rows))
+    first = _run(fast, problem, orders, offload, respect)
+    change = {"mem_limit": {"mem_limit": math.inf}, "t_f": {"t_f": problem.t_f * 1.5 + 0.25},
+              "half_limit": {"mem_limit": problem.mem_limit * 0.5}, "t_comm": {"t_comm": problem.t_comm + 0.5}}[field]
+    copy = problem.replace(**change)
+    want = _run(_ref_simulate, copy, orders, offload, respect)
+    got = _run(fast, copy, orders, offload, respect)
+    if isinstance(want, str):
+        assert got == want
+        return
+    assert not isinstance(got, str) and got.ops == want.ops and (got.makespan, got.stage_span) == (want.makespan,
+                                                                                                   want.stage_span)
+    if not isinstance(first, str) and field.endswith("limit") and not respect:
+        assert got.ops is first.ops  # timed alike: the remembered ops
+
+
 def test_bad_per_stage_orders_raise_as_the_full_check():
     # simulate reads the generators' per-stage form directly; bad orders must still be refused as as_orders refuses them
     p = ScheduleProblem.create(num_stages=2, num_microbatches=2, t_f=1, t_b=1, t_w=1)

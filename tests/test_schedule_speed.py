@@ -112,7 +112,58 @@ def test_auto_skips_offload_only_when_it_cannot_win():
         assert sched.value > slow.schedule.value
     fast = auto_schedule(_offload_problem(22.0, t_off=0.1), time_limit_s=0)
     assert all(isinstance(fast.tried[f"offload/{m}"], (float, str)) for m in ("pipeoffload", "adaoffload"))
-    assert not any(str(v).startswith("skipped: every schedule") for v in fast.tried.values())
+    assert not any(str(v).startswith("skipped: every schedule") for k, v in fast.tried.items() if k.startswith("offload/"))
     # the result is the best of what was tried
     vals = [v for k, v in fast.tried.items() if "/" in k and not k.startswith("unlimited/") and isinstance(v, float)]
     assert fast.schedule.value == pytest.approx(min(vals))
+
+
+@settings(max_examples=60, deadline=None)
+@given(limited_problems())
+def test_gpipe_refuses_untimed_only_orders_the_validator_refuses(problem):
+    # gpipe checks its orders (every forward before the first backward) against the limits before timing them
+    from fxpipe.schedule.heuristics import gpipe, orders_gpipe
+
+    timed = check_schedule(problem, simulate(problem, orders_gpipe(problem.num_stages, problem.num_microbatches)))
+    try:
+        sched = gpipe(problem)
+    except InfeasibleError:
+        assert timed and all(e.startswith("rule 5") for e in timed)
+        return
+    assert not timed and check_schedule(problem, sched) == []
+
+
+@st.composite
+def deep_limited_problems(draw):
+    """Problems large enough for limited_1f1b's bisection (3 S m > 300, S > 8), memory from loose to tight."""
+    S, M = draw(st.sampled_from([9, 10, 12])), draw(st.integers(11, 16))
+    mf = [draw(st.sampled_from([1.0, 2.0])) for _ in range(S)]
+    return ScheduleProblem.create(
+        num_stages=S, num_microbatches=M,
+        t_f=[draw(st.sampled_from([0.5, 1.0, 2.0])) for _ in range(S)],
+        t_b=[draw(st.sampled_from([1.0, 2.0])) for _ in range(S)],
+        t_w=[draw(st.sampled_from([0.0, 1.0])) for _ in range(S)],
+        t_comm=[draw(st.sampled_from([0.0, 0.5])) for _ in range(S - 1)],
+        mem_f=mf, mem_b=[-x / 2 for x in mf], mem_w=[-x / 2 for x in mf],
+        mem_limit=[draw(st.sampled_from([2.0, 4.0, 6.0, 9.0, 20.0, math.inf])) for _ in range(S)],
+    )
+
+
+@settings(max_examples=40, deadline=None)
+@given(deep_limited_problems(), st.sampled_from([0.5, 0.9, 1.0, 1.1, 2.0]))
+def test_limited_1f1b_with_a_best_so_far_times_the_same_warmup_or_refuses_a_slower_one(problem, factor):
+    # with beat, the bisection starts at the least warm-up whose bound may beat it: the same schedule as without
+    # beat whenever that one is no slower than beat, a refusal only when it is slower
+    from fxpipe.schedule.auto import limited_1f1b
+
+    try:
+        ref = limited_1f1b(problem)
+    except InfeasibleError:
+        ref = None
+    beat = factor * (ref.value if ref is not None else sum(problem.t_f + problem.t_b + problem.t_w) * 4)
+    try:
+        got = limited_1f1b(problem, beat=beat)
+    except InfeasibleError:
+        assert ref is None or ref.value > beat * (1 + 1e-9)
+        return
+    assert ref is not None and got.ops == ref.ops and got.meta == ref.meta

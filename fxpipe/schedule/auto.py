@@ -217,7 +217,13 @@ def limited_1f1b(problem: ScheduleProblem, *, beat: float | None = None) -> Sche
     p, M = problem.num_stages, problem.num_microbatches
     top = p - 1
     if _large(problem) and p > 8:  # start near the largest warm-up that fits: a bisection on the fit
-        top = _largest_fitting_warmup(problem)
+        floor = 0 if beat is None else _least_warmup_within(problem, beat)
+        top = _largest_fitting_warmup(problem, floor)
+        if top is None:  # no warm-up from the floor up fits, and every one below it is bounded above beat
+            lb = limited_1f1b_bound(problem, floor - 1)
+            fit = "" if floor >= p else f"warm-up {floor} or more does not fit memory, and "
+            raise _CannotBeat(f"skipped: {fit}warm-up {floor - 1} or less is at least {lb:.6g} s (its lower bound), "
+                              f"more than the {beat:.6g} s found")
     for w in range(top, -1, -1):
         if beat is not None:
             lb = limited_1f1b_bound(problem, w)
@@ -233,9 +239,23 @@ def limited_1f1b(problem: ScheduleProblem, *, beat: float | None = None) -> Sche
     raise InfeasibleError("1f1b-limited: not even one micro-batch at a time fits mem_limit")
 
 
-def _largest_fitting_warmup(problem: ScheduleProblem) -> int:
-    """The largest uniform 1F1B warm-up whose schedule fits memory, by bisection (a warm-up holds at least
-    the micro-batches of every smaller one); ``p - 1`` when it fits, 0 when none does. Used to start
+def _least_warmup_within(problem: ScheduleProblem, beat: float) -> int:
+    """The least uniform warm-up ``w`` whose :func:`limited_1f1b_bound` is at most ``beat`` (seconds; the bound
+    falls as ``w`` grows: more micro-batches in flight), by bisection; ``p`` when none is."""
+    lo, hi = 0, problem.num_stages  # the answer lies in [lo, hi]; hi = p: none
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if limited_1f1b_bound(problem, mid) <= beat * (1 + 1e-9) + 1e-12:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def _largest_fitting_warmup(problem: ScheduleProblem, floor: int = 0) -> int | None:
+    """The largest uniform 1F1B warm-up at least ``floor`` whose schedule fits memory, by bisection (a warm-up
+    holds at least the micro-batches of every smaller one); ``p - 1`` when it fits, 0 when none does
+    (``floor`` 0), None when warm-up ``floor > 0`` does not fit (nor then any larger one). Used to start
     :func:`limited_1f1b`'s scan on a large problem, which otherwise times every warm-up from ``p - 1``."""
     p, M = problem.num_stages, problem.num_microbatches
 
@@ -245,8 +265,10 @@ def _largest_fitting_warmup(problem: ScheduleProblem) -> int:
             return False
         return not check_schedule(problem, simulate(problem, orders_1f1b(p, M, warm)))
 
-    lo, hi = 0, p - 1  # fits(lo) assumed; the answer lies in [lo, hi]
-    if fits(hi):
+    if floor >= p or (floor > 0 and not fits(floor)):
+        return None
+    lo, hi = floor, p - 1  # fits(lo) (assumed for 0); the answer lies in [lo, hi]
+    if hi == lo or fits(hi):
         return hi
     while hi - lo > 1:
         mid = (lo + hi) // 2
@@ -361,11 +383,12 @@ def plain_peak(problem: ScheduleProblem) -> np.ndarray:
     return min_device_memory(problem, offload=False) if best is None else best
 
 
-def _uniform_1f1b(problem: ScheduleProblem, tried: dict) -> list[tuple[ScheduleProblem, Schedule]]:
+def _uniform_1f1b(problem: ScheduleProblem, tried: dict, beat: float | None = None) -> list[tuple[ScheduleProblem, Schedule]]:
     """1F1B with every stage on one checkpoint kind where it saves memory: ``"stage"`` (whole-stage
     recomputation, the practitioners' old fallback), ``"full"`` and ``"selective"`` per block
     (torchtitan's two AC modes); candidates so that ``auto`` is never worse than them (one stage per
-    device)."""
+    device). A kind whose problem's lower bound is above ``beat`` (seconds, a value already found) is not
+    timed: it cannot be the best."""
     if problem.num_devices != problem.num_stages:
         return []
     out = []
@@ -376,7 +399,7 @@ def _uniform_1f1b(problem: ScheduleProblem, tried: dict) -> list[tuple[ScheduleP
         if not choice:
             continue
         uniform = problem.with_checkpoint(choice)
-        out += [(uniform, s) for s in _run(uniform, ("1f1b",), tag, tried)]
+        out += [(uniform, s) for s in _run_unless_hopeless(uniform, ("1f1b",), tag, tried, beat)]
     return out
 
 
@@ -584,7 +607,7 @@ def auto_schedule(
                 rounds += found
             if large and not rounds and cur is not problem:
                 rounds += [(cur, s) for s in _degraded(cur, tag, tried, beat=_beat(cands))]
-            rounds += _uniform_1f1b(problem, tried)
+            rounds += _uniform_1f1b(problem, tried, _beat(cands + rounds))
         if large and recompute:  # bounded as schedules without offload (none of these offloads)
             cands += [(problem, s) for s in _run_unless_hopeless(problem, methods, "plain", tried, _beat(rounds),
                                                                   bound_problem=problem.replace(offload_bytes=0.0))]

@@ -282,6 +282,11 @@ def gpipe(problem: ScheduleProblem) -> Schedule:
     t0 = time.perf_counter()
     require_one_stage_per_device(problem, "gpipe")
     _min_stash_check(problem, "gpipe")
+    over = warmup_overflow_bytes(problem, [problem.num_microbatches - 1] * problem.num_stages)
+    if over > 0:  # GPipe's orders are 1F1B's with every forward in the warm-up: refused however they are timed
+        raise InfeasibleError(f"gpipe: the stashes of all {problem.num_microbatches} micro-batches exceed a stage's "
+                              f"mem_limit by {over:.6g} bytes however they are timed; raise mem_limit, use fewer "
+                              "micro-batches in flight (1f1b) or micro-batch offload (pipeoffload/adaoffload)")
     sched = simulate(problem, orders_gpipe(problem.num_stages, problem.num_microbatches), method="gpipe")
     return _finish(problem, sched, t0)
 

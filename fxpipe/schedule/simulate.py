@@ -250,7 +250,7 @@ def simulate(
     # zb-h1, 1f1b-limited, plain_peak; zb-h1 again inside zb-h2): remember the last timings
     key = (tuple(tuple(row) for row in seqs), frozenset(off), bool(respect_memory))
     for prob_seen, key_seen, ops_seen, values in _TIMED:
-        if prob_seen is problem and key_seen == key:
+        if (prob_seen is problem or _same_timing(prob_seen, problem, respect_memory)) and key_seen == key:
             return Schedule(ops=ops_seen, makespan=values[0], stage_span=values[1], lower_bound_s=0.0,
                             status="heuristic", solver_time_s=time.perf_counter() - t0, method=method,
                             objective=problem.objective, meta=dict(meta or {}))
@@ -263,6 +263,20 @@ def simulate(
 #: The last timings of :func:`simulate`: (problem, (programs, offloaded, respect_memory), ops, values).
 _TIMED: list = []
 _TIMED_KEEP = 32
+
+#: What :func:`_simulate` reads of a problem to time its ops (with its ``pcie_groups``; with ``respect_memory``,
+#: :data:`_MEMORY_FIELDS` too).
+_TIMING_FIELDS = ("t_f", "t_b", "t_w", "t_offload", "t_comm", "device_of_stage")
+_MEMORY_FIELDS = ("mem_f", "mem_b", "mem_w", "mem_b_transient", "offload_bytes", "mem_limit")
+
+
+def _same_timing(a: ScheduleProblem, b: ScheduleProblem, respect_memory: bool) -> bool:
+    """Whether :func:`_simulate` times every program of ``a`` as of ``b`` (the generators time one problem's
+    orders again on its copy without memory limits, e.g. ``auto``'s unlimited round and ``plain_peak``)."""
+    if (a.num_stages, a.num_devices, a.num_microbatches) != (b.num_stages, b.num_devices, b.num_microbatches):
+        return False
+    fields = _TIMING_FIELDS + (_MEMORY_FIELDS if respect_memory else ())
+    return a.pcie_groups == b.pcie_groups and all(np.array_equal(getattr(a, f), getattr(b, f)) for f in fields)
 
 
 def _simulate(problem: ScheduleProblem, seqs: list[list[tuple[int, str, int]]], off: set[tuple[int, int]],
