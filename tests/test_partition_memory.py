@@ -273,3 +273,20 @@ def test_receive_buffers_prove_infeasibility_before_the_search():
     with pytest.raises(InfeasibleError, match="receive buffers"):  # the bound's message: no search ran
         partition(g, 2, objective="training", comm="relay", method="brkga", time_limit_s=30, memory=pm,
                   _explain=False)
+
+
+def test_a_search_that_finds_no_fitting_order_says_so_without_slicing_again(monkeypatch):
+    # every order decoded slices to no fitting partition: the first seed (what the search returns when nothing
+    # fits) is not sliced a second time to find that out (on a 256-stage pipeline of a 405B model, seconds)
+    import fxpipe.partition.search as search
+
+    g = _heavy_chain(n=6, param=100.0, act=0.0)
+    monkeypatch.setattr(search, "_memory_tight", lambda *a: False)  # no bound proves it first: the search runs
+    seeds, calls = [], []
+    real_seeds, real_slice = search._seed_orders, search.slice_order_arrays
+    monkeypatch.setattr(search, "_seed_orders", lambda *a: seeds.extend(real_seeds(*a)) or list(seeds))
+    monkeypatch.setattr(search, "slice_order_arrays", lambda *a: calls.append(a) or real_slice(*a))
+    with pytest.raises(InfeasibleError, match="no partition into 2 stages found that fits"):
+        partition(g, 2, objective="training", method="orders", time_limit_s=0, memory=_model(250.0), _explain=False)
+    assert seeds and len(calls) == len(seeds)  # each seed sliced once, none again
+    assert all(math.isinf(real_slice(*a)[0]) for a in calls)

@@ -249,3 +249,24 @@ def test_time_limit_holds_while_seed_orders_are_sliced(monkeypatch):
     assert p.meta["seeds_left"] >= 1
     assert p.meta["stop_reason"] in ("time", "bound")
     assert p.meta["stop_reason"] == "bound" or not p.meta["proven_optimal"]
+
+
+def test_a_seed_that_would_end_after_the_time_limit_is_not_sliced(monkeypatch):
+    """Seeds are sliced while the last slicing's time says the next ends before the deadline: with 0.5 s
+    slicings and a 0.9 s limit, one seed (a second would end at 1 s). The clock is the test's own: each
+    slicing advances it by 0.5 s, nothing else does."""
+    from fxpipe.partition import search as search_mod
+
+    g = random_dag(3, 40, 0.1)
+    real = search_mod.slice_order_arrays
+    clock = [0.0]
+
+    def slow(order, inputs, bound):
+        clock[0] += 0.5
+        return real(order, inputs, bound)
+
+    monkeypatch.setattr(search_mod, "slice_order_arrays", slow)
+    monkeypatch.setattr(search_mod.time, "perf_counter", lambda: clock[0])
+    p = partition(g, 4, comm="relay", time_limit_s=0.9)
+    validate_partition(g, p)
+    assert p.meta["evaluations"] == 1 and p.meta["seeds_left"] >= 1 and p.meta["stop_reason"] == "time"

@@ -438,13 +438,17 @@ class _SearchState:
     def decode(self, seeds, inputs, to_original=None, prefix: str = "") -> None:
         """Slice every seed order optimally (SliceGraph) until one is proven optimal, Ctrl-C, or the
         deadline once a partition exists (a slicing of a deep pipeline on a large graph takes seconds:
-        the time limit holds for the seeds too, and ``seeds_left`` counts the ones not decoded)."""
+        the time limit holds for the seeds too, a seed is sliced only when the last slicing's time says it
+        ends before the deadline, and ``seeds_left`` counts the ones not decoded)."""
+        last_s = 0.0
         for i, (rule, o) in enumerate(seeds):
-            if self.run.best_payload is not None and self.evals and time.perf_counter() >= self.deadline:
+            now = time.perf_counter()
+            if self.run.best_payload is not None and self.evals and now + last_s >= self.deadline:
                 self.seeds_left += len(seeds) - i
                 self.stop_reason = "time"
                 return
             val, _ = slice_order_arrays(o, inputs, self.best)
+            last_s = time.perf_counter() - now
             self.evals += 1
             self.offer(float(val), o if to_original is None else to_original(o), prefix + rule)
             if self.done or self.check_interrupt():
@@ -548,7 +552,10 @@ def _finish(graph: OpGraph, k: int, objective: str, comm: str, model, st: _Searc
     if st.stop_reason != "bound":
         st.check_interrupt()  # also a KeyboardInterrupt that ended the search's body
     best_order, best_rule = st.run.best_payload
-    best_val_kernel, cuts = slice_order_arrays(best_order, st.inputs, math.inf)
+    if math.isfinite(st.best) or not st.evals:
+        best_val_kernel, cuts = slice_order_arrays(best_order, st.inputs, math.inf)
+    else:  # no order decoded fits; the payload is the first seed, decoded first (against no best): it fits no better now
+        best_val_kernel, cuts = math.inf, None
     if not math.isfinite(best_val_kernel) and chain_part is None:
         if model is not None:
             if not explain:
