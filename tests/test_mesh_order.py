@@ -211,3 +211,16 @@ def test_rank_order_is_planned_saved_and_loaded(tmp_path):
     doc = json.loads((tmp_path / "plan.json").read_text())
     del doc["rank_order"]  # files saved before rank orders: pipeline rank innermost
     assert Plan.from_dict(doc).rank_order == MESH_DIMS
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_pipeline_hops_count_the_sends_between_the_ranks_rank_of_places(tp):
+    # oracle: every replica's pipeline, rank by rank through rank_of, on nodes of 8 devices
+    for pp, ds, dr in ((2, 4, 2), (4, 2, 4), (8, 1, 2), (16, 2, 1), (3, 3, 2)):
+        mesh = {"pp": pp, "dp_shard": ds, "dp_replicate": dr, "tp": tp}
+        for order in RANK_ORDERS:
+            crossing = 0
+            for replica in range(ds * dr):
+                nodes = [rank_of(mesh, pp=k, replica=replica, order=order) // 8 for k in range(pp)]
+                crossing += sum(a != b for a, b in zip(nodes, nodes[1:]))
+            assert pipeline_hops(mesh, H100, order) == (crossing, ds * dr * (pp - 1)), (mesh, order)

@@ -15,7 +15,7 @@ from typing import Any, Mapping
 
 from fxpipe.errors import InputError
 from fxpipe.mesh.tensor_parallel import tensor_parallel_graph
-from fxpipe.mesh.layout import dim_span, format_mesh, mesh_dp, mesh_rank_order, mesh_tp, normalize_rank_order, rank_of
+from fxpipe.mesh.layout import dim_span, dim_strides, format_mesh, mesh_dp, mesh_rank_order, mesh_tp, normalize_rank_order
 
 __all__ = [
     "pipeline_hops",
@@ -236,7 +236,7 @@ def dp_links(mesh: Mapping[str, int], bandwidth_bytes_per_s: float, latency_s: f
 def pipeline_hops(mesh: Mapping[str, int], topology: Topology, order: Any = None) -> tuple[int, int]:
     """``(crossing, total)``: the pipelines' hops between consecutive pipeline ranks, and how many cross nodes.
 
-    Every replica's pipeline rank ``k`` sends to ``k + 1`` (:func:`rank_of`); a hop crosses
+    Every replica's pipeline rank ``k`` sends to ``k + 1`` (:func:`~fxpipe.mesh.layout.rank_of`); a hop crosses
     nodes when the two ranks' nodes (``rank // devices_per_node``) differ. Pipeline rank
     innermost (the default order) keeps a pipeline of at most ``devices_per_node`` ranks inside a
     node; ``pp`` outermost puts consecutive pipeline ranks ``dp`` ranks apart, every hop across
@@ -245,9 +245,12 @@ def pipeline_hops(mesh: Mapping[str, int], topology: Topology, order: Any = None
     """
     order = mesh_rank_order(mesh) if order is None else order
     g, pp = int(topology.devices_per_node), int(mesh["pp"])
+    strides, ds = dim_strides(mesh, order), int(mesh.get("dp_shard", 1))
     crossing = total = 0
     for replica in range(mesh_dp(mesh)):
-        nodes = [rank_of(mesh, pp=k, replica=replica, order=order) // g for k in range(pp)]
+        i, j = divmod(replica, ds)  # rank_of's arithmetic, its strides taken once
+        base = j * strides["dp_shard"] + i * strides["dp_replicate"]
+        nodes = [(base + k * strides["pp"]) // g for k in range(pp)]
         total += pp - 1
         crossing += sum(a != b for a, b in zip(nodes, nodes[1:]))
     return crossing, total

@@ -45,9 +45,9 @@ from typing import Callable
 import numpy as np
 
 from fxpipe.errors import InfeasibleError
-from fxpipe.ir import Schedule, ScheduledOp, ScheduleProblem, sort_ops
+from fxpipe.ir import Schedule, ScheduledOp, ScheduleProblem
 from fxpipe.progress import Search
-from fxpipe.schedule.validate import check_schedule, objective_values, require_one_stage_per_device
+from fxpipe.schedule.validate import check_schedule, objective_values, remember_op_arrays, require_one_stage_per_device
 
 __all__ = ["OffloadParams", "default_params", "offload_list_schedule", "offload_search"]
 
@@ -178,7 +178,10 @@ def _evaluate(problem: ScheduleProblem, params: OffloadParams,
     value = _objective_of_columns(problem, cols)
     if value > accept_at_most + _EPS:
         return math.inf, None
-    ops = _ops_of_columns(cols)
+    stage, mb, ty, start, _ = cols
+    cols = tuple(c[np.lexsort((mb, ty, stage, start))] for c in cols)  # sort_ops' canonical order
+    ops = tuple(_ops_of_columns(cols))
+    remember_op_arrays(ops, cols)  # the validator reads the columns, not the ops
     if check_schedule(problem, ops):
         return math.inf, None
     return value, ops
@@ -351,8 +354,7 @@ def offload_search(
         raise InfeasibleError(
             f"offload-search: cannot fit mem_limit with any of the {evals} list-scheduling policies tried (each "
             "deadlocked or overflowed a stage); raise the limit, use more stages or the MILP")
-    _, best_ops, best_p = best
-    ops = sort_ops(best_ops)
+    _, ops, best_p = best  # in sort_ops' order
     ms, span = objective_values(problem, ops)
     return Schedule(ops=tuple(ops), makespan=ms, stage_span=span, status="heuristic",
                     solver_time_s=time.perf_counter() - t0, method="offload-search", objective=problem.objective,
