@@ -367,3 +367,13 @@ def test_recompute_bound_below_every_recompute_choice(drawn, data):
     for mask in range(2 ** S):
         q = base.with_recompute([s for s in range(S) if mask >> s & 1])
         assert lb <= combinatorial_lower_bound(q) * (1 + 1e-9) + 1e-12, mask
+
+
+@settings(max_examples=60, deadline=None)
+@given(memory_problems(), st.sampled_from(["stage_span", "makespan"]), st.data())
+def test_the_combined_bound_is_the_larger_of_its_two_parts(problem, objective, data):
+    # combinatorial_lower_bound computes each per-stage bound once for both parts: the same value, bit for bit
+    problem = problem.replace(objective=objective)
+    if data.draw(st.booleans()) and problem.num_stages > 1:
+        problem = problem.with_recompute([0])
+    assert combinatorial_lower_bound(problem) == max(round_trip_lower_bound(problem), memory_lower_bound(problem))

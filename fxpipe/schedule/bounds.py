@@ -576,6 +576,11 @@ def device_span_bounds(problem: ScheduleProblem, *, memory: bool = True) -> np.n
     if memory:
         stage = np.maximum(stage, memory_stage_span_bounds(problem))
         stage = np.maximum(stage, memory_time_stage_span_bounds(problem))
+    return _device_spans(problem, stage, memory)
+
+
+def _device_spans(problem: ScheduleProblem, stage: np.ndarray, memory: bool) -> np.ndarray:
+    """:func:`device_span_bounds` from its per-stage bounds ``stage`` (float64 (S,), seconds)."""
     out = np.zeros(problem.num_devices)
     for d, stages in enumerate(problem.device_stages):
         b = max(float(stage[list(stages)].max()), _device_head_tail(problem, d, memory))
@@ -666,7 +671,13 @@ def combinatorial_lower_bound(problem: ScheduleProblem) -> float:
     ----------
     Module docstring (derivation); OptPipe Eq. 3 and 4 for the objectives.
     """
-    return max(round_trip_lower_bound(problem), memory_lower_bound(problem))
+    # round_trip_lower_bound and memory_lower_bound, each per-stage bound computed once (the same maxima)
+    base = stage_span_bounds(problem)
+    blind = np.maximum(base, chain_stage_span_bounds(problem, memory=False))
+    aware = np.maximum(np.maximum(base, memory_stage_span_bounds(problem)), memory_time_stage_span_bounds(problem))
+    aware = np.maximum(aware, chain_stage_span_bounds(problem))
+    return max(_objective_bound(problem, blind, _device_spans(problem, blind, False)),
+               _objective_bound(problem, aware, _device_spans(problem, aware, True)))
 
 
 def limited_1f1b_bound(problem: ScheduleProblem, w: int) -> float:
