@@ -47,7 +47,7 @@ import numpy as np
 from fxpipe.errors import InfeasibleError
 from fxpipe.ir import Schedule, ScheduledOp, ScheduleProblem
 from fxpipe.progress import Search
-from fxpipe.schedule.validate import check_schedule, objective_values, remember_op_arrays, require_one_stage_per_device
+from fxpipe.schedule.validate import check_op_arrays, objective_values, remember_op_arrays, require_one_stage_per_device
 
 __all__ = ["OffloadParams", "default_params", "offload_list_schedule", "offload_search"]
 
@@ -164,12 +164,14 @@ def _stage_tables(problem: ScheduleProblem) -> tuple[list, ...]:
 
 
 def _evaluate(problem: ScheduleProblem, params: OffloadParams,
-              accept_at_most: float = math.inf) -> tuple[float, list[ScheduledOp] | None]:
-    """Value and ops of one policy; (inf, None) if it deadlocks, is invalid or exceeds ``accept_at_most``.
+              accept_at_most: float = math.inf) -> tuple[float, tuple[np.ndarray, ...] | None]:
+    """Value and op columns (:func:`_columns`, idle offloads dropped, in ``sort_ops``' order) of one policy;
+    (inf, None) if it deadlocks, is invalid or exceeds ``accept_at_most``.
 
-    The value is taken on the kernel's columns (the same IEEE operations as
-    :func:`~fxpipe.schedule.validate.objective_values` on the ops), so the ops are built and the
-    validator runs only on schedules that would be kept (value <= ``accept_at_most``).
+    The value is taken on the columns (the same IEEE operations as
+    :func:`~fxpipe.schedule.validate.objective_values` on the ops), and only a policy that would be kept
+    (value <= ``accept_at_most``) is validated, on its columns too
+    (:func:`~fxpipe.schedule.validate.check_op_arrays`: the ops are built only to word a violation).
     """
     cols = _columns(problem, params)
     if cols is None:
@@ -180,11 +182,9 @@ def _evaluate(problem: ScheduleProblem, params: OffloadParams,
         return math.inf, None
     stage, mb, ty, start, _ = cols
     cols = tuple(c[np.lexsort((mb, ty, stage, start))] for c in cols)  # sort_ops' canonical order
-    ops = tuple(_ops_of_columns(cols))
-    remember_op_arrays(ops, cols)  # the validator reads the columns, not the ops
-    if check_schedule(problem, ops):
+    if check_op_arrays(problem, cols, lambda: _ops_of_columns(cols)):
         return math.inf, None
-    return value, ops
+    return value, cols
 
 
 def _objective_of_columns(problem: ScheduleProblem, cols: tuple[np.ndarray, ...]) -> float:
@@ -324,14 +324,14 @@ def offload_search(
     require_one_stage_per_device(problem, "offload-search")
     t0 = time.perf_counter()
     rng = random.Random(seed)
-    best = None  # (value, ops, params) of the best valid schedule so far, replaced in one statement
+    best = None  # (value, op columns, params) of the best valid schedule so far, replaced in one statement
     evals = 0
     with Search(f"offload-search {problem.name}", unit="schedule", progress=progress) as run:
         p0 = default_params(problem)
-        v0, ops0 = _evaluate(problem, p0)
+        v0, cols0 = _evaluate(problem, p0)
         evals = 1
-        if ops0 is not None:
-            best = (v0, ops0, p0)
+        if cols0 is not None:
+            best = (v0, cols0, p0)
         while (not run.stopped and time.perf_counter() - t0 < time_limit_s
                and (max_evals is None or evals < max_evals)):
             if best is None or rng.random() < 1 / 3:
@@ -341,10 +341,10 @@ def offload_search(
                 for _ in range(rng.randrange(0, 3)):
                     cand = _mutate(problem, cand, rng)
             best_v = math.inf if best is None else best[0]
-            v, ops = _evaluate(problem, cand, best_v)
+            v, cols = _evaluate(problem, cand, best_v)
             evals += 1
-            if ops is not None and v <= best_v + _EPS:
-                best = (v, ops, cand)  # ties accepted: the search drifts across plateaus
+            if cols is not None and v <= best_v + _EPS:
+                best = (v, cols, cand)  # ties accepted: the search drifts across plateaus
                 if v < best_v - _EPS and on_improve is not None:
                     on_improve(v, evals)
             run.update(1, best=f"{math.inf if best is None else best[0]:.6g}")
@@ -354,9 +354,11 @@ def offload_search(
         raise InfeasibleError(
             f"offload-search: cannot fit mem_limit with any of the {evals} list-scheduling policies tried (each "
             "deadlocked or overflowed a stage); raise the limit, use more stages or the MILP")
-    _, ops, best_p = best  # in sort_ops' order
+    _, cols, best_p = best
+    ops = tuple(_ops_of_columns(cols))  # in sort_ops' order
+    remember_op_arrays(ops, cols)  # the callers' checks of these ops read the columns
     ms, span = objective_values(problem, ops)
-    return Schedule(ops=tuple(ops), makespan=ms, stage_span=span, status="heuristic",
+    return Schedule(ops=ops, makespan=ms, stage_span=span, status="heuristic",
                     solver_time_s=time.perf_counter() - t0, method="offload-search", objective=problem.objective,
                     meta={"evals": evals, "interrupted": run.interrupted,
                           "params": {k: (list(v) if isinstance(v, tuple) else v) for k, v in best_p.__dict__.items()}})

@@ -40,7 +40,7 @@ import dataclasses
 import math
 import operator
 from collections import defaultdict
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -50,6 +50,7 @@ from fxpipe.ir import OP_TYPES, Schedule, ScheduledOp, ScheduleProblem, sort_ops
 __all__ = [
     "InvalidScheduleError",
     "check_schedule",
+    "check_op_arrays",
     "validate_schedule",
     "objective_values",
     "memory_profile",
@@ -294,11 +295,37 @@ def stage_peaks(problem: ScheduleProblem, ops: Schedule | Iterable[ScheduledOp])
     return out
 
 
-def _fast_check(problem: ScheduleProblem, ops: list[ScheduledOp], tol: float,
+def check_op_arrays(problem: ScheduleProblem, arrays: tuple[np.ndarray, ...], make_ops: Callable[[], list[ScheduledOp]],
+                    *, tol: float = 1e-9) -> list[str]:
+    """:func:`check_schedule` of ops given by their field arrays, built (``make_ops()``) only when a message
+    must be worded from them.
+
+    Parameters
+    ----------
+    problem : ScheduleProblem
+    arrays : tuple of 5 arrays, each (n,)
+        Stage (int64), micro-batch (int64), type code (int64: F 0, B 1, W 2, O 3, R 4), start and end
+        (float64, the problem's time unit) of every op.
+    make_ops : callable
+        Returns the same ops as :class:`~fxpipe.ir.ScheduledOp` (called at most twice).
+    tol : float
+        As for :func:`check_schedule`.
+
+    Returns
+    -------
+    list of str
+        :func:`check_schedule`'s messages for those ops.
+    """
+    errs = _fast_check(problem, make_ops, tol, arrays)
+    return _check_schedule(problem, make_ops(), tol) if errs is None else errs
+
+
+def _fast_check(problem: ScheduleProblem, ops: list[ScheduledOp] | Callable[[], list[ScheduledOp]], tol: float,
                 arrs: tuple[np.ndarray, ...] | None = None) -> list[str] | None:
     """:func:`check_schedule` vectorised for well-formed schedules: [] when every rule holds,
     only rule-5 messages when only memory is over (exactly those of the full check), None
     when anything else may be wrong (then the full check runs and words the messages).
+    ``ops`` may be a callable that builds them (with ``arrs``, read only to word rule 5).
 
     Every comparison is the full check's, on the same float64 values; the memory curve is
     tested first without merging events closer than the time tolerance (its peak is at least
@@ -307,7 +334,7 @@ def _fast_check(problem: ScheduleProblem, ops: list[ScheduledOp], tol: float,
     S, M = problem.num_stages, problem.num_microbatches
     if arrs is None:
         arrs = _op_arrays(ops)
-    if arrs is None or len(ops) == 0:
+    if arrs is None or len(arrs[0]) == 0:
         return None
     st, mb, ty, t0, t1 = arrs
     if not (np.isfinite(t0).all() and np.isfinite(t1).all()):
@@ -382,6 +409,7 @@ def _fast_check(problem: ScheduleProblem, ops: list[ScheduledOp], tol: float,
         if t.size == 0 or float(np.cumsum(x).max()) <= lim + _mem_tol(problem, d, tol):
             continue
         # possibly over: the full check's curve (events closer than the tolerance merged), its words
+        ops = ops() if callable(ops) else ops
         dev_ops = [o for s in stages for o in ops if o.stage == s]
         _rule5(problem, d, stages, dev_ops, ttol, tol, errs)
     return errs
