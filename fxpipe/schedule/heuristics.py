@@ -282,11 +282,16 @@ def gpipe(problem: ScheduleProblem) -> Schedule:
     t0 = time.perf_counter()
     require_one_stage_per_device(problem, "gpipe")
     _min_stash_check(problem, "gpipe")
-    over = warmup_overflow_bytes(problem, [problem.num_microbatches - 1] * problem.num_stages)
-    if over > 0:  # GPipe's orders are 1F1B's with every forward in the warm-up: refused however they are timed
-        raise InfeasibleError(f"gpipe: the stashes of all {problem.num_microbatches} micro-batches exceed a stage's "
-                              f"mem_limit by {over:.6g} bytes however they are timed; raise mem_limit, use fewer "
-                              "micro-batches in flight (1f1b) or micro-batch offload (pipeoffload/adaoffload)")
+    M = problem.num_microbatches
+    if warmup_overflow_bytes(problem, [M - 1] * problem.num_stages) > 0:
+        # GPipe's orders are 1F1B's with every forward in the warm-up: refused however they are timed
+        need = M * problem.mem_f + np.maximum(problem.mem_b + problem.mem_b_transient, 0.0)
+        lims = _stage_limits(problem)
+        s = int(np.argmax(need - lims))
+        raise InfeasibleError(
+            f"gpipe: stage {s} needs {need[s]:.6g} bytes of activation memory (the stashes of all {M} micro-batches) "
+            f"however it is timed, over its limit {lims[s]:.6g} by {need[s] - lims[s]:.6g}; raise mem_limit, use "
+            "1f1b (fewer micro-batches in flight) or micro-batch offload (pipeoffload/adaoffload)")
     sched = simulate(problem, orders_gpipe(problem.num_stages, problem.num_microbatches), method="gpipe")
     return _finish(problem, sched, t0)
 
