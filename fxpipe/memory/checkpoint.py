@@ -423,6 +423,24 @@ class _SavedModel:
         self.attention = np.array([k in _ATTENTION_KINDS for k in kinds], dtype=bool)
         self.graph = graph
         self.keepable = ~_mutated(graph, extra)
+        # the same figures as Python lists, and every node's predecessors, for _evaluate's loops
+        self.lists = _SavedLists(self.size.tolist(), self.result.tolist(), self.private.tolist(), self.t_fwd.tolist(),
+                                 self.param.tolist(), self.placeholder.tolist(),
+                                 [graph.predecessors(v).tolist() for v in range(n)])
+
+
+@dataclass(frozen=True)
+class _SavedLists:
+    """:class:`_SavedModel`'s per-node figures as lists (indexing a list is several times cheaper than a numpy
+    scalar; the values and so the sums are the same)."""
+
+    size: list[float]
+    result: list[float]
+    private: list[float]
+    t_fwd: list[float]
+    param: list[bool]
+    placeholder: list[bool]
+    preds: list[list[int]]
 
 
 def _mutated(graph: OpGraph, extra: Sequence[Mapping[str, Any]]) -> np.ndarray:
@@ -504,12 +522,17 @@ class StageCheckpoint:
 def _evaluate(sm: _SavedModel, nodes: np.ndarray, segments: Sequence[np.ndarray], keep: set[int]) -> StageCheckpoint:
     """The figures of the policy with ``segments`` (node ids, program order) and kept set ``keep`` on the stage
     ``nodes`` (sorted node ids)."""
-    in_stage = set(int(v) for v in nodes)
+    L = sm.lists
+    size_of, result_of, private, t_fwd, param, placeholder, preds = (L.size, L.result, L.private, L.t_fwd, L.param,
+                                                                     L.placeholder, L.preds)
+    saves, first_saver = sm.saves, sm.first_saver
+    node_list = nodes.tolist()
+    in_stage = set(node_list)
+    seg_lists = [seg.tolist() for seg in segments]
     seg_of: dict[int, int] = {}
-    for i, seg in enumerate(segments):
+    for i, seg in enumerate(seg_lists):
         for v in seg:
-            seg_of[int(v)] = i
-    graph = sm.graph
+            seg_of[v] = i
     first_need: dict[int, int] = {}  # kept tensor -> earliest position (node id) that needs it
 
     def need(u: int, pos: int) -> None:
@@ -517,74 +540,71 @@ def _evaluate(sm: _SavedModel, nodes: np.ndarray, segments: Sequence[np.ndarray]
             first_need[u] = pos
 
     private_out = 0.0
-    for v in nodes:  # nodes outside every segment: what they save is kept
-        v = int(v)
+    for v in node_list:  # nodes outside every segment: what they save is kept
         if v in seg_of:
             continue
-        private_out += sm.private[v]
-        for u in sm.saves[v]:
+        private_out += private[v]
+        for u in saves[v]:
             if u in in_stage:
                 need(u, v)
-            elif sm.first_saver.get(u) == v:  # a received tensor this stage's act_bytes count (as "none" does)
-                private_out += sm.size[u]
-    starts = [int(seg[0]) for seg in segments]
-    for i, seg in enumerate(segments):
-        members = set(int(v) for v in seg)
+            elif first_saver.get(u) == v:  # a received tensor this stage's act_bytes count (as "none" does)
+                private_out += size_of[u]
+    starts = [seg[0] for seg in seg_lists]
+    for i, seg in enumerate(seg_lists):
+        members = set(seg)
         for v in seg:
-            for u in graph.predecessors(int(v)).tolist():
-                if u not in members and u in in_stage and not sm.placeholder[u]:
+            for u in preds[v]:
+                if u not in members and u in in_stage and not placeholder[u]:
                     need(u, starts[i])  # an input of the segment
         for v in seg:
-            if int(v) in keep:
-                need(int(v), starts[i])
+            if v in keep:
+                need(v, starts[i])
     kept_set = set(first_need)
     # a kept op result is the op's own (under tensor parallelism a row's partial sum, whole), a segment input the
     # value it reads (the row's reduced shard)
-    size = {u: float(sm.result[u] if u in keep else sm.size[u]) for u in kept_set}
+    size = {u: float(result_of[u] if u in keep else size_of[u]) for u in kept_set}
     kept = float(sum(size.values())) + private_out
     # what each segment replays, and the W inputs it recreates
     replay = []
     w_of_seg = []
     replay_s = 0.0
-    for seg in segments:
+    for seg in seg_lists:
         got: set[int] = set()
         wset: set[int] = set()
         priv = w_priv = 0.0
         for v in seg:
-            v = int(v)
             if v not in keep:
-                replay_s += sm.t_fwd[v]
-            priv += sm.private[v]
-            if sm.param[v]:
-                w_priv += sm.private[v]
-            for u in sm.saves[v]:
+                replay_s += t_fwd[v]
+            priv += private[v]
+            if param[v]:
+                w_priv += private[v]
+            for u in saves[v]:
                 if u in kept_set or u not in in_stage:
                     continue
                 got.add(u)
-                if sm.param[v]:
+                if param[v]:
                     wset.add(u)
-        replay.append(float(sum(sm.size[u] for u in got)) + priv)
-        w_of_seg.append(float(sum(sm.size[u] for u in wset)) + w_priv)
+        replay.append(float(sum(size_of[u] for u in got)) + priv)
+        w_of_seg.append(float(sum(size_of[u] for u in wset)) + w_priv)
     # W inputs of the whole stage: the tensors nodes with parameters save (each once) and their private bytes
     w_tensors: set[int] = set()
     w_private = 0.0
-    for v in nodes:
-        v = int(v)
-        if sm.param[v]:
-            w_private += sm.private[v]
-            w_tensors.update(sm.saves[v])
-    w_bytes = float(sum(sm.size[u] for u in w_tensors)) + w_private
+    for v in node_list:
+        if param[v]:
+            w_private += private[v]
+            w_tensors.update(saves[v])
+    w_bytes = float(sum(size_of[u] for u in w_tensors)) + w_private
     # the B's level while it replays segment i (walking the stage backwards): split, the W inputs of the
     # segments done are held for W; fused (B and W as one backward), they are not
     level = max(kept, w_bytes)
     fused = kept
-    if segments:
+    if seg_lists:
         kept_w = {u for u in kept_set if u in w_tensors}
-        for i, seg in enumerate(segments):
-            last = int(seg[-1])
+        for i, seg in enumerate(seg_lists):
+            last = seg[-1]
             live = sum(size[u] for u in kept_set if first_need[u] <= last) + private_out
             held = live + sum(size[u] for u in kept_w if first_need[u] > last)
-            done_w = sum(w_of_seg[j] for j in range(i + 1, len(segments)))
+            done_w = sum(w_of_seg[j] for j in range(i + 1, len(seg_lists)))
             level = max(level, held + done_w + replay[i])
             fused = max(fused, live + replay[i])
     return StageCheckpoint(kept_bytes=kept, replay_s=float(replay_s), replay_peak_bytes=max(replay, default=0.0),
@@ -765,7 +785,7 @@ def stage_menu(graph: OpGraph, nodes: Sequence[int] | np.ndarray, *, kinds: Sequ
     if "budget" in kinds and full is not None and segs:
         cand = np.concatenate(segs)
         cand = cand[(sm.t_fwd[cand] > 0) & sm.keepable[cand]]
-        base_kept = _evaluate(sm, nodes, segs, set())
+        base_kept = full  # _evaluate(sm, nodes, segs, set()): "full"'s figures
         kept_already = _kept_tensors(sm, nodes, segs)
         weights = np.where(np.isin(cand, list(kept_already)), 0.0, sm.size[cand])
         span = none_fig.kept_bytes - base_kept.kept_bytes

@@ -181,7 +181,8 @@ def _evaluate(problem: ScheduleProblem, params: OffloadParams,
     if value > accept_at_most + _EPS:
         return math.inf, None
     stage, mb, ty, start, _ = cols
-    cols = tuple(c[np.lexsort((mb, ty, stage, start))] for c in cols)  # sort_ops' canonical order
+    order = np.lexsort((mb, ty, stage, start))  # sort_ops' canonical order
+    cols = tuple(c[order] for c in cols)
     if check_op_arrays(problem, cols, lambda: _ops_of_columns(cols)):
         return math.inf, None
     return value, cols
