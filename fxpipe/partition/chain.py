@@ -106,9 +106,10 @@ cumulative frequency tables", Software: Practice and Experience 24(3), 1994.
 
 from __future__ import annotations
 
+import copy
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -192,9 +193,10 @@ def _enumerate_ideals(pred_mask, cap):
 
 
 @njit(**NJIT)
-def _segment_points(masks, core_bit, work_bits, ev_kind, ev_ptr, ev_idx, t_size, t_state, t_always, t_ptr, t_idx,
+def _segment_points(masks, core_bit, ev_kind, ev_ptr, ev_idx, t_size, t_state, t_always, t_ptr, t_idx,
                     ph_idx, ph_ok, base):
-    """Work, cut bytes and the "holds every model input" flag of each ideal of a segment.
+    """Cut bytes and the "holds every model input" flag of each ideal of a segment (its work:
+    :func:`_mask_work`).
 
     Local evaluation: ``ev_kind[i]`` is 0 (core node: bit ``core_bit[i]`` of the mask), 1
     (lazy: member iff any of ``ev_idx[ev_ptr[i]:ev_ptr[i+1]]`` is) or 2 (zero sink: member
@@ -205,7 +207,6 @@ def _segment_points(masks, core_bit, work_bits, ev_kind, ev_ptr, ev_idx, t_size,
     """
     P = masks.shape[0]
     F = ev_kind.shape[0]
-    wout = np.empty(P)
     cout = np.empty(P)
     flag = np.empty(P, dtype=np.bool_)
     mem = np.zeros(F, dtype=np.bool_)
@@ -229,10 +230,6 @@ def _segment_points(masks, core_bit, work_bits, ev_kind, ev_ptr, ev_idx, t_size,
                         x = False
                         break
                 mem[i] = x
-        w = 0.0
-        for b in range(work_bits.shape[0]):
-            if (m >> b) & 1:
-                w += work_bits[b]
         c = base
         for t in range(t_size.shape[0]):
             st = t_state[t]
@@ -251,10 +248,25 @@ def _segment_points(masks, core_bit, work_bits, ev_kind, ev_ptr, ev_idx, t_size,
                 if not mem[ph_idx[e]]:
                     ok = False
                     break
-        wout[p] = w
         cout[p] = c
         flag[p] = ok
-    return wout, cout, flag
+    return cout, flag
+
+
+@njit(**NJIT)
+def _mask_work(masks, work_bits):
+    """Work of each ideal of a segment: the sum of ``work_bits[b]`` over the set bits b of its mask,
+    added in bit order (float64 (P,))."""
+    P = masks.shape[0]
+    out = np.empty(P)
+    for p in range(P):
+        m = masks[p]
+        w = 0.0
+        for b in range(work_bits.shape[0]):
+            if (m >> b) & 1:
+                w += work_bits[b]
+        out[p] = w
+    return out
 
 
 @njit(**NJIT)
@@ -297,27 +309,98 @@ def _count_ge(sorted_desc, x):
 
 
 @njit(**NJIT)
-def _min_transitions(wlo, whi, io, rank, keys_desc, start, end, T, slack):
-    """Fewest transitions from point ``start`` to ``end`` with every cost <= T (relaxed DP).
+def _within_transitions(wlo, key, io, end, k, T, slack):
+    """Whether a path of at most k transitions from point 0 to ``end`` has every cost <= T (relaxed DP),
+    and the largest cost on the path found (``-inf`` when there is none).
 
     Points are in chain order; a transition p -> q (p before q) costs at least
-    ``wlo[q] - whi[p] + io[p] + io[q]``. ``rank[p]`` is p's position in ``keys_desc``
-    (``whi - io`` sorted descending).
+    ``wlo[q] - key[p] + io[q]`` (``key = whi - io_in``); it is allowed when
+    ``key[p] >= wlo[q] + io[q] - T - slack``. With ``f[p]`` the fewest transitions to p, the points
+    with ``f <= t`` reach q iff their largest key does: ``c(t) = max {key[p] : f[p] <= t, p < q}``
+    is non-decreasing in t and ``f[q] = 1 + min {t : c(t) >= threshold of q}``. ``c`` is kept as a
+    staircase of levels ``0..k-1`` (``lev[j]`` the first level of step j, ``val[j]`` its key,
+    ``arg[j]`` the point holding it; both strictly increasing in j), so a query and an insertion are
+    binary searches; points with ``f >= k`` only lead to ``f > k`` and are not inserted. The same
+    fewest transitions as the Fenwick DP over all points (:func:`_exact_dp` without nesting).
     """
     P = wlo.shape[0]
-    tree_v = np.full(P, np.inf)
-    tree_i = np.full(P, -1, dtype=np.int64)
-    f = np.full(P, np.inf)
-    f[start] = 0.0
-    _fen_update(tree_v, tree_i, rank[start], 0.0, start)
-    for q in range(start + 1, end + 1):
+    if end == 0:
+        return True, -np.inf
+    lev = np.empty(k + 1, dtype=np.int64)
+    val = np.empty(k + 1)
+    arg = np.empty(k + 1, dtype=np.int64)
+    parent = np.full(P, -1, dtype=np.int64)
+    m = 1
+    lev[0] = 0
+    val[0] = key[0]
+    arg[0] = 0
+    reached = False
+    for q in range(1, end + 1):
         thr = wlo[q] + io[q] - T - slack
-        cnt = _count_ge(keys_desc, thr)
-        best, _bi = _fen_query(tree_v, tree_i, cnt)
-        if best < np.inf:
-            f[q] = best + 1.0
-            _fen_update(tree_v, tree_i, rank[q], f[q], q)
-    return f[end]
+        if val[m - 1] < thr:
+            continue
+        a = 0
+        b = m - 1
+        while a < b:  # first step whose key reaches q
+            mid = (a + b) >> 1
+            if val[mid] >= thr:
+                b = mid
+            else:
+                a = mid + 1
+        t = lev[a] + 1  # f[q]
+        parent[q] = arg[a]
+        if q == end:
+            reached = True
+            break
+        kq = key[q]
+        if t >= k:
+            continue
+        a = 0
+        b = m - 1
+        while a < b:  # the step holding level t
+            mid = (a + b + 1) >> 1
+            if lev[mid] <= t:
+                a = mid
+            else:
+                b = mid - 1
+        j0 = a
+        if val[j0] >= kq:
+            continue
+        a = j0 + 1
+        b = m
+        while a < b:  # the first step after it that q does not raise
+            mid = (a + b) >> 1
+            if val[mid] >= kq:
+                b = mid
+            else:
+                a = mid + 1
+        j1 = a
+        ins = j0 + 1 if lev[j0] < t else j0  # steps ins..j1-1 become one step (t, kq, q)
+        tail = m - j1
+        if j1 > ins + 1:  # steps removed: the tail moves left
+            for r in range(tail):
+                lev[ins + 1 + r] = lev[j1 + r]
+                val[ins + 1 + r] = val[j1 + r]
+                arg[ins + 1 + r] = arg[j1 + r]
+        elif j1 == ins:  # a step split in two: the tail moves right by one
+            for r in range(tail - 1, -1, -1):
+                lev[ins + 1 + r] = lev[j1 + r]
+                val[ins + 1 + r] = val[j1 + r]
+                arg[ins + 1 + r] = arg[j1 + r]
+        lev[ins] = t
+        val[ins] = kq
+        arg[ins] = q
+        m = ins + 1 + tail
+    worst = -np.inf
+    if reached:
+        q = end
+        while q != 0:
+            p = parent[q]
+            c = wlo[q] - key[p] + io[q]
+            if c > worst:
+                worst = c
+            q = p
+    return reached, worst
 
 
 @njit(**NJIT)
@@ -337,7 +420,12 @@ def _exact_dp(seg, w, io, masks, flag, rank, keys_desc, seg_first, T, slack):
     parent = np.full(P, -1, dtype=np.int64)
     f[0] = 0.0
     ptr = 1  # next point to insert into the tree (the start is handled explicitly)
+    cur_seg = -1
+    seg_min = np.inf  # least f of the points before q in q's segment (the start excluded)
     for q in range(1, P):
+        if seg[q] != cur_seg:
+            cur_seg = seg[q]
+            seg_min = np.inf
         # insert every earlier-segment point with less work
         while ptr < q and seg[ptr] < seg[q] and w[ptr] < w[q]:
             if f[ptr] < np.inf:
@@ -354,17 +442,19 @@ def _exact_dp(seg, w, io, masks, flag, rank, keys_desc, seg_first, T, slack):
         if v + 1.0 < best:
             best = v + 1.0
             bp = i
-        s = seg[q]
-        for p in range(seg_first[s], q):
-            if p == 0 or f[p] + 1.0 >= best:
-                continue
-            if w[p] >= w[q] or (masks[p] & masks[q]) != masks[p] or masks[p] == masks[q]:
-                continue
-            if (w[q] - w[p]) + io[p] + io[q] <= T + slack:
-                best = f[p] + 1.0
-                bp = p
+        if seg_min + 1.0 < best:  # else no point of q's segment improves on best
+            for p in range(seg_first[seg[q]], q):
+                if p == 0 or f[p] + 1.0 >= best:
+                    continue
+                if w[p] >= w[q] or (masks[p] & masks[q]) != masks[p] or masks[p] == masks[q]:
+                    continue
+                if (w[q] - w[p]) + io[p] + io[q] <= T + slack:
+                    best = f[p] + 1.0
+                    bp = p
         f[q] = best
         parent[q] = bp
+        if best < seg_min:
+            seg_min = best
     return f, parent
 
 
@@ -442,6 +532,8 @@ class ChainDecomposition:
     detached_work_s: float
     inputs_entry: int = -1
     seconds: float = 0.0
+    #: What the DPs derive from the decomposition alone, kept for every k (:func:`_points`).
+    _memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def num_segments(self) -> int:
@@ -612,8 +704,41 @@ def decompose(graph: OpGraph, objective: str = "training", *, max_ideals: int = 
     """
     check_objective(objective, "relay")
     t0 = time.perf_counter()
-    n = graph.n
     work = np.asarray(graph.work_s(objective), dtype=np.float64)
+    dec = _weigh(_structure(graph, work, max_ideals, max_binned), work, objective)
+    dec.seconds = time.perf_counter() - t0
+    return dec
+
+
+@dataclass
+class _Structure:
+    """What a decomposition takes from a graph besides its works' values: everything of
+    :class:`ChainDecomposition` but the works, built from the edges, the ops, the output sizes and
+    which nodes have zero work (the kinds need no more: :func:`_classify`). ``many[j]`` holds every
+    ideal of a binned segment and its cut; ``source`` the arrays it was built from (edges, ops, zero
+    work, sizes, caps), compared by :func:`cached_decomposition` before it reuses the structure;
+    ``weighed`` the decompositions it gave there, the most recent last."""
+
+    kind: np.ndarray
+    topo: np.ndarray
+    entry: np.ndarray
+    last: np.ndarray
+    core: np.ndarray
+    seg_ptr: np.ndarray
+    gate_cut_bytes: np.ndarray
+    mandatory_cut_bytes: np.ndarray
+    masks: list
+    point_cut_bytes: list
+    point_flag: list
+    complete: np.ndarray
+    many: dict
+    inputs_entry: int
+    source: tuple
+    weighed: list = field(default_factory=list)
+
+
+def _structure(graph: OpGraph, work: np.ndarray, max_ideals: int, max_binned: int) -> _Structure:
+    """The chain structure of ``graph`` with per-node work ``work`` (only its zeros matter)."""
     size = np.asarray(graph.size_out_bytes, dtype=np.float64)
     topo = _topological_order(graph)
     kind = _classify(graph, work, topo)
@@ -624,47 +749,65 @@ def decompose(graph: OpGraph, objective: str = "training", *, max_ideals: int = 
     entry, last = _entry_and_last(graph, kind, topo, core, seg_ptr)
     alive = kind != KIND_DETACHED
     gate_cut, mand_cut = _gate_and_mandatory_cuts(alive, entry, last, size, S)
-    seg_work = np.array([float(work[core[seg_ptr[j]:seg_ptr[j + 1]]].sum()) for j in range(S)])
-    nodes = _SegmentNodes.of(graph, kind, topo, core, entry, last, size, work, S)
+    nodes = _SegmentNodes.of(graph, kind, topo, core, entry, last, size, S)
     masks: list = []
     complete: list = []
-    binned: dict = {}
-    pwork: list = []
+    many_of: dict = {}
     pcut: list = []
     pflag: list = []
-    w_before = 0.0
     for j in range(S):
         lo, hi = int(seg_ptr[j]), int(seg_ptr[j + 1])
         if hi - lo > MAX_SEGMENT_CORE:
             complete.append(False)
             masks.append(None)
-            pwork.append(None)
             pcut.append(None)
             pflag.append(None)
-            w_before += seg_work[j]
             continue
         ms, many, is_complete = _segment_ideals(rpred, lo, hi, max_ideals, max_binned)
         complete.append(is_complete)
         local = nodes.evaluation_inputs(j, lo, hi, float(mand_cut[j]))
-        wv, cv, fv = _segment_points(ms, *local)
+        cv, fv = _segment_points(ms, *local)
         if many is not None:
-            bw, bc, _ = _segment_points(many, *local)
-            order = np.argsort(bw, kind="stable")
-            binned[j] = (bw[order] + w_before, bc[order])
+            many_of[j] = (many, _segment_points(many, *local)[0])
         masks.append(ms)
-        pwork.append(wv + w_before)
         pcut.append(cv)
         pflag.append(fv)
+    source = (graph.edges, graph.ops, work <= 0.0, size, int(max_ideals), int(max_binned))
+    return _Structure(kind=kind, topo=topo, entry=entry, last=last, core=core, seg_ptr=seg_ptr, gate_cut_bytes=gate_cut,
+                      mandatory_cut_bytes=mand_cut, masks=masks, point_cut_bytes=pcut, point_flag=pflag,
+                      complete=np.array(complete, dtype=bool), many=many_of, inputs_entry=nodes.ph_entry_max,
+                      source=source)
+
+
+def _weigh(st: _Structure, work: np.ndarray, objective: str) -> ChainDecomposition:
+    """The decomposition of structure ``st`` with per-node work ``work`` (float64 (n,), zero exactly
+    where ``st`` was built with zero work): segment works, ideal works, binned ideals sorted by work."""
+    S = st.seg_ptr.shape[0] - 1
+    core = st.core
+    seg_work = np.array([float(work[core[st.seg_ptr[j]:st.seg_ptr[j + 1]]].sum()) for j in range(S)])
+    pwork: list = []
+    binned: dict = {}
+    w_before = 0.0
+    for j in range(S):
+        ms = st.masks[j]
+        if ms is not None:
+            work_bits = np.ascontiguousarray(work[core[st.seg_ptr[j]:st.seg_ptr[j + 1]]], dtype=np.float64)
+            pwork.append(_mask_work(ms, work_bits) + w_before)
+            if j in st.many:
+                many, many_cut = st.many[j]
+                bw = _mask_work(many, work_bits)
+                order = np.argsort(bw, kind="stable")
+                binned[j] = (bw[order] + w_before, many_cut[order])
+        else:
+            pwork.append(None)
         w_before += seg_work[j]
-    dec = ChainDecomposition(
-        objective=objective, kind=kind, topo=topo, entry=entry, last=last, core=core, seg_ptr=seg_ptr,
-        seg_work_s=seg_work, gate_cut_bytes=gate_cut, mandatory_cut_bytes=mand_cut, masks=masks,
-        point_work_s=pwork, point_cut_bytes=pcut, point_flag=pflag, complete=np.array(complete, dtype=bool),
-        binned=binned, work_s=work,
-        detached_work_s=float(work[kind == KIND_DETACHED].sum()), inputs_entry=nodes.ph_entry_max, seconds=0.0,
+    return ChainDecomposition(
+        objective=objective, kind=st.kind, topo=st.topo, entry=st.entry, last=st.last, core=core, seg_ptr=st.seg_ptr,
+        seg_work_s=seg_work, gate_cut_bytes=st.gate_cut_bytes, mandatory_cut_bytes=st.mandatory_cut_bytes,
+        masks=st.masks, point_work_s=pwork, point_cut_bytes=st.point_cut_bytes, point_flag=st.point_flag,
+        complete=st.complete, binned=binned, work_s=work,
+        detached_work_s=float(work[st.kind == KIND_DETACHED].sum()), inputs_entry=st.inputs_entry, seconds=0.0,
     )
-    dec.seconds = time.perf_counter() - t0
-    return dec
 
 
 def _segment_bounds(gates: np.ndarray, m: int) -> np.ndarray:
@@ -760,7 +903,6 @@ class _SegmentNodes:
     entry: np.ndarray
     last: np.ndarray
     size: np.ndarray
-    work: np.ndarray
     alive: np.ndarray
     rank_topo: np.ndarray
     pos: np.ndarray
@@ -770,7 +912,7 @@ class _SegmentNodes:
     ph_entry_max: int
 
     @classmethod
-    def of(cls, graph: OpGraph, kind, topo, core, entry, last, size, work, S: int) -> "_SegmentNodes":
+    def of(cls, graph: OpGraph, kind, topo, core, entry, last, size, S: int) -> "_SegmentNodes":
         n = graph.n
         alive = kind != KIND_DETACHED
         flux: list[list[int]] = [[] for _ in range(S)]
@@ -785,7 +927,7 @@ class _SegmentNodes:
         placeholders = [v for v in range(n) if graph.ops[v] == "placeholder" and alive[v]]
         pos = np.full(n, -1, dtype=np.int64)
         pos[core] = np.arange(core.shape[0])
-        return cls(graph, kind, core, entry, last, size, work, alive, rank_topo, pos, flux, inputs, placeholders,
+        return cls(graph, kind, core, entry, last, size, alive, rank_topo, pos, flux, inputs, placeholders,
                    max((int(entry[v]) for v in placeholders), default=-1))
 
     def evaluation_inputs(self, j: int, lo: int, hi: int, base: float) -> tuple:
@@ -824,9 +966,8 @@ class _SegmentNodes:
             t_idx += [ev_loc[c] for c in succ.tolist() if entry[c] == j]
             t_ptr.append(len(t_idx))
         ph_idx = [ev_loc[v] for v in self.placeholders if entry[v] == j]
-        work_bits = np.array([self.work[self.core[i]] for i in range(lo, hi)], dtype=np.float64)
         return (
-            core_bit, work_bits, ev_kind, np.array(ev_ptr, dtype=np.int64), np.array(ev_idx, dtype=np.int64),
+            core_bit, ev_kind, np.array(ev_ptr, dtype=np.int64), np.array(ev_idx, dtype=np.int64),
             np.array(t_size, dtype=np.float64), np.array(t_state, dtype=np.int64), np.array(t_always, dtype=np.bool_),
             np.array(t_ptr, dtype=np.int64), np.array(t_idx, dtype=np.int64), np.array(ph_idx, dtype=np.int64),
             bool(self.ph_entry_max <= j), base,
@@ -834,10 +975,21 @@ class _SegmentNodes:
 
 
 _CACHE = None  # weakref.WeakKeyDictionary: graph -> {(objective, max_ideals): ChainDecomposition}
+#: Structures built by :func:`cached_decomposition`, the most recently used last (at most
+#: :data:`_STRUCTURES_KEPT`): graphs that differ only in the values of their works share one (the mesh
+#: search's copies of a graph per pipeline link, its free-communication copy, the memory surrogates of
+#: one graph under several memory models).
+_STRUCTURES: list = []
+_STRUCTURES_KEPT = 16
 
 
 def cached_decomposition(graph: OpGraph, objective: str, *, max_ideals: int = MAX_IDEALS) -> ChainDecomposition:
-    """:func:`decompose`, remembered per graph object (the partitioner and the bounds share it)."""
+    """:func:`decompose`, remembered per graph object (the partitioner and the bounds share it).
+
+    A graph whose edges, ops, output sizes and zero-work nodes equal those of a graph decomposed
+    recently (:class:`_Structure`) reuses that structure: only its works are weighed again
+    (:func:`_weigh`), which gives the decomposition :func:`decompose` builds, field for field.
+    """
     import weakref  # noqa: PLC0415
 
     global _CACHE
@@ -846,8 +998,41 @@ def cached_decomposition(graph: OpGraph, objective: str, *, max_ideals: int = MA
     per = _CACHE.setdefault(graph, {})
     key = (objective, int(max_ideals))
     if key not in per:
-        per[key] = decompose(graph, objective, max_ideals=max_ideals)
+        check_objective(objective, "relay")
+        t0 = time.perf_counter()
+        work = np.asarray(graph.work_s(objective), dtype=np.float64)
+        st = _known_structure(graph, work, int(max_ideals), MAX_BINNED_IDEALS)
+        if st is None:
+            st = _structure(graph, work, int(max_ideals), MAX_BINNED_IDEALS)
+            _STRUCTURES.append(st)
+            del _STRUCTURES[:-_STRUCTURES_KEPT]
+        same = next((d for d in st.weighed if np.array_equal(d.work_s, work)), None)
+        if same is None:
+            dec = _weigh(st, work, objective)
+            dec.seconds = time.perf_counter() - t0
+            st.weighed = [*st.weighed[-(_STRUCTURES_KEPT - 1):], dec]
+        elif same.objective == objective:  # the same works: the same decomposition
+            dec = same
+        else:  # a copy naming this objective, sharing the points built for the other
+            dec = copy.copy(same)
+            dec.objective = objective
+        per[key] = dec
     return per[key]
+
+
+def _known_structure(graph: OpGraph, work: np.ndarray, max_ideals: int, max_binned: int) -> _Structure | None:
+    """A kept structure built from the same edges, ops, zero-work nodes, output sizes and caps (moved
+    to the end of the list: most recently used), or None."""
+    zero = work <= 0.0
+    for i in range(len(_STRUCTURES) - 1, -1, -1):
+        edges, ops, st_zero, size, cap, cap_binned = _STRUCTURES[i].source
+        if (cap == max_ideals and cap_binned == max_binned and len(ops) == graph.n and edges.shape == graph.edges.shape
+                and np.array_equal(st_zero, zero) and np.array_equal(size, graph.size_out_bytes)
+                and np.array_equal(edges, graph.edges) and ops == graph.ops):
+            st = _STRUCTURES.pop(i)
+            _STRUCTURES.append(st)
+            return st
+    return None
 
 
 # --------------------------------------------------------------------------------------
@@ -866,57 +1051,107 @@ class _Points:
     exact: np.ndarray
 
 
-def _points(dec: ChainDecomposition, k: int, *, exact_only: bool) -> _Points:
-    """Chain points in order ``(segment, work, |J|)`` (module docstring)."""
-    S = dec.num_segments
-    total = float(dec.seg_work_s.sum())
-    width = total / (max(k, 1) * BINS_PER_BLOCK) if total > 0 else 0.0
-    chunks: list[tuple] = []  # (seg, wlo, whi, cut, mask, flag, exact), each a scalar or an array of one length
+def _popcount(masks: np.ndarray) -> np.ndarray:
+    """Set bits of each 64-bit mask (int64 (P,) -> int64 (P,)): ``np.bitwise_count`` where numpy has
+    it (2.0 and later), else :func:`_popcount_swar`."""
+    u = np.ascontiguousarray(masks, dtype=np.int64).view(np.uint64)
+    if hasattr(np, "bitwise_count"):
+        return np.bitwise_count(u).astype(np.int64)
+    return _popcount_swar(u)
 
-    def add(j, lo, hi, cut, mask, flag, exact):
-        chunks.append((j, lo, hi, cut, mask, flag, exact))
 
+def _popcount_swar(u: np.ndarray) -> np.ndarray:
+    """Set bits of each uint64 by the SWAR sum of bit fields (Warren, "Hacker's Delight", 2nd ed.,
+    Section 5-1, Figure 5-2), int64 (P,)."""
+    u = u - ((u >> np.uint64(1)) & np.uint64(0x5555555555555555))
+    u = (u & np.uint64(0x3333333333333333)) + ((u >> np.uint64(2)) & np.uint64(0x3333333333333333))
+    u = (u + (u >> np.uint64(4))) & np.uint64(0x0F0F0F0F0F0F0F0F)
+    return ((u * np.uint64(0x0101010101010101)) >> np.uint64(56)).astype(np.int64)
+
+
+_POINT_FIELDS = ("seg", "wlo", "whi", "cut", "mask", "flag", "exact")
+_POINT_DTYPES = (np.int64, np.float64, np.float64, np.float64, np.int64, np.bool_, np.bool_)
+
+
+def _columns(chunks: list) -> list:
+    """The point columns of ``chunks`` ((seg, wlo, whi, cut, mask, flag, exact), each a scalar or an
+    array of one length), concatenated in order."""
+    return [np.concatenate([np.atleast_1d(np.asarray(c[i], dtype=dt)) for c in chunks]) if chunks
+            else np.zeros(0, dtype=dt) for i, dt in enumerate(_POINT_DTYPES)]
+
+
+def _point_layout(dec: ChainDecomposition, exact_only: bool) -> list:
+    """The points of every k, in chain order: runs of points that do not depend on k (the columns of
+    :func:`_columns`) between ``(j, w_before, w_after)``, the place of segment j's work bins."""
+    layout: list = []
+    chunks: list[tuple] = []
     w_before = 0.0
-    for j in range(S):
+    for j in range(dec.num_segments):
         ms = dec.masks[j]
         w_after = w_before + float(dec.seg_work_s[j])
         if ms is not None and (dec.complete[j] or exact_only):
             pw, pc, pf = dec.point_work_s[j], dec.point_cut_bytes[j], dec.point_flag[j]
-            size = np.array([bin(int(x) & 0xFFFFFFFFFFFFFFFF).count("1") for x in ms.tolist()], dtype=np.int64)
-            order = np.lexsort((size, pw))
+            order = np.lexsort((_popcount(ms), pw))
             if j > 0:
-                order = order[size[order] != 0]  # J = {} is the previous segment's full ideal
+                order = order[ms[order] != 0]  # J = {} is the previous segment's full ideal
             n = order.shape[0]
-            add(np.full(n, j), pw[order], pw[order], pc[order], ms[order], pf[order], np.ones(n, dtype=bool))
+            chunks.append((np.full(n, j), pw[order], pw[order], pc[order], ms[order], pf[order], np.ones(n, dtype=bool)))
         else:
             if j == 0:
-                add(0, 0.0, 0.0, 0.0, 0, False, True)
-            if not exact_only and width > 0 and j in dec.binned:
-                # every ideal of the segment, by work bin: [least, largest work] and least cut
-                bw, bc = dec.binned[j]
-                idx = np.minimum(((bw - w_before) / width).astype(np.int64), 4 * BINS_PER_BLOCK * max(k, 1))
-                starts = np.flatnonzero(np.r_[True, idx[1:] != idx[:-1]])
-                ends = np.r_[starts[1:], bw.shape[0]]
-                cmin = np.minimum.reduceat(bc, starts)
-                n = starts.shape[0]
-                add(np.full(n, j), bw[starts], bw[ends - 1], cmin, np.full(n, -1), np.zeros(n, dtype=bool),
-                    np.zeros(n, dtype=bool))
-            elif not exact_only and width > 0:
-                nb = int(math.ceil((w_after - w_before) / width)) if w_after > w_before else 1
-                nb = max(1, min(nb, 4 * BINS_PER_BLOCK))
-                edges = np.linspace(w_before, w_after, nb + 1)
-                add(np.full(nb, j), edges[:-1], edges[1:], np.full(nb, float(dec.mandatory_cut_bytes[j])),
-                    np.full(nb, -1), np.zeros(nb, dtype=bool), np.zeros(nb, dtype=bool))
-            add(j, w_after, w_after, float(dec.gate_cut_bytes[j]), -1, dec.inputs_entry <= j, True)
+                chunks.append((0, 0.0, 0.0, 0.0, 0, False, True))
+            if not exact_only:
+                layout += [_columns(chunks), (j, w_before, w_after)]
+                chunks = []
+            chunks.append((j, w_after, w_after, float(dec.gate_cut_bytes[j]), -1, dec.inputs_entry <= j, True))
         w_before = w_after
-    dtypes = (np.int64, np.float64, np.float64, np.float64, np.int64, np.bool_, np.bool_)
-    cols = [np.concatenate([np.atleast_1d(np.asarray(c[i], dtype=dt)) for c in chunks]) if chunks
-            else np.zeros(0, dtype=dt) for i, dt in enumerate(dtypes)]
-    out = _Points(*cols)
-    if exact_only:
-        keep = out.exact
-        out = _Points(*(getattr(out, f)[keep] for f in ("seg", "wlo", "whi", "cut", "mask", "flag", "exact")))
-    return out
+    return layout + [_columns(chunks)]
+
+
+def _bins(dec: ChainDecomposition, j: int, w_before: float, w_after: float, k: int, width: float) -> list:
+    """The point columns of segment j's work bins for k stages (bins of ``width`` seconds)."""
+    if width <= 0:
+        return _columns([])
+    if j in dec.binned:
+        # every ideal of the segment, by work bin: [least, largest work] and least cut
+        bw, bc = dec.binned[j]
+        idx = np.minimum(((bw - w_before) / width).astype(np.int64), 4 * BINS_PER_BLOCK * max(k, 1))
+        starts = np.flatnonzero(np.r_[True, idx[1:] != idx[:-1]])
+        ends = np.r_[starts[1:], bw.shape[0]]
+        cmin = np.minimum.reduceat(bc, starts)
+        n = starts.shape[0]
+        return _columns([(np.full(n, j), bw[starts], bw[ends - 1], cmin, np.full(n, -1), np.zeros(n, dtype=bool),
+                          np.zeros(n, dtype=bool))])
+    nb = int(math.ceil((w_after - w_before) / width)) if w_after > w_before else 1
+    nb = max(1, min(nb, 4 * BINS_PER_BLOCK))
+    edges = np.linspace(w_before, w_after, nb + 1)
+    return _columns([(np.full(nb, j), edges[:-1], edges[1:], np.full(nb, float(dec.mandatory_cut_bytes[j])),
+                      np.full(nb, -1), np.zeros(nb, dtype=bool), np.zeros(nb, dtype=bool))])
+
+
+def _points(dec: ChainDecomposition, k: int, *, exact_only: bool) -> _Points:
+    """Chain points in order ``(segment, work, |J|)`` (module docstring); read-only arrays.
+
+    What does not depend on k (the exact points; with ``exact_only`` every point) is built once per
+    decomposition (:func:`_point_layout`); only the work bins of the segments that are not listed
+    (:func:`_bins`, ``W / (k * BINS_PER_BLOCK)`` wide) are built per k.
+    """
+    key = ("points", bool(exact_only))
+    layout = dec._memo.get(key)
+    if layout is None:
+        layout = dec._memo[key] = _point_layout(dec, exact_only)
+        for part in layout:
+            if isinstance(part, list):
+                for col in part:
+                    col.flags.writeable = False
+    if len(layout) == 1:
+        return _Points(*layout[0])
+    total = float(dec.seg_work_s.sum())
+    width = total / (max(k, 1) * BINS_PER_BLOCK) if total > 0 else 0.0
+    parts = [part if isinstance(part, list) else _bins(dec, *part, k, width) for part in layout]
+    cols = [np.concatenate([part[i] for part in parts]) for i in range(len(_POINT_FIELDS))]
+    for col in cols:
+        col.flags.writeable = False
+    return _Points(*cols)
 
 
 def _keys(whi: np.ndarray, io: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -927,29 +1162,91 @@ def _keys(whi: np.ndarray, io: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return rank, np.ascontiguousarray(keys[order])
 
 
-def _relaxed_min_bottleneck(pts: _Points, io_scale: float, k: int, rel_tol: float = 1e-10,
-                            out_scale: float | None = None) -> tuple[float, float, int]:
-    """Bisection for the smallest T with a path of <= k transitions: ``(lo, hi, iterations)``.
+class _Threshold:
+    """Feasibility of thresholds T for the relaxed DP (:func:`_within_transitions`), remembering the
+    largest threshold found infeasible (``lo``) and the smallest found feasible (``hi``).
 
-    ``lo`` is a threshold proven infeasible (a valid lower bound), ``hi`` a feasible one. A block's
-    input cut is weighted by ``io_scale``, its output cut by ``out_scale`` (default: the same).
+    Feasibility is monotone in T, also in floating point: the DP's test ``key[p] >= wlo[q] + io[q] - T
+    - 1e-9 * T`` only gets easier as T grows (IEEE rounding is monotone), so every T >= ``hi`` is feasible
+    and every T <= ``lo`` infeasible without running the DP again.
+    """
+
+    def __init__(self, wlo: np.ndarray, key: np.ndarray, io_out: np.ndarray, k: int, hi: float):
+        self.wlo, self.key, self.io_out, self.k = wlo, key, io_out, int(k)
+        self.lo, self.hi, self.runs = -math.inf, hi, 0
+
+    def run(self, T: float) -> float | None:
+        """Run the DP at T: None if infeasible, else the largest transition cost of the path found."""
+        self.runs += 1
+        ok, worst = _within_transitions(self.wlo, self.key, self.io_out, self.wlo.shape[0] - 1, self.k, T, 1e-9 * T)
+        if not ok:
+            self.lo = max(self.lo, T)
+            return None
+        self.hi = min(self.hi, T)
+        return float(worst)
+
+    def feasible(self, T: float) -> bool:
+        if T >= self.hi:
+            return True
+        if T <= self.lo:
+            return False
+        return self.run(T) is not None
+
+    def narrow(self, guesses: tuple, rel_tol: float, max_runs: int = 40) -> None:
+        """Shrink ``[lo, hi]`` to ``rel_tol * hi`` with few DP runs: the ``guesses`` first, then bisection,
+        each feasible bisection step followed by a probe just below the largest cost on its path (no
+        threshold below that cost can be met by that path; when none is met, ``[lo, hi]`` closes around
+        it with a probe just above). The path's largest cost is the optimum once the bracket holds no
+        other transition cost, long before bisection alone gets there."""
+        eps = rel_tol / 16
+        below = None
+        for T in guesses:
+            if self.lo < T < self.hi:
+                below = self._below(T)
+        while self.hi - self.lo > rel_tol * self.hi and self.runs < max_runs:
+            if below is not None and self.lo < below * (1 - eps) < self.hi:
+                if self.run(below * (1 - eps)) is None and below * (1 + eps) < self.hi:
+                    self.run(below * (1 + eps))
+                below = None
+            else:
+                below = self._below(0.5 * (max(self.lo, 0.0) + self.hi))
+
+    def _below(self, T: float) -> float | None:
+        """Run the DP at T; the threshold at which the path found has its largest cost (None if none)."""
+        worst = self.run(T)
+        return worst / (1 + 1e-9) if worst is not None and worst > 0 else None
+
+
+def _relaxed_min_bottleneck(pts: _Points, io_scale: float, k: int, rel_tol: float = 1e-10,
+                            out_scale: float | None = None) -> tuple[float, float, int, int]:
+    """Bisection for the smallest T with a path of <= k transitions: ``(lo, hi, iterations, DP runs)``.
+
+    ``lo`` is a threshold proven infeasible (a valid lower bound), ``hi`` a feasible one, both those of
+    the bisection of ``[0, H]`` (H the cost of one block holding everything) halved until
+    ``hi - lo <= rel_tol * hi``. The DP runs only where its answer is not known yet
+    (:class:`_Threshold`): a bracket found first by :meth:`_Threshold.narrow` decides most bisection
+    steps, so the result is the same with a third to a half of the runs. A block's input cut is
+    weighted by ``io_scale``, its output cut by ``out_scale`` (default: the same).
     """
     io_in = pts.cut * io_scale
     io_out = io_in if out_scale is None else pts.cut * out_scale
-    rank, keys_desc = _keys(pts.whi, io_in)
     end = pts.seg.shape[0] - 1
     hi = float(pts.whi[end] - pts.wlo[0]) + float(io_in.max(initial=0.0)) + float(io_out.max(initial=0.0)) + 1e-300
+    io_max = float(io_in.max(initial=0.0)) + float(io_out.max(initial=0.0))
+    probe = _Threshold(np.ascontiguousarray(pts.wlo), pts.whi - io_in, io_out, k, hi)
+    work_per_stage = float(pts.whi[end] - pts.wlo[0]) / max(k, 1)
+    # the optimum is near the work per stage: bins undercount a block by at most 1 / BINS_PER_BLOCK of it
+    probe.narrow((work_per_stage * (1 - 2.0 / BINS_PER_BLOCK), work_per_stage * 1.02 + io_max), rel_tol)
     lo = 0.0
     it = 0
     while hi - lo > rel_tol * hi and it < 200:
         mid = 0.5 * (lo + hi)
-        f = _min_transitions(pts.wlo, pts.whi, io_out, rank, keys_desc, 0, end, mid, 1e-9 * mid)
-        if f <= k:
+        if probe.feasible(mid):
             hi = mid
         else:
             lo = mid
         it += 1
-    return lo, hi, it
+    return lo, hi, it, probe.runs
 
 
 def _exact_feasible(pts: _Points, io: np.ndarray, rank, keys_desc, seg_first, T: float):
@@ -1125,13 +1422,14 @@ def solve_chain(
     t_dec = time.perf_counter() - t0
     io_scale = (2.0 if objective == "training" else 1.0) / float(graph.bandwidth_bytes_per_s)
     pts = _points(dec, k, exact_only=False)
-    lo, hi, iters = _relaxed_min_bottleneck(pts, io_scale, k)
+    lo, hi, iters, runs = _relaxed_min_bottleneck(pts, io_scale, k)
     t_bound = time.perf_counter() - t0
     details: dict[str, Any] = {
         "decomposition": dec.summary(),
         "points": int(pts.seg.shape[0]),
         "bins": int((~pts.exact).sum()),
         "bisection_steps": iters,
+        "bisection_dp_runs": runs,
         "decompose_s": t_dec,
         "bound_s": t_bound - t_dec,
     }
@@ -1149,12 +1447,15 @@ def _chain_partition(graph, dec, k, objective, io_scale, upper, details) -> Part
     P = ex.seg.shape[0]
     if P < 2:
         return None
-    io = ex.cut * io_scale
-    rank, keys_desc = _keys(ex.wlo, io)
-    seg_first = np.zeros(dec.num_segments + 1, dtype=np.int64)
-    for j in range(dec.num_segments - 1, -1, -1):
-        idx = np.flatnonzero(ex.seg == j)
-        seg_first[j] = idx[0] if idx.size else seg_first[j + 1]
+    key = ("exact_dp", float(io_scale))
+    if key not in dec._memo:
+        io = ex.cut * io_scale
+        # first point of each segment (points are in segment order), of the next segment holding points
+        # if it holds none, 0 past the last one
+        seg_first = np.searchsorted(ex.seg, np.arange(dec.num_segments + 1), side="left").astype(np.int64)
+        seg_first[seg_first == P] = 0
+        dec._memo[key] = (io, *_keys(ex.wlo, io), seg_first)
+    io, rank, keys_desc, seg_first = dec._memo[key]
     end = P - 1
     # the exact optimum is >= the relaxed optimum: try the relaxed threshold first, then bisect upwards
     T = max(upper, 1e-300)
