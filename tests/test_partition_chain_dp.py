@@ -229,12 +229,14 @@ def test_staircase_dp_answers_as_the_fenwick_dp(params):
             assert worst <= T + 1e-9 * T + 1e-12 * max(1.0, wlo[end])
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(graphs, st.integers(1, 5), st.floats(0.3, 1.5))
-def test_exact_dp_equals_the_unpruned_one(params, k, scale):
-    """Same fewest transitions and parents at thresholds around the relaxed optimum; the first point
-    of each segment by searchsorted equals the backwards scan."""
-    g, dec = _decomposition(params)
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 10**6), st.integers(3, 12), st.sampled_from([0.15, 0.3]), st.integers(1, 5))
+def test_exact_dp_equals_the_unpruned_one(seed, n, p_edge, k):
+    """Same fewest transitions and parents at thresholds from a fifth of the work per stage upwards
+    (small thresholds need transitions inside segments); the first point of each segment by
+    searchsorted equals the backwards scan."""
+    g = _graph(seed, n, p_edge=p_edge)
+    dec = ch.decompose(g, "training")
     ex = ch._points(dec, k, exact_only=True)
     io = ex.cut * (2.0 / g.bandwidth_bytes_per_s)
     rank, keys_desc = ch._keys(ex.wlo, io)
@@ -242,10 +244,11 @@ def test_exact_dp_equals_the_unpruned_one(params, k, scale):
     got_first = np.searchsorted(ex.seg, np.arange(dec.num_segments + 1), side="left")
     got_first[got_first == ex.seg.shape[0]] = 0
     assert np.array_equal(got_first, seg_first)
-    T = scale * (float(ex.wlo[-1]) / k + 2 * float(io.max(initial=0.0))) + 1e-300
-    f, parent = ch._exact_dp(ex.seg, ex.wlo, io, ex.mask, ex.flag, rank, keys_desc, seg_first, T, 1e-9 * T)
-    f0, parent0 = _exact_dp_plain(ex.seg, ex.wlo, io, ex.mask, ex.flag, rank, keys_desc, seg_first, T, 1e-9 * T)
-    assert np.array_equal(f, f0) and np.array_equal(parent, parent0)
+    for scale in (0.2, 0.4, 0.7, 1.0, 1.5):
+        T = scale * (float(ex.wlo[-1]) / k + 2 * float(io.max(initial=0.0))) + 1e-300
+        f, parent = ch._exact_dp(ex.seg, ex.wlo, io, ex.mask, ex.flag, rank, keys_desc, seg_first, T, 1e-9 * T)
+        f0, parent0 = _exact_dp_plain(ex.seg, ex.wlo, io, ex.mask, ex.flag, rank, keys_desc, seg_first, T, 1e-9 * T)
+        assert np.array_equal(f, f0) and np.array_equal(parent, parent0)
 
 
 def _assert_decompositions_equal(got: ch.ChainDecomposition, want: ch.ChainDecomposition) -> None:
@@ -320,6 +323,19 @@ def test_layered_chain_needs_fewer_dp_runs_than_bisection_steps():
         assert res.details["bisection_dp_runs"] < res.details["bisection_steps"] * 0.75
         pts = ch._points(ch.cached_decomposition(g, "inference"), k, exact_only=False)
         assert (res.lower_bound_s, res.relaxed_value_s) == _bisection_plain(pts, 0.25, k)[:2]
+
+
+def test_staircase_step_split_keeps_the_steps_above():
+    """A point reached in one transition whose key falls between two higher steps, after a gap in
+    the levels opened below them: the staircase splits a step and moves the two steps above it; the
+    end is reached only through the highest one (f = 5)."""
+    wlo = np.arange(8, dtype=np.float64)
+    io_out = np.array([0.0, 0.0, 8.5, 8.5, 8.5, 0.0, 4.5, 6.5])
+    key = wlo - np.array([0.0, 0.0, 0.0, 0.0, 0.0, 2.5, 3.3, 0.0])  # 0, 1, 2, 3, 4, 2.5, 2.7, 7
+    rank, keys_desc = ch._keys(key, np.zeros(8))
+    for k in (4, 5, 6):
+        want = _min_transitions_plain(wlo, key, io_out, rank, keys_desc, 0, 7, 10.0, 1e-8) <= k
+        assert ch._within_transitions(wlo, key, io_out, 7, k, 10.0, 1e-8)[0] == want == (k >= 5)
 
 
 @pytest.mark.parametrize("k", [1, 2])

@@ -270,3 +270,36 @@ def test_a_seed_that_would_end_after_the_time_limit_is_not_sliced(monkeypatch):
     p = partition(g, 4, comm="relay", time_limit_s=0.9)
     validate_partition(g, p)
     assert p.meta["evaluations"] == 1 and p.meta["seeds_left"] >= 1 and p.meta["stop_reason"] == "time"
+
+
+@pytest.mark.parametrize("graph", ["path", 0, 1, 2])
+@pytest.mark.parametrize("comm,chain", [("relay", True), ("dag", False)])
+def test_best_seed_is_not_sliced_twice(monkeypatch, graph, comm, chain):
+    """The result is re-sliced on the original graph without a bound; when the best order is the seed the
+    search sliced before it had a bound, that slicing is reused: the same partition and meta, and on a
+    chain of layers (the chain seed is optimal, nothing else is sliced) one slicing instead of two."""
+    from fxpipe.partition import search as search_mod
+
+    from test_partition_chain import _path
+
+    g = _path(3, 40) if graph == "path" else random_dag(graph, 30, 0.1, ops=True)
+    real = search_mod.slice_order_arrays
+    calls = []
+
+    def counted(order, inputs, bound):
+        calls.append(bound)
+        return real(order, inputs, bound)
+
+    monkeypatch.setattr(search_mod, "slice_order_arrays", counted)
+    kw = dict(objective="training", comm=comm, method="orders", time_limit_s=0.0, chain=chain)
+    p = partition(g, 4, **kw)
+    reused = len(calls)
+    monkeypatch.setattr(search_mod._SearchState, "slicing",
+                        lambda self, order: search_mod.slice_order_arrays(order, self.inputs, math.inf))
+    calls.clear()
+    q = partition(g, 4, **kw)
+    assert np.array_equal(p.assignment, q.assignment) and p.bottleneck == q.bottleneck
+    assert {k: v for k, v in p.meta.items() if k != "seconds"} == {k: v for k, v in q.meta.items() if k != "seconds"}
+    assert reused <= len(calls)
+    if graph == "path" and chain:
+        assert p.meta["stop_reason"] == "bound" and (reused, len(calls)) == (1, 2)

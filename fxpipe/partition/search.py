@@ -413,6 +413,14 @@ class _SearchState:
         self.stop_reason = "time"
         self.extra_meta: dict = {}
         self.search_n: int | None = None
+        self._unbounded: tuple | None = None  # (order, its slicing) of the last seed sliced without a bound
+
+    def slicing(self, order: np.ndarray) -> tuple[float, np.ndarray]:
+        """``slice_order_arrays(order, self.inputs, inf)``: the slicing :meth:`decode` made of this order
+        object when it had no bound yet (the kernel is deterministic), else a new one."""
+        if self._unbounded is not None and self._unbounded[0] is order:
+            return self._unbounded[1]
+        return slice_order_arrays(order, self.inputs, math.inf)
 
     @property
     def best(self) -> float:
@@ -447,8 +455,11 @@ class _SearchState:
                 self.seeds_left += len(seeds) - i
                 self.stop_reason = "time"
                 return
-            val, _ = slice_order_arrays(o, inputs, self.best)
+            bound = self.best
+            val, cuts = slice_order_arrays(o, inputs, bound)
             last_s = time.perf_counter() - now
+            if bound == math.inf and inputs is self.inputs:
+                self._unbounded = (o, (val, cuts))
             self.evals += 1
             self.offer(float(val), o if to_original is None else to_original(o), prefix + rule)
             if self.done or self.check_interrupt():
@@ -553,7 +564,7 @@ def _finish(graph: OpGraph, k: int, objective: str, comm: str, model, st: _Searc
         st.check_interrupt()  # also a KeyboardInterrupt that ended the search's body
     best_order, best_rule = st.run.best_payload
     if math.isfinite(st.best) or not st.evals:
-        best_val_kernel, cuts = slice_order_arrays(best_order, st.inputs, math.inf)
+        best_val_kernel, cuts = st.slicing(best_order)
     else:  # no order decoded fits; the payload is the first seed, decoded first (against no best): it fits no better now
         best_val_kernel, cuts = math.inf, None
     if not math.isfinite(best_val_kernel) and chain_part is None:
