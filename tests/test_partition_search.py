@@ -303,3 +303,23 @@ def test_best_seed_is_not_sliced_twice(monkeypatch, graph, comm, chain):
     assert reused <= len(calls)
     if graph == "path" and chain:
         assert p.meta["stop_reason"] == "bound" and (reused, len(calls)) == (1, 2)
+
+
+def test_structured_orders_computed_once_per_graph(monkeypatch):
+    """Several partitions of one graph object (stage counts, memory): one computation of the structured
+    orders, the same partitions as with fresh ones, and seeds a caller may change."""
+    from fxpipe.partition import search as search_mod
+
+    g = random_dag(4, 30, 0.1, ops=True)
+    kw = dict(objective="training", comm="relay", method="orders", time_limit_s=0.0)
+    fresh = [partition(g, k, **kw) for k in (2, 3)]
+    search_mod._STRUCTURED_ORDERS.pop(g, None)
+    real, calls = search_mod.structured_orders, []
+    monkeypatch.setattr(search_mod, "structured_orders", lambda graph: calls.append(graph) or real(graph))
+    again = [partition(g, k, **kw) for k in (2, 3, 2)]
+    assert len(calls) == 1
+    for p, q in zip(fresh + fresh[:1], again):
+        assert np.array_equal(p.assignment, q.assignment) and p.meta["order"] == q.meta["order"]
+    seeds = search_mod._seed_orders(g, None, None, None)
+    seeds[0][1][:] = 0
+    assert all(np.array_equal(o, real(g)[rule]) for rule, o in search_mod._seed_orders(g, None, None, None))

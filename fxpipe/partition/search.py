@@ -390,10 +390,17 @@ def _lower_bound(graph: OpGraph, k: int, objective: str, comm: str, model, chain
     return lower, lower_method, chain_part
 
 
+#: :func:`fxpipe.partition.orders.structured_orders` per graph object (weakly keyed, as :data:`_CHAIN_SOLUTIONS`:
+#: the mesh search partitions one graph object into several stage counts under many memory models).
+_STRUCTURED_ORDERS: "weakref.WeakKeyDictionary[OpGraph, dict]" = weakref.WeakKeyDictionary()
+
+
 def _seed_orders(graph: OpGraph, chain_part, warm_order, evaluations) -> list[tuple[str, np.ndarray]]:
     """The orders decoded first, ``(rule, order)``: the warm start, the chain partition's order,
-    the structured orders; at most ``evaluations``."""
-    seeds: list[tuple[str, np.ndarray]] = list(structured_orders(graph).items())
+    the structured orders (copies of those computed once per graph object); at most ``evaluations``."""
+    if graph not in _STRUCTURED_ORDERS:
+        _STRUCTURED_ORDERS[graph] = structured_orders(graph)
+    seeds: list[tuple[str, np.ndarray]] = [(rule, o.copy()) for rule, o in _STRUCTURED_ORDERS[graph].items()]
     if chain_part is not None:
         seeds.insert(0, ("chain", _order_of_assignment(graph, chain_part.assignment)))
     if warm_order is not None:
