@@ -5,6 +5,8 @@ import math
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fxpipe.cli import main
 from fxpipe.errors import InputError
@@ -323,3 +325,29 @@ def test_structured_orders_computed_once_per_graph(monkeypatch):
     seeds = search_mod._seed_orders(g, None, None, None)
     seeds[0][1][:] = 0
     assert all(np.array_equal(o, real(g)[rule]) for rule, o in search_mod._seed_orders(g, None, None, None))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 10**6), st.integers(4, 40), st.integers(1, 8), st.sampled_from(["dag", "relay"]),
+       st.sampled_from([None, 0.6, 1.0]), st.floats(1.0, 3.0))
+def test_slicing_with_a_bound_met_is_the_unbounded_slicing(seed, n, k, comm, mem, factor):
+    """What ``decode``'s ``known`` bounds rely on: SliceGraph with any bound at or above an order's optimal
+    bottleneck returns the unbounded result, value and cuts (memory limits included)."""
+    from fxpipe.partition.memory import stage_memory_bytes
+    from fxpipe.partition.orders import kahn_order
+    from fxpipe.partition.slicegraph import kernel_inputs, slice_order_arrays
+
+    g = random_dag(seed, n, 0.2, ops=True)
+    rng = np.random.default_rng(seed)
+    capacity = None
+    if mem is not None:  # a capacity between the largest node and the whole model, scaled
+        whole = stage_memory_bytes(g, np.zeros(g.n, dtype=np.int64), 1, "training", 1e30, comm)[0]
+        capacity = mem * whole / max(1, k // 2)
+    inputs = kernel_inputs(g, k, "training", comm, capacity)
+    for order in [*structured_orders(g).values(), kahn_order(g, rng.random(g.n))]:
+        val, cuts = slice_order_arrays(order, inputs, math.inf)
+        if not math.isfinite(val):
+            continue
+        for bound in (val, val * (1 + 1e-9), val * factor):
+            got_val, got_cuts = slice_order_arrays(order, inputs, bound)
+            assert got_val == val and np.array_equal(got_cuts, cuts), (bound, val)

@@ -290,7 +290,9 @@ def partition(
                           deadline=t0 + time_limit_s if time_limit_s > 0 else math.inf)
         seeds = _seed_orders(graph, chain_part, warm_order, evaluations)
         run.best_payload = (seeds[0][1], seeds[0][0])  # decoded below even if Ctrl-C came already
-        st.decode(seeds, st.inputs)
+        # the chain partition is a slicing of its own order: that order's best slicing is no worse
+        known = {} if chain_part is None else {"chain": chain_part.bottleneck * (1 + 1e-9)}
+        st.decode(seeds, st.inputs, known=known)
         budget_left = None if evaluations is None else evaluations - st.evals
         if not st.done and not st.timed_out and (budget_left is None or budget_left > 0):
             _search_contracted(st, graph, k, objective, comm, model, method=method, time_limit_s=time_limit_s,
@@ -450,11 +452,17 @@ class _SearchState:
             self.stop_reason = "interrupted"
         return self.run.stopped
 
-    def decode(self, seeds, inputs, to_original=None, prefix: str = "") -> None:
+    def decode(self, seeds, inputs, to_original=None, prefix: str = "", known: dict | None = None) -> None:
         """Slice every seed order optimally (SliceGraph) until one is proven optimal, Ctrl-C, or the
         deadline once a partition exists (a slicing of a deep pipeline on a large graph takes seconds:
         the time limit holds for the seeds too, a seed is sliced only when the last slicing's time says it
-        ends before the deadline, and ``seeds_left`` counts the ones not decoded)."""
+        ends before the deadline, and ``seeds_left`` counts the ones not decoded).
+
+        ``known`` maps a seed's rule to a bottleneck some slicing of its order is known to meet: the
+        slicing searches below it first (the SliceGraph DP with any bound at or above the optimum
+        returns the unbounded result, value and cuts: every state on the optimal slicing's path, and
+        every candidate that ties with it, has a cost within the bound), and as before if none is found.
+        """
         last_s = 0.0
         for i, (rule, o) in enumerate(seeds):
             now = time.perf_counter()
@@ -463,7 +471,10 @@ class _SearchState:
                 self.stop_reason = "time"
                 return
             bound = self.best
-            val, cuts = slice_order_arrays(o, inputs, bound)
+            hint = (known or {}).get(rule, math.inf)
+            val, cuts = slice_order_arrays(o, inputs, min(bound, hint))
+            if hint < bound and not val < math.inf:  # not met in the kernel's arithmetic or memory
+                val, cuts = slice_order_arrays(o, inputs, bound)
             last_s = time.perf_counter() - now
             if bound == math.inf and inputs is self.inputs:
                 self._unbounded = (o, (val, cuts))
