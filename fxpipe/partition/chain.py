@@ -1082,29 +1082,50 @@ def _columns(chunks: list) -> list:
 
 def _point_layout(dec: ChainDecomposition, exact_only: bool) -> list:
     """The points of every k, in chain order: runs of points that do not depend on k (the columns of
-    :func:`_columns`) between ``(j, w_before, w_after)``, the place of segment j's work bins."""
+    :func:`_columns`) between ``(j, w_before, w_after)``, the place of segment j's work bins.
+
+    Segment by segment: the ideals of a listed segment (every one, or with ``exact_only`` the
+    prefixes of the others) sorted by ``(work, |J|)`` without ``J = {}`` after the first segment (it
+    is the previous segment's full ideal); for the others the start (first segment), the bins, the
+    full segment. Sorted all at once (a stable sort by segment, then place in it).
+    """
+    S = dec.num_segments
+    w_edges = [0.0]  # work before each segment, summed in segment order
+    for j in range(S):
+        w_edges.append(w_edges[-1] + float(dec.seg_work_s[j]))
+    listed = [j for j in range(S) if dec.masks[j] is not None and (dec.complete[j] or exact_only)]
+    others = [j for j in range(S) if not (dec.masks[j] is not None and (dec.complete[j] or exact_only))]
+    ms = np.concatenate([dec.masks[j] for j in listed]) if listed else np.zeros(0, dtype=np.int64)
+    seg = np.repeat(np.array(listed, dtype=np.int64), [dec.masks[j].shape[0] for j in listed])
+    pw = np.concatenate([dec.point_work_s[j] for j in listed]) if listed else np.zeros(0)
+    pc = np.concatenate([dec.point_cut_bytes[j] for j in listed]) if listed else np.zeros(0)
+    pf = np.concatenate([dec.point_flag[j] for j in listed]) if listed else np.zeros(0, dtype=bool)
+    order = np.lexsort((_popcount(ms), pw, seg))
+    order = order[(seg[order] == 0) | (ms[order] != 0)]
+    gates = np.array(others, dtype=np.int64)
+    w_after = np.array([w_edges[j + 1] for j in others], dtype=np.float64)
+    start = [0] if others and others[0] == 0 else []
+    cols = [
+        np.concatenate([seg[order], start, gates]).astype(np.int64),
+        np.concatenate([pw[order], [0.0] * len(start), w_after]),
+        np.concatenate([pw[order], [0.0] * len(start), w_after]),
+        np.concatenate([pc[order], [0.0] * len(start), dec.gate_cut_bytes[gates]]).astype(np.float64),
+        np.concatenate([ms[order], start, np.full(gates.shape[0], -1)]).astype(np.int64),
+        np.concatenate([pf[order], [False] * len(start), dec.inputs_entry <= gates]).astype(np.bool_),
+        np.ones(order.shape[0] + len(start) + gates.shape[0], dtype=np.bool_),
+    ]
+    place = np.concatenate([np.ones(order.shape[0]), np.zeros(len(start)), np.full(gates.shape[0], 2.0)])
+    chain = np.lexsort((place, cols[0]))
+    cols = [np.ascontiguousarray(c[chain]) for c in cols]
+    if exact_only or not others:
+        return [cols]
     layout: list = []
-    chunks: list[tuple] = []
-    w_before = 0.0
-    for j in range(dec.num_segments):
-        ms = dec.masks[j]
-        w_after = w_before + float(dec.seg_work_s[j])
-        if ms is not None and (dec.complete[j] or exact_only):
-            pw, pc, pf = dec.point_work_s[j], dec.point_cut_bytes[j], dec.point_flag[j]
-            order = np.lexsort((_popcount(ms), pw))
-            if j > 0:
-                order = order[ms[order] != 0]  # J = {} is the previous segment's full ideal
-            n = order.shape[0]
-            chunks.append((np.full(n, j), pw[order], pw[order], pc[order], ms[order], pf[order], np.ones(n, dtype=bool)))
-        else:
-            if j == 0:
-                chunks.append((0, 0.0, 0.0, 0.0, 0, False, True))
-            if not exact_only:
-                layout += [_columns(chunks), (j, w_before, w_after)]
-                chunks = []
-            chunks.append((j, w_after, w_after, float(dec.gate_cut_bytes[j]), -1, dec.inputs_entry <= j, True))
-        w_before = w_after
-    return layout + [_columns(chunks)]
+    cut = np.flatnonzero(place[chain] == 2.0)  # the full-segment point of each segment in ``others``, in order
+    prev = 0
+    for j, at in zip(others, cut.tolist()):
+        layout += [[c[prev:at] for c in cols], (j, w_edges[j], w_edges[j + 1])]
+        prev = at
+    return layout + [[c[prev:] for c in cols]]
 
 
 def _bins(dec: ChainDecomposition, j: int, w_before: float, w_after: float, k: int, width: float) -> list:
