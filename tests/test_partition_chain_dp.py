@@ -343,3 +343,29 @@ def test_single_point_chain(k):
     """A chain of one point is feasible at every threshold (no transition needed)."""
     z = np.zeros(1)
     assert ch._within_transitions(z, z, z, 0, k, 1.0, 1e-9)[0]
+
+
+@pytest.mark.parametrize("width", [30, 60])
+@pytest.mark.parametrize("max_ideals", [ch.MAX_IDEALS, 10])
+def test_points_of_a_wide_segment_keep_every_mask_bit(width, max_ideals):
+    """A segment of ``width`` parallel branches (masks up to 2**60, beyond float64's 53 bits), listed
+    in full or by its prefixes: the same points as the plain construction, for the bound and the partition."""
+    from fxpipe.ir import OpGraph
+
+    t, size, edges, ops = [0.0, 1.0], [1.0, 1.0], [(0, 1)], ["placeholder", "call_function"]
+    for i in range(width):
+        t.append(1.0 + 0.01 * i)
+        size.append(1.0)
+        ops.append("call_function")
+        edges.append((1, 2 + i))
+    join = len(t)
+    t += [0.5, 0.0]
+    size += [1.0, 0.0]
+    ops += ["call_function", "output"]
+    edges += [(2 + i, join) for i in range(width)] + [(join, join + 1)]
+    g = OpGraph.from_arrays(t_fwd_s=t, size_out_bytes=size, edges=edges, ops=ops, bandwidth_bytes_per_s=4.0)
+    dec = ch.decompose(g, "inference", max_ideals=max_ideals, max_binned=0)
+    assert max(int(m.max()) for m in dec.masks if m is not None) >= 2 ** (width - 1)
+    for k in (2, 5):
+        for exact_only in (False, True):
+            _assert_points_equal(ch._points(dec, k, exact_only=exact_only), _points_plain(dec, k, exact_only=exact_only))

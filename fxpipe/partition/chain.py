@@ -1096,7 +1096,7 @@ def _point_layout(dec: ChainDecomposition, exact_only: bool) -> list:
     listed = [j for j in range(S) if dec.masks[j] is not None and (dec.complete[j] or exact_only)]
     others = [j for j in range(S) if not (dec.masks[j] is not None and (dec.complete[j] or exact_only))]
     ms = np.concatenate([dec.masks[j] for j in listed]) if listed else np.zeros(0, dtype=np.int64)
-    seg = np.repeat(np.array(listed, dtype=np.int64), [dec.masks[j].shape[0] for j in listed])
+    seg = np.repeat(np.array(listed, dtype=np.int64), np.array([dec.masks[j].shape[0] for j in listed], dtype=np.int64))
     pw = np.concatenate([dec.point_work_s[j] for j in listed]) if listed else np.zeros(0)
     pc = np.concatenate([dec.point_cut_bytes[j] for j in listed]) if listed else np.zeros(0)
     pf = np.concatenate([dec.point_flag[j] for j in listed]) if listed else np.zeros(0, dtype=bool)
@@ -1104,17 +1104,17 @@ def _point_layout(dec: ChainDecomposition, exact_only: bool) -> list:
     order = order[(seg[order] == 0) | (ms[order] != 0)]
     gates = np.array(others, dtype=np.int64)
     w_after = np.array([w_edges[j + 1] for j in others], dtype=np.float64)
-    start = [0] if others and others[0] == 0 else []
+    ns = 1 if others and others[0] == 0 else 0  # the start point (0 or 1 of it)
     cols = [
-        np.concatenate([seg[order], start, gates]).astype(np.int64),
-        np.concatenate([pw[order], [0.0] * len(start), w_after]),
-        np.concatenate([pw[order], [0.0] * len(start), w_after]),
-        np.concatenate([pc[order], [0.0] * len(start), dec.gate_cut_bytes[gates]]).astype(np.float64),
-        np.concatenate([ms[order], start, np.full(gates.shape[0], -1)]).astype(np.int64),
-        np.concatenate([pf[order], [False] * len(start), dec.inputs_entry <= gates]).astype(np.bool_),
-        np.ones(order.shape[0] + len(start) + gates.shape[0], dtype=np.bool_),
+        np.concatenate([seg[order], np.zeros(ns, dtype=np.int64), gates]),
+        np.concatenate([pw[order], np.zeros(ns), w_after]),
+        np.concatenate([pw[order], np.zeros(ns), w_after]),
+        np.concatenate([pc[order], np.zeros(ns), np.asarray(dec.gate_cut_bytes, dtype=np.float64)[gates]]),
+        np.concatenate([ms[order], np.zeros(ns, dtype=np.int64), np.full(gates.shape[0], -1, dtype=np.int64)]),
+        np.concatenate([pf[order], np.zeros(ns, dtype=np.bool_), dec.inputs_entry <= gates]),
+        np.ones(order.shape[0] + ns + gates.shape[0], dtype=np.bool_),
     ]
-    place = np.concatenate([np.ones(order.shape[0]), np.zeros(len(start)), np.full(gates.shape[0], 2.0)])
+    place = np.concatenate([np.ones(order.shape[0]), np.zeros(ns), np.full(gates.shape[0], 2.0)])
     chain = np.lexsort((place, cols[0]))
     cols = [np.ascontiguousarray(c[chain]) for c in cols]
     if exact_only or not others:
