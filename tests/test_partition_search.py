@@ -351,3 +351,19 @@ def test_slicing_with_a_bound_met_is_the_unbounded_slicing(seed, n, k, comm, mem
         for bound in (val, val * (1 + 1e-9), val * factor):
             got_val, got_cuts = slice_order_arrays(order, inputs, bound)
             assert got_val == val and np.array_equal(got_cuts, cuts), (bound, val)
+
+
+def test_no_partition_fits_without_slicing_a_seed_twice(monkeypatch):
+    """When no seed's slicing fits the memory, every seed is sliced without a bound once and the
+    search says so (InfeasibleError) without slicing the first seed again."""
+    from fxpipe.errors import InfeasibleError
+    from fxpipe.partition import search as search_mod
+
+    g = random_dag(5, 30, 0.1, ops=True)
+    real = search_mod.slice_order_arrays
+    calls = []
+    monkeypatch.setattr(search_mod, "slice_order_arrays", lambda o, inputs, bound: calls.append(bound) or real(o, inputs, bound))
+    with pytest.raises(InfeasibleError):
+        partition(g, 2, objective="training", comm="relay", method="orders", time_limit_s=0.0, memory=1.0,
+                  chain=False, contract=False, _explain=False)
+    assert calls and all(b == math.inf for b in calls) and len(calls) == len(structured_orders(g))

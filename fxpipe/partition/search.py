@@ -422,13 +422,14 @@ class _SearchState:
         self.stop_reason = "time"
         self.extra_meta: dict = {}
         self.search_n: int | None = None
-        self._unbounded: tuple | None = None  # (order, its slicing) of the last seed sliced without a bound
+        self._unbounded: dict = {}  # id(order) -> (order, its slicing) of the seeds sliced without a bound
 
     def slicing(self, order: np.ndarray) -> tuple[float, np.ndarray]:
         """``slice_order_arrays(order, self.inputs, inf)``: the slicing :meth:`decode` made of this order
-        object when it had no bound yet (the kernel is deterministic), else a new one."""
-        if self._unbounded is not None and self._unbounded[0] is order:
-            return self._unbounded[1]
+        object while it had no bound (the kernel is deterministic), else a new one."""
+        known = self._unbounded.get(id(order))
+        if known is not None and known[0] is order:
+            return known[1]
         return slice_order_arrays(order, self.inputs, math.inf)
 
     @property
@@ -477,7 +478,7 @@ class _SearchState:
                 val, cuts = slice_order_arrays(o, inputs, bound)
             last_s = time.perf_counter() - now
             if bound == math.inf and inputs is self.inputs:
-                self._unbounded = (o, (val, cuts))
+                self._unbounded[id(o)] = (o, (val, cuts))
             self.evals += 1
             self.offer(float(val), o if to_original is None else to_original(o), prefix + rule)
             if self.done or self.check_interrupt():
