@@ -79,13 +79,22 @@ consumed after it, which cross every ideal inside it); a transition then costs a
 ``lo_q - hi_p + io(p) + io(q)``.
 
 ``chain`` lower bound: the smallest T for which a path of at most k transitions of cost <= T
-exists, found by bisection over a min-transitions DP (a Fenwick tree over the keys
-``hi_p - io(p)`` answers "the fewest transitions to any earlier point p with
-``cost(p, q) <= T``" in ``O(log P)``). It is a relaxation of the canonical problem (points
-ignore nesting inside a segment; bins and detached nodes only lower costs), so its value is
-a lower bound on the optimal bottleneck of the original graph (Lemmas D, L, S, G).
+exists, found by bisection over a min-transitions DP: the largest key ``hi_p - io(p)`` among
+the points reached in at most t transitions is non-decreasing in t, so a staircase of those
+keys over the levels ``t < k`` answers "the fewest transitions to any earlier point p with
+``cost(p, q) <= T``" by binary search (:func:`_within_transitions`). Feasibility is monotone
+in T, so a bracket found first from the DP's paths (a probe just below a feasible path's
+largest cost) decides most steps of the bisection without running the DP; the bisection's
+result is the plain one's. It is a relaxation of the canonical problem (points ignore nesting
+inside a segment; bins and detached nodes only lower costs), so its value is a lower bound on
+the optimal bottleneck of the original graph (Lemmas D, L, S, G).
 
-Chain partition: the same DP restricted to enumerated points, with inclusion checked for
+A decomposition depends on the works only through which nodes have zero work (the kinds) and
+through the works of its ideals: graphs with the same edges, ops, output sizes and zero-work
+nodes share one structure, weighed per graph (:func:`cached_decomposition`).
+
+Chain partition: the same DP (a Fenwick tree over the keys, Fenwick 1994) restricted to
+enumerated points, with inclusion checked for
 two points of one segment, blocks of positive work, and the model inputs in the first
 block. When it reaches the bound the partition is optimal; blocks are then split (without
 raising the bottleneck) until all k stages hold work.
@@ -717,7 +726,7 @@ class _Structure:
     which nodes have zero work (the kinds need no more: :func:`_classify`). ``many[j]`` holds every
     ideal of a binned segment and its cut; ``source`` the arrays it was built from (edges, ops, zero
     work, sizes, caps), compared by :func:`cached_decomposition` before it reuses the structure;
-    ``weighed`` the decompositions it gave there, the most recent last."""
+    ``weighed`` weak references to the decompositions it gave there (alive while their graphs are)."""
 
     kind: np.ndarray
     topo: np.ndarray
@@ -1006,16 +1015,18 @@ def cached_decomposition(graph: OpGraph, objective: str, *, max_ideals: int = MA
             st = _structure(graph, work, int(max_ideals), MAX_BINNED_IDEALS)
             _STRUCTURES.append(st)
             del _STRUCTURES[:-_STRUCTURES_KEPT]
-        same = next((d for d in st.weighed if np.array_equal(d.work_s, work)), None)
+        live = [d for d in (ref() for ref in st.weighed) if d is not None]
+        same = next((d for d in live if np.array_equal(d.work_s, work)), None)
         if same is None:
             dec = _weigh(st, work, objective)
             dec.seconds = time.perf_counter() - t0
-            st.weighed = [*st.weighed[-(_STRUCTURES_KEPT - 1):], dec]
+            live.append(dec)
         elif same.objective == objective:  # the same works: the same decomposition
             dec = same
         else:  # a copy naming this objective, sharing the points built for the other
             dec = copy.copy(same)
             dec.objective = objective
+        st.weighed = [weakref.ref(d) for d in live]
         per[key] = dec
     return per[key]
 
