@@ -180,11 +180,12 @@ def test_vectorised_check_matches_the_full_check(case, data):
             ops.append(o)
     assert check_schedule(problem, ops) == _check_schedule(problem, ops, 1e-9)
     # the same check on the ops' field arrays, the ops built only to word a message
-    from fxpipe.schedule.validate import _op_arrays, check_op_arrays
+    from fxpipe.schedule.validate import _op_arrays, check_op_arrays, objective_values, objective_values_of_arrays
 
     arrays = _op_arrays(ops)
     if arrays is not None:
         assert check_op_arrays(problem, arrays, lambda: list(ops)) == _check_schedule(problem, ops, 1e-9)
+        assert objective_values_of_arrays(problem, arrays) == objective_values(problem, ops)  # bit for bit
     want = []
     for s in range(problem.num_stages):
         _, mem = memory_profile(problem, ops, s)

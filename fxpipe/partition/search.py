@@ -582,10 +582,7 @@ def _finish(graph: OpGraph, k: int, objective: str, comm: str, model, st: _Searc
     if st.stop_reason != "bound":
         st.check_interrupt()  # also a KeyboardInterrupt that ended the search's body
     best_order, best_rule = st.run.best_payload
-    if math.isfinite(st.best) or not st.evals:
-        best_val_kernel, cuts = st.slicing(best_order)
-    else:  # no order decoded fits; the payload is the first seed, decoded first (against no best): it fits no better now
-        best_val_kernel, cuts = math.inf, None
+    best_val_kernel, cuts = st.slicing(best_order)  # when nothing fits, the first seed's slicing, made before any bound
     if not math.isfinite(best_val_kernel) and chain_part is None:
         if model is not None:
             if not explain:

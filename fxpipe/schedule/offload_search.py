@@ -47,7 +47,8 @@ import numpy as np
 from fxpipe.errors import InfeasibleError
 from fxpipe.ir import Schedule, ScheduledOp, ScheduleProblem
 from fxpipe.progress import Search
-from fxpipe.schedule.validate import check_op_arrays, objective_values, remember_op_arrays, require_one_stage_per_device
+from fxpipe.schedule.validate import (check_op_arrays, objective_values, objective_values_of_arrays, remember_op_arrays,
+                                      require_one_stage_per_device)
 
 __all__ = ["OffloadParams", "default_params", "offload_list_schedule", "offload_search"]
 
@@ -168,8 +169,7 @@ def _evaluate(problem: ScheduleProblem, params: OffloadParams,
     """Value and op columns (:func:`_columns`, idle offloads dropped, in ``sort_ops``' order) of one policy;
     (inf, None) if it deadlocks, is invalid or exceeds ``accept_at_most``.
 
-    The value is taken on the columns (the same IEEE operations as
-    :func:`~fxpipe.schedule.validate.objective_values` on the ops), and only a policy that would be kept
+    The value is taken on the columns (:func:`~fxpipe.schedule.validate.objective_values_of_arrays`), and only a policy that would be kept
     (value <= ``accept_at_most``) is validated, on its columns too
     (:func:`~fxpipe.schedule.validate.check_op_arrays`: the ops are built only to word a violation).
     """
@@ -177,7 +177,8 @@ def _evaluate(problem: ScheduleProblem, params: OffloadParams,
     if cols is None:
         return math.inf, None
     cols = _drop_idle_offload_columns(cols)
-    value = _objective_of_columns(problem, cols)
+    makespan, span = objective_values_of_arrays(problem, cols)
+    value = span if problem.objective == "stage_span" else makespan
     if value > accept_at_most + _EPS:
         return math.inf, None
     stage, mb, ty, start, _ = cols
@@ -186,26 +187,6 @@ def _evaluate(problem: ScheduleProblem, params: OffloadParams,
     if check_op_arrays(problem, cols, lambda: _ops_of_columns(cols)):
         return math.inf, None
     return value, cols
-
-
-def _objective_of_columns(problem: ScheduleProblem, cols: tuple[np.ndarray, ...]) -> float:
-    """The problem's objective of the ops in ``cols``: :func:`~fxpipe.schedule.validate.objective_values`
-    (makespan: latest end minus earliest start; ``stage_span``: the largest device span, its last W's end
-    minus its first F's start) on columns, one stage per device."""
-    stage, _, ty, start, end = cols
-    if not len(ty):
-        return 0.0
-    if problem.objective != "stage_span":
-        return float(end.max() - start.min())
-    dev = np.asarray(problem.device_of_stage, dtype=np.int64)[stage]
-    first_f = np.full(problem.num_devices, math.inf)
-    last_w = np.full(problem.num_devices, -math.inf)
-    f, w = ty == 0, ty == 2
-    np.minimum.at(first_f, dev[f], start[f])
-    np.maximum.at(last_w, dev[w], end[w])
-    ok = np.isfinite(first_f) & np.isfinite(last_w)
-    spans = np.where(ok, last_w - np.where(ok, first_f, 0.0), 0.0)
-    return float(max(spans.max(initial=0.0), 0.0))
 
 
 def _drop_idle_offload_columns(cols: tuple[np.ndarray, ...]) -> tuple[np.ndarray, ...]:

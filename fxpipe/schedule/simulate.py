@@ -40,7 +40,7 @@ import numpy as np
 
 from fxpipe.errors import InputError
 from fxpipe.ir import Orders, Schedule, ScheduledOp, ScheduleProblem
-from fxpipe.schedule.validate import remember_op_arrays
+from fxpipe.schedule.validate import objective_values_of_arrays, remember_op_arrays
 
 __all__ = ["simulate", "as_orders", "CopyCalendar"]
 
@@ -473,12 +473,13 @@ def _timed_schedule(problem: ScheduleProblem, recs: list, method: str, meta: Map
         recs = [(r[0] - t_min, r[1], r[2], r[3], r[4], r[5] - t_min) for r in recs]
     recs.sort()  # sort_ops' canonical order (start, stage, type, micro-batch): (stage, type, mb) are unique
     ops = tuple(_make_ops(recs))
+    makespan = stage_span = 0.0
     if recs:
         a, s, rk, j, _, e = zip(*recs)
-        remember_op_arrays(ops, (np.array(s, dtype=np.int64), np.array(j, dtype=np.int64),
-                                 np.array(rk, dtype=np.int64), np.array(a, dtype=np.float64),
-                                 np.array(e, dtype=np.float64)))
-    makespan, stage_span = _objectives(problem, recs)
+        arrays = (np.array(s, dtype=np.int64), np.array(j, dtype=np.int64), np.array(rk, dtype=np.int64),
+                  np.array(a, dtype=np.float64), np.array(e, dtype=np.float64))
+        remember_op_arrays(ops, arrays)
+        makespan, stage_span = objective_values_of_arrays(problem, arrays)
     return Schedule(
         ops=ops,
         makespan=makespan,
@@ -510,24 +511,6 @@ def _make_ops(recs) -> list[ScheduledOp]:
         put(o, "__dict__", {"stage": s, "microbatch": j, "type": t, "start_s": a, "end_s": e})
         out.append(o)
     return out
-
-
-def _objectives(problem: ScheduleProblem, recs) -> tuple[float, float]:
-    """:func:`~fxpipe.schedule.validate.objective_values` of the simulator's op records."""
-    if not recs:
-        return 0.0, 0.0
-    makespan = max(r[5] for r in recs) - min(r[0] for r in recs)
-    dev = problem.device_of_stage
-    first_f = [math.inf] * problem.num_devices
-    last_w = [-math.inf] * problem.num_devices
-    for a, s, rk, _, _, e in recs:
-        if rk == 0:
-            if a < first_f[dev[s]]:
-                first_f[dev[s]] = a
-        elif rk == 2 and e > last_w[dev[s]]:
-            last_w[dev[s]] = e
-    spans = [w - f if math.isfinite(f) and math.isfinite(w) else 0.0 for f, w in zip(first_f, last_w)]
-    return float(makespan), float(max(max(spans, default=0.0), 0.0))
 
 
 def _compute_programs(problem: ScheduleProblem, orders) -> tuple[list[list[tuple[int, str, int]]], set[tuple[int, int]]]:

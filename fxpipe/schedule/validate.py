@@ -53,6 +53,7 @@ __all__ = [
     "check_op_arrays",
     "validate_schedule",
     "objective_values",
+    "objective_values_of_arrays",
     "memory_profile",
     "device_memory_profile",
     "device_busy_s",
@@ -628,6 +629,38 @@ def objective_values(problem: ScheduleProblem, ops: Schedule | Iterable[Schedule
     makespan = max(o.end_s for o in ops) - min(o.start_s for o in ops)
     spans = device_spans(problem, ops)
     return float(makespan), float(max(spans.max(initial=0.0), 0.0))
+
+
+def objective_values_of_arrays(problem: ScheduleProblem, arrays: tuple[np.ndarray, ...]) -> tuple[float, float]:
+    """:func:`objective_values` of ops given by their field arrays (as :func:`check_op_arrays` takes them).
+
+    Parameters
+    ----------
+    problem : ScheduleProblem
+    arrays : tuple of 5 arrays, each (n,)
+        Stage (int64), micro-batch (int64), type code (int64: F 0, B 1, W 2, O 3, R 4), start and end
+        (float64) of every op.
+
+    Returns
+    -------
+    (makespan, stage_span) : tuple of float
+        The same comparisons and subtractions on the same float64 values as :func:`objective_values`, so
+        the same values bit for bit.
+    """
+    st, _, ty, t0, t1 = arrays
+    if not len(ty):
+        return 0.0, 0.0
+    makespan = float(t1.max()) - float(t0.min())
+    inside = (st >= 0) & (st < problem.num_stages)
+    dev = np.asarray(problem.device_of_stage, dtype=np.int64)[np.where(inside, st, 0)]
+    first_f = np.full(problem.num_devices, math.inf)
+    last_w = np.full(problem.num_devices, -math.inf)
+    f, w = inside & (ty == 0), inside & (ty == 2)
+    np.minimum.at(first_f, dev[f], t0[f])
+    np.maximum.at(last_w, dev[w], t1[w])
+    ok = np.isfinite(first_f) & np.isfinite(last_w)
+    spans = np.where(ok, last_w - np.where(ok, first_f, 0.0), 0.0)
+    return makespan, float(max(spans.max(initial=0.0), 0.0))
 
 
 def _profile(problem: ScheduleProblem, ops: Iterable[ScheduledOp], stages: Sequence[int],
